@@ -1,0 +1,32 @@
+"""jetson-tq: TurboQuant-compressed KV caches for LLM serving on NVIDIA Jetson and other CUDA machines.
+
+Layers, in the order data flows (nothing lower imports anything higher):
+format -> codec -> cache -> attention -> kernels -> integrations -> platform -> reports -> cli.
+"""
+
+from .attention.reference import attention_decode, attention_prefill
+from .cache.compressed import CompressedKVCache
+from .codec.codebook import lloyd_max_codebook, lloyd_max_mse
+from .codec.kv import KVCodec
+from .codec.mse import MSECode, TurboQuantMSE
+from .codec.packing import pack_bits, unpack_bits
+from .codec.prod import ProdCode, TurboQuantProd
+from .codec.rotation import Rotation, qjl_matrix
+from .codec.scores import turboquant_scores
+from .codec.values import GroupCode, GroupQuantizer
+from .config import TurboQuantConfig, load_config, preset_names
+from .errors import (ConfigError, DeviceError, DTypeError, FormatError, JetsonTQError, ShapeError,
+                     UnsupportedPlatformError)
+from .format import FP16_FORMAT, KVFormat, PagedLayout, fp16_bytes_per_token
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVFormat", "PagedLayout", "FP16_FORMAT", "fp16_bytes_per_token",
+    "lloyd_max_codebook", "lloyd_max_mse", "Rotation", "qjl_matrix", "pack_bits", "unpack_bits",
+    "TurboQuantMSE", "TurboQuantProd", "GroupQuantizer", "MSECode", "ProdCode", "GroupCode", "KVCodec",
+    "turboquant_scores", "CompressedKVCache", "attention_decode", "attention_prefill",
+    "TurboQuantConfig", "load_config", "preset_names",
+    "JetsonTQError", "FormatError", "ConfigError", "ShapeError", "DTypeError", "DeviceError",
+    "UnsupportedPlatformError", "__version__",
+]

@@ -1,0 +1,150 @@
+"""CompressedKVCache: per (sequence, KV head) compressed tokens plus an fp16/bf16 buffer of recent tokens.
+
+Storage is pre-allocated and grows geometrically (never per token):
+- ``fields[name]``: [B, H, capacity, count] for each field of the format (compressed history);
+- ``buffer_k`` / ``buffer_v``: [B, H, buffer_tokens + flush_chunk, D] in the model dtype.
+When a sequence's buffer reaches ``buffer_tokens + flush_chunk`` tokens its oldest full chunks
+are compressed; across the batch that is one ``KVCodec.encode`` call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codec.kv import Fields, KVCodec
+from ..errors import DTypeError, ShapeError, expect_float, expect_same_device
+from ..format import KVFormat
+
+_MIN_CAPACITY = 64
+
+
+class CompressedKVCache:
+    """The hybrid KV cache of one attention layer for a batch of ``batch_size`` sequences."""
+
+    def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
+                 seed: int | None = None, initial_capacity: int = _MIN_CAPACITY) -> None:
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
+        if num_kv_heads < 1 or batch_size < 1:
+            raise ShapeError(f"num_kv_heads and batch_size must be >= 1, got {num_kv_heads}, {batch_size}")
+        self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
+        self.device, self.dtype = torch.device(device), dtype
+        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
+        self.capacity = 0
+        self.fields: Fields = {}
+        self._allocate_fields(max(initial_capacity, 1))
+        buf_shape = (batch_size, num_kv_heads, fmt.buffer_capacity, head_dim)
+        self.buffer_k = torch.zeros(buf_shape, dtype=dtype, device=self.device)
+        self.buffer_v = torch.zeros(buf_shape, dtype=dtype, device=self.device)
+        self.compressed_lens = torch.zeros(batch_size, dtype=torch.int64)  # host-side bookkeeping
+        self.buffer_lens = torch.zeros(batch_size, dtype=torch.int64)
+
+    # ------------------------------------------------------------------ storage
+    def _field_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        return self.codec.raw_dtype if name.endswith("_raw") else dtype
+
+    def _allocate_fields(self, capacity: int) -> None:
+        new: Fields = {}
+        for f in self.fmt.fields(self.head_dim):
+            shape = (self.batch_size, self.num_kv_heads, capacity, f.count)
+            t = torch.zeros(shape, dtype=self._field_dtype(f.name, f.dtype), device=self.device)
+            if self.capacity:
+                t[:, :, : self.capacity] = self.fields[f.name]
+            new[f.name] = t
+        self.fields, self.capacity = new, capacity
+
+    def _reserve(self, tokens: int) -> None:
+        if tokens > self.capacity:
+            self._allocate_fields(max(tokens, 2 * self.capacity))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens held per sequence (compressed + buffered), int64 on the host."""
+        return self.compressed_lens + self.buffer_lens
+
+    def nbytes(self) -> int:
+        """Bytes of real tensor storage this cache holds (allocated, not only used)."""
+        tensors = list(self.fields.values()) + [self.buffer_k, self.buffer_v]
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    def used_bytes(self) -> int:
+        """Bytes the stored tokens occupy: compressed tokens at the format's size plus buffered tokens."""
+        per_token = self.fmt.bytes_per_token(self.head_dim) * self.num_kv_heads
+        buffered = 2 * self.head_dim * self.buffer_k.element_size() * self.num_kv_heads
+        return int(self.compressed_lens.sum()) * per_token + int(self.buffer_lens.sum()) * buffered
+
+    # ------------------------------------------------------------------ write path
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
+        expect_float("k", k)
+        expect_float("v", v)
+        expect_same_device(k=k, v=v, cache=self.buffer_k)
+        if k.shape != v.shape or k.dim() != rank or k.shape[-3] != self.num_kv_heads or k.shape[-1] != self.head_dim:
+            lead = "[B, " if rank == 4 else "["
+            raise ShapeError(f"k, v: expected {lead}{self.num_kv_heads}, T, {self.head_dim}], "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
+        """Append T tokens: k, v [B, H, T, D] for every sequence, or [H, T, D] for sequence ``seq``."""
+        if seq is None:
+            self._check_kv(k, v, 4)
+            if k.shape[0] != self.batch_size:
+                raise ShapeError(f"k: expected batch {self.batch_size}, got {k.shape[0]}")
+            self._append({b: (k[b], v[b]) for b in range(self.batch_size)})
+        else:
+            self._check_kv(k, v, 3)
+            if not 0 <= seq < self.batch_size:
+                raise ShapeError(f"seq: expected 0 <= seq < {self.batch_size}, got {seq}")
+            self._append({seq: (k, v)})
+
+    def _append(self, chunks: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Merge new tokens into buffers; compress every full chunk past the recent window in one call."""
+        keep, chunk = self.fmt.buffer_tokens, self.fmt.flush_chunk
+        flush_k, flush_v, plan = [], [], []
+        for b, (k, v) in chunks.items():
+            nb = int(self.buffer_lens[b])
+            all_k = torch.cat([self.buffer_k[b, :, :nb], k.to(self.dtype)], dim=1)
+            all_v = torch.cat([self.buffer_v[b, :, :nb], v.to(self.dtype)], dim=1)
+            total = all_k.shape[1]
+            n_flush = ((total - keep) // chunk) * chunk if total >= keep + chunk else 0
+            if n_flush:
+                flush_k.append(all_k[:, :n_flush])
+                flush_v.append(all_v[:, :n_flush])
+                plan.append((b, n_flush))
+            rest = total - n_flush
+            self.buffer_k[b, :, :rest] = all_k[:, n_flush:]
+            self.buffer_v[b, :, :rest] = all_v[:, n_flush:]
+            self.buffer_lens[b] = rest
+        if not plan:
+            return
+        self._reserve(max(int(self.compressed_lens[b]) + n for b, n in plan))
+        encoded = self.codec.encode(torch.cat(flush_k, dim=1), torch.cat(flush_v, dim=1))
+        start = 0
+        for b, n in plan:
+            c0 = int(self.compressed_lens[b])
+            for name, t in encoded.items():
+                self.fields[name][b, :, c0 : c0 + n] = t[:, start : start + n]
+            self.compressed_lens[b] = c0 + n
+            start += n
+
+    # ------------------------------------------------------------------ read helpers
+    def compressed_fields(self, upto: int | None = None) -> Fields:
+        """Views [B, H, upto, count] of the compressed fields (``upto`` defaults to the longest sequence)."""
+        n = int(self.compressed_lens.max()) if upto is None else upto
+        return {name: t[:, :, :n] for name, t in self.fields.items()}
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dequantized (K, V) float32 [B, H, max_len, D] in token order plus lengths [B] (tests, naive paths)."""
+        nc, nb = int(self.compressed_lens.max()), int(self.buffer_lens.max())
+        f = self.compressed_fields(nc)
+        total = int(self.lengths.max())
+        k = torch.zeros(self.batch_size, self.num_kv_heads, total, self.head_dim, device=self.device)
+        v = torch.zeros_like(k)
+        kc, vc = self.codec.decode_keys(f), self.codec.decode_values(f)
+        for b in range(self.batch_size):
+            c, r = int(self.compressed_lens[b]), int(self.buffer_lens[b])
+            k[b, :, :c], v[b, :, :c] = kc[b, :, :c], vc[b, :, :c]
+            k[b, :, c : c + r] = self.buffer_k[b, :, :r].float()
+            v[b, :, c : c + r] = self.buffer_v[b, :, :r].float()
+        del nb
+        return k, v, self.lengths.clone()

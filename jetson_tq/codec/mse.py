@@ -1,0 +1,66 @@
+"""TurboQuant_mse: rotate, quantize each coordinate with the Lloyd-Max codebook, keep the norm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ShapeError, expect_float, expect_last_dim
+from .codebook import codebook_boundaries, lloyd_max_codebook
+from .packing import pack_bits, unpack_bits
+from .rotation import Rotation
+
+
+@dataclass
+class MSECode:
+    """Packed TurboQuant_mse code of vectors shaped [..., dim]."""
+
+    idx: torch.Tensor  # uint8 [..., ceil(dim*bits/8)], LSB-first packed codebook indices
+    norm: torch.Tensor  # [...] norm_dtype, ||x||
+    dtype: torch.dtype  # dtype of the vectors that were quantized
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.norm.shape
+
+
+class TurboQuantMSE:
+    """b-bit TurboQuant_mse (paper Alg. 1) for vectors of any norm: x ~ ||x|| Pi^T c[idx]."""
+
+    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto",
+                 norm_dtype: torch.dtype = torch.float32) -> None:
+        self.dim, self.bits, self.norm_dtype = dim, bits, norm_dtype
+        self.codebook = lloyd_max_codebook(dim, bits)
+        self.boundaries = codebook_boundaries(self.codebook)
+        self.rotation = Rotation(dim, rotation, seed)
+
+    def _on(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return t if t.device == device else t.to(device)
+
+    def quantize_unit_rotated(self, y: torch.Tensor) -> torch.Tensor:
+        """Codebook indices (uint8, unpacked) of already-rotated unit vectors y."""
+        return torch.bucketize(y.contiguous(), self._on(self.boundaries, y.device)).to(torch.uint8)
+
+    def centroids(self, idx: torch.Tensor) -> torch.Tensor:
+        """c[idx] in float32: the rotated-space reconstruction of a unit vector."""
+        return self._on(self.codebook, idx.device)[idx.long()]
+
+    def quantize(self, x: torch.Tensor) -> MSECode:
+        expect_float("x", x)
+        expect_last_dim("x", x, self.dim)
+        xf = x.float()
+        norm = xf.norm(dim=-1)
+        y = self.rotation.apply(xf / norm.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
+        idx = self.quantize_unit_rotated(y)
+        return MSECode(idx=pack_bits(idx, self.bits), norm=norm.to(self.norm_dtype), dtype=x.dtype)
+
+    def unpack(self, code: MSECode) -> torch.Tensor:
+        """Unpacked uint8 indices [..., dim]."""
+        return unpack_bits(code.idx, self.bits, self.dim)
+
+    def dequantize(self, code: MSECode) -> torch.Tensor:
+        if code.idx.shape[:-1] != code.norm.shape:
+            raise ShapeError(f"code: idx leading shape {tuple(code.idx.shape[:-1])} != norm shape {tuple(code.norm.shape)}")
+        unit = self.rotation.invert(self.centroids(self.unpack(code)))
+        return (unit * code.norm.float().unsqueeze(-1)).to(code.dtype)

@@ -1,0 +1,60 @@
+"""Named errors: each says what was expected and what was given, so bad input never runs silently."""
+
+from __future__ import annotations
+
+
+class JetsonTQError(Exception):
+    """Base class of every error jetson-tq raises on purpose."""
+
+
+class FormatError(JetsonTQError, ValueError):
+    """A KV format is impossible (bit width, group size, head dim, mode)."""
+
+
+class ConfigError(JetsonTQError, ValueError):
+    """A YAML config has an unknown key, a bad value, or does not fit the model."""
+
+
+class ShapeError(JetsonTQError, ValueError):
+    """A tensor has the wrong rank or size."""
+
+
+class DTypeError(JetsonTQError, TypeError):
+    """A tensor has a dtype the operation does not accept."""
+
+
+class DeviceError(JetsonTQError, ValueError):
+    """Tensors that must share a device do not, or a needed device is missing."""
+
+
+class UnsupportedPlatformError(JetsonTQError, RuntimeError):
+    """The platform (GPU, JetPack, vLLM version) cannot run what was asked."""
+
+
+def expect_rank(name: str, tensor, ranks: tuple[int, ...]) -> None:
+    """Raise ShapeError unless ``tensor.dim()`` is one of ``ranks``."""
+    if tensor.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ShapeError(f"{name}: expected a {want}-d tensor, got shape {tuple(tensor.shape)}")
+
+
+def expect_last_dim(name: str, tensor, size: int) -> None:
+    """Raise ShapeError unless the last dimension of ``tensor`` is ``size``."""
+    if tensor.dim() == 0 or tensor.shape[-1] != size:
+        raise ShapeError(f"{name}: expected last dimension {size}, got shape {tuple(tensor.shape)}")
+
+
+def expect_float(name: str, tensor) -> None:
+    """Raise DTypeError unless ``tensor`` is fp32, fp16 or bf16."""
+    import torch
+
+    if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise DTypeError(f"{name}: expected float32, float16 or bfloat16, got {tensor.dtype}")
+
+
+def expect_same_device(**tensors) -> None:
+    """Raise DeviceError unless all given tensors live on one device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise DeviceError(f"tensors must share one device, got {listing}")
