@@ -1,0 +1,325 @@
+"""Fused hybrid decode: one query token per sequence over compressed pages AND the recent buffer.
+
+One program = one (sequence, KV head, split). It walks its share of the compressed tokens through
+the block table (vLLM 0.26 layout: slot = block * block_size + offset), BLOCK_N tokens per tile,
+scoring every tile for all G query heads of the KV head at once (GQA: the tile is loaded once):
+
+    score = ||k|| <Pi q, c[idx]> + sqrt(pi/2)/D ||r|| <S q, signs>      (keys never rebuilt)
+    value = code * scale + zero                                         (per group of coordinates)
+
+with (Pi q, S q) computed once per query by ``query_transform`` (scaled by softmax_scale*log2 e).
+Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
+a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
+also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
+softmax. With several splits each program writes a partial (output, log-sum-exp) and
+``_decode_reduce_kernel`` merges them. No host sync and no allocation after the first call of a
+shape (workspaces are cached), so the launcher can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..cache.paged import PagedKV
+from ..errors import DTypeError, ShapeError, expect_same_device
+from ._common import (INTERPRET, PageSpec, codec_constants, cuda_or_interpreter,
+                      next_pow2, workspace)
+from ._tiles import K_PROD, K_RAW, V_RAW, centroid, chunk_codes, mma
+from .query_transform import query_transform
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _hybrid_decode_kernel(
+        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr,
+        out_ptr, po_ptr, plse_ptr,
+        stride_qb, stride_qh, stride_bt, page_bytes,
+        stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
+        stride_ob, stride_oh, tokens_per_split, scale_log2, qjl_scale,
+        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
+        D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
+        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
+        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
+        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
+        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
+        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
+        RAW_BF16: tl.constexpr,
+        KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, VAL_GATHER: tl.constexpr,
+        INTERP: tl.constexpr):
+    pid_bh, split = tl.program_id(0), tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    clen = tl.load(clen_ptr + b)
+    rlen = tl.load(rlen_ptr + b)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    qrow = b * (HKV * G) + h * G + g  # flat query-head rows of this KV head
+
+    # ---- the transformed query, split into the chunks the packed fields are read in (loaded once)
+    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+    kc = tl.arange(0, KCWP)
+    qk = ()
+    for c in tl.static_range(KCH):
+        kcol = c * KCW + kc
+        qk = qk + (tl.load(qt_ptr + qrow[:, None] * QW + kcol[None, :],
+                           mask=gmask[:, None] & (kc[None, :] < KCW) & (kcol[None, :] < D), other=0.0
+                           ).to(RAW_T if KEY_MODE == K_RAW else tl.float16),)
+    sc = tl.arange(0, CHP)
+    qs = ()
+    if KEY_MODE == K_PROD:
+        for c in tl.static_range(8):
+            scol = c * CH + sc
+            qs = qs + (tl.load(qt_ptr + qrow[:, None] * QW + D + scol[None, :],
+                               mask=gmask[:, None] & (sc[None, :] < CH) & (scol[None, :] < D), other=0.0
+                               ).to(tl.float16),)
+    cb0 = tl.load(cb_ptr)
+    cb1 = tl.load(cb_ptr + 1)
+    cb2 = tl.load(cb_ptr + 2)
+    cb3 = tl.load(cb_ptr + 3)
+
+    vc = tl.arange(0, VCWP)
+    acc = ()
+    for c in tl.static_range(VCH):
+        acc = acc + (tl.zeros([GP, VCWP], tl.float32),)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+
+    # ---- compressed tokens [start, end) of this split, BLOCK_N per tile
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, clen)
+    head_off = h.to(tl.int64) * page_bytes
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
+        page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
+        off = n % BS
+        if KEY_MODE == K_RAW:
+            kraw = tl.load((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
+                           mask=nmask[:, None] & (kc[None, :] < D), other=0.0)
+            s = mma(qk[0], tl.trans(kraw), tl.zeros([GP, BLOCK_N], tl.float32), INTERP)
+        else:
+            rows = (page + OFF_KIDX + off * (CH * KB))[:, None]
+            kmask = nmask[:, None] & (kc[None, :] < KCW)
+            if KW1 == 0:
+                xk = tl.load(rows + kc[None, :], mask=kmask, other=0)
+            s = tl.zeros([GP, BLOCK_N], tl.float32)
+            for c in tl.static_range(KCH):
+                if KW1 == 0:
+                    code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
+                else:
+                    code = chunk_codes(rows, kc[None, :], kmask, c, CH, KCW // CH, KW0, KW1, KW2)
+                cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
+                s = mma(qk[c], tl.trans(cent), s, INTERP)
+            if NORM_F32:
+                knorm = tl.load((page + OFF_KNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
+            else:
+                knorm = tl.load((page + OFF_KNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
+                                other=0.0).to(tl.float32)
+            s = s * knorm[None, :]
+            if KEY_MODE == K_PROD:
+                srows = (page + OFF_KSGN + off * CH)[:, None]
+                xs = tl.load(srows + sc[None, :], mask=nmask[:, None] & (sc[None, :] < CH), other=0)
+                sq = tl.zeros([GP, BLOCK_N], tl.float32)
+                for c in tl.static_range(8):
+                    sgn = tl.where(((xs >> c) & 1) != 0, 1.0, -1.0).to(tl.float16)
+                    sq = mma(qs[c], tl.trans(sgn), sq, INTERP)
+                if NORM_F32:
+                    rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
+                                    other=0.0)
+                else:
+                    rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
+                                    other=0.0).to(tl.float32)
+                s = s + sq * (qjl_scale * rnorm)[None, :]
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        # values, chunk by chunk into the chunked accumulators
+        if VAL_MODE == V_RAW:
+            vraw = tl.load((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + vc[None, :],
+                           mask=nmask[:, None] & (vc[None, :] < D), other=0.0)
+            acc = (mma(p.to(RAW_T), vraw, acc[0] * alpha[:, None], INTERP),)
+        else:
+            vrows = (page + OFF_VCODES + off * (CH * VB))[:, None]
+            vmask = nmask[:, None] & (vc[None, :] < VCW)
+            srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            if VW1 == 0:
+                xv = tl.load(vrows + vc[None, :], mask=vmask, other=0)
+            p16 = p.to(tl.float16)
+            new_acc = ()
+            for c in tl.static_range(VCH):
+                if VW1 == 0:
+                    code = (xv >> (c * VW0)) & ((1 << VW0) - 1)
+                else:
+                    code = chunk_codes(vrows, vc[None, :], vmask, c, CH, VCW // CH, VW0, VW1, VW2)
+                if (GROUP % VCW == 0) and not VAL_GATHER:
+                    grp = (c * VCW) // GROUP  # the whole chunk lies in one group: per-token scale
+                    vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                    vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[:, None]
+                else:
+                    grp = tl.minimum((c * VCW + vc) // GROUP, NG - 1)
+                    vs = tl.load(srow[:, None] + grp[None, :], mask=vmask, other=0.0).to(tl.float32)
+                    vz = tl.load(zrow[:, None] + grp[None, :], mask=vmask, other=0.0).to(tl.float32)
+                v = (code.to(tl.float32) * vs + vz).to(tl.float16)
+                new_acc = new_acc + (mma(p16, v, acc[c] * alpha[:, None], INTERP),)
+            acc = new_acc
+
+    # ---- the recent (uncompressed) buffer, on the last split only
+    if split == SPLITS - 1:
+        ridx = tl.load(ridx_ptr + b).to(tl.int64)
+        d = tl.arange(0, DP)
+        qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None].to(tl.int64) * stride_qh + d[None, :],
+                     mask=gmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
+        rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
+        rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
+        for t0 in range(0, rlen, BLOCK_R):
+            t = t0 + tl.arange(0, BLOCK_R)
+            tmask = t < rlen
+            k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
+                        mask=tmask[:, None] & (d[None, :] < D), other=0.0)
+            s = mma(qb.to(k.dtype), tl.trans(k), tl.zeros([GP, BLOCK_R], tl.float32), INTERP)
+            s = tl.where(tmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            new_acc = ()
+            for c in tl.static_range(VCH):
+                rcol = c * VCW + vc
+                v = tl.load(rv_base + t[:, None].to(tl.int64) * stride_rvt + rcol[None, :],
+                            mask=tmask[:, None] & (vc[None, :] < VCW) & (rcol[None, :] < D), other=0.0)
+                new_acc = new_acc + (mma(p.to(v.dtype), v, acc[c] * alpha[:, None], INTERP),)
+            acc = new_acc
+
+    # ---- write the output (one split) or this split's partial (output, log2-sum-exp)
+    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    for c in tl.static_range(VCH):
+        col = c * VCW + vc
+        omask = gmask[:, None] & (vc[None, :] < VCW) & (col[None, :] < D)
+        o = acc[c] * inv[:, None]
+        if SPLITS == 1:
+            optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[:, None].to(tl.int64) * stride_oh + col[None, :]
+            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            prow = qrow.to(tl.int64) * SPLITS + split
+            tl.store(po_ptr + prow[:, None] * D + col[None, :], o, mask=omask)
+    if SPLITS > 1:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(plse_ptr + qrow.to(tl.int64) * SPLITS + split, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
+                          HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                          SPLITS: tl.constexpr, SP: tl.constexpr):
+    # One program per (sequence, query head): merge SPLITS partial outputs by their log-sum-exp.
+    row = tl.program_id(0)
+    b = row // HQ
+    hq = row % HQ
+    s = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    lse = tl.load(plse_ptr + row.to(tl.int64) * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)
+    o = tl.load(po_ptr + (row.to(tl.int64) * SPLITS + s)[:, None] * D + d[None, :],
+                mask=(s[:, None] < SPLITS) & (d[None, :] < D) & (lse[:, None] > float("-inf")), other=0.0)
+    tot = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + d,
+             res.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+# ------------------------------------------------------------------------------------ launcher
+BLOCK_N = 64
+BLOCK_R = 64
+
+
+def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N) -> int:
+    """Splits per sequence so that B * Hkv * splits programs fill the GPU about twice (host-side only)."""
+    tiles = max(1, -(-capacity // block_n))
+    want = max(1, -(-2 * num_sms // max(1, batch * num_kv_heads)))
+    return max(1, min(tiles, want, 256))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
+                  out: torch.Tensor | None = None, num_splits: int | None = None,
+                  block_n: int = BLOCK_N, val_gather: bool = False, num_warps: int = 4,
+                  num_stages: int = 2) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
+
+    Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
+    gets zeros instead of an error, so padded CUDA-graph batches are safe).
+    """
+    cuda_or_interpreter(q)
+    expect_same_device(q=q, pages=kv.pages)
+    if q.dim() != 3:
+        raise ShapeError(f"q: expected [B, Hq, D], got {tuple(q.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise DTypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
+    bsz, hq, d = q.shape
+    hkv = kv.num_kv_heads
+    if d != kv.head_dim or bsz != kv.batch_size or hq % hkv:
+        raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    spec = PageSpec.of(kv.layout, kv.codec)
+    consts = codec_constants(kv.codec, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qt = query_transform(q, consts["qmat"], scale * LOG2E)
+    g = hq // hkv
+    capacity = kv.block_table.shape[1] * spec.BS
+    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n)
+    tokens_per_split = -(-max(capacity, 1) // splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    splits = max(1, -(-max(capacity, 1) // tokens_per_split))
+    if out is None:
+        out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
+        plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
+    else:
+        po = plse = out
+    rk, rv = kv.recent_k, kv.recent_v
+    if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at q, never read (recent_lens are 0)
+        rk = rv = q.unsqueeze(2)
+    kcwp = max(16, next_pow2(spec.KCW))
+    vcwp = max(16, next_pow2(spec.VCW))
+    chp = max(16, next_pow2(spec.CH))
+    _hybrid_decode_kernel[(bsz * hkv, splits)](
+        qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
+        consts["codebook"], out, po, plse,
+        q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
+        rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
+        out.stride(0), out.stride(1), tokens_per_split, scale * LOG2E, kv.codec.qjl_scale,
+        HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec.constexprs(),
+        KCWP=kcwp, CHP=chp, VCWP=vcwp, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SPLITS=splits,
+        VAL_GATHER=val_gather, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
+                                           DP=next_pow2(d), SPLITS=splits, SP=next_pow2(splits), num_warps=4)
+    return out
+
+
+def hybrid_decode_reference(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None) -> torch.Tensor:
+    """PyTorch reference (the contract): ``attention.reference.paged_attention_decode``."""
+    from ..attention.reference import paged_attention_decode
+
+    return paged_attention_decode(q, kv, softmax_scale)
