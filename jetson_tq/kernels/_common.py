@@ -162,11 +162,43 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
         if cb is None:
             cb = torch.zeros(2)
         cb = cb.float()
+        out["kfit"] = _linear_codebook_fit(cb)
+        out["write_mats"] = _write_matrices(codec, device)
         out["bounds"] = (0.5 * (cb[1:] + cb[:-1]) if cb.numel() > 1 else torch.zeros(1)).contiguous().to(device)
         # at least 4 entries: kernels read c0..c3 unconditionally for their 1-2 bit select paths
         out["codebook"] = torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous().to(device)
         _CONSTANTS[key] = out
     return _CONSTANTS[key]
+
+
+def _split16(m: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (hi, lo) with hi + lo = m to ~22 bits (m in float64)."""
+    hi = m.to(torch.float16)
+    lo = (m - hi.double()).to(torch.float16)
+    return hi.contiguous().to(device), lo.contiguous().to(device)
+
+
+def _write_matrices(codec: KVCodec, device) -> tuple[torch.Tensor, ...]:
+    """(Pi_hi, Pi_lo, S_hi, S_lo, W_hi, W_lo) in fp16 for the write kernel, W = S Pi^T (sketch of the residual = S u - W c)."""
+    d = codec.head_dim
+    pi = codec.key_rotation.matrix64() if codec.keys is not None else torch.eye(d, dtype=torch.float64)
+    sketch = getattr(codec.keys, "sketch_matrix", None)
+    s = sketch("cpu", torch.float64) if sketch else torch.zeros(d, d, dtype=torch.float64)
+    return (*_split16(pi, device), *_split16(s, device), *_split16(s @ pi.T, device))
+
+
+def _linear_codebook_fit(cb: torch.Tensor) -> tuple[float, float, float] | None:
+    """(alpha, beta, gamma) with c[k] = alpha + beta*k + gamma*(k >> 1) exactly, for 2- and 4-entry codebooks.
+
+    A 4-entry codebook fits when c3 - c2 - c1 + c0 = 0, which every symmetric (Lloyd-Max) one does;
+    kernels then score <q, c[idx]> as two dots with bit planes instead of a per-element lookup.
+    """
+    c = [float(x) for x in cb]
+    if len(c) == 2:
+        return c[0], c[1] - c[0], 0.0
+    if len(c) == 4 and abs(c[3] - c[2] - c[1] + c[0]) <= 1e-6 * max(abs(x) for x in c):
+        return c[0], c[1] - c[0], c[2] + c[0] - 2 * c[1]
+    return None
 
 
 def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,13 @@
-"""Triton device helpers shared by the attention kernels: read one tile of a planar packed field.
+"""Triton device helpers shared by the attention kernels: read and expand tiles of planar packed fields.
 
 A planar run of ``w``-bit sub-fields holds coordinate ``j`` in byte ``j % (CH*w)`` at bits
 ``(j // (CH*w)) * w`` (``format.py``). A *chunk* is the coordinate range [c*CW, (c+1)*CW) with
 CW = CH * (smallest sub-field width): inside every run it is one contiguous byte range and one
-shift, so a (tokens, chunk) tile of codes is a load, a shift and a mask — no byte shuffles.
+shift, so a tile of codes is a load, a shift and a mask — no byte shuffles.
+
+``magic16`` turns masked bits into fp16 without an int->float conversion: OR-ing the exponent of
+1024.0 (0x6400) into a value v < 1024 gives the fp16 number 1024 + v exactly; kernels either
+subtract 1024 (exact) or fold the constant into per-row offsets.
 """
 
 import triton
@@ -20,21 +24,21 @@ V_GROUP = tl.constexpr(VAL_GROUP)
 
 
 @triton.jit
-def plane_bits(run_rows, cols, mask, J0: tl.constexpr, CH: tl.constexpr, W: tl.constexpr):
-    """Bits of chunk-start ``J0 = c * WMIN`` from a ``W``-bit run; ``run_rows`` [N, 1] byte pointers."""
-    x = tl.load(run_rows + (J0 % W) * CH + cols, mask=mask, other=0)
+def plane_bits(run_ptrs, mask, J0: tl.constexpr, CH: tl.constexpr, W: tl.constexpr):
+    """Bits of chunk-start ``J0 = c * WMIN`` from a ``W``-bit run; ``run_ptrs`` are the chunk's byte pointers."""
+    x = tl.load(run_ptrs + (J0 % W) * CH, mask=mask, other=0)
     return (x >> ((J0 // W) * W)) & ((1 << W) - 1)
 
 
 @triton.jit
-def chunk_codes(rows, cols, mask, C: tl.constexpr, CH: tl.constexpr, WMIN: tl.constexpr,
+def chunk_codes(ptrs, mask, C: tl.constexpr, CH: tl.constexpr, WMIN: tl.constexpr,
                 W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
     """Codes (uint8) of chunk ``C`` of a field stored as up to three planar runs (widths W0, W1, W2)."""
-    code = plane_bits(rows, cols, mask, C * WMIN, CH, W0)
+    code = plane_bits(ptrs, mask, C * WMIN, CH, W0)
     if W1 > 0:
-        code = code | (plane_bits(rows + CH * W0, cols, mask, C * WMIN, CH, W1) << W0)
+        code = code | (plane_bits(ptrs + CH * W0, mask, C * WMIN, CH, W1) << W0)
     if W2 > 0:
-        code = code | (plane_bits(rows + CH * (W0 + W1), cols, mask, C * WMIN, CH, W2) << (W0 + W1))
+        code = code | (plane_bits(ptrs + CH * (W0 + W1), mask, C * WMIN, CH, W2) << (W0 + W1))
     return code
 
 
@@ -48,6 +52,12 @@ def centroid(code, cb_ptr, c0, c1, c2, c3, KB: tl.constexpr):
     else:
         val = tl.load(cb_ptr + code.to(tl.int32))
     return val
+
+
+@triton.jit
+def magic16(bits):
+    """fp16 value 1024 + bits for masked uint8 ``bits`` (< 256): one OR, no conversion instruction."""
+    return (bits.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit

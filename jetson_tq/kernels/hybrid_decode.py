@@ -26,9 +26,9 @@ import triton.language as tl
 
 from ..cache.paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import (INTERPRET, PageSpec, codec_constants, cuda_or_interpreter,
+from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
                       next_pow2, workspace)
-from ._tiles import K_PROD, K_RAW, V_RAW, centroid, chunk_codes, mma
+from ._tiles import K_PROD, K_RAW, V_RAW, centroid, chunk_codes, magic16, mma
 from .query_transform import query_transform
 
 LOG2E = 1.4426950408889634
@@ -40,7 +40,7 @@ def _hybrid_decode_kernel(
         out_ptr, po_ptr, plse_ptr,
         stride_qb, stride_qh, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, tokens_per_split, scale_log2, qjl_scale,
+        stride_ob, stride_oh, tokens_per_split, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -50,9 +50,11 @@ def _hybrid_decode_kernel(
         VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
-        KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, VAL_GATHER: tl.constexpr,
-        INTERP: tl.constexpr):
+        KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
+        FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, INTERP: tl.constexpr):
+    # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
+    # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
@@ -61,33 +63,51 @@ def _hybrid_decode_kernel(
     g = tl.arange(0, GP)
     gmask = g < G
     qrow = b * (HKV * G) + h * G + g  # flat query-head rows of this KV head
-
-    # ---- the transformed query, split into the chunks the packed fields are read in (loaded once)
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+    KDOT_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
+
+    # ---- the transformed query as fp16 B operands [chunk, GP], one (or two) per chunk, loaded once;
+    # koff collects the constants the magic-number planes add (from the rounded operands, so they cancel)
     kc = tl.arange(0, KCWP)
+    koff = tl.zeros([GP], tl.float32)
     qk = ()
+    qh = ()
     for c in tl.static_range(KCH):
         kcol = c * KCW + kc
-        qk = qk + (tl.load(qt_ptr + qrow[:, None] * QW + kcol[None, :],
-                           mask=gmask[:, None] & (kc[None, :] < KCW) & (kcol[None, :] < D), other=0.0
-                           ).to(RAW_T if KEY_MODE == K_RAW else tl.float16),)
+        qc = tl.load(qt_ptr + qrow[None, :] * QW + kcol[:, None],
+                     mask=gmask[None, :] & (kc[:, None] < KCW) & (kcol[:, None] < D), other=0.0)
+        if FAST_K and KB == 2:
+            qa = (qc * (k_beta / (1 << (2 * c)))).to(tl.float16)
+            qb2 = (qc * (k_gamma / (2 << (2 * c)))).to(tl.float16)
+            koff += 1024.0 * (tl.sum(qa.to(tl.float32), 0) + tl.sum(qb2.to(tl.float32), 0)) - k_alpha * tl.sum(qc, 0)
+            qk = qk + (qa,)
+            qh = qh + (qb2,)
+        elif FAST_K and KB == 1:
+            qa = (qc * (k_beta / (1 << c))).to(tl.float16)
+            koff += 1024.0 * tl.sum(qa.to(tl.float32), 0) - k_alpha * tl.sum(qc, 0)
+            qk = qk + (qa,)
+        else:
+            qk = qk + (qc.to(KDOT_T),)
     sc = tl.arange(0, CHP)
     qs = ()
+    soff = tl.zeros([GP], tl.float32)
     if KEY_MODE == K_PROD:
         for c in tl.static_range(8):
             scol = c * CH + sc
-            qs = qs + (tl.load(qt_ptr + qrow[:, None] * QW + D + scol[None, :],
-                               mask=gmask[:, None] & (sc[None, :] < CH) & (scol[None, :] < D), other=0.0
-                               ).to(tl.float16),)
+            qsc = tl.load(qt_ptr + qrow[None, :] * QW + D + scol[:, None],
+                          mask=gmask[None, :] & (sc[:, None] < CH) & (scol[:, None] < D), other=0.0)
+            qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
+            soff += 1024.0 * tl.sum(qsa.to(tl.float32), 0) + tl.sum(qsc, 0)
+            qs = qs + (qsa,)
     cb0 = tl.load(cb_ptr)
     cb1 = tl.load(cb_ptr + 1)
     cb2 = tl.load(cb_ptr + 2)
     cb3 = tl.load(cb_ptr + 3)
 
-    vc = tl.arange(0, VCWP)
+    vu = tl.arange(0, VSUBP)
     acc = ()
-    for c in tl.static_range(VCH):
-        acc = acc + (tl.zeros([GP, VCWP], tl.float32),)
+    for i in tl.static_range(VCH * VSC):
+        acc = acc + (tl.zeros([VSUBP, GP], tl.float32),)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
 
@@ -101,86 +121,105 @@ def _hybrid_decode_kernel(
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
         page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
         off = n % BS
+        # scores of this tile, [N, GP]
         if KEY_MODE == K_RAW:
             kraw = tl.load((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
                            mask=nmask[:, None] & (kc[None, :] < D), other=0.0)
-            s = mma(qk[0], tl.trans(kraw), tl.zeros([GP, BLOCK_N], tl.float32), INTERP)
+            s = mma(kraw, qk[0], tl.zeros([BLOCK_N, GP], tl.float32), INTERP)
         else:
-            rows = (page + OFF_KIDX + off * (CH * KB))[:, None]
+            kptr = (page + OFF_KIDX + off * (CH * KB))[:, None] + kc[None, :]
             kmask = nmask[:, None] & (kc[None, :] < KCW)
             if KW1 == 0:
-                xk = tl.load(rows + kc[None, :], mask=kmask, other=0)
-            s = tl.zeros([GP, BLOCK_N], tl.float32)
+                xk = tl.load(kptr, mask=kmask, other=0)
+            s = tl.zeros([BLOCK_N, GP], tl.float32)
             for c in tl.static_range(KCH):
-                if KW1 == 0:
-                    code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
+                if FAST_K and KB == 2:
+                    s = mma(magic16(xk & (3 << (2 * c))), qk[c], s, INTERP)
+                    s = mma(magic16(xk & (2 << (2 * c))), qh[c], s, INTERP)
+                elif FAST_K and KB == 1:
+                    s = mma(magic16(xk & (1 << c)), qk[c], s, INTERP)
                 else:
-                    code = chunk_codes(rows, kc[None, :], kmask, c, CH, KCW // CH, KW0, KW1, KW2)
-                cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
-                s = mma(qk[c], tl.trans(cent), s, INTERP)
+                    if KW1 == 0:
+                        code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
+                    else:
+                        code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
+                    cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
+                    s = mma(cent, qk[c], s, INTERP)
+            if FAST_K:
+                s = s - koff[None, :]
             if NORM_F32:
                 knorm = tl.load((page + OFF_KNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
             else:
                 knorm = tl.load((page + OFF_KNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
                                 other=0.0).to(tl.float32)
-            s = s * knorm[None, :]
+            s = s * knorm[:, None]
             if KEY_MODE == K_PROD:
-                srows = (page + OFF_KSGN + off * CH)[:, None]
-                xs = tl.load(srows + sc[None, :], mask=nmask[:, None] & (sc[None, :] < CH), other=0)
-                sq = tl.zeros([GP, BLOCK_N], tl.float32)
+                xs = tl.load((page + OFF_KSGN + off * CH)[:, None] + sc[None, :],
+                             mask=nmask[:, None] & (sc[None, :] < CH), other=0)
+                sq = tl.zeros([BLOCK_N, GP], tl.float32)
                 for c in tl.static_range(8):
-                    sgn = tl.where(((xs >> c) & 1) != 0, 1.0, -1.0).to(tl.float16)
-                    sq = mma(qs[c], tl.trans(sgn), sq, INTERP)
+                    sq = mma(magic16(xs & (1 << c)), qs[c], sq, INTERP)
                 if NORM_F32:
                     rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
                                     other=0.0)
                 else:
                     rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
                                     other=0.0).to(tl.float32)
-                s = s + sq * (qjl_scale * rnorm)[None, :]
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+                s = s + (sq - soff[None, :]) * (qjl_scale * rnorm)[:, None]
+        s = tl.where(nmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
-        # values, chunk by chunk into the chunked accumulators
+        # values: v^T tiles [coords, N] (loaded transposed: bytes of one token are a column)
         if VAL_MODE == V_RAW:
-            vraw = tl.load((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + vc[None, :],
-                           mask=nmask[:, None] & (vc[None, :] < D), other=0.0)
-            acc = (mma(p.to(RAW_T), vraw, acc[0] * alpha[:, None], INTERP),)
+            vraw = tl.load((page + OFF_VRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
+                           mask=nmask[None, :] & (vu[:, None] < D), other=0.0)
+            acc = (mma(vraw, p.to(RAW_T), acc[0] * alpha[None, :], INTERP),)
         else:
-            vrows = (page + OFF_VCODES + off * (CH * VB))[:, None]
-            vmask = nmask[:, None] & (vc[None, :] < VCW)
+            p16 = p.to(tl.float16)
+            vrow = page + OFF_VCODES + off * (CH * VB)
             srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
             zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            xvs = ()
             if VW1 == 0:
-                xv = tl.load(vrows + vc[None, :], mask=vmask, other=0)
-            p16 = p.to(tl.float16)
+                for j in tl.static_range(VSC):
+                    xvs = xvs + (tl.load(vrow[None, :] + (j * VSUB + vu)[:, None],
+                                         mask=nmask[None, :] & (vu[:, None] < VSUB), other=0),)
             new_acc = ()
             for c in tl.static_range(VCH):
-                if VW1 == 0:
-                    code = (xv >> (c * VW0)) & ((1 << VW0) - 1)
-                else:
-                    code = chunk_codes(vrows, vc[None, :], vmask, c, CH, VCW // CH, VW0, VW1, VW2)
-                if (GROUP % VCW == 0) and not VAL_GATHER:
-                    grp = (c * VCW) // GROUP  # the whole chunk lies in one group: per-token scale
-                    vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                    vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                else:
-                    grp = tl.minimum((c * VCW + vc) // GROUP, NG - 1)
-                    vs = tl.load(srow[:, None] + grp[None, :], mask=vmask, other=0.0).to(tl.float32)
-                    vz = tl.load(zrow[:, None] + grp[None, :], mask=vmask, other=0.0).to(tl.float32)
-                v = (code.to(tl.float32) * vs + vz).to(tl.float16)
-                new_acc = new_acc + (mma(p16, v, acc[c] * alpha[:, None], INTERP),)
+                for j in tl.static_range(VSC):
+                    vptr = vrow[None, :] + (j * VSUB + vu)[:, None]
+                    vmask = nmask[None, :] & (vu[:, None] < VSUB)
+                    if FAST_V:
+                        grp = (c * VCW + j * VSUB) // GROUP  # the sub-chunk lies in one group: per-token scale
+                        vs = tl.load(srow + grp, mask=nmask, other=0.0)[None, :]
+                        vz = tl.load(zrow + grp, mask=nmask, other=0.0)[None, :]
+                        v = (magic16(xvs[j] & (((1 << VB) - 1) << (c * VB))) - 1024.0) * (vs * (1.0 / (1 << (c * VB)))) + vz
+                    else:
+                        if VW1 == 0:
+                            code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
+                        else:
+                            code = chunk_codes(vptr, vmask, c, CH, VCW // CH, VW0, VW1, VW2)
+                        if (GROUP % VSUB == 0) and not VAL_GATHER:
+                            grp = (c * VCW + j * VSUB) // GROUP
+                            vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                            vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                        else:
+                            grp = tl.minimum((c * VCW + j * VSUB + vu) // GROUP, NG - 1)
+                            vs = tl.load(srow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
+                            vz = tl.load(zrow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
+                        v = (code.to(tl.float32) * vs + vz).to(tl.float16)
+                    new_acc = new_acc + (mma(v, p16, acc[c * VSC + j] * alpha[None, :], INTERP),)
             acc = new_acc
 
     # ---- the recent (uncompressed) buffer, on the last split only
     if split == SPLITS - 1:
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
         d = tl.arange(0, DP)
-        qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None].to(tl.int64) * stride_qh + d[None, :],
-                     mask=gmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
+        qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
+                     mask=gmask[None, :] & (d[:, None] < D), other=0.0).to(tl.float32) * scale_log2
         rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
         rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
         for t0 in range(0, rlen, BLOCK_R):
@@ -188,33 +227,35 @@ def _hybrid_decode_kernel(
             tmask = t < rlen
             k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
                         mask=tmask[:, None] & (d[None, :] < D), other=0.0)
-            s = mma(qb.to(k.dtype), tl.trans(k), tl.zeros([GP, BLOCK_R], tl.float32), INTERP)
-            s = tl.where(tmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
+            s = tl.where(tmask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
             new_acc = ()
             for c in tl.static_range(VCH):
-                rcol = c * VCW + vc
-                v = tl.load(rv_base + t[:, None].to(tl.int64) * stride_rvt + rcol[None, :],
-                            mask=tmask[:, None] & (vc[None, :] < VCW) & (rcol[None, :] < D), other=0.0)
-                new_acc = new_acc + (mma(p.to(v.dtype), v, acc[c] * alpha[:, None], INTERP),)
+                for j in tl.static_range(VSC):
+                    rcol = c * VCW + j * VSUB + vu
+                    v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
+                                mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
+                    new_acc = new_acc + (mma(v, p.to(v.dtype), acc[c * VSC + j] * alpha[None, :], INTERP),)
             acc = new_acc
 
     # ---- write the output (one split) or this split's partial (output, log2-sum-exp)
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     for c in tl.static_range(VCH):
-        col = c * VCW + vc
-        omask = gmask[:, None] & (vc[None, :] < VCW) & (col[None, :] < D)
-        o = acc[c] * inv[:, None]
-        if SPLITS == 1:
-            optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[:, None].to(tl.int64) * stride_oh + col[None, :]
-            tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
-        else:
-            prow = qrow.to(tl.int64) * SPLITS + split
-            tl.store(po_ptr + prow[:, None] * D + col[None, :], o, mask=omask)
+        for j in tl.static_range(VSC):
+            col = c * VCW + j * VSUB + vu
+            omask = gmask[None, :] & (vu[:, None] < VSUB) & (col[:, None] < D)
+            o = acc[c * VSC + j] * inv[None, :]
+            if SPLITS == 1:
+                optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
+                tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
+            else:
+                prow = qrow.to(tl.int64) * SPLITS + split
+                tl.store(po_ptr + prow[None, :] * D + col[:, None], o, mask=omask)
     if SPLITS > 1:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(plse_ptr + qrow.to(tl.int64) * SPLITS + split, lse, mask=gmask)
@@ -244,6 +285,13 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
 # ------------------------------------------------------------------------------------ launcher
 BLOCK_N = 64
 BLOCK_R = 64
+
+
+def value_subchunks(spec: PageSpec) -> tuple[int, int]:
+    """(coordinates per value sub-chunk, sub-chunks per chunk): a chunk is cut at value-group edges when it spans several."""
+    if spec.VAL_MODE == VAL_GROUP and spec.VCW % spec.GROUP == 0 and spec.GROUP < spec.VCW:
+        return spec.GROUP, spec.VCW // spec.GROUP
+    return spec.VCW, 1
 
 
 def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N) -> int:
@@ -301,17 +349,21 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at q, never read (recent_lens are 0)
         rk = rv = q.unsqueeze(2)
     kcwp = max(16, next_pow2(spec.KCW))
-    vcwp = max(16, next_pow2(spec.VCW))
     chp = max(16, next_pow2(spec.CH))
+    vsub, vsc = value_subchunks(spec)
+    fast_k = spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2) and consts["kfit"] is not None
+    fast_v = (spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0 and not val_gather)
+    ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     _hybrid_decode_kernel[(bsz * hkv, splits)](
         qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
         consts["codebook"], out, po, plse,
         q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), tokens_per_split, scale * LOG2E, kv.codec.qjl_scale,
+        out.stride(0), out.stride(1), tokens_per_split, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg,
         HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec.constexprs(),
-        KCWP=kcwp, CHP=chp, VCWP=vcwp, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SPLITS=splits,
-        VAL_GATHER=val_gather, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, FAST_K=fast_k, FAST_V=fast_v,
+        VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SPLITS=splits, INTERP=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
                                            DP=next_pow2(d), SPLITS=splits, SP=next_pow2(splits), num_warps=4)
