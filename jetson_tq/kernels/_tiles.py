@@ -5,9 +5,10 @@ A planar run of ``w``-bit sub-fields holds coordinate ``j`` in byte ``j % (CH*w)
 CW = CH * (smallest sub-field width): inside every run it is one contiguous byte range and one
 shift, so a tile of codes is a load, a shift and a mask — no byte shuffles.
 
-``magic16`` turns masked bits into fp16 without an int->float conversion: OR-ing the exponent of
-1024.0 (0x6400) into a value v < 1024 gives the fp16 number 1024 + v exactly; kernels either
-subtract 1024 (exact) or fold the constant into per-row offsets.
+``subnormal16`` turns masked bits into fp16 with no conversion instruction at all: a 16-bit
+pattern whose exponent bits are zero is the fp16 subnormal ``bits * 2**-24``. Tensor cores multiply
+fp16 subnormals exactly (products and sums land in fp32, far from its own subnormal range), so a
+kernel masks a plane in place, feeds it to ``tl.dot`` and scales the fp32 result by 2**24 once.
 """
 
 import triton
@@ -54,10 +55,13 @@ def centroid(code, cb_ptr, c0, c1, c2, c3, KB: tl.constexpr):
     return val
 
 
+TWO24 = tl.constexpr(16777216.0)
+
+
 @triton.jit
-def magic16(bits):
-    """fp16 value 1024 + bits for masked uint8 ``bits`` (< 256): one OR, no conversion instruction."""
-    return (bits.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+def subnormal16(bits):
+    """fp16 value bits * 2**-24 of masked uint8 ``bits``: a zero-extension and a bitcast, no arithmetic."""
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
 
 
 @triton.jit

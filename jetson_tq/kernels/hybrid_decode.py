@@ -28,7 +28,7 @@ from ..cache.paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
                       next_pow2, workspace)
-from ._tiles import K_PROD, K_RAW, V_RAW, centroid, chunk_codes, magic16, mma
+from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, mma, subnormal16
 from .query_transform import query_transform
 
 LOG2E = 1.4426950408889634
@@ -51,7 +51,7 @@ def _hybrid_decode_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
-        FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr,
+        NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
     # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
@@ -66,10 +66,11 @@ def _hybrid_decode_kernel(
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
     KDOT_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
 
-    # ---- the transformed query as fp16 B operands [chunk, GP], one (or two) per chunk, loaded once;
-    # koff collects the constants the magic-number planes add (from the rounded operands, so they cancel)
+    # ---- the transformed query as fp16 B operands [chunk, GP], one (or two) per chunk, loaded once.
+    # Fast path: <q, c[idx]> = alpha sum(q) + beta <q, k> + gamma <q, k >> 1> with k and its high bit
+    # read as fp16 subnormal planes (bits * 4^c * 2^-24); the 4^-c goes into the query operand.
     kc = tl.arange(0, KCWP)
-    koff = tl.zeros([GP], tl.float32)
+    kadd = tl.zeros([GP], tl.float32)
     qk = ()
     qh = ()
     for c in tl.static_range(KCH):
@@ -79,25 +80,25 @@ def _hybrid_decode_kernel(
         if FAST_K and KB == 2:
             qa = (qc * (k_beta / (1 << (2 * c)))).to(tl.float16)
             qb2 = (qc * (k_gamma / (2 << (2 * c)))).to(tl.float16)
-            koff += 1024.0 * (tl.sum(qa.to(tl.float32), 0) + tl.sum(qb2.to(tl.float32), 0)) - k_alpha * tl.sum(qc, 0)
+            kadd += k_alpha * tl.sum(qc, 0)
             qk = qk + (qa,)
             qh = qh + (qb2,)
         elif FAST_K and KB == 1:
             qa = (qc * (k_beta / (1 << c))).to(tl.float16)
-            koff += 1024.0 * tl.sum(qa.to(tl.float32), 0) - k_alpha * tl.sum(qc, 0)
+            kadd += k_alpha * tl.sum(qc, 0)
             qk = qk + (qa,)
         else:
             qk = qk + (qc.to(KDOT_T),)
     sc = tl.arange(0, CHP)
     qs = ()
-    soff = tl.zeros([GP], tl.float32)
+    ssub = tl.zeros([GP], tl.float32)
     if KEY_MODE == K_PROD:
         for c in tl.static_range(8):
             scol = c * CH + sc
             qsc = tl.load(qt_ptr + qrow[None, :] * QW + D + scol[:, None],
                           mask=gmask[None, :] & (sc[:, None] < CH) & (scol[:, None] < D), other=0.0)
             qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
-            soff += 1024.0 * tl.sum(qsa.to(tl.float32), 0) + tl.sum(qsc, 0)
+            ssub += tl.sum(qsc, 0)  # <q, sign> = 2 <q, bit> - sum(q)
             qs = qs + (qsa,)
     cb0 = tl.load(cb_ptr)
     cb1 = tl.load(cb_ptr + 1)
@@ -105,6 +106,8 @@ def _hybrid_decode_kernel(
     cb3 = tl.load(cb_ptr + 3)
 
     vu = tl.arange(0, VSUBP)
+    ng = tl.arange(0, NGP)
+    zacc = tl.zeros([NGP, GP], tl.float32)  # fast path: sum_n p * zero[n, group]
     acc = ()
     for i in tl.static_range(VCH * VSC):
         acc = acc + (tl.zeros([VSUBP, GP], tl.float32),)
@@ -134,10 +137,10 @@ def _hybrid_decode_kernel(
             s = tl.zeros([BLOCK_N, GP], tl.float32)
             for c in tl.static_range(KCH):
                 if FAST_K and KB == 2:
-                    s = mma(magic16(xk & (3 << (2 * c))), qk[c], s, INTERP)
-                    s = mma(magic16(xk & (2 << (2 * c))), qh[c], s, INTERP)
+                    s = mma(subnormal16(xk & (3 << (2 * c))), qk[c], s, INTERP)
+                    s = mma(subnormal16(xk & (2 << (2 * c))), qh[c], s, INTERP)
                 elif FAST_K and KB == 1:
-                    s = mma(magic16(xk & (1 << c)), qk[c], s, INTERP)
+                    s = mma(subnormal16(xk & (1 << c)), qk[c], s, INTERP)
                 else:
                     if KW1 == 0:
                         code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
@@ -146,7 +149,7 @@ def _hybrid_decode_kernel(
                     cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
                     s = mma(cent, qk[c], s, INTERP)
             if FAST_K:
-                s = s - koff[None, :]
+                s = s * TWO24 + kadd[None, :]
             if NORM_F32:
                 knorm = tl.load((page + OFF_KNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
             else:
@@ -158,14 +161,14 @@ def _hybrid_decode_kernel(
                              mask=nmask[:, None] & (sc[None, :] < CH), other=0)
                 sq = tl.zeros([BLOCK_N, GP], tl.float32)
                 for c in tl.static_range(8):
-                    sq = mma(magic16(xs & (1 << c)), qs[c], sq, INTERP)
+                    sq = mma(subnormal16(xs & (1 << c)), qs[c], sq, INTERP)
                 if NORM_F32:
                     rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
                                     other=0.0)
                 else:
                     rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
                                     other=0.0).to(tl.float32)
-                s = s + (sq - soff[None, :]) * (qjl_scale * rnorm)[:, None]
+                s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
         s = tl.where(nmask[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 0))
         alpha = tl.exp2(m_i - m_new)
@@ -193,10 +196,13 @@ def _hybrid_decode_kernel(
                     vptr = vrow[None, :] + (j * VSUB + vu)[:, None]
                     vmask = nmask[None, :] & (vu[:, None] < VSUB)
                     if FAST_V:
-                        grp = (c * VCW + j * VSUB) // GROUP  # the sub-chunk lies in one group: per-token scale
-                        vs = tl.load(srow + grp, mask=nmask, other=0.0)[None, :]
-                        vz = tl.load(zrow + grp, mask=nmask, other=0.0)[None, :]
-                        v = (magic16(xvs[j] & (((1 << VB) - 1) << (c * VB))) - 1024.0) * (vs * (1.0 / (1 << (c * VB)))) + vz
+                        # the sub-chunk lies in one group: fold the per-token scale into P, keep codes as
+                        # subnormal planes (code * 2^(c*VB) * 2^-24); zero points go through zacc
+                        grp = (c * VCW + j * VSUB) // GROUP
+                        vs = tl.load(srow + grp, mask=nmask, other=0.0)
+                        w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
+                        plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
+                        new_acc = new_acc + (mma(plane, w, acc[c * VSC + j] * alpha[None, :], INTERP),)
                     else:
                         if VW1 == 0:
                             code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
@@ -211,8 +217,11 @@ def _hybrid_decode_kernel(
                             vs = tl.load(srow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
                             vz = tl.load(zrow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
                         v = (code.to(tl.float32) * vs + vz).to(tl.float16)
-                    new_acc = new_acc + (mma(v, p16, acc[c * VSC + j] * alpha[None, :], INTERP),)
+                        new_acc = new_acc + (mma(v, p16, acc[c * VSC + j] * alpha[None, :], INTERP),)
             acc = new_acc
+            if FAST_V:
+                zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
+                zacc = mma(zt, p16, zacc * alpha[None, :], INTERP)
 
     # ---- the recent (uncompressed) buffer, on the last split only
     if split == SPLITS - 1:
@@ -234,13 +243,17 @@ def _hybrid_decode_kernel(
             p = tl.exp2(s - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
+            zacc = zacc * alpha[None, :]
             new_acc = ()
             for c in tl.static_range(VCH):
                 for j in tl.static_range(VSC):
                     rcol = c * VCW + j * VSUB + vu
                     v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
                                 mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
-                    new_acc = new_acc + (mma(v, p.to(v.dtype), acc[c * VSC + j] * alpha[None, :], INTERP),)
+                    pv = mma(v, p.to(v.dtype), tl.zeros([VSUBP, GP], tl.float32), INTERP)
+                    if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24)
+                        pv = pv * ((1 << (c * VB)) / TWO24)
+                    new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + pv,)
             acc = new_acc
 
     # ---- write the output (one split) or this split's partial (output, log2-sum-exp)
@@ -249,7 +262,11 @@ def _hybrid_decode_kernel(
         for j in tl.static_range(VSC):
             col = c * VCW + j * VSUB + vu
             omask = gmask[None, :] & (vu[:, None] < VSUB) & (col[:, None] < D)
-            o = acc[c * VSC + j] * inv[None, :]
+            o = acc[c * VSC + j]
+            if FAST_V:
+                grp = (c * VCW + j * VSUB) // GROUP
+                o = o * (TWO24 / (1 << (c * VB))) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
+            o = o * inv[None, :]
             if SPLITS == 1:
                 optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
                 tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
@@ -361,8 +378,8 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
         out.stride(0), out.stride(1), tokens_per_split, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg,
         HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec.constexprs(),
-        KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, FAST_K=fast_k, FAST_V=fast_v,
-        VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SPLITS=splits, INTERP=INTERPRET,
+        KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
+        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SPLITS=splits, INTERP=INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
