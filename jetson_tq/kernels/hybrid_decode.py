@@ -40,7 +40,7 @@ def _hybrid_decode_kernel(
         out_ptr, po_ptr, plse_ptr,
         stride_qb, stride_qh, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, tokens_per_split, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma,
+        stride_ob, stride_oh, tokens_per_split, n_splits, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -52,7 +52,7 @@ def _hybrid_decode_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
         NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, INTERP: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
     # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
@@ -224,7 +224,7 @@ def _hybrid_decode_kernel(
                 zacc = mma(zt, p16, zacc * alpha[None, :], INTERP)
 
     # ---- the recent (uncompressed) buffer, on the last split only
-    if split == SPLITS - 1:
+    if split == n_splits - 1:
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
         d = tl.arange(0, DP)
         qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
@@ -267,32 +267,31 @@ def _hybrid_decode_kernel(
                 grp = (c * VCW + j * VSUB) // GROUP
                 o = o * (TWO24 / (1 << (c * VB))) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
             o = o * inv[None, :]
-            if SPLITS == 1:
+            if SINGLE:
                 optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
                 tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
             else:
-                prow = qrow.to(tl.int64) * SPLITS + split
+                prow = qrow.to(tl.int64) * n_splits + split
                 tl.store(po_ptr + prow[None, :] * D + col[:, None], o, mask=omask)
-    if SPLITS > 1:
+    if not SINGLE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
-        tl.store(plse_ptr + qrow.to(tl.int64) * SPLITS + split, lse, mask=gmask)
+        tl.store(plse_ptr + qrow.to(tl.int64) * n_splits + split, lse, mask=gmask)
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh,
-                          HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                          SPLITS: tl.constexpr, SP: tl.constexpr):
-    # One program per (sequence, query head): merge SPLITS partial outputs by their log-sum-exp.
+def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_splits,
+                          HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+    # One program per (sequence, query head): merge n_splits partial outputs by their log-sum-exp.
     row = tl.program_id(0)
     b = row // HQ
     hq = row % HQ
     s = tl.arange(0, SP)
     d = tl.arange(0, DP)
-    lse = tl.load(plse_ptr + row.to(tl.int64) * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    lse = tl.load(plse_ptr + row.to(tl.int64) * n_splits + s, mask=s < n_splits, other=float("-inf"))
     mx = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)
-    o = tl.load(po_ptr + (row.to(tl.int64) * SPLITS + s)[:, None] * D + d[None, :],
-                mask=(s[:, None] < SPLITS) & (d[None, :] < D) & (lse[:, None] > float("-inf")), other=0.0)
+    o = tl.load(po_ptr + (row.to(tl.int64) * n_splits + s)[:, None] * D + d[None, :],
+                mask=(s[:, None] < n_splits) & (d[None, :] < D) & (lse[:, None] > float("-inf")), other=0.0)
     tot = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + d,
@@ -376,14 +375,14 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
         consts["codebook"], out, po, plse,
         q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), tokens_per_split, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg,
+        out.stride(0), out.stride(1), tokens_per_split, splits, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg,
         HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec.constexprs(),
         KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SPLITS=splits, INTERP=INTERPRET,
+        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SINGLE=splits == 1, INTERP=INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                                           DP=next_pow2(d), SPLITS=splits, SP=next_pow2(splits), num_warps=4)
+        _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
+                                           DP=next_pow2(d), SP=max(2, next_pow2(splits)), num_warps=4)
     return out
 
 
