@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jetson_tq.kernels.bench import compress_bench, table  # noqa: E402
 
-VARIANTS = [{}, {"exact_signs": False}, {"block_t": 32, "num_warps": 8}, {"block_t": 64, "num_warps": 8},
-            {"block_t": 16, "num_warps": 4}]
+VARIANTS = [{}, {"exact_signs": False}, {"block_t": 128, "num_warps": 8},
+            {"block_t": 128, "num_warps": 8, "exact_signs": False}, {"block_t": 16, "num_warps": 4}]
 
 if __name__ == "__main__":
     print(table(compress_bench(variants=VARIANTS)))

@@ -20,7 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-STAGES = ["env", "decode", "compress", "scores", "prefill", "sweep", "tests"]
+STAGES = ["env", "diag", "decode", "tests", "compress", "scores", "prefill", "sweep"]
+# decode variants tried by the diagnostics, in order of preference for the benchmark table
+DIAG_VARIANTS = [{}, {"num_stages": 1}, {"val_gather": True}, {"fast_keys": False}, {"block_n": 32, "num_warps": 2},
+                 {"num_splits": 64}]
 
 
 def _env(out: Path) -> None:
@@ -62,6 +65,25 @@ def main(argv=None) -> int:
         try:
             if stage == "env":
                 _env(args.out)
+            elif stage == "diag":
+                rows = bench.decode_diagnostics([(8, 32, 8, 65536), (1, 32, 8, 65536), (8, 28, 4, 65536)], DIAG_VARIANTS)
+                rows += bench.decode_diagnostics([(8, 32, 8, 65536)], [{}], q_scale=3.0)
+                ok = [v for v in DIAG_VARIANTS if all(max(r["err_run1"], r["err_run2"]) <= 2e-3 for r in rows
+                                                      if r["variant"] == (",".join(f"{a}={b}" for a, b in v.items()) or "default")
+                                                      and r["q_scale"] == 1.0)]
+                chosen = next((v for v in ok if "num_splits" not in v), {})
+                results["decode_variant"] = chosen
+                results["diag"] = rows
+                text = f"### diag (decode; chosen for the table: {chosen or 'default'})\n\n{bench.table(rows)}\n"
+                md.append(text)
+                print(text, flush=True)
+                plog = args.out / "diag_prefill.log"
+                with open(plog, "w") as f:
+                    subprocess.run([sys.executable, "benchmarks/diag_prefill.py"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                   timeout=150, env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+                md.append("### diag (prefill)\n\n```\n" + plog.read_text()[-3000:] + "\n```\n")
+                print(plog.read_text()[-3000:], flush=True)
+                continue
             elif stage == "tests":
                 log = args.out / "tests.log"
                 cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels_decode.py",
@@ -76,7 +98,7 @@ def main(argv=None) -> int:
                 if stage == "decode":
                     from bench_decode import FULL, RAGGED
 
-                    rows = bench.decode_vs_sdpa(FULL, ragged=RAGGED, copy_gbps=bw)
+                    rows = bench.decode_vs_sdpa(FULL, ragged=RAGGED, copy_gbps=bw, **results.get("decode_variant", {}))
                 elif stage == "sweep":
                     from bench_decode import SWEEP
 

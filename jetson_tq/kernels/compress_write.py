@@ -226,11 +226,11 @@ def _compress_write_kernel(
                       valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
 
 
-BLOCK_T = 16
+BLOCK_T = 64  # measured on the H200 (run 1): 756 us at 64 tokens / 8 warps vs 1162 us at 16 / 4
 
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                   layout: PagedLayout, codec: KVCodec, *, block_t: int = BLOCK_T, num_warps: int = 4,
+                   layout: PagedLayout, codec: KVCodec, *, block_t: int = BLOCK_T, num_warps: int = 8,
                    exact_signs: bool = True) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 

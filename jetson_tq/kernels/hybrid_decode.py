@@ -325,7 +325,7 @@ def _num_sms(device: torch.device) -> int:
 
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                  block_n: int = BLOCK_N, val_gather: bool = False, num_warps: int = 4,
+                  block_n: int = BLOCK_N, val_gather: bool = False, fast_keys: bool = True, num_warps: int = 4,
                   num_stages: int = 2) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
@@ -367,7 +367,8 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     kcwp = max(16, next_pow2(spec.KCW))
     chp = max(16, next_pow2(spec.CH))
     vsub, vsc = value_subchunks(spec)
-    fast_k = spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2) and consts["kfit"] is not None
+    fast_k = (fast_keys and spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2)
+              and consts["kfit"] is not None)
     fast_v = (spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0 and not val_gather)
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     _hybrid_decode_kernel[(bsz * hkv, splits)](

@@ -35,6 +35,15 @@ def _online_update(s, m_i, l_i):
 
 
 @triton.jit
+def _qchunk(qt_ptr, qrow, rmask, col0, CW: tl.constexpr, cols, QW: tl.constexpr, LIMIT: tl.constexpr, factor):
+    """factor * transformed-query columns [col0, col0 + CW) (< LIMIT) of rows ``qrow`` -> fp32 [M, CWP]."""
+    col = col0 + cols
+    q = tl.load(qt_ptr + qrow[:, None] * QW + col[None, :],
+                mask=rmask[:, None] & (cols[None, :] < CW) & (col[None, :] < LIMIT), other=0.0)
+    return q * factor
+
+
+@triton.jit
 def _dense_part(k_base, v_base, skt, svt, n_tok, qraw, tok, acc, zacc, m_i, l_i, rk_ptr, rv_ptr, CAUSAL: tl.constexpr,
                 D: tl.constexpr, DP: tl.constexpr, VCW: tl.constexpr, VCH: tl.constexpr, VSUB: tl.constexpr,
                 VSUBP: tl.constexpr, VSC: tl.constexpr, VB: tl.constexpr, FAST_V: tl.constexpr,
@@ -48,7 +57,7 @@ def _dense_part(k_base, v_base, skt, svt, n_tok, qraw, tok, acc, zacc, m_i, l_i,
         kt = tl.load(k_base + t[None, :].to(tl.int64) * skt + d[:, None], mask=tmask[None, :] & (d[:, None] < D),
                      other=0.0)
         kt = kt.to(rk_ptr.dtype.element_ty)  # the chunk goes through the buffer dtype, as it will be stored there
-        s = mma(qraw.to(kt.dtype), kt, tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
+        s = mma(qraw, kt, tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
         if CAUSAL:
             s = tl.where(tmask[None, :] & (t[None, :] <= tok[:, None]), s, float("-inf"))
         else:
@@ -100,48 +109,24 @@ def _prefill_kernel(
     hq = h * G + r % G
     qrow = ((b * (HKV * G) + hq) * T + tok).to(tl.int64)  # row of the transformed query
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
-    KDOT_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
 
-    # ---- query operands (A side, [M, chunk]) and the constants the magic planes add
+    # ---- constants the fast planes add, per row: alpha * sum(Pi q) and sum(S q). The query chunks
+    # themselves are re-read (L1) and scaled inside the tile loop, so no operand tile stays live in
+    # registers across it (register pressure, not bandwidth, limits this kernel).
     kc = tl.arange(0, KCWP)
-    kadd = tl.zeros([BLOCK_M], tl.float32)
-    qk = ()
-    qh = ()
-    for c in tl.static_range(KCH):
-        kcol = c * KCW + kc
-        qc = tl.load(qt_ptr + qrow[:, None] * QW + kcol[None, :],
-                     mask=rmask[:, None] & (kc[None, :] < KCW) & (kcol[None, :] < D), other=0.0)
-        if FAST_K and KB == 2:
-            qa = (qc * (k_beta / (1 << (2 * c)))).to(tl.float16)
-            qb2 = (qc * (k_gamma / (2 << (2 * c)))).to(tl.float16)
-            kadd += k_alpha * tl.sum(qc, 1)
-            qk = qk + (qa,)
-            qh = qh + (qb2,)
-        elif FAST_K and KB == 1:
-            qa = (qc * (k_beta / (1 << c))).to(tl.float16)
-            kadd += k_alpha * tl.sum(qc, 1)
-            qk = qk + (qa,)
-        else:
-            qk = qk + (qc.to(KDOT_T),)
     sc = tl.arange(0, CHP)
-    qs = ()
+    kadd = tl.zeros([BLOCK_M], tl.float32)
     ssub = tl.zeros([BLOCK_M], tl.float32)
+    if FAST_K:
+        for c in tl.static_range(KCH):
+            kadd += k_alpha * tl.sum(_qchunk(qt_ptr, qrow, rmask, c * KCW, KCW, kc, QW, D, 1.0), 1)
     if KEY_MODE == K_PROD:
         for c in tl.static_range(8):
-            scol = c * CH + sc
-            qsc = tl.load(qt_ptr + qrow[:, None] * QW + D + scol[None, :],
-                          mask=rmask[:, None] & (sc[None, :] < CH) & (scol[None, :] < D), other=0.0)
-            qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
-            ssub += tl.sum(qsc, 1)
-            qs = qs + (qsa,)
+            ssub += tl.sum(_qchunk(qt_ptr, qrow, rmask, D + c * CH, CH, sc, QW, 2 * D, 1.0), 1)
     cb0 = tl.load(cb_ptr)
     cb1 = tl.load(cb_ptr + 1)
     cb2 = tl.load(cb_ptr + 2)
     cb3 = tl.load(cb_ptr + 3)
-    d = tl.arange(0, DP)
-    qraw = tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
-                   + tok[:, None].to(tl.int64) * stride_qt + d[None, :],
-                   mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
 
     vu = tl.arange(0, VSUBP)
     ng = tl.arange(0, NGP)
@@ -163,7 +148,8 @@ def _prefill_kernel(
         if KEY_MODE == K_RAW:
             kraw = tl.load((page + OFF_KRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + kc[:, None],
                            mask=nmask[None, :] & (kc[:, None] < D), other=0.0)
-            s = mma(qk[0], kraw, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
+            q0 = _qchunk(qt_ptr, qrow, rmask, 0, D, kc, QW, D, 1.0).to(RAW_T)
+            s = mma(q0, kraw, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
         else:
             kptr = (page + OFF_KIDX + off * (CH * KB))[None, :] + kc[:, None]
             kmask = nmask[None, :] & (kc[:, None] < KCW)
@@ -171,18 +157,19 @@ def _prefill_kernel(
                 xk = tl.load(kptr, mask=kmask, other=0)
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for c in tl.static_range(KCH):
+                qc = _qchunk(qt_ptr, qrow, rmask, c * KCW, KCW, kc, QW, D, 1.0)
                 if FAST_K and KB == 2:
-                    s = mma(qk[c], subnormal16(xk & (3 << (2 * c))), s, INTERP)
-                    s = mma(qh[c], subnormal16(xk & (2 << (2 * c))), s, INTERP)
+                    s = mma((qc * (k_beta / (1 << (2 * c)))).to(tl.float16), subnormal16(xk & (3 << (2 * c))), s, INTERP)
+                    s = mma((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16), subnormal16(xk & (2 << (2 * c))), s, INTERP)
                 elif FAST_K and KB == 1:
-                    s = mma(qk[c], subnormal16(xk & (1 << c)), s, INTERP)
+                    s = mma((qc * (k_beta / (1 << c))).to(tl.float16), subnormal16(xk & (1 << c)), s, INTERP)
                 else:
                     if KW1 == 0:
                         code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
                     else:
                         code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
                     cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
-                    s = mma(qk[c], cent, s, INTERP)
+                    s = mma(qc.to(tl.float16), cent, s, INTERP)
             if FAST_K:
                 s = s * TWO24 + kadd[:, None]
             if NORM_F32:
@@ -196,7 +183,8 @@ def _prefill_kernel(
                              mask=nmask[None, :] & (sc[:, None] < CH), other=0)
                 sq = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for c in tl.static_range(8):
-                    sq = mma(qs[c], subnormal16(xs & (1 << c)), sq, INTERP)
+                    qsc = _qchunk(qt_ptr, qrow, rmask, D + c * CH, CH, sc, QW, 2 * D, 2.0 / (1 << c))
+                    sq = mma(qsc.to(tl.float16), subnormal16(xs & (1 << c)), sq, INTERP)
                 if NORM_F32:
                     rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
                                     other=0.0)
@@ -252,6 +240,11 @@ def _prefill_kernel(
                 zacc = mma(p16, zt, zacc * alpha[:, None], INTERP)
 
     # ---- recent buffer (all visible), then the chunk itself (causal): both uncompressed
+    d = tl.arange(0, DP)
+    qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
+                    + tok[:, None].to(tl.int64) * stride_qt + d[None, :],
+                    mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
+            ).to(rk_ptr.dtype.element_ty)
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
     acc, zacc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
                                       rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
@@ -277,7 +270,7 @@ def _prefill_kernel(
                      mask=rmask[:, None] & (vu[None, :] < VSUB) & (col[None, :] < D))
 
 
-BLOCK_M = 64
+BLOCK_M = 32  # M < 64 keeps Triton on mma.sync (wgmma + heavy register use miscomputed on the H200, run 1)
 BLOCK_N = 64
 
 
