@@ -22,8 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 STAGES = ["env", "diag", "decode", "tests", "compress", "scores", "prefill", "sweep"]
 # decode variants tried by the diagnostics, in order of preference for the benchmark table
-DIAG_VARIANTS = [{}, {"num_stages": 1}, {"val_gather": True}, {"fast_keys": False}, {"block_n": 32, "num_warps": 2},
-                 {"num_splits": 64}]
+DIAG_VARIANTS = [{}, {"fold_values": False}, {"val_gather": True}]
+TEST_FILES = ["tests/test_kernels_decode.py", "tests/test_kernels_prefill.py", "tests/test_kernels_compress.py",
+              "tests/test_kernels_scores.py", "tests/test_dispatch.py", "tests/test_kernels_layout.py"]
 
 
 def _env(out: Path) -> None:
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
             if stage == "env":
                 _env(args.out)
             elif stage == "diag":
-                rows = bench.decode_diagnostics([(8, 32, 8, 65536), (1, 32, 8, 65536), (8, 28, 4, 65536)], DIAG_VARIANTS)
+                rows = bench.decode_diagnostics([(8, 32, 8, 65536), (1, 32, 8, 131072)], DIAG_VARIANTS)
                 rows += bench.decode_diagnostics([(8, 32, 8, 65536)], [{}], q_scale=3.0)
                 ok = [v for v in DIAG_VARIANTS if all(max(r["err_run1"], r["err_run2"]) <= 2e-3 for r in rows
                                                       if r["variant"] == (",".join(f"{a}={b}" for a, b in v.items()) or "default")
@@ -80,17 +81,20 @@ def main(argv=None) -> int:
                 plog = args.out / "diag_prefill.log"
                 with open(plog, "w") as f:
                     subprocess.run([sys.executable, "benchmarks/diag_prefill.py"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                   timeout=150, env=dict(os.environ, CUDA_LAUNCH_BLOCKING="1"))
+                                   timeout=120)
                 md.append("### diag (prefill)\n\n```\n" + plog.read_text()[-3000:] + "\n```\n")
                 print(plog.read_text()[-3000:], flush=True)
                 continue
             elif stage == "tests":
                 log = args.out / "tests.log"
-                cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels_decode.py",
-                       "tests/test_kernels_prefill.py", "tests/test_kernels_compress.py", "tests/test_kernels_scores.py",
-                       "tests/test_dispatch.py", "tests/test_kernels_layout.py"]
+                files = os.environ.get("JETSON_TQ_GPU_TESTS", ",".join(TEST_FILES)).split(",")
+                cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
                 with open(log, "w") as f:
-                    rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=max(left - 10, 30)).returncode
+                    try:
+                        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                            timeout=max(left - 10, 30)).returncode
+                    except subprocess.TimeoutExpired:
+                        rc = "timeout (budget): see tests.log for the tests that finished"
                 print(log.read_text()[-3000:], flush=True)
                 results["tests_rc"] = rc
             else:

@@ -148,7 +148,7 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
     ``qmat``: [Pi; S] (prod), Pi (mse) or I (fp16 keys) — rows transform a query once;
     ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: Lloyd-Max centroids.
     """
-    key = (codec.fmt, codec.head_dim, codec.seed, str(device))
+    key = (codec.fmt, codec.head_dim, codec.seed, device)
     if key not in _CONSTANTS:
         d = codec.head_dim
         out = {"qmat": codec.query_matrix("cpu").float().contiguous().to(device)}

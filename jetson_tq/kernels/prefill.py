@@ -18,9 +18,9 @@ import triton.language as tl
 
 from ..cache.paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
+from ._common import INTERPRET, KEY_RAW, VAL_GROUP, codec_constants, cuda_or_interpreter, next_pow2
 from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, mma, subnormal16
-from .hybrid_decode import LOG2E, value_subchunks
+from .hybrid_decode import LOG2E, _spec, value_subchunks
 from .query_transform import query_transform
 
 
@@ -85,7 +85,7 @@ def _prefill_kernel(
         out_ptr, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma,
+        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma, zero_rt,
         HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -218,7 +218,8 @@ def _prefill_kernel(
                         vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)
                         w = (p * vs[None, :]).to(tl.float16)
                         plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
-                        new_acc = new_acc + (mma(w, plane, acc[c * VSC + j] * alpha[:, None], INTERP),)
+                        tile = mma(w, plane, tl.zeros([BLOCK_M, VSUBP], tl.float32) + zero_rt, INTERP)  # fresh: see decode
+                        new_acc = new_acc + (acc[c * VSC + j] * alpha[:, None] + tile,)
                     else:
                         if VW1 == 0:
                             code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
@@ -237,7 +238,7 @@ def _prefill_kernel(
             acc = new_acc
             if FAST_V:
                 zt = tl.load(zrow[:, None] + ng[None, :], mask=nmask[:, None] & (ng[None, :] < NG), other=0.0)
-                zacc = mma(p16, zt, zacc * alpha[:, None], INTERP)
+                zacc = zacc * alpha[:, None] + mma(p16, zt, tl.zeros([BLOCK_M, NGP], tl.float32) + zero_rt, INTERP)
 
     # ---- recent buffer (all visible), then the chunk itself (causal): both uncompressed
     d = tl.arange(0, DP)
@@ -277,7 +278,7 @@ BLOCK_N = 64
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                     softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
                     block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
-                    num_stages: int = 2) -> torch.Tensor:
+                    num_stages: int = 2, fold_values: bool = True) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal)."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
@@ -299,7 +300,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         out = torch.empty_like(q)
     if t_len == 0:
         return out
-    spec = PageSpec.of(kv.layout, kv.codec)
+    spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E)
@@ -309,7 +310,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         rk, rv = k, v
     vsub, vsc = value_subchunks(spec)
     fast_k = spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2) and consts["kfit"] is not None
-    fast_v = spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0
+    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
     _prefill_kernel[grid](
@@ -317,8 +318,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         consts["codebook"], out, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kv.block_table.stride(0), spec.PB,
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg,
-        HKV=hkv, G=g, QW=qt.shape[1], **spec.constexprs(),
+        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0,
+        HKV=hkv, G=g, QW=qt.shape[1], **spec_kw,
         KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
         VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
         FAST_K=fast_k, FAST_V=fast_v,
