@@ -38,9 +38,13 @@ from ..codec.rotation import derive_seed
 from ..config import DEFAULT_PRESET, TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError
 from ..format import KVFormat
+from .decoded_history import DecodedHistory
 
 ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
+#: auto: the CUDA kernel dispatcher on GPU (when installed), the PyTorch reference on CPU; reference: always the
+#: reference; cpu-decoded: the reference's estimator over tokens decoded once (fast, fp32 memory; evaluation only).
+BACKENDS: tuple[str, ...] = ("auto", "reference", "cpu-decoded")
 
 
 class UnsupportedModelError(JetsonTQError, ValueError):
@@ -123,8 +127,11 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str = "auto") -> None:
         super().__init__()
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.fmt, self.layer_idx, self.seed, self.backend = fmt, layer_idx, seed, backend
         self.store: CompressedKVCache | None = None
+        self.decoded: DecodedHistory | None = None
 
     def __repr__(self) -> str:
         return f"TurboQuantLayer({self.layer_idx}, {self.fmt.key_mode}{self.fmt.key_bits}/{self.fmt.value_mode}{self.fmt.value_bits})"
@@ -133,6 +140,7 @@ class TurboQuantLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
+        self.decoded = DecodedHistory(self.store) if self.backend == "cpu-decoded" else None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -159,6 +167,13 @@ class TurboQuantLayer(CacheLayerMixin):
                scaling: float) -> torch.Tensor:
         """Attention of query [B, Hq, T, D] over history + chunk (then the chunk is stored) -> [B, Hq, T, D]."""
         store = self.store
+        if self.decoded is not None:
+            if mask is None and query.shape[2] == 1:
+                store.append(key, value)
+                return self.decoded.attend(query, None, None, scaling)
+            out = self.decoded.attend(query, key, value, scaling, mask)
+            store.append(key, value)
+            return out
         decode, prefill = _kernel_ops(query.device, self.backend)
         if mask is None and query.shape[2] == 1:
             store.append(key, value)
@@ -181,7 +196,7 @@ class TurboQuantLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.store, self.is_initialized = None, False
+        self.store, self.decoded, self.is_initialized = None, None, False
 
     def used_bytes(self) -> int:
         return 0 if self.store is None else self.store.used_bytes()
