@@ -84,7 +84,7 @@ class DecodedHistory:
             return
         if n < self.count:
             raise ShapeError(f"compressed length went back from {self.count} to {n}")
-        fields = {name: t[:, :, self.count : n] for name, t in self.store.fields.items()}
+        fields = {name: t[:, :, self.count : n] for name, t in self.store.compressed_fields(n).items()}
         self.keys = torch.cat([self.keys, self._decode_keys(fields)], dim=2)
         self.values = torch.cat([self.values, self.codec.decode_values(fields)], dim=2)
         self.count = n

@@ -36,15 +36,16 @@ from ..attention import reference
 from ..cache.compressed import CompressedKVCache
 from ..codec.rotation import derive_seed
 from ..config import DEFAULT_PRESET, TurboQuantConfig, load_config
-from ..errors import ConfigError, JetsonTQError, ShapeError
+from ..errors import ConfigError, JetsonTQError, ShapeError, UnsupportedPlatformError
 from ..format import KVFormat
 from .decoded_history import DecodedHistory
 
 ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
 #: auto: the CUDA kernel dispatcher on GPU (when installed), the PyTorch reference on CPU; reference: always the
-#: reference; cpu-decoded: the reference's estimator over tokens decoded once (fast, fp32 memory; evaluation only).
-BACKENDS: tuple[str, ...] = ("auto", "reference", "cpu-decoded")
+#: reference; triton: the dispatcher's Triton kernels; cpu-decoded: the reference's estimator over tokens decoded
+#: once (fast on CPU, fp32 memory per token; for evaluation only).
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu-decoded")
 
 
 class UnsupportedModelError(JetsonTQError, ValueError):
@@ -90,7 +91,7 @@ def resolve_config(config: str | TurboQuantConfig | KVFormat) -> TurboQuantConfi
 # ---------------------------------------------------------------------------------------------- kernels
 def _kernel_ops(device: torch.device, backend: str):
     """(decode, prefill) for ``device``: the CUDA dispatcher when it is installed, else the PyTorch reference."""
-    if device.type == "cuda" and backend != "reference":
+    if backend == "triton" or (device.type == "cuda" and backend == "auto"):
         try:
             from ..attention import dispatch  # written by the kernel work; optional until it lands
         except ImportError:
@@ -98,6 +99,8 @@ def _kernel_ops(device: torch.device, backend: str):
         if dispatch is not None:
             return (lambda q, c, s: dispatch.decode(q, c, softmax_scale=s, backend=backend),
                     lambda q, k, v, c, s: dispatch.prefill(q, k, v, c, softmax_scale=s, backend=backend))
+        if backend == "triton":
+            raise UnsupportedPlatformError("backend 'triton': jetson_tq.attention.dispatch is not installed")
     return (lambda q, c, s: reference.attention_decode(q, c, softmax_scale=s),
             lambda q, k, v, c, s: reference.attention_prefill(q, k, v, c, softmax_scale=s))
 
@@ -229,7 +232,8 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         raise ShapeError(f"masked attention needs equal cache lengths across the batch, got {store.lengths.tolist()}")
     hkv = store.num_kv_heads
     qg = query.float().reshape(b, hkv, hq // hkv, t, d)
-    hist_scores, hist_values = reference.history_scores_and_values(qg, store)
+    history = store.paged() if hasattr(store, "paged") else store  # paged storage: the reference reads a PagedKV view
+    hist_scores, hist_values = reference.history_scores_and_values(qg, history)
     kc, vc = key.to(store.dtype).float(), value.to(store.dtype).float()
     own = qg @ kc.unsqueeze(2).transpose(-1, -2)
     scores = torch.cat([hist_scores, own], dim=-1) * scaling  # [B, Hkv, G, T, N]
