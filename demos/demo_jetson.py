@@ -37,7 +37,7 @@ class Demo:
 
     def verdict(self, key: str, status: str, text: str) -> None:
         self.verdicts.append({"section": key, "status": status, "text": text})
-        print(f"verdict: {status} - {text}", flush=True)
+        print(f"verdict: {status}: {text}", flush=True)
 
     def progress(self, done: int, total: int, label: str) -> None:
         bar = "#" * round(20 * done / total) + "-" * (20 - round(20 * done / total))

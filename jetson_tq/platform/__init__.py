@@ -2,7 +2,7 @@
 
 from .images import ContainerTarget, container_target, image_tag, vllm_support
 from .memory import MemoryBudget, memory_budget, read_meminfo
-from .probe import KINDS, PlatformInfo, jetpack_for_l4t, parse_tegra_release, probe
+from .detect import KINDS, PlatformInfo, jetpack_for_l4t, parse_tegra_release, probe
 from .telemetry import jtop_snapshot
 
 __all__ = ["KINDS", "PlatformInfo", "probe", "parse_tegra_release", "jetpack_for_l4t", "MemoryBudget",

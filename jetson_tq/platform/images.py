@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from .. import __version__
-from .probe import PlatformInfo
+from .detect import PlatformInfo
 
 IMAGE_REPO = "jetson-tq"
 VLLM_PIN = "0.26.0"

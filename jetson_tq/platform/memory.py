@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from .probe import PlatformInfo, sysroot
+from .detect import PlatformInfo, sysroot
 
 
 @dataclass(frozen=True)

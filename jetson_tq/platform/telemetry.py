@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .probe import sysroot
+from .detect import sysroot
 
 JTOP_SOCKET = "run/jtop.sock"
 JTOP_TIMEOUT_S = 15.0
