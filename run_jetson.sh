@@ -140,8 +140,8 @@ fi
 # ---------------------------------------------------------------------------------------- one command
 case "$mode" in
   shell) inner=(bash) ;;
-  test) inner=(python -m pytest) ;;
-  *) inner=(python -m jetson_tq "$mode") ;;
+  test) inner=(python3 -m pytest) ;;
+  *) inner=(python3 -m jetson_tq "$mode") ;;
 esac
 if [[ "$runner" == container ]]; then
   hf="${HF_HOME:-$HOME/.cache/huggingface}" vllm_cache="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}"

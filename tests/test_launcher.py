@@ -77,12 +77,12 @@ def test_thor_demo_runs_in_the_cuda13_image_with_jetson_mounts(tmp_path):
     assert f"{board}/run/jtop.sock:/run/jtop.sock" in m          # the fixture has a jtop socket
     assert f"{REPO}:/opt/jetson-tq" in m
     assert f"{tmp_path}/home/.cache/huggingface:/root/.cache/huggingface" in m
-    assert container_tail(argv, image) == [image, "python", "-m", "jetson_tq", "demo", "--config", "k4v4"]
+    assert container_tail(argv, image) == [image, "python3", "-m", "jetson_tq", "demo", "--config", "k4v4"]
 
 
 def test_orin_jetpack6_demo_uses_jp6_image_and_vllm_is_refused(tmp_path):
     argv = dry(tmp_path, "orin_r36", "demo", docker=True)
-    assert container_tail(argv, f"jetson-tq:{__version__}-jp6-arm64")[1:] == ["python", "-m", "jetson_tq", "demo"]
+    assert container_tail(argv, f"jetson-tq:{__version__}-jp6-arm64")[1:] == ["python3", "-m", "jetson_tq", "demo"]
     assert "/run/jtop.sock" not in " ".join(mounts(argv))        # no socket on this board: not mounted
     p = run(tmp_path, "orin_r36", "--dry-run", "vllm", docker=True)
     assert p.returncode == exit_codes.UNSUPPORTED_PLATFORM == 3
@@ -92,7 +92,7 @@ def test_orin_jetpack6_demo_uses_jp6_image_and_vllm_is_refused(tmp_path):
 def test_orin_jetpack72_gets_the_cuda13_image_and_vllm(tmp_path):
     argv = dry(tmp_path, "orin_r39", "vllm", "--model", "qwen2.5-7b-instruct", docker=True)
     image = f"jetson-tq:{__version__}-cu130-arm64"
-    assert container_tail(argv, image) == [image, "python", "-m", "jetson_tq", "vllm", "--model", "qwen2.5-7b-instruct"]
+    assert container_tail(argv, image) == [image, "python3", "-m", "jetson_tq", "vllm", "--model", "qwen2.5-7b-instruct"]
     assert argv[argv.index("--runtime") + 1] == "nvidia"
 
 
@@ -101,7 +101,7 @@ def test_x86_gpu_host_uses_gpus_all(tmp_path):
     image = f"jetson-tq:{__version__}-cu130-{HOST_ARCH}"
     assert argv[argv.index("--gpus") + 1] == "all" and "--runtime" not in argv
     assert not any("nv_tegra_release" in m for m in mounts(argv))
-    assert container_tail(argv, image) == [image, "python", "-m", "jetson_tq", "capacity", "--json"]
+    assert container_tail(argv, image) == [image, "python3", "-m", "jetson_tq", "capacity", "--json"]
 
 
 def test_cpu_host_runs_locally_even_with_docker(tmp_path):
