@@ -156,7 +156,8 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
 
     ``tokens`` is raised to the format's buffer capacity (the buffer is allocated whole). The cache is
     pre-sized (``initial_capacity``) so geometric growth does not count; ``storage_bytes`` is what torch
-    allocated for the cache's tensors, ``allocator_bytes`` the CUDA allocator's growth (None on CPU).
+    allocated for the cache's tensors, ``allocator_bytes`` the CUDA allocator's growth (None on CPU), which
+    also holds the cache's own device constants (its rotation matrix: 64 KB at D=128).
     """
     device = torch.device(device)
     tokens = max(tokens, fmt.buffer_capacity)
@@ -167,6 +168,11 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
     v = torch.randn(num_kv_heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype)
     cuda = device.type == "cuda"
     if cuda:
+        # Warm-up: the first matmul on a stream makes cuBLAS take its workspace (32 MiB by default) from torch's
+        # allocator, and the QJL matrix is cached per process; a throwaway cache keeps both out of the figure.
+        warm = CompressedKVCache(fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed)
+        warm.append(k[:, : fmt.buffer_capacity], v[:, : fmt.buffer_capacity], seq=0)
+        del warm
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
     cache = CompressedKVCache(fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed,
