@@ -46,7 +46,7 @@ class Demo:
 
 
 # ---------------------------------------------------------------------------------------------- sections
-def section_platform(demo: Demo, args) -> dict:
+def section_platform(demo: Demo) -> dict:
     from jetson_tq.cli.platform_cmd import format_platform, platform_report
 
     rep = platform_report()
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"jetson-tq demo (torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'CPU'})"
           f" -> {out}/")
     demo.heading(1, "Platform")
-    platform_rep = section_platform(demo, args)
+    platform_rep = section_platform(demo)
     demo.heading(2, "Theorem 1: TurboQuant_mse distortion (8192 random unit vectors, D=128)")
     mse = section_theorem1(demo)
     demo.heading(3, "Theorem 2: TurboQuant_prod inner products (bias, mean |error|, relative error)")

@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch", help="expected torch version prefix (e.g. 2.11.0)")
     p.add_argument("--vllm", help="expected vllm version (e.g. 0.26.0)")
     p.add_argument("--allow-no-triton", action="store_true", help="triton missing is a note, not a failure")
+    p.add_argument("--imports-only", action="store_true", help="check imports and versions, launch nothing")
     p.add_argument("--interpreted-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.interpreted_child:  # TRITON_INTERPRET=1 was set before triton's first import
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         (print if args.allow_no_triton else failures.append)(f"triton: not importable ({e})")
         triton = None
-    if triton is not None and torch.cuda.is_available():
+    if triton is None or args.imports_only:
+        pass
+    elif torch.cuda.is_available():
         name = torch.cuda.get_device_name(0)
         cc = ".".join(map(str, torch.cuda.get_device_capability(0)))
         try:
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"triton kernel on {name}: wrong result (max |err| {err})")
         except Exception as e:  # noqa: BLE001
             failures.append(f"triton kernel on {name} (sm {cc}) failed: {type(e).__name__}: {e}")
-    elif triton is not None:
+    else:
         print("no CUDA device visible (normal during docker build): launching through TRITON_INTERPRET=1")
         child = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpreted-child"],
                                env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)

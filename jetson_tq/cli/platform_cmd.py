@@ -18,7 +18,10 @@ def platform_report() -> dict:
 def format_platform(rep: dict) -> str:
     """A few readable lines."""
     p, m, c, j = rep["platform"], rep["memory"], rep["container"], rep["jtop"]
-    gb = (lambda n: "?" if n is None else f"{n / 1e9:.2f} GB")
+
+    def gb(n: int | None) -> str:
+        return "?" if n is None else f"{n / 1e9:.2f} GB"
+
     lines = [f"platform: {p['kind']} ({p['arch']})" + (f", board {p['board']}" if p["board"] else ""),
              f"  L4T {p['l4t'] or '-'}, JetPack {p['jetpack'] or '-'}, GPU {p['gpu_name'] or '-'}"
              f" (sm {p['compute_capability'] or '-'}, {'integrated' if p['integrated'] else 'discrete/none'}),"
