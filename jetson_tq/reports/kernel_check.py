@@ -72,7 +72,7 @@ def agreement_cpu_interpreted(module: str = DISPATCH_MODULE, shape: dict | None 
                               timeout_s: float = INTERPRETER_TIMEOUT_S) -> dict:
     """Run ``agreement`` on CPU in a child with TRITON_INTERPRET=1 (set before triton is imported)."""
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
     code = ("import json, sys; from jetson_tq.reports.kernel_check import _child; "
             "print(json.dumps(_child(sys.argv[1], json.loads(sys.argv[2]))))")
