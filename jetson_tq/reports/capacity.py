@@ -155,7 +155,9 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
     """Allocate a real CompressedKVCache for one sequence of ``tokens`` tokens and compare its bytes with the formula.
 
     ``tokens`` is raised to the format's buffer capacity (the buffer is allocated whole). The cache is
-    pre-sized (``initial_capacity``) so geometric growth does not count; ``storage_bytes`` is what torch
+    pre-sized (``initial_capacity``) so geometric growth does not count; its pages hold whole blocks of
+    ``block_size`` tokens, so up to block_size - 1 tokens of slack per sequence show up as a difference
+    (none when tokens - buffer_tokens is a multiple of the block size). ``storage_bytes`` is what torch
     allocated for the cache's tensors, ``allocator_bytes`` the CUDA allocator's growth (None on CPU), which
     also holds the cache's own device constants (its rotation matrix: 64 KB at D=128).
     """
@@ -182,7 +184,7 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
     if cuda:
         torch.cuda.synchronize(device)
         allocator = torch.cuda.memory_allocated(device) - before
-    tensors = len(cache.fields) + 2
+    tensors = 3  # the page storage and the two buffers
     storage = cache.nbytes()
     margin = max(math.ceil(MEASURE_REL_MARGIN * formula), ALLOCATOR_ROUNDING * tensors)
     measured = [storage] + ([allocator] if allocator is not None else [])
