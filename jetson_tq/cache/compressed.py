@@ -1,7 +1,9 @@
 """CompressedKVCache: per (sequence, KV head) compressed tokens plus an fp16/bf16 buffer of recent tokens.
 
 Storage is pre-allocated and grows geometrically (never per token):
-- ``fields[name]``: [B, H, capacity, count] for each field of the format (compressed history);
+- compressed history in pages (``cache.paged``), the same layout vLLM's block tables address, with
+  sequence b owning blocks [b * blocks_per_seq, (b + 1) * blocks_per_seq) — so one paged kernel
+  serves both this cache and vLLM;
 - ``buffer_k`` / ``buffer_v``: [B, H, buffer_tokens + flush_chunk, D] in the model dtype.
 When a sequence's buffer reaches ``buffer_tokens + flush_chunk`` tokens its oldest full chunks
 are compressed; across the batch that is one ``KVCodec.encode`` call.
@@ -13,9 +15,11 @@ import torch
 
 from ..codec.kv import Fields, KVCodec
 from ..errors import DTypeError, ShapeError, expect_float, expect_same_device
-from ..format import KVFormat
+from ..format import KVFormat, PagedLayout
+from .paged import PagedKV, allocate_pages, slots_for_positions, write_slots
 
 _MIN_CAPACITY = 64
+DEFAULT_BLOCK_SIZE = 16
 
 
 class CompressedKVCache:
@@ -23,7 +27,8 @@ class CompressedKVCache:
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
-                 seed: int | None = None, initial_capacity: int = _MIN_CAPACITY) -> None:
+                 seed: int | None = None, initial_capacity: int = _MIN_CAPACITY,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         if num_kv_heads < 1 or batch_size < 1:
@@ -31,9 +36,10 @@ class CompressedKVCache:
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
         self.device, self.dtype = torch.device(device), dtype
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
-        self.capacity = 0
-        self.fields: Fields = {}
-        self._allocate_fields(max(initial_capacity, 1))
+        self.layout = PagedLayout(fmt, head_dim, block_size)
+        self.blocks_per_seq = 0
+        self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
+        self._allocate_blocks(-(-max(initial_capacity, 1) // block_size))
         buf_shape = (batch_size, num_kv_heads, fmt.buffer_capacity, head_dim)
         self.buffer_k = torch.zeros(buf_shape, dtype=dtype, device=self.device)
         self.buffer_v = torch.zeros(buf_shape, dtype=dtype, device=self.device)
@@ -41,22 +47,29 @@ class CompressedKVCache:
         self.buffer_lens = torch.zeros(batch_size, dtype=torch.int64)
 
     # ------------------------------------------------------------------ storage
-    def _field_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
-        return self.codec.raw_dtype if name.endswith("_raw") else dtype
+    @property
+    def capacity(self) -> int:
+        """Compressed tokens each sequence can hold before the pages grow."""
+        return self.blocks_per_seq * self.layout.block_size
 
-    def _allocate_fields(self, capacity: int) -> None:
-        new: Fields = {}
-        for f in self.fmt.fields(self.head_dim):
-            shape = (self.batch_size, self.num_kv_heads, capacity, f.count)
-            t = torch.zeros(shape, dtype=self._field_dtype(f.name, f.dtype), device=self.device)
-            if self.capacity:
-                t[:, :, : self.capacity] = self.fields[f.name]
-            new[f.name] = t
-        self.fields, self.capacity = new, capacity
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 [B, blocks_per_seq]: sequence b owns blocks b * blocks_per_seq + j."""
+        b = torch.arange(self.batch_size, device=self.device, dtype=torch.int32).unsqueeze(1)
+        j = torch.arange(self.blocks_per_seq, device=self.device, dtype=torch.int32).unsqueeze(0)
+        return b * self.blocks_per_seq + j
+
+    def _allocate_blocks(self, blocks_per_seq: int) -> None:
+        new = allocate_pages(self.layout, self.batch_size * blocks_per_seq, self.num_kv_heads, self.device)
+        if self.blocks_per_seq:
+            old = self.pages.unflatten(0, (self.batch_size, self.blocks_per_seq))
+            new.unflatten(0, (self.batch_size, blocks_per_seq))[:, : self.blocks_per_seq] = old
+        self.pages, self.blocks_per_seq = new, blocks_per_seq
 
     def _reserve(self, tokens: int) -> None:
         if tokens > self.capacity:
-            self._allocate_fields(max(tokens, 2 * self.capacity))
+            need = -(-tokens // self.layout.block_size)
+            self._allocate_blocks(max(need, 2 * self.blocks_per_seq))
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -65,8 +78,7 @@ class CompressedKVCache:
 
     def nbytes(self) -> int:
         """Bytes of real tensor storage this cache holds (allocated, not only used)."""
-        tensors = list(self.fields.values()) + [self.buffer_k, self.buffer_v]
-        return sum(t.untyped_storage().nbytes() for t in tensors)
+        return sum(t.untyped_storage().nbytes() for t in (self.pages, self.buffer_k, self.buffer_v))
 
     def used_bytes(self) -> int:
         """Bytes the stored tokens occupy: compressed tokens at the format's size plus buffered tokens."""
@@ -119,23 +131,31 @@ class CompressedKVCache:
             return
         self._reserve(max(int(self.compressed_lens[b]) + n for b, n in plan))
         encoded = self.codec.encode(torch.cat(flush_k, dim=1), torch.cat(flush_v, dim=1))
-        start = 0
+        positions, rows = [], []
         for b, n in plan:
             c0 = int(self.compressed_lens[b])
-            for name, t in encoded.items():
-                self.fields[name][b, :, c0 : c0 + n] = t[:, start : start + n]
+            positions.append(torch.arange(c0, c0 + n, device=self.device))
+            rows.append(torch.full((n,), b, device=self.device, dtype=torch.long))
             self.compressed_lens[b] = c0 + n
-            start += n
+        pos, row = torch.cat(positions), torch.cat(rows)
+        slots = slots_for_positions(self.block_table[row], pos.unsqueeze(1), self.layout.block_size)[:, 0]
+        write_slots(self.pages, self.layout, slots, {name: t.transpose(0, 1) for name, t in encoded.items()})
 
     # ------------------------------------------------------------------ read helpers
+    def paged(self) -> PagedKV:
+        """The paged view attention kernels read (lengths as int32 on the cache's device)."""
+        ar = torch.arange(self.batch_size, device=self.device, dtype=torch.int32)
+        return PagedKV(self.pages, self.block_table, self.compressed_lens.to(self.device, torch.int32),
+                       self.buffer_k, self.buffer_v, self.buffer_lens.to(self.device, torch.int32), ar,
+                       self.layout, self.codec)
+
     def compressed_fields(self, upto: int | None = None) -> Fields:
-        """Views [B, H, upto, count] of the compressed fields (``upto`` defaults to the longest sequence)."""
-        n = int(self.compressed_lens.max()) if upto is None else upto
-        return {name: t[:, :, :n] for name, t in self.fields.items()}
+        """Fields [B, H, upto, count] of the compressed history (``upto`` defaults to the longest sequence)."""
+        return self.paged().gather_compressed(upto)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dequantized (K, V) float32 [B, H, max_len, D] in token order plus lengths [B] (tests, naive paths)."""
-        nc, nb = int(self.compressed_lens.max()), int(self.buffer_lens.max())
+        nc = int(self.compressed_lens.max())
         f = self.compressed_fields(nc)
         total = int(self.lengths.max())
         k = torch.zeros(self.batch_size, self.num_kv_heads, total, self.head_dim, device=self.device)
@@ -146,5 +166,4 @@ class CompressedKVCache:
             k[b, :, :c], v[b, :, :c] = kc[b, :, :c], vc[b, :, :c]
             k[b, :, c : c + r] = self.buffer_k[b, :, :r].float()
             v[b, :, c : c + r] = self.buffer_v[b, :, :r].float()
-        del nb
         return k, v, self.lengths.clone()

@@ -1,0 +1,104 @@
+"""Paged storage of compressed tokens (the layout vLLM's block tables address) and the view kernels read.
+
+Pages are uint8 [num_blocks, num_kv_heads, page_bytes]; inside one (block, KV head) page every field
+of ``PagedLayout`` has its own contiguous region of block_size * field.nbytes bytes (structure of
+arrays). A token's slot is ``block_id * block_size + offset`` exactly as in vLLM's ``slot_mapping``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codec.kv import Fields, KVCodec
+from ..errors import ShapeError
+from ..format import PagedLayout
+
+
+def allocate_pages(layout: PagedLayout, num_blocks: int, num_kv_heads: int, device="cpu") -> torch.Tensor:
+    """Zeroed page storage for ``num_blocks`` blocks."""
+    return torch.zeros(num_blocks, num_kv_heads, layout.page_bytes, dtype=torch.uint8, device=device)
+
+
+def _field_region(pages: torch.Tensor, layout: PagedLayout, offset: int, nbytes: int) -> torch.Tensor:
+    """View [num_blocks, H, block_size, nbytes] of one field's region in every page."""
+    bs = layout.block_size
+    return pages[:, :, offset : offset + bs * nbytes].unflatten(-1, (bs, nbytes))
+
+
+def write_slots(pages: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, fields: Fields) -> None:
+    """Store encoded tokens: ``fields[name]`` [N, H, count] goes to ``slots`` [N] (slot < 0 = skip, as vLLM pads)."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots = slots[keep]
+        fields = {name: t[keep] for name, t in fields.items()}
+    blocks, offs = slots // layout.block_size, slots % layout.block_size
+    offsets = layout.offsets()
+    for f in layout.fmt.fields(layout.head_dim):
+        t = fields[f.name]
+        if t.shape[0] != slots.shape[0] or t.shape[-1] != f.count:
+            raise ShapeError(f"{f.name}: expected [{slots.shape[0]}, H, {f.count}], got {tuple(t.shape)}")
+        raw = t.contiguous().view(torch.uint8)  # [N, H, nbytes]
+        region = _field_region(pages, layout, offsets[f.name], f.nbytes)
+        region[blocks, :, offs] = raw
+
+
+def read_slots(pages: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, raw_dtype: torch.dtype = torch.float16) -> Fields:
+    """Load encoded tokens at ``slots`` (any shape S) -> fields [*S, H, count] in their dtypes."""
+    flat = slots.reshape(-1).clamp_min(0)
+    blocks, offs = flat // layout.block_size, flat % layout.block_size
+    offsets = layout.offsets()
+    out: Fields = {}
+    for f in layout.fmt.fields(layout.head_dim):
+        region = _field_region(pages, layout, offsets[f.name], f.nbytes)
+        raw = region[blocks, :, offs].contiguous()  # [N, H, nbytes]
+        dtype = raw_dtype if f.name.endswith("_raw") else f.dtype
+        out[f.name] = raw.view(dtype).reshape(*slots.shape, raw.shape[1], f.count)
+    return out
+
+
+def slots_for_positions(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of token ``positions`` [B, N] of each sequence through its block table row [B, max_blocks]."""
+    block_idx = (positions // block_size).clamp_max(block_table.shape[1] - 1)
+    return block_table.long().gather(1, block_idx) * block_size + positions % block_size
+
+
+@dataclass
+class PagedKV:
+    """Everything a paged attention kernel reads for a batch of B sequences.
+
+    Sequence b attends to positions [0, compressed_lens[b]) read from ``pages`` through
+    ``block_table[b]``, plus ``recent_lens[b]`` uncompressed tokens in rows [0, recent_lens[b]) of
+    ``recent_k/recent_v[recent_index[b]]`` (order inside the buffer does not matter to attention).
+    """
+
+    pages: torch.Tensor  # uint8 [num_blocks, H, page_bytes]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    compressed_lens: torch.Tensor  # int32 [B]
+    recent_k: torch.Tensor  # [NR, H, R, D] fp16/bf16/fp32 (R may be 0)
+    recent_v: torch.Tensor
+    recent_lens: torch.Tensor  # int32 [B]
+    recent_index: torch.Tensor  # int32 [B]
+    layout: PagedLayout
+    codec: KVCodec
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_table.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.pages.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.layout.head_dim
+
+    def gather_compressed(self, upto: int | None = None) -> Fields:
+        """Fields [B, H, upto, count] of positions [0, upto) of every sequence (garbage past its length)."""
+        n = int(self.compressed_lens.max()) if upto is None else upto
+        pos = torch.arange(n, device=self.block_table.device).expand(self.batch_size, n)
+        fields = read_slots(self.pages, self.layout, slots_for_positions(self.block_table, pos, self.layout.block_size),
+                            raw_dtype=self.codec.raw_dtype)
+        return {name: t.transpose(1, 2) for name, t in fields.items()}  # [B, n, H, c] -> [B, H, n, c]
