@@ -92,7 +92,7 @@ def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: 
             f = v.spec.default
             desc = (f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
                     f"buffer {f.buffer_tokens}" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else ""))
-        out[v.name] = {"family": v.family, "bytes_per_token": bpt, "ratio": fp16 / bpt,
+        out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
                        "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}
     return out
 
@@ -140,6 +140,17 @@ def _f(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
+_MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)": "o", "fp8 e4m3 (simulated)": "^",
+            "int per-token / KIVI (simulated)": "v"}
+
+
+def plot_family(v: F.Variant) -> str:
+    """The format family a row belongs to in the plot (key coding for ours, the layout for baselines)."""
+    if isinstance(v.spec, SimulatedFormat):
+        return "fp8 e4m3 (simulated)" if v.spec.kind == "fp8" else "int per-token / KIVI (simulated)"
+    return "TurboQuant, prod keys (QJL)" if v.spec.default.key_mode == "prod" else "TurboQuant, mse keys (no QJL)"
+
+
 def plot(result: dict, path: Path) -> None:
     """PPL vs bytes per token per KV head, one marker series per family, the reference as a line."""
     import matplotlib
@@ -152,9 +163,10 @@ def plot(result: dict, path: Path) -> None:
     families: dict[str, list[tuple[float, float, str]]] = {}
     for name, fact in facts.items():
         if name in tf and name != "reference":
-            families.setdefault(fact["family"], []).append((fact["bytes_per_token"], tf[name]["ppl"], name))
+            fam = fact.get("plot_family", fact["family"])
+            families.setdefault(fam, []).append((fact["bytes_per_token"], tf[name]["ppl"], name))
     for fam, pts in families.items():
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=30)
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=30, marker=_MARKERS.get(fam, "o"))
         for x, y, name in pts:
             ax.annotate(name, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
     if "reference" in tf:
@@ -189,6 +201,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--free-running", default=",".join(FREE_RUNNING), help="rows that also run the real decode loop")
     p.add_argument("--backend", default="cpu-decoded", choices=("auto", "reference", "cpu-decoded"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    p.add_argument("--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json")
     args = p.parse_args(argv)
     if args.quick:
         args.windows, args.window_len, args.gen_prompts, args.prompt_len = 2, 513, 2, 256
@@ -203,6 +216,14 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        result = json.loads((out / "fidelity.json").read_text())
+        facts = row_facts(all_rows(args.backend), 30, 64, 2048)  # refresh derived columns (plot family)
+        for name, fact in result["rows"].items():
+            fact.setdefault("plot_family", facts.get(name, {}).get("plot_family", fact["family"]))
+        (out / "fidelity.md").write_text(markdown(result))
+        plot(result, out / "fidelity_ppl_vs_bytes.png")
+        return result
     start = time.time()
 
     def progress(msg: str) -> None:

@@ -31,6 +31,7 @@ def slice_metrics(setup):
     model, _, ids = setup
     variants = [F.Variant("fp16", "sanity", load_config("fp16"), backend="reference"),
                 F.Variant("mse_k3v2", "keys", load_config("mse_k3v2"), backend="reference"),
+                F.Variant("mse_k4v3", "recommended", load_config("mse_k4v3"), backend="reference"),
                 F.Variant("blog_k3v2", "keys", load_config("blog_k3v2"), backend="reference"),
                 F.Variant("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1))]
     windows = F.token_windows(ids[4096:], 2, 385)  # 2 x 384 scored tokens, history compressed past 192
@@ -52,6 +53,13 @@ def test_mse_preset_within_bounds(slice_metrics):
     ref, got = slice_metrics["reference"], slice_metrics["mse_k3v2"]
     assert got["ppl"] < ref["ppl"] * 1.08, (got, ref)  # full run: see docs/fidelity.md
     assert got["kl"] < 0.06 and got["top1"] > 0.88, got
+
+
+def test_recommended_preset_within_bounds(slice_metrics):
+    ref, got = slice_metrics["reference"], slice_metrics["mse_k4v3"]
+    assert got["ppl"] < ref["ppl"] * 1.04, (got, ref)  # full run: +0.98 %, KL 0.0077, top-1 95.3 %
+    assert got["kl"] < 0.025 and got["top1"] > 0.91, got
+    assert got["kl"] < slice_metrics["mse_k3v2"]["kl"]
 
 
 def test_qjl_preset_is_worse_than_mse_at_equal_bytes(slice_metrics):

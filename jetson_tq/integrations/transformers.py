@@ -15,7 +15,7 @@ How it plugs in (transformers' own extension points, no patching of model code):
 Usage::
 
     from jetson_tq.integrations.transformers import TurboQuantCache
-    cache = TurboQuantCache(model, "blog_k3v2")      # switches the model's attention to "turboquant"
+    cache = TurboQuantCache(model, "mse_k4v3")       # switches the model's attention to "turboquant"
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
 Convention: a ``None`` mask means causal with the query at the end of the sequence (lower-right);
@@ -35,13 +35,15 @@ from transformers.modeling_utils import AttentionInterface
 from ..attention import reference
 from ..cache.compressed import CompressedKVCache
 from ..codec.rotation import derive_seed
-from ..config import DEFAULT_PRESET, TurboQuantConfig, load_config
+from ..config import TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError, UnsupportedPlatformError
 from ..format import KVFormat
 from .decoded_history import DecodedHistory
 
 ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
+#: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
+RECOMMENDED_PRESET = "mse_k4v3"
 #: auto: the CUDA kernel dispatcher on GPU (when installed), the PyTorch reference on CPU; reference: always the
 #: reference; triton: the dispatcher's Triton kernels; cpu-decoded: the reference's estimator over tokens decoded
 #: once (fast on CPU, fp32 memory per token; for evaluation only).
@@ -254,7 +256,7 @@ def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
-    def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = DEFAULT_PRESET, *,
+    def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
                  backend: str = "auto", enable: bool = True) -> None:
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
