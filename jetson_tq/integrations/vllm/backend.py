@@ -227,12 +227,17 @@ class TurboQuantAttentionImpl(AttentionImpl):
             raise UnsupportedPlatformError("jetson-tq's vLLM backend does not support speculative decoding yet")
         num_layers = int(model_config.hf_text_config.num_hidden_layers)
         index = layer_index(layer_name)
-        fmt = layer_format(active_config(), index, num_layers, self.head_size)
+        self.set_format(layer_format(active_config(), index, num_layers, self.head_size), index, block_size,
+                        model_config.dtype)
+        self.layer_name = layer_name
+
+    def set_format(self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype) -> None:
+        """Use ``fmt`` for this layer (codec seeded per layer index; raw fields in the model's 16-bit dtype)."""
         self.layout = layout_for(fmt, self.head_size, block_size)
-        dtype = model_config.dtype
-        raw = dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+        raw = model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.codec = KVCodec(fmt, self.head_size, seed=derive_seed(fmt.seed, index), raw_dtype=raw)
-        self.fmt, self.layer_name = fmt, layer_name
+        self.fmt = fmt
+        self._checked_pages = False
 
     def kv_cache_spec(self, block_size: int):
         """The spec vLLM sizes this layer's cache from."""
@@ -326,7 +331,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             output[qs:qe] = ops.prefill(q, k, v, kv, self.scale)[0].transpose(0, 1).to(output.dtype)
             if R > 0:
                 j0 = max(0, (qe - qs) - R)
-                cols = (torch.arange(s + j0, s + qe - qs, device=dev) % R)
-                # (int, :, index tensor) puts the indexed dim first: [n, H, D], as key rows are.
-                self.recent_k[row, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
-                self.recent_v[row, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
+                cols = torch.arange(s + j0, s + qe - qs, device=dev) % R
+                row_idx = torch.full_like(cols, row)  # two index tensors around ':' -> [n, H, D], as key rows are
+                self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
+                self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
