@@ -19,7 +19,6 @@ from typing import ClassVar
 import numpy as np
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -38,8 +37,6 @@ from ...format import KVFormat, PagedLayout
 from . import hooks, ops
 from .settings import active_config
 from .spec import UnsupportedModelError, check_architecture, layer_format, layer_index, layout_for, make_spec
-
-logger = init_logger(__name__)
 
 BACKEND_PATH = "jetson_tq.integrations.vllm.backend.TurboQuantAttentionBackend"
 

@@ -97,6 +97,7 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
         result = json.loads(out_path.read_text())
     found = KV_SIZE_LOG.findall(log)
     result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
+    result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
     result["log_tail"] = log[-3000:]
     return result
 
@@ -162,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default: smollm2 on CPU, {DEFAULT_GPU_MODEL} on GPU)")
     p.add_argument("--config", default="blog_k3v2", help="jetson-tq preset name or YAML path")
     p.add_argument("--kv-mib", type=int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
+    p.add_argument("--dtype", default=None, help="model dtype for both engines (default: float32 for the "
+                   "local models, auto otherwise)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=4)
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     model, dtype = resolve_model(args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2"))
     kv_mib = args.kv_mib or (4096 if on_gpu else 256)
-    job = {"model": model, "dtype": dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+    job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
            "prompts": args.prompt or list(DEFAULT_PROMPTS)}
     env = dict(os.environ)
@@ -199,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
               "summary": summarize(base, tq, args.context or args.max_model_len),
               "baseline": {k: v for k, v in base.items() if k != "log_tail"},
               "turboquant": {k: v for k, v in tq.items() if k != "log_tail"}}
+    if not any("TurboQuant KV cache" in line for line in tq["jetson_tq_log"]):
+        raise RuntimeError("the jetson-tq engine did not log the plugin's activation; is the package installed "
+                           "(pip install -e .) so vLLM finds its entry point?")
     _print_report(report)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,16 +17,10 @@ import torch
 
 from ...errors import ConfigError
 from .recent import RecentSlots, pool_bytes
-from .settings import active_config, uses_recent_buffer
+from .settings import active_config, logger, uses_recent_buffer
 
 _RUNNER: weakref.ReferenceType | None = None
 _SLOTS: RecentSlots | None = None
-
-
-def _logger():
-    from vllm.logger import init_logger
-
-    return init_logger("jetson_tq.vllm")
 
 
 def current_runner():
@@ -107,7 +101,7 @@ def _memory_wrap(original):
                 raise ConfigError(
                     f"jetson-tq recent buffers need {reserved / 2**20:.1f} MiB but the KV budget is "
                     f"{available / 2**20:.1f} MiB; lower max_num_seqs or buffer.recent_tokens")
-            _logger().info("jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
+            logger().info("jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
                            "(%d rows + 1 scratch); %.1f MiB left for compressed pages",
                            reserved / 2**20, recent_rows(self.vllm_config), (available - reserved) / 2**20)
         return available - reserved
@@ -129,7 +123,7 @@ def _runner_wrap(original):
 def _config_wrap(original):
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
-        log = _logger()
+        log = logger()
         if config.cache_config.enable_prefix_caching and uses_recent_buffer(active_config()):
             log.info("jetson-tq: prefix caching switched off: a request's fp16 recent buffer is filled by its own "
                      "steps, so a prefix-cache hit would start attention without the cached tokens' recent copies")

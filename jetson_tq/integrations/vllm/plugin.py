@@ -13,7 +13,7 @@ import logging
 from . import settings
 from .versions import check_vllm_version
 
-_log = logging.getLogger("jetson_tq.vllm")
+_log = logging.getLogger(settings.LOGGER_NAME)
 
 
 def register() -> None:
@@ -32,8 +32,6 @@ def register() -> None:
     member = AttentionBackendEnum[registered_name()]
     register_backend(member, BACKEND_PATH)
     hooks.install()
-    from vllm.logger import init_logger
-
-    init_logger("jetson_tq.vllm").info_once(
+    settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
         member.name, settings.ops_backend())

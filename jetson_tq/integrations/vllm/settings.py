@@ -18,6 +18,16 @@ ENV_BACKEND = "JETSON_TQ_BACKEND"
 OPS_BACKENDS = ("auto", "reference", "triton")
 
 
+LOGGER_NAME = "vllm.jetson_tq"  # under vLLM's namespace, so vLLM's handler and level apply
+
+
+def logger():
+    """vLLM's logger for the plugin's messages (INFO lines start with 'jetson-tq:')."""
+    from vllm.logger import init_logger
+
+    return init_logger(LOGGER_NAME)
+
+
 def config_name() -> str | None:
     """The switch's value, or None when jetson-tq is off."""
     value = os.environ.get(ENV_CONFIG, "").strip()

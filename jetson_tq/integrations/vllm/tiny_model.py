@@ -38,8 +38,13 @@ def _tokenizer_files(out: Path, vocab_size: int) -> None:
 
 
 def make_tiny_llama(out: str | Path, *, layers: int = 6, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
-                    vocab_size: int = 512, intermediate: int = 256, seed: int = 0) -> Path:
-    """Write the model to ``out`` (created) and return it; head_dim = hidden / heads."""
+                    vocab_size: int = 512, intermediate: int = 256, seed: int = 0,
+                    extra_config: dict | None = None) -> Path:
+    """Write the model to ``out`` (created) and return it; head_dim = hidden / heads.
+
+    ``extra_config`` entries are merged into config.json (e.g. sliding-window layer types, to check
+    that an unsupported attention feature is refused).
+    """
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -51,7 +56,7 @@ def make_tiny_llama(out: str | Path, *, layers: int = 6, hidden: int = 128, head
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "vocab_size": vocab_size,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
         "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-        "attention_bias": False, "mlp_bias": False,
+        "attention_bias": False, "mlp_bias": False, **(extra_config or {}),
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     g = torch.Generator().manual_seed(seed)
