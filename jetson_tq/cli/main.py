@@ -24,11 +24,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_vllm(args: argparse.Namespace) -> int:
+    from ..integrations.vllm.compare import main as compare_main
+
+    return compare_main(args.vllm_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetson_tq", description="TurboQuant KV cache tools")
     sub = parser.add_subparsers(dest="mode", required=True)
     demo = sub.add_parser("demo", help="run the demo report")
     demo.set_defaults(func=_cmd_demo)
+    # Everything after "vllm" goes to compare.main untouched (its own parser); "+" is no option prefix there.
+    vllm = sub.add_parser("vllm", add_help=False, prefix_chars="+", help="stock vLLM vs jetson-tq vLLM side by side (vllm --help)")
+    vllm.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    vllm.set_defaults(func=_cmd_vllm)
     return parser
 
 
