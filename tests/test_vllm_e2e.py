@@ -8,8 +8,9 @@ and the logged "GPU KV cache size: N tokens") and are checked against the formul
 Token-agreement thresholds, per format (agreement = fraction of positions where the greedy outputs hold
 the same token; once one token differs the two texts follow different paths, so it measures how long
 they stay together):
-- fp16 pages + fp16 ring on an fp32 model: 1.0. Storage rounds K/V to fp16 only, attention runs in
-  fp32 like the stock CPU kernel; any miss would be a paging / slot / ring / chunking bug.
+- fp16 pages + fp16 ring on an fp32 model: 1.0, also when vLLM runs out of blocks and preempts.
+  Storage rounds K/V to fp16 only, attention runs in fp32 like the stock CPU kernel; any miss would
+  be a paging / slot / ring / chunking / preemption bug.
 - SmolLM2-135M (fp32), ~200-token essay excerpts, 12 new tokens, so ~70 history tokens per request are
   read compressed (128-token ring): k4v4 - every prompt's first 2 tokens equal and mean >= 0.3;
   blog_k3v2 - first token equal on >= 3 of 4 prompts and mean >= 0.2. Measured on this machine:
@@ -66,6 +67,16 @@ def expected_tq_blocks(config: str, layers: int, kv_heads: int, head_dim: int, b
     return (kv_bytes - pools) // per_block
 
 
+def expected_budget(config: str, layers: int, kv_heads: int, head_dim: int, block_size: int, blocks: int, rows: int,
+                    element_bytes: int) -> int:
+    """The KV budget that holds exactly ``blocks`` blocks plus the ring pools (inverse of expected_tq_blocks)."""
+    cfg = load_config(config)
+    fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
+    per_block = sum(kv_heads * PagedLayout(f, head_dim, block_size).page_bytes for f in fmts)
+    pools = sum(pool_bytes(rows + 1, kv_heads, f.buffer_tokens, head_dim, element_bytes) for f in fmts)
+    return blocks * per_block + pools
+
+
 def expected_stock_blocks(layers: int, kv_heads: int, head_dim: int, block_size: int, kv_bytes: int,
                           element_bytes: int) -> int:
     return kv_bytes // (layers * block_size * kv_heads * 2 * head_dim * element_bytes)
@@ -87,11 +98,20 @@ def tiny(tmp_path_factory) -> str:
     return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=6, hidden=128, heads=4, kv_heads=2))
 
 
+def _fp16_ring_budget(blocks: int, block_size: int = 128) -> int:
+    """KV bytes for ``blocks`` blocks of the fp16-ring config on the tiny model (pages + ring pools)."""
+    return expected_budget(str(DATA / "vllm_fp16_r16.yaml"), **TINY, block_size=block_size, blocks=blocks, rows=4,
+                           element_bytes=4)
+
+
 @pytest.fixture(scope="module")
 def tiny_fp32_runs(tiny) -> dict:
-    job = _job(tiny, "float32", _prompts())
+    job = _job(tiny, "float32", _prompts(), max_model_len=256)
+    fp16_ring = str(DATA / "vllm_fp16_r16.yaml")
     return {"base": run_engine_subprocess(job, None, ENV),
-            "fp16_ring": run_engine_subprocess(job, str(DATA / "vllm_fp16_r16.yaml"), ENV)}
+            "fp16_ring": run_engine_subprocess(job, fp16_ring, ENV),
+            # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
+            "preempted": run_engine_subprocess(dict(job, kv_bytes=_fp16_ring_budget(3)), fp16_ring, ENV)}
 
 
 def test_switch_off_is_stock_vllm(tiny_fp32_runs):
@@ -109,6 +129,14 @@ def test_fp16_pages_and_ring_are_exact_inside_vllm(tiny_fp32_runs):
     assert tq["num_gpu_blocks"] == expected_tq_blocks(str(DATA / "vllm_fp16_r16.yaml"), **TINY,
                                                       block_size=tq["block_size"], kv_bytes=tq["kv_bytes"],
                                                       rows=4, element_bytes=4)
+    for x, y in zip(base["outputs"], tq["outputs"]):
+        assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
+
+
+def test_ring_survives_preemption_and_recompute(tiny_fp32_runs):
+    """Requests preempted for lack of blocks restart at position 0 and refill their ring: still exact."""
+    base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["preempted"]
+    assert tq["num_gpu_blocks"] == 3 and tq["preemptions"] >= 1
     for x, y in zip(base["outputs"], tq["outputs"]):
         assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
 

@@ -150,10 +150,12 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].to(torch.int64).numpy()
         q_lens = np.diff(qsl)
-        if cm.seq_lens_cpu_upper_bound is not None:
-            seq = cm.seq_lens_cpu_upper_bound[:n].to(torch.int64).numpy()
-        else:
-            seq = cm.seq_lens[:n].to("cpu", torch.int64).numpy()
+        host = getattr(cm, "seq_lens_cpu_upper_bound", None)  # exact without spec decode (0.27)
+        if host is None:
+            host = getattr(cm, "_seq_lens_cpu", None)
+        if host is None:
+            host = cm.seq_lens[:n].cpu()  # a host sync, outside any graph (builders run eagerly)
+        seq = host[:n].to(torch.int64).numpy()
         ctx = seq - q_lens
         is_decode = q_lens <= 1
         nd = int(n if is_decode.all() else np.argmin(is_decode))

@@ -58,19 +58,24 @@ def run_engine(job: dict) -> dict:
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
               seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
-              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85))
+              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False)
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     t1 = time.perf_counter()
     outs = llm.generate(list(job["prompts"]), params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
     cache = llm.llm_engine.vllm_config.cache_config
+    preemptions = None
+    try:
+        preemptions = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    except Exception:  # metrics are informative only
+        pass
     n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
         "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
         "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
-        "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"],
+        "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"], "preemptions": preemptions,
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
         "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
