@@ -23,7 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-DEFAULT_GPU_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+import yaml
+
+DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
+MODEL_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
 DEFAULT_PROMPTS = (
     "The Jetson AGX Thor is",
     "Write one sentence about memory bandwidth:",
@@ -46,7 +49,7 @@ def default_prompts(count: int = 4, chars: int = 1600) -> list[str]:
 
 
 def resolve_model(name: str) -> tuple[str, str]:
-    """(path or hub id, dtype) for 'smollm2', 'tiny', a directory or a hub id."""
+    """(path or hub id, dtype) for 'smollm2', 'tiny', a configs/models name, a directory or a hub id."""
     if name == "tiny":
         from .tiny_model import make_tiny_llama
 
@@ -54,10 +57,13 @@ def resolve_model(name: str) -> tuple[str, str]:
         if not (out / "model.safetensors").exists():
             make_tiny_llama(out)
         return str(out), "float32"
-    if name == "smollm2":
-        from ...models.smollm2 import ensure_smollm2_dir  # the fidelity helper's converter
+    if name in ("smollm2", "smollm2-135m-instruct"):
+        from ...models.smollm2 import ensure_smollm2_dir  # GGUF from PyPI -> cached fp32 safetensors dir
 
         return str(ensure_smollm2_dir()), "float32"
+    described = MODEL_DIR / f"{name}.yaml"  # the launcher's model names (configs/models/*.yaml)
+    if described.exists():
+        return str(yaml.safe_load(described.read_text())["hf_id"]), "auto"
     return name, "auto"
 
 
