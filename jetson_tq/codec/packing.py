@@ -51,7 +51,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed.contiguous()
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    stream = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], -1)[..., : n * bits]
+    stream = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], packed.shape[-1] * 8)[..., : n * bits]
     weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32)).to(torch.uint8)
     groups = stream.reshape(*packed.shape[:-1], n, bits)
     return (groups * weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
