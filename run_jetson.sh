@@ -55,7 +55,9 @@ setup_venv() {
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     echo "$want" > "$stamp"
   done
-  [[ -f "$VENV/.stamp-editable" ]] || { "$PY" -m pip install -q --no-deps -e "$ROOT" && touch "$VENV/.stamp-editable"; }
+  # re-run when pyproject.toml changes: entry points (the vLLM plugin) are written at install time
+  want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
+  [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "$PY" -m pip install -q --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; }
 }
 
 # GPU name from nvidia-smi (empty when absent, failing or slower than 10 s).

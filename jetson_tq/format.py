@@ -9,23 +9,33 @@ Per token and per KV head a format stores these fields (``fields(head_dim)``):
 ===============  =========  ==========================================  ======================
 field            dtype      elements per token                          present when
 ===============  =========  ==========================================  ======================
-``key_idx``      uint8      ceil(D * mse_bits / 8)   packed codebook ids  key_mode prod (bits>1)
+``key_idx``      uint8      ceil(D / 8) * mse_bits  packed codebook ids   key_mode prod (bits>1)
                                                                           or mse
 ``key_signs``    uint8      ceil(D / 8)   packed QJL signs, bit 1 = +1    key_mode prod
 ``key_norm``     norm       1   ||k||                                     prod, mse
 ``key_rnorm``    norm       1   ||r|| = ||k|| * ||k/||k|| - k_mse||       prod
 ``key_raw``      float16    D                                             key_mode fp16
-``val_codes``    uint8      ceil(D * value_bits / 8)  packed group codes  value_mode group
+``val_codes``    uint8      ceil(D / 8) * value_bits  packed group codes  value_mode group
 ``val_scale``    float16    D / group                                     value_mode group
 ``val_zero``     float16    D / group                                     value_mode group
-``val_idx``      uint8      ceil(D * value_bits / 8)  packed codebook ids value_mode mse
+``val_idx``      uint8      ceil(D / 8) * value_bits  packed codebook ids value_mode mse
 ``val_norm``     norm       1                                             value_mode mse
 ``val_raw``      float16    D                                             value_mode fp16
 ===============  =========  ==========================================  ======================
 
-Packed fields are an LSB-first bit stream along D (see ``jetson_tq.codec.packing``): code ``j``
-occupies bits ``[j*b, (j+1)*b)`` of the row, so widths 1, 2, 4, 8 never straddle a byte and 3, 5,
-6, 7 may straddle two.
+Packed fields use the **planar** layout (``PACKING``; implemented by ``jetson_tq.codec.packing``),
+chosen so a GPU kernel unpacks a whole (tokens, packed bytes) tile with one shift and mask per
+plane and no byte shuffles (measured against the older LSB-first stream in docs/benchmarks.md):
+
+- a ``b``-bit code is split into sub-fields of widths ``subfield_widths(b)`` (the binary digits
+  of ``b``: 3 -> (2, 1), 5 -> (4, 1), 8 -> (8,)), taken from the code's low bits upwards; each
+  sub-field is stored as its own run of ``CH * w`` bytes, runs in that order (``CH = ceil(D/8)``);
+- inside a ``w``-bit run, coordinate ``j`` (0 <= j < 8*CH; j >= D is zero padding) sits in byte
+  ``j % (CH*w)`` at bits ``[(j // (CH*w)) * w, +w)``: byte ``u`` holds coordinates
+  ``u, u + CH*w, u + 2*CH*w, ...`` — every plane is a contiguous range of coordinates.
+
+A row of D codes of b bits therefore takes ``ceil(D/8) * b`` bytes (the same as a bit stream when
+8 divides D, up to b - 1 bytes more otherwise).
 """
 
 from __future__ import annotations
@@ -64,9 +74,19 @@ class Field:
         return self.count * torch.empty((), dtype=self.dtype).element_size()
 
 
+PACKING = "planar"
+
+
+def subfield_widths(bits: int) -> tuple[int, ...]:
+    """Widths of the planar sub-fields a ``bits``-bit code is stored as, low code bits first."""
+    if bits == MAX_BITS:
+        return (MAX_BITS,)
+    return tuple(w for w in (4, 2, 1) if bits & w)
+
+
 def packed_bytes(head_dim: int, bits: int) -> int:
-    """Bytes of one bit-packed row of ``head_dim`` codes of ``bits`` bits each."""
-    return (head_dim * bits + 7) // 8
+    """Bytes of one packed row of ``head_dim`` codes of ``bits`` bits each (planar layout)."""
+    return (head_dim + 7) // 8 * bits
 
 
 def is_power_of_two(n: int) -> bool:

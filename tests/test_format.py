@@ -21,8 +21,9 @@ def test_reference_setting_bytes():
 
 def test_odd_bits_and_dims():
     fmt = KVFormat(key_mode="prod", key_bits=4, value_bits=3, value_group=25)
-    # D=50: 3-bit idx ceil(150/8)=19, signs ceil(50/8)=7, norms 4; values 3-bit 19 + 2 groups * 4 B
-    assert fmt.bytes_per_token(50) == 19 + 7 + 4 + 19 + 8
+    # D=50, planar packing (ceil(D/8) bytes per bit plane): 3-bit idx 7*3=21, signs 7, norms 4;
+    # values 3-bit 21 + 2 groups * (fp16 scale + zero) 8
+    assert fmt.bytes_per_token(50) == 21 + 7 + 4 + 21 + 8
     assert KVFormat(key_mode="prod", key_bits=1).key_bytes_per_token(64) == 8 + 4  # no MSE part at 1 bit
 
 

@@ -16,7 +16,7 @@ import torch
 from ..codec.kv import Fields, KVCodec
 from ..errors import DTypeError, ShapeError, expect_float, expect_same_device
 from ..format import KVFormat, PagedLayout
-from .paged import PagedKV, allocate_pages, slots_for_positions, write_slots
+from .paged import PagedKV, allocate_pages, slots_for_positions
 
 _MIN_CAPACITY = 64
 DEFAULT_BLOCK_SIZE = 16
@@ -130,7 +130,7 @@ class CompressedKVCache:
         if not plan:
             return
         self._reserve(max(int(self.compressed_lens[b]) + n for b, n in plan))
-        encoded = self.codec.encode(torch.cat(flush_k, dim=1), torch.cat(flush_v, dim=1))
+        flush_k_all, flush_v_all = torch.cat(flush_k, dim=1), torch.cat(flush_v, dim=1)  # [H, N, D]
         positions, rows = [], []
         for b, n in plan:
             c0 = int(self.compressed_lens[b])
@@ -139,7 +139,10 @@ class CompressedKVCache:
             self.compressed_lens[b] = c0 + n
         pos, row = torch.cat(positions), torch.cat(rows)
         slots = slots_for_positions(self.block_table[row], pos.unsqueeze(1), self.layout.block_size)[:, 0]
-        write_slots(self.pages, self.layout, slots, {name: t.transpose(0, 1) for name, t in encoded.items()})
+        # encode + store in one step: the Triton compress-on-write kernel on CUDA, codec + write_slots on CPU
+        from ..attention.dispatch import write  # lazy: attention sits above cache
+
+        write(flush_k_all.transpose(0, 1), flush_v_all.transpose(0, 1), slots, self.pages, self.layout, self.codec)
 
     # ------------------------------------------------------------------ read helpers
     def paged(self) -> PagedKV:

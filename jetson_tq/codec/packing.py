@@ -1,7 +1,10 @@
-"""Bit packing of 1..8-bit codes into an LSB-first byte stream (the layout ``format.py`` names).
+"""Bit packing of 1..8-bit codes in the planar layout that ``format.py`` names (``PACKING``).
 
-Code ``j`` of a row occupies bits ``[j*bits, (j+1)*bits)`` of the row's stream; bit ``i`` of the
-stream is bit ``i % 8`` of byte ``i // 8``. Rows are packed independently along the last dim.
+A ``b``-bit code is split into sub-fields of widths ``subfield_widths(b)`` (low code bits first);
+each ``w``-bit sub-field of a row is a run of ``CH * w`` bytes (``CH = ceil(n / 8)``) in which
+coordinate ``j`` sits in byte ``j % (CH * w)`` at bits ``[(j // (CH * w)) * w, +w)``. So byte ``u``
+of a run holds coordinates ``u, u + CH*w, ...``: a kernel gets a contiguous block of coordinates
+from one shift and mask of a whole loaded tile. Rows are packed independently along the last dim.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import DTypeError, FormatError, ShapeError
-from ..format import MAX_BITS, packed_bytes
+from ..format import MAX_BITS, packed_bytes, subfield_widths
 
 
 def _check_bits(bits: int) -> None:
@@ -18,24 +21,24 @@ def _check_bits(bits: int) -> None:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``codes`` (uint8, values < 2**bits) along the last dim into ``ceil(n*bits/8)`` bytes."""
+    """Pack ``codes`` (uint8, values < 2**bits) along the last dim into ``ceil(n/8) * bits`` bytes."""
     _check_bits(bits)
     if codes.dtype != torch.uint8:
         raise DTypeError(f"codes: expected uint8, got {codes.dtype}")
     if codes.dim() == 0:
         raise ShapeError("codes: expected at least 1 dimension, got a scalar")
     n = codes.shape[-1]
-    if bits == 8:
-        return codes.contiguous()
-    shifts = torch.arange(bits, device=codes.device, dtype=torch.uint8)
-    stream = ((codes.unsqueeze(-1) >> shifts) & 1).reshape(*codes.shape[:-1], n * bits)
-    nbytes = packed_bytes(n, bits)
-    pad = nbytes * 8 - n * bits
-    if pad:
-        stream = torch.nn.functional.pad(stream, (0, pad))
-    weights = (1 << torch.arange(8, device=codes.device, dtype=torch.int32)).to(torch.uint8)
-    octets = stream.reshape(*codes.shape[:-1], nbytes, 8)
-    return (octets * weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    ch = (n + 7) // 8
+    lead = codes.shape[:-1]
+    padded = torch.nn.functional.pad(codes, (0, 8 * ch - n)).to(torch.int32)
+    runs, low = [], 0
+    for w in subfield_widths(bits):
+        part = (padded >> low) & ((1 << w) - 1)  # [..., 8*ch]
+        planes = part.reshape(*lead, 8 // w, ch * w)  # plane p = coordinates [p*ch*w, (p+1)*ch*w)
+        shifts = (torch.arange(8 // w, device=codes.device, dtype=torch.int32) * w).unsqueeze(-1)
+        runs.append((planes << shifts).sum(dim=-2).to(torch.uint8))
+        low += w
+    return torch.cat(runs, dim=-1)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -48,10 +51,16 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             f"packed: expected last dimension {packed_bytes(n, bits)} for {n} codes of {bits} bits, "
             f"got shape {tuple(packed.shape)}"
         )
-    if bits == 8:
-        return packed.contiguous()
-    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
-    stream = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], packed.shape[-1] * 8)[..., : n * bits]
-    weights = (1 << torch.arange(bits, device=packed.device, dtype=torch.int32)).to(torch.uint8)
-    groups = stream.reshape(*packed.shape[:-1], n, bits)
-    return (groups * weights).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    ch = (n + 7) // 8
+    lead = packed.shape[:-1]
+    raw = packed.to(torch.int32)
+    codes = torch.zeros(*lead, 8 * ch, dtype=torch.int32, device=packed.device)
+    start, low = 0, 0
+    for w in subfield_widths(bits):
+        run = raw[..., start : start + ch * w].unsqueeze(-2)  # [..., 1, ch*w]
+        shifts = (torch.arange(8 // w, device=packed.device, dtype=torch.int32) * w).unsqueeze(-1)
+        part = ((run >> shifts) & ((1 << w) - 1)).reshape(*lead, 8 * ch)
+        codes |= part << low
+        start += ch * w
+        low += w
+    return codes[..., :n].to(torch.uint8)

@@ -7,6 +7,7 @@ Each query is transformed once (q @ [Pi; S]^T); keys are never reconstructed.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -57,5 +58,9 @@ def turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
 
 
 def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> torch.Tensor:
-    """Raw TurboQuant scores [B, S] in fp32; CUDA inputs use the Triton kernel when it is available."""
+    """Raw TurboQuant scores [B, S] in fp32; CUDA inputs use the Triton kernel (``JETSON_TQ_BACKEND=reference`` opts out)."""
+    if Q.is_cuda and os.environ.get("JETSON_TQ_BACKEND", "").strip().lower() != "reference":
+        from ..kernels.scores import turboquant_scores_triton  # lazy: kernels sit above codec
+
+        return turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
     return turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)

@@ -1,0 +1,220 @@
+"""What every kernel launcher shares: the compile-time description of a page, cached device constants,
+cached workspaces, and the Triton interpreter switch.
+
+Kernels take a page's layout as ``tl.constexpr`` values (field offsets, bit widths, modes), so one
+compiled kernel serves one format; ``PageSpec`` derives those values from ``format.PagedLayout`` —
+nothing here re-derives a byte count.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..codec.kv import KVCodec
+from ..errors import UnsupportedPlatformError
+from ..format import PagedLayout, subfield_widths
+
+#: True when kernels run through Triton's CPU interpreter (``TRITON_INTERPRET=1`` before import).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+KEY_RAW, KEY_MSE, KEY_PROD = 0, 1, 2
+VAL_RAW, VAL_GROUP = 0, 1
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _patch_interpreter() -> None:
+    """Triton 3.6's interpreter calls int() on 1-element arrays, a TypeError since NumPy 2.4
+    (triton-lang/triton#9171, fixed upstream after 3.6): convert the one element explicitly."""
+    import triton.runtime.interpreter as interp
+
+    original = interp._patch_lang_tensor
+    if getattr(original, "_jetson_tq_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._jetson_tq_fixed = True
+    interp._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _patch_interpreter()
+
+
+def _widths(bits: int) -> tuple[int, int, int]:
+    """Up to three planar sub-field widths of a ``bits``-bit code, zero-padded."""
+    w = subfield_widths(bits) if bits else ()
+    return tuple(w) + (0,) * (3 - len(w))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """Compile-time facts of one (block, KV head) page that kernels are specialized on."""
+
+    D: int
+    DP: int  # head dim padded to a power of two
+    CH: int  # ceil(D / 8): coordinates per 1-bit plane
+    BS: int  # tokens per page (vLLM block_size)
+    PB: int  # page bytes
+    KEY_MODE: int
+    KB: int  # bits of a key codebook index (0 when none)
+    KW0: int
+    KW1: int
+    KW2: int
+    KCW: int  # coordinates per key chunk (CH * smallest sub-field width)
+    KCH: int  # key chunks (D padded to 8*CH coordinates = KCH * KCW)
+    OFF_KIDX: int
+    OFF_KSGN: int
+    OFF_KNORM: int
+    OFF_KRNORM: int
+    OFF_KRAW: int
+    NORM_F32: bool
+    VAL_MODE: int
+    VB: int
+    VW0: int
+    VW1: int
+    VW2: int
+    VCW: int  # coordinates per value chunk
+    VCH: int
+    GROUP: int
+    NG: int
+    OFF_VCODES: int
+    OFF_VSCALE: int
+    OFF_VZERO: int
+    OFF_VRAW: int
+    RAW_BF16: bool
+
+    @staticmethod
+    def of(layout: PagedLayout, codec: KVCodec) -> "PageSpec":
+        """The spec of ``layout`` as written by ``codec`` (raises UnsupportedPlatformError if no kernel handles it)."""
+        fmt, d = layout.fmt, layout.head_dim
+        reason = unsupported_reason(layout)
+        if reason:
+            raise UnsupportedPlatformError(f"no Triton kernel for this format: {reason}")
+        off = layout.offsets()
+        ch = (d + 7) // 8
+        key_mode = {"fp16": KEY_RAW, "mse": KEY_MSE, "prod": KEY_PROD}[fmt.key_mode]
+        kb = fmt.key_mse_bits if key_mode != KEY_RAW else 0
+        kw = _widths(kb)
+        kmin = min(w for w in kw if w) if kb else 8
+        val_mode = VAL_GROUP if fmt.value_mode == "group" else VAL_RAW
+        vb = fmt.value_bits if val_mode == VAL_GROUP else 0
+        vw = _widths(vb)
+        vmin = min(w for w in vw if w) if vb else 8
+        group = fmt.value_group if val_mode == VAL_GROUP else d
+        return PageSpec(
+            D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
+            KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],
+            KCW=ch * kmin, KCH=8 // kmin,
+            OFF_KIDX=off.get("key_idx", 0), OFF_KSGN=off.get("key_signs", 0), OFF_KNORM=off.get("key_norm", 0),
+            OFF_KRNORM=off.get("key_rnorm", 0), OFF_KRAW=off.get("key_raw", 0),
+            NORM_F32=fmt.norm_dtype == "float32",
+            VAL_MODE=val_mode, VB=vb, VW0=vw[0], VW1=vw[1], VW2=vw[2],
+            VCW=ch * vmin, VCH=8 // vmin, GROUP=group, NG=d // group,
+            OFF_VCODES=off.get("val_codes", 0), OFF_VSCALE=off.get("val_scale", 0), OFF_VZERO=off.get("val_zero", 0),
+            OFF_VRAW=off.get("val_raw", 0),
+            RAW_BF16=codec.raw_dtype == torch.bfloat16,
+        )
+
+    def constexprs(self) -> dict:
+        """The spec as keyword arguments for a kernel launch."""
+        return asdict(self)
+
+
+def unsupported_reason(layout: PagedLayout) -> str | None:
+    """Why no kernel handles ``layout`` (None when one does)."""
+    if layout.fmt.value_mode == "mse":
+        return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
+    return None
+
+
+# ------------------------------------------------------------------ cached device constants / buffers
+_CONSTANTS: dict = {}
+_WORKSPACES: dict = {}
+
+
+def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Tensor]:
+    """fp32 device copies of the codec's matrices and codebook (made once per codec and device).
+
+    ``qmat``: [Pi; S] (prod), Pi (mse) or I (fp16 keys) — rows transform a query once;
+    ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: Lloyd-Max centroids.
+    """
+    key = (codec.fmt, codec.head_dim, codec.seed, str(device))
+    if key not in _CONSTANTS:
+        d = codec.head_dim
+        out = {"qmat": codec.query_matrix("cpu").float().contiguous().to(device)}
+        if codec.keys is not None:
+            out["pi"] = codec.key_rotation.matrix("cpu").float().contiguous().to(device)
+        else:
+            out["pi"] = torch.eye(d, device=device)
+        sketch = getattr(codec.keys, "sketch_matrix", None)
+        out["s"] = sketch("cpu").float().contiguous().to(device) if sketch else torch.zeros(1, device=device)
+        cb = codec.key_codebook
+        if cb is None:
+            cb = torch.zeros(2)
+        cb = cb.float()
+        out["kfit"] = _linear_codebook_fit(cb)
+        out["write_mats"] = _write_matrices(codec, device)
+        out["bounds"] = (0.5 * (cb[1:] + cb[:-1]) if cb.numel() > 1 else torch.zeros(1)).contiguous().to(device)
+        # at least 4 entries: kernels read c0..c3 unconditionally for their 1-2 bit select paths
+        out["codebook"] = torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous().to(device)
+        _CONSTANTS[key] = out
+    return _CONSTANTS[key]
+
+
+def _split16(m: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 (hi, lo) with hi + lo = m to ~22 bits (m in float64)."""
+    hi = m.to(torch.float16)
+    lo = (m - hi.double()).to(torch.float16)
+    return hi.contiguous().to(device), lo.contiguous().to(device)
+
+
+def _write_matrices(codec: KVCodec, device) -> tuple[torch.Tensor, ...]:
+    """(Pi_hi, Pi_lo, S_hi, S_lo, W_hi, W_lo) in fp16 for the write kernel, W = S Pi^T (sketch of the residual = S u - W c)."""
+    d = codec.head_dim
+    pi = codec.key_rotation.matrix64() if codec.keys is not None else torch.eye(d, dtype=torch.float64)
+    sketch = getattr(codec.keys, "sketch_matrix", None)
+    s = sketch("cpu", torch.float64) if sketch else torch.zeros(d, d, dtype=torch.float64)
+    return (*_split16(pi, device), *_split16(s, device), *_split16(s @ pi.T, device))
+
+
+def _linear_codebook_fit(cb: torch.Tensor) -> tuple[float, float, float] | None:
+    """(alpha, beta, gamma) with c[k] = alpha + beta*k + gamma*(k >> 1) exactly, for 2- and 4-entry codebooks.
+
+    A 4-entry codebook fits when c3 - c2 - c1 + c0 = 0, which every symmetric (Lloyd-Max) one does;
+    kernels then score <q, c[idx]> as two dots with bit planes instead of a per-element lookup.
+    """
+    c = [float(x) for x in cb]
+    if len(c) == 2:
+        return c[0], c[1] - c[0], 0.0
+    if len(c) == 4 and abs(c[3] - c[2] - c[1] + c[0]) <= 1e-6 * max(abs(x) for x in c):
+        return c[0], c[1] - c[0], c[2] + c[0] - 2 * c[1]
+    return None
+
+
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A scratch tensor cached by (name, shape, dtype, device): allocated on first use only, so a
+    launch after warm-up allocates nothing (CUDA-graph capturable). Contents are not preserved."""
+    key = (name, tuple(shape), dtype, str(device))
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = torch.empty(shape, dtype=dtype, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
+def cuda_or_interpreter(t: torch.Tensor) -> None:
+    """Raise UnsupportedPlatformError unless ``t`` is on CUDA or the interpreter is on."""
+    if t.device.type != "cuda" and not INTERPRET:
+        raise UnsupportedPlatformError(
+            f"Triton kernels need CUDA tensors (got {t.device}); set TRITON_INTERPRET=1 before importing "
+            "triton to run them on the CPU interpreter, or use backend='reference'")

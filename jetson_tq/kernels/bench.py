@@ -1,0 +1,355 @@
+"""GPU benchmarks of the kernels next to their baselines, measured in the same process (../shared/BENCHMARKING.md).
+
+Every function returns rows (dicts) that ``table`` prints. Inputs are real: K/V are random normal
+fp16, compressed by the compress-on-write kernel into vLLM-style pages; several input sets rotate
+so that repeated runs never read from L2 (60 MB on an H200); each output is checked against the
+reference before it is timed. ``decode_vs_sdpa`` is the entry point the launcher's demo calls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.paged import PagedKV, allocate_pages, slots_for_positions
+from ..codec.kv import KVCodec
+from ..errors import UnsupportedPlatformError
+from ..format import KVFormat, PagedLayout
+
+L2_BYTES = 60 * 2**20
+
+
+def _require_cuda() -> torch.device:
+    if not torch.cuda.is_available():
+        raise UnsupportedPlatformError("benchmarks need a CUDA GPU")
+    return torch.device("cuda")
+
+
+def _bench(fns: list, warmup_ms: int = 25, rep_ms: int = 200) -> float:
+    """Median µs of one call, cycling through ``fns`` (one per input set) so each call sees cold inputs."""
+    import triton
+
+    state = {"i": 0}
+
+    def step():
+        fns[state["i"] % len(fns)]()
+        state["i"] += 1
+
+    return triton.testing.do_bench(step, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e3
+
+
+def _graph_us(fns: list, iters: int = 20) -> float:
+    """µs per call of ``fns`` replayed from one CUDA graph (launch overhead removed, as vLLM decodes)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            for f in fns:
+                f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (iters * len(fns)))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read + written (the roofline we quote)."""
+    _require_cuda()
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = _bench([lambda: dst.copy_(src)])
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def _n_sets(bytes_per_set: int, cap: int = 16) -> int:
+    return max(2, min(cap, math.ceil(3 * L2_BYTES / max(bytes_per_set, 1))))
+
+
+# ------------------------------------------------------------------------------------- decode
+@dataclass
+class DecodeCase:
+    """One input set: compressed pages of ``lens`` tokens per sequence plus the same tokens in fp16."""
+
+    kv: PagedKV
+    q: torch.Tensor  # [B, Hq, D]
+    k16: torch.Tensor  # [B, Hkv, max_len, D] all tokens (compressed + buffer), the SDPA baseline's cache
+    v16: torch.Tensor
+    compressed_bytes: int
+    buffer_bytes: int
+
+
+def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: int = 128,
+                     fmt: KVFormat | None = None, buffer_tokens: int = 128, block_size: int = 16,
+                     seed: int = 0) -> DecodeCase:
+    """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
+    buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
+    from .compress_write import compress_write
+
+    dev = _require_cuda()
+    fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    codec = KVCodec(fmt, head_dim)
+    layout = PagedLayout(fmt, head_dim, block_size)
+    maxlen = max(lens)
+    k16 = torch.randn(batch, hkv, maxlen, head_dim, device=dev, generator=gen, dtype=torch.float16)
+    v16 = torch.randn(batch, hkv, maxlen, head_dim, device=dev, generator=gen, dtype=torch.float16)
+    comp = [max(n - buffer_tokens, 0) for n in lens]
+    rec = [n - c for n, c in zip(lens, comp)]
+    need = [-(-c // block_size) for c in comp]
+    width = max(need + [1])
+    perm = torch.randperm(sum(need) + 1, device=dev, generator=gen)[: sum(need)].to(torch.int32)
+    table = torch.zeros(batch, width, dtype=torch.int32, device=dev)
+    start = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[start : start + n]
+        start += n
+    pages = allocate_pages(layout, int(sum(need)) + 1, hkv, dev)
+    for b, c in enumerate(comp):
+        for t0 in range(0, c, 65536):  # bounded temporaries
+            pos = torch.arange(t0, min(c, t0 + 65536), device=dev)
+            slots = slots_for_positions(table[b : b + 1], pos.unsqueeze(0), block_size)[0]
+            compress_write(k16[b, :, pos].transpose(0, 1), v16[b, :, pos].transpose(0, 1), slots, pages, layout, codec)
+    cap = max(rec + [1])
+    rk = torch.zeros(batch, hkv, cap, head_dim, dtype=torch.float16, device=dev)
+    rv = torch.zeros_like(rk)
+    for b, (c, r) in enumerate(zip(comp, rec)):
+        rk[b, :, :r], rv[b, :, :r] = k16[b, :, c : c + r], v16[b, :, c : c + r]
+    kv = PagedKV(pages, table, torch.tensor(comp, dtype=torch.int32, device=dev), rk, rv,
+                 torch.tensor(rec, dtype=torch.int32, device=dev), torch.arange(batch, dtype=torch.int32, device=dev),
+                 layout, codec)
+    q = torch.randn(batch, hq, head_dim, device=dev, generator=gen, dtype=torch.float16)
+    return DecodeCase(kv, q, k16, v16, sum(comp) * hkv * fmt.bytes_per_token(head_dim),
+                      sum(rec) * hkv * 4 * head_dim)
+
+
+def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[dict], q_scale: float = 1.0) -> list[dict]:
+    """Relative error vs the reference of each kernel variant on each (B, Hq, Hkv, ctx) case (first 2 sequences)."""
+    from ..attention.reference import paged_attention_decode
+    from .hybrid_decode import hybrid_decode
+
+    rows = []
+    for b, hq, hkv, ctx in cases:
+        case = make_decode_case(b, hq, hkv, [ctx] * b, seed=0)
+        q = case.q * q_scale
+        sub = min(b, 2)
+        kv = case.kv
+        part = PagedKV(kv.pages, kv.block_table[:sub], kv.compressed_lens[:sub], kv.recent_k, kv.recent_v,
+                       kv.recent_lens[:sub], kv.recent_index[:sub], kv.layout, kv.codec)
+        ref = paged_attention_decode(q[:sub], part).float()
+        for var in variants:
+            errs = []
+            for _ in range(2):  # twice: a moving error is a race
+                got = hybrid_decode(q, kv, **var)[:sub].float()
+                errs.append(((got - ref).norm() / ref.norm()).item())
+            rows.append({"B": b, "ctx": ctx, "q_scale": q_scale, "variant": ",".join(f"{k}={v}" for k, v in var.items())
+                         or "default", "err_run1": errs[0], "err_run2": errs[1]})
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, head_dim: int = 128,
+                   ragged: list[int] | None = None, graphs: bool = True, check: bool = True,
+                   copy_gbps: float | None = None, **kernel_kwargs) -> list[dict]:
+    """Fused hybrid decode vs torch SDPA flash on fp16 KV (same tokens), per shape (B, Hq, Hkv, ctx).
+
+    Columns: ours_us / flash_us (medians, eager), speedup, bytes our kernel must read, floor at
+    the measured copy bandwidth and % of it achieved; ``graphs`` adds CUDA-graph replay times.
+    ``ragged``: one extra row with these per-sequence lengths (Hq/Hkv 32/8; flash runs padded).
+    """
+    from ..attention.reference import paged_attention_decode
+    from .hybrid_decode import hybrid_decode
+
+    _require_cuda()
+    bw = copy_gbps or copy_bandwidth()
+    shapes = shapes if shapes is not None else [(1, 32, 8, 1024), (8, 32, 8, 65536), (1, 32, 8, 131072)]
+    todo = [(b, hq, hkv, [ctx] * b) for b, hq, hkv, ctx in shapes]
+    if ragged:
+        todo.append((len(ragged), 32, 8, list(ragged)))
+    rows = []
+    for b, hq, hkv, lens in todo:
+        probe = make_decode_case(b, hq, hkv, lens, head_dim, seed=0)
+        our_bytes = probe.compressed_bytes + probe.buffer_bytes + 2 * probe.q.numel() * 2
+        fp16_bytes = 2 * probe.k16.numel() * 2 + 2 * probe.q.numel() * 2
+        sets = [probe] + [make_decode_case(b, hq, hkv, lens, head_dim, seed=i)
+                          for i in range(1, _n_sets(fp16_bytes + our_bytes, cap=8))]
+        outs = [torch.empty_like(c.q) for c in sets]
+        if check:  # the reference on a bounded subset (first two sequences) of the first set
+            sub = min(b, 2)
+            kv = probe.kv
+            part = PagedKV(kv.pages, kv.block_table[:sub], kv.compressed_lens[:sub], kv.recent_k, kv.recent_v,
+                           kv.recent_lens[:sub], kv.recent_index[:sub], kv.layout, kv.codec)
+            ref = paged_attention_decode(probe.q[:sub], part).float()
+            got = hybrid_decode(probe.q, kv, **kernel_kwargs)[:sub].float()
+            err = ((got - ref).norm() / ref.norm()).item()  # reported in the row; > 2e-3 is flagged, not hidden
+        ours = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, **kernel_kwargs) for c, o in zip(sets, outs)]
+        flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
+        t_ours, t_flash = _bench(ours), _bench(flash)
+        row = {"B": b, "Hq/Hkv": f"{hq}/{hkv}", "ctx": max(lens) if len(set(lens)) == 1 else "ragged:" + "/".join(
+            str(n // 1024) + "k" for n in lens), "ours_us": t_ours, "flash_us": t_flash,
+            "speedup": t_flash / t_ours, "MB_read": our_bytes / 1e6, "floor_us": our_bytes / (bw * 1e3),
+            "pct_copy_bw": 100 * our_bytes / (t_ours * 1e-6) / (bw * 1e9),
+            "flash_pct_bw": 100 * fp16_bytes / (t_flash * 1e-6) / (bw * 1e9)}
+        if graphs:
+            row["ours_graph_us"] = _graph_us(ours[:2])
+            row["flash_graph_us"] = _graph_us(flash[:2])
+        if check:
+            row["check_err"] = err
+            row["check"] = "ok" if err <= 2e-3 else "FAILED"
+        rows.append(row)
+        del sets, outs, probe
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------- compress
+def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, variants: list[dict] | None = None,
+                   copy_gbps: float | None = None) -> list[dict]:
+    """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch (vLLM slot mapping)."""
+    from .compress_write import compress_write, compress_write_reference
+
+    dev = _require_cuda()
+    bw = copy_gbps or copy_bandwidth()
+    fmt = KVFormat()
+    codec, layout = KVCodec(fmt, head_dim), PagedLayout(fmt, head_dim, 16)
+    nblocks = tokens // 16 + 1
+    io_bytes = tokens * hkv * (4 * head_dim + fmt.bytes_per_token(head_dim)) + tokens * 8
+    sets = []
+    for i in range(_n_sets(io_bytes, cap=8)):
+        k = torch.randn(tokens, hkv, head_dim, device=dev, dtype=torch.float16)
+        v = torch.randn(tokens, hkv, head_dim, device=dev, dtype=torch.float16)
+        slots = torch.randperm(nblocks * 16, device=dev)[:tokens]
+        sets.append((k, v, slots, allocate_pages(layout, nblocks, hkv, dev)))
+    k, v, slots, pages = sets[0]
+    ref_pages = pages.clone()
+    compress_write_reference(k, v, slots, ref_pages, layout, codec)
+    rows = []
+    for var in variants or [{}]:
+        compress_write(k, v, slots, pages, layout, codec, **var)
+        same = (pages != ref_pages).float().mean().item()
+        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, **var) for s in sets]
+        t = _bench(fns)
+        rows.append({"variant": ",".join(f"{a}={b}" for a, b in var.items()) or "default", "tokens": tokens,
+                     "heads": hkv, "us": t, "MB_moved": io_bytes / 1e6, "floor_us": io_bytes / (bw * 1e3),
+                     "pct_copy_bw": 100 * io_bytes / (t * 1e-6) / (bw * 1e9), "bytes_differing": same})
+    ref_t = _bench([lambda s=s: compress_write_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
+    rows.append({"variant": "reference (encode + write_slots)", "tokens": tokens, "heads": hkv, "us": ref_t,
+                 "MB_moved": io_bytes / 1e6, "floor_us": io_bytes / (bw * 1e3),
+                 "pct_copy_bw": 100 * io_bytes / (ref_t * 1e-6) / (bw * 1e9), "bytes_differing": 0.0})
+    return rows
+
+
+# ------------------------------------------------------------------------------------- prefill
+def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, head_dim: int = 128,
+                  copy_gbps: float | None = None) -> list[dict]:
+    """Chunked prefill (B, Hq, Hkv, history, chunk T) vs SDPA flash over the fp16 history + chunk (causal, lower-right)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from ..attention.reference import paged_attention_prefill
+    from .prefill import chunked_prefill
+
+    dev = _require_cuda()
+    bw = copy_gbps or copy_bandwidth()
+    shapes = shapes or [(1, 32, 8, 16384, 1024), (1, 32, 8, 65536, 1024), (4, 32, 8, 8192, 512)]
+    rows = []
+    for b, hq, hkv, hist, t in shapes:
+        case = make_decode_case(b, hq, hkv, [hist] * b, head_dim, seed=1)
+        gen = torch.Generator(device=dev).manual_seed(2)
+        q = torch.randn(b, hq, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
+        k = torch.randn(b, hkv, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
+        v = torch.randn(b, hkv, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
+        kv = case.kv
+        part = PagedKV(kv.pages, kv.block_table[:1], kv.compressed_lens[:1], kv.recent_k, kv.recent_v,
+                       kv.recent_lens[:1], kv.recent_index[:1], kv.layout, kv.codec)
+        ref = paged_attention_prefill(q[:1, :, :64], k[:1, :, :64], v[:1, :, :64], part).float()
+        got = chunked_prefill(q[:1, :, :64].contiguous(), k[:1, :, :64].contiguous(), v[:1, :, :64].contiguous(),
+                              part).float()
+        err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
+        kf, vf = torch.cat([case.k16, k], dim=2), torch.cat([case.v16, v], dim=2)
+        bias = causal_lower_right(t, hist + t)
+
+        def flash():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                return torch.nn.functional.scaled_dot_product_attention(q, kf, vf, attn_mask=bias, enable_gqa=True)
+
+        t_ours = _bench([lambda: chunked_prefill(q, k, v, kv)])
+        t_flash = _bench([flash])
+        flops = 4 * b * hq * t * head_dim * (hist + t / 2)
+        rows.append({"B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
+                     "sdpa_us": t_flash, "speedup": t_flash / t_ours, "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,
+                     "hist_MB": (case.compressed_bytes + case.buffer_bytes) / 1e6, "check_err": err,
+                     "check": "ok" if err <= 2e-3 else "FAILED"})
+        del case, kf, vf
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------- scores
+def scores_bench(b: int = 32, s: int = 32768, d: int = 128, c: int = 16, copy_gbps: float | None = None) -> list[dict]:
+    """``turboquant_scores`` kernel vs the reconstruct-then-matmul PyTorch reference, and its byte floor."""
+    from ..codec.codebook import lloyd_max_codebook
+    from ..codec.rotation import Rotation, qjl_matrix
+    from ..codec.scores import turboquant_scores_reference
+    from .scores import turboquant_scores_triton
+
+    dev = _require_cuda()
+    bw = copy_gbps or copy_bandwidth()
+    pi, sk = Rotation(d, "auto", 0).matrix(dev), qjl_matrix(d, 0, dev)
+    cb = lloyd_max_codebook(d, int(math.log2(c))).to(dev)
+    nbytes = s * d * 2 + s * 4 + b * d * 4 + 2 * d * d * 4 + b * s * 4
+    sets = []
+    for _ in range(_n_sets(nbytes)):
+        sets.append((torch.randn(b, d, device=dev), torch.randint(0, c, (s, d), dtype=torch.uint8, device=dev),
+                     (torch.randint(0, 2, (s, d), device=dev) * 2 - 1).to(torch.int8), torch.rand(s, device=dev)))
+    q, idx, sg, gamma = sets[0]
+    ref = turboquant_scores_reference(q, idx, sg, gamma, pi, sk, cb)
+    got = turboquant_scores_triton(q, idx, sg, gamma, pi, sk, cb)
+    err = ((got - ref).norm() / ref.norm()).item()
+    if not err <= 1e-5:
+        raise AssertionError(f"scores check failed before timing: rel err {err:.2e}")
+    t_k = _bench([lambda a=a: turboquant_scores_triton(a[0], a[1], a[2], a[3], pi, sk, cb) for a in sets])
+    t_r = _bench([lambda a=a: turboquant_scores_reference(a[0], a[1], a[2], a[3], pi, sk, cb) for a in sets])
+    floor = nbytes / (bw * 1e3)
+    return [{"impl": "triton kernel", "B": b, "S": s, "D": d, "C": c, "us": t_k, "floor_us": floor,
+             "pct_copy_bw": 100 * floor / t_k, "check_err": err},
+            {"impl": "reconstruct-then-matmul (torch)", "B": b, "S": s, "D": d, "C": c, "us": t_r, "floor_us": floor,
+             "pct_copy_bw": 100 * floor / t_r, "check_err": 0.0}]
+
+
+def table(rows: list[dict]) -> str:
+    """Rows as a GitHub markdown table (floats to 3 significant digits)."""
+    if not rows:
+        return "(no rows)"
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+
+    def fmt(x):
+        if isinstance(x, float):
+            return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+"""Compress-on-write: new K/V tokens -> packed TurboQuant fields, stored straight into their pages.
+
+One launch does everything ``KVCodec.encode`` + ``cache.paged.write_slots`` do: per token and KV
+head it normalizes the key, rotates it (tensor cores, fp16 hi+lo split: ~fp32 accurate), picks
+Lloyd-Max indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
+combined matrices, so the residual is never formed), packs
+indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
+zero, round-half-even), and writes every field at ``slot = block * block_size + offset`` (vLLM's
+``slot_mapping``; slots < 0 are skipped). Each program handles BLOCK_T tokens of one KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codec.kv import Fields, KVCodec
+from ..errors import DTypeError, ShapeError, expect_same_device
+from ..format import PagedLayout
+from ._common import INTERPRET, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
+from ._tiles import K_PROD, K_RAW, V_RAW, mma
+
+TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
+
+
+@triton.jit
+def _bucketize(y, bnd_ptr, KB: tl.constexpr):
+    """Number of codebook boundaries strictly below y (torch.bucketize, right=False)."""
+    idx = tl.zeros(y.shape, tl.int32)
+    if KB <= 3:
+        for i in tl.static_range((1 << KB) - 1):
+            idx += (y > tl.load(bnd_ptr + i)).to(tl.int32)
+    else:
+        for bit in tl.static_range(KB):
+            cand = idx + (1 << (KB - 1 - bit))
+            idx = tl.where(y > tl.load(bnd_ptr + cand - 1), cand, idx)
+    return idx
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, m_hi_ptr, m_lo_ptr, rows, d, mask, D: tl.constexpr, acc, INTERP: tl.constexpr):
+    """acc + a @ M[rows, :]^T with a and M split into fp16 hi + lo parts (three tensor-core dots,
+    ~22-bit accurate: quantization decisions match the fp32 reference)."""
+    off = rows[None, :] * D + d[:, None]
+    m_hi = tl.load(m_hi_ptr + off, mask=mask, other=0.0)
+    m_lo = tl.load(m_lo_ptr + off, mask=mask, other=0.0)
+    acc = mma(a_hi, m_hi, acc, INTERP)
+    acc = mma(a_hi, m_lo, acc, INTERP)
+    return mma(a_lo, m_hi, acc, INTERP)
+
+
+@triton.jit
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _store_run(codes, ptrs, mask, RUN_OFF: tl.constexpr, LOW: tl.constexpr, W: tl.constexpr,
+               CH: tl.constexpr, CW: tl.constexpr, NCH: tl.constexpr):
+    """Store one planar run (bits [LOW, LOW+W) of every code) at byte offset RUN_OFF of the field."""
+    WMIN: tl.constexpr = CW // CH
+    for k in tl.static_range(W // WMIN):  # piece k of the run = bytes [k*CW, (k+1)*CW)
+        byte = tl.zeros(codes[0].shape, tl.int32)
+        for c in tl.static_range(NCH):
+            if (c * WMIN) % W == k * WMIN:
+                byte |= ((codes[c] >> LOW) & ((1 << W) - 1)) << (((c * WMIN) // W) * W)
+        tl.store(ptrs + RUN_OFF + k * CW, byte.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_packed(codes, ptrs, mask, CH: tl.constexpr, CW: tl.constexpr, NCH: tl.constexpr,
+                  W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+    """Pack per-chunk codes (a tuple of NCH [T, CWP] int32 tiles) into planar runs and store them."""
+    if W0 > 0:
+        _store_run(codes, ptrs, mask, 0, 0, W0, CH, CW, NCH)
+    if W1 > 0:
+        _store_run(codes, ptrs, mask, CH * W0, W0, W1, CH, CW, NCH)
+    if W2 > 0:
+        _store_run(codes, ptrs, mask, CH * (W0 + W1), W0 + W1, W2, CH, CW, NCH)
+
+
+@triton.jit
+def _compress_write_kernel(
+        k_ptr, v_ptr, slot_ptr, pages_ptr, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
+        cb_ptr, bnd_ptr,
+        n_tokens, stride_kt, stride_kh, stride_vt, stride_vh, page_bytes,
+        HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
+        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
+        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
+        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
+        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
+        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
+        RAW_BF16: tl.constexpr,
+        KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
+        SPLIT_SKETCH: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+    pid_t, h = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    page = pages_ptr + ((slot // BS) * (HKV * page_bytes) + h.to(tl.int64) * page_bytes)  # [T] byte pointers
+    off = slot % BS
+    d = tl.arange(0, DP)
+    dmask = valid[:, None] & (d[None, :] < D)
+    t64 = t.to(tl.int64)
+    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+    NORM_T: tl.constexpr = tl.float32 if NORM_F32 else tl.float16
+    NB: tl.constexpr = 4 if NORM_F32 else 2
+
+    # ---------------------------------------------------------------- keys
+    k = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0).to(tl.float32)
+    if KEY_MODE == K_RAW:
+        tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], k.to(RAW_T),
+                 mask=dmask)
+    else:
+        nrm = tl.sqrt_rn(tl.sum(k * k, 1))
+        unit = k / tl.maximum(nrm, TINY)[:, None]
+        u_hi = unit.to(tl.float16)
+        u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
+        # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
+        r2 = tl.sum(unit * unit, 1)
+        kc = tl.arange(0, KCWP)
+        codes = ()
+        cents = ()
+        cents_lo = ()
+        kbyte = tl.zeros([BLOCK_T, KCWP], tl.int32)
+        for c in tl.static_range(KCH):
+            row = c * KCW + kc  # rows of Pi that give this chunk's rotated coordinates (planar chunk c)
+            inside = (kc[None, :] < KCW) & (row[None, :] < D)
+            y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d, (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D),
+                      D, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+            code = tl.where(inside, _bucketize(y, bnd_ptr, KB), 0)  # padding coordinates pack as 0
+            cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
+            r2 += tl.sum(cent * (cent - 2.0 * y), 1)
+            if KW1 == 0:
+                kbyte |= code << (c * KW0)
+            else:
+                codes = codes + (code,)
+            if KEY_MODE == K_PROD:
+                c_hi = cent.to(tl.float16)
+                cents = cents + (c_hi,)
+                if SPLIT_SKETCH:
+                    cents_lo = cents_lo + ((cent - c_hi.to(tl.float32)).to(tl.float16),)
+        kptrs = (page + OFF_KIDX + off * (CH * KB))[:, None] + kc[None, :]
+        if KB > 0:
+            if KW1 == 0:
+                tl.store(kptrs, kbyte.to(tl.uint8), mask=valid[:, None] & (kc[None, :] < KCW))
+            else:
+                _store_packed(codes, kptrs, valid[:, None] & (kc[None, :] < KCW), CH, KCW, KCH, KW0, KW1, KW2)
+        tl.store((page + OFF_KNORM + off * NB).to(tl.pointer_type(NORM_T)), nrm.to(NORM_T), mask=valid)
+        if KEY_MODE == K_PROD:
+            # sketch chunk c of S r = S unit - (S Pi^T) c, for the 8 one-bit planes of the signs
+            sc = tl.arange(0, CHP)
+            sbyte = tl.zeros([BLOCK_T, CHP], tl.int32)
+            for c in tl.static_range(8):
+                row = c * CH + sc
+                # exact (default): hi+lo split products, ~22 bits, so a sign differs from the fp32 reference
+                # only where (S r)_i is within ~1e-6 of 0. Fast (KB <= 2 only): one fp16 product per term.
+                smask = (sc[None, :] < CH) & (row[None, :] < D) & (d[:, None] < D)
+                if SPLIT_SKETCH:
+                    sk = _dot3(u_hi, u_lo, s_hi_ptr, s_lo_ptr, row, d, smask, D,
+                               tl.zeros([BLOCK_T, CHP], tl.float32), INTERP)
+                else:
+                    s_hi = tl.load(s_hi_ptr + row[None, :] * D + d[:, None], mask=smask, other=0.0)
+                    sk = mma(u_hi, s_hi, tl.zeros([BLOCK_T, CHP], tl.float32), INTERP)
+                for c2 in tl.static_range(KCH):
+                    kr = c2 * KCW + kc  # W^T block: rows = chunk c2 coordinates, cols = sketch rows of chunk c
+                    wmask = (kc[:, None] < KCW) & (kr[:, None] < D) & (sc[None, :] < CH) & (row[None, :] < D)
+                    w_off = row[None, :] * D + kr[:, None]
+                    w_hi = tl.load(w_hi_ptr + w_off, mask=wmask, other=0.0)
+                    sk = mma(cents[c2], -w_hi, sk, INTERP)
+                    if SPLIT_SKETCH:
+                        w_lo = tl.load(w_lo_ptr + w_off, mask=wmask, other=0.0)
+                        sk = mma(cents[c2], -w_lo, sk, INTERP)
+                        sk = mma(cents_lo[c2], -w_hi, sk, INTERP)
+                sbyte |= ((sk >= 0) & (row[None, :] < D)).to(tl.int32) << c
+            tl.store((page + OFF_KSGN + off * CH)[:, None] + sc[None, :], sbyte.to(tl.uint8),
+                     mask=valid[:, None] & (sc[None, :] < CH))
+            rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
+            tl.store((page + OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
+
+    # ---------------------------------------------------------------- values
+    v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0).to(tl.float32)
+    if VAL_MODE == V_RAW:
+        tl.store((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], v.to(RAW_T),
+                 mask=dmask)
+    else:
+        LEVELS: tl.constexpr = (1 << VB) - 1
+        grp_of = d // GROUP
+        scales = ()
+        zeros = ()
+        srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+        zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+        for gi in tl.static_range(NG):
+            ing = (grp_of[None, :] == gi) & (d[None, :] < D)
+            lo = tl.min(tl.where(ing, v, float("inf")), 1)
+            hi = tl.max(tl.where(ing, v, float("-inf")), 1)
+            zero = lo.to(tl.float16)
+            scale = tl.math.div_rn(hi - zero.to(tl.float32), tl.zeros_like(hi) + LEVELS).to(tl.float16)
+            tl.store(srow + gi, scale, mask=valid)
+            tl.store(zrow + gi, zero, mask=valid)
+            scales = scales + (scale.to(tl.float32),)
+            zeros = zeros + (zero.to(tl.float32),)
+        vc = tl.arange(0, VCWP)
+        vcodes = ()
+        for c in tl.static_range(VCH):
+            col = c * VCW + vc
+            cmask = valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D)
+            vv = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask,
+                         other=0.0).to(tl.float32)
+            cg = col // GROUP
+            sc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
+            zc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
+            for gi in tl.static_range(NG):
+                sc2 = tl.where(cg[None, :] == gi, scales[gi][:, None], sc2)
+                zc2 = tl.where(cg[None, :] == gi, zeros[gi][:, None], zc2)
+            safe = tl.where(sc2 > 0, sc2, 1.0)
+            qv = _round_half_even(tl.math.div_rn(vv - zc2, safe))
+            qv = tl.minimum(tl.maximum(qv, 0.0), LEVELS)
+            vcodes = vcodes + (tl.where(cmask, qv, 0.0).to(tl.int32),)
+        _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
+                      valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
+
+
+BLOCK_T = 64  # measured on the H200 (run 1): 756 us at 64 tokens / 8 warps vs 1162 us at 16 / 4
+
+
+def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                   layout: PagedLayout, codec: KVCodec, *, block_t: int = BLOCK_T, num_warps: int = 8,
+                   exact_signs: bool = True) -> None:
+    """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
+
+    ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
+    faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
+    fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
+    """
+    cuda_or_interpreter(k)
+    expect_same_device(k=k, v=v, slots=slots, pages=pages)
+    if k.shape != v.shape or k.dim() != 3 or k.shape[1] != pages.shape[1] or k.shape[2] != layout.head_dim:
+        raise ShapeError(f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if slots.dim() != 1 or slots.shape[0] != k.shape[0]:
+        raise ShapeError(f"slots: expected [{k.shape[0]}], got {tuple(slots.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise DTypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
+    if pages.dtype != torch.uint8 or pages.shape[2] != layout.page_bytes:
+        raise ShapeError(f"pages: expected uint8 [blocks, H, {layout.page_bytes}], got {pages.dtype} {tuple(pages.shape)}")
+    n = k.shape[0]
+    if n == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    spec = PageSpec.of(layout, codec)
+    consts = codec_constants(codec, k.device)
+    grid = (triton.cdiv(n, block_t), pages.shape[1])
+    _compress_write_kernel[grid](
+        k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"],
+        n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), spec.PB,
+        HKV=pages.shape[1], **spec.constexprs(),
+        KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
+        SPLIT_SKETCH=exact_signs or spec.KB > 2, BLOCK_T=block_t, INTERP=INTERPRET, num_warps=num_warps)
+
+
+def compress_write_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                             layout: PagedLayout, codec: KVCodec) -> Fields:
+    """PyTorch reference: ``KVCodec.encode`` then ``write_slots`` (returns the encoded fields)."""
+    from ..cache.paged import write_slots
+
+    fields = codec.encode(k, v)
+    write_slots(pages, layout, slots, fields)
+    return fields

@@ -1,0 +1,394 @@
+"""Fused hybrid decode: one query token per sequence over compressed pages AND the recent buffer.
+
+One program = one (sequence, KV head, split). It walks its share of the compressed tokens through
+the block table (vLLM 0.26 layout: slot = block * block_size + offset), BLOCK_N tokens per tile,
+scoring every tile for all G query heads of the KV head at once (GQA: the tile is loaded once):
+
+    score = ||k|| <Pi q, c[idx]> + sqrt(pi/2)/D ||r|| <S q, signs>      (keys never rebuilt)
+    value = code * scale + zero                                         (per group of coordinates)
+
+with (Pi q, S q) computed once per query by ``query_transform`` (scaled by softmax_scale*log2 e).
+Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
+a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
+also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
+softmax. With several splits each program writes a partial (output, log-sum-exp) and
+``_decode_reduce_kernel`` merges them. No host sync and no allocation after the first call of a
+shape (workspaces are cached), so the launcher can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..cache.paged import PagedKV
+from ..errors import DTypeError, ShapeError, expect_same_device
+from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
+                      next_pow2, workspace)
+from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, mma, subnormal16
+from .query_transform import query_transform
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _hybrid_decode_kernel(
+        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr,
+        out_ptr, po_ptr, plse_ptr,
+        stride_qb, stride_qh, stride_bt, page_bytes,
+        stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
+        stride_ob, stride_oh, tokens_per_split, n_splits, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma,
+        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
+        D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
+        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
+        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
+        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
+        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
+        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
+        RAW_BF16: tl.constexpr,
+        KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
+        NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr):
+    # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
+    # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
+    pid_bh, split = tl.program_id(0), tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    clen = tl.load(clen_ptr + b)
+    rlen = tl.load(rlen_ptr + b)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    qrow = b * (HKV * G) + h * G + g  # flat query-head rows of this KV head
+    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+    KDOT_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
+
+    # ---- the transformed query as fp16 B operands [chunk, GP], one (or two) per chunk, loaded once.
+    # Fast path: <q, c[idx]> = alpha sum(q) + beta <q, k> + gamma <q, k >> 1> with k and its high bit
+    # read as fp16 subnormal planes (bits * 4^c * 2^-24); the 4^-c goes into the query operand.
+    kc = tl.arange(0, KCWP)
+    kadd = tl.zeros([GP], tl.float32)
+    qk = ()
+    qh = ()
+    for c in tl.static_range(KCH):
+        kcol = c * KCW + kc
+        qc = tl.load(qt_ptr + qrow[None, :] * QW + kcol[:, None],
+                     mask=gmask[None, :] & (kc[:, None] < KCW) & (kcol[:, None] < D), other=0.0)
+        if FAST_K and KB == 2:
+            qa = (qc * (k_beta / (1 << (2 * c)))).to(tl.float16)
+            qb2 = (qc * (k_gamma / (2 << (2 * c)))).to(tl.float16)
+            kadd += k_alpha * tl.sum(qc, 0)
+            qk = qk + (qa,)
+            qh = qh + (qb2,)
+        elif FAST_K and KB == 1:
+            qa = (qc * (k_beta / (1 << c))).to(tl.float16)
+            kadd += k_alpha * tl.sum(qc, 0)
+            qk = qk + (qa,)
+        else:
+            qk = qk + (qc.to(KDOT_T),)
+    sc = tl.arange(0, CHP)
+    qs = ()
+    ssub = tl.zeros([GP], tl.float32)
+    if KEY_MODE == K_PROD:
+        for c in tl.static_range(8):
+            scol = c * CH + sc
+            qsc = tl.load(qt_ptr + qrow[None, :] * QW + D + scol[:, None],
+                          mask=gmask[None, :] & (sc[:, None] < CH) & (scol[:, None] < D), other=0.0)
+            qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
+            ssub += tl.sum(qsc, 0)  # <q, sign> = 2 <q, bit> - sum(q)
+            qs = qs + (qsa,)
+    cb0 = tl.load(cb_ptr)
+    cb1 = tl.load(cb_ptr + 1)
+    cb2 = tl.load(cb_ptr + 2)
+    cb3 = tl.load(cb_ptr + 3)
+
+    vu = tl.arange(0, VSUBP)
+    ng = tl.arange(0, NGP)
+    zacc = tl.zeros([NGP, GP], tl.float32)  # fast path: sum_n p * zero[n, group]
+    acc = ()
+    for i in tl.static_range(VCH * VSC):
+        acc = acc + (tl.zeros([VSUBP, GP], tl.float32),)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+
+    # ---- compressed tokens [start, end) of this split, BLOCK_N per tile
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, clen)
+    head_off = h.to(tl.int64) * page_bytes
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < end
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
+        page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
+        off = n % BS
+        # scores of this tile, [N, GP]
+        if KEY_MODE == K_RAW:
+            kraw = tl.load((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
+                           mask=nmask[:, None] & (kc[None, :] < D), other=0.0)
+            s = mma(kraw, qk[0], tl.zeros([BLOCK_N, GP], tl.float32), INTERP)
+        else:
+            kptr = (page + OFF_KIDX + off * (CH * KB))[:, None] + kc[None, :]
+            kmask = nmask[:, None] & (kc[None, :] < KCW)
+            if KW1 == 0:
+                xk = tl.load(kptr, mask=kmask, other=0)
+            s = tl.zeros([BLOCK_N, GP], tl.float32)
+            for c in tl.static_range(KCH):
+                if FAST_K and KB == 2:
+                    s = mma(subnormal16(xk & (3 << (2 * c))), qk[c], s, INTERP)
+                    s = mma(subnormal16(xk & (2 << (2 * c))), qh[c], s, INTERP)
+                elif FAST_K and KB == 1:
+                    s = mma(subnormal16(xk & (1 << c)), qk[c], s, INTERP)
+                else:
+                    if KW1 == 0:
+                        code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
+                    else:
+                        code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
+                    cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
+                    s = mma(cent, qk[c], s, INTERP)
+            if FAST_K:
+                s = s * TWO24 + kadd[None, :]
+            if NORM_F32:
+                knorm = tl.load((page + OFF_KNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
+            else:
+                knorm = tl.load((page + OFF_KNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
+                                other=0.0).to(tl.float32)
+            s = s * knorm[:, None]
+            if KEY_MODE == K_PROD:
+                xs = tl.load((page + OFF_KSGN + off * CH)[:, None] + sc[None, :],
+                             mask=nmask[:, None] & (sc[None, :] < CH), other=0)
+                sq = tl.zeros([BLOCK_N, GP], tl.float32)
+                for c in tl.static_range(8):
+                    sq = mma(subnormal16(xs & (1 << c)), qs[c], sq, INTERP)
+                if NORM_F32:
+                    rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
+                                    other=0.0)
+                else:
+                    rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
+                                    other=0.0).to(tl.float32)
+                s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
+        s = tl.where(nmask[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+        # values: v^T tiles [coords, N] (loaded transposed: bytes of one token are a column)
+        if VAL_MODE == V_RAW:
+            vraw = tl.load((page + OFF_VRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
+                           mask=nmask[None, :] & (vu[:, None] < D), other=0.0)
+            acc = (mma(vraw, p.to(RAW_T), acc[0] * alpha[None, :], INTERP),)
+        else:
+            p16 = p.to(tl.float16)
+            vrow = page + OFF_VCODES + off * (CH * VB)
+            srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            xvs = ()
+            if VW1 == 0:
+                for j in tl.static_range(VSC):
+                    xvs = xvs + (tl.load(vrow[None, :] + (j * VSUB + vu)[:, None],
+                                         mask=nmask[None, :] & (vu[:, None] < VSUB), other=0),)
+            new_acc = ()
+            for c in tl.static_range(VCH):
+                for j in tl.static_range(VSC):
+                    vptr = vrow[None, :] + (j * VSUB + vu)[:, None]
+                    vmask = nmask[None, :] & (vu[:, None] < VSUB)
+                    if FAST_V:
+                        # the sub-chunk lies in one group: fold the per-token scale into P, keep codes as
+                        # subnormal planes (code * 2^(c*VB) * 2^-24); zero points go through zacc
+                        grp = (c * VCW + j * VSUB) // GROUP
+                        vs = tl.load(srow + grp, mask=nmask, other=0.0)
+                        w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
+                        plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
+                        new_acc = new_acc + (mma(plane, w, acc[c * VSC + j] * alpha[None, :], INTERP),)
+                    else:
+                        if VW1 == 0:
+                            code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
+                        else:
+                            code = chunk_codes(vptr, vmask, c, CH, VCW // CH, VW0, VW1, VW2)
+                        if (GROUP % VSUB == 0) and not VAL_GATHER:
+                            grp = (c * VCW + j * VSUB) // GROUP
+                            vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                            vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                        else:
+                            grp = tl.minimum((c * VCW + j * VSUB + vu) // GROUP, NG - 1)
+                            vs = tl.load(srow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
+                            vz = tl.load(zrow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
+                        v = (code.to(tl.float32) * vs + vz).to(tl.float16)
+                        new_acc = new_acc + (mma(v, p16, acc[c * VSC + j] * alpha[None, :], INTERP),)
+            acc = new_acc
+            if FAST_V:
+                zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
+                zacc = mma(zt, p16, zacc * alpha[None, :], INTERP)
+
+    # ---- the recent (uncompressed) buffer, on the last split only
+    if split == n_splits - 1:
+        ridx = tl.load(ridx_ptr + b).to(tl.int64)
+        d = tl.arange(0, DP)
+        qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
+                     mask=gmask[None, :] & (d[:, None] < D), other=0.0).to(tl.float32) * scale_log2
+        rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
+        rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
+        for t0 in range(0, rlen, BLOCK_R):
+            t = t0 + tl.arange(0, BLOCK_R)
+            tmask = t < rlen
+            k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
+                        mask=tmask[:, None] & (d[None, :] < D), other=0.0)
+            s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
+            s = tl.where(tmask[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            m_i = m_new
+            zacc = zacc * alpha[None, :]
+            new_acc = ()
+            for c in tl.static_range(VCH):
+                for j in tl.static_range(VSC):
+                    rcol = c * VCW + j * VSUB + vu
+                    v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
+                                mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
+                    pv = mma(v, p.to(v.dtype), tl.zeros([VSUBP, GP], tl.float32), INTERP)
+                    if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24)
+                        pv = pv * ((1 << (c * VB)) / TWO24)
+                    new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + pv,)
+            acc = new_acc
+
+    # ---- write the output (one split) or this split's partial (output, log2-sum-exp)
+    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    for c in tl.static_range(VCH):
+        for j in tl.static_range(VSC):
+            col = c * VCW + j * VSUB + vu
+            omask = gmask[None, :] & (vu[:, None] < VSUB) & (col[:, None] < D)
+            o = acc[c * VSC + j]
+            if FAST_V:
+                grp = (c * VCW + j * VSUB) // GROUP
+                o = o * (TWO24 / (1 << (c * VB))) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
+            o = o * inv[None, :]
+            if SINGLE:
+                optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
+                tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
+            else:
+                prow = qrow.to(tl.int64) * n_splits + split
+                tl.store(po_ptr + prow[None, :] * D + col[:, None], o, mask=omask)
+    if not SINGLE:
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(plse_ptr + qrow.to(tl.int64) * n_splits + split, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_splits,
+                          HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+    # One program per (sequence, query head): merge n_splits partial outputs by their log-sum-exp.
+    row = tl.program_id(0)
+    b = row // HQ
+    hq = row % HQ
+    s = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    lse = tl.load(plse_ptr + row.to(tl.int64) * n_splits + s, mask=s < n_splits, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)
+    o = tl.load(po_ptr + (row.to(tl.int64) * n_splits + s)[:, None] * D + d[None, :],
+                mask=(s[:, None] < n_splits) & (d[None, :] < D) & (lse[:, None] > float("-inf")), other=0.0)
+    tot = tl.sum(w, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + d,
+             res.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+# ------------------------------------------------------------------------------------ launcher
+BLOCK_N = 64
+BLOCK_R = 64
+
+
+def value_subchunks(spec: PageSpec) -> tuple[int, int]:
+    """(coordinates per value sub-chunk, sub-chunks per chunk): a chunk is cut at value-group edges when it spans several."""
+    if spec.VAL_MODE == VAL_GROUP and spec.VCW % spec.GROUP == 0 and spec.GROUP < spec.VCW:
+        return spec.GROUP, spec.VCW // spec.GROUP
+    return spec.VCW, 1
+
+
+def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N) -> int:
+    """Splits per sequence so that B * Hkv * splits programs fill the GPU about twice (host-side only)."""
+    tiles = max(1, -(-capacity // block_n))
+    want = max(1, -(-2 * num_sms // max(1, batch * num_kv_heads)))
+    return max(1, min(tiles, want, 256))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
+                  out: torch.Tensor | None = None, num_splits: int | None = None,
+                  block_n: int = BLOCK_N, val_gather: bool = False, fast_keys: bool = True, num_warps: int = 4,
+                  num_stages: int = 2) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
+
+    Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
+    gets zeros instead of an error, so padded CUDA-graph batches are safe).
+    """
+    cuda_or_interpreter(q)
+    expect_same_device(q=q, pages=kv.pages)
+    if q.dim() != 3:
+        raise ShapeError(f"q: expected [B, Hq, D], got {tuple(q.shape)}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise DTypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
+    bsz, hq, d = q.shape
+    hkv = kv.num_kv_heads
+    if d != kv.head_dim or bsz != kv.batch_size or hq % hkv:
+        raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    spec = PageSpec.of(kv.layout, kv.codec)
+    consts = codec_constants(kv.codec, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    qt = query_transform(q, consts["qmat"], scale * LOG2E)
+    g = hq // hkv
+    capacity = kv.block_table.shape[1] * spec.BS
+    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n)
+    tokens_per_split = -(-max(capacity, 1) // splits)
+    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    splits = max(1, -(-max(capacity, 1) // tokens_per_split))
+    if out is None:
+        out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    if splits > 1:
+        po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
+        plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
+    else:
+        po = plse = out
+    rk, rv = kv.recent_k, kv.recent_v
+    if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at q, never read (recent_lens are 0)
+        rk = rv = q.unsqueeze(2)
+    kcwp = max(16, next_pow2(spec.KCW))
+    chp = max(16, next_pow2(spec.CH))
+    vsub, vsc = value_subchunks(spec)
+    fast_k = (fast_keys and spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2)
+              and consts["kfit"] is not None)
+    fast_v = (spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0 and not val_gather)
+    ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
+    _hybrid_decode_kernel[(bsz * hkv, splits)](
+        qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
+        consts["codebook"], out, po, plse,
+        q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
+        rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
+        out.stride(0), out.stride(1), tokens_per_split, splits, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg,
+        HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec.constexprs(),
+        KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
+        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SINGLE=splits == 1, INTERP=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
+                                           DP=next_pow2(d), SP=max(2, next_pow2(splits)), num_warps=4)
+    return out
+
+
+def hybrid_decode_reference(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None) -> torch.Tensor:
+    """PyTorch reference (the contract): ``attention.reference.paged_attention_decode``."""
+    from ..attention.reference import paged_attention_decode
+
+    return paged_attention_decode(q, kv, softmax_scale)

@@ -1,0 +1,57 @@
+"""Query transform: ``qt = scale * q @ M^T`` for M = [Pi; S] (once per query, before any key is scored).
+
+TurboQuant scores a compressed key without rebuilding it: <q, k~> = ||k|| <Pi q, c[idx]> +
+qjl * ||r|| <S q, signs>. Decode and prefill therefore need (Pi q, S q) once per query row; this
+kernel writes them (times the softmax scale and log2(e), so the attention kernels use exp2) into a
+workspace the attention kernels read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import ShapeError
+from ._common import INTERPRET, next_pow2, workspace
+
+
+@triton.jit
+def _query_transform_kernel(q_ptr, m_ptr, out_ptr, rows, heads, stride_qa, stride_qh, scale,
+                            D: tl.constexpr, DP: tl.constexpr, QW: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PRECISION: tl.constexpr):
+    # Each program: BLOCK_R query rows (row = a * heads + h) x BLOCK_W output columns.
+    pid_r, pid_w = tl.program_id(0), tl.program_id(1)
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    d = tl.arange(0, DP)
+    q_off = (r // heads).to(tl.int64) * stride_qa + (r % heads).to(tl.int64) * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=(r[:, None] < rows) & (d[None, :] < D), other=0.0)
+    m = tl.load(m_ptr + w[:, None] * D + d[None, :], mask=(w[:, None] < QW) & (d[None, :] < D), other=0.0)
+    qt = tl.dot(q.to(tl.float32), tl.trans(m), input_precision=PRECISION) * scale
+    tl.store(out_ptr + r[:, None].to(tl.int64) * QW + w[None, :], qt, mask=(r[:, None] < rows) & (w[None, :] < QW))
+
+
+def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale * q @ qmat.T`` in fp32 for q [A, H, D] (last dim contiguous) -> [A * H, QW]."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ShapeError(f"q: expected [A, H, D] with a contiguous last dim, got {tuple(q.shape)} strides {q.stride()}")
+    a, h, d = q.shape
+    qw = qmat.shape[0]
+    if qmat.shape[1] != d:
+        raise ShapeError(f"qmat: expected [QW, {d}], got {tuple(qmat.shape)}")
+    rows = a * h
+    if out is None:
+        out = workspace("qt", (rows, qw), torch.float32, q.device)
+    block_r = 16
+    block_w = min(64, next_pow2(qw))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(qw, block_w))
+    _query_transform_kernel[grid](q, qmat, out, rows, h, q.stride(0), q.stride(1), float(scale),
+                                  D=d, DP=max(16, next_pow2(d)), QW=qw, BLOCK_R=block_r, BLOCK_W=block_w,
+                                  PRECISION="ieee" if INTERPRET else "tf32x3", num_warps=4)
+    return out
+
+
+def query_transform_reference(q: torch.Tensor, qmat: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch reference of ``query_transform``."""
+    return (q.reshape(-1, q.shape[-1]).float() @ qmat.float().T) * scale

@@ -1,0 +1,99 @@
+"""Fused hybrid decode (``kernels.hybrid_decode``) against the PyTorch reference ``paged_attention_decode``.
+
+Tolerance (relative L2 error of the output): 2e-3 with fp16 inputs, 1.5e-2 with bf16. The kernel
+accumulates in fp32 like the reference, but feeds the tensor cores fp16 operands — the transformed
+query (Pi q, S q), the probabilities, P*scale for the values — each rounded at 2^-11 relative, so
+outputs land near 5e-4 (measured); bf16 inputs add the bf16 output rounding (2^-9) and bf16
+recent-buffer products, near 5e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, poison_workspaces, rel_err
+from jetson_tq.attention.reference import paged_attention_decode
+from jetson_tq.kernels.hybrid_decode import hybrid_decode
+
+pytestmark = pytest.mark.kernel
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 2e-3}
+
+# (format, head dim, query heads per KV head, compressed lens, recent lens)
+SMALL = [
+    ("blog_k3v2", 128, 4, [150, 37, 0], [20, 0, 7]),  # ragged; one buffer-only, one compressed-only
+    ("blog_k3v2", 64, 7, [64, 1], [1, 0]),  # one compressed token; GQA 7
+    ("blog_k3v2", 80, 1, [40], [3]),  # MHA, D=80 (groups of 16)
+    ("blog_k3v2", 96, 4, [33, 70], [5, 2]),
+    ("blog_k3v2", 256, 2, [50], [0]),
+    ("blog_k3v2", 50, 4, [20, 9], [4, 0]),  # odd head dims (dense rotation)
+    ("blog_k3v2", 100, 4, [30], [2]),
+    ("k4v4", 128, 4, [70, 20], [3, 9]),  # 3-bit indices: generic unpack path
+    ("mse_k3v2", 64, 4, [45], [6]),
+    ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
+]
+LARGE = [
+    ("blog_k3v2", 128, 4, [4099, 1000, 17, 0], [128, 0, 64, 3]),
+    ("blog_k3v2", 128, 7, [2000, 129], [100, 100]),
+    ("blog_k3v2", 64, 3, [3000], [127]),
+    ("blog_k3v2", 256, 2, [900, 1500], [1, 0]),
+    ("blog_k3v2", 96, 4, [700], [30]),
+    ("blog_k3v2", 80, 4, [640, 3], [9, 1]),
+    ("blog_k3v2", 50, 4, [300], [5]),
+    ("blog_k3v2", 100, 4, [333], [2]),
+    ("k4v4", 128, 4, [1111, 70], [3, 64]),
+    ("mse_k3v2", 128, 4, [2048], [0]),
+    ("fp16", 128, 4, [500, 1], [0, 1]),
+]
+CASES = LARGE if GPU else SMALL
+
+
+def _check(name, d, g, comp, rec, dtype, splits, seed, recent_cap=None):
+    gen = torch.Generator().manual_seed(seed)
+    hkv = 2
+    kv = build_paged_kv(fmt_for(name, d), hkv, d, comp, rec, dtype, gen, recent_cap=recent_cap)
+    q = (torch.randn(len(comp), hkv * g, d, generator=gen) * 3).to(dtype).to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    hybrid_decode(q, kv, out=out, num_splits=splits)  # first call allocates the workspaces
+    poison_workspaces()
+    out.fill_(float("nan"))
+    hybrid_decode(q, kv, out=out, num_splits=splits)
+    nonempty = [i for i in range(len(comp)) if comp[i] + rec[i] > 0]
+    keep = torch.tensor(nonempty, device=DEVICE)
+    sub = kv.__class__(kv.pages, kv.block_table[keep], kv.compressed_lens[keep], kv.recent_k, kv.recent_v,
+                       kv.recent_lens[keep], kv.recent_index[keep], kv.layout, kv.codec)
+    ref = paged_attention_decode(q[keep], sub)
+    err = rel_err(out[keep], ref)
+    assert err <= TOL[dtype], f"seed={seed} {name} D={d} G={g} lens={comp}+{rec} splits={splits}: rel err {err:.2e}"
+    for i in set(range(len(comp))) - set(nonempty):  # nothing cached: zeros, never NaN (padded graph batches)
+        assert bool((out[i] == 0).all()), f"seed={seed}: empty sequence {i} must give zeros"
+
+
+@pytest.mark.parametrize("name,d,g,comp,rec", CASES, ids=[f"{c[0]}-D{c[1]}-G{c[2]}-{len(c[3])}seq" for c in CASES])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_reference(name, d, g, comp, rec, splits):
+    _check(name, d, g, comp, rec, torch.float16, splits, fresh_seed())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_dtypes(dtype):
+    _check("blog_k3v2", 128, 4, [300 if GPU else 60, 5], [10, 0], dtype, None, fresh_seed())
+
+
+def test_decode_one_token_and_no_buffer_storage():
+    seed = fresh_seed()
+    _check("blog_k3v2", 128, 4, [1], [0], torch.float16, None, seed)
+    _check("blog_k3v2", 128, 4, [0], [1], torch.float16, None, seed)
+    _check("blog_k3v2", 64, 4, [40, 17], [0, 0], torch.float16, 2, seed, recent_cap=0)  # buffer of width 0
+
+
+def test_decode_value_gather_variant_agrees():
+    """The benchmark-only ``val_gather`` variant (per-column scale loads, what the old LSB-first
+    layout needed) computes the same function."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    kv = build_paged_kv(fmt_for("blog_k3v2", 128), 2, 128, [77, 140], [3, 0], torch.float16, gen)
+    q = torch.randn(2, 8, 128, generator=gen).to(torch.float16).to(DEVICE)
+    ref = paged_attention_decode(q, kv)
+    assert rel_err(hybrid_decode(q, kv, val_gather=True), ref) <= 2e-3, f"seed={seed}"
