@@ -14,7 +14,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_capacity_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "cap.png"
-    rc = main(["capacity", "--kv-budget-gb", "51.6", "--json", "--plot", str(plot), "--compare", "fp16,k4v4",
+    rc = main(["capacity", "--kv-budget-gb", "51.6", "--config", "blog_k3v2", "--json", "--plot", str(plot), "--compare", "fp16,k4v4",
                "--device", "cpu"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from ...config import DEFAULT_PRESET
 from pathlib import Path
 
 import yaml
@@ -184,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jetson_tq vllm", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="smollm2 | tiny | a model dir or hub id "
                    f"(default: smollm2 on CPU, {DEFAULT_GPU_MODEL} on GPU)")
-    p.add_argument("--config", default="blog_k3v2", help="jetson-tq preset name or YAML path")
+    p.add_argument("--config", default=DEFAULT_PRESET, help=f"jetson-tq preset name or YAML path (default {DEFAULT_PRESET})")
     p.add_argument("--kv-mib", type=int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
     p.add_argument("--dtype", default=None, help="model dtype for both engines (default: float32 for the "
                    "local models, auto otherwise)")
