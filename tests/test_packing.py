@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jetson_tq.codec.packing import pack_bits, unpack_bits
 from jetson_tq.errors import DTypeError, FormatError, ShapeError
@@ -54,3 +56,15 @@ def test_bad_input():
         pack_bits(torch.zeros(4, dtype=torch.int32), 2)
     with pytest.raises(ShapeError):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 2, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 8), n=st.integers(0, 70), lead=st.lists(st.integers(0, 4), max_size=3),
+       seed=st.integers(0, 2**31))
+def test_round_trip_property_any_shape(bits, n, lead, seed):
+    """Property: pack/unpack is exact for every width, length (0 included) and leading shape."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (*lead, n), generator=g).to(torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.shape == (*lead, packed_bytes(n, bits)) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_bits(packed, bits, n), codes)

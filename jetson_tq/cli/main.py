@@ -1,37 +1,46 @@
-"""Argument parsing and dispatch of the jetson-tq command line."""
+"""Argument parsing and dispatch of the jetson-tq command line; named errors become distinct exit codes."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from ..reports.theorems import theorem1_mse, theorem2_inner_product, theorem3_bounds
-
-    mse = theorem1_mse()
-    print("== Theorem 1: TurboQuant_mse distortion, D=128, 8192 random unit vectors ==")
-    for r in mse:
-        print(f"b={r['bits']}  measured {r['measured']:.4f}  paper {r['paper']:.4f}  ({100 * r['rel_to_paper']:+.1f} %)")
-    prod = theorem2_inner_product()
-    print("== Theorem 2: TurboQuant_prod inner products ==")
-    for r in prod:
-        print(f"b={r['bits']}  bias {r['bias']:+.5f} (z={r['bias_z']:+.2f})  d*D_prod {r['distortion_times_d']:.3f}"
-              f"  paper {r['paper_times_d']:.3f}")
-    print("== Theorem 3: bounds ==")
-    for r in theorem3_bounds(mse, prod):
-        print(f"{r['quantizer']:<11} b={r['bits']}  {r['lower']:.4f} <= {r['measured']:.4f} <= {r['upper']:.4f}  "
-              f"{'ok' if r['ok'] else 'VIOLATED'}")
-    return 0
+from ..errors import ConfigError, MissingComponentError, UnsupportedPlatformError
+from . import capacity_cmd, demo_cmd, exit_codes, platform_cmd, vllm_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetson_tq", description="TurboQuant KV cache tools")
     sub = parser.add_subparsers(dest="mode", required=True)
-    demo = sub.add_parser("demo", help="run the demo report")
-    demo.set_defaults(func=_cmd_demo)
+    for module in (demo_cmd, capacity_cmd, platform_cmd, vllm_cmd):
+        module.register(sub)
     return parser
 
 
+#: Subcommands whose arguments belong to another parser (the demo script, the vLLM integration).
+PASSTHROUGH = {"demo": "demo_args", "vllm": "vllm_args"}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; pass-through subcommands get every later argument verbatim (options included)."""
+    parser = build_parser()
+    if argv and argv[0] in PASSTHROUGH:
+        args = parser.parse_args(argv[:1])
+        setattr(args, PASSTHROUGH[argv[0]], list(argv[1:]))
+        return args
+    return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return int(args.func(args) or 0)
+    except UnsupportedPlatformError as e:
+        print(f"jetson-tq: unsupported platform: {e}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_PLATFORM
+    except MissingComponentError as e:
+        print(f"jetson-tq: {e}", file=sys.stderr)
+        return exit_codes.MISSING_COMPONENT
+    except ConfigError as e:
+        print(f"jetson-tq: {e}", file=sys.stderr)
+        return exit_codes.USAGE

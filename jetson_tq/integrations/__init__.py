@@ -1,0 +1,1 @@
+"""Integrations of the compressed KV cache into serving engines (vLLM)."""

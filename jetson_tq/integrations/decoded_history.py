@@ -1,0 +1,122 @@
+"""A CPU evaluation fast path for TurboQuant attention: the same estimator as the reference, decoded once per token.
+
+``reference.attention_prefill`` unpacks every compressed token's bits on every call, which makes
+long teacher-forced evaluations on a 2-core CPU take hours. This path keeps, per layer, a float32
+copy of each compressed token *in the transformed key space* (decoded once, when it is flushed):
+
+    prod:  k' = [ ||k|| c[idx] ,  sqrt(pi/2)/D ||r|| sign(S r) ]   against   q' = [ Pi q , S q ]
+    mse:   k' =   ||k|| c[idx]                                      against   q' =   Pi q
+    fp16:  k' =   k                                                 against   q' =   q
+
+so <q', k'> is exactly the reference's score ``KVCodec.key_scores`` (rotated query, no key rotated
+back). Recent fp buffer and current chunk keys enter as [Pi k, 0] / Pi k / k, which leaves their
+scores exact. One SDPA call then does softmax and the value sum.
+
+It trades memory (fp32 per token) for speed, so it is opt-in (``backend="cpu-decoded"``), meant for
+the fidelity harness; ``tests/test_decoded_history.py`` checks it against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.compressed import CompressedKVCache
+from ..codec.mse import TurboQuantMSE
+from ..codec.packing import unpack_bits
+from ..codec.prod import TurboQuantProd
+from ..errors import ShapeError
+
+
+class DecodedHistory:
+    """Float32 transformed-space keys and decoded values of the compressed tokens of one ``CompressedKVCache``."""
+
+    def __init__(self, store: CompressedKVCache) -> None:
+        self.store, self.codec = store, store.codec
+        d = store.head_dim
+        self.key_dim = 2 * d if isinstance(self.codec.keys, TurboQuantProd) else d
+        shape = (store.batch_size, store.num_kv_heads, 0)
+        self.keys = torch.zeros(*shape, self.key_dim, device=store.device)
+        self.values = torch.zeros(*shape, d, device=store.device)
+        self.count = 0
+        # q' = q @ M.T with M = [Pi; S] (prod), Pi (mse) or I (fp16): one matmul, as the kernels do
+        self.query_matrix = self.codec.query_matrix(store.device).float()
+        rot = self.codec.key_rotation
+        self.key_rotation = None if rot is None else rot.matrix(store.device).float()
+
+    # ------------------------------------------------------------------ transforms
+    def transform_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q' for queries [..., D] -> [..., key_dim] float32."""
+        return q.float() @ self.query_matrix.T
+
+    def transform_exact_keys(self, k: torch.Tensor) -> torch.Tensor:
+        """Uncompressed keys [..., D] in the transformed space, so that <q', k'> = <q, k>."""
+        if self.key_rotation is None:
+            return k.float()
+        k_rot = k.float() @ self.key_rotation.T
+        if self.key_dim == k_rot.shape[-1]:
+            return k_rot
+        return torch.cat([k_rot, torch.zeros_like(k_rot)], dim=-1)
+
+    def _decode_keys(self, fields: dict) -> torch.Tensor:
+        keys, d = self.codec.keys, self.store.head_dim
+        if keys is None:
+            return fields["key_raw"].float()
+        norm = fields["key_norm"].float()
+        mse = keys.mse if isinstance(keys, TurboQuantProd) else keys
+        if isinstance(mse, TurboQuantMSE):
+            part = mse.centroids(unpack_bits(fields["key_idx"], mse.bits, d)) * norm
+        else:  # 1-bit prod: no MSE part
+            part = torch.zeros(*norm.shape[:-1], d, device=norm.device)
+        if not isinstance(keys, TurboQuantProd):
+            return part
+        signs = unpack_bits(fields["key_signs"], 1, d).float() * 2 - 1
+        return torch.cat([part, signs * (keys.qjl_scale * fields["key_rnorm"].float())], dim=-1)
+
+    # ------------------------------------------------------------------ sync
+    def sync(self) -> None:
+        """Decode the tokens flushed into the store since the last call (equal lengths across the batch)."""
+        lens = self.store.compressed_lens
+        if bool((lens != lens[0]).any()):
+            raise ShapeError(f"decoded history needs equal compressed lengths across the batch, got {lens.tolist()}")
+        n = int(lens[0])
+        if n == self.count:
+            return
+        if n < self.count:
+            raise ShapeError(f"compressed length went back from {self.count} to {n}")
+        fields = {name: t[:, :, self.count : n] for name, t in self.store.compressed_fields(n).items()}
+        self.keys = torch.cat([self.keys, self._decode_keys(fields)], dim=2)
+        self.values = torch.cat([self.values, self.codec.decode_values(fields)], dim=2)
+        self.count = n
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q [B, Hq, T, D] over compressed history + buffer + chunk k, v [B, Hkv, T, D] (or None).
+
+        ``mask``: None (causal, query at the end) or a bool/float [B|1, 1|Hq, T, N] mask over all N keys.
+        """
+        self.sync()
+        store = self.store
+        nb = int(store.buffer_lens.max())
+        if bool((store.buffer_lens != nb).any()):
+            raise ShapeError(f"decoded history needs equal buffer lengths across the batch, got {store.buffer_lens.tolist()}")
+        keys = [self.keys, self.transform_exact_keys(store.buffer_k[:, :, :nb].to(store.dtype))]
+        values = [self.values, store.buffer_v[:, :, :nb].float()]
+        t = q.shape[2]
+        if k is not None:
+            keys.append(self.transform_exact_keys(k.to(store.dtype)))
+            values.append(v.to(store.dtype).float())
+        kk, vv = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+        n = kk.shape[2]
+        if mask is None:
+            pos = torch.arange(n, device=q.device)
+            mask = pos.unsqueeze(0) <= (pos[n - t:] if t <= n else pos).unsqueeze(1)  # lower-right causal [T, N]
+        elif mask.shape[-1] != n or mask.shape[-2] != t:
+            raise ShapeError(f"attention_mask: expected [..., {t}, {n}], got {tuple(mask.shape)}")
+        d = vv.shape[-1]
+        if self.key_dim != d:  # SDPA's fast CPU kernels want one head dim for keys and values: pad values with zeros
+            vv = F.pad(vv, (0, self.key_dim - d))
+        out = F.scaled_dot_product_attention(self.transform_query(q), kk, vv, attn_mask=mask, scale=scale,
+                                             enable_gqa=q.shape[1] != kk.shape[1])
+        return out[..., :d].nan_to_num(0.0).to(q.dtype)  # a fully masked (padding) query row -> zeros

@@ -1,0 +1,354 @@
+"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of Llama and Qwen2 (transformers 5.17).
+
+How it plugs in (transformers' own extension points, no patching of model code):
+
+- ``TurboQuantCache`` is a ``transformers.Cache`` whose layers hold a ``CompressedKVCache`` each, in
+  the format the YAML config gives that layer (``TurboQuantConfig.format_for_layer``).
+- ``Cache.update`` does not hand back dequantized keys: it returns a ``PendingChunk`` (the new
+  tokens' K/V plus the layer), which only our attention function understands.
+- The attention function is registered in ``AttentionInterface`` as ``"turboquant"`` (plus a mask
+  function in ``AttentionMaskInterface``). For a ``PendingChunk`` it scores the query against the
+  compressed history with the rotated query (reference attention on CPU, the kernel dispatcher on
+  CUDA), then appends the chunk. For any other cache it is plain SDPA, so a model switched to
+  ``"turboquant"`` still runs with ``DynamicCache``.
+
+Usage::
+
+    from jetson_tq.integrations.transformers import TurboQuantCache
+    cache = TurboQuantCache(model, "mse_k4v3")       # switches the model's attention to "turboquant"
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+Convention: a ``None`` mask means causal with the query at the end of the sequence (lower-right);
+padding or custom patterns arrive as a boolean [B, 1, T, kv_len] mask.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from ..attention import reference
+from ..cache.compressed import CompressedKVCache
+from ..codec.rotation import derive_seed
+from ..config import TurboQuantConfig, load_config
+from ..errors import ConfigError, JetsonTQError, ShapeError, UnsupportedPlatformError
+from ..format import KVFormat
+from .decoded_history import DecodedHistory
+
+ATTN_IMPLEMENTATION = "turboquant"
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
+#: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
+RECOMMENDED_PRESET = "mse_k4v3"
+#: auto: the CUDA kernel dispatcher on GPU (when installed), the PyTorch reference on CPU; reference: always the
+#: reference; triton: the dispatcher's Triton kernels; cpu-decoded: the reference's estimator over tokens decoded
+#: once (fast on CPU, fp32 memory per token; for evaluation only).
+BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu-decoded")
+
+
+class UnsupportedModelError(JetsonTQError, ValueError):
+    """The model (architecture, attention variant or generation mode) cannot use TurboQuantCache."""
+
+
+# ---------------------------------------------------------------------------------------------- model checks
+def model_dims(config) -> tuple[int, int, int, int]:
+    """(num_layers, num_query_heads, num_kv_heads, head_dim) of a Llama/Qwen2 config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv_heads, head_dim
+
+
+def check_model_supported(config) -> None:
+    """Raise UnsupportedModelError unless ``config`` is a full-attention Llama or Qwen2 decoder."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other or getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError(f"only full-attention layers are supported, this model has {other or ['sliding_attention']}")
+    _, heads, kv_heads, head_dim = model_dims(config)
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if head_dim < 2:
+        raise UnsupportedModelError(f"head_dim: expected >= 2, got {head_dim}")
+
+
+def resolve_config(config: str | TurboQuantConfig | KVFormat) -> TurboQuantConfig:
+    """A preset name / YAML path / TurboQuantConfig / single KVFormat (every layer) -> TurboQuantConfig."""
+    if isinstance(config, TurboQuantConfig):
+        return config
+    if isinstance(config, KVFormat):
+        return TurboQuantConfig(name="custom", default=config)
+    if isinstance(config, str):
+        return load_config(config)
+    raise ConfigError(f"config: expected a preset name, a YAML path, a TurboQuantConfig or a KVFormat, got {type(config).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def _kernel_ops(device: torch.device, backend: str):
+    """(decode, prefill) for ``device``: the CUDA dispatcher when it is installed, else the PyTorch reference."""
+    if backend == "triton" or (device.type == "cuda" and backend == "auto"):
+        try:
+            from ..attention import dispatch  # written by the kernel work; optional until it lands
+        except ImportError:
+            dispatch = None
+        if dispatch is not None:
+            return (lambda q, c, s: dispatch.decode(q, c, softmax_scale=s, backend=backend),
+                    lambda q, k, v, c, s: dispatch.prefill(q, k, v, c, softmax_scale=s, backend=backend))
+        if backend == "triton":
+            raise UnsupportedPlatformError("backend 'triton': jetson_tq.attention.dispatch is not installed")
+    return (lambda q, c, s: reference.attention_decode(q, c, softmax_scale=s),
+            lambda q, k, v, c, s: reference.attention_prefill(q, k, v, c, softmax_scale=s))
+
+
+# ---------------------------------------------------------------------------------------------- cache layer
+class PendingChunk:
+    """The K/V of the tokens a layer is processing now; only the ``turboquant`` attention may consume it."""
+
+    __slots__ = ("layer", "key", "value")
+
+    def __init__(self, layer: "TurboQuantLayer", key: torch.Tensor, value: torch.Tensor) -> None:
+        self.layer, self.key, self.value = layer, key, value
+
+    def __getattr__(self, name: str):
+        raise UnsupportedModelError(
+            f"TurboQuantCache feeds compressed K/V only to attn_implementation={ATTN_IMPLEMENTATION!r}, but the "
+            f"model's attention asked for .{name}; build the cache with the model (TurboQuantCache(model, ...)) "
+            f"or call enable_turboquant(model)")
+
+
+class TurboQuantLayer(CacheLayerMixin):
+    """One attention layer's compressed cache (a ``CompressedKVCache`` created on the first update)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        self.fmt, self.layer_idx, self.seed, self.backend = fmt, layer_idx, seed, backend
+        self.store: CompressedKVCache | None = None
+        self.decoded: DecodedHistory | None = None
+
+    def __repr__(self) -> str:
+        return f"TurboQuantLayer({self.layer_idx}, {self.fmt.key_mode}{self.fmt.key_bits}/{self.fmt.value_mode}{self.fmt.value_bits})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
+        self.decoded = DecodedHistory(self.store) if self.backend == "cpu-decoded" else None
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Hold the new tokens for the attention call; they are appended after attention reads the history."""
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ShapeError(f"key/value states: expected one shape [B, H, T, D], got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        s = self.store
+        if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (s.batch_size, s.num_kv_heads, s.head_dim):
+            raise ShapeError(f"layer {self.layer_idx}: expected K/V [{s.batch_size}, {s.num_kv_heads}, T, {s.head_dim}] "
+                             f"(batch fixed at the first forward), got {tuple(key_states.shape)}")
+        chunk = PendingChunk(self, key_states, value_states)
+        return chunk, chunk
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store K/V [B, H, T, D] directly (e.g. a prompt prefilled elsewhere), compressing past the buffer."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.store.append(key_states, value_states)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+               scaling: float) -> torch.Tensor:
+        """Attention of query [B, Hq, T, D] over history + chunk (then the chunk is stored) -> [B, Hq, T, D]."""
+        store = self.store
+        if self.decoded is not None:
+            if mask is None and query.shape[2] == 1:
+                store.append(key, value)
+                return self.decoded.attend(query, None, None, scaling)
+            out = self.decoded.attend(query, key, value, scaling, mask)
+            store.append(key, value)
+            return out
+        decode, prefill = _kernel_ops(query.device, self.backend)
+        if mask is None and query.shape[2] == 1:
+            store.append(key, value)
+            out = decode(query[:, :, 0], store, scaling).unsqueeze(2)
+        elif mask is None:
+            out = prefill(query, key, value, store, scaling)
+            store.append(key, value)
+        else:
+            out = masked_attention(query, key, value, store, mask, scaling)
+            store.append(key, value)
+        return out
+
+    def get_seq_length(self) -> int:
+        return 0 if self.store is None else int(self.store.lengths.max())
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store, self.decoded, self.is_initialized = None, None, False
+
+    def used_bytes(self) -> int:
+        return 0 if self.store is None else self.store.used_bytes()
+
+    def _unsupported(self, what: str):
+        raise UnsupportedModelError(f"TurboQuantCache does not support {what} (greedy/sampling generation only)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("cropping (assisted / speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("expanding the batch of a filled cache (num_return_sequences > 1 / beams)")
+
+    def batch_select_indices(self, indices) -> None:
+        self._unsupported("selecting batch rows of a filled cache")
+
+    def offload(self) -> None:
+        self._unsupported("offloading")
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store: CompressedKVCache,
+                     mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Like ``reference.attention_prefill`` but with an explicit [B, 1|Hq, T, history + T] mask (padding, custom)."""
+    b, hq, t, d = query.shape
+    lens = store.compressed_lens
+    if bool((lens != lens[0]).any()) or bool((store.buffer_lens != store.buffer_lens[0]).any()):
+        raise ShapeError(f"masked attention needs equal cache lengths across the batch, got {store.lengths.tolist()}")
+    hkv = store.num_kv_heads
+    qg = query.float().reshape(b, hkv, hq // hkv, t, d)
+    history = store.paged() if hasattr(store, "paged") else store  # paged storage: the reference reads a PagedKV view
+    hist_scores, hist_values = reference.history_scores_and_values(qg, history)
+    kc, vc = key.to(store.dtype).float(), value.to(store.dtype).float()
+    own = qg @ kc.unsqueeze(2).transpose(-1, -2)
+    scores = torch.cat([hist_scores, own], dim=-1) * scaling  # [B, Hkv, G, T, N]
+    n = scores.shape[-1]
+    if mask.dim() != 4 or mask.shape[-1] != n or mask.shape[-2] != t or mask.shape[0] not in (1, b):
+        raise ShapeError(f"attention_mask: expected [{b}, 1 or {hq}, {t}, {n}], got {tuple(mask.shape)}")
+    m = mask.reshape(mask.shape[0], -1, 1, t, n) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], hkv, hq // hkv, t, n)
+    if m.dtype == torch.bool:
+        scores = scores.masked_fill(~m, float("-inf"))
+    else:
+        scores = scores + m.float()
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked (padding) query row -> zeros
+    values = torch.cat([hist_values, vc], dim=2)
+    return (probs @ values.unsqueeze(2)).reshape(b, hq, t, d).to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- the cache
+class TurboQuantCache(Cache):
+    """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
+
+    def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
+                 backend: str = "auto", enable: bool = True) -> None:
+        model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
+        hf_config = model.config if model is not None else model_or_config
+        hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+        check_model_supported(hf_config)
+        n_layers, _, _, head_dim = model_dims(hf_config)
+        self.tq_config = resolve_config(config)
+        self.tq_config.check_model(n_layers, head_dim)
+        self.head_dim = head_dim
+        layers = []
+        for i in range(n_layers):
+            fmt = self.tq_config.format_for_layer(i, n_layers)
+            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend))
+        super().__init__(layers=layers)
+        if model is not None and enable:
+            enable_turboquant(model)
+
+    @property
+    def formats(self) -> list[KVFormat]:
+        """The format of each layer."""
+        return [layer.fmt for layer in self.layers]
+
+    def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store precomputed K/V [B, H, T, D] of one layer (e.g. copied from a DynamicCache after a shared prefill)."""
+        self.layers[layer_idx].append(key_states, value_states)
+
+    def load_from(self, cache: Cache) -> "TurboQuantCache":
+        """Compress every layer of another cache (e.g. a ``DynamicCache`` filled by an exact prefill) into this one."""
+        if len(cache.layers) != len(self.layers):
+            raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
+        for i, layer in enumerate(cache.layers):
+            self.append(i, layer.keys, layer.values)
+        return self
+
+    def used_bytes(self) -> int:
+        """Bytes the stored tokens occupy (compressed tokens at their format's size + fp buffers)."""
+        return sum(layer.used_bytes() for layer in self.layers)
+
+
+# ---------------------------------------------------------------------------------------------- attention + mask
+def turboquant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
+                                 dropout: float = 0.0, scaling: float | None = None, sliding_window=None, **kwargs):
+    """The ``"turboquant"`` attention: compressed history for a TurboQuantCache, plain SDPA for any other cache."""
+    if not isinstance(key, PendingChunk):
+        if attention_mask is None and query.shape[2] > 1 and key.shape[2] != query.shape[2]:
+            attention_mask = _lower_right_causal(query.shape[2], key.shape[2], query.device)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if sliding_window is not None:
+        raise UnsupportedModelError(f"sliding-window attention (window {sliding_window}) is not supported by TurboQuantCache")
+    if dropout and module.training:
+        raise UnsupportedModelError("attention dropout in training mode is not supported by TurboQuantCache")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedModelError("output_attentions is not supported by TurboQuantCache")
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out = key.layer.attend(query, key.key, key.value, attention_mask, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _lower_right_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    return (torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos).view(1, 1, q_len, kv_len)
+
+
+def turboquant_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                    mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
+                    local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
+    """``None`` for a plain causal mask without padding (our kernels are causal by contract), else SDPA's bool mask."""
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    plain = (mask_function is causal_mask_function and local_size is None and kv_offset == 0
+             and q_offset + q_length == kv_length)
+    if allow_is_causal_skip and plain and (padding is None or bool(padding[:, :kv_length].all())):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=False, **kwargs)
+
+
+def register() -> None:
+    """Make ``attn_implementation="turboquant"`` known to transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, turboquant_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, turboquant_mask)
+
+
+def enable_turboquant(model) -> None:
+    """Switch ``model`` to the ``"turboquant"`` attention (SDPA for non-TurboQuant caches, so nothing else changes)."""
+    check_model_supported(model.config.get_text_config(decoder=True))
+    register()
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise UnsupportedModelError(f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r} "
+                                    f"(kept {model.config._attn_implementation!r})")
+
+
+register()

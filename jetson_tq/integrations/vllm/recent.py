@@ -1,0 +1,89 @@
+"""The fp16 recent-token buffers inside vLLM: a pool of ring buffers, one row per running request.
+
+Every token is written compressed into vLLM's pages; the last ``R = buffer_tokens`` tokens of each
+request are also kept exactly (model dtype) in row ``r`` of a per-layer pool [rows, H, R, D], token at
+position p in column p % R. Attention reads the compressed pages for positions [0, L - min(L, R)) and
+the ring for the rest (order inside the ring does not matter to attention).
+
+Rows are assigned on the host by the metadata builder (``RecentSlots``), keyed by vLLM request id;
+the pool has ``max_num_seqs`` rows plus one scratch row for padded / dummy rows, and its bytes are
+taken out of vLLM's KV budget (``pool_bytes``). A request whose ring cannot be vouched for (it
+was evicted, or a step was skipped) raises ``RecentBufferLost`` instead of attending to stale data.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Sequence
+
+import numpy as np
+
+from ...errors import JetsonTQError
+
+
+class RecentBufferLost(JetsonTQError, RuntimeError):
+    """A request's fp16 recent buffer no longer holds the tokens attention needs."""
+
+
+def pool_bytes(rows: int, num_kv_heads: int, recent_tokens: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one layer's K and V ring pools."""
+    return 2 * rows * num_kv_heads * recent_tokens * head_dim * element_bytes
+
+
+class RecentSlots:
+    """Host-side map request id -> ring row, shared by every layer's builder in one worker process."""
+
+    def __init__(self, num_rows: int) -> None:
+        if num_rows < 1:
+            raise ValueError(f"num_rows: expected >= 1, got {num_rows}")
+        self.num_rows = num_rows
+        self.scratch = num_rows  # the pool has num_rows + 1 rows; the last one takes padding writes
+        self._row: OrderedDict[str, int] = OrderedDict()  # LRU order: least recently seen first
+        self._span: dict[str, tuple[int, int]] = {}  # req -> (start, end) of the last step it was seen in
+        self._free = list(range(num_rows - 1, -1, -1))
+
+    def _release(self, req: str) -> None:
+        self._free.append(self._row.pop(req))
+        self._span.pop(req, None)
+
+    def _take(self, live: Container[str], batch: set[str]) -> int:
+        if not self._free:
+            for req in [r for r in self._row if r not in live]:
+                self._release(req)  # finished requests
+        if not self._free:
+            for req in list(self._row):
+                if req not in batch:  # least recently seen request not in this step (preempted, most likely)
+                    self._release(req)
+                    break
+        if not self._free:
+            raise RecentBufferLost(f"all {self.num_rows} recent-buffer rows are held by requests of this step")
+        return self._free.pop()
+
+    def assign(self, req_ids: Sequence[str | None], context_lens: np.ndarray, query_lens: np.ndarray,
+               live: Container[str]) -> np.ndarray:
+        """Ring row of each batch row (scratch for padding); raise RecentBufferLost for an unvouched history.
+
+        ``context_lens[i]`` tokens precede row i's ``query_lens[i]`` new tokens. Calling twice for the
+        same step (one call per metadata builder) returns the same rows.
+        """
+        batch = {r for r in req_ids if r is not None}
+        rows = np.full(len(req_ids), self.scratch, dtype=np.int64)
+        for i, req in enumerate(req_ids):
+            q, s = int(query_lens[i]), int(context_lens[i])
+            if req is None or q <= 0:
+                continue
+            if req not in self._row:
+                if s > 0:
+                    raise RecentBufferLost(
+                        f"request {req!r} starts a step at position {s} but has no recent buffer "
+                        "(prefix caching or an eviction skipped its earlier tokens)")
+                self._row[req] = self._take(live, batch)
+            else:
+                start, end = self._span.get(req, (0, 0))
+                if s not in (0, start, end):
+                    raise RecentBufferLost(
+                        f"request {req!r}: its recent buffer holds positions up to {end}, the step starts at {s}")
+            self._row.move_to_end(req)
+            self._span[req] = (s, s + q)
+            rows[i] = self._row[req]
+        return rows

@@ -1,0 +1,90 @@
+"""CompressedKVCache: hybrid buffer flushing, ragged batches, geometric growth, real byte counts, errors."""
+
+import pytest
+import torch
+
+from jetson_tq import FP16_FORMAT, CompressedKVCache, KVFormat
+from jetson_tq.errors import DTypeError, ShapeError
+
+FMT = KVFormat(buffer_tokens=8, flush_chunk=4)
+
+
+def test_flush_keeps_recent_window_and_compresses_whole_chunks():
+    cache = CompressedKVCache(FMT, 2, 64, batch_size=1, dtype=torch.float32)
+    k, v = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    for t in range(40):
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        n_c, n_b = int(cache.compressed_lens[0]), int(cache.buffer_lens[0])
+        assert n_c + n_b == t + 1
+        assert n_c % 4 == 0
+        assert n_b <= 8 + 4 - 1 and (n_b >= 8 or n_c == 0)
+    # the buffer holds the most recent tokens exactly, in order
+    n_b = int(cache.buffer_lens[0])
+    assert torch.equal(cache.buffer_k[0, :, :n_b], k[0, :, 40 - n_b :])
+
+
+def test_ragged_batch_prefill_then_decode_matches_materialized_tokens():
+    cache = CompressedKVCache(FMT, 2, 64, batch_size=3, dtype=torch.float16)
+    lens = [3, 17, 50]
+    ks = [torch.randn(2, n, 64) for n in lens]
+    for b, n in enumerate(lens):
+        cache.append(ks[b], ks[b] * 0.5, seq=b)
+    step = torch.randn(3, 2, 1, 64)
+    cache.append(step, step)
+    assert cache.lengths.tolist() == [4, 18, 51]
+    k, v, lengths = cache.materialize()
+    assert lengths.tolist() == [4, 18, 51]
+    for b, n in enumerate(lens):
+        n_c = int(cache.compressed_lens[b])
+        full = torch.cat([ks[b], step[b]], dim=1).float()
+        # buffered tokens are exact (fp16), compressed ones are close
+        assert torch.allclose(k[b, :, n_c : n + 1], full[:, n_c:].half().float())
+        if n_c:
+            rel = (k[b, :, :n_c] - full[:, :n_c]).norm() / full[:, :n_c].norm()
+            assert float(rel) < 0.6
+
+
+def test_storage_grows_geometrically():
+    cache = CompressedKVCache(KVFormat(buffer_tokens=0, flush_chunk=1), 1, 64, initial_capacity=16)
+    capacities = set()
+    for _ in range(100):
+        cache.append(torch.randn(1, 1, 37, 64), torch.randn(1, 1, 37, 64))
+        capacities.add(cache.capacity)
+    assert int(cache.compressed_lens[0]) == 3700
+    assert len(capacities) <= 9  # 16 -> ... -> 4096: doublings, not one allocation per append
+    assert cache.capacity >= 3700
+
+
+def test_nbytes_is_real_storage_and_used_bytes_follow_the_format():
+    fmt = KVFormat(buffer_tokens=16, flush_chunk=16)
+    cache = CompressedKVCache(fmt, 4, 128, batch_size=2, dtype=torch.float16, initial_capacity=64)
+    cache.append(torch.randn(2, 4, 100, 128), torch.randn(2, 4, 100, 128))
+    storage = cache.pages.untyped_storage().nbytes() + 2 * cache.buffer_k.untyped_storage().nbytes()
+    assert cache.nbytes() == storage
+    assert cache.pages.numel() == 2 * cache.blocks_per_seq * 4 * 16 * 100  # page = 16 tokens x 100 B
+    n_c, n_b = int(cache.compressed_lens.sum()), int(cache.buffer_lens.sum())
+    assert cache.used_bytes() == n_c * 4 * 100 + n_b * 4 * 2 * 128 * 2
+
+
+def test_fp16_passthrough_is_lossless():
+    cache = CompressedKVCache(FP16_FORMAT, 2, 64, dtype=torch.float16)
+    k = torch.randn(1, 2, 10, 64).half()
+    cache.append(k, -k)
+    kk, vv, _ = cache.materialize()
+    assert torch.equal(kk.half(), k) and torch.equal(vv.half(), -k)
+
+
+def test_append_errors_are_named():
+    cache = CompressedKVCache(FMT, 2, 64, batch_size=2)
+    with pytest.raises(ShapeError):
+        cache.append(torch.randn(2, 3, 1, 64), torch.randn(2, 3, 1, 64))  # 3 heads, cache has 2
+    with pytest.raises(ShapeError):
+        cache.append(torch.randn(2, 2, 1, 32), torch.randn(2, 2, 1, 32))
+    with pytest.raises(ShapeError):
+        cache.append(torch.randn(3, 2, 1, 64), torch.randn(3, 2, 1, 64))  # batch 3 vs 2
+    with pytest.raises(ShapeError):
+        cache.append(torch.randn(2, 1, 64), torch.randn(2, 1, 64), seq=5)
+    with pytest.raises(DTypeError):
+        cache.append(torch.ones(2, 2, 1, 64, dtype=torch.int32), torch.ones(2, 2, 1, 64, dtype=torch.int32))
+    with pytest.raises(DTypeError):
+        CompressedKVCache(FMT, 2, 64, dtype=torch.int8)

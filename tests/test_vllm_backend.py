@@ -1,0 +1,145 @@
+"""The vLLM backend's impl against jetson-tq's standalone reference, with metadata laid out as vLLM 0.27 builds it.
+
+No engine here: the impl is driven step by step like vLLM's model runner would (flattened tokens,
+query_start_loc, block tables of arbitrary physical blocks, slot = block * block_size + offset,
+decode rows first, chunked prefill), and each request's output is compared with
+``attention_prefill`` / ``attention_decode`` over a ``CompressedKVCache`` holding the same tokens
+(flush_chunk 1 keeps exactly the last R tokens in its buffer, as the vLLM ring does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from jetson_tq.attention.reference import attention_decode, attention_prefill  # noqa: E402
+from jetson_tq.cache.compressed import CompressedKVCache  # noqa: E402
+from jetson_tq.cache.paged import allocate_pages  # noqa: E402
+from jetson_tq.codec.rotation import derive_seed  # noqa: E402
+from jetson_tq.format import FP16_FORMAT, KVFormat  # noqa: E402
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402
+from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots  # noqa: E402
+from jetson_tq.integrations.vllm.spec import UnsupportedModelError  # noqa: E402
+
+HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
+
+
+def _schedule():
+    """Steps of (request, new tokens): chunked prefills, decodes first in each step, a late arrival."""
+    return [
+        [("A", 16), ("B", 5)],
+        [("B", 1), ("A", 21), ("C", 12)],  # A's second chunk attends to its compressed + ring history
+        [("A", 1), ("B", 1), ("C", 9)],
+        [("A", 1), ("B", 1), ("C", 1), ("D", 30)],
+        [("A", 1), ("C", 1), ("D", 1)],  # B not scheduled this step: its ring must survive
+        [("A", 1), ("B", 1), ("C", 1), ("D", 1)],
+    ]
+
+
+def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0) -> float:
+    g = torch.Generator().manual_seed(seed)
+    impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
+    impl.set_format(fmt, LAYER, BS, dtype)
+    impl.allocate_recent(4, torch.device("cpu"), dtype)
+    pages = allocate_pages(impl.layout, 64, HKV)
+    # Physical blocks handed out in a scrambled order, as vLLM's free-block queue does after some traffic.
+    free = list(np.random.default_rng(seed).permutation(64))
+    tables: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
+    slots = RecentSlots(4)
+    ref_fmt = fmt.with_(flush_chunk=1)  # the standalone buffer then holds exactly min(L, R) tokens
+    refs = {}
+    worst = 0.0
+    for step in _schedule():
+        reqs = [r for r, _ in step]
+        q_lens = np.array([n for _, n in step])
+        ctx = np.array([lens.get(r, 0) for r in reqs])
+        seq = ctx + q_lens
+        for r, n in step:
+            need = -(-(lens.get(r, 0) + n) // BS)
+            tables.setdefault(r, [])
+            while len(tables[r]) < need:
+                tables[r].append(int(free.pop()))
+        width = max(len(tables[r]) for r in reqs)
+        block_table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in reqs], dtype=torch.int32)
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+        owner = np.repeat(np.arange(len(reqs)), q_lens)
+        slot_mapping = torch.tensor([tables[reqs[o]][p // BS] * BS + p % BS for o, p in zip(owner, positions)])
+        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        n_tok = int(qsl[-1])
+        q = torch.randn(n_tok, HQ, D, generator=g).to(dtype)
+        k = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
+        v = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
+        live = set(tables)
+        rows = slots.assign(reqs, ctx, q_lens, live) if fmt.buffer_tokens else np.full(len(reqs), 4)
+        nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
+        empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+        md = TurboQuantMetadata(num_actual_tokens=n_tok, num_reqs=len(reqs), num_decodes=nd,
+                                recent_tokens=fmt.buffer_tokens, query_start_loc=qsl, seq_lens=seq, context_lens=ctx,
+                                ring_rows=rows, block_table=block_table, slot_mapping=slot_mapping,
+                                dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32,
+                                dec_recent_lens=empty32)
+        out = torch.empty(n_tok, HQ, D, dtype=dtype)
+        impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
+        impl.forward(None, q, k, v, pages, md, out)
+        for i, r in enumerate(reqs):
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            cache = refs.setdefault(r, CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype,
+                                                         seed=derive_seed(fmt.seed, LAYER), block_size=BS))
+            kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
+            if i < nd:
+                cache.append(kk.unsqueeze(0), vv.unsqueeze(0))
+                want = attention_decode(qq[:, 0].unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
+                got = out[a]
+            else:
+                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
+                cache.append(kk.unsqueeze(0), vv.unsqueeze(0))
+                got = out[a:b].transpose(0, 1)
+            worst = max(worst, float((got.float() - want.float()).abs().max()))
+            lens[r] = int(seq[i])
+    return worst
+
+
+@pytest.mark.parametrize("fmt", [
+    KVFormat(buffer_tokens=8),  # blog_k3v2 keys/values, 8-token ring: long prompts read compressed history
+    KVFormat(key_mode="prod", key_bits=4, value_bits=4, buffer_tokens=0),  # no ring at all
+    KVFormat(key_mode="mse", key_bits=3, buffer_tokens=20),
+    FP16_FORMAT,
+], ids=["k3v2-r8", "k4v4-r0", "mse3-r20", "fp16"])
+def test_impl_matches_standalone_reference(fmt):
+    assert _run(fmt) < 2e-5
+
+
+def test_impl_bf16_model():
+    assert _run(KVFormat(buffer_tokens=8), dtype=torch.bfloat16) < 2e-2
+
+
+def test_recent_slots_refuse_unvouched_history():
+    slots = RecentSlots(2)
+    rows = slots.assign(["a", "b"], np.array([0, 0]), np.array([5, 3]), {"a", "b"})
+    assert sorted(rows.tolist()) == [0, 1]
+    assert slots.assign(["a", "b"], np.array([0, 0]), np.array([5, 3]), {"a", "b"}).tolist() == rows.tolist()
+    with pytest.raises(RecentBufferLost, match="holds positions up to 5"):
+        slots.assign(["a"], np.array([7]), np.array([1]), {"a", "b"})
+    with pytest.raises(RecentBufferLost, match="no recent buffer"):
+        slots.assign(["z"], np.array([4]), np.array([1]), {"a", "b", "z"})
+    # a finished request's row is reused; padding rows (no request / no tokens) go to the scratch row
+    rows = slots.assign(["c", None], np.array([0, 0]), np.array([2, 0]), {"b", "c"})
+    assert rows[1] == slots.scratch and rows[0] in (0, 1)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"sliding_window": 128}, "sliding_window"),
+    ({"alibi_slopes": [1.0] * HQ}, "alibi_slopes"),
+    ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+    ({"attn_type": "encoder_only"}, "attn_type"),
+])
+def test_impl_refuses_unsupported_attention(kwargs, word):
+    with pytest.raises(UnsupportedModelError, match=word):
+        TurboQuantAttentionImpl(HQ, D, 1.0, HKV, **kwargs)

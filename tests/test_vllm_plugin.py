@@ -1,0 +1,73 @@
+"""The plugin's switch, version gate and KV cache spec, without starting an engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetson_tq.errors import ConfigError, UnsupportedPlatformError
+from jetson_tq.format import KVFormat, PagedLayout
+from jetson_tq.integrations.vllm import plugin, settings, versions
+from jetson_tq.integrations.vllm.spec import UnsupportedModelError, check_architecture, layer_index
+
+
+def test_supported_versions_and_named_error():
+    assert versions.check_vllm_version("0.27.0+cpu") == "0.27.0"
+    assert versions.check_vllm_version("0.26.0") == "0.26.0"
+    with pytest.raises(UnsupportedPlatformError, match=r"0\.25\.1.*0\.26\.0.*0\.27\.0"):
+        versions.check_vllm_version("0.25.1")
+
+
+def test_switch_off_does_nothing_even_on_an_unsupported_vllm(monkeypatch):
+    monkeypatch.delenv(settings.ENV_CONFIG, raising=False)
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.99.0")
+    plugin.register()  # no error, no patch
+    vllm = pytest.importorskip("vllm")
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    assert not getattr(Attention.get_kv_cache_spec, "_jetson_tq", False), vllm.__version__
+
+
+def test_switch_on_with_an_unsupported_vllm_names_the_supported_ones(monkeypatch):
+    monkeypatch.setenv(settings.ENV_CONFIG, "blog_k3v2")
+    monkeypatch.setattr("jetson_tq.integrations.vllm.plugin.check_vllm_version",
+                        lambda: versions.check_vllm_version("0.20.0"))
+    with pytest.raises(UnsupportedPlatformError, match="supported: 0.26.0"):
+        plugin.register()
+
+
+def test_bad_switch_values_are_named(monkeypatch):
+    monkeypatch.setenv(settings.ENV_CONFIG, "no_such_preset")
+    with pytest.raises(ConfigError, match="no_such_preset"):
+        settings.active_config()
+    monkeypatch.setenv(settings.ENV_BACKEND, "cuda-magic")
+    with pytest.raises(ConfigError, match="JETSON_TQ_BACKEND"):
+        settings.ops_backend()
+
+
+def test_architecture_allow_list_and_layer_names():
+    check_architecture(["Qwen2ForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        check_architecture(["GPT2LMHeadModel"])
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    with pytest.raises(UnsupportedModelError):
+        layer_index("model.layers.1.block.2.attn")
+
+
+def test_spec_page_size_is_the_packed_page():
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from jetson_tq.integrations.vllm.spec import make_spec
+
+    a, b = KVFormat(), KVFormat(key_bits=4, value_bits=4)
+    la, lb = PagedLayout(a, 128, 16), PagedLayout(b, 128, 16)
+    sa, sb = make_spec(16, 8, 128, a, la), make_spec(16, 8, 128, b, lb)
+    assert sa.page_size_bytes == 8 * la.page_bytes == 8 * 16 * a.bytes_per_token(128)  # 100 B/token/head
+    assert sa.dtype == torch.uint8
+    assert is_kv_cache_spec_uniform({"x": sa, "y": make_spec(16, 8, 128, a, la)})
+    mixed = {"x": sa, "y": sb}
+    assert not is_kv_cache_spec_uniform(mixed)  # different formats: one group with per-layer page sizes
+    uniform = UniformTypeKVCacheSpecs.from_specs(mixed)
+    assert uniform is not None and uniform.page_size_bytes == sa.page_size_bytes + sb.page_size_bytes
