@@ -31,6 +31,7 @@ SMALL = [
     ("blog_k3v2", 100, 4, [30], [2]),
     ("k4v4", 128, 4, [70, 20], [3, 9]),  # 3-bit indices: generic unpack path
     ("mse_k3v2", 64, 4, [45], [6]),
+    ("mse_k4v3", 128, 4, [60, 8], [5, 0]),  # the default preset: 4-bit indices, 3-bit values (2+1 runs)
     ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
 ]
 LARGE = [
@@ -44,6 +45,8 @@ LARGE = [
     ("blog_k3v2", 100, 4, [333], [2]),
     ("k4v4", 128, 4, [1111, 70], [3, 64]),
     ("mse_k3v2", 128, 4, [2048], [0]),
+    ("mse_k4v3", 128, 4, [3000, 40], [128, 7]),
+    ("mse_k4v3", 64, 3, [1000], [1]),
     ("fp16", 128, 4, [500, 1], [0, 1]),
 ]
 CASES = LARGE if GPU else SMALL

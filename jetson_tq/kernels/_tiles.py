@@ -73,3 +73,20 @@ def mma(a, b, acc, INTERP: tl.constexpr):
     else:
         out = tl.dot(a, b, acc)
     return out
+
+
+@triton.jit
+def fold_run(tile, ptrs, mask, w, zero_rt, J0: tl.constexpr, CH: tl.constexpr, RUN_OFF: tl.constexpr,
+             LOW: tl.constexpr, W: tl.constexpr, W_LEFT: tl.constexpr, INTERP: tl.constexpr):
+    """tile + (code bits of one planar run) . w, the bits read as a subnormal plane and rescaled to code units * 2^-24.
+
+    ``W_LEFT``: the plane is the left operand (decode, [coords, tokens]) or the right one (prefill).
+    """
+    SHIFT: tl.constexpr = (J0 // W) * W
+    x = tl.load(ptrs + RUN_OFF + (J0 % W) * CH, mask=mask, other=0)
+    plane = subnormal16(x & (((1 << W) - 1) << SHIFT))
+    if W_LEFT:
+        part = mma(plane, w, tl.zeros([plane.shape[0], w.shape[1]], tl.float32) + zero_rt, INTERP)
+    else:
+        part = mma(w, plane, tl.zeros([w.shape[0], plane.shape[1]], tl.float32) + zero_rt, INTERP)
+    return tile + part * ((1 << LOW) / (1 << SHIFT))

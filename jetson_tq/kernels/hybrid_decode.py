@@ -28,7 +28,7 @@ from ..cache.paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
                       next_pow2, workspace)
-from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, mma, subnormal16
+from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, fold_run, mma, subnormal16
 from .query_transform import query_transform
 
 LOG2E = 1.4426950408889634
@@ -201,12 +201,22 @@ def _hybrid_decode_kernel(
                         grp = (c * VCW + j * VSUB) // GROUP
                         vs = tl.load(srow + grp, mask=nmask, other=0.0)
                         w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
-                        plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
                         # a fresh tensor-core accumulator per tile, added in fp32 on the CUDA cores: the folded
                         # sums (all-positive code*scale terms, all-negative zero terms) cancel at the end, and
                         # the tensor cores' truncating accumulation over thousands of tokens biased them
                         # (1.6e-2 output error at 64k tokens per program on the H200, run 2)
-                        tile = mma(plane, w, tl.zeros([VSUBP, GP], tl.float32) + zero_rt, INTERP)  # runtime 0: not fused
+                        if VW1 == 0:
+                            plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
+                            tile = mma(plane, w, tl.zeros([VSUBP, GP], tl.float32) + zero_rt, INTERP)  # runtime 0: not fused
+                        else:  # several runs (3, 5, 6, 7 bits): one plane per run, in code units * 2^-24
+                            tile = tl.zeros([VSUBP, GP], tl.float32)
+                            tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, 0, 0, VW0, True, INTERP)
+                            if VW1 > 0:
+                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * VW0, VW0, VW1,
+                                                True, INTERP)
+                            if VW2 > 0:
+                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * (VW0 + VW1),
+                                                VW0 + VW1, VW2, True, INTERP)
                         new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + tile,)
                     else:
                         if VW1 == 0:
@@ -256,8 +266,8 @@ def _hybrid_decode_kernel(
                     v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
                                 mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
                     pv = mma(v, p.to(v.dtype), tl.zeros([VSUBP, GP], tl.float32), INTERP)
-                    if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24)
-                        pv = pv * ((1 << (c * VB)) / TWO24)
+                    if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24) (one run) or * 2^-24
+                        pv = pv * ((1 << (c * VB * (VW1 == 0))) / TWO24)
                     new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + pv,)
             acc = new_acc
 
@@ -270,7 +280,7 @@ def _hybrid_decode_kernel(
             o = acc[c * VSC + j]
             if FAST_V:
                 grp = (c * VCW + j * VSUB) // GROUP
-                o = o * (TWO24 / (1 << (c * VB))) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
+                o = o * (TWO24 / (1 << (c * VB * (VW1 == 0)))) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
             o = o * inv[None, :]
             if SINGLE:
                 optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
@@ -386,8 +396,7 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     vsub, vsc = value_subchunks(spec)
     fast_k = (fast_keys and spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2)
               and consts["kfit"] is not None)
-    fast_v = (fold_values and spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0
-              and not val_gather)
+    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0 and not val_gather
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     _hybrid_decode_kernel[(bsz * hkv, splits)](
         qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,

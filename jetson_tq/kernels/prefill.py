@@ -19,7 +19,7 @@ import triton.language as tl
 from ..cache.paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import INTERPRET, KEY_RAW, VAL_GROUP, codec_constants, cuda_or_interpreter, next_pow2
-from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, mma, subnormal16
+from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, fold_run, mma, subnormal16
 from .hybrid_decode import LOG2E, _spec, value_subchunks
 from .query_transform import query_transform
 
@@ -47,7 +47,7 @@ def _qchunk(qt_ptr, qrow, rmask, col0, CW: tl.constexpr, cols, QW: tl.constexpr,
 def _dense_part(k_base, v_base, skt, svt, n_tok, qraw, tok, acc, zacc, m_i, l_i, rk_ptr, rv_ptr, CAUSAL: tl.constexpr,
                 D: tl.constexpr, DP: tl.constexpr, VCW: tl.constexpr, VCH: tl.constexpr, VSUB: tl.constexpr,
                 VSUBP: tl.constexpr, VSC: tl.constexpr, VB: tl.constexpr, FAST_V: tl.constexpr,
-                BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+                ONE_RUN: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """Attend to n_tok uncompressed tokens (k^T tiles loaded [D, tokens]); CAUSAL: token s only for rows t >= s."""
     d = tl.arange(0, DP)
     vu = tl.arange(0, VSUBP)
@@ -73,7 +73,7 @@ def _dense_part(k_base, v_base, skt, svt, n_tok, qraw, tok, acc, zacc, m_i, l_i,
                 v = v.to(rv_ptr.dtype.element_ty)
                 pv = mma(p.to(v.dtype), v, tl.zeros([qraw.shape[0], VSUBP], tl.float32), INTERP)
                 if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24)
-                    pv = pv * ((1 << (c * VB)) / TWO24)
+                    pv = pv * ((1 << (c * VB * ONE_RUN)) / TWO24)
                 new_acc = new_acc + (acc[c * VSC + j] * alpha[:, None] + pv,)
         acc = new_acc
     return acc, zacc, m_i, l_i
@@ -217,8 +217,18 @@ def _prefill_kernel(
                         grp = (c * VCW + j * VSUB) // GROUP
                         vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)
                         w = (p * vs[None, :]).to(tl.float16)
-                        plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
-                        tile = mma(w, plane, tl.zeros([BLOCK_M, VSUBP], tl.float32) + zero_rt, INTERP)  # fresh: see decode
+                        if VW1 == 0:
+                            plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
+                            tile = mma(w, plane, tl.zeros([BLOCK_M, VSUBP], tl.float32) + zero_rt, INTERP)  # fresh: see decode
+                        else:  # several runs: one plane per run, in code units * 2^-24
+                            tile = tl.zeros([BLOCK_M, VSUBP], tl.float32)
+                            tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, 0, 0, VW0, False, INTERP)
+                            if VW1 > 0:
+                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * VW0, VW0, VW1,
+                                                False, INTERP)
+                            if VW2 > 0:
+                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * (VW0 + VW1),
+                                                VW0 + VW1, VW2, False, INTERP)
                         new_acc = new_acc + (acc[c * VSC + j] * alpha[:, None] + tile,)
                     else:
                         if VW1 == 0:
@@ -250,12 +260,12 @@ def _prefill_kernel(
     acc, zacc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
                                       rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
                                       stride_rkt, stride_rvt, rlen, qraw, tok, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
-                                      False, D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, BLOCK_N, INTERP)
+                                      False, D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     acc, zacc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
                                       v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
                                       stride_kt, stride_vt, last_tok + 1, qraw, tok, acc, zacc, m_i, l_i, rk_ptr,
-                                      rv_ptr, True, D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, BLOCK_N, INTERP)
+                                      rv_ptr, True, D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     for c in tl.static_range(VCH):
@@ -266,7 +276,7 @@ def _prefill_kernel(
             o = acc[c * VSC + j]
             if FAST_V:
                 grp = (c * VCW + j * VSUB) // GROUP
-                o = o * (TWO24 / (1 << (c * VB))) + tl.sum(tl.where(ng[None, :] == grp, zacc, 0.0), 1)[:, None]
+                o = o * (TWO24 / (1 << (c * VB * (VW1 == 0)))) + tl.sum(tl.where(ng[None, :] == grp, zacc, 0.0), 1)[:, None]
             tl.store(optr, (o * inv[:, None]).to(out_ptr.dtype.element_ty),
                      mask=rmask[:, None] & (vu[None, :] < VSUB) & (col[None, :] < D))
 
@@ -310,7 +320,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         rk, rv = k, v
     vsub, vsc = value_subchunks(spec)
     fast_k = spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2) and consts["kfit"] is not None
-    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.VW1 == 0 and spec.GROUP % vsub == 0
+    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
     _prefill_kernel[grid](
