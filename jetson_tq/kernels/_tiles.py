@@ -55,6 +55,18 @@ def centroid(code, cb_ptr, c0, c1, c2, c3, KB: tl.constexpr):
     return val
 
 
+@triton.jit
+def centroid_poly(code, a0, a1, a2, a3, a4, a5, KB: tl.constexpr):
+    """Codebook value of a 3/4-bit ``code`` (fp32) as an odd polynomial in v = code - (2^KB - 1)/2:
+    an exponent-trick conversion and Horner on the CUDA cores instead of a gather from memory."""
+    HALF: tl.constexpr = ((1 << KB) - 1) / 2
+    # float bits 0x4B000000 | code are 2^23 + code exactly (2^23 + half itself is not representable)
+    v = ((code.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - HALF
+    t = v * v
+    p = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t + a0
+    return v * p
+
+
 TWO24 = tl.constexpr(16777216.0)
 
 

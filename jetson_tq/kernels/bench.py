@@ -169,14 +169,25 @@ def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[di
     return rows
 
 
+def resolve_format(fmt: KVFormat | str | None) -> KVFormat:
+    """A KVFormat from a preset name (``configs/<name>.yaml``), a KVFormat, or None (blog_k3v2-like defaults)."""
+    if fmt is None or isinstance(fmt, KVFormat):
+        return fmt or KVFormat()
+    from ..config import load_config
+
+    return load_config(fmt).default
+
+
 def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, head_dim: int = 128,
                    ragged: list[int] | None = None, graphs: bool = True, check: bool = True,
-                   copy_gbps: float | None = None, **kernel_kwargs) -> list[dict]:
+                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None,
+                   **kernel_kwargs) -> list[dict]:
     """Fused hybrid decode vs torch SDPA flash on fp16 KV (same tokens), per shape (B, Hq, Hkv, ctx).
 
     Columns: ours_us / flash_us (medians, eager), speedup, bytes our kernel must read, floor at
     the measured copy bandwidth and % of it achieved; ``graphs`` adds CUDA-graph replay times.
     ``ragged``: one extra row with these per-sequence lengths (Hq/Hkv 32/8; flash runs padded).
+    ``fmt``: the cache format (KVFormat or preset name; default KVFormat(), i.e. blog_k3v2's layout).
     """
     from ..attention.reference import paged_attention_decode
     from .hybrid_decode import hybrid_decode
@@ -189,10 +200,10 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
         todo.append((len(ragged), 32, 8, list(ragged)))
     rows = []
     for b, hq, hkv, lens in todo:
-        probe = make_decode_case(b, hq, hkv, lens, head_dim, seed=0)
+        probe = make_decode_case(b, hq, hkv, lens, head_dim, fmt=resolve_format(fmt), seed=0)
         our_bytes = probe.compressed_bytes + probe.buffer_bytes + 2 * probe.q.numel() * 2
         fp16_bytes = 2 * probe.k16.numel() * 2 + 2 * probe.q.numel() * 2
-        sets = [probe] + [make_decode_case(b, hq, hkv, lens, head_dim, seed=i)
+        sets = [probe] + [make_decode_case(b, hq, hkv, lens, head_dim, fmt=resolve_format(fmt), seed=i)
                           for i in range(1, _n_sets(fp16_bytes + our_bytes, cap=8))]
         outs = [torch.empty_like(c.q) for c in sets]
         if check:  # the reference on a bounded subset (first two sequences) of the first set
@@ -225,13 +236,13 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
 
 # ------------------------------------------------------------------------------------- compress
 def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, variants: list[dict] | None = None,
-                   copy_gbps: float | None = None) -> list[dict]:
+                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None) -> list[dict]:
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch (vLLM slot mapping)."""
     from .compress_write import compress_write, compress_write_reference
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
-    fmt = KVFormat()
+    fmt = resolve_format(fmt)
     codec, layout = KVCodec(fmt, head_dim), PagedLayout(fmt, head_dim, 16)
     nblocks = tokens // 16 + 1
     io_bytes = tokens * hkv * (4 * head_dim + fmt.bytes_per_token(head_dim)) + tokens * 8

@@ -28,15 +28,17 @@ from ..cache.paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
                       next_pow2, workspace)
-from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, fold_run, mma, subnormal16
+from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, centroid_poly, chunk_codes, fold_run, mma, subnormal16
 from .query_transform import query_transform
 
 LOG2E = 1.4426950408889634
+LUT_SHUFFLE = tl.constexpr(1)  # key centroid lookups, see ``_key_lut``
+LUT_POLY = tl.constexpr(2)
 
 
 @triton.jit
 def _hybrid_decode_kernel(
-        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr,
+        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr, kp_ptr,
         out_ptr, po_ptr, plse_ptr,
         stride_qb, stride_qh, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
@@ -51,7 +53,7 @@ def _hybrid_decode_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
-        NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr,
+        NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr, KLUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
     # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
@@ -104,6 +106,15 @@ def _hybrid_decode_kernel(
     cb1 = tl.load(cb_ptr + 1)
     cb2 = tl.load(cb_ptr + 2)
     cb3 = tl.load(cb_ptr + 3)
+    if KLUT == LUT_POLY:
+        a0 = tl.load(kp_ptr)
+        a1 = tl.load(kp_ptr + 1)
+        a2 = tl.load(kp_ptr + 2)
+        a3 = tl.load(kp_ptr + 3)
+        a4 = tl.load(kp_ptr + 4)
+        a5 = tl.load(kp_ptr + 5)
+    else:
+        a0, a1, a2, a3, a4, a5 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
 
     vu = tl.arange(0, VSUBP)
     ng = tl.arange(0, NGP)
@@ -146,7 +157,14 @@ def _hybrid_decode_kernel(
                         code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
                     else:
                         code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
-                    cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
+                    if KLUT == LUT_SHUFFLE:  # the codebook lives in registers; a warp shuffle per code
+                        cbv = tl.load(cb_ptr + tl.arange(0, 1 << KB))
+                        cent = tl.gather(tl.broadcast_to(cbv[None, :], [BLOCK_N, 1 << KB]), code.to(tl.int32),
+                                         1).to(tl.float16)
+                    elif KLUT == LUT_POLY:
+                        cent = centroid_poly(code, a0, a1, a2, a3, a4, a5, KB).to(tl.float16)
+                    else:
+                        cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
                     s = mma(cent, qk[c], s, INTERP)
             if FAST_K:
                 s = s * TWO24 + kadd[None, :]
@@ -314,8 +332,28 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_spl
 
 
 # ------------------------------------------------------------------------------------ launcher
-BLOCK_N = 64
+# Launch defaults from benchmarks/sweep_decode.py on the H200 (docs/benchmarks.md): small programs
+# (32 tokens, 2 warps, no software pipelining) and ~16 of them per SM hide the load -> unpack -> MMA
+# latency chain better than fewer, larger ones (occupancy, not instruction count, was the limit).
+BLOCK_N = 32
+NUM_WARPS = 2
+NUM_STAGES = 1
 BLOCK_R = 64
+WAVES = 16.0  # programs per SM the split count aims for
+
+
+KEY_LUT = "shuffle"
+_KEY_LUTS = {"load": 0, "shuffle": 1, "poly": 2}
+
+
+def _key_lut(name: str, spec: PageSpec, consts: dict) -> int:
+    """How the kernel turns a 3/4-bit key index into its centroid: ``load`` (gather from memory), ``shuffle``
+    (codebook in registers, ``tl.gather``) or ``poly`` (odd polynomial, CUDA cores; needs a symmetric codebook)."""
+    if name not in _KEY_LUTS:
+        raise ValueError(f"key_lut: expected one of {tuple(_KEY_LUTS)}, got {name!r}")
+    if name == "poly" and consts["kpoly"] is None:
+        name = "load"
+    return _KEY_LUTS[name] if spec.KB in (3, 4) else 0
 
 
 _SPECS: dict = {}
@@ -337,10 +375,11 @@ def value_subchunks(spec: PageSpec) -> tuple[int, int]:
     return spec.VCW, 1
 
 
-def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N) -> int:
-    """Splits per sequence so that B * Hkv * splits programs fill the GPU about twice (host-side only)."""
+def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N,
+                  waves: float = WAVES) -> int:
+    """Splits per sequence so that B * Hkv * splits programs give every SM about ``waves`` programs (host-side only)."""
     tiles = max(1, -(-capacity // block_n))
-    want = max(1, -(-2 * num_sms // max(1, batch * num_kv_heads)))
+    want = max(1, -(-int(waves * num_sms) // max(1, batch * num_kv_heads)))
     return max(1, min(tiles, want, 256))
 
 
@@ -353,7 +392,9 @@ def _num_sms(device: torch.device) -> int:
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int = BLOCK_N, val_gather: bool = False, fast_keys: bool = True,
-                  fold_values: bool = True, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                  fold_values: bool = True, key_lut: str = KEY_LUT, num_warps: int = NUM_WARPS,
+                  num_stages: int = NUM_STAGES,
+                  waves: float = WAVES) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
@@ -377,7 +418,7 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     qt = query_transform(q, consts["qmat"], scale * LOG2E)
     g = hq // hkv
     capacity = kv.block_table.shape[1] * spec.BS
-    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n)
+    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves)
     tokens_per_split = -(-max(capacity, 1) // splits)
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
     splits = max(1, -(-max(capacity, 1) // tokens_per_split))
@@ -400,13 +441,13 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     _hybrid_decode_kernel[(bsz * hkv, splits)](
         qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
-        consts["codebook"], out, po, plse,
+        consts["codebook"], consts["kpoly"] if consts["kpoly"] is not None else consts["codebook"], out, po, plse,
         q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
         out.stride(0), out.stride(1), tokens_per_split, splits, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0,
         HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec_kw,
         KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, BLOCK_N=block_n, BLOCK_R=BLOCK_R, SINGLE=splits == 1, INTERP=INTERPRET,
+        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, KLUT=_key_lut(key_lut, spec, consts), BLOCK_N=block_n, BLOCK_R=BLOCK_R, SINGLE=splits == 1, INTERP=INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,

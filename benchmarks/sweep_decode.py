@@ -1,0 +1,102 @@
+"""Launch-configuration sweep of the fused hybrid decode at the two headline shapes, per format.
+
+    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] [--variants JSON]
+
+For each format and shape (B=8 32/8 64k, B=1 32/8 128k) the inputs are built once, the fp16
+flash baseline is timed in the same process, then every variant (programs per SM = ``waves``,
+``num_stages``, tile size and warps) is checked against the PyTorch reference and timed eager
+(``do_bench`` median) and from a CUDA graph. Rows print as they finish; ``--out`` also gets JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from jetson_tq.cache.paged import PagedKV  # noqa: E402
+from jetson_tq.kernels.bench import (_bench, _graph_us, _sdpa_flash, copy_bandwidth, make_decode_case,  # noqa: E402
+                                     resolve_format, table)
+
+SHAPES = [(8, 32, 8, 65536), (1, 32, 8, 131072)]
+TILES = [(64, 4), (32, 2), (128, 8)]  # (block_n, num_warps)
+STAGES = [1, 2, 3]
+WAVES = [2, 4, 8, 16]
+
+
+def variants(quick: bool) -> list[dict]:
+    """The launch configurations to time (``quick``: waves only, default tile and stages)."""
+    if quick:
+        return [dict(waves=w) for w in WAVES]
+    return [dict(block_n=bn, num_warps=nw, num_stages=st, waves=w)
+            for (bn, nw), st, w in itertools.product(TILES, STAGES, WAVES)]
+
+
+def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw: float) -> list[dict]:
+    """Rows of one (format, shape): the flash baseline first, then every variant."""
+    from jetson_tq.attention.reference import paged_attention_decode
+    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+
+    b, hq, hkv, ctx = shape
+    fmt = resolve_format(fmt_name)
+    sets = [make_decode_case(b, hq, hkv, [ctx] * b, fmt=fmt, seed=i) for i in range(2)]
+    case = sets[0]
+    nbytes = case.compressed_bytes + case.buffer_bytes + 4 * case.q.numel()
+    sub = min(b, 2)
+    kv = case.kv
+    part = PagedKV(kv.pages, kv.block_table[:sub], kv.compressed_lens[:sub], kv.recent_k, kv.recent_v,
+                   kv.recent_lens[:sub], kv.recent_index[:sub], kv.layout, kv.codec)
+    ref = paged_attention_decode(case.q[:sub], part).float()
+    flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
+    base = {"format": fmt_name, "shape": f"B={b} {hq}/{hkv} {ctx // 1024}k"}
+    rows = [{**base, "variant": "torch SDPA flash (fp16 KV)", "eager_us": _bench(flash), "graph_us": _graph_us(flash)}]
+    print(table(rows[-1:]), flush=True)
+    outs = [torch.empty_like(c.q) for c in sets]
+    for var in todo:
+        try:
+            got = hybrid_decode(case.q, kv, **var)[:sub].float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            fns = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, **var) for c, o in zip(sets, outs)]
+            eager, graph = _bench(fns), _graph_us(fns)
+            rows.append({**base, "variant": ",".join(f"{k}={v}" for k, v in var.items()), "eager_us": eager,
+                         "graph_us": graph, "speedup_graph": rows[0]["graph_us"] / graph,
+                         "pct_copy_bw": 100 * nbytes / (graph * 1e-6) / (bw * 1e9), "err": err})
+        except Exception as e:  # noqa: BLE001 - a variant that fails to compile or launch is reported, not fatal
+            rows.append({**base, "variant": ",".join(f"{k}={v}" for k, v in var.items()), "error": repr(e)[:200]})
+        print(table(rows[-1:]), flush=True)
+    del sets, case, outs
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="blog_k3v2,mse_k4v3")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--variants", type=json.loads, help="a JSON list of hybrid_decode keyword dicts (replaces the grid)")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s", flush=True)
+    rows = []
+    for fmt_name in args.formats.split(","):
+        for shape in SHAPES:
+            rows += sweep(fmt_name, shape, args.variants or variants(args.quick), bw)
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "sweep_decode.json").write_text(json.dumps({"copy_gbps": bw, "rows": rows}, indent=1))
+    print(table(rows))
+    print(f"done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
