@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py                 # the full table (D=128, B 1/8, 32/8 and 28/4, 1k..128k, ragged)
     python benchmarks/bench_decode.py --sweep         # kernel variants at the two headline shapes
     python benchmarks/bench_decode.py --quick         # three shapes
+    python benchmarks/bench_decode.py --format mse_k4v3   # another cache format (a configs/ preset)
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--format", default=None, help="cache format preset (default: blog_k3v2's layout)")
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)", flush=True)
     if args.sweep:
         rows = []
         for var in SWEEP:
-            for r in decode_vs_sdpa([(8, 32, 8, 65536), (1, 32, 8, 131072)], graphs=False, copy_gbps=bw, **var):
+            for r in decode_vs_sdpa([(8, 32, 8, 65536), (1, 32, 8, 131072)], graphs=False, copy_gbps=bw,
+                                    fmt=args.format, **var):
                 rows.append({"variant": ",".join(f"{k}={v}" for k, v in var.items()), **r})
                 print(table(rows[-1:]), flush=True)
     else:
-        rows = decode_vs_sdpa(QUICK if args.quick else FULL, ragged=None if args.quick else RAGGED, copy_gbps=bw)
+        rows = decode_vs_sdpa(QUICK if args.quick else FULL, ragged=None if args.quick else RAGGED, copy_gbps=bw,
+                              fmt=args.format)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"copy_gbps": bw, "rows": rows}, indent=1))

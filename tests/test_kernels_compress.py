@@ -1,7 +1,12 @@
 """Compress-on-write (``kernels.compress_write``) against the reference write path (``KVCodec.encode`` +
 ``write_slots``), through vLLM-style slot mappings (shuffled blocks, -1 padding).
 
-Tolerance: every packed index, value code, scale and zero equals the reference's. The key norm and
+Tolerance: every value scale and zero equals the reference's. A key index or value code may differ
+only by one level, only where the reference's input lies within rounding of that decision boundary
+(rotated unit-key coordinate within 1e-5 of a Lloyd-Max boundary: the kernel rotates with hi+lo
+fp16 tensor-core products, ~22 bits, in another order; value position (v - zero) / scale within
+1e-3 of a half-integer), and in at most 0.1 % of the entries: at the GPU sizes (~10^6 coordinates)
+a handful of such ties occur (seen on the H200), at CPU sizes none. The key norm and
 residual norm may differ by one fp16 ulp (fp32 sums in another order). QJL sign bits may differ
 only where the sketch ``S r`` of a coordinate is within rounding of 0: the kernel forms it as
 ``S u - (S Pi^T) c`` with hi+lo split fp16 tensor-core products (~22 bits), bound 0.02 % of the
@@ -70,9 +75,14 @@ def _check(name, d, lens, dtype, exact_signs):
     written = slots[slots >= 0]
     got, want = read_slots(pages, layout, written, codec.raw_dtype), read_slots(ref_pages, layout, written, codec.raw_dtype)
     msg = f"seed={seed} {name} D={d} {dtype}"
+    order = torch.nonzero(slots >= 0).squeeze(1)  # rows of k/v that were written, in slot order of `written`
     for f in fmt.fields(d):
         g, w = got[f.name], want[f.name]
-        if f.name == "key_signs":
+        if f.name == "key_idx":
+            _expect_ties_only(g, w, _key_tie_distance(codec, k[order]), 1e-5, fmt.key_mse_bits, d, f"{msg}: key_idx")
+        elif f.name == "val_codes":
+            _expect_ties_only(g, w, _value_tie_distance(codec, v[order]), 1e-3, fmt.value_bits, d, f"{msg}: val_codes")
+        elif f.name == "key_signs":
             flips = (unpack_bits(g, 1, d) != unpack_bits(w, 1, d)).float().mean().item()
             assert flips <= (2e-4 if exact_signs else 5e-3), f"{msg}: {flips:.3%} of sign bits differ"
         elif f.name in ("key_norm", "key_rnorm"):
@@ -87,6 +97,38 @@ def _check(name, d, lens, dtype, exact_signs):
     for f in fmt.fields(d):
         reg = lambda p: p[:, :, offs[f.name] : offs[f.name] + bs * f.nbytes].reshape(nblocks, hkv, bs, f.nbytes)
         assert torch.equal(reg(pages)[region_mask], reg(poison)[region_mask]), f"{msg}: wrote outside its slots ({f.name})"
+
+
+def _key_tie_distance(codec: KVCodec, k: torch.Tensor) -> torch.Tensor:
+    """|rotated unit-key coordinate - nearest Lloyd-Max decision boundary| as the reference computes it, [..., D]."""
+    mse = codec.keys.mse if hasattr(codec.keys, "mse") else codec.keys
+    kf = k.float()
+    y = mse.rotation.apply(kf / kf.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+    return (y.unsqueeze(-1) - mse.boundaries.float()).abs().amin(-1)
+
+
+def _value_tie_distance(codec: KVCodec, v: torch.Tensor) -> torch.Tensor:
+    """|(v - zero) / scale - nearest half-integer| with the reference's fp16 scale and zero, [..., D]."""
+    q = codec.values
+    g = v.float().reshape(*v.shape[:-1], q.dim // q.group, q.group)
+    zero = g.amin(-1).to(torch.float16).float()
+    scale = ((g.amax(-1) - zero) / q.levels).to(torch.float16).float()
+    pos = (g - zero.unsqueeze(-1)) / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+    return ((pos - pos.floor()) - 0.5).abs().reshape(v.shape)
+
+
+def _expect_ties_only(got: torch.Tensor, want: torch.Tensor, tie_distance: torch.Tensor, tie: float, bits: int,
+                      d: int, msg: str) -> None:
+    """Packed codes equal, except off-by-one-level decisions at inputs within ``tie`` of a boundary (<= 0.1 %)."""
+    if torch.equal(got, want):
+        return
+    gu, wu = unpack_bits(got, bits, d).int(), unpack_bits(want, bits, d).int()
+    diff = gu != wu
+    frac = diff.float().mean().item()
+    assert frac <= 1e-3, f"{msg}: {frac:.3%} of entries differ"
+    assert bool(((gu - wu).abs()[diff] == 1).all()), f"{msg}: a code differs by more than one level"
+    worst = tie_distance[diff].max().item()
+    assert worst <= tie, f"{msg}: a code differs where the input is {worst:.2e} from a decision boundary (> {tie:g})"
 
 
 def test_compress_write_empty_and_all_padding():

@@ -334,9 +334,12 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_spl
 # ------------------------------------------------------------------------------------ launcher
 # Launch defaults from benchmarks/sweep_decode.py on the H200 (docs/benchmarks.md): small programs
 # (32 tokens, 2 warps, no software pipelining) and ~16 of them per SM hide the load -> unpack -> MMA
-# latency chain better than fewer, larger ones (occupancy, not instruction count, was the limit).
+# latency chain better than fewer, larger ones (occupancy, not instruction count, was the limit);
+# formats whose key indices need a codebook lookup (3-4 bits) do best with 16-token, 1-warp programs.
 BLOCK_N = 32
 NUM_WARPS = 2
+LOOKUP_BLOCK_N = 16
+LOOKUP_NUM_WARPS = 1
 NUM_STAGES = 1
 BLOCK_R = 64
 WAVES = 16.0  # programs per SM the split count aims for
@@ -391,11 +394,14 @@ def _num_sms(device: torch.device) -> int:
 
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
-                  block_n: int = BLOCK_N, val_gather: bool = False, fast_keys: bool = True,
-                  fold_values: bool = True, key_lut: str = KEY_LUT, num_warps: int = NUM_WARPS,
+                  block_n: int | None = None, val_gather: bool = False, fast_keys: bool = True,
+                  fold_values: bool = True, key_lut: str = KEY_LUT, num_warps: int | None = None,
                   num_stages: int = NUM_STAGES,
                   waves: float = WAVES) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
+
+    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``key_lut``) default to the
+    best of the H200 sweep for the format (benchmarks/sweep_decode.py); results do not depend on them.
 
     Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
     gets zeros instead of an error, so padded CUDA-graph batches are safe).
@@ -414,6 +420,9 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
         q = q.contiguous()
     spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
+    lookup = spec.KB in (3, 4)
+    block_n = block_n or (LOOKUP_BLOCK_N if lookup else BLOCK_N)
+    num_warps = num_warps or (LOOKUP_NUM_WARPS if lookup else NUM_WARPS)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qt = query_transform(q, consts["qmat"], scale * LOG2E)
     g = hq // hkv
