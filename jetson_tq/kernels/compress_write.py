@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from ..codec.kv import Fields, KVCodec
 from ..errors import DTypeError, ShapeError, expect_same_device
@@ -227,16 +228,24 @@ def _compress_write_kernel(
 
 
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
+_FITTED_BLOCK_T: dict = {}  # (format, head dim, device) -> the largest tile that fit in shared memory
+
+
+def default_block_t(head_dim: int) -> int:
+    """Tokens per program: shared memory grows with D^2 (the split rotation/sketch matrices); at D=256
+    128 tokens need 288 KB (> the H200's 227 KB per block, seen on the GPU), 64 need 176-192 KB."""
+    return BLOCK_T if head_dim <= 128 else BLOCK_T // 2 if head_dim <= 256 else BLOCK_T // 4
 
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                   layout: PagedLayout, codec: KVCodec, *, block_t: int = BLOCK_T, num_warps: int = 8,
+                   layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
                    exact_signs: bool = True) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
     ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
     faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
+    ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory.
     """
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
@@ -258,13 +267,24 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         v = v.contiguous()
     spec = PageSpec.of(layout, codec)
     consts = codec_constants(codec, k.device)
-    grid = (triton.cdiv(n, block_t), pages.shape[1])
-    _compress_write_kernel[grid](
-        k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"],
-        n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), spec.PB,
-        HKV=pages.shape[1], **spec.constexprs(),
-        KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
-        SPLIT_SKETCH=exact_signs or spec.KB > 2, BLOCK_T=block_t, INTERP=INTERPRET, num_warps=num_warps)
+    key = (layout.fmt, layout.head_dim, str(k.device), exact_signs, num_warps)
+    chosen = block_t is None
+    block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
+    while True:
+        try:
+            _compress_write_kernel[(triton.cdiv(n, block_t), pages.shape[1])](
+                k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"],
+                n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), spec.PB,
+                HKV=pages.shape[1], **spec.constexprs(),
+                KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
+                SPLIT_SKETCH=exact_signs or spec.KB > 2, BLOCK_T=block_t, INTERP=INTERPRET, num_warps=num_warps)
+            break
+        except OutOfResources:  # raised at compile time, before anything is written
+            if block_t <= 16:
+                raise
+            block_t //= 2
+    if chosen:
+        _FITTED_BLOCK_T[key] = block_t
 
 
 def compress_write_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
