@@ -100,3 +100,28 @@ def test_decode_value_gather_variant_agrees():
     q = torch.randn(2, 8, 128, generator=gen).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
     assert rel_err(hybrid_decode(q, kv, val_gather=True), ref) <= 2e-3, f"seed={seed}"
+
+
+@pytest.mark.parametrize("key_lut", ["load", "shuffle", "poly"])
+@pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("k4v4", 64)])
+def test_decode_key_lookup_variants_agree(key_lut, name, d):
+    """The three ways to turn a 3/4-bit key index into its centroid (gather from memory, warp
+    shuffle from registers, odd polynomial) compute the same function, with one-warp 16-token
+    programs (the default for these formats) and with 2-warp 32-token ones."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    n = 900 if GPU else 70
+    kv = build_paged_kv(fmt_for(name, d), 2, d, [n, 9], [3, 0], torch.float16, gen)
+    q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
+    ref = paged_attention_decode(q, kv)
+    for block_n, warps in ((16, 1), (32, 2)):
+        got = hybrid_decode(q, kv, key_lut=key_lut, block_n=block_n, num_warps=warps)
+        assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {key_lut} block_n={block_n}"
+
+
+def test_decode_rejects_unknown_key_lookup():
+    gen = torch.Generator().manual_seed(0)
+    kv = build_paged_kv(fmt_for("mse_k4v3", 64), 2, 64, [5], [1], torch.float16, gen)
+    q = torch.randn(1, 4, 64, generator=gen).to(torch.float16).to(DEVICE)
+    with pytest.raises(ValueError, match="key_lut"):
+        hybrid_decode(q, kv, key_lut="table")
