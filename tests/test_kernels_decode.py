@@ -107,16 +107,16 @@ def test_decode_value_gather_variant_agrees():
 def test_decode_key_lookup_variants_agree(key_lut, name, d):
     """The three ways to turn a 3/4-bit key index into its centroid (gather from memory, warp
     shuffle from registers, odd polynomial) compute the same function, with one-warp 16-token
-    programs (the default for these formats) and with 2-warp 32-token ones."""
+    programs (the default for these formats) and with 2-warp 32-token ones stepping 16 buffer tokens."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     n = 900 if GPU else 70
     kv = build_paged_kv(fmt_for(name, d), 2, d, [n, 9], [3, 0], torch.float16, gen)
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
-    for block_n, warps in ((16, 1), (32, 2)):
-        got = hybrid_decode(q, kv, key_lut=key_lut, block_n=block_n, num_warps=warps)
-        assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {key_lut} block_n={block_n}"
+    for block_n, warps, block_r in ((16, 1, 64), (32, 2, 16)):
+        got = hybrid_decode(q, kv, key_lut=key_lut, block_n=block_n, num_warps=warps, block_r=block_r)
+        assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {key_lut} block_n={block_n} block_r={block_r}"
 
 
 def test_decode_rejects_unknown_key_lookup():

@@ -396,12 +396,12 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None, val_gather: bool = False, fast_keys: bool = True,
                   fold_values: bool = True, key_lut: str = KEY_LUT, num_warps: int | None = None,
-                  num_stages: int = NUM_STAGES,
-                  waves: float = WAVES) -> torch.Tensor:
+                  num_stages: int = NUM_STAGES, waves: float = WAVES, block_r: int = BLOCK_R) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
-    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``key_lut``) default to the
-    best of the H200 sweep for the format (benchmarks/sweep_decode.py); results do not depend on them.
+    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``key_lut``, ``block_r`` = recent-buffer
+    tokens per step) default to the best of the H200 sweep for the format (benchmarks/sweep_decode.py);
+    results do not depend on them.
 
     Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
     gets zeros instead of an error, so padded CUDA-graph batches are safe).
@@ -456,7 +456,7 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
         out.stride(0), out.stride(1), tokens_per_split, splits, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0,
         HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec_kw,
         KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, KLUT=_key_lut(key_lut, spec, consts), BLOCK_N=block_n, BLOCK_R=BLOCK_R, SINGLE=splits == 1, INTERP=INTERPRET,
+        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, KLUT=_key_lut(key_lut, spec, consts), BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, INTERP=INTERPRET,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
