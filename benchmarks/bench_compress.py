@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -16,5 +17,7 @@ VARIANTS = [{}, {"exact_signs": False}, {"block_t": 128, "num_warps": 8},
             {"block_t": 128, "num_warps": 8, "exact_signs": False}, {"block_t": 16, "num_warps": 4}]
 
 if __name__ == "__main__":
-    fmt = sys.argv[sys.argv.index("--format") + 1] if "--format" in sys.argv else None
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--format", default=None, help="cache format preset (default: blog_k3v2's layout)")
+    fmt = ap.parse_args().format
     print(table(compress_bench(variants=VARIANTS if fmt in (None, "blog_k3v2") else [{}], fmt=fmt)))

@@ -21,9 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from jetson_tq.cache.paged import PagedKV  # noqa: E402
-from jetson_tq.kernels.bench import (_bench, _graph_us, _sdpa_flash, copy_bandwidth, make_decode_case,  # noqa: E402
-                                     resolve_format, table)
+from jetson_tq.kernels.bench import (_bench, _graph_us, _sdpa_flash, copy_bandwidth, leading_sequences,  # noqa: E402
+                                     make_decode_case, resolve_format, table)
 
 SHAPES = [(8, 32, 8, 65536), (1, 32, 8, 131072)]
 TILES = [(64, 4), (32, 2), (128, 8)]  # (block_n, num_warps)
@@ -51,8 +50,7 @@ def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw:
     nbytes = case.compressed_bytes + case.buffer_bytes + 4 * case.q.numel()
     sub = min(b, 2)
     kv = case.kv
-    part = PagedKV(kv.pages, kv.block_table[:sub], kv.compressed_lens[:sub], kv.recent_k, kv.recent_v,
-                   kv.recent_lens[:sub], kv.recent_index[:sub], kv.layout, kv.codec)
+    part = leading_sequences(kv, sub)
     ref = paged_attention_decode(case.q[:sub], part).float()
     flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
     base = {"format": fmt_name, "shape": f"B={b} {hq}/{hkv} {ctx // 1024}k"}

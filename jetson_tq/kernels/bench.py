@@ -136,6 +136,12 @@ def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: i
                       sum(rec) * hkv * 4 * head_dim)
 
 
+def leading_sequences(kv: PagedKV, n: int) -> PagedKV:
+    """The first ``n`` sequences of ``kv`` (same pages and buffers): what the reference checks, bounded."""
+    return PagedKV(kv.pages, kv.block_table[:n], kv.compressed_lens[:n], kv.recent_k, kv.recent_v,
+                   kv.recent_lens[:n], kv.recent_index[:n], kv.layout, kv.codec)
+
+
 def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -154,8 +160,7 @@ def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[di
         q = case.q * q_scale
         sub = min(b, 2)
         kv = case.kv
-        part = PagedKV(kv.pages, kv.block_table[:sub], kv.compressed_lens[:sub], kv.recent_k, kv.recent_v,
-                       kv.recent_lens[:sub], kv.recent_index[:sub], kv.layout, kv.codec)
+        part = leading_sequences(kv, sub)
         ref = paged_attention_decode(q[:sub], part).float()
         for var in variants:
             errs = []
@@ -209,8 +214,7 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
         if check:  # the reference on a bounded subset (first two sequences) of the first set
             sub = min(b, 2)
             kv = probe.kv
-            part = PagedKV(kv.pages, kv.block_table[:sub], kv.compressed_lens[:sub], kv.recent_k, kv.recent_v,
-                           kv.recent_lens[:sub], kv.recent_index[:sub], kv.layout, kv.codec)
+            part = leading_sequences(kv, sub)
             ref = paged_attention_decode(probe.q[:sub], part).float()
             got = hybrid_decode(probe.q, kv, **kernel_kwargs)[:sub].float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported in the row; > 2e-3 is flagged, not hidden
@@ -291,8 +295,7 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         k = torch.randn(b, hkv, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
         v = torch.randn(b, hkv, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
         kv = case.kv
-        part = PagedKV(kv.pages, kv.block_table[:1], kv.compressed_lens[:1], kv.recent_k, kv.recent_v,
-                       kv.recent_lens[:1], kv.recent_index[:1], kv.layout, kv.codec)
+        part = leading_sequences(kv, 1)
         ref = paged_attention_prefill(q[:1, :, :64], k[:1, :, :64], v[:1, :, :64], part).float()
         got = chunked_prefill(q[:1, :, :64].contiguous(), k[:1, :, :64].contiguous(), v[:1, :, :64].contiguous(),
                               part).float()
