@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from jetson_tq.config import DEFAULT_PRESET
+
 #: The reference Jetson write-up's fp16 figure for Qwen2.5-7B on a 128 GB Thor (16 GB weights): ~0.9 M tokens.
 WRITEUP_FP16_TOKENS = 0.9e6
 WRITEUP_MULTIPLIER = 4.4
@@ -148,7 +150,7 @@ def section_benchmark(demo: Demo, cuda: bool, dispatch) -> None:
                                              "nothing about decode speed on a Jetson/GPU")
         return
     if dispatch is None:
-        demo.verdict("benchmark", "SKIPPED", "kernels not in this build (jetson_tq.attention.dispatch missing)")
+        demo.verdict("benchmark", "SKIPPED", "kernels not in this build (jetson_tq.api missing)")
         return
     from jetson_tq.reports.kernel_check import decode_benchmark
 
@@ -221,10 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/demo", help="folder for plots and summary.json (default out/demo)")
     p.add_argument("--model", help="model for the capacity section (default: smollm2-135m-instruct on CPU, "
                                    "qwen2.5-7b-instruct on Jetson/GPU)")
-    p.add_argument("--config", default="blog_k3v2", help="TurboQuant preset or YAML (default blog_k3v2)")
+    p.add_argument("--config", default=DEFAULT_PRESET, help=f"TurboQuant preset or YAML (default {DEFAULT_PRESET})")
     p.add_argument("--utilization", type=float, default=0.85, help="fraction of the memory budget to use (0.85)")
     p.add_argument("--measure-tokens", type=int, help="tokens in the measured cache (1024 on CPU, 32768 on CUDA)")
-    p.add_argument("--dispatch-module", default="jetson_tq.attention.dispatch", help=argparse.SUPPRESS)
+    p.add_argument("--dispatch-module", default="jetson_tq.api", help=argparse.SUPPRESS)
     return p
 
 

@@ -1,10 +1,11 @@
 """jetson-tq: TurboQuant-compressed KV caches for LLM serving on NVIDIA Jetson and other CUDA machines.
 
-Layers, in the order data flows (nothing lower imports anything higher):
-format -> codec -> cache -> attention -> kernels -> integrations -> platform -> reports -> cli.
+Layers, in the order data flows (nothing lower imports anything higher; tests/test_layering.py checks it):
+format -> codec -> paged (storage) -> attention.reference + kernels -> ops (the one Triton-vs-reference
+choice) -> cache -> api -> integrations (vllm, transformers) -> platform -> reports -> cli.
 """
 
-from .attention.reference import attention_decode, attention_prefill
+from .api import attention_decode, attention_prefill, turboquant_scores
 from .cache.compressed import CompressedKVCache
 from .codec.codebook import lloyd_max_codebook, lloyd_max_mse
 from .codec.kv import KVCodec
@@ -12,14 +13,13 @@ from .codec.mse import MSECode, TurboQuantMSE
 from .codec.packing import pack_bits, unpack_bits
 from .codec.prod import ProdCode, TurboQuantProd
 from .codec.rotation import Rotation, qjl_matrix
-from .codec.scores import turboquant_scores
 from .codec.values import GroupCode, GroupQuantizer
 from .config import TurboQuantConfig, load_config, preset_names
 from .errors import (ConfigError, DeviceError, DTypeError, FormatError, JetsonTQError, ShapeError,
                      UnsupportedPlatformError)
 from .format import FP16_FORMAT, KVFormat, PagedLayout, fp16_bytes_per_token
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "KVFormat", "PagedLayout", "FP16_FORMAT", "fp16_bytes_per_token",

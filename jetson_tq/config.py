@@ -2,10 +2,10 @@
 
 Schema (every key optional; unknown keys are errors)::
 
-    name: blog_k3v2
+    name: mse_k4v3                                # omitted keys take these values (KVFormat's defaults)
     description: free text
-    keys:   {mode: prod, bits: 3}                 # prod = (bits-1)-bit MSE + 1-bit QJL
-    values: {mode: group, bits: 2, group_size: 32}
+    keys:   {mode: mse, bits: 4}                  # mse = Lloyd-Max; prod = (bits-1)-bit MSE + 1-bit QJL
+    values: {mode: group, bits: 3, group_size: 64}
     norm_dtype: float16
     rotation: auto                                # auto | hadamard | dense
     buffer: {recent_tokens: 128, flush_chunk: 64}

@@ -40,13 +40,14 @@ A row of D codes of b bits therefore takes ``ceil(D/8) * b`` bytes (the same as 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
 
-from .errors import FormatError
+from .errors import FormatError, UnsupportedPlatformError
 
 KeyMode = Literal["prod", "mse", "fp16"]
 ValueMode = Literal["group", "mse", "fp16"]
@@ -57,6 +58,9 @@ VALUE_MODES: tuple[str, ...] = ("group", "mse", "fp16")
 ROTATIONS: tuple[str, ...] = ("auto", "hadamard", "dense")
 NORM_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
 MAX_BITS = 8
+#: Key / value modes as kernels see them (``PageSpec.KEY_MODE`` / ``VAL_MODE``).
+KEY_RAW, KEY_MSE, KEY_PROD = 0, 1, 2
+VAL_RAW, VAL_GROUP = 0, 1
 FP16_BYTES_PER_ELEMENT = 2
 
 
@@ -89,6 +93,11 @@ def packed_bytes(head_dim: int, bits: int) -> int:
     return (head_dim + 7) // 8 * bits
 
 
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (>= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def is_power_of_two(n: int) -> bool:
     """True for 1, 2, 4, 8, ..."""
     return n >= 1 and (n & (n - 1)) == 0
@@ -100,16 +109,18 @@ class KVFormat:
 
     ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit
     TurboQuant_mse plus the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in
-    ``mse`` mode all bits go to the Lloyd-Max codebook. ``buffer_tokens`` most recent tokens stay
-    in fp16/bf16; when the buffer reaches ``buffer_tokens + flush_chunk`` tokens the oldest
-    ``flush_chunk`` are compressed in one batched call.
+    ``mse`` mode all bits go to the Lloyd-Max codebook. The defaults are the recommended preset
+    ``mse_k4v3`` (configs/mse_k4v3.yaml, chosen from docs/fidelity.md). Every token is stored compressed;
+    the ``buffer_tokens`` (R) most recent are also kept exact, and attention at position p reads
+    positions older than p + 1 - R compressed. ``flush_chunk`` is the batch in which the simulated
+    baselines of the fidelity harness quantize their buffer (the paged cache does not use it).
     """
 
-    key_mode: KeyMode = "prod"
-    key_bits: int = 3
+    key_mode: KeyMode = "mse"
+    key_bits: int = 4
     value_mode: ValueMode = "group"
-    value_bits: int = 2
-    value_group: int = 32
+    value_bits: int = 3
+    value_group: int = 64
     norm_dtype: str = "float16"
     rotation: RotationKind = "auto"
     buffer_tokens: int = 128
@@ -232,16 +243,15 @@ class KVFormat:
 
     @property
     def buffer_capacity(self) -> int:
-        """fp16 tokens the recent buffer of one sequence must hold at most (during an append)."""
-        return self.buffer_tokens + self.flush_chunk
+        """Exact tokens one sequence keeps at most (its recent ring)."""
+        return self.buffer_tokens
 
     def sequence_bytes(self, tokens: int, head_dim: int, buffer_element_bytes: int = 2) -> int:
-        """Bytes one sequence of ``tokens`` tokens takes per KV head: compressed part + its buffer."""
+        """Bytes one sequence of ``tokens`` tokens takes per KV head: every token compressed + the exact ring."""
         if self.is_passthrough:
             return tokens * fp16_bytes_per_token(head_dim)
-        compressed = max(tokens - self.buffer_tokens, 0)
-        buffered = min(tokens, self.buffer_capacity)
-        return compressed * self.bytes_per_token(head_dim) + buffered * 2 * head_dim * buffer_element_bytes
+        exact = min(tokens, self.buffer_tokens)
+        return tokens * self.bytes_per_token(head_dim) + exact * 2 * head_dim * buffer_element_bytes
 
 
 def fp16_bytes_per_token(head_dim: int) -> int:
@@ -270,7 +280,11 @@ class PagedLayout:
         self.fmt.check_head_dim(self.head_dim)
 
     def offsets(self) -> dict[str, int]:
-        """Byte offset of each field's region inside a page."""
+        """Byte offset of each field's region inside a page (computed once per layout)."""
+        return dict(self._offsets)
+
+    @functools.cached_property
+    def _offsets(self) -> dict[str, int]:
         out: dict[str, int] = {}
         pos = 0
         for f in self.fmt.fields(self.head_dim):
@@ -278,7 +292,7 @@ class PagedLayout:
             pos = _round_up(pos + f.nbytes * self.block_size, 16)
         return out
 
-    @property
+    @functools.cached_property
     def page_bytes(self) -> int:
         """Bytes of one page (block_size tokens of one KV head)."""
         pos = 0
@@ -298,3 +312,98 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
 
 #: Uncompressed fp16 keys and values (passthrough), e.g. for layers kept in full precision.
 FP16_FORMAT = KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=0, flush_chunk=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels' view of a page: every compile-time fact a paged kernel is specialized on, derived once
+# from PagedLayout (offsets, sub-field widths, chunking), so no kernel re-derives a byte count.
+def _widths(bits: int) -> tuple[int, int, int]:
+    """Up to three planar sub-field widths of a ``bits``-bit code, zero-padded."""
+    w = subfield_widths(bits) if bits else ()
+    return tuple(w) + (0,) * (3 - len(w))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """Compile-time facts of one (block, KV head) page that kernels are specialized on."""
+
+    D: int
+    DP: int  # head dim padded to a power of two
+    CH: int  # ceil(D / 8): coordinates per 1-bit plane
+    BS: int  # tokens per page (vLLM block_size)
+    PB: int  # page bytes
+    KEY_MODE: int
+    KB: int  # bits of a key codebook index (0 when none)
+    KW0: int
+    KW1: int
+    KW2: int
+    KCW: int  # coordinates per key chunk (CH * smallest sub-field width)
+    KCH: int  # key chunks (D padded to 8*CH coordinates = KCH * KCW)
+    OFF_KIDX: int
+    OFF_KSGN: int
+    OFF_KNORM: int
+    OFF_KRNORM: int
+    OFF_KRAW: int
+    NORM_F32: bool
+    VAL_MODE: int
+    VB: int
+    VW0: int
+    VW1: int
+    VW2: int
+    VCW: int  # coordinates per value chunk
+    VCH: int
+    GROUP: int
+    NG: int
+    OFF_VCODES: int
+    OFF_VSCALE: int
+    OFF_VZERO: int
+    OFF_VRAW: int
+    RAW_BF16: bool
+
+    @staticmethod
+    def of(layout: "PagedLayout", raw_dtype: torch.dtype = torch.float16) -> "PageSpec":
+        """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
+        return _page_spec(layout, raw_dtype)
+
+    def constexprs(self) -> dict:
+        """The spec as keyword arguments for a kernel launch."""
+        return asdict(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _page_spec(layout: "PagedLayout", raw_dtype: torch.dtype) -> PageSpec:
+    fmt, d = layout.fmt, layout.head_dim
+    reason = kernel_unsupported_reason(layout)
+    if reason:
+        raise UnsupportedPlatformError(f"no Triton kernel for this format: {reason}")
+    off = layout.offsets()
+    ch = (d + 7) // 8
+    key_mode = {"fp16": KEY_RAW, "mse": KEY_MSE, "prod": KEY_PROD}[fmt.key_mode]
+    kb = fmt.key_mse_bits if key_mode != KEY_RAW else 0
+    kw = _widths(kb)
+    kmin = min(w for w in kw if w) if kb else 8
+    val_mode = VAL_GROUP if fmt.value_mode == "group" else VAL_RAW
+    vb = fmt.value_bits if val_mode == VAL_GROUP else 0
+    vw = _widths(vb)
+    vmin = min(w for w in vw if w) if vb else 8
+    group = fmt.value_group if val_mode == VAL_GROUP else d
+    return PageSpec(
+        D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
+        KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],
+        KCW=ch * kmin, KCH=8 // kmin,
+        OFF_KIDX=off.get("key_idx", 0), OFF_KSGN=off.get("key_signs", 0), OFF_KNORM=off.get("key_norm", 0),
+        OFF_KRNORM=off.get("key_rnorm", 0), OFF_KRAW=off.get("key_raw", 0),
+        NORM_F32=fmt.norm_dtype == "float32",
+        VAL_MODE=val_mode, VB=vb, VW0=vw[0], VW1=vw[1], VW2=vw[2],
+        VCW=ch * vmin, VCH=8 // vmin, GROUP=group, NG=d // group,
+        OFF_VCODES=off.get("val_codes", 0), OFF_VSCALE=off.get("val_scale", 0), OFF_VZERO=off.get("val_zero", 0),
+        OFF_VRAW=off.get("val_raw", 0),
+        RAW_BF16=raw_dtype == torch.bfloat16,
+    )
+
+
+def kernel_unsupported_reason(layout: "PagedLayout") -> str | None:
+    """Why no kernel handles ``layout`` (None when one does)."""
+    if layout.fmt.value_mode == "mse":
+        return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
+    return None

@@ -103,3 +103,13 @@ def pytest_runtest_logreport(report):
             detail = report.longrepr[2]
         data[report.nodeid] = (report.outcome, detail)
         Path(path).write_text(json.dumps(data))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_setting():
+    """``jetson_tq.ops`` reads JETSON_TQ_BACKEND once per process: re-read it around every test."""
+    from jetson_tq import ops
+
+    ops.configured.cache_clear()
+    yield
+    ops.configured.cache_clear()

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from jetson_tq.cache.paged import PagedKV, slots_for_positions, write_slots
+from jetson_tq.paged import PagedKV, slots_for_positions, write_slots
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import load_config
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
@@ -65,19 +65,21 @@ def vllm_slot_mapping(table: torch.Tensor, lens: list[int], block_size: int, pad
 
 def build_paged_kv(fmt: KVFormat, num_kv_heads: int, head_dim: int, comp_lens: list[int], rec_lens: list[int],
                    dtype: torch.dtype, gen: torch.Generator, block_size: int = 16, recent_rows: int | None = None,
-                   recent_cap: int | None = None) -> PagedKV:
+                   recent_cap: int | None = None, pages_hold: list[int] | None = None) -> PagedKV:
     """A PagedKV as vLLM would hand it over: compressed tokens written through a shuffled block table and a
     padded slot mapping (reference encoder), pages' unwritten bytes random, recent rows picked by a
-    permuted ``recent_index`` from a larger buffer."""
+    permuted ``recent_index`` from a larger buffer. ``pages_hold``: positions written per sequence (default
+    ``comp_lens``; prefill passes history + chunk, as vLLM writes the chunk before attention)."""
+    hold = list(comp_lens) if pages_hold is None else list(pages_hold)
     raw = dtype if dtype != torch.float32 else torch.float16
     codec = KVCodec(fmt, head_dim, raw_dtype=raw)
     layout = PagedLayout(fmt, head_dim, block_size)
-    table = vllm_block_table(comp_lens, block_size, pad_blocks=2, gen=gen)
+    table = vllm_block_table(hold, block_size, pad_blocks=2, gen=gen)
     num_blocks = int(table.max()) + 4
     # unwritten bytes are random garbage a kernel must never use; kept below 0x7C so any fp16 read from
     # them is finite (the reference gathers past a sequence's end and relies on 0 * garbage = 0)
     pages = torch.randint(0, 0x7C, (num_blocks, num_kv_heads, layout.page_bytes), dtype=torch.uint8, generator=gen)
-    slots, who = vllm_slot_mapping(table, comp_lens, block_size)
+    slots, who = vllm_slot_mapping(table, hold, block_size)
     n = slots.shape[0]
     k = torch.randn(n, num_kv_heads, head_dim, generator=gen) * 2
     v = torch.randn(n, num_kv_heads, head_dim, generator=gen)

@@ -1,4 +1,5 @@
-"""CompressedKVCache: hybrid buffer flushing, ragged batches, geometric growth, real byte counts, errors."""
+"""CompressedKVCache: every token compressed + an exact ring of the last R, ragged batches, geometric growth,
+real byte counts, errors."""
 
 import pytest
 import torch
@@ -6,21 +7,24 @@ import torch
 from jetson_tq import FP16_FORMAT, CompressedKVCache, KVFormat
 from jetson_tq.errors import DTypeError, ShapeError
 
-FMT = KVFormat(buffer_tokens=8, flush_chunk=4)
+FMT = KVFormat(buffer_tokens=8, value_group=32)
 
 
-def test_flush_keeps_recent_window_and_compresses_whole_chunks():
+def test_ring_keeps_the_last_window_exact_one_token_at_a_time():
     cache = CompressedKVCache(FMT, 2, 64, batch_size=1, dtype=torch.float32)
     k, v = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
     for t in range(40):
         cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
         n_c, n_b = int(cache.compressed_lens[0]), int(cache.buffer_lens[0])
-        assert n_c + n_b == t + 1
-        assert n_c % 4 == 0
-        assert n_b <= 8 + 4 - 1 and (n_b >= 8 or n_c == 0)
-    # the buffer holds the most recent tokens exactly, in order
-    n_b = int(cache.buffer_lens[0])
-    assert torch.equal(cache.buffer_k[0, :, :n_b], k[0, :, 40 - n_b :])
+        assert (n_c, n_b) == (max(0, t + 1 - 8), min(t + 1, 8))
+        rk, rv = cache.recent_in_order()
+        assert torch.equal(rk[0, :, :n_b], k[0, :, t + 1 - n_b : t + 1])  # exact and in position order
+        assert torch.equal(rv[0, :, :n_b], v[0, :, t + 1 - n_b : t + 1])
+    # every token is also in the pages, compressed: the same fields whether appended one by one or at once
+    bulk = CompressedKVCache(FMT, 2, 64, batch_size=1, dtype=torch.float32)
+    bulk.append(k, v)
+    one, many = cache.paged().gather_compressed(40), bulk.paged().gather_compressed(40)
+    assert all(torch.equal(one[n], many[n]) for n in one)
 
 
 def test_ragged_batch_prefill_then_decode_matches_materialized_tokens():
@@ -50,7 +54,7 @@ def test_storage_grows_geometrically():
     for _ in range(100):
         cache.append(torch.randn(1, 1, 37, 64), torch.randn(1, 1, 37, 64))
         capacities.add(cache.capacity)
-    assert int(cache.compressed_lens[0]) == 3700
+    assert int(cache.lengths[0]) == 3700
     assert len(capacities) <= 9  # 16 -> ... -> 4096: doublings, not one allocation per append
     assert cache.capacity >= 3700
 
@@ -59,11 +63,11 @@ def test_nbytes_is_real_storage_and_used_bytes_follow_the_format():
     fmt = KVFormat(buffer_tokens=16, flush_chunk=16)
     cache = CompressedKVCache(fmt, 4, 128, batch_size=2, dtype=torch.float16, initial_capacity=64)
     cache.append(torch.randn(2, 4, 100, 128), torch.randn(2, 4, 100, 128))
-    storage = cache.pages.untyped_storage().nbytes() + 2 * cache.buffer_k.untyped_storage().nbytes()
+    storage = cache.pages.untyped_storage().nbytes() + 2 * cache.ring_k.untyped_storage().nbytes()
     assert cache.nbytes() == storage
-    assert cache.pages.numel() == 2 * cache.blocks_per_seq * 4 * 16 * 100  # page = 16 tokens x 100 B
-    n_c, n_b = int(cache.compressed_lens.sum()), int(cache.buffer_lens.sum())
-    assert cache.used_bytes() == n_c * 4 * 100 + n_b * 4 * 2 * 128 * 2
+    assert cache.pages.numel() == 2 * cache.blocks_per_seq * 4 * 16 * 122  # page = 16 tokens x 122 B (mse_k4v3)
+    n_all, n_b = int(cache.lengths.sum()), int(cache.buffer_lens.sum())
+    assert cache.used_bytes() == n_all * 4 * 122 + n_b * 4 * 2 * 128 * 2
 
 
 def test_fp16_passthrough_is_lossless():

@@ -31,12 +31,12 @@ def test_smollm2_sequence_and_buffer_by_hand():
     # D=64 per token per head: 16 + 8 + 2 + 2 + 16 + 4 + 4 = 52 B; 30 layers x 3 KV heads = 90 layer-heads.
     formats = layer_formats(BLOG, SMOL)
     assert bytes_per_token(formats, SMOL) == 52 * 90 == 4_680
-    # 8192 tokens: 8064 compressed + a buffer of 128+64 tokens x (K+V) x 64 x 2 B = 49,152 B per layer-head.
-    assert sequence_bytes(formats, SMOL, 8192) == (8064 * 52 + 49_152) * 90 == 42_163_200
-    assert buffer_bytes(formats, SMOL, 8192) == 49_152 * 90
+    # 8192 tokens: all compressed + an exact ring of 128 tokens x (K+V) x 64 x 2 B = 32,768 B per layer-head.
+    assert sequence_bytes(formats, SMOL, 8192) == (8192 * 52 + 32_768) * 90 == 41_287_680
+    assert buffer_bytes(formats, SMOL, 8192) == 32_768 * 90
     assert sequence_bytes([FP16_FORMAT] * 30, SMOL, 8192) == 8192 * 256 * 90 == 188_743_680
-    # Short sequence: everything still in the buffer (100 tokens of 256 B).
-    assert sequence_bytes(formats, SMOL, 100) == 100 * 256 * 90
+    # Short sequence: every token compressed and also exact (100 tokens of 52 + 256 B).
+    assert sequence_bytes(formats, SMOL, 100) == 100 * (52 + 256) * 90
 
 
 def test_report_at_the_writeup_budget():
@@ -48,11 +48,11 @@ def test_report_at_the_writeup_budget():
     assert rep["multiplier_pool"] == pytest.approx(4_607_142 / 899_832)
     # Per sequence of 32k: fp16 32768 x 57,344 = 1,879,048,192 B -> 27 sequences.
     assert rep["fp16"]["sequence_bytes"] == 1_879_048_192 and rep["fp16"]["sequences_at_context"] == 27
-    # blog_k3v2: (32640 x 100 + 192 x 512) x 112 = 376,578,048 B -> 137 sequences.
-    assert rep["turboquant"]["sequence_bytes"] == (32640 * 100 + 192 * 512) * 112 == 376_578_048
-    assert rep["turboquant"]["sequences_at_context"] == 51_600_000_000 // 376_578_048 == 137
-    assert rep["freed_bytes_per_sequence"] == 1_879_048_192 - 376_578_048
-    assert rep["freed_bytes_at_fp16_capacity"] == 27 * (1_879_048_192 - 376_578_048)
+    # blog_k3v2: (32768 x 100 + 128 x 512) x 112 = 374,341,632 B -> 137 sequences.
+    assert rep["turboquant"]["sequence_bytes"] == (32768 * 100 + 128 * 512) * 112 == 374_341_632
+    assert rep["turboquant"]["sequences_at_context"] == 51_600_000_000 // 374_341_632 == 137
+    assert rep["freed_bytes_per_sequence"] == 1_879_048_192 - 374_341_632
+    assert rep["freed_bytes_at_fp16_capacity"] == 27 * (1_879_048_192 - 374_341_632)
     # Sanity vs the reference write-up: ~0.9 M fp16 tokens, and at least its ~4.4x (ours is 5.12x: 512/100).
     assert 0.85e6 < rep["fp16"]["pool_tokens"] < 0.95e6
     assert rep["multiplier_pool"] >= 4.4 and rep["multiplier_at_context"] >= 4.4
@@ -71,7 +71,7 @@ def test_weights_that_do_not_fit():
 
 
 def test_fp16_kept_layers_count_at_fp16_size():
-    cfg = config_from_dict({"keys": {"mode": "prod", "bits": 3}, "values": {"mode": "group", "bits": 2},
+    cfg = config_from_dict({"keys": {"mode": "prod", "bits": 3}, "values": {"mode": "group", "bits": 2, "group_size": 32},
                             "layers": {"keep_fp16_first": 2, "keep_fp16_last": 2}}, name="keep2")
     formats = layer_formats(cfg, QWEN)
     assert formats[:2] == [FP16_FORMAT] * 2 and formats[-2:] == [FP16_FORMAT] * 2
@@ -84,8 +84,9 @@ def test_fp16_kept_layers_count_at_fp16_size():
 
 def test_per_layer_override():
     cfg = config_from_dict({"layers": {"overrides": {0: {"keys": {"bits": 4}, "values": {"bits": 4}}}}})
-    # layer 0 at k4v4: 48 + 16 + 2 + 2 + 64 + 8 + 8 = 148 B; 27 layers at 100 B; x 4 heads.
-    assert bytes_per_token(layer_formats(cfg, QWEN), QWEN) == (148 + 27 * 100) * 4
+    # the default is mse_k4v3 (64 + 2 + 48 + 4 + 4 = 122 B); layer 0 at 4-bit values: 64 + 2 + 64 + 4 + 4 = 138 B;
+    # x 4 heads.
+    assert bytes_per_token(layer_formats(cfg, QWEN), QWEN) == (138 + 27 * 122) * 4
 
 
 def test_config_that_does_not_fit_the_model():
@@ -97,19 +98,18 @@ def test_config_that_does_not_fit_the_model():
 # ------------------------------------------------------------------------------------------- measured
 def test_measured_cache_matches_formula_exactly_for_compressed_formats():
     m = measure_cache(BLOG.default, 4, 128, 1024)
-    # 1024 tokens: 896 compressed (a multiple of the 64-token flush chunk) + 128 buffered; buffer allocated 192.
+    # 1024 tokens, all compressed; the last 128 are read from the exact ring (allocated whole: 128 tokens).
     assert (m["compressed_tokens"], m["buffered_tokens"]) == (896, 128)
-    assert m["formula_bytes"] == (896 * 100 + 192 * 512) * 4 == m["storage_bytes"]
-    assert m["used_bytes"] == (896 * 100 + 128 * 512) * 4
+    assert m["formula_bytes"] == (1024 * 100 + 128 * 512) * 4 == m["storage_bytes"]
+    assert m["used_bytes"] == (1024 * 100 + 128 * 512) * 4
     assert m["ok"] and m["allocator_bytes"] is None
 
 
 def test_measured_fp16_passthrough_within_margin():
     m = measure_cache(FP16_FORMAT, 3, 64, 1000)
-    # 1000 tokens fill 63 pages of 16 (8 slots of slack), and the passthrough cache also allocates a
-    # one-token buffer (flush_chunk 1): (8 + 1) tokens of 256 B per head beyond the formula.
-    assert m["storage_bytes"] - m["formula_bytes"] == (8 + 1) * 256 * 3
-    assert m["ok"] and m["margin_bytes"] >= (8 + 1) * 256 * 3
+    # 1000 tokens fill 63 pages of 16 (8 slots of slack); the passthrough format keeps no ring.
+    assert m["storage_bytes"] - m["formula_bytes"] == 8 * 256 * 3
+    assert m["ok"] and m["margin_bytes"] >= 8 * 256 * 3
 
 
 def test_measure_model_with_mixed_layers():

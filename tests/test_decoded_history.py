@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetson_tq.attention import reference
+from jetson_tq import ops
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.format import KVFormat
 from jetson_tq.integrations.decoded_history import DecodedHistory
-from jetson_tq.integrations.transformers import masked_attention
 
 FORMATS = [
-    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=8, flush_chunk=8),
-    KVFormat(key_mode="prod", key_bits=1, value_mode="mse", value_bits=3, buffer_tokens=0, flush_chunk=4),
-    KVFormat(key_mode="mse", key_bits=4, value_bits=4, value_group=32, buffer_tokens=16, flush_chunk=8),
-    KVFormat(key_mode="fp16", value_mode="group", value_bits=2, value_group=8, buffer_tokens=0, flush_chunk=1),
-    KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", rotation="dense", buffer_tokens=4, flush_chunk=4),
+    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=8),
+    KVFormat(key_mode="prod", key_bits=1, value_mode="mse", value_bits=3, buffer_tokens=0),
+    KVFormat(key_mode="mse", key_bits=4, value_bits=4, value_group=32, buffer_tokens=16),
+    KVFormat(key_mode="fp16", value_mode="group", value_bits=2, value_group=8, buffer_tokens=0),
+    KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", rotation="dense", buffer_tokens=4),
 ]
 
 
@@ -33,15 +32,18 @@ def test_prefill_and_decode_match_reference(fmt):
     hist = DecodedHistory(store)
     q = torch.randn(2, 6, 5, 32, generator=g)
     k, v = torch.randn(2, 2, 5, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g)
-    ref = reference.attention_prefill(q, k, v, store, softmax_scale=0.2)
+    store.stage(k, v)
+    ref = ops.prefill(q, k, v, store.paged(), 0.2, "reference")
     got = hist.attend(q, k, v, 0.2)
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), (got - ref).abs().max()
-    store.append(k, v)
+    store.commit(k, v)
+    k1 = torch.randn(2, 2, 1, 32, generator=g)
+    store.append(k1, k1)
     q1 = torch.randn(2, 6, 32, generator=g)
-    ref1 = reference.attention_decode(q1, store, softmax_scale=0.2)
+    ref1 = ops.decode(q1, store.paged(), 0.2, "reference")
     got1 = hist.attend(q1.unsqueeze(2), None, None, 0.2).squeeze(2)
     assert torch.allclose(got1, ref1, atol=2e-5, rtol=1e-4), (got1 - ref1).abs().max()
-    assert hist.count == int(store.compressed_lens[0]) > 0
+    assert hist.count == int(store.lengths[0]) > 0
 
 
 def test_explicit_mask_matches_masked_reference():
@@ -52,6 +54,7 @@ def test_explicit_mask_matches_masked_reference():
     n = 34
     mask = torch.ones(2, 1, 4, n, dtype=torch.bool).tril(diagonal=n - 4)
     mask[1, :, :, :7] = False  # left padding of the second sequence
-    ref = masked_attention(q, k, v, store, mask, 0.25)
+    store.stage(k, v)
+    ref = ops.prefill(q, k, v, store.paged(), 0.25, "reference", mask)
     got = DecodedHistory(store).attend(q, k, v, 0.25, mask)
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)

@@ -55,10 +55,10 @@ def test_head_dim_checks():
     assert KVFormat().rotation_for(128) == "hadamard"
 
 
-def test_sequence_bytes_counts_buffer():
-    fmt = KVFormat(buffer_tokens=128, flush_chunk=64)
-    assert fmt.sequence_bytes(100, 128) == 100 * 512
-    assert fmt.sequence_bytes(10_000, 128) == (10_000 - 128) * 100 + 192 * 512
+def test_sequence_bytes_counts_every_token_compressed_plus_the_exact_ring():
+    fmt = KVFormat(buffer_tokens=128)  # mse_k4v3: 122 B per token and head at D=128
+    assert fmt.sequence_bytes(100, 128) == 100 * 122 + 100 * 512
+    assert fmt.sequence_bytes(10_000, 128) == 10_000 * 122 + 128 * 512
 
 
 def test_paged_layout_regions_are_aligned_and_disjoint():
@@ -68,5 +68,5 @@ def test_paged_layout_regions_are_aligned_and_disjoint():
     ends = sorted((o, o + sizes[n]) for n, o in offs.items())
     assert all(o % 16 == 0 for o in offs.values())
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
-    assert layout.page_bytes >= 16 * 100 and layout.page_bytes % 16 == 0
-    assert layout.page_bytes == 16 * 100  # every region is already a multiple of 16 B at block 16
+    assert layout.page_bytes >= 16 * 122 and layout.page_bytes % 16 == 0
+    assert layout.page_bytes == 16 * 122  # every region is already a multiple of 16 B at block 16

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernel_cases import DEVICE, GPU, fmt_for, fresh_seed, vllm_block_table, vllm_slot_mapping
-from jetson_tq.cache.paged import read_slots, write_slots
+from jetson_tq.paged import read_slots, write_slots
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.codec.packing import unpack_bits
 from jetson_tq.format import PagedLayout

@@ -12,7 +12,7 @@ import torch
 from kernel_cases import vllm_block_table, vllm_slot_mapping
 from jetson_tq.attention.reference import attention_decode, paged_attention_decode
 from jetson_tq.cache.compressed import CompressedKVCache
-from jetson_tq.cache.paged import PagedKV, write_slots
+from jetson_tq.paged import PagedKV, write_slots
 from jetson_tq.format import KVFormat
 
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.kernel
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float32: 2e-3}
 
-# (format, head dim, G, compressed lens, recent lens, chunk length T)
+# (format, head dim, G, compressed lens, recent lens, chunk length T); the ring size is max(recent lens)
 SMALL = [
     ("blog_k3v2", 128, 4, [90, 0], [12, 5], 17),  # ragged history; one sequence with no compressed tokens
     ("blog_k3v2", 64, 7, [33], [0], 9),  # no buffer; GQA 7
@@ -51,7 +51,14 @@ CASES = LARGE if GPU else SMALL
 def _check(name, d, g, comp, rec, t, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     hkv = 2
-    kv = build_paged_kv(fmt_for(name, d), hkv, d, comp, rec, dtype, gen)
+    # The ring has R = max(rec) rows and, as in vLLM and CompressedKVCache, holds min(s, R) of the s history
+    # tokens; the pages hold history and chunk (vLLM writes the chunk before attention).
+    ring = max(rec)
+    hist = [c + r for c, r in zip(comp, rec)]
+    rec = [min(s, ring) for s in hist]
+    comp = [s - r for s, r in zip(hist, rec)]
+    hold = [s + t for s in hist]
+    kv = build_paged_kv(fmt_for(name, d), hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=hold)
     b = len(comp)
     q = (torch.randn(b, hkv * g, t, d, generator=gen) * 3).to(dtype).to(DEVICE)
     k = (torch.randn(b, hkv, t, d, generator=gen) * 2).to(dtype).to(DEVICE)

@@ -16,7 +16,7 @@ from jetson_tq.reports import kernel_check
 from tests.fixtures.sandbox import BOARDS, REPO, sandbox_env
 
 SECTIONS = ["platform", "theorem1", "theorem2", "theorem3", "kernels", "benchmark", "capacity"]
-KERNELS_MISSING = "verdict: SKIPPED: kernels not in this build (jetson_tq.attention.dispatch missing)"
+KERNELS_MISSING = "verdict: SKIPPED: kernels not in this build (jetson_tq.api missing)"
 
 
 @pytest.fixture(scope="module")

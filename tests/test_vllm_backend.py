@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from jetson_tq.attention.reference import attention_decode, attention_prefill  # noqa: E402
 from jetson_tq.cache.compressed import CompressedKVCache  # noqa: E402
-from jetson_tq.cache.paged import allocate_pages  # noqa: E402
+from jetson_tq.paged import allocate_pages  # noqa: E402
 from jetson_tq.codec.rotation import derive_seed  # noqa: E402
 from jetson_tq.format import FP16_FORMAT, KVFormat  # noqa: E402
 from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
 import torch
+
+from jetson_tq import ops
 
 from jetson_tq.errors import ConfigError, UnsupportedPlatformError
 from jetson_tq.format import KVFormat, PagedLayout
@@ -40,9 +43,10 @@ def test_bad_switch_values_are_named(monkeypatch):
     monkeypatch.setenv(settings.ENV_CONFIG, "no_such_preset")
     with pytest.raises(ConfigError, match="no_such_preset"):
         settings.active_config()
-    monkeypatch.setenv(settings.ENV_BACKEND, "cuda-magic")
+    monkeypatch.setenv(ops.ENV_VAR, "cuda-magic")
+    ops.configured.cache_clear()
     with pytest.raises(ConfigError, match="JETSON_TQ_BACKEND"):
-        settings.ops_backend()
+        ops.configured()
 
 
 def test_architecture_allow_list_and_layer_names():

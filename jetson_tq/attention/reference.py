@@ -2,10 +2,11 @@
 
 These signatures are the contract the Triton kernels implement:
 - ``paged_attention_decode(q, kv)``: one new token per sequence over a ``PagedKV`` (compressed pages
-  through a block table + an uncompressed recent buffer); ``attention_decode(q, cache)`` is the
-  same over a ``CompressedKVCache`` (which already holds the token's K/V).
-- ``paged_attention_prefill(q, k, v, kv)`` / ``attention_prefill(q, k, v, cache)``: a chunk of T
-  tokens per sequence, causal inside the chunk, full over the history (the chunk is not in it yet).
+  through a block table + an uncompressed recent buffer, which already holds the token's K/V).
+- ``paged_attention_prefill(q, k, v, kv)``: a chunk of T tokens per sequence, causal, under the same window
+  rule as decode (positions older than p + 1 - R read compressed, the last R exactly), so a token's treatment
+  does not depend on whether it arrived by decode, by a prefill chunk of any size, or by a recompute.
+``ops`` (the one backend choice) calls these or the kernels; nothing here imports a cache.
 Scores over compressed tokens use the transformed query (Pi q, S q); keys are never reconstructed.
 """
 
@@ -15,8 +16,7 @@ import math
 
 import torch
 
-from ..cache.compressed import CompressedKVCache
-from ..cache.paged import PagedKV
+from ..paged import PagedKV
 from ..errors import ShapeError, expect_float, expect_same_device
 
 
@@ -74,9 +74,28 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | 
     return _finish(scores * scale, values, q.shape, q.dtype)
 
 
+def _ring_positions(kv: PagedKV, device: torch.device) -> torch.Tensor:
+    """Position of each ring row [B, R] (token p sits in row p % R), -1 where the row holds no token yet."""
+    ring = kv.recent_k.shape[2]
+    comp, rec = kv.compressed_lens.long().to(device), kv.recent_lens.long().to(device)
+    base = comp.unsqueeze(1)  # the oldest exact history token sits at position compressed_lens
+    t = torch.arange(ring, device=device).unsqueeze(0)
+    off = (t - base) % max(ring, 1)
+    return torch.where(off < rec.unsqueeze(1), base + off, -1)
+
+
 def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
-                            softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus the chunk's own k, v [B, Hkv, T, D] (causal)."""
+                            softmax_scale: float | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a chunk q [B, Hq, T, D] at positions [s, s + T) over history and chunk (causal), with the
+    window rule of decode: a query at position p reads positions older than p + 1 - R compressed and the last R
+    exactly (R = the ring size ``kv.recent_k.shape[2]``), so results do not depend on how the tokens were chunked.
+
+    ``kv`` describes the history: s = compressed_lens + recent_lens tokens, the last recent_lens of them exact in the
+    ring (row p % R). The pages must already hold the chunk's compressed tokens at positions [s, s + T) (vLLM writes
+    them before attention; ``CompressedKVCache`` stages them), read only where the window rule asks for them.
+    ``attn_mask`` (optional, bool or additive, [B|1, 1|Hq, T, s + T] over key positions; equal s across the batch)
+    is applied on top (padding, custom patterns); a query row it masks fully gets zeros.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         expect_float(name, t)
         if t.dim() != 4:
@@ -86,25 +105,51 @@ def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         raise ShapeError(f"k, v: expected [{q.shape[0]}, {kv.num_kv_heads}, {q.shape[2]}, D], "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    qg = _group_query(q, kv)
-    t = q.shape[2]
-    hist_scores, hist_values = history_scores_and_values(qg, kv)
-    # The chunk goes through the buffer dtype, as it will be stored there.
-    kc, vc = k.to(kv.recent_k.dtype).float(), v.to(kv.recent_v.dtype).float()
-    own = qg @ kc.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-    own = own.masked_fill(causal, float("-inf"))
-    scores = torch.cat([hist_scores, own], dim=-1) * scale
-    values = torch.cat([hist_values, vc], dim=2)
-    return _finish(scores, values, q.shape, q.dtype)
+    qg = _group_query(q, kv)  # [B, Hkv, G, T, D]
+    dev, t, ring = q.device, q.shape[2], kv.recent_k.shape[2]
+    codec = kv.codec
+    hist = (kv.compressed_lens + kv.recent_lens).long().to(dev)  # s per sequence
+    qpos = hist.unsqueeze(1) + torch.arange(t, device=dev)  # [B, T] query positions
+    oldest_exact = qpos + 1 - ring  # [B, T]: positions below it are read compressed
+    # compressed candidates: every position [0, s + T) of the pages
+    nc = int(hist.max()) + t
+    fields = kv.gather_compressed(nc)
+    q_rot, q_sketch = codec.transform_query(qg)
+    s_comp = codec.key_scores(q_rot, q_sketch, {n: f.unsqueeze(2) for n, f in fields.items()})  # [B,Hkv,G,T,nc]
+    cpos = torch.arange(nc, device=dev)
+    ok_comp = cpos[None, None, :] < oldest_exact[:, :, None]  # [B, T, nc]
+    # exact candidates: the ring (history) and the chunk itself
+    rpos = _ring_positions(kv, dev)  # [B, R]
+    rk = kv.recent_k[kv.recent_index.long()].float()  # [B, Hkv, R, D]
+    rv = kv.recent_v[kv.recent_index.long()].float()
+    kc, vc = k.to(kv.recent_k.dtype).float(), v.to(kv.recent_v.dtype).float()  # through the ring dtype
+    epos = torch.cat([rpos, qpos], dim=1)  # [B, R + T]
+    ek, ev = torch.cat([rk, kc], dim=2), torch.cat([rv, vc], dim=2)
+    s_exact = qg @ ek.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, R + T]
+    ok_exact = (epos[:, None, :] >= 0) & (epos[:, None, :] >= oldest_exact[:, :, None]) \
+        & (epos[:, None, :] <= qpos[:, :, None])
+    s_comp = s_comp.masked_fill(~ok_comp[:, None, None], float("-inf")) * scale
+    s_exact = s_exact.masked_fill(~ok_exact[:, None, None], float("-inf")) * scale
+    if attn_mask is not None:
+        add_c, add_e = _positional_mask(attn_mask, hist, t, epos, qg.shape)
+        s_comp, s_exact = s_comp + add_c, s_exact + add_e
+    values = torch.cat([codec.decode_values(fields), ev], dim=2)
+    out = _finish(torch.cat([s_comp, s_exact], dim=-1), values, q.shape, torch.float32)
+    return (out.nan_to_num(0.0) if attn_mask is not None else out).to(q.dtype)
 
 
-def attention_decode(q: torch.Tensor, cache: CompressedKVCache, softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence, q [B, Hq, D], over everything in ``cache`` -> [B, Hq, D]."""
-    return paged_attention_decode(q, cache.paged(), softmax_scale)
-
-
-def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CompressedKVCache,
-                      softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention of a chunk q [B, Hq, T, D] over the cache history plus the chunk's own k, v [B, Hkv, T, D] (causal)."""
-    return paged_attention_prefill(q, k, v, cache.paged(), softmax_scale)
+def _positional_mask(mask: torch.Tensor, hist: torch.Tensor, t: int, epos: torch.Tensor, qshape) -> tuple:
+    """An additive [B, Hkv, G, T, ·] mask for the compressed (positions 0..N-1) and exact (``epos``) candidates."""
+    b, hkv, g = qshape[0], qshape[1], qshape[2]
+    n = int(hist.max()) + t
+    if bool((hist != hist[0]).any()):
+        raise ShapeError(f"attn_mask: needs equal history lengths across the batch, got {hist.tolist()}")
+    if mask.dim() != 4 or mask.shape[-1] != n or mask.shape[-2] != t or mask.shape[0] not in (1, b) \
+            or mask.shape[1] not in (1, hkv * g):
+        raise ShapeError(f"attention_mask: expected [{b}, 1 or {hkv * g}, {t}, {n}], got {tuple(mask.shape)}")
+    add = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+        else mask.float()
+    add = add.reshape(add.shape[0], 1, 1, t, n) if add.shape[1] == 1 else add.reshape(add.shape[0], hkv, g, t, n)
+    full = add.expand(b, *add.shape[1:])
+    idx = epos.clamp_min(0)[:, None, None, None, :].expand(b, add.shape[1], add.shape[2], t, epos.shape[1])
+    return add, full.gather(-1, idx)

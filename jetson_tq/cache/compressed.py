@@ -1,25 +1,38 @@
-"""CompressedKVCache: per (sequence, KV head) compressed tokens plus an fp16/bf16 buffer of recent tokens.
+"""CompressedKVCache: one layer's KV cache for a batch — every token compressed into pages on append, the
+``buffer_tokens`` (R) most recent also kept exact in a per-sequence ring.
 
-Storage is pre-allocated and grows geometrically (never per token):
-- compressed history in pages (``cache.paged``), the same layout vLLM's block tables address, with
-  sequence b owning blocks [b * blocks_per_seq, (b + 1) * blocks_per_seq) — so one paged kernel
-  serves both this cache and vLLM;
-- ``buffer_k`` / ``buffer_v``: [B, H, buffer_tokens + flush_chunk, D] in the model dtype.
-When a sequence's buffer reaches ``buffer_tokens + flush_chunk`` tokens its oldest full chunks
-are compressed; across the batch that is one ``KVCodec.encode`` call.
+A sequence of L tokens is read as compressed positions [0, L - r) plus r = min(L, R) exact tokens: the same
+rule as the vLLM backend (and as a decode step there), so a token's treatment does not depend on how it
+arrived. Appending is device-side only — positions, page slots and ring slots come from lengths kept on the
+device — so an append and the attention after it can be captured in a CUDA graph and replayed while the cache
+grows inside its reserved capacity (``reserve``). Storage:
+
+- ``pages`` uint8 [B * blocks_per_seq, H, page_bytes] (``PagedLayout``); sequence b owns blocks
+  [b * blocks_per_seq, (b + 1) * blocks_per_seq), so token p of b sits at slot b * capacity + p;
+- ``ring_k`` / ``ring_v`` [B, H, R, D] in the cache dtype; token p sits in ring row p % R.
+Pages grow geometrically, eagerly, outside graph capture only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..codec.kv import Fields, KVCodec
-from ..errors import DTypeError, ShapeError, expect_float, expect_same_device
+from ..errors import DTypeError, JetsonTQError, ShapeError, expect_float, expect_same_device
 from ..format import KVFormat, PagedLayout
-from .paged import PagedKV, allocate_pages, slots_for_positions
+from ..paged import PagedKV, allocate_pages
 
 _MIN_CAPACITY = 64
 DEFAULT_BLOCK_SIZE = 16
+
+
+class CaptureError(JetsonTQError, RuntimeError):
+    """An operation that needs the host (growing storage, reading lengths) was called during CUDA graph capture."""
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class CompressedKVCache:
@@ -37,27 +50,31 @@ class CompressedKVCache:
         self.device, self.dtype = torch.device(device), dtype
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.layout = PagedLayout(fmt, head_dim, block_size)
+        self.recent_window = fmt.buffer_tokens
+        ring_shape = (batch_size, num_kv_heads, self.recent_window, head_dim)
+        self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
+        self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self._lens = torch.zeros(batch_size, **i32)  # tokens per sequence: the truth, on the device
+        self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
+        self._rec = torch.zeros(batch_size, **i32)  # r = min(L, R)
+        self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._host_lens = torch.zeros(batch_size, dtype=torch.int64)  # mirror for eager bookkeeping
+        self._host_valid = True
+        self._rows = torch.arange(batch_size, **i32)
+        self._row_ids = torch.arange(batch_size, device=self.device)
+        self._steps = torch.arange(64, device=self.device)
+        self._row_base = self._row_ids * 0
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
-        self._allocate_blocks(-(-max(initial_capacity, 1) // block_size))
-        buf_shape = (batch_size, num_kv_heads, fmt.buffer_capacity, head_dim)
-        self.buffer_k = torch.zeros(buf_shape, dtype=dtype, device=self.device)
-        self.buffer_v = torch.zeros(buf_shape, dtype=dtype, device=self.device)
-        self.compressed_lens = torch.zeros(batch_size, dtype=torch.int64)  # host-side bookkeeping
-        self.buffer_lens = torch.zeros(batch_size, dtype=torch.int64)
+        self._view: PagedKV | None = None
+        self._allocate_blocks(-(-max(int(initial_capacity), 1) // block_size))
 
     # ------------------------------------------------------------------ storage
     @property
     def capacity(self) -> int:
-        """Compressed tokens each sequence can hold before the pages grow."""
+        """Tokens each sequence can hold before the pages grow."""
         return self.blocks_per_seq * self.layout.block_size
-
-    @property
-    def block_table(self) -> torch.Tensor:
-        """int32 [B, blocks_per_seq]: sequence b owns blocks b * blocks_per_seq + j."""
-        b = torch.arange(self.batch_size, device=self.device, dtype=torch.int32).unsqueeze(1)
-        j = torch.arange(self.blocks_per_seq, device=self.device, dtype=torch.int32).unsqueeze(0)
-        return b * self.blocks_per_seq + j
 
     def _allocate_blocks(self, blocks_per_seq: int) -> None:
         new = allocate_pages(self.layout, self.batch_size * blocks_per_seq, self.num_kv_heads, self.device)
@@ -65,108 +82,201 @@ class CompressedKVCache:
             old = self.pages.unflatten(0, (self.batch_size, self.blocks_per_seq))
             new.unflatten(0, (self.batch_size, blocks_per_seq))[:, : self.blocks_per_seq] = old
         self.pages, self.blocks_per_seq = new, blocks_per_seq
+        self._row_base = self._row_ids * self.capacity  # slot of position 0 of each sequence
+        b = torch.arange(self.batch_size, device=self.device, dtype=torch.int32).unsqueeze(1)
+        j = torch.arange(blocks_per_seq, device=self.device, dtype=torch.int32).unsqueeze(0)
+        table = b * blocks_per_seq + j
+        self._view = PagedKV(self.pages, table, self._comp, self.ring_k, self.ring_v, self._rec, self._rows,
+                             self.layout, self.codec)
 
-    def _reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int) -> None:
+        """Make room for ``tokens`` tokens per sequence now (e.g. before capturing a CUDA graph of appends)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ShapeError(f"reserve: expected a token count >= 0, got {tokens!r}")
         if tokens > self.capacity:
+            if _capturing(self.pages):
+                raise CaptureError(f"the cache must grow to {tokens} tokens per sequence (capacity {self.capacity}) "
+                                   "during CUDA graph capture; call cache.reserve(tokens) before capturing")
             need = -(-tokens // self.layout.block_size)
             self._allocate_blocks(max(need, 2 * self.blocks_per_seq))
 
     @property
+    def block_table(self) -> torch.Tensor:
+        """int32 [B, blocks_per_seq]: sequence b owns blocks b * blocks_per_seq + j."""
+        return self._view.block_table
+
+    @property
     def lengths(self) -> torch.Tensor:
-        """Tokens held per sequence (compressed + buffered), int64 on the host."""
-        return self.compressed_lens + self.buffer_lens
+        """Tokens held per sequence, int64 on the host (one device sync after graph replays)."""
+        if not self._host_valid:
+            if _capturing(self._lens):
+                raise CaptureError("cache.lengths reads the device during CUDA graph capture; read it after replay")
+            self._host_lens = self._lens.to("cpu", torch.int64)
+            self._host_valid = True
+        return self._host_lens
+
+    def has_empty_sequence(self) -> bool:
+        """True when some sequence holds no token (host mirror; one sync after graph replays)."""
+        return bool(self.lengths.min() == 0)
+
+    @property
+    def compressed_lens(self) -> torch.Tensor:
+        """Tokens per sequence read from their compressed form (L - min(L, R)), int64 on the host."""
+        return self.lengths - self.buffer_lens
+
+    @property
+    def buffer_lens(self) -> torch.Tensor:
+        """Tokens per sequence read exactly from the ring (min(L, R)), int64 on the host."""
+        return self.lengths.clamp(max=self.recent_window)
+
+    @property
+    def overflowed(self) -> bool:
+        """True when a replayed append ran past the reserved capacity (those tokens were dropped; a host sync)."""
+        return bool(self._overflow)
 
     def nbytes(self) -> int:
         """Bytes of real tensor storage this cache holds (allocated, not only used)."""
-        return sum(t.untyped_storage().nbytes() for t in (self.pages, self.buffer_k, self.buffer_v))
+        return sum(t.untyped_storage().nbytes() for t in (self.pages, self.ring_k, self.ring_v))
 
     def used_bytes(self) -> int:
-        """Bytes the stored tokens occupy: compressed tokens at the format's size plus buffered tokens."""
+        """Bytes the stored tokens occupy: every token at the format's size plus the exact ring copies."""
         per_token = self.fmt.bytes_per_token(self.head_dim) * self.num_kv_heads
-        buffered = 2 * self.head_dim * self.buffer_k.element_size() * self.num_kv_heads
-        return int(self.compressed_lens.sum()) * per_token + int(self.buffer_lens.sum()) * buffered
+        exact = 2 * self.head_dim * self.ring_k.element_size() * self.num_kv_heads
+        return int(self.lengths.sum()) * per_token + int(self.buffer_lens.sum()) * exact
 
     # ------------------------------------------------------------------ write path
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ShapeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         expect_float("k", k)
         expect_float("v", v)
-        expect_same_device(k=k, v=v, cache=self.buffer_k)
+        expect_same_device(k=k, v=v, cache=self.ring_k)
         if k.shape != v.shape or k.dim() != rank or k.shape[-3] != self.num_kv_heads or k.shape[-1] != self.head_dim:
             lead = "[B, " if rank == 4 else "["
             raise ShapeError(f"k, v: expected {lead}{self.num_kv_heads}, T, {self.head_dim}], "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def append(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
-        """Append T tokens: k, v [B, H, T, D] for every sequence, or [H, T, D] for sequence ``seq``."""
+        """Append T tokens: k, v [B, H, T, D] for every sequence, or [H, T, D] for sequence ``seq``.
+
+        Device-side only (capturable in a CUDA graph) when the tokens fit the reserved capacity.
+        """
+        self.stage(k, v, seq)
+        self.commit(k, v, seq)
+
+    def stage(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
+        """Write the compressed form of the next T tokens into the pages without counting them yet.
+
+        Prefill attention reads them there (positions older than p + 1 - R are read compressed, also inside the
+        chunk); ``commit`` with the same tokens then makes them part of the cache.
+        """
+        rows, k, v = self._inputs(k, v, seq)
+        t = k.shape[2]
+        if t == 0:
+            return
+        self._make_room(rows, t)
+        if t == 1 or len(rows) == 1:
+            self._write_pages(rows, k, v)
+        else:  # per sequence: [T, H, D] stays a strided view of the input (no copy of the prompt)
+            for i, b in enumerate(rows):
+                self._write_pages(range(b, b + 1), k[i : i + 1], v[i : i + 1])
+
+    def commit(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
+        """Count T staged tokens: copy the last min(T, R) into the ring and advance the lengths."""
+        rows, k, v = self._inputs(k, v, seq)
+        t = k.shape[2]
+        if t == 0:
+            return
+        r = min(t, self.recent_window)
+        if r:
+            first = self._lens[rows.start : rows.stop].long().unsqueeze(1)
+            cols = (first + self._steps_for(t)[t - r :]) % self.recent_window  # [nb, r]
+            brow = self._row_ids[rows.start : rows.stop].unsqueeze(1).expand(len(rows), r)
+            self.ring_k[brow, :, cols] = k[:, :, t - r :].transpose(1, 2).to(self.dtype)  # [nb, r, H, D]
+            self.ring_v[brow, :, cols] = v[:, :, t - r :].transpose(1, 2).to(self.dtype)
+        self._lens[rows.start : rows.stop] += t
+        torch.clamp(self._lens, max=self.recent_window, out=self._rec)
+        torch.sub(self._lens, self._rec, out=self._comp)
+        if _capturing(self._lens):
+            self._host_valid = False
+        elif self._host_valid:
+            self._host_lens[rows.start : rows.stop] += t
+
+    def _inputs(self, k: torch.Tensor, v: torch.Tensor, seq: int | None) -> tuple[range, torch.Tensor, torch.Tensor]:
+        """Validated (rows, k, v) with k, v as [rows, H, T, D]."""
         if seq is None:
             self._check_kv(k, v, 4)
             if k.shape[0] != self.batch_size:
                 raise ShapeError(f"k: expected batch {self.batch_size}, got {k.shape[0]}")
-            self._append({b: (k[b], v[b]) for b in range(self.batch_size)})
-        else:
-            self._check_kv(k, v, 3)
-            if not 0 <= seq < self.batch_size:
-                raise ShapeError(f"seq: expected 0 <= seq < {self.batch_size}, got {seq}")
-            self._append({seq: (k, v)})
+            return range(self.batch_size), k, v
+        self._check_kv(k, v, 3)
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.batch_size:
+            raise ShapeError(f"seq: expected an integer 0 <= seq < {self.batch_size}, got {seq!r}")
+        return range(seq, seq + 1), k.unsqueeze(0), v.unsqueeze(0)
 
-    def _append(self, chunks: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Merge new tokens into buffers; compress every full chunk past the recent window in one call."""
-        keep, chunk = self.fmt.buffer_tokens, self.fmt.flush_chunk
-        flush_k, flush_v, plan = [], [], []
-        for b, (k, v) in chunks.items():
-            nb = int(self.buffer_lens[b])
-            all_k = torch.cat([self.buffer_k[b, :, :nb], k.to(self.dtype)], dim=1)
-            all_v = torch.cat([self.buffer_v[b, :, :nb], v.to(self.dtype)], dim=1)
-            total = all_k.shape[1]
-            n_flush = ((total - keep) // chunk) * chunk if total >= keep + chunk else 0
-            if n_flush:
-                flush_k.append(all_k[:, :n_flush])
-                flush_v.append(all_v[:, :n_flush])
-                plan.append((b, n_flush))
-            rest = total - n_flush
-            self.buffer_k[b, :, :rest] = all_k[:, n_flush:]
-            self.buffer_v[b, :, :rest] = all_v[:, n_flush:]
-            self.buffer_lens[b] = rest
-        if not plan:
+    def _steps_for(self, t: int) -> torch.Tensor:
+        return self._steps[:t] if t <= self._steps.numel() else torch.arange(t, device=self.device)
+
+    def _make_room(self, rows: range, t: int) -> None:
+        """Eagerly: grow the pages for ``t`` more tokens. During capture: check the room (named error if none)."""
+        if _capturing(self.pages):
+            known = self._host_lens  # lengths at capture time: replays beyond capacity are flagged, not written
+            need = int(known[rows.start : rows.stop].max()) + t
+            if need > self.capacity:
+                raise CaptureError(f"append of {t} tokens during CUDA graph capture needs {need} tokens of capacity, "
+                                   f"the cache has {self.capacity}; call cache.reserve(tokens) before capturing")
             return
-        self._reserve(max(int(self.compressed_lens[b]) + n for b, n in plan))
-        flush_k_all, flush_v_all = torch.cat(flush_k, dim=1), torch.cat(flush_v, dim=1)  # [H, N, D]
-        positions, rows = [], []
-        for b, n in plan:
-            c0 = int(self.compressed_lens[b])
-            positions.append(torch.arange(c0, c0 + n, device=self.device))
-            rows.append(torch.full((n,), b, device=self.device, dtype=torch.long))
-            self.compressed_lens[b] = c0 + n
-        pos, row = torch.cat(positions), torch.cat(rows)
-        slots = slots_for_positions(self.block_table[row], pos.unsqueeze(1), self.layout.block_size)[:, 0]
-        # encode + store in one step: the Triton compress-on-write kernel on CUDA, codec + write_slots on CPU
-        from ..attention.dispatch import write  # lazy: attention sits above cache
+        self.reserve(int(self.lengths[rows.start : rows.stop].max()) + t)
 
-        write(flush_k_all.transpose(0, 1), flush_v_all.transpose(0, 1), slots, self.pages, self.layout, self.codec)
+    def _write_pages(self, rows: range, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Compress k, v [nb, H, T, D] (T == 1 or nb == 1) into the pages of ``rows`` at their next positions."""
+        nb, h, t, d = k.shape
+        pos = self._lens[rows.start : rows.stop].long().unsqueeze(1) + self._steps_for(t)  # [nb, T]
+        inside = pos < self.capacity
+        self._overflow |= ~inside.all()
+        slots = torch.where(inside, self._row_base[rows.start : rows.stop].unsqueeze(1) + pos, -1).reshape(-1)
+        flat_k = k.permute(0, 2, 1, 3).reshape(nb * t, h, d)  # a view: T == 1 or nb == 1
+        flat_v = v.permute(0, 2, 1, 3).reshape(nb * t, h, d)
+        ops.write(flat_k, flat_v, slots, self.pages, self.layout, self.codec)
 
     # ------------------------------------------------------------------ read helpers
     def paged(self) -> PagedKV:
-        """The paged view attention kernels read (lengths as int32 on the cache's device)."""
-        ar = torch.arange(self.batch_size, device=self.device, dtype=torch.int32)
-        return PagedKV(self.pages, self.block_table, self.compressed_lens.to(self.device, torch.int32),
-                       self.buffer_k, self.buffer_v, self.buffer_lens.to(self.device, torch.int32), ar,
-                       self.layout, self.codec)
+        """The persistent paged view attention reads: lengths live on the device and follow every append
+        (no copy, no sync, so decode over it is graph-capturable); the ring is read as an unordered set."""
+        return self._view
+
+    def recent_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact tokens of each sequence in position order, (k, v) [B, H, max r, D] (rows past r are zero)."""
+        r_max = int(self.buffer_lens.max())
+        if r_max == 0 or self.recent_window == 0:
+            empty = self.ring_k[:, :, :0]
+            return empty, empty
+        lens = self.lengths.to(self.device)
+        r = lens.clamp(max=self.recent_window)
+        j = torch.arange(r_max, device=self.device)
+        pos = lens.unsqueeze(1) - r.unsqueeze(1) + j  # [B, r_max] positions, in order
+        valid = j.unsqueeze(0) < r.unsqueeze(1)
+        cols = torch.where(valid, pos % self.recent_window, 0)
+        idx = cols[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+        mask = valid[:, None, :, None]
+        return (self.ring_k.gather(2, idx) * mask, self.ring_v.gather(2, idx) * mask)
 
     def compressed_fields(self, upto: int | None = None) -> Fields:
-        """Fields [B, H, upto, count] of the compressed history (``upto`` defaults to the longest sequence)."""
-        return self.paged().gather_compressed(upto)
+        """Fields [B, H, upto, count] of positions [0, upto) (``upto`` defaults to the longest compressed part)."""
+        return self._view.gather_compressed(int(self.compressed_lens.max()) if upto is None else upto)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dequantized (K, V) float32 [B, H, max_len, D] in token order plus lengths [B] (tests, naive paths)."""
-        nc = int(self.compressed_lens.max())
-        f = self.compressed_fields(nc)
+        comp, rec = self.compressed_lens, self.buffer_lens
+        f = self.compressed_fields(int(comp.max()))
         total = int(self.lengths.max())
         k = torch.zeros(self.batch_size, self.num_kv_heads, total, self.head_dim, device=self.device)
         v = torch.zeros_like(k)
         kc, vc = self.codec.decode_keys(f), self.codec.decode_values(f)
+        rk, rv = self.recent_in_order()
         for b in range(self.batch_size):
-            c, r = int(self.compressed_lens[b]), int(self.buffer_lens[b])
+            c, r = int(comp[b]), int(rec[b])
             k[b, :, :c], v[b, :, :c] = kc[b, :, :c], vc[b, :, :c]
-            k[b, :, c : c + r] = self.buffer_k[b, :, :r].float()
-            v[b, :, c : c + r] = self.buffer_v[b, :, :r].float()
+            k[b, :, c : c + r], v[b, :, c : c + r] = rk[b, :, :r].float(), rv[b, :, :r].float()
         return k, v, self.lengths.clone()

@@ -1,4 +1,6 @@
-"""``turboquant_scores``: raw TurboQuant_prod scores of queries against unpacked keys (the challenge entry point).
+"""Raw TurboQuant_prod scores of queries against unpacked keys: input checks and the PyTorch reference.
+
+The public ``jetson_tq.turboquant_scores`` runs this or the Triton kernel, chosen by ``jetson_tq.ops``.
 
 score[b, s] = <Pi q_b, codebook[K_idx[s]]> + sqrt(pi/2)/D * gamma[s] * <S_mat q_b, qjl_signs[s]>.
 Each query is transformed once (q @ [Pi; S]^T); keys are never reconstructed.
@@ -7,7 +9,6 @@ Each query is transformed once (q @ [Pi; S]^T); keys are never reconstructed.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -55,12 +56,3 @@ def turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
     mse = q_rot @ codebook.float()[K_idx.long()].T
     qjl = q_sketch @ qjl_signs.float().T
     return mse + (math.sqrt(math.pi / 2) / d) * gamma.float().unsqueeze(0) * qjl
-
-
-def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> torch.Tensor:
-    """Raw TurboQuant scores [B, S] in fp32; CUDA inputs use the Triton kernel (``JETSON_TQ_BACKEND=reference`` opts out)."""
-    if Q.is_cuda and os.environ.get("JETSON_TQ_BACKEND", "").strip().lower() != "reference":
-        from ..kernels.scores import turboquant_scores_triton  # lazy: kernels sit above codec
-
-        return turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
-    return turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)

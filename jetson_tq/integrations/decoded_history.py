@@ -2,15 +2,16 @@
 
 ``reference.attention_prefill`` unpacks every compressed token's bits on every call, which makes
 long teacher-forced evaluations on a 2-core CPU take hours. This path keeps, per layer, a float32
-copy of each compressed token *in the transformed key space* (decoded once, when it is flushed):
+copy of each compressed token *in the transformed key space* (decoded once, when it is written):
 
     prod:  k' = [ ||k|| c[idx] ,  sqrt(pi/2)/D ||r|| sign(S r) ]   against   q' = [ Pi q , S q ]
     mse:   k' =   ||k|| c[idx]                                      against   q' =   Pi q
     fp16:  k' =   k                                                 against   q' =   q
 
 so <q', k'> is exactly the reference's score ``KVCodec.key_scores`` (rotated query, no key rotated
-back). Recent fp buffer and current chunk keys enter as [Pi k, 0] / Pi k / k, which leaves their
-scores exact. One SDPA call then does softmax and the value sum.
+back). Exact window and current chunk keys enter as [Pi k, 0] / Pi k / k, which leaves their
+scores exact; a mask applies the window rule (older than p + 1 - R: compressed). One SDPA call then
+does softmax and the value sum.
 
 It trades memory (fp32 per token) for speed, so it is opt-in (``backend="cpu-decoded"``), meant for
 the fidelity harness; ``tests/test_decoded_history.py`` checks it against the reference.
@@ -74,46 +75,61 @@ class DecodedHistory:
         return torch.cat([part, signs * (keys.qjl_scale * fields["key_rnorm"].float())], dim=-1)
 
     # ------------------------------------------------------------------ sync
-    def sync(self) -> None:
-        """Decode the tokens flushed into the store since the last call (equal lengths across the batch)."""
-        lens = self.store.compressed_lens
-        if bool((lens != lens[0]).any()):
-            raise ShapeError(f"decoded history needs equal compressed lengths across the batch, got {lens.tolist()}")
-        n = int(lens[0])
-        if n == self.count:
+    def sync(self, upto: int) -> None:
+        """Decode the compressed tokens at positions [count, upto) of the pages (equal lengths across the batch)."""
+        if upto == self.count:
             return
-        if n < self.count:
-            raise ShapeError(f"compressed length went back from {self.count} to {n}")
-        fields = {name: t[:, :, self.count : n] for name, t in self.store.compressed_fields(n).items()}
+        if upto < self.count:
+            raise ShapeError(f"compressed length went back from {self.count} to {upto}")
+        fields = {name: t[:, :, self.count : upto] for name, t in self.store.paged().gather_compressed(upto).items()}
         self.keys = torch.cat([self.keys, self._decode_keys(fields)], dim=2)
         self.values = torch.cat([self.values, self.codec.decode_values(fields)], dim=2)
-        self.count = n
+        self.count = upto
 
     # ------------------------------------------------------------------ attention
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of q [B, Hq, T, D] over compressed history + buffer + chunk k, v [B, Hkv, T, D] (or None).
+        """Attention of q [B, Hq, T, D] under the window rule of ``reference.paged_attention_prefill``.
 
-        ``mask``: None (causal, query at the end) or a bool/float [B|1, 1|Hq, T, N] mask over all N keys.
+        ``k, v`` None: a decode step whose token the store already holds (T = 1). Otherwise the chunk [B, Hkv, T, D]
+        is staged in the store's pages (not committed). ``mask``: None (causal) or a bool/float [B|1, 1|Hq, T, s + T]
+        mask over key positions.
         """
-        self.sync()
         store = self.store
-        nb = int(store.buffer_lens.max())
-        if bool((store.buffer_lens != nb).any()):
-            raise ShapeError(f"decoded history needs equal buffer lengths across the batch, got {store.buffer_lens.tolist()}")
-        keys = [self.keys, self.transform_exact_keys(store.buffer_k[:, :, :nb].to(store.dtype))]
-        values = [self.values, store.buffer_v[:, :, :nb].float()]
+        lens = store.lengths
+        if bool((lens != lens[0]).any()):
+            raise ShapeError(f"decoded history needs equal lengths across the batch, got {lens.tolist()}")
+        s, ring = int(lens[0]), store.recent_window
+        r = min(s, ring)
+        rk, rv = store.recent_in_order()  # positions [s - r, s)
+        if k is None:  # decode: compressed [0, s - r) + the exact window
+            self.sync(s)
+            kk = torch.cat([self.keys[:, :, : s - r], self.transform_exact_keys(rk.to(store.dtype))], dim=2)
+            vv = torch.cat([self.values[:, :, : s - r], rv.float()], dim=2)
+            return self._sdpa(q, kk, vv, None, scale)
         t = q.shape[2]
-        if k is not None:
-            keys.append(self.transform_exact_keys(k.to(store.dtype)))
-            values.append(v.to(store.dtype).float())
-        kk, vv = torch.cat(keys, dim=2), torch.cat(values, dim=2)
-        n = kk.shape[2]
-        if mask is None:
-            pos = torch.arange(n, device=q.device)
-            mask = pos.unsqueeze(0) <= (pos[n - t:] if t <= n else pos).unsqueeze(1)  # lower-right causal [T, N]
-        elif mask.shape[-1] != n or mask.shape[-2] != t:
-            raise ShapeError(f"attention_mask: expected [..., {t}, {n}], got {tuple(mask.shape)}")
+        self.sync(s + t)
+        kk = torch.cat([self.keys, self.transform_exact_keys(rk.to(store.dtype)),
+                        self.transform_exact_keys(k.to(store.dtype))], dim=2)
+        vv = torch.cat([self.values, rv.float(), v.to(store.dtype).float()], dim=2)
+        dev = q.device
+        qpos = s + torch.arange(t, device=dev)
+        kpos = torch.cat([torch.arange(s + t, device=dev), torch.arange(s - r, s + t, device=dev)])
+        exact = torch.arange(kpos.numel(), device=dev) >= s + t
+        oldest = qpos.unsqueeze(1) + 1 - ring
+        allowed = torch.where(exact, (kpos >= oldest) & (kpos <= qpos.unsqueeze(1)), kpos < oldest)  # [T, N]
+        if mask is not None:
+            if mask.shape[-1] != s + t or mask.shape[-2] != t:
+                raise ShapeError(f"attention_mask: expected [..., {t}, {s + t}], got {tuple(mask.shape)}")
+            picked = mask[..., kpos]
+            if picked.dtype == torch.bool:
+                allowed = allowed & picked
+            else:
+                allowed = torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, float("-inf")) + picked.float()
+        return self._sdpa(q, kk, vv, allowed, scale)
+
+    def _sdpa(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, mask: torch.Tensor | None,
+              scale: float) -> torch.Tensor:
         d = vv.shape[-1]
         if self.key_dim != d:  # SDPA's fast CPU kernels want one head dim for keys and values: pad values with zeros
             vv = F.pad(vv, (0, self.key_dim - d))

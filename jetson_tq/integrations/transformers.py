@@ -32,7 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention import reference
+from .. import ops
 from ..cache.compressed import CompressedKVCache
 from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
@@ -44,10 +44,10 @@ ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
 #: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
 RECOMMENDED_PRESET = "mse_k4v3"
-#: auto: the CUDA kernel dispatcher on GPU (when installed), the PyTorch reference on CPU; reference: always the
-#: reference; triton: the dispatcher's Triton kernels; cpu-decoded: the reference's estimator over tokens decoded
-#: once (fast on CPU, fp32 memory per token; for evaluation only).
-BACKENDS: tuple[str, ...] = ("auto", "reference", "triton", "cpu-decoded")
+#: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
+#: the PyTorch reference on CPU; reference / triton: that one; cpu-decoded: the reference's estimator over tokens
+#: decoded once (fast on CPU, fp32 memory per token; for evaluation only).
+BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS, "cpu-decoded")
 
 
 class UnsupportedModelError(JetsonTQError, ValueError):
@@ -90,23 +90,6 @@ def resolve_config(config: str | TurboQuantConfig | KVFormat) -> TurboQuantConfi
     raise ConfigError(f"config: expected a preset name, a YAML path, a TurboQuantConfig or a KVFormat, got {type(config).__name__}")
 
 
-# ---------------------------------------------------------------------------------------------- kernels
-def _kernel_ops(device: torch.device, backend: str):
-    """(decode, prefill) for ``device``: the CUDA dispatcher when it is installed, else the PyTorch reference."""
-    if backend == "triton" or (device.type == "cuda" and backend == "auto"):
-        try:
-            from ..attention import dispatch  # written by the kernel work; optional until it lands
-        except ImportError:
-            dispatch = None
-        if dispatch is not None:
-            return (lambda q, c, s: dispatch.decode(q, c, softmax_scale=s, backend=backend),
-                    lambda q, k, v, c, s: dispatch.prefill(q, k, v, c, softmax_scale=s, backend=backend))
-        if backend == "triton":
-            raise UnsupportedPlatformError("backend 'triton': jetson_tq.attention.dispatch is not installed")
-    return (lambda q, c, s: reference.attention_decode(q, c, softmax_scale=s),
-            lambda q, k, v, c, s: reference.attention_prefill(q, k, v, c, softmax_scale=s))
-
-
 # ---------------------------------------------------------------------------------------------- cache layer
 class PendingChunk:
     """The K/V of the tokens a layer is processing now; only the ``turboquant`` attention may consume it."""
@@ -130,7 +113,7 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str = "auto") -> None:
+    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
@@ -170,25 +153,22 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                scaling: float) -> torch.Tensor:
-        """Attention of query [B, Hq, T, D] over history + chunk (then the chunk is stored) -> [B, Hq, T, D]."""
+        """Attention of query [B, Hq, T, D] over history + chunk, then the chunk is stored -> [B, Hq, T, D].
+
+        Positions older than p + 1 - R are read compressed, the last R exactly (decode and prefill alike).
+        """
         store = self.store
-        if self.decoded is not None:
-            if mask is None and query.shape[2] == 1:
-                store.append(key, value)
-                return self.decoded.attend(query, None, None, scaling)
-            out = self.decoded.attend(query, key, value, scaling, mask)
-            store.append(key, value)
-            return out
-        decode, prefill = _kernel_ops(query.device, self.backend)
         if mask is None and query.shape[2] == 1:
             store.append(key, value)
-            out = decode(query[:, :, 0], store, scaling).unsqueeze(2)
-        elif mask is None:
-            out = prefill(query, key, value, store, scaling)
-            store.append(key, value)
+            if self.decoded is not None:
+                return self.decoded.attend(query, None, None, scaling)
+            return ops.decode(query[:, :, 0], store.paged(), scaling, self.backend).unsqueeze(2)
+        store.stage(key, value)
+        if self.decoded is not None:
+            out = self.decoded.attend(query, key, value, scaling, mask)
         else:
-            out = masked_attention(query, key, value, store, mask, scaling)
-            store.append(key, value)
+            out = ops.prefill(query, key, value, store.paged(), scaling, self.backend, mask)
+        store.commit(key, value)
         return out
 
     def get_seq_length(self) -> int:
@@ -225,39 +205,12 @@ class TurboQuantLayer(CacheLayerMixin):
         self._unsupported("offloading")
 
 
-def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, store: CompressedKVCache,
-                     mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Like ``reference.attention_prefill`` but with an explicit [B, 1|Hq, T, history + T] mask (padding, custom)."""
-    b, hq, t, d = query.shape
-    lens = store.compressed_lens
-    if bool((lens != lens[0]).any()) or bool((store.buffer_lens != store.buffer_lens[0]).any()):
-        raise ShapeError(f"masked attention needs equal cache lengths across the batch, got {store.lengths.tolist()}")
-    hkv = store.num_kv_heads
-    qg = query.float().reshape(b, hkv, hq // hkv, t, d)
-    history = store.paged() if hasattr(store, "paged") else store  # paged storage: the reference reads a PagedKV view
-    hist_scores, hist_values = reference.history_scores_and_values(qg, history)
-    kc, vc = key.to(store.dtype).float(), value.to(store.dtype).float()
-    own = qg @ kc.unsqueeze(2).transpose(-1, -2)
-    scores = torch.cat([hist_scores, own], dim=-1) * scaling  # [B, Hkv, G, T, N]
-    n = scores.shape[-1]
-    if mask.dim() != 4 or mask.shape[-1] != n or mask.shape[-2] != t or mask.shape[0] not in (1, b):
-        raise ShapeError(f"attention_mask: expected [{b}, 1 or {hq}, {t}, {n}], got {tuple(mask.shape)}")
-    m = mask.reshape(mask.shape[0], -1, 1, t, n) if mask.shape[1] == 1 else mask.reshape(mask.shape[0], hkv, hq // hkv, t, n)
-    if m.dtype == torch.bool:
-        scores = scores.masked_fill(~m, float("-inf"))
-    else:
-        scores = scores + m.float()
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a fully masked (padding) query row -> zeros
-    values = torch.cat([hist_values, vc], dim=2)
-    return (probs @ values.unsqueeze(2)).reshape(b, hq, t, d).to(query.dtype)
-
-
 # ---------------------------------------------------------------------------------------------- the cache
 class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
     def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
-                 backend: str = "auto", enable: bool = True) -> None:
+                 backend: str | None = None, enable: bool = True) -> None:
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config

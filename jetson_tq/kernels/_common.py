@@ -2,8 +2,8 @@
 cached workspaces, and the Triton interpreter switch.
 
 Kernels take a page's layout as ``tl.constexpr`` values (field offsets, bit widths, modes), so one
-compiled kernel serves one format; ``PageSpec`` derives those values from ``format.PagedLayout`` —
-nothing here re-derives a byte count.
+compiled kernel serves one format; ``format.PageSpec`` (the format's own view of a page) gives those
+values — nothing here re-derives a byte count.
 """
 
 from __future__ import annotations
@@ -15,18 +15,11 @@ import torch
 
 from ..codec.kv import KVCodec
 from ..errors import UnsupportedPlatformError
-from ..format import PagedLayout, subfield_widths
+from ..format import KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW, PageSpec, kernel_unsupported_reason, next_pow2  # noqa: F401 (re-used by kernels)
 
 #: True when kernels run through Triton's CPU interpreter (``TRITON_INTERPRET=1`` before import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-KEY_RAW, KEY_MSE, KEY_PROD = 0, 1, 2
-VAL_RAW, VAL_GROUP = 0, 1
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (>= 1)."""
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _patch_interpreter() -> None:
@@ -48,93 +41,6 @@ def _patch_interpreter() -> None:
 
 if INTERPRET:
     _patch_interpreter()
-
-
-def _widths(bits: int) -> tuple[int, int, int]:
-    """Up to three planar sub-field widths of a ``bits``-bit code, zero-padded."""
-    w = subfield_widths(bits) if bits else ()
-    return tuple(w) + (0,) * (3 - len(w))  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class PageSpec:
-    """Compile-time facts of one (block, KV head) page that kernels are specialized on."""
-
-    D: int
-    DP: int  # head dim padded to a power of two
-    CH: int  # ceil(D / 8): coordinates per 1-bit plane
-    BS: int  # tokens per page (vLLM block_size)
-    PB: int  # page bytes
-    KEY_MODE: int
-    KB: int  # bits of a key codebook index (0 when none)
-    KW0: int
-    KW1: int
-    KW2: int
-    KCW: int  # coordinates per key chunk (CH * smallest sub-field width)
-    KCH: int  # key chunks (D padded to 8*CH coordinates = KCH * KCW)
-    OFF_KIDX: int
-    OFF_KSGN: int
-    OFF_KNORM: int
-    OFF_KRNORM: int
-    OFF_KRAW: int
-    NORM_F32: bool
-    VAL_MODE: int
-    VB: int
-    VW0: int
-    VW1: int
-    VW2: int
-    VCW: int  # coordinates per value chunk
-    VCH: int
-    GROUP: int
-    NG: int
-    OFF_VCODES: int
-    OFF_VSCALE: int
-    OFF_VZERO: int
-    OFF_VRAW: int
-    RAW_BF16: bool
-
-    @staticmethod
-    def of(layout: PagedLayout, codec: KVCodec) -> "PageSpec":
-        """The spec of ``layout`` as written by ``codec`` (raises UnsupportedPlatformError if no kernel handles it)."""
-        fmt, d = layout.fmt, layout.head_dim
-        reason = unsupported_reason(layout)
-        if reason:
-            raise UnsupportedPlatformError(f"no Triton kernel for this format: {reason}")
-        off = layout.offsets()
-        ch = (d + 7) // 8
-        key_mode = {"fp16": KEY_RAW, "mse": KEY_MSE, "prod": KEY_PROD}[fmt.key_mode]
-        kb = fmt.key_mse_bits if key_mode != KEY_RAW else 0
-        kw = _widths(kb)
-        kmin = min(w for w in kw if w) if kb else 8
-        val_mode = VAL_GROUP if fmt.value_mode == "group" else VAL_RAW
-        vb = fmt.value_bits if val_mode == VAL_GROUP else 0
-        vw = _widths(vb)
-        vmin = min(w for w in vw if w) if vb else 8
-        group = fmt.value_group if val_mode == VAL_GROUP else d
-        return PageSpec(
-            D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
-            KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],
-            KCW=ch * kmin, KCH=8 // kmin,
-            OFF_KIDX=off.get("key_idx", 0), OFF_KSGN=off.get("key_signs", 0), OFF_KNORM=off.get("key_norm", 0),
-            OFF_KRNORM=off.get("key_rnorm", 0), OFF_KRAW=off.get("key_raw", 0),
-            NORM_F32=fmt.norm_dtype == "float32",
-            VAL_MODE=val_mode, VB=vb, VW0=vw[0], VW1=vw[1], VW2=vw[2],
-            VCW=ch * vmin, VCH=8 // vmin, GROUP=group, NG=d // group,
-            OFF_VCODES=off.get("val_codes", 0), OFF_VSCALE=off.get("val_scale", 0), OFF_VZERO=off.get("val_zero", 0),
-            OFF_VRAW=off.get("val_raw", 0),
-            RAW_BF16=codec.raw_dtype == torch.bfloat16,
-        )
-
-    def constexprs(self) -> dict:
-        """The spec as keyword arguments for a kernel launch."""
-        return asdict(self)
-
-
-def unsupported_reason(layout: PagedLayout) -> str | None:
-    """Why no kernel handles ``layout`` (None when one does)."""
-    if layout.fmt.value_mode == "mse":
-        return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
-    return None
 
 
 # ------------------------------------------------------------------ cached device constants / buffers

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.paged import PagedKV, allocate_pages, slots_for_positions
+from ..paged import PagedKV, allocate_pages, slots_for_positions
 from ..codec.kv import KVCodec
 from ..errors import UnsupportedPlatformError
 from ..format import KVFormat, PagedLayout

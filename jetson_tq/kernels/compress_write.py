@@ -265,7 +265,7 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    spec = PageSpec.of(layout, codec)
+    spec = PageSpec.of(layout, codec.raw_dtype)
     consts = codec_constants(codec, k.device)
     key = (layout.fmt, layout.head_dim, str(k.device), exact_signs, num_warps)
     chosen = block_t is None
@@ -290,7 +290,7 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
 def compress_write_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                              layout: PagedLayout, codec: KVCodec) -> Fields:
     """PyTorch reference: ``KVCodec.encode`` then ``write_slots`` (returns the encoded fields)."""
-    from ..cache.paged import write_slots
+    from ..paged import write_slots
 
     fields = codec.encode(k, v)
     write_slots(pages, layout, slots, fields)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cache.paged import PagedKV
+from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
                       next_pow2, workspace)
@@ -366,7 +366,7 @@ def _spec(layout, codec) -> tuple[PageSpec, dict]:
     """PageSpec of (layout, codec) and its constexpr kwargs, computed once (the launcher runs every decode step)."""
     key = (layout, codec.fmt, codec.head_dim, codec.raw_dtype)
     if key not in _SPECS:
-        spec = PageSpec.of(layout, codec)
+        spec = PageSpec.of(layout, codec.raw_dtype)
         _SPECS[key] = (spec, spec.constexprs())
     return _SPECS[key]
 

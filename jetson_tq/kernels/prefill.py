@@ -1,5 +1,7 @@
-"""Chunked prefill: a chunk of T query tokens per sequence over the compressed history, the recent
-buffer and (causally) the chunk's own fp16 keys/values, in one flash-attention pass.
+"""Chunked prefill: a chunk of T query tokens per sequence over the compressed tokens, the recent ring
+and (causally) the chunk's own fp16 keys/values, in one flash-attention pass, under decode's window rule:
+a query at position p reads positions older than p + 1 - R compressed (history and chunk alike: the
+pages already hold the chunk) and the last R exactly.
 
 One program = BLOCK_M query rows of one (sequence, KV head); a row is a (token, query head) pair,
 so the G query heads of a KV head share every loaded tile (GQA). History tiles are expanded from
@@ -16,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..cache.paged import PagedKV
+from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import INTERPRET, KEY_RAW, VAL_GROUP, codec_constants, cuda_or_interpreter, next_pow2
 from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, fold_run, mma, subnormal16
@@ -44,24 +46,28 @@ def _qchunk(qt_ptr, qrow, rmask, col0, CW: tl.constexpr, cols, QW: tl.constexpr,
 
 
 @triton.jit
-def _dense_part(k_base, v_base, skt, svt, n_tok, qraw, tok, acc, zacc, m_i, l_i, rk_ptr, rv_ptr, CAUSAL: tl.constexpr,
+def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.constexpr, qpos, lo, qraw, acc, zacc,
+                m_i, l_i, rk_ptr, rv_ptr,
                 D: tl.constexpr, DP: tl.constexpr, VCW: tl.constexpr, VCH: tl.constexpr, VSUB: tl.constexpr,
                 VSUBP: tl.constexpr, VSC: tl.constexpr, VB: tl.constexpr, FAST_V: tl.constexpr,
                 ONE_RUN: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """Attend to n_tok uncompressed tokens (k^T tiles loaded [D, tokens]); CAUSAL: token s only for rows t >= s."""
+    """Attend to uncompressed tokens [t_start, n_tok) (k^T tiles loaded [D, tokens]) whose positions lie in each
+    row's exact window [lo, qpos]: ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the
+    chunk itself (position pos0 + t)."""
     d = tl.arange(0, DP)
     vu = tl.arange(0, VSUBP)
-    for t0 in range(0, n_tok, BLOCK_N):
+    for t0 in range(t_start, n_tok, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
-        tmask = t < n_tok
+        if RING:
+            pos = pos0 + ((t - pos0 % ring) % ring + ring) % ring
+        else:
+            pos = pos0 + t
+        tmask = (t >= t_start) & (t < n_tok)
         kt = tl.load(k_base + t[None, :].to(tl.int64) * skt + d[:, None], mask=tmask[None, :] & (d[:, None] < D),
                      other=0.0)
         kt = kt.to(rk_ptr.dtype.element_ty)  # the chunk goes through the buffer dtype, as it will be stored there
         s = mma(qraw, kt, tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
-        if CAUSAL:
-            s = tl.where(tmask[None, :] & (t[None, :] <= tok[:, None]), s, float("-inf"))
-        else:
-            s = tl.where(tmask[None, :], s, float("-inf"))
+        s = tl.where(tmask[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_i, alpha, p, l_i = _online_update(s, m_i, l_i)
         zacc = zacc * alpha[:, None]
         new_acc = ()
@@ -85,7 +91,7 @@ def _prefill_kernel(
         out_ptr, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma, zero_rt,
+        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma, zero_rt, ring,
         HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -108,6 +114,12 @@ def _prefill_kernel(
     tok = r // G
     hq = h * G + r % G
     qrow = ((b * (HKV * G) + hq) * T + tok).to(tl.int64)  # row of the transformed query
+    # window rule: the row at position qpos reads positions < lo compressed and [lo, qpos] exactly
+    hist = clen + rlen
+    qpos = hist + tok
+    lo = qpos + 1 - ring
+    first_tok = pid_m * BLOCK_M // G
+    last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
 
     # ---- constants the fast planes add, per row: alpha * sum(Pi q) and sum(S q). The query chunks
@@ -137,11 +149,13 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
 
-    # ---- compressed history, BLOCK_N tokens per tile (tiles are loaded [bytes, tokens]: B operands)
+    # ---- compressed tokens (history and, past the window, the chunk: the pages hold both), BLOCK_N per tile
+    # (tiles are loaded [bytes, tokens]: B operands)
     head_off = h.to(tl.int64) * page_bytes
-    for n0 in range(0, clen, BLOCK_N):
+    cend = tl.maximum(hist + last_tok + 1 - ring, 0)
+    for n0 in range(0, cend, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < clen
+        nmask = n < cend
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
         page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
         off = n % BS
@@ -192,7 +206,7 @@ def _prefill_kernel(
                     rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
                                     other=0.0).to(tl.float32)
                 s = s + (sq * TWO24 - ssub[:, None]) * (qjl_scale * rnorm)[None, :]
-        s = tl.where(nmask[None, :], s, float("-inf"))
+        s = tl.where(nmask[None, :] & (n[None, :] < lo[:, None]), s, float("-inf"))
         m_i, alpha, p, l_i = _online_update(s, m_i, l_i)
         if VAL_MODE == V_RAW:
             vraw = tl.load((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + vu[None, :],
@@ -250,22 +264,25 @@ def _prefill_kernel(
                 zt = tl.load(zrow[:, None] + ng[None, :], mask=nmask[:, None] & (ng[None, :] < NG), other=0.0)
                 zacc = zacc * alpha[:, None] + mma(p16, zt, tl.zeros([BLOCK_M, NGP], tl.float32) + zero_rt, INTERP)
 
-    # ---- recent buffer (all visible), then the chunk itself (causal): both uncompressed
+    # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
     d = tl.arange(0, DP)
     qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
                     + tok[:, None].to(tl.int64) * stride_qt + d[None, :],
                     mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
             ).to(rk_ptr.dtype.element_ty)
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
+    ring_rows = tl.where(hist + first_tok + 1 - ring < hist, rlen, 0)  # skip the ring once the window left it
     acc, zacc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
                                       rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                                      stride_rkt, stride_rvt, rlen, qraw, tok, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
-                                      False, D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
-    last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+                                      stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
+                                      qraw, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
+                                      D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
+    t_start = tl.maximum(first_tok + 1 - ring, 0) // BLOCK_N * BLOCK_N
     acc, zacc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
                                       v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                                      stride_kt, stride_vt, last_tok + 1, qraw, tok, acc, zacc, m_i, l_i, rk_ptr,
-                                      rv_ptr, True, D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
+                                      stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
+                                      qraw, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
+                                      D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     for c in tl.static_range(VCH):
@@ -289,7 +306,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
                     softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
                     block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
                     num_stages: int = 2, fold_values: bool = True) -> torch.Tensor:
-    """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal)."""
+    """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
+    rule; ``kv.pages`` already hold the chunk's compressed tokens)."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -316,6 +334,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E)
     g = hq // hkv
     rk, rv = kv.recent_k, kv.recent_v
+    ring = rk.shape[2]  # the window R: positions older than p + 1 - R are read compressed
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
     vsub, vsc = value_subchunks(spec)
@@ -328,7 +347,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         consts["codebook"], out, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), kv.block_table.stride(0), spec.PB,
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0,
+        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0, ring,
         HKV=hkv, G=g, QW=qt.shape[1], **spec_kw,
         KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
         VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .. import __version__
+from ..version import __version__
 from .detect import PlatformInfo
 
 IMAGE_REPO = "jetson-tq"

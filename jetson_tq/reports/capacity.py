@@ -78,9 +78,9 @@ def sequence_bytes(formats: list[KVFormat], model: ModelSpec, tokens: int, eleme
 
 
 def buffer_bytes(formats: list[KVFormat], model: ModelSpec, tokens: int, element_bytes: int = 2) -> int:
-    """The fp16 recent-buffer share of ``sequence_bytes`` for one sequence of ``tokens`` tokens."""
+    """The exact recent-ring share of ``sequence_bytes`` for one sequence of ``tokens`` tokens."""
     d = model.head_dim
-    compressed = sum(max(tokens - f.buffer_tokens, 0) * f.bytes_per_token(d) for f in formats) * model.num_kv_heads
+    compressed = sum(tokens * f.bytes_per_token(d) for f in formats) * model.num_kv_heads
     return sequence_bytes(formats, model, tokens, element_bytes) - compressed
 
 
@@ -154,10 +154,10 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
                   dtype: torch.dtype = torch.float16, seed: int = 0) -> dict:
     """Allocate a real CompressedKVCache for one sequence of ``tokens`` tokens and compare its bytes with the formula.
 
-    ``tokens`` is raised to the format's buffer capacity (the buffer is allocated whole). The cache is
+    ``tokens`` is raised to the format's ring size (the ring is allocated whole). The cache is
     pre-sized (``initial_capacity``) so geometric growth does not count; its pages hold whole blocks of
     ``block_size`` tokens, so up to block_size - 1 tokens of slack per sequence show up as a difference
-    (none when tokens - buffer_tokens is a multiple of the block size). ``storage_bytes`` is what torch
+    (none when tokens is a multiple of the block size). ``storage_bytes`` is what torch
     allocated for the cache's tensors, ``allocator_bytes`` the CUDA allocator's growth (None on CPU), which
     also holds the cache's own device constants (its rotation matrix: 64 KB at D=128).
     """
@@ -178,13 +178,13 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
     cache = CompressedKVCache(fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed,
-                              initial_capacity=max(tokens - fmt.buffer_tokens, 1))
+                              initial_capacity=tokens)
     cache.append(k, v, seq=0)
     allocator = None
     if cuda:
         torch.cuda.synchronize(device)
         allocator = torch.cuda.memory_allocated(device) - before
-    tensors = 3  # the page storage and the two buffers
+    tensors = 3  # the page storage and the two rings
     storage = cache.nbytes()
     margin = max(math.ceil(MEASURE_REL_MARGIN * formula), ALLOCATOR_ROUNDING * tensors)
     measured = [storage] + ([allocator] if allocator is not None else [])

@@ -1,8 +1,8 @@
-"""Kernel vs reference agreement and a decode micro-benchmark vs SDPA, against ``jetson_tq.attention.dispatch``.
+"""Kernel vs reference agreement and a decode micro-benchmark vs SDPA, through the public API (``jetson_tq.api``).
 
-The dispatcher (``decode(q, cache, backend="auto"|"triton"|"reference")``) is built separately and
-imported lazily: when it is absent, ``load_dispatch`` returns None and callers report SKIPPED, never
-a pass. On a CPU machine the Triton kernel runs through the Triton interpreter: ``TRITON_INTERPRET=1``
+The entry module (``attention_decode(q, cache, backend="auto"|"triton"|"reference")``, the public API by
+default; tests pass stand-ins) is imported lazily: when it is absent, ``load_dispatch`` returns None and
+callers report SKIPPED, never a pass. On a CPU machine the Triton kernel runs through the Triton interpreter: ``TRITON_INTERPRET=1``
 must be set before triton is first imported, so ``agreement_cpu_interpreted`` runs the check in a
 child process with that variable set, on a tiny shape.
 """
@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..attention.reference import attention_decode
 from ..cache.compressed import CompressedKVCache
-from ..config import load_config
+from ..config import DEFAULT_PRESET, load_config
 
-DISPATCH_MODULE = "jetson_tq.attention.dispatch"
+DISPATCH_MODULE = "jetson_tq.api"
 #: Agreement tolerance: fp16 outputs (ulp ~1e-3 at 1.0) of O(1) values, fp32 accumulation in both paths,
 #: the same packed cache read by both (so only summation order and the final cast differ).
 TOL_MAX_ABS = 1e-2
@@ -43,7 +42,7 @@ def load_dispatch(module: str = DISPATCH_MODULE):
         raise
 
 
-def build_case(shape: dict, device: str | torch.device, config: str = "blog_k3v2", seed: int = 0):
+def build_case(shape: dict, device: str | torch.device, config: str = DEFAULT_PRESET, seed: int = 0):
     """A filled cache (ragged lengths) and a decode query for ``shape``."""
     g = torch.Generator().manual_seed(seed)
     fmt = load_config(config).default
@@ -60,8 +59,8 @@ def build_case(shape: dict, device: str | torch.device, config: str = "blog_k3v2
 def agreement(dispatch, shape: dict, device: str | torch.device) -> dict:
     """max/mean |triton - reference| of one decode step on ``shape`` (reference = attention.reference)."""
     q, cache = build_case(shape, device)
-    ref = attention_decode(q, cache).float()
-    out = dispatch.decode(q, cache, backend="triton").float()
+    ref = dispatch.attention_decode(q, cache, backend="reference").float()
+    out = dispatch.attention_decode(q, cache, backend="triton").float()
     diff = (out - ref).abs()
     return {"device": str(device), "shape": shape, "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
             "ref_max_abs": float(ref.abs().max()), "tol_max_abs": TOL_MAX_ABS, "tol_mean_abs": TOL_MEAN_ABS,
@@ -96,7 +95,7 @@ def _child(module: str, shape: dict) -> dict:
 
 def decode_benchmark(dispatch, contexts=(4096, 16384), batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
                      head_dim: int = 128, progress=None) -> list[dict]:
-    """Median µs of ``dispatch.decode(backend="triton")`` vs torch SDPA (flash) on fp16 K/V of the same shape (CUDA)."""
+    """Median µs of ``attention_decode(backend="triton")`` vs torch SDPA (flash) on fp16 K/V of the same shape (CUDA)."""
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
@@ -106,8 +105,8 @@ def decode_benchmark(dispatch, contexts=(4096, 16384), batch: int = 1, q_heads: 
         shape = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                  "lengths": [ctx] * batch}
         q, cache = build_case(shape, "cuda", seed=i)
-        ref = attention_decode(q, cache).float()
-        max_abs = float((dispatch.decode(q, cache, backend="triton").float() - ref).abs().max())
+        ref = dispatch.attention_decode(q, cache, backend="reference").float()
+        max_abs = float((dispatch.attention_decode(q, cache, backend="triton").float() - ref).abs().max())
         k = torch.randn(batch, kv_heads, ctx, head_dim, device="cuda", dtype=torch.float16)
         v = torch.randn_like(k)
         q4 = q.unsqueeze(2)
@@ -124,7 +123,7 @@ def decode_benchmark(dispatch, contexts=(4096, 16384), batch: int = 1, q_heads: 
                     return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
             return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
-        t_tq = triton.testing.do_bench(lambda: dispatch.decode(q, cache, backend="triton"), return_mode="median")
+        t_tq = triton.testing.do_bench(lambda: dispatch.attention_decode(q, cache, backend="triton"), return_mode="median")
         t_sdpa = triton.testing.do_bench(sdpa, return_mode="median")
         rows.append({"context": ctx, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                      "triton_us": t_tq * 1e3, "sdpa_us": t_sdpa * 1e3, "sdpa_backend": backend,

@@ -9,7 +9,7 @@ every process (front end, engine core, workers). Modules, in the order data flow
 - ``settings``: the switch (env) -> config, backend choice.
 - ``spec``: the per-layer format policy and the KV cache spec whose page size is ``PagedLayout.page_bytes``.
 - ``recent``: the fp16 recent-token ring buffers: per-request slot allocation and pool sizing.
-- ``ops``: write / attend through the Triton dispatcher when present, the PyTorch reference otherwise.
+- (``jetson_tq.ops``: write / attend, Triton or reference — the package's one backend choice.)
 - ``backend``: the vLLM attention backend (backend class, metadata builder, impl).
 - ``hooks``: the few wraps of vLLM methods (spec, memory budget, runner, prefix caching).
 - ``plugin``: ``register()``; ``compare``: ``python -m jetson_tq vllm``.

@@ -43,10 +43,13 @@ def recent_slots(vllm_config) -> RecentSlots:
 
 def our_layers(vllm_config) -> dict:
     """Attention layers (name -> module) whose impl is jetson-tq's."""
-    from .backend import TurboQuantAttentionImpl
-
     ctx = vllm_config.compilation_config.static_forward_context
-    return {name: layer for name, layer in ctx.items() if isinstance(getattr(layer, "impl", None), TurboQuantAttentionImpl)}
+    return {name: layer for name, layer in ctx.items() if is_ours(getattr(layer, "impl", None))}
+
+
+def is_ours(impl) -> bool:
+    """True for jetson-tq's attention impl (by its marker, so this module need not import the backend)."""
+    return bool(getattr(impl, "is_jetson_tq", False))
 
 
 def configure_all(vllm_config) -> dict:
@@ -82,10 +85,8 @@ def _wrap(cls, name: str, make):
 
 def _spec_wrap(original):
     def get_kv_cache_spec(self, vllm_config):
-        from .backend import TurboQuantAttentionImpl
-
         spec = original(self, vllm_config)
-        if spec is None or not isinstance(self.impl, TurboQuantAttentionImpl):
+        if spec is None or not is_ours(self.impl):
             return spec
         self.impl.configure(self.layer_name, vllm_config, spec.block_size)
         return self.impl.kv_cache_spec(spec.block_size)

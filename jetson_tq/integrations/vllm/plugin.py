@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from ... import ops
 from . import settings
 from .versions import check_vllm_version
 
@@ -23,7 +24,7 @@ def register() -> None:
         return
     version = check_vllm_version()
     cfg = settings.active_config()
-    settings.ops_backend()
+    ops.configured()  # a bad JETSON_TQ_BACKEND fails here, before vLLM builds anything
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import hooks
@@ -34,4 +35,4 @@ def register() -> None:
     hooks.install()
     settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
-        member.name, settings.ops_backend())
+        member.name, ops.configured())

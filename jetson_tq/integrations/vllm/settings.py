@@ -1,8 +1,8 @@
 """The one switch: ``JETSON_TQ_CONFIG`` names a preset or a YAML file; unset means stock vLLM.
 
-``JETSON_TQ_BACKEND`` (optional) picks the kernels: ``auto`` (Triton on CUDA when the dispatcher is
-available, the PyTorch reference otherwise), ``reference`` or ``triton``. Both variables are read in
-every vLLM process, so they reach spawned engine-core and worker processes by inheritance.
+The kernels (``JETSON_TQ_BACKEND``) are chosen in one place for the whole package, ``jetson_tq.ops``.
+Both variables are read in every vLLM process, so they reach spawned engine-core and worker processes
+by inheritance.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from ...config import TurboQuantConfig, load_config
 from ...errors import ConfigError
 
 ENV_CONFIG = "JETSON_TQ_CONFIG"
-ENV_BACKEND = "JETSON_TQ_BACKEND"
-OPS_BACKENDS = ("auto", "reference", "triton")
 
 
 LOGGER_NAME = "vllm.jetson_tq"  # under vLLM's namespace, so vLLM's handler and level apply
@@ -50,14 +48,6 @@ def active_config() -> TurboQuantConfig:
     if name is None:
         raise ConfigError(f"{ENV_CONFIG} is not set: jetson-tq's vLLM backend is off")
     return _load(name)
-
-
-def ops_backend() -> str:
-    """``JETSON_TQ_BACKEND`` validated (default auto)."""
-    value = os.environ.get(ENV_BACKEND, "auto").strip() or "auto"
-    if value not in OPS_BACKENDS:
-        raise ConfigError(f"{ENV_BACKEND}: expected one of {OPS_BACKENDS}, got {value!r}")
-    return value
 
 
 def uses_recent_buffer(cfg: TurboQuantConfig) -> bool:

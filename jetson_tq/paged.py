@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec.kv import Fields, KVCodec
-from ..errors import ShapeError
-from ..format import PagedLayout
+from .codec.kv import Fields, KVCodec
+from .errors import ShapeError
+from .format import PagedLayout
 
 
 def allocate_pages(layout: PagedLayout, num_blocks: int, num_kv_heads: int, device="cpu") -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""The public attention entry points over a ``CompressedKVCache`` (``jetson_tq.attention_decode`` and friends).
+
+They run through ``ops`` — the Triton kernels for CUDA tensors, the PyTorch reference on the CPU — over the
+cache's persistent paged view (lengths on the device), so a decode call adds no host sync and can be captured
+in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .cache.compressed import CompressedKVCache
+from .errors import ShapeError
+from .paged import PagedKV
+
+
+def _view(cache: CompressedKVCache | PagedKV, name: str) -> PagedKV:
+    if isinstance(cache, CompressedKVCache):
+        return cache.paged()
+    if isinstance(cache, PagedKV):
+        return cache
+    raise ShapeError(f"{name}: expected a CompressedKVCache or PagedKV as cache, got {type(cache).__name__}")
+
+
+def _check_query(q: object, rank: int, name: str) -> None:
+    if not isinstance(q, torch.Tensor):
+        raise ShapeError(f"{name}: expected q as a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != rank:
+        want = "[B, Hq, D]" if rank == 3 else "[B, Hq, T, D]"
+        raise ShapeError(f"{name}: expected q {want}, got {tuple(q.shape)}")
+
+
+def attention_decode(q: torch.Tensor, cache: CompressedKVCache | PagedKV, softmax_scale: float | None = None,
+                     backend: str | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, Hq, D], over everything in ``cache`` -> [B, Hq, D].
+
+    A sequence with nothing cached is an error on the host-checked eager path and zeros inside a CUDA graph.
+    """
+    _check_query(q, 3, "attention_decode")
+    if isinstance(cache, CompressedKVCache) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
+            and cache.has_empty_sequence():
+        raise ShapeError("attention_decode: a sequence has an empty cache; append its K/V first")
+    return ops.decode(q, _view(cache, "attention_decode"), softmax_scale, backend)
+
+
+def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CompressedKVCache | PagedKV,
+                      softmax_scale: float | None = None, backend: str | None = None,
+                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Prefill a chunk: attention of q [B, Hq, T, D] over the cache history plus the chunk's own k, v [B, Hkv, T, D]
+    (causal), and — for a ``CompressedKVCache`` — append the chunk to the cache.
+
+    Positions older than p + 1 - R are read compressed and the last R exactly, as in decode, so the result does
+    not depend on the chunk size. A ``PagedKV`` must already hold the chunk in its pages (vLLM's contract).
+    """
+    _check_query(q, 4, "attention_prefill")
+    if not isinstance(cache, CompressedKVCache):
+        return ops.prefill(q, k, v, _view(cache, "attention_prefill"), softmax_scale, backend, attn_mask)
+    cache.stage(k, v)
+    out = ops.prefill(q, k, v, cache.paged(), softmax_scale, backend, attn_mask)
+    cache.commit(k, v)
+    return out
+
+
+def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
+    """Raw TurboQuant_prod scores [B, S] in fp32 (the Triton kernel for CUDA inputs; see ``codec.scores``)."""
+    return ops.scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend)

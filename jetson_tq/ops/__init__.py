@@ -1,0 +1,73 @@
+"""Operations on paged TurboQuant storage: write, decode, prefill, scores — one entry each.
+
+Every caller (the public API, ``CompressedKVCache``, the transformers cache, the vLLM backend) goes through
+these functions, and only ``ops.backend.resolve`` picks the Triton kernel or the PyTorch reference. The
+kernels and the reference sit below this package and never import it. Kernels are imported lazily, so
+CPU-only users never import Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.reference import paged_attention_decode, paged_attention_prefill
+from ..codec.kv import KVCodec
+from ..codec.scores import turboquant_scores_reference
+from ..format import PagedLayout
+from ..paged import PagedKV, write_slots
+from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
+
+__all__ = ["BACKENDS", "ENV_VAR", "configured", "resolve", "graph_safe", "write", "decode", "prefill", "scores"]
+
+#: Tokens the reference write path encodes per step: bounds its fp32 temporaries (a few MB) at any append size.
+WRITE_CHUNK_ELEMENTS = 1 << 18
+
+
+def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout,
+          codec: KVCodec, backend: str | None = None) -> None:
+    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads)."""
+    if resolve(k.device, layout, backend) == "triton":
+        from ..kernels.compress_write import compress_write
+
+        compress_write(k, v, slots, pages, layout, codec)
+        return
+    step = max(1, WRITE_CHUNK_ELEMENTS // max(1, k.shape[1] * k.shape[2]))
+    for i in range(0, k.shape[0], step):
+        write_slots(pages, layout, slots[i : i + step], codec.encode(k[i : i + step], v[i : i + step]))
+
+
+def decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, backend: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]."""
+    if resolve(q.device, kv.layout, backend) == "triton":
+        from ..kernels.hybrid_decode import hybrid_decode
+
+        return hybrid_decode(q, kv, softmax_scale, out=out)
+    res = paged_attention_decode(q, kv, softmax_scale)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None,
+            backend: str | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus its own k, v [B, Hkv, T, D] (causal,
+    window rule of ``attention.reference.paged_attention_prefill``; the pages already hold the chunk).
+
+    An explicit ``attn_mask`` (padding, custom patterns) is served by the reference.
+    """
+    if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
+        from ..kernels.prefill import chunked_prefill
+
+        return chunked_prefill(q, k, v, kv, softmax_scale)
+    return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask)
+
+
+def scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
+    """Raw TurboQuant_prod scores [B, S] (fp32) of queries Q [B, D] against unpacked keys (see ``codec.scores``)."""
+    if resolve(Q.device, None, backend) == "triton":
+        from ..kernels.scores import turboquant_scores_triton
+
+        return turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
+    return turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)

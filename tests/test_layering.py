@@ -1,0 +1,117 @@
+"""The package's import graph: no cycles, and nothing lower imports anything higher (the data-flow order).
+
+Built from the source with ``ast`` (every ``import`` and ``from ... import``, including imports inside
+functions), at module granularity: a package's ``__init__`` is its own node.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "jetson_tq"
+
+#: Rank of each top-level part in the data flow; an import may only go to a rank <= its own.
+LAYERS = {
+    "errors": 0, "version": 0, "format": 1, "config": 2, "codec": 3, "paged": 4, "attention": 5, "kernels": 5, "ops": 6,
+    "cache": 7, "api": 8, "models": 8, "integrations": 9, "platform": 10, "reports": 11, "cli": 12,
+    "__init__": 13, "__main__": 13,
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] + ["__init__"] if len(parts) == 1 else parts[:-1]
+    return ".".join(parts)
+
+
+def _known(modules: set[str], name: str) -> str | None:
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the jetson_tq modules it imports."""
+    files = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    modules = set(files)
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        if mod == "jetson_tq.__init__":
+            package = "jetson_tq"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    prefix = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    prefix = node.module or ""
+                # ``from pkg import sub`` imports the submodule; ``from mod import name`` imports mod
+                targets = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in modules else prefix for a in node.names]
+            for t in targets:
+                if t.startswith("jetson_tq"):
+                    hit = _known(modules, t) or ("jetson_tq.__init__" if t == "jetson_tq" else None)
+                    if hit and hit != mod:
+                        deps.add(hit)
+        graph[mod] = deps
+    return graph
+
+
+def _part(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_the_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert len(graph) > 40  # the whole package was read
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_nothing_lower_imports_anything_higher():
+    bad = []
+    for mod, deps in import_graph().items():
+        part = _part(mod)
+        assert part in LAYERS, f"{mod}: new top-level part {part!r}; give it a rank in LAYERS"
+        for d in deps:
+            if LAYERS[_part(d)] > LAYERS[part]:
+                bad.append(f"{mod} -> {d}")
+    assert not bad, "imports against the data flow:\n" + "\n".join(sorted(bad))
+
+
+def test_only_ops_picks_a_backend():
+    """JETSON_TQ_BACKEND is read in one module, and no other module imports a kernel launcher directly."""
+    readers = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+               if any(isinstance(n, ast.Constant) and n.value == "JETSON_TQ_BACKEND" for n in ast.walk(ast.parse(p.read_text())))]
+    assert readers == ["ops/backend.py"], readers
+    importers = {m for m, deps in import_graph().items() if any(d.startswith("jetson_tq.kernels.") and d not in (
+        "jetson_tq.kernels._common",) for d in deps)}
+    assert importers <= {m for m in importers if m.startswith(("jetson_tq.kernels", "jetson_tq.ops"))}, importers
