@@ -91,4 +91,4 @@ def test_codec_errors_are_named():
     with pytest.raises(FormatError):
         GroupQuantizer(64, 2, 24)
     with pytest.raises(FormatError):
-        KVCodec(KVFormat(), 80)  # value group 32 does not divide 80
+        KVCodec(KVFormat(), 37)  # prime head dim: only groups of 1 fit below the value group 32

@@ -110,7 +110,7 @@ class PageSpec:
         vb = fmt.value_bits if val_mode == VAL_GROUP else 0
         vw = _widths(vb)
         vmin = min(w for w in vw if w) if vb else 8
-        group = fmt.value_group if val_mode == VAL_GROUP else d
+        group = fmt.value_group_for(d) if val_mode == VAL_GROUP else d
         return PageSpec(
             D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
             KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],
