@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config  # noqa: E402
 from jetson_tq.format import fp16_bytes_per_token  # noqa: E402
 from jetson_tq.integrations.simulated_caches import SimulatedFormat  # noqa: E402
+from jetson_tq.integrations.simulated_vllm import VLLMTurboQuantFormat  # noqa: E402
 from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
 from jetson_tq.models.text import essay_text  # noqa: E402
 from jetson_tq.reports import fidelity as F  # noqa: E402
@@ -71,6 +72,17 @@ def all_rows(backend: str) -> list[F.Variant]:
           "per-token int2 K and V, groups of 32, fp16 scale+zero, buffer 128"),
         v("int2_kivi", "baselines", SimulatedFormat(kind="int", bits=2, group=32, key_axis="channel"),
           "KIVI: int2 keys per channel (32-token groups), int2 values per token, buffer 128"),
+        v("int4_kivi", "baselines", SimulatedFormat(kind="int", bits=4, group=32, key_axis="channel"),
+          "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128"),
+        # our default against vLLM 0.26's built-in TurboQuant presets (simulated from its source, see
+        # jetson_tq/integrations/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
+        v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"), "preset (default): mse 4-bit keys, 3-bit values g64, buffer 128"),
+        v("mse_k4v3_buf0", "ours vs vLLM built-in", _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
+          "the default without its fp16 recent buffer (like vLLM: every token compressed)"),
+        *[v(f"vllm_{p}{tail}", "ours vs vLLM built-in", VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
+            f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
+                                                              ", all layers compressed (boundary skip off)"))
+          for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc") for b, tail in ((2, ""), (0, "_all"))],
     ]
 
 
@@ -141,11 +153,13 @@ def _f(x, spec: str) -> str:
 
 
 _MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)": "o", "fp8 e4m3 (simulated)": "^",
-            "int per-token / KIVI (simulated)": "v"}
+            "int per-token / KIVI (simulated)": "v", "vLLM 0.26 TurboQuant (simulated)": "D"}
 
 
 def plot_family(v: F.Variant) -> str:
     """The format family a row belongs to in the plot (key coding for ours, the layout for baselines)."""
+    if isinstance(v.spec, VLLMTurboQuantFormat):
+        return "vLLM 0.26 TurboQuant (simulated)"
     if isinstance(v.spec, SimulatedFormat):
         return "fp8 e4m3 (simulated)" if v.spec.kind == "fp8" else "int per-token / KIVI (simulated)"
     return "TurboQuant, prod keys (QJL)" if v.spec.default.key_mode == "prod" else "TurboQuant, mse keys (no QJL)"

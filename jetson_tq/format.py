@@ -16,8 +16,8 @@ field            dtype      elements per token                          present 
 ``key_rnorm``    norm       1   ||r|| = ||k|| * ||k/||k|| - k_mse||       prod
 ``key_raw``      float16    D                                             key_mode fp16
 ``val_codes``    uint8      ceil(D / 8) * value_bits  packed group codes  value_mode group
-``val_scale``    float16    D / group                                     value_mode group
-``val_zero``     float16    D / group                                     value_mode group
+``val_scale``    float16    D / G   (G = ``value_group_for(D)``)          value_mode group
+``val_zero``     float16    D / G                                         value_mode group
 ``val_idx``      uint8      ceil(D / 8) * value_bits  packed codebook ids value_mode mse
 ``val_norm``     norm       1                                             value_mode mse
 ``val_raw``      float16    D                                             value_mode fp16
@@ -41,7 +41,6 @@ A row of D codes of b bits therefore takes ``ceil(D/8) * b`` bytes (the same as 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
@@ -172,15 +171,27 @@ class KVFormat:
         """Raise FormatError unless this format can store vectors of ``head_dim``."""
         if not isinstance(head_dim, int) or head_dim < 2:
             raise FormatError(f"head_dim: expected an integer >= 2, got {head_dim!r}")
-        if self.value_mode == "group" and head_dim % self.value_group != 0:
-            raise FormatError(
-                f"value_group {self.value_group} must divide head_dim {head_dim} "
-                f"(try a group of {math.gcd(head_dim, self.value_group)} or {head_dim})"
-            )
+        if self.value_mode == "group":
+            group = self.value_group_for(head_dim)
+            values = sum(f.nbytes for f in self._group_value_fields(head_dim))
+            if group != self.value_group and values >= head_dim * FP16_BYTES_PER_ELEMENT:
+                raise FormatError(
+                    f"value_group {self.value_group} does not divide head_dim {head_dim} and the largest group that "
+                    f"does and is not larger ({group}) stores {values} B of values per token, not less than fp16's "
+                    f"{head_dim * FP16_BYTES_PER_ELEMENT} B; set values.group_size to a divisor of {head_dim}"
+                )
         if self.rotation == "hadamard" and not is_power_of_two(head_dim):
             raise FormatError(
                 f"rotation 'hadamard' needs a power-of-two head_dim, got {head_dim}; use 'dense' or 'auto'"
             )
+
+    def value_group_for(self, head_dim: int) -> int:
+        """The value group size stored at ``head_dim``: ``value_group`` if it divides ``head_dim``, else the
+        largest divisor of ``head_dim`` below it (64 -> 40 at D=80, 48 at D=96, 56 at D=112, 40 at D=160), so a
+        preset serves every head dim with its bits; ``head_dim`` itself when it is smaller than the group."""
+        if head_dim % self.value_group == 0:
+            return self.value_group
+        return max(g for g in range(1, min(self.value_group, head_dim) + 1) if head_dim % g == 0)
 
     def rotation_for(self, head_dim: int) -> str:
         """The concrete rotation kind used at ``head_dim`` ('auto' picks Hadamard when it can)."""
@@ -212,7 +223,10 @@ class KVFormat:
                 Field("val_idx", torch.uint8, packed_bytes(head_dim, self.value_bits)),
                 Field("val_norm", self.norm_torch_dtype, 1),
             ]
-        groups = head_dim // self.value_group
+        return self._group_value_fields(head_dim)
+
+    def _group_value_fields(self, head_dim: int) -> list[Field]:
+        groups = head_dim // self.value_group_for(head_dim)
         return [
             Field("val_codes", torch.uint8, packed_bytes(head_dim, self.value_bits)),
             Field("val_scale", torch.float16, groups),
@@ -386,7 +400,7 @@ def _page_spec(layout: "PagedLayout", raw_dtype: torch.dtype) -> PageSpec:
     vb = fmt.value_bits if val_mode == VAL_GROUP else 0
     vw = _widths(vb)
     vmin = min(w for w in vw if w) if vb else 8
-    group = fmt.value_group if val_mode == VAL_GROUP else d
+    group = fmt.value_group_for(d) if val_mode == VAL_GROUP else d
     return PageSpec(
         D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
         KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],

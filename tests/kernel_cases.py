@@ -28,10 +28,10 @@ def fresh_seed() -> int:
 
 
 def fmt_for(name: str, head_dim: int) -> KVFormat:
-    """A named preset (configs/*.yaml) whose value group is cut down to divide ``head_dim`` (50 -> 25, 80 -> 16)."""
+    """A named preset (configs/*.yaml), unchanged: the format fits its value group to ``head_dim`` itself
+    (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96)."""
     fmt = FP16_FORMAT if name == "fp16" else load_config(name).default
-    if fmt.value_mode == "group" and head_dim % fmt.value_group:  # the largest divisor <= the preset's group
-        fmt = fmt.with_(value_group=max(g for g in range(1, fmt.value_group + 1) if head_dim % g == 0))
+    fmt.check_head_dim(head_dim)
     return fmt
 
 

@@ -91,8 +91,10 @@ def test_per_layer_override():
 
 def test_config_that_does_not_fit_the_model():
     cfg = config_from_dict({"values": {"mode": "group", "bits": 2, "group_size": 128}})
-    with pytest.raises(ConfigError, match="value_group 128 must divide head_dim 64"):
-        layer_formats(cfg, SMOL)
+    assert [f.value_group_for(SMOL.head_dim) for f in layer_formats(cfg, SMOL)] == [64] * SMOL.num_layers
+    odd = model_spec_from_dict({**SMOL.to_dict(), "name": "d131", "head_dim": 131})  # prime > 128: groups of 1
+    with pytest.raises(ConfigError, match="layer 0: value_group 128 does not divide head_dim 131"):
+        layer_formats(cfg, odd)
 
 
 # ------------------------------------------------------------------------------------------- measured

@@ -70,7 +70,7 @@ def test_key_scores_equal_inner_products_with_reconstructed_keys(fmt):
 
 
 def test_query_matrix_transforms_once():
-    codec = KVCodec(KVFormat(), 64, seed=4)
+    codec = KVCodec(KVFormat(key_mode="prod", key_bits=3), 64, seed=4)  # prod: [Pi; S]
     q = torch.randn(3, 64)
     m = codec.query_matrix()
     q_rot, q_sketch = codec.transform_query(q)
@@ -91,4 +91,4 @@ def test_codec_errors_are_named():
     with pytest.raises(FormatError):
         GroupQuantizer(64, 2, 24)
     with pytest.raises(FormatError):
-        KVCodec(KVFormat(), 80)  # value group 32 does not divide 80
+        KVCodec(KVFormat(value_group=32), 37)  # prime head dim: only groups of 1 fit below the value group 32

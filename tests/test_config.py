@@ -46,8 +46,9 @@ def test_bad_configs_name_the_problem(raw, match):
 
 def test_head_dim_mismatch_and_missing_files(tmp_path):
     cfg = config_from_dict({"values": {"group_size": 48}})
-    with pytest.raises(ConfigError, match="must divide head_dim"):
-        cfg.check_model(num_layers=4, head_dim=128)
+    assert cfg.format_for_layer(0, 4).value_group_for(128) == 32  # fitted to the head dim
+    with pytest.raises(ConfigError, match="does not divide head_dim 131"):
+        cfg.check_model(num_layers=4, head_dim=131)  # prime: only groups of 1, values larger than fp16
     cfg.check_model(num_layers=4, head_dim=96)
     with pytest.raises(ConfigError, match="no config"):
         load_config("does_not_exist")

@@ -47,8 +47,9 @@ def test_invalid_formats_raise(kwargs):
 
 
 def test_head_dim_checks():
-    with pytest.raises(FormatError, match="must divide head_dim"):
-        KVFormat(value_group=32).bytes_per_token(80)
+    assert KVFormat(value_group=32).value_group_for(80) == 20  # 20 divides 80: fitted, not refused (tests/test_head_dims.py)
+    with pytest.raises(FormatError, match="not less than fp16"):
+        KVFormat(value_group=32).bytes_per_token(37)  # prime: only groups of 1 fit
     with pytest.raises(FormatError, match="power-of-two"):
         KVFormat(rotation="hadamard", value_group=16).bytes_per_token(80)
     assert KVFormat(value_group=16).rotation_for(80) == "dense"

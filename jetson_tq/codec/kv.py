@@ -36,7 +36,7 @@ class KVCodec:
             self.keys = TurboQuantMSE(head_dim, fmt.key_bits, self.seed, rot, nd)
         self.values: GroupQuantizer | TurboQuantMSE | None = None
         if fmt.value_mode == "group":
-            self.values = GroupQuantizer(head_dim, fmt.value_bits, fmt.value_group)
+            self.values = GroupQuantizer(head_dim, fmt.value_bits, fmt.value_group_for(head_dim))
         elif fmt.value_mode == "mse":
             self.values = TurboQuantMSE(head_dim, fmt.value_bits, value_seed(self.seed), rot, nd)
         self.field_names = [f.name for f in fmt.fields(head_dim)]

@@ -7,7 +7,9 @@ layout (codes + fp16 scales/zeros), never from ``KVFormat``.
 
 Buffer policy is the same as ``CompressedKVCache``: the most recent ``buffer_tokens`` stay in full
 precision; once ``buffer_tokens + flush_chunk`` tokens are unquantized, the oldest full chunks are
-quantized. Attention sees the stored history plus the current chunk exactly (as ours does).
+quantized. Attention sees the stored history plus the current chunk exactly (as ours does), unless
+the format says a chunk reads itself back from storage (``stored_chunk_limit``, vLLM's TurboQuant);
+layers the format keeps uncompressed (``fp16_layer``) are stored exactly.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class SimulatedFormat:
     key_axis: str = "token"
     buffer_tokens: int = 128
     flush_chunk: int = 64
+    stored_chunk_limit: int = 0  # a chunk of <= this many tokens after some history attends to itself stored
 
     def __post_init__(self) -> None:
         if self.kind not in ("fp8", "int"):
@@ -66,6 +69,24 @@ class SimulatedFormat:
         """Stored bytes of one token of one KV head (keys + values), the baseline's own layout."""
         return self.key_bytes_per_token(head_dim) + self.value_bytes_per_token(head_dim)
 
+    def fp16_layer(self, layer: int, num_layers: int) -> bool:
+        """True for a layer this format leaves uncompressed (none here)."""
+        return False
+
+    def layer_bytes_per_token(self, layer: int, num_layers: int, head_dim: int) -> float:
+        """Stored bytes per token per KV head of one layer (fp16 for layers left uncompressed)."""
+        return float(2 * FP16_BYTES * head_dim) if self.fp16_layer(layer, num_layers) else self.bytes_per_token(head_dim)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) [..., T, D] after being stored in this layout and read back."""
+        if self.kind == "fp8":
+            return fp8_e4m3_roundtrip(k), fp8_e4m3_roundtrip(v)
+        if self.key_axis == "channel":
+            kq = int_group_roundtrip(k.transpose(-1, -2), self.bits, self.group).transpose(-1, -2)
+        else:
+            kq = int_group_roundtrip(k, self.bits, self.group)
+        return kq, int_group_roundtrip(v, self.bits, self.group)
+
 
 def fp8_e4m3_roundtrip(x: torch.Tensor) -> torch.Tensor:
     """Round to float8 e4m3 (saturating at +-448, per-tensor scale 1 as vLLM's uncalibrated fp8 KV) and back."""
@@ -81,36 +102,31 @@ def int_group_roundtrip(x: torch.Tensor, bits: int, group: int) -> torch.Tensor:
 class SimulatedLayer(DynamicLayer):
     """A DynamicLayer whose tokens older than the recent buffer are replaced by their quantize-dequantize image."""
 
-    def __init__(self, fmt: SimulatedFormat) -> None:
+    def __init__(self, fmt: SimulatedFormat, exact: bool = False) -> None:
         super().__init__()
-        self.fmt = fmt
+        self.fmt, self.exact = fmt, exact
         self.n_quantized = 0
-
-    def _roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        f = self.fmt
-        if f.kind == "fp8":
-            return fp8_e4m3_roundtrip(k), fp8_e4m3_roundtrip(v)
-        if f.key_axis == "channel":
-            kq = int_group_roundtrip(k.transpose(-1, -2), f.bits, f.group).transpose(-1, -2)
-        else:
-            kq = int_group_roundtrip(k, f.bits, f.group)
-        return kq, int_group_roundtrip(v, f.bits, f.group)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         super().update(k, v)
+        if self.exact:
+            return
         keep, chunk = self.fmt.buffer_tokens, self.fmt.flush_chunk
         pending = self.keys.shape[-2] - self.n_quantized
         if pending < keep + chunk:
             return
         n = ((pending - keep) // chunk) * chunk
         s = slice(self.n_quantized, self.n_quantized + n)
-        self.keys[..., s, :], self.values[..., s, :] = self._roundtrip(self.keys[..., s, :], self.values[..., s, :])
+        self.keys[..., s, :], self.values[..., s, :] = self.fmt.roundtrip(self.keys[..., s, :], self.values[..., s, :])
         self.n_quantized += n
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """History in its stored (partly quantized) state plus the new chunk exactly; then the chunk is stored."""
+        """History in its stored (partly quantized) state plus the new chunk (exact, or stored if the format says so)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.keys.numel() and key_states.shape[-2] <= self.fmt.stored_chunk_limit:
+            self._store(key_states, value_states)
+            return self.keys, self.values
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         self._store(key_states, value_states)
@@ -130,7 +146,7 @@ class SimulatedQuantCache(Cache):
     """A transformers Cache of ``SimulatedLayer``s, one per decoder layer (works with any attention implementation)."""
 
     def __init__(self, fmt: SimulatedFormat, num_layers: int) -> None:
-        super().__init__(layers=[SimulatedLayer(fmt) for _ in range(num_layers)])
+        super().__init__(layers=[SimulatedLayer(fmt, exact=fmt.fp16_layer(i, num_layers)) for i in range(num_layers)])
         self.fmt = fmt
 
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

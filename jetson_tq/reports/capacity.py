@@ -102,6 +102,7 @@ def layer_groups(formats: list[KVFormat], model: ModelSpec) -> list[dict]:
             continue
         groups.append({"layers": [i, i], "format": f})
     return [{"layers": g["layers"], "format": g["format"].to_dict(),
+             "value_group": g["format"].value_group_for(model.head_dim) if g["format"].value_mode == "group" else None,
              "bytes_per_token_per_layer": g["format"].bytes_per_token(model.head_dim) * model.num_kv_heads,
              "breakdown_per_layer": {k: v * model.num_kv_heads
                                      for k, v in g["format"].breakdown(model.head_dim).items()}}
@@ -248,7 +249,8 @@ def format_report(rep: dict) -> str:
     for g in rep["layers"]:
         f = g["format"]
         desc = ("fp16 passthrough" if f["key_mode"] == "fp16" and f["value_mode"] == "fp16" else
-                f"keys {f['key_mode']} {f['key_bits']}b, values {f['value_mode']} {f['value_bits']}b, "
+                f"keys {f['key_mode']} {f['key_bits']}b, values {f['value_mode']} {f['value_bits']}b"
+                f"{'' if g['value_group'] is None else ' groups of ' + str(g['value_group'])}, "
                 f"buffer {f['buffer_tokens']}+{f['flush_chunk']}")
         parts = ", ".join(f"{k} {v}" for k, v in g["breakdown_per_layer"].items())
         lines.append(f"  layers {g['layers'][0]}-{g['layers'][1]}: {desc}: {g['bytes_per_token_per_layer']} B/token"

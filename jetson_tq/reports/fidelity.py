@@ -61,7 +61,7 @@ class Variant:
         if self.spec is None:
             return [float(fp16_bytes_per_token(head_dim))] * num_layers
         if isinstance(self.spec, SimulatedFormat):
-            return [self.spec.bytes_per_token(head_dim)] * num_layers
+            return [self.spec.layer_bytes_per_token(i, num_layers, head_dim) for i in range(num_layers)]
         return [float(self.spec.format_for_layer(i, num_layers).bytes_per_token(head_dim)) for i in range(num_layers)]
 
     def bytes_per_token(self, num_layers: int, head_dim: int) -> float:
@@ -77,8 +77,11 @@ class Variant:
         for i in range(num_layers):
             if isinstance(self.spec, SimulatedFormat):
                 s = self.spec
+                if s.fp16_layer(i, num_layers):
+                    total += context * fp16_bytes_per_token(head_dim)
+                    continue
                 compressed = max(context - s.buffer_tokens, 0)
-                buffered = min(context, s.buffer_tokens + s.flush_chunk)
+                buffered = min(context, s.buffer_tokens + s.flush_chunk) if s.buffer_tokens else 0
                 total += compressed * s.bytes_per_token(head_dim) + buffered * fp16_bytes_per_token(head_dim)
             else:
                 total += self.spec.format_for_layer(i, num_layers).sequence_bytes(context, head_dim)
