@@ -51,10 +51,12 @@ from .errors import FormatError
 KeyMode = Literal["prod", "mse", "fp16"]
 ValueMode = Literal["group", "mse", "fp16"]
 RotationKind = Literal["auto", "hadamard", "dense"]
+KeyCodebook = Literal["lloyd_max", "uniform"]
 
 KEY_MODES: tuple[str, ...] = ("prod", "mse", "fp16")
 VALUE_MODES: tuple[str, ...] = ("group", "mse", "fp16")
 ROTATIONS: tuple[str, ...] = ("auto", "hadamard", "dense")
+KEY_CODEBOOKS: tuple[str, ...] = ("lloyd_max", "uniform")
 NORM_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
 MAX_BITS = 8
 FP16_BYTES_PER_ELEMENT = 2
@@ -100,13 +102,17 @@ class KVFormat:
 
     ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit
     TurboQuant_mse plus the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in
-    ``mse`` mode all bits go to the Lloyd-Max codebook. ``buffer_tokens`` most recent tokens stay
-    in fp16/bf16; when the buffer reaches ``buffer_tokens + flush_chunk`` tokens the oldest
-    ``flush_chunk`` are compressed in one batched call.
+    ``mse`` mode all bits go to the codebook. ``key_codebook`` picks it: ``lloyd_max`` (the
+    MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly spaced with the MSE-optimal
+    step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
+    as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
+    ``buffer_tokens`` most recent tokens stay in fp16/bf16; when the buffer reaches
+    ``buffer_tokens + flush_chunk`` tokens the oldest ``flush_chunk`` are compressed in one batched call.
     """
 
     key_mode: KeyMode = "prod"
     key_bits: int = 3
+    key_codebook: KeyCodebook = "lloyd_max"
     value_mode: ValueMode = "group"
     value_bits: int = 2
     value_group: int = 32
@@ -121,6 +127,8 @@ class KVFormat:
             raise FormatError(f"key_mode: expected one of {KEY_MODES}, got {self.key_mode!r}")
         if self.value_mode not in VALUE_MODES:
             raise FormatError(f"value_mode: expected one of {VALUE_MODES}, got {self.value_mode!r}")
+        if self.key_codebook not in KEY_CODEBOOKS:
+            raise FormatError(f"key_codebook: expected one of {KEY_CODEBOOKS}, got {self.key_codebook!r}")
         if self.rotation not in ROTATIONS:
             raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
         if self.norm_dtype not in NORM_DTYPES:
