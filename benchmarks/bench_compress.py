@@ -6,18 +6,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jetson_tq.kernels.bench import compress_bench, table  # noqa: E402
+from kernel_bench import compress_bench, table  # noqa: E402
 
-VARIANTS = [{}, {"exact_signs": False}, {"block_t": 128, "num_warps": 8},
-            {"block_t": 128, "num_warps": 8, "exact_signs": False}, {"block_t": 16, "num_warps": 4}]
+VARIANTS = [{}, {"fast_rotation": False}, {"block_t": 64, "num_warps": 4}, {"block_t": 32, "num_warps": 4},
+            {"block_t": 64, "num_warps": 8}]
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--format", default=None, help="cache format preset (default: blog_k3v2's layout)")
-    fmt = ap.parse_args().format
-    print(table(compress_bench(variants=VARIANTS if fmt in (None, "blog_k3v2") else [{}], fmt=fmt)))
+    ap.add_argument("--variants", type=json.loads, help="a JSON list of compress_write keyword dicts")
+    args = ap.parse_args()
+    print(table(compress_bench(variants=args.variants or VARIANTS, fmt=args.format)))

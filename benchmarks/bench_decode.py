@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jetson_tq.kernels.bench import copy_bandwidth, decode_vs_sdpa, table  # noqa: E402
+from kernel_bench import copy_bandwidth, decode_vs_sdpa, table  # noqa: E402
 
 FULL = [(b, hq, hkv, ctx) for b in (1, 8) for hq, hkv in ((32, 8), (28, 4))
         for ctx in (1024, 4096, 16384, 65536, 131072)]
@@ -23,7 +23,7 @@ QUICK = [(1, 32, 8, 1024), (8, 32, 8, 65536), (1, 32, 8, 131072)]
 RAGGED = [131072, 65536, 16384, 4096, 1024, 300, 70000, 9000]
 SWEEP = [dict(block_n=64, num_warps=4, num_stages=2), dict(block_n=64, num_warps=4, num_stages=3),
          dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=128, num_warps=8, num_stages=2),
-         dict(block_n=32, num_warps=2, num_stages=3), dict(block_n=64, num_warps=4, num_stages=2, val_gather=True)]
+         dict(block_n=32, num_warps=2, num_stages=3)]
 
 
 def main(argv=None) -> int:
@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--format", default=None, help="cache format preset (default: blog_k3v2's layout)")
+    ap.add_argument("--shapes", type=json.loads, help='JSON list of [B, Hq, Hkv, ctx] (replaces the table)')
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw:.0f} GB/s (read + write)", flush=True)
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
                 rows.append({"variant": ",".join(f"{k}={v}" for k, v in var.items()), **r})
                 print(table(rows[-1:]), flush=True)
     else:
-        rows = decode_vs_sdpa(QUICK if args.quick else FULL, ragged=None if args.quick else RAGGED, copy_gbps=bw,
+        shapes = [tuple(x) for x in args.shapes] if args.shapes else QUICK if args.quick else FULL
+        rows = decode_vs_sdpa(shapes, ragged=None if args.quick or args.shapes else RAGGED, copy_gbps=bw,
                               fmt=args.format)
     print(table(rows))
     if args.json:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jetson_tq.kernels.bench import scores_bench, table  # noqa: E402
+from kernel_bench import scores_bench, table  # noqa: E402
 
 if __name__ == "__main__":
     print(table(scores_bench()))

@@ -59,6 +59,8 @@ def all_rows(backend: str) -> list[F.Variant]:
         # where to spend bits under 64 B/token/head (>= 4x): key bits, value bits, value group size
         v("mse_k3v3", "values", _tq("mse_k3v3", ("mse", 3), ("group", 3, 32))),
         v("mse_k4v3g64", "values", _tq("mse_k4v3g64", ("mse", 4), ("group", 3, 64))),
+        # 4-bit key codebook at equal bytes: Lloyd-Max (the row above) vs a uniform grid the kernels read as a plane
+        v("mse_k4v3u", "key codebook", load_config("mse_k4v3u"), "preset: mse_k4v3 with a uniform 4-bit key grid"),
         # recent fp buffer
         v("mse_k3v2_buf0", "buffer", _tq("mse_k3v2_buf0", ("mse", 3), buffer=0)),
         # first and last layers uncompressed (as vLLM's built-in TurboQuant does)

@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 STAGES = ["env", "diag", "decode", "tests", "compress", "scores", "prefill", "sweep"]
 # decode variants tried by the diagnostics, in order of preference for the benchmark table
-DIAG_VARIANTS = [{}, {"fold_values": False}, {"val_gather": True}]
+DIAG_VARIANTS = [{}, {"fold_values": False}, {"fast_keys": False}]
 TEST_FILES = ["tests/test_kernels_decode.py", "tests/test_kernels_prefill.py", "tests/test_kernels_compress.py",
-              "tests/test_kernels_scores.py", "tests/test_dispatch.py", "tests/test_kernels_layout.py"]
+              "tests/test_kernels_scores.py", "tests/test_ops.py", "tests/test_kernels_layout.py"]
 
 
 def _env(out: Path) -> None:
@@ -38,7 +38,7 @@ def _env(out: Path) -> None:
                                      "--format=csv"], capture_output=True, text=True, timeout=30).stdout)
     except Exception as e:  # noqa: BLE001 - informational only
         lines.append(f"nvidia-smi: {e}")
-    from jetson_tq.kernels.bench import copy_bandwidth
+    from kernel_bench import copy_bandwidth
 
     lines.append(f"copy bandwidth: {copy_bandwidth():.0f} GB/s (read + write, 2 GiB)")
     (out / "env.txt").write_text("\n".join(lines) + "\n")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    from jetson_tq.kernels import bench
+    import kernel_bench as bench
 
     results, md = {}, []
     bw = None

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from jetson_tq.kernels.bench import make_decode_case, resolve_format  # noqa: E402
+from kernel_bench import make_decode_case, resolve_format  # noqa: E402
 from jetson_tq.kernels.hybrid_decode import hybrid_decode  # noqa: E402
 
 

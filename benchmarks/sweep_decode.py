@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from jetson_tq.kernels.bench import (_bench, _graph_us, _sdpa_flash, copy_bandwidth, leading_sequences,  # noqa: E402
+from kernel_bench import (_bench, _graph_us, _sdpa_flash, copy_bandwidth, leading_sequences,  # noqa: E402
                                      make_decode_case, resolve_format, table)
 
 SHAPES = [(8, 32, 8, 65536), (1, 32, 8, 131072)]

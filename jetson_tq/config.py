@@ -4,7 +4,7 @@ Schema (every key optional; unknown keys are errors)::
 
     name: mse_k4v3                                # omitted keys take these values (KVFormat's defaults)
     description: free text
-    keys:   {mode: mse, bits: 4}                  # mse = Lloyd-Max; prod = (bits-1)-bit MSE + 1-bit QJL
+    keys:   {mode: mse, bits: 4}                  # mse = Lloyd-Max; prod = (bits-1)-bit MSE + 1-bit QJL; codebook: lloyd_max | uniform
     values: {mode: group, bits: 3, group_size: 64}
     norm_dtype: float16
     rotation: auto                                # auto | hadamard | dense
@@ -29,7 +29,7 @@ CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", Path(__file__).resolve(
 DEFAULT_PRESET = "mse_k4v3"  # chosen from docs/fidelity.md (SmolLM2: +0.98 % PPL, 4.1x)
 
 _TOP_KEYS = {"name", "description", "keys", "values", "norm_dtype", "rotation", "buffer", "seed", "layers", "notes"}
-_KEY_KEYS = {"mode": "key_mode", "bits": "key_bits"}
+_KEY_KEYS = {"mode": "key_mode", "bits": "key_bits", "codebook": "key_codebook"}
 _VALUE_KEYS = {"mode": "value_mode", "bits": "value_bits", "group_size": "value_group"}
 _BUFFER_KEYS = {"recent_tokens": "buffer_tokens", "flush_chunk": "flush_chunk"}
 _LAYER_KEYS = {"keep_fp16_first", "keep_fp16_last", "overrides"}

@@ -51,10 +51,12 @@ from .errors import FormatError, UnsupportedPlatformError
 KeyMode = Literal["prod", "mse", "fp16"]
 ValueMode = Literal["group", "mse", "fp16"]
 RotationKind = Literal["auto", "hadamard", "dense"]
+KeyCodebook = Literal["lloyd_max", "uniform"]
 
 KEY_MODES: tuple[str, ...] = ("prod", "mse", "fp16")
 VALUE_MODES: tuple[str, ...] = ("group", "mse", "fp16")
 ROTATIONS: tuple[str, ...] = ("auto", "hadamard", "dense")
+KEY_CODEBOOKS: tuple[str, ...] = ("lloyd_max", "uniform")
 NORM_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
 MAX_BITS = 8
 #: Key / value modes as kernels see them (``PageSpec.KEY_MODE`` / ``VAL_MODE``).
@@ -108,15 +110,20 @@ class KVFormat:
 
     ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit
     TurboQuant_mse plus the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in
-    ``mse`` mode all bits go to the Lloyd-Max codebook. The defaults are the recommended preset
-    ``mse_k4v3`` (configs/mse_k4v3.yaml, chosen from docs/fidelity.md). Every token is stored compressed;
-    the ``buffer_tokens`` (R) most recent are also kept exact, and attention at position p reads
-    positions older than p + 1 - R compressed. ``flush_chunk`` is the batch in which the simulated
-    baselines of the fidelity harness quantize their buffer (the paged cache does not use it).
+    ``mse`` mode all bits go to the codebook. ``key_codebook`` picks it: ``lloyd_max`` (the
+    MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly spaced with the MSE-optimal
+    step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
+    as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
+    The defaults are the recommended preset ``mse_k4v3`` (configs/mse_k4v3.yaml, chosen from
+    docs/fidelity.md). Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
+    kept exact, and attention at position p reads positions older than p + 1 - R compressed.
+    ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their
+    buffer (the paged cache does not use it).
     """
 
     key_mode: KeyMode = "mse"
     key_bits: int = 4
+    key_codebook: KeyCodebook = "lloyd_max"
     value_mode: ValueMode = "group"
     value_bits: int = 3
     value_group: int = 64
@@ -131,6 +138,8 @@ class KVFormat:
             raise FormatError(f"key_mode: expected one of {KEY_MODES}, got {self.key_mode!r}")
         if self.value_mode not in VALUE_MODES:
             raise FormatError(f"value_mode: expected one of {VALUE_MODES}, got {self.value_mode!r}")
+        if self.key_codebook not in KEY_CODEBOOKS:
+            raise FormatError(f"key_codebook: expected one of {KEY_CODEBOOKS}, got {self.key_codebook!r}")
         if self.rotation not in ROTATIONS:
             raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
         if self.norm_dtype not in NORM_DTYPES:

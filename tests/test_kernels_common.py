@@ -1,4 +1,4 @@
-"""Host-side helpers the kernels share (no Triton launch): the codebook polynomial and the
+"""Host-side helpers the kernels share (no Triton launch): the affine codebook fit and the
 compress-on-write tile fallback."""
 
 from __future__ import annotations
@@ -6,37 +6,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetson_tq.codec.codebook import lloyd_max_codebook
+from jetson_tq.codec.codebook import lloyd_max_codebook, uniform_codebook
 from jetson_tq.kernels import compress_write as cw
-from jetson_tq.kernels._common import POLY_TERMS, _odd_polynomial_fit
+from jetson_tq.kernels._common import _linear_codebook_fit
 
 
-def _eval(coef: torch.Tensor, n: int) -> torch.Tensor:
-    """What ``_tiles.centroid_poly`` computes, in float64: v * sum_i a_i (v^2)^i, v = k - (n-1)/2."""
-    v = torch.arange(n, dtype=torch.float64) - (n - 1) / 2
-    t = v * v
-    p = torch.zeros_like(v)
-    for a in reversed(coef.double().tolist()):
-        p = p * t + a
-    return v * p
-
-
-@pytest.mark.parametrize("d", [50, 64, 128, 256])
-@pytest.mark.parametrize("bits", [3, 4])
-def test_codebook_polynomial_matches_lloyd_max(d, bits):
-    cb = lloyd_max_codebook(d, bits).double()
-    coef = _odd_polynomial_fit(cb)
-    assert coef is not None and coef.shape == (POLY_TERMS,)
-    err = (_eval(coef, cb.numel()) - cb).abs().max().item() / cb.abs().max().item()
-    # 8 entries: exact (4 odd terms, 4 free values); 16: 6 terms for 8 free values, well under fp16 rounding
-    assert err <= (1e-6 if bits == 3 else 2e-5), f"d={d} bits={bits}: {err:.2e}"
-
-
-def test_codebook_polynomial_refuses_what_it_cannot_fit():
-    assert _odd_polynomial_fit(lloyd_max_codebook(128, 2)) is None  # 4 entries: kernels use bit planes
-    skewed = lloyd_max_codebook(128, 4).clone()
-    skewed[3] += 0.01  # no longer symmetric
-    assert _odd_polynomial_fit(skewed) is None
+@pytest.mark.parametrize("d", [50, 64, 128])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_affine_codebook_fit(d, bits):
+    """Every uniform codebook is c[k] = alpha + beta k (kernels read its indices as one bit plane); a 2-bit
+    Lloyd-Max one needs the (k >> 1) term, 3/4-bit Lloyd-Max ones fit no such form (kernels gather them)."""
+    k = torch.arange(1 << bits, dtype=torch.float64)
+    uni = uniform_codebook(d, bits)
+    a, b, g = _linear_codebook_fit(uni)
+    assert g == 0.0 and (a + b * k - uni.double()).abs().max().item() <= 1e-6 * uni.abs().max().item()
+    lm = lloyd_max_codebook(d, bits)
+    fit = _linear_codebook_fit(lm)
+    if bits <= 2:
+        a, b, g = fit
+        assert (a + b * k + g * torch.floor(k / 2) - lm.double()).abs().max().item() <= 1e-6
+    else:
+        assert fit is None
 
 
 def test_compress_tile_defaults_by_head_dim():

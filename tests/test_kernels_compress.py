@@ -3,7 +3,8 @@
 
 Tolerance: every value scale and zero equals the reference's. A key index or value code may differ
 only by one level, only where the reference's input lies within rounding of that decision boundary
-(rotated unit-key coordinate within 1e-5 of a Lloyd-Max boundary: the kernel rotates with hi+lo
+(rotated unit-key coordinate within 1e-5 of a codebook boundary: a Hadamard rotation runs the
+reference's butterflies in its order, but the key norm may differ by an ulp; a dense one uses hi+lo
 fp16 tensor-core products, ~22 bits, in another order; value position (v - zero) / scale within
 1e-3 of a half-integer), and in at most 0.1 % of the entries: at the GPU sizes (~10^6 coordinates)
 a handful of such ties occur (seen on the H200), at CPU sizes none. The key norm and
@@ -30,11 +31,12 @@ pytestmark = pytest.mark.kernel
 
 SMALL = [("blog_k3v2", 128, [30, 9]), ("blog_k3v2", 64, [17]), ("blog_k3v2", 80, [12, 3]),
          ("blog_k3v2", 96, [20]), ("blog_k3v2", 256, [9]), ("blog_k3v2", 50, [14]), ("blog_k3v2", 100, [11]),
-         ("k4v4", 128, [25]), ("mse_k3v2", 64, [19]), ("mse_k4v3", 128, [13]), ("fp16", 128, [10, 5])]
+         ("k4v4", 128, [25]), ("mse_k3v2", 64, [19]), ("mse_k4v3", 128, [13]), ("mse_k4v3u", 64, [15]),
+         ("fp16", 128, [10, 5])]
 LARGE = [("blog_k3v2", 128, [4096, 1000, 7]), ("blog_k3v2", 64, [3000]), ("blog_k3v2", 80, [999]),
          ("blog_k3v2", 96, [1500, 2]), ("blog_k3v2", 256, [700]), ("blog_k3v2", 50, [555]),
          ("blog_k3v2", 100, [777]), ("k4v4", 128, [2048]), ("mse_k3v2", 128, [1024]), ("mse_k4v3", 128, [1500]),
-         ("fp16", 128, [300])]
+         ("mse_k4v3", 64, [2000]), ("mse_k4v3u", 128, [1500]), ("fp16", 128, [300])]
 
 
 def _ulp16(x: torch.Tensor) -> torch.Tensor:
@@ -47,12 +49,18 @@ def test_compress_write_matches_reference(name, d, lens, dtype):
     _check(name, d, lens, dtype, exact_signs=True)
 
 
+@pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("blog_k3v2", 64)])
+def test_compress_write_dense_rotation_path(name, d):
+    """The dense hi+lo rotation (what non-power-of-two head dims use) on a Hadamard format, against the same reference."""
+    _check(name, d, [200 if GPU else 12], torch.float16, exact_signs=True, fast_rotation=False)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_compress_write_fast_signs(d):
     _check("blog_k3v2", d, [300 if GPU else 20], torch.float16, exact_signs=False)
 
 
-def _check(name, d, lens, dtype, exact_signs):
+def _check(name, d, lens, dtype, exact_signs, fast_rotation=True):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     fmt = fmt_for(name, d)
@@ -70,7 +78,8 @@ def _check(name, d, lens, dtype, exact_signs):
     ref_pages = poison.clone()
     write_slots(ref_pages, layout, slots, codec.encode(k, v))
     pages = poison.clone().to(DEVICE)
-    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, exact_signs=exact_signs)
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, exact_signs=exact_signs,
+                   fast_rotation=fast_rotation)
     pages = pages.cpu()
     written = slots[slots >= 0]
     got, want = read_slots(pages, layout, written, codec.raw_dtype), read_slots(ref_pages, layout, written, codec.raw_dtype)

@@ -32,6 +32,7 @@ SMALL = [
     ("k4v4", 128, 4, [70, 20], [3, 9]),  # 3-bit indices: generic unpack path
     ("mse_k3v2", 64, 4, [45], [6]),
     ("mse_k4v3", 128, 4, [60, 8], [5, 0]),  # the default preset: 4-bit indices, 3-bit values (2+1 runs)
+    ("mse_k4v3u", 64, 4, [50, 0], [3, 4]),  # uniform 4-bit keys: one index plane per 4*CH coordinates
     ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
 ]
 LARGE = [
@@ -47,6 +48,8 @@ LARGE = [
     ("mse_k3v2", 128, 4, [2048], [0]),
     ("mse_k4v3", 128, 4, [3000, 40], [128, 7]),
     ("mse_k4v3", 64, 3, [1000], [1]),
+    ("mse_k4v3u", 128, 4, [3000, 40], [128, 7]),
+    ("mse_k4v3u", 64, 3, [1000], [1]),
     ("fp16", 128, 4, [500, 1], [0, 1]),
 ]
 CASES = LARGE if GPU else SMALL
@@ -91,37 +94,18 @@ def test_decode_one_token_and_no_buffer_storage():
     _check("blog_k3v2", 64, 4, [40, 17], [0, 0], torch.float16, 2, seed, recent_cap=0)  # buffer of width 0
 
 
-def test_decode_value_gather_variant_agrees():
-    """The benchmark-only ``val_gather`` variant (per-column scale loads, what the old LSB-first
-    layout needed) computes the same function."""
-    seed = fresh_seed()
-    gen = torch.Generator().manual_seed(seed)
-    kv = build_paged_kv(fmt_for("blog_k3v2", 128), 2, 128, [77, 140], [3, 0], torch.float16, gen)
-    q = torch.randn(2, 8, 128, generator=gen).to(torch.float16).to(DEVICE)
-    ref = paged_attention_decode(q, kv)
-    assert rel_err(hybrid_decode(q, kv, val_gather=True), ref) <= 2e-3, f"seed={seed}"
-
-
-@pytest.mark.parametrize("key_lut", ["load", "shuffle", "poly"])
-@pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("k4v4", 64)])
-def test_decode_key_lookup_variants_agree(key_lut, name, d):
-    """The three ways to turn a 3/4-bit key index into its centroid (gather from memory, warp
-    shuffle from registers, odd polynomial) compute the same function, with one-warp 16-token
-    programs (the default for these formats) and with 2-warp 32-token ones stepping 16 buffer tokens."""
+@pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)])
+def test_decode_variants_agree(name, d):
+    """The knobs that change the instructions, not the function: key scores from index planes or from a
+    centroid lookup (``fast_keys``), the query rotated in the launch or by ``query_transform``
+    (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 16 buffer tokens."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     n = 900 if GPU else 70
     kv = build_paged_kv(fmt_for(name, d), 2, d, [n, 9], [3, 0], torch.float16, gen)
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
-    for block_n, warps, block_r in ((16, 1, 64), (32, 2, 16)):
-        got = hybrid_decode(q, kv, key_lut=key_lut, block_n=block_n, num_warps=warps, block_r=block_r)
-        assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {key_lut} block_n={block_n} block_r={block_r}"
-
-
-def test_decode_rejects_unknown_key_lookup():
-    gen = torch.Generator().manual_seed(0)
-    kv = build_paged_kv(fmt_for("mse_k4v3", 64), 2, 64, [5], [1], torch.float16, gen)
-    q = torch.randn(1, 4, 64, generator=gen).to(torch.float16).to(DEVICE)
-    with pytest.raises(ValueError, match="key_lut"):
-        hybrid_decode(q, kv, key_lut="table")
+    for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 16},
+                  {"fast_keys": False}, {"fuse_query": False}):
+        got = hybrid_decode(q, kv, **knobs)
+        assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {knobs}"

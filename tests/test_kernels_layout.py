@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from kernel_cases import vllm_block_table, vllm_slot_mapping
-from jetson_tq.attention.reference import attention_decode, paged_attention_decode
+from jetson_tq import attention_decode
+from jetson_tq.attention.reference import paged_attention_decode
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.paged import PagedKV, write_slots
 from jetson_tq.format import KVFormat
@@ -18,7 +19,7 @@ from jetson_tq.format import KVFormat
 
 def test_vllm_style_pages_equal_the_contiguous_cache():
     gen = torch.Generator().manual_seed(7)
-    fmt = KVFormat(buffer_tokens=0, flush_chunk=16)
+    fmt = KVFormat(buffer_tokens=0)
     lens, bs, h, d = [48, 16], 16, 2, 64
     cache = CompressedKVCache(fmt, h, d, len(lens), block_size=bs, dtype=torch.float32)
     table = vllm_block_table(lens, bs, pad_blocks=2, gen=gen)
@@ -32,11 +33,11 @@ def test_vllm_style_pages_equal_the_contiguous_cache():
         rows = (who[:, 0] == b).nonzero().flatten()
         cache.append(k[rows].transpose(0, 1), v[rows].transpose(0, 1), seq=b)
     assert cache.compressed_lens.tolist() == lens
-    kv = PagedKV(pages, table, torch.tensor(lens, dtype=torch.int32), cache.buffer_k, cache.buffer_v,
+    kv = PagedKV(pages, table, torch.tensor(lens, dtype=torch.int32), cache.ring_k, cache.ring_v,
                  torch.zeros(2, dtype=torch.int32), torch.arange(2, dtype=torch.int32), cache.layout, cache.codec)
     paged, contiguous = kv.gather_compressed(48), cache.compressed_fields(48)
     for name in paged:
         for b, n in enumerate(lens):
             assert torch.equal(paged[name][b, :, :n], contiguous[name][b, :, :n]), name
     q = torch.randn(2, 4, d, generator=gen)
-    assert torch.allclose(paged_attention_decode(q, kv), attention_decode(q, cache), atol=1e-6)
+    assert torch.allclose(paged_attention_decode(q, kv), attention_decode(q, cache, backend="reference"), atol=1e-6)

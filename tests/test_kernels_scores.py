@@ -14,7 +14,8 @@ import torch
 from kernel_cases import DEVICE, GPU, fresh_seed, rel_err
 from jetson_tq.codec.codebook import lloyd_max_codebook
 from jetson_tq.codec.rotation import Rotation, qjl_matrix
-from jetson_tq.codec.scores import turboquant_scores, turboquant_scores_reference
+from jetson_tq import turboquant_scores
+from jetson_tq.codec.scores import turboquant_scores_reference
 from jetson_tq.kernels.scores import turboquant_scores_triton
 
 pytestmark = pytest.mark.kernel

@@ -5,6 +5,11 @@ to (1 - x^2)^((d-3)/2) on [-1, 1] (a shifted Beta((d-1)/2, (d-1)/2)); in theta t
 sin(theta)^(d-2) on [0, pi], which is smooth for every d >= 2, so we integrate on a theta grid.
 Lloyd's algorithm (cells = midpoints, centroids = conditional means) then runs on prefix sums, so
 an iteration costs O(2^bits log M), not O(M).
+
+The ``uniform`` codebook is the evenly spaced grid c[k] = (k - (2^bits - 1)/2) * step whose step
+minimizes the same expected squared error (nearest-centroid cells): affine in k, so a kernel can
+score <q, c[idx]> = step * <q, idx> - step (2^bits - 1)/2 * sum(q) with idx read as a bit plane.
+At 4 bits and d = 128 its MSE is 0.0112 against Lloyd-Max's 0.0093 (+20 %).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import numpy as np
 import torch
 
 from ..errors import FormatError
-from ..format import MAX_BITS
+from ..format import KEY_CODEBOOKS, MAX_BITS
 
 _GRID_POINTS = 1 << 20
 _MAX_ITERS = 20000
@@ -92,3 +97,66 @@ def lloyd_max_mse(dim: int, bits: int) -> float:
 def codebook_boundaries(codebook: torch.Tensor) -> torch.Tensor:
     """Decision boundaries (midpoints between neighbouring centroids) for ``torch.bucketize``."""
     return 0.5 * (codebook[1:] + codebook[:-1])
+
+
+def _uniform_levels(bits: int) -> np.ndarray:
+    n = 1 << bits
+    return np.arange(n, dtype=np.float64) - (n - 1) / 2
+
+
+@lru_cache(maxsize=None)
+def _prefix_moments(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The grid's x and prefix sums of w, w x, w x^2 (so a cell's error costs two lookups)."""
+    x, w = _grid(dim)
+    zero = np.zeros(1)
+    return x, np.concatenate([zero, np.cumsum(w)]), np.concatenate([zero, np.cumsum(w * x)]), \
+        np.concatenate([zero, np.cumsum(w * x * x)])
+
+
+def _grid_mse(dim: int, centroids: np.ndarray) -> float:
+    """dim * E[(x - nearest centroid)^2] for a coordinate of a random unit vector in R^dim."""
+    x, cw, cwx, cwx2 = _prefix_moments(dim)
+    idx = np.concatenate([[0], np.searchsorted(x, 0.5 * (centroids[1:] + centroids[:-1])), [len(x)]])
+    m0, m1, m2 = (np.diff(c[idx]) for c in (cw, cwx, cwx2))
+    return float(dim * np.sum(m2 - 2 * centroids * m1 + centroids ** 2 * m0))
+
+
+@lru_cache(maxsize=None)
+def _uniform(dim: int, bits: int) -> tuple[tuple[float, ...], float]:
+    levels = _uniform_levels(bits)
+    sigma = 1.0 / np.sqrt(dim)  # a coordinate's standard deviation
+    lo, hi = 1e-3 * sigma, 4.0 * sigma
+    # golden-section search of the step (the MSE is unimodal in it), to 1e-9 of sigma
+    g = (np.sqrt(5.0) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = _grid_mse(dim, a * levels), _grid_mse(dim, b * levels)
+    while hi - lo > 1e-9 * sigma:
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = _grid_mse(dim, a * levels)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = _grid_mse(dim, b * levels)
+    step = 0.5 * (lo + hi)
+    return tuple(float(c) for c in step * levels), _grid_mse(dim, step * levels)
+
+
+def uniform_codebook(dim: int, bits: int) -> torch.Tensor:
+    """Evenly spaced centroids (float32, ascending) with the MSE-optimal step for a coordinate of a random unit vector."""
+    _check(dim, bits)
+    return torch.tensor(_uniform(dim, bits)[0], dtype=torch.float32)
+
+
+def uniform_mse(dim: int, bits: int) -> float:
+    """Expected ||u - u_hat||^2 of a unit vector quantized coordinate-wise with ``uniform_codebook``."""
+    _check(dim, bits)
+    return _uniform(dim, bits)[1]
+
+
+def key_codebook(kind: str, dim: int, bits: int) -> torch.Tensor:
+    """The codebook of ``format.KVFormat.key_codebook`` kind ``kind`` (``lloyd_max`` or ``uniform``)."""
+    if kind not in KEY_CODEBOOKS:
+        raise FormatError(f"codebook kind: expected one of {KEY_CODEBOOKS}, got {kind!r}")
+    return uniform_codebook(dim, bits) if kind == "uniform" else lloyd_max_codebook(dim, bits)

@@ -31,9 +31,9 @@ class KVCodec:
         rot, nd = fmt.rotation_for(head_dim), fmt.norm_torch_dtype
         self.keys: TurboQuantProd | TurboQuantMSE | None = None
         if fmt.key_mode == "prod":
-            self.keys = TurboQuantProd(head_dim, fmt.key_bits, self.seed, rot, nd)
+            self.keys = TurboQuantProd(head_dim, fmt.key_bits, self.seed, rot, nd, fmt.key_codebook)
         elif fmt.key_mode == "mse":
-            self.keys = TurboQuantMSE(head_dim, fmt.key_bits, self.seed, rot, nd)
+            self.keys = TurboQuantMSE(head_dim, fmt.key_bits, self.seed, rot, nd, fmt.key_codebook)
         self.values: GroupQuantizer | TurboQuantMSE | None = None
         if fmt.value_mode == "group":
             self.values = GroupQuantizer(head_dim, fmt.value_bits, fmt.value_group_for(head_dim))

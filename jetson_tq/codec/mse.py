@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ShapeError, expect_float, expect_last_dim
-from .codebook import codebook_boundaries, lloyd_max_codebook
+from .codebook import codebook_boundaries, key_codebook
 from .packing import pack_bits, unpack_bits
 from .rotation import Rotation
 
@@ -26,12 +26,15 @@ class MSECode:
 
 
 class TurboQuantMSE:
-    """b-bit TurboQuant_mse (paper Alg. 1) for vectors of any norm: x ~ ||x|| Pi^T c[idx]."""
+    """b-bit TurboQuant_mse (paper Alg. 1) for vectors of any norm: x ~ ||x|| Pi^T c[idx].
+
+    ``codebook``: ``lloyd_max`` (the paper's) or ``uniform`` (an evenly spaced grid, see ``codebook``).
+    """
 
     def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto",
-                 norm_dtype: torch.dtype = torch.float32) -> None:
+                 norm_dtype: torch.dtype = torch.float32, codebook: str = "lloyd_max") -> None:
         self.dim, self.bits, self.norm_dtype = dim, bits, norm_dtype
-        self.codebook = lloyd_max_codebook(dim, bits)
+        self.codebook = key_codebook(codebook, dim, bits)
         self.boundaries = codebook_boundaries(self.codebook)
         self.rotation = Rotation(dim, rotation, seed)
 

@@ -32,11 +32,11 @@ class TurboQuantProd:
     """
 
     def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto",
-                 norm_dtype: torch.dtype = torch.float32) -> None:
+                 norm_dtype: torch.dtype = torch.float32, codebook: str = "lloyd_max") -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
             raise FormatError(f"bits: expected an integer in [1, 8] (1 QJL bit + b-1 MSE bits), got {bits!r}")
         self.dim, self.bits, self.norm_dtype = dim, bits, norm_dtype
-        self.mse = TurboQuantMSE(dim, bits - 1, seed, rotation, norm_dtype) if bits > 1 else None
+        self.mse = TurboQuantMSE(dim, bits - 1, seed, rotation, norm_dtype, codebook) if bits > 1 else None
         self.rotation = self.mse.rotation if self.mse else Rotation(dim, rotation, seed)
         self.seed = seed
         self.qjl_scale = math.sqrt(math.pi / 2) / dim

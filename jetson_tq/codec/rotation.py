@@ -89,6 +89,12 @@ class Rotation:
             return _haar(self.dim, self.seed)
         return _sylvester(self.dim) * _signs(self.dim, self.seed).unsqueeze(0) / math.sqrt(self.dim)
 
+    def hadamard_signs(self) -> torch.Tensor:
+        """The random signs s of Pi = H diag(s) / sqrt(d) (float64, CPU); only for the ``hadamard`` kind."""
+        if self.kind != "hadamard":
+            raise FormatError(f"hadamard_signs: rotation kind is {self.kind!r}, not 'hadamard'")
+        return _signs(self.dim, self.seed)
+
     def matrix(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Pi on ``device`` in ``dtype`` (cached)."""
         key = (torch.device(device), dtype)

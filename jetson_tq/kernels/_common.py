@@ -52,7 +52,9 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
     """fp32 device copies of the codec's matrices and codebook (made once per codec and device).
 
     ``qmat``: [Pi; S] (prod), Pi (mse) or I (fp16 keys) — rows transform a query once;
-    ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: Lloyd-Max centroids.
+    ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: the key centroids and
+    their decision boundaries; ``kfit``: the codebook as c[k] = alpha + beta k + gamma (k >> 1) when it is
+    one (``_linear_codebook_fit``); ``hsigns``: the Hadamard rotation's signs (one zero when it is dense).
     """
     key = (codec.fmt, codec.head_dim, codec.seed, device)
     if key not in _CONSTANTS:
@@ -69,8 +71,9 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
             cb = torch.zeros(2)
         cb = cb.float()
         out["kfit"] = _linear_codebook_fit(cb)
-        poly = _odd_polynomial_fit(cb)
-        out["kpoly"] = poly.to(device) if poly is not None else None
+        rot = codec.key_rotation
+        hadamard = rot is not None and rot.kind == "hadamard"
+        out["hsigns"] = (rot.hadamard_signs().float() if hadamard else torch.zeros(1)).contiguous().to(device)
         out["write_mats"] = _write_matrices(codec, device)
         out["bounds"] = (0.5 * (cb[1:] + cb[:-1]) if cb.numel() > 1 else torch.zeros(1)).contiguous().to(device)
         # at least 4 entries: kernels read c0..c3 unconditionally for their 1-2 bit select paths
@@ -96,42 +99,21 @@ def _write_matrices(codec: KVCodec, device) -> tuple[torch.Tensor, ...]:
 
 
 def _linear_codebook_fit(cb: torch.Tensor) -> tuple[float, float, float] | None:
-    """(alpha, beta, gamma) with c[k] = alpha + beta*k + gamma*(k >> 1) exactly, for 2- and 4-entry codebooks.
+    """(alpha, beta, gamma) with c[k] = alpha + beta*k + gamma*(k >> 1) exactly, or None.
 
-    A 4-entry codebook fits when c3 - c2 - c1 + c0 = 0, which every symmetric (Lloyd-Max) one does;
-    kernels then score <q, c[idx]> as two dots with bit planes instead of a per-element lookup.
+    Every evenly spaced codebook fits with gamma = 0 (``uniform`` keys, any size), and so does every
+    2-entry one; a 4-entry codebook fits with gamma != 0 when c3 - c2 - c1 + c0 = 0, which every
+    symmetric (Lloyd-Max) one does. Kernels then score <q, c[idx]> as one or two dots with bit planes
+    instead of a per-element lookup.
     """
     c = [float(x) for x in cb]
-    if len(c) == 2:
-        return c[0], c[1] - c[0], 0.0
-    if len(c) == 4 and abs(c[3] - c[2] - c[1] + c[0]) <= 1e-6 * max(abs(x) for x in c):
+    tol = 1e-6 * max(abs(x) for x in c)
+    step = (c[-1] - c[0]) / max(len(c) - 1, 1)
+    if len(c) >= 2 and all(abs(c[k] - c[0] - k * step) <= tol for k in range(len(c))):
+        return c[0], step, 0.0
+    if len(c) == 4 and abs(c[3] - c[2] - c[1] + c[0]) <= tol:
         return c[0], c[1] - c[0], c[2] + c[0] - 2 * c[1]
     return None
-
-
-POLY_TERMS = 6  # odd terms of the codebook polynomial: 4-bit Lloyd-Max fits to <= 1e-5 relative (fp16 rounds 2.4e-4)
-
-
-def _odd_polynomial_fit(cb: torch.Tensor, terms: int = POLY_TERMS) -> torch.Tensor | None:
-    """Coefficients a (fp32 [terms]) with c[k] ~ v * sum_i a_i (v^2)^i, v = k - (n-1)/2, for a symmetric codebook.
-
-    Kernels evaluate a 3- or 4-bit codebook this way (Horner on the CUDA cores, no memory gather).
-    The fit is exact for 8 entries and within 1e-5 of the largest centroid for 16 (``test_kernels_layout``).
-    Fitted in u = v / half (well conditioned), then rescaled to v. None when the codebook is not 8 or
-    16 entries or not fitted to 2e-5 of its largest centroid (not symmetric).
-    """
-    n = cb.numel()
-    if n not in (8, 16):
-        return None
-    half = (n - 1) / 2
-    u = (torch.arange(n, dtype=torch.float64) - half) / half
-    terms = min(terms, n // 2)
-    basis = torch.stack([u ** (2 * i + 1) for i in range(terms)], 1)
-    coef = torch.linalg.lstsq(basis, cb.double().unsqueeze(1)).solution[:, 0]
-    if (basis @ coef - cb.double()).abs().max() > 2e-5 * cb.double().abs().max():
-        return None
-    coef = coef / torch.tensor([half ** (2 * i + 1) for i in range(terms)], dtype=torch.float64)
-    return torch.nn.functional.pad(coef, (0, POLY_TERMS - terms)).float()
 
 
 def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -44,27 +44,52 @@ def chunk_codes(ptrs, mask, C: tl.constexpr, CH: tl.constexpr, WMIN: tl.constexp
 
 
 @triton.jit
-def centroid(code, cb_ptr, c0, c1, c2, c3, KB: tl.constexpr):
-    """Codebook value of ``code`` (fp32): selects for 1-2 bit codebooks, a cached gather otherwise."""
-    if KB == 1:
-        val = tl.where(code != 0, c1, c0)
-    elif KB == 2:
-        val = tl.where(code >= 2, tl.where(code == 3, c3, c2), tl.where(code == 1, c1, c0))
+def centroid_lookup(code, cb_ptr, KB: tl.constexpr, AXIS: tl.constexpr):
+    """Codebook value (fp16) of every ``KB``-bit ``code`` of a 2-D tile: the 2^KB centroids are loaded once
+    into registers and gathered along ``AXIS`` (one warp shuffle per code, no memory gather; on the H200
+    this beat a gather from memory and an odd-polynomial codebook, docs/benchmarks.md run 4)."""
+    cbv = tl.load(cb_ptr + tl.arange(0, 1 << KB))
+    if AXIS == 1:
+        src = tl.broadcast_to(cbv[None, :], [code.shape[0], 1 << KB])
     else:
-        val = tl.load(cb_ptr + code.to(tl.int32))
-    return val
+        src = tl.broadcast_to(cbv[:, None], [1 << KB, code.shape[1]])
+    return tl.gather(src, code.to(tl.int32), AXIS).to(tl.float16)
 
 
 @triton.jit
-def centroid_poly(code, a0, a1, a2, a3, a4, a5, KB: tl.constexpr):
-    """Codebook value of a 3/4-bit ``code`` (fp32) as an odd polynomial in v = code - (2^KB - 1)/2:
-    an exponent-trick conversion and Horner on the CUDA cores instead of a gather from memory."""
-    HALF: tl.constexpr = ((1 << KB) - 1) / 2
-    # float bits 0x4B000000 | code are 2^23 + code exactly (2^23 + half itself is not representable)
-    v = ((code.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - HALF
-    t = v * v
-    p = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t + a0
-    return v * p
+def online_softmax(s, m_i, l_i, AXIS: tl.constexpr):
+    """One flash-attention step on log2-domain scores ``s`` reduced over ``AXIS`` (the token axis):
+    (new running max, rescale factor of the old sums, probabilities, new running sum). A row whose
+    scores are all -inf keeps max -inf and gets zero probabilities."""
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    if AXIS == 1:
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        p = tl.exp2(s - m_safe[None, :])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
+def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of each row of an fp32 [R, D] tile (D a power of two), in
+    registers: log2(D) butterfly stages pairing i and i + h in the order of ``codec.rotation.fwht``, so
+    the sums round exactly as the reference's do (bit-identical results)."""
+    for stage in tl.static_range(LOG2D):
+        H: tl.constexpr = 1 << stage
+        y = tl.permute(tl.reshape(x, [R, D // (2 * H), 2, H]), [0, 1, 3, 2])
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, D])
+    return x
+
+
+@triton.jit
+def column_chunk(x, C: tl.constexpr, R: tl.constexpr, NCH: tl.constexpr, CW: tl.constexpr):
+    """Columns [C*CW, (C+1)*CW) of an [R, NCH*CW] tile, as an [R, CW] tile (a masked sum over the chunk axis)."""
+    x3 = tl.reshape(x, [R, NCH, CW])
+    sel = (tl.arange(0, NCH) == C)[None, :, None]
+    return tl.sum(tl.where(sel, x3, 0), 1)
 
 
 TWO24 = tl.constexpr(16777216.0)
@@ -102,3 +127,35 @@ def fold_run(tile, ptrs, mask, w, zero_rt, J0: tl.constexpr, CH: tl.constexpr, R
     else:
         part = mma(w, plane, tl.zeros([w.shape[0], plane.shape[1]], tl.float32) + zero_rt, INTERP)
     return tile + part * ((1 << LOW) / (1 << SHIFT))
+
+
+@triton.jit
+def folded_value_tile(x_one, ptrs, mask, w, zero_rt, C: tl.constexpr, CH: tl.constexpr, VCW: tl.constexpr,
+                      VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
+                      W_LEFT: tl.constexpr, INTERP: tl.constexpr):
+    """(value codes of chunk ``C``) . w on the tensor cores, codes read as fp16 subnormal planes, in a fresh
+    accumulator (added to the running sum in fp32 by the caller: the folded sums cancel, and the tensor
+    cores' truncating accumulation over thousands of tokens biased them, 1.6e-2 at 64k on the H200).
+
+    One run (``VW1 == 0``, codes in the already loaded bytes ``x_one``): result in code units * 2^(C*VB-24);
+    several runs (3, 5, 6, 7 bits): one plane per run from ``ptrs``, result in code units * 2^-24.
+    """
+    if VW1 == 0:
+        plane = subnormal16(x_one & (((1 << VB) - 1) << (C * VB)))
+        if W_LEFT:
+            tile = mma(plane, w, tl.zeros([plane.shape[0], w.shape[1]], tl.float32) + zero_rt, INTERP)
+        else:
+            tile = mma(w, plane, tl.zeros([w.shape[0], plane.shape[1]], tl.float32) + zero_rt, INTERP)
+    else:
+        J0: tl.constexpr = C * (VCW // CH)
+        if W_LEFT:
+            tile = tl.zeros([ptrs.shape[0], w.shape[1]], tl.float32)
+        else:
+            tile = tl.zeros([w.shape[0], ptrs.shape[1]], tl.float32)
+        tile = fold_run(tile, ptrs, mask, w, zero_rt, J0, CH, 0, 0, VW0, W_LEFT, INTERP)
+        if VW1 > 0:
+            tile = fold_run(tile, ptrs, mask, w, zero_rt, J0, CH, CH * VW0, VW0, VW1, W_LEFT, INTERP)
+        if VW2 > 0:
+            tile = fold_run(tile, ptrs, mask, w, zero_rt, J0, CH, CH * (VW0 + VW1), VW0 + VW1, VW2, W_LEFT, INTERP)
+    return tile
+

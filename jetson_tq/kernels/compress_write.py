@@ -1,8 +1,9 @@
 """Compress-on-write: new K/V tokens -> packed TurboQuant fields, stored straight into their pages.
 
-One launch does everything ``KVCodec.encode`` + ``cache.paged.write_slots`` do: per token and KV
-head it normalizes the key, rotates it (tensor cores, fp16 hi+lo split: ~fp32 accurate), picks
-Lloyd-Max indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
+One launch does everything ``KVCodec.encode`` + ``paged.write_slots`` do: per token and KV
+head it normalizes the key, rotates it (randomized Hadamard: a fast Walsh-Hadamard transform in
+registers, bit-identical to the reference; dense rotations: tensor cores, fp16 hi+lo split, ~fp32
+accurate), picks the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
 combined matrices, so the residual is never formed), packs
 indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
 zero, round-half-even), and writes every field at ``slot = block * block_size + offset`` (vLLM's
@@ -11,16 +12,19 @@ zero, round-half-even), and writes every field at ``slot = block * block_size + 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from ..codec.kv import Fields, KVCodec
+from ..codec.kv import KVCodec
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ..format import PagedLayout
-from ._common import INTERPRET, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
-from ._tiles import K_PROD, K_RAW, V_RAW, mma
+from ._launch import FastLauncher
+from ._common import INTERPRET, KEY_RAW, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
+from ._tiles import K_PROD, K_RAW, V_RAW, column_chunk, fwht_rows, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 
@@ -86,7 +90,7 @@ def _store_packed(codes, ptrs, mask, CH: tl.constexpr, CW: tl.constexpr, NCH: tl
 @triton.jit
 def _compress_write_kernel(
         k_ptr, v_ptr, slot_ptr, pages_ptr, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
-        cb_ptr, bnd_ptr,
+        cb_ptr, bnd_ptr, hs_ptr, sqrt_d,
         n_tokens, stride_kt, stride_kh, stride_vt, stride_vh, page_bytes,
         HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -97,7 +101,8 @@ def _compress_write_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
-        SPLIT_SKETCH: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BLOCK_T: tl.constexpr,
+        INTERP: tl.constexpr):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
@@ -119,7 +124,11 @@ def _compress_write_kernel(
                  mask=dmask)
     else:
         nrm = tl.sqrt_rn(tl.sum(k * k, 1))
-        unit = k / tl.maximum(nrm, TINY)[:, None]
+        unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
+        if HADAMARD:
+            # Pi u = H (s * u) / sqrt(D): butterflies in registers, in the reference's order and rounding
+            rot = tl.math.div_rn(fwht_rows(unit * tl.load(hs_ptr + d)[None, :], BLOCK_T, DP, LOG2D),
+                                 tl.zeros([BLOCK_T, DP], tl.float32) + sqrt_d)
         u_hi = unit.to(tl.float16)
         u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
         # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
@@ -132,8 +141,12 @@ def _compress_write_kernel(
         for c in tl.static_range(KCH):
             row = c * KCW + kc  # rows of Pi that give this chunk's rotated coordinates (planar chunk c)
             inside = (kc[None, :] < KCW) & (row[None, :] < D)
-            y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d, (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D),
-                      D, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+            if HADAMARD:
+                y = column_chunk(rot, c, BLOCK_T, KCH, KCW)
+            else:
+                y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
+                          (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
+                          tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
             code = tl.where(inside, _bucketize(y, bnd_ptr, KB), 0)  # padding coordinates pack as 0
             cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
             r2 += tl.sum(cent * (cent - 2.0 * y), 1)
@@ -239,13 +252,15 @@ def default_block_t(head_dim: int) -> int:
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                    layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True) -> None:
+                   exact_signs: bool = True, fast_rotation: bool = True) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
     ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
     faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
     ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory.
+    ``fast_rotation=False`` rotates with the dense split products even where the rotation is a Hadamard one
+    (for measurements; the default rotates in registers with a fast Walsh-Hadamard transform).
     """
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
@@ -265,19 +280,19 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    spec = PageSpec.of(layout, codec.raw_dtype)
-    consts = codec_constants(codec, k.device)
-    key = (layout.fmt, layout.head_dim, str(k.device), exact_signs, num_warps)
+    setup = _SETUPS.get((id(codec), layout, k.device, exact_signs, num_warps, fast_rotation))
+    if setup is None or setup[0] is not codec:
+        setup = _setup(codec, layout, k.device, exact_signs, num_warps, fast_rotation)
+    _, consts, kw, sqrt_d, key = setup
     chosen = block_t is None
     block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
     while True:
         try:
-            _compress_write_kernel[(triton.cdiv(n, block_t), pages.shape[1])](
-                k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"],
-                n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), spec.PB,
-                HKV=pages.shape[1], **spec.constexprs(),
-                KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
-                SPLIT_SKETCH=exact_signs or spec.KB > 2, BLOCK_T=block_t, INTERP=INTERPRET, num_warps=num_warps)
+            _LAUNCH((triton.cdiv(n, block_t), pages.shape[1]),
+                    (k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"], consts["hsigns"],
+                     sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
+                    {**kw, "HKV": pages.shape[1], "BLOCK_T": block_t}, key + (pages.shape[1], block_t),
+                    num_warps=num_warps)
             break
         except OutOfResources:  # raised at compile time, before anything is written
             if block_t <= 16:
@@ -287,11 +302,31 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         _FITTED_BLOCK_T[key] = block_t
 
 
-def compress_write_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                             layout: PagedLayout, codec: KVCodec) -> Fields:
-    """PyTorch reference: ``KVCodec.encode`` then ``write_slots`` (returns the encoded fields)."""
-    from ..paged import write_slots
+_LAUNCH = FastLauncher(_compress_write_kernel)
+_SETUPS: dict = {}
 
-    fields = codec.encode(k, v)
-    write_slots(pages, layout, slots, fields)
-    return fields
+
+def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, exact_signs: bool, num_warps: int,
+           fast_rotation: bool) -> tuple:
+    """(codec, device constants, constexprs, sqrt(D) as fp32, fitted-tile key) of one write configuration, cached."""
+    spec = PageSpec.of(layout, codec.raw_dtype)
+    consts = codec_constants(codec, device)
+    hadamard = hadamard_rotation(spec, codec) and fast_rotation
+    sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
+    kw = spec.constexprs()
+    kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
+              SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=hadamard, LOG2D=spec.DP.bit_length() - 1,
+              INTERP=INTERPRET)
+    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, hadamard)
+    setup = (codec, consts, kw, sqrt_d, key)
+    _SETUPS[(id(codec), layout, device, exact_signs, num_warps, fast_rotation)] = setup
+    return setup
+
+
+
+def hadamard_rotation(spec: PageSpec, codec: KVCodec) -> bool:
+    """True when keys are rotated in registers (randomized Hadamard, D a power of two whose key chunks are
+    whole power-of-two tiles); otherwise the kernel rotates with the dense hi+lo split products."""
+    rot = codec.key_rotation
+    return (spec.KEY_MODE != KEY_RAW and rot is not None and rot.kind == "hadamard" and spec.D == spec.DP
+            and spec.KCW == next_pow2(spec.KCW) and spec.KCW >= 16)

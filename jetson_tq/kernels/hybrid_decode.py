@@ -26,23 +26,24 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import (INTERPRET, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
+from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
                       next_pow2, workspace)
-from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, centroid_poly, chunk_codes, fold_run, mma, subnormal16
+from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows, mma,
+                     online_softmax, subnormal16)
+from ._launch import FastLauncher
 from .query_transform import query_transform
 
 LOG2E = 1.4426950408889634
-LUT_SHUFFLE = tl.constexpr(1)  # key centroid lookups, see ``_key_lut``
-LUT_POLY = tl.constexpr(2)
 
 
 @triton.jit
 def _hybrid_decode_kernel(
-        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr, kp_ptr,
+        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr, hs_ptr,
         out_ptr, po_ptr, plse_ptr,
         stride_qb, stride_qh, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, tokens_per_split, n_splits, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma, zero_rt,
+        stride_ob, stride_oh, tokens_per_split, n_splits, scale_log2, qt_scale, qjl_scale, k_alpha, k_beta, k_gamma,
+        zero_rt,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -53,7 +54,8 @@ def _hybrid_decode_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
-        NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr, VAL_GATHER: tl.constexpr, KLUT: tl.constexpr,
+        NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
+        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
     # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
@@ -68,9 +70,20 @@ def _hybrid_decode_kernel(
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
     KDOT_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
 
+    if FUSE_Q:
+        # the query transform in this launch (randomized Hadamard rotation, mse keys): every split of this
+        # (sequence, KV head) writes the same Pi q * scale rows, then reads them back chunk by chunk below
+        dq = tl.arange(0, DP)
+        q0 = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
+                     mask=gmask[:, None], other=0.0).to(tl.float32)
+        qr = fwht_rows(q0 * tl.load(hs_ptr + dq)[None, :], GP, DP, LOG2D) * qt_scale
+        tl.store(qt_ptr + qrow[:, None] * QW + dq[None, :], qr, mask=gmask[:, None])
+        tl.debug_barrier()
+
     # ---- the transformed query as fp16 B operands [chunk, GP], one (or two) per chunk, loaded once.
-    # Fast path: <q, c[idx]> = alpha sum(q) + beta <q, k> + gamma <q, k >> 1> with k and its high bit
-    # read as fp16 subnormal planes (bits * 4^c * 2^-24); the 4^-c goes into the query operand.
+    # Fast path (affine codebooks: c[k] = alpha + beta k (+ gamma (k >> 1) for 2-bit Lloyd-Max)):
+    # <q, c[idx]> = alpha sum(q) + beta <q, k> (+ gamma <q, k >> 1>) with k read as an fp16 subnormal
+    # plane (bits * 2^(KB c) * 2^-24); the 2^-(KB c) goes into the query operand.
     kc = tl.arange(0, KCWP)
     kadd = tl.zeros([GP], tl.float32)
     qk = ()
@@ -79,16 +92,11 @@ def _hybrid_decode_kernel(
         kcol = c * KCW + kc
         qc = tl.load(qt_ptr + qrow[None, :] * QW + kcol[:, None],
                      mask=gmask[None, :] & (kc[:, None] < KCW) & (kcol[:, None] < D), other=0.0)
-        if FAST_K and KB == 2:
-            qa = (qc * (k_beta / (1 << (2 * c)))).to(tl.float16)
-            qb2 = (qc * (k_gamma / (2 << (2 * c)))).to(tl.float16)
+        if FAST_K:
             kadd += k_alpha * tl.sum(qc, 0)
-            qk = qk + (qa,)
-            qh = qh + (qb2,)
-        elif FAST_K and KB == 1:
-            qa = (qc * (k_beta / (1 << c))).to(tl.float16)
-            kadd += k_alpha * tl.sum(qc, 0)
-            qk = qk + (qa,)
+            qk = qk + ((qc * (k_beta / (1 << (KB * c)))).to(tl.float16),)
+            if K_HIGH:
+                qh = qh + ((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16),)
         else:
             qk = qk + (qc.to(KDOT_T),)
     sc = tl.arange(0, CHP)
@@ -102,19 +110,6 @@ def _hybrid_decode_kernel(
             qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
             ssub += tl.sum(qsc, 0)  # <q, sign> = 2 <q, bit> - sum(q)
             qs = qs + (qsa,)
-    cb0 = tl.load(cb_ptr)
-    cb1 = tl.load(cb_ptr + 1)
-    cb2 = tl.load(cb_ptr + 2)
-    cb3 = tl.load(cb_ptr + 3)
-    if KLUT == LUT_POLY:
-        a0 = tl.load(kp_ptr)
-        a1 = tl.load(kp_ptr + 1)
-        a2 = tl.load(kp_ptr + 2)
-        a3 = tl.load(kp_ptr + 3)
-        a4 = tl.load(kp_ptr + 4)
-        a5 = tl.load(kp_ptr + 5)
-    else:
-        a0, a1, a2, a3, a4, a5 = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
 
     vu = tl.arange(0, VSUBP)
     ng = tl.arange(0, NGP)
@@ -147,25 +142,16 @@ def _hybrid_decode_kernel(
                 xk = tl.load(kptr, mask=kmask, other=0)
             s = tl.zeros([BLOCK_N, GP], tl.float32)
             for c in tl.static_range(KCH):
-                if FAST_K and KB == 2:
-                    s = mma(subnormal16(xk & (3 << (2 * c))), qk[c], s, INTERP)
-                    s = mma(subnormal16(xk & (2 << (2 * c))), qh[c], s, INTERP)
-                elif FAST_K and KB == 1:
-                    s = mma(subnormal16(xk & (1 << c)), qk[c], s, INTERP)
+                if FAST_K:
+                    s = mma(subnormal16(xk & (((1 << KB) - 1) << (KB * c))), qk[c], s, INTERP)
+                    if K_HIGH:
+                        s = mma(subnormal16(xk & (2 << (2 * c))), qh[c], s, INTERP)
                 else:
                     if KW1 == 0:
                         code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
                     else:
                         code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
-                    if KLUT == LUT_SHUFFLE:  # the codebook lives in registers; a warp shuffle per code
-                        cbv = tl.load(cb_ptr + tl.arange(0, 1 << KB))
-                        cent = tl.gather(tl.broadcast_to(cbv[None, :], [BLOCK_N, 1 << KB]), code.to(tl.int32),
-                                         1).to(tl.float16)
-                    elif KLUT == LUT_POLY:
-                        cent = centroid_poly(code, a0, a1, a2, a3, a4, a5, KB).to(tl.float16)
-                    else:
-                        cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
-                    s = mma(cent, qk[c], s, INTERP)
+                    s = mma(centroid_lookup(code, cb_ptr, KB, 1), qk[c], s, INTERP)
             if FAST_K:
                 s = s * TWO24 + kadd[None, :]
             if NORM_F32:
@@ -188,11 +174,7 @@ def _hybrid_decode_kernel(
                                     other=0.0).to(tl.float32)
                 s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
         s = tl.where(nmask[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0)
         # values: v^T tiles [coords, N] (loaded transposed: bytes of one token are a column)
         if VAL_MODE == V_RAW:
             vraw = tl.load((page + OFF_VRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
@@ -208,6 +190,9 @@ def _hybrid_decode_kernel(
                 for j in tl.static_range(VSC):
                     xvs = xvs + (tl.load(vrow[None, :] + (j * VSUB + vu)[:, None],
                                          mask=nmask[None, :] & (vu[:, None] < VSUB), other=0),)
+            else:
+                for j in tl.static_range(VSC):
+                    xvs = xvs + (0,)
             new_acc = ()
             for c in tl.static_range(VCH):
                 for j in tl.static_range(VSC):
@@ -215,33 +200,19 @@ def _hybrid_decode_kernel(
                     vmask = nmask[None, :] & (vu[:, None] < VSUB)
                     if FAST_V:
                         # the sub-chunk lies in one group: fold the per-token scale into P, keep codes as
-                        # subnormal planes (code * 2^(c*VB) * 2^-24); zero points go through zacc
+                        # subnormal planes; zero points go through zacc
                         grp = (c * VCW + j * VSUB) // GROUP
                         vs = tl.load(srow + grp, mask=nmask, other=0.0)
                         w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
-                        # a fresh tensor-core accumulator per tile, added in fp32 on the CUDA cores: the folded
-                        # sums (all-positive code*scale terms, all-negative zero terms) cancel at the end, and
-                        # the tensor cores' truncating accumulation over thousands of tokens biased them
-                        # (1.6e-2 output error at 64k tokens per program on the H200, run 2)
-                        if VW1 == 0:
-                            plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
-                            tile = mma(plane, w, tl.zeros([VSUBP, GP], tl.float32) + zero_rt, INTERP)  # runtime 0: not fused
-                        else:  # several runs (3, 5, 6, 7 bits): one plane per run, in code units * 2^-24
-                            tile = tl.zeros([VSUBP, GP], tl.float32)
-                            tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, 0, 0, VW0, True, INTERP)
-                            if VW1 > 0:
-                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * VW0, VW0, VW1,
-                                                True, INTERP)
-                            if VW2 > 0:
-                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * (VW0 + VW1),
-                                                VW0 + VW1, VW2, True, INTERP)
+                        tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, CH, VCW, VB, VW0, VW1, VW2,
+                                                 True, INTERP)
                         new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + tile,)
                     else:
                         if VW1 == 0:
                             code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
                         else:
                             code = chunk_codes(vptr, vmask, c, CH, VCW // CH, VW0, VW1, VW2)
-                        if (GROUP % VSUB == 0) and not VAL_GATHER:
+                        if GROUP % VSUB == 0:
                             grp = (c * VCW + j * VSUB) // GROUP
                             vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
                             vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -271,11 +242,7 @@ def _hybrid_decode_kernel(
                         mask=tmask[:, None] & (d[None, :] < D), other=0.0)
             s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
             s = tl.where(tmask[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            m_i = m_new
+            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0)
             zacc = zacc * alpha[None, :]
             new_acc = ()
             for c in tl.static_range(VCH):
@@ -345,20 +312,6 @@ BLOCK_R = 64
 WAVES = 16.0  # programs per SM the split count aims for
 
 
-KEY_LUT = "shuffle"
-_KEY_LUTS = {"load": 0, "shuffle": 1, "poly": 2}
-
-
-def _key_lut(name: str, spec: PageSpec, consts: dict) -> int:
-    """How the kernel turns a 3/4-bit key index into its centroid: ``load`` (gather from memory), ``shuffle``
-    (codebook in registers, ``tl.gather``) or ``poly`` (odd polynomial, CUDA cores; needs a symmetric codebook)."""
-    if name not in _KEY_LUTS:
-        raise ValueError(f"key_lut: expected one of {tuple(_KEY_LUTS)}, got {name!r}")
-    if name == "poly" and consts["kpoly"] is None:
-        name = "load"
-    return _KEY_LUTS[name] if spec.KB in (3, 4) else 0
-
-
 _SPECS: dict = {}
 
 
@@ -392,20 +345,34 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
-                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                  block_n: int | None = None, val_gather: bool = False, fast_keys: bool = True,
-                  fold_values: bool = True, key_lut: str = KEY_LUT, num_warps: int | None = None,
-                  num_stages: int = NUM_STAGES, waves: float = WAVES, block_r: int = BLOCK_R) -> torch.Tensor:
-    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
+def fast_key_planes(spec: PageSpec, consts: dict, enabled: bool = True) -> tuple[bool, bool]:
+    """(FAST_K, K_HIGH): score keys from index bit planes (affine codebook, one planar run) and whether the
+    2-bit Lloyd-Max codebook's extra (k >> 1) plane is needed."""
+    fit = consts["kfit"]
+    fast = enabled and spec.KEY_MODE != KEY_RAW and spec.KB > 0 and spec.KW1 == 0 and fit is not None
+    return fast, fast and fit[2] != 0.0
 
-    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``key_lut``, ``block_r`` = recent-buffer
-    tokens per step) default to the best of the H200 sweep for the format (benchmarks/sweep_decode.py);
-    results do not depend on them.
 
-    Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
-    gets zeros instead of an error, so padded CUDA-graph batches are safe).
-    """
+def fused_query(spec: PageSpec, codec) -> bool:
+    """True when the decode launch rotates the query itself (mse keys, randomized Hadamard, D a power of two >= 16)."""
+    rot = codec.key_rotation
+    return spec.KEY_MODE == KEY_MSE and rot is not None and rot.kind == "hadamard" and spec.D == spec.DP
+
+
+class _DecodePlan:
+    """Everything a decode launch needs that depends only on shapes, strides, format and knobs: computed once."""
+
+    __slots__ = ("codec", "consts", "fuse", "qt", "scale_qt", "grid", "reduce_grid", "splits", "ints", "floats",
+                 "kw", "key", "reduce_kw", "num_warps", "num_stages", "po", "plse", "rk_fallback")
+
+
+_PLANS: dict = {}
+_DECODE = FastLauncher(_hybrid_decode_kernel)
+_REDUCE = FastLauncher(_decode_reduce_kernel)
+
+
+def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query, num_warps, num_stages,
+               waves, block_r) -> _DecodePlan:
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
@@ -416,56 +383,93 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     hkv = kv.num_kv_heads
     if d != kv.head_dim or bsz != kv.batch_size or hq % hkv:
         raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
     spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
-    lookup = spec.KB in (3, 4)
+    fast_k, k_high = fast_key_planes(spec, consts, fast_keys)
+    lookup = spec.KB >= 3 and not fast_k
     block_n = block_n or (LOOKUP_BLOCK_N if lookup else BLOCK_N)
     num_warps = num_warps or (LOOKUP_NUM_WARPS if lookup else NUM_WARPS)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    qt = query_transform(q, consts["qmat"], scale * LOG2E)
+    plan = _DecodePlan()
+    plan.codec, plan.consts = kv.codec, consts
+    plan.fuse = fuse_query and fused_query(spec, kv.codec)
+    plan.scale_qt = scale * LOG2E
+    plan.qt = workspace("qt_fused" if plan.fuse else "qt", (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
+                        torch.float32, q.device)
     g = hq // hkv
     capacity = kv.block_table.shape[1] * spec.BS
     splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves)
     tokens_per_split = -(-max(capacity, 1) // splits)
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
     splits = max(1, -(-max(capacity, 1) // tokens_per_split))
-    if out is None:
-        out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
     if splits > 1:
-        po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
-        plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
+        plan.po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
+        plan.plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
     else:
-        po = plse = out
+        plan.po = plan.plse = None
     rk, rv = kv.recent_k, kv.recent_v
-    if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at q, never read (recent_lens are 0)
+    plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
+    if plan.rk_fallback:
         rk = rv = q.unsqueeze(2)
-    kcwp = max(16, next_pow2(spec.KCW))
-    chp = max(16, next_pow2(spec.CH))
     vsub, vsc = value_subchunks(spec)
-    fast_k = (fast_keys and spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2)
-              and consts["kfit"] is not None)
-    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0 and not val_gather
+    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
-    _hybrid_decode_kernel[(bsz * hkv, splits)](
-        qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
-        consts["codebook"], consts["kpoly"] if consts["kpoly"] is not None else consts["codebook"], out, po, plse,
-        q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
-        rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), tokens_per_split, splits, scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0,
-        HKV=hkv, G=g, GP=next_pow2(g), QW=qt.shape[1], **spec_kw,
-        KCWP=kcwp, CHP=chp, VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, FAST_V=fast_v, VAL_GATHER=val_gather, KLUT=_key_lut(key_lut, spec, consts), BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, INTERP=INTERPRET,
-        num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        _decode_reduce_kernel[(bsz * hq,)](po, plse, out, out.stride(0), out.stride(1), splits, HQ=hq, D=d,
-                                           DP=next_pow2(d), SP=max(2, next_pow2(splits)), num_warps=4)
+    ob, oh = (out.stride(0), out.stride(1)) if out is not None else (hq * d, d)
+    plan.ints = (q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
+                 rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
+                 ob, oh, tokens_per_split, splits)
+    plan.floats = (scale * LOG2E, scale * LOG2E / math.sqrt(d), kv.codec.qjl_scale, ka, kb_, kg, 0.0)
+    plan.kw = dict(HKV=hkv, G=g, GP=next_pow2(g), QW=plan.qt.shape[1], **spec_kw,
+                   KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
+                   VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
+                   FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, FUSE_Q=plan.fuse, LOG2D=max(d, 1).bit_length() - 1,
+                   BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, INTERP=INTERPRET)
+    plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
+    plan.num_warps, plan.num_stages = num_warps, num_stages
+    plan.key = (id(plan),)
+    return plan
+
+
+def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
+                  out: torch.Tensor | None = None, num_splits: int | None = None,
+                  block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
+                  fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
+                  waves: float = WAVES, block_r: int = BLOCK_R) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
+
+    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``block_r`` = recent-buffer tokens
+    per step) default to the best of the H200 sweep for the format (benchmarks/sweep_decode.py);
+    ``fast_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the folded value
+    path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
+
+    Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
+    gets zeros instead of an error, so padded CUDA-graph batches are safe). Everything that depends only on
+    shapes, strides and knobs is computed on the first call of a shape and cached (``_DecodePlan``), and
+    the kernels launch through ``FastLauncher``: an eager call costs a few µs of host time.
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    rk = kv.recent_k
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    key = (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
+           kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
+           None if out is None else out.stride(), scale, num_splits, block_n, fast_keys, fold_values, fuse_query,
+           num_warps, num_stages, waves, block_r)
+    plan = _PLANS.get(key)
+    if plan is None or plan.codec is not kv.codec:
+        plan = _PLANS[key] = _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query,
+                                        num_warps, num_stages, waves, block_r)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not plan.fuse:
+        query_transform(q, plan.consts["qmat"], plan.scale_qt, out=plan.qt)
+    po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
+    rk, rv = (q.unsqueeze(2), q.unsqueeze(2)) if plan.rk_fallback else (kv.recent_k, kv.recent_v)
+    consts = plan.consts
+    _DECODE(plan.grid, (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens,
+                        kv.recent_index, consts["codebook"], consts["hsigns"], out, po, plse, *plan.ints,
+                        *plan.floats), plan.kw, plan.key, num_warps=plan.num_warps, num_stages=plan.num_stages)
+    if plan.splits > 1:
+        _REDUCE(plan.reduce_grid, (po, plse, out, out.stride(0), out.stride(1), plan.splits), plan.reduce_kw,
+                plan.key, num_warps=4)
     return out
-
-
-def hybrid_decode_reference(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None) -> torch.Tensor:
-    """PyTorch reference (the contract): ``attention.reference.paged_attention_decode``."""
-    from ..attention.reference import paged_attention_decode
-
-    return paged_attention_decode(q, kv, softmax_scale)

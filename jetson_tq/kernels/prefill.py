@@ -20,20 +20,11 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import INTERPRET, KEY_RAW, VAL_GROUP, codec_constants, cuda_or_interpreter, next_pow2
-from ._tiles import K_PROD, K_RAW, TWO24, V_RAW, centroid, chunk_codes, fold_run, mma, subnormal16
-from .hybrid_decode import LOG2E, _spec, value_subchunks
+from ._common import INTERPRET, VAL_GROUP, codec_constants, cuda_or_interpreter, next_pow2
+from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, mma,
+                     online_softmax, subnormal16)
+from .hybrid_decode import LOG2E, _spec, fast_key_planes, value_subchunks
 from .query_transform import query_transform
-
-
-@triton.jit
-def _online_update(s, m_i, l_i):
-    """One flash-attention step on log2-domain scores s [M, N]: new max, rescale factor, probabilities, sum."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -68,7 +59,7 @@ def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.c
         kt = kt.to(rk_ptr.dtype.element_ty)  # the chunk goes through the buffer dtype, as it will be stored there
         s = mma(qraw, kt, tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
         s = tl.where(tmask[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
-        m_i, alpha, p, l_i = _online_update(s, m_i, l_i)
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
         zacc = zacc * alpha[:, None]
         new_acc = ()
         for c in tl.static_range(VCH):
@@ -102,7 +93,7 @@ def _prefill_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
-        NGP: tl.constexpr, FAST_K: tl.constexpr, FAST_V: tl.constexpr,
+        NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
@@ -135,10 +126,6 @@ def _prefill_kernel(
     if KEY_MODE == K_PROD:
         for c in tl.static_range(8):
             ssub += tl.sum(_qchunk(qt_ptr, qrow, rmask, D + c * CH, CH, sc, QW, 2 * D, 1.0), 1)
-    cb0 = tl.load(cb_ptr)
-    cb1 = tl.load(cb_ptr + 1)
-    cb2 = tl.load(cb_ptr + 2)
-    cb3 = tl.load(cb_ptr + 3)
 
     vu = tl.arange(0, VSUBP)
     ng = tl.arange(0, NGP)
@@ -172,18 +159,18 @@ def _prefill_kernel(
             s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for c in tl.static_range(KCH):
                 qc = _qchunk(qt_ptr, qrow, rmask, c * KCW, KCW, kc, QW, D, 1.0)
-                if FAST_K and KB == 2:
-                    s = mma((qc * (k_beta / (1 << (2 * c)))).to(tl.float16), subnormal16(xk & (3 << (2 * c))), s, INTERP)
-                    s = mma((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16), subnormal16(xk & (2 << (2 * c))), s, INTERP)
-                elif FAST_K and KB == 1:
-                    s = mma((qc * (k_beta / (1 << c))).to(tl.float16), subnormal16(xk & (1 << c)), s, INTERP)
+                if FAST_K:
+                    s = mma((qc * (k_beta / (1 << (KB * c)))).to(tl.float16),
+                            subnormal16(xk & (((1 << KB) - 1) << (KB * c))), s, INTERP)
+                    if K_HIGH:
+                        s = mma((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16), subnormal16(xk & (2 << (2 * c))),
+                                s, INTERP)
                 else:
                     if KW1 == 0:
                         code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
                     else:
                         code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
-                    cent = centroid(code, cb_ptr, cb0, cb1, cb2, cb3, KB).to(tl.float16)
-                    s = mma(qc.to(tl.float16), cent, s, INTERP)
+                    s = mma(qc.to(tl.float16), centroid_lookup(code, cb_ptr, KB, 0), s, INTERP)
             if FAST_K:
                 s = s * TWO24 + kadd[:, None]
             if NORM_F32:
@@ -207,7 +194,7 @@ def _prefill_kernel(
                                     other=0.0).to(tl.float32)
                 s = s + (sq * TWO24 - ssub[:, None]) * (qjl_scale * rnorm)[None, :]
         s = tl.where(nmask[None, :] & (n[None, :] < lo[:, None]), s, float("-inf"))
-        m_i, alpha, p, l_i = _online_update(s, m_i, l_i)
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
         if VAL_MODE == V_RAW:
             vraw = tl.load((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + vu[None, :],
                            mask=nmask[:, None] & (vu[None, :] < D), other=0.0)
@@ -222,6 +209,9 @@ def _prefill_kernel(
                 for j in tl.static_range(VSC):
                     xvs = xvs + (tl.load(vrow[:, None] + (j * VSUB + vu)[None, :],
                                          mask=nmask[:, None] & (vu[None, :] < VSUB), other=0),)
+            else:
+                for j in tl.static_range(VSC):
+                    xvs = xvs + (0,)
             new_acc = ()
             for c in tl.static_range(VCH):
                 for j in tl.static_range(VSC):
@@ -231,18 +221,8 @@ def _prefill_kernel(
                         grp = (c * VCW + j * VSUB) // GROUP
                         vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)
                         w = (p * vs[None, :]).to(tl.float16)
-                        if VW1 == 0:
-                            plane = subnormal16(xvs[j] & (((1 << VB) - 1) << (c * VB)))
-                            tile = mma(w, plane, tl.zeros([BLOCK_M, VSUBP], tl.float32) + zero_rt, INTERP)  # fresh: see decode
-                        else:  # several runs: one plane per run, in code units * 2^-24
-                            tile = tl.zeros([BLOCK_M, VSUBP], tl.float32)
-                            tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, 0, 0, VW0, False, INTERP)
-                            if VW1 > 0:
-                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * VW0, VW0, VW1,
-                                                False, INTERP)
-                            if VW2 > 0:
-                                tile = fold_run(tile, vptr, vmask, w, zero_rt, c * (VCW // CH), CH, CH * (VW0 + VW1),
-                                                VW0 + VW1, VW2, False, INTERP)
+                        tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, CH, VCW, VB, VW0, VW1, VW2,
+                                                 False, INTERP)
                         new_acc = new_acc + (acc[c * VSC + j] * alpha[:, None] + tile,)
                     else:
                         if VW1 == 0:
@@ -338,7 +318,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
     vsub, vsc = value_subchunks(spec)
-    fast_k = spec.KEY_MODE != KEY_RAW and spec.KW1 == 0 and spec.KB in (1, 2) and consts["kfit"] is not None
+    fast_k, k_high = fast_key_planes(spec, consts)
     fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
@@ -351,14 +331,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         HKV=hkv, G=g, QW=qt.shape[1], **spec_kw,
         KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
         VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, FAST_V=fast_v,
+        FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v,
         BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
 
-
-def chunked_prefill_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
-                              softmax_scale: float | None = None) -> torch.Tensor:
-    """PyTorch reference (the contract): ``attention.reference.paged_attention_prefill``."""
-    from ..attention.reference import paged_attention_prefill
-
-    return paged_attention_prefill(q, k, v, kv, softmax_scale)

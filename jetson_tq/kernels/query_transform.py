@@ -14,6 +14,7 @@ import triton.language as tl
 
 from ..errors import ShapeError
 from ._common import INTERPRET, next_pow2, workspace
+from ._launch import FastLauncher
 
 
 @triton.jit
@@ -32,6 +33,9 @@ def _query_transform_kernel(q_ptr, m_ptr, out_ptr, rows, heads, stride_qa, strid
     tl.store(out_ptr + r[:, None].to(tl.int64) * QW + w[None, :], qt, mask=(r[:, None] < rows) & (w[None, :] < QW))
 
 
+_LAUNCH = FastLauncher(_query_transform_kernel)
+
+
 def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``scale * q @ qmat.T`` in fp32 for q [A, H, D] (last dim contiguous) -> [A * H, QW]."""
     if q.dim() != 3 or q.stride(-1) != 1:
@@ -46,9 +50,9 @@ def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torc
     block_r = 16
     block_w = min(64, next_pow2(qw))
     grid = (triton.cdiv(rows, block_r), triton.cdiv(qw, block_w))
-    _query_transform_kernel[grid](q, qmat, out, rows, h, q.stride(0), q.stride(1), float(scale),
-                                  D=d, DP=max(16, next_pow2(d)), QW=qw, BLOCK_R=block_r, BLOCK_W=block_w,
-                                  PRECISION="ieee" if INTERPRET else "tf32x3", num_warps=4)
+    _LAUNCH(grid, (q, qmat, out, rows, h, q.stride(0), q.stride(1), float(scale)),
+            dict(D=d, DP=max(16, next_pow2(d)), QW=qw, BLOCK_R=block_r, BLOCK_W=block_w,
+                 PRECISION="ieee" if INTERPRET else "tf32x3"), (d, qw, block_r, block_w), num_warps=4)
     return out
 
 

@@ -3,7 +3,8 @@
 Every function returns rows (dicts) that ``table`` prints. Inputs are real: K/V are random normal
 fp16, compressed by the compress-on-write kernel into vLLM-style pages; several input sets rotate
 so that repeated runs never read from L2 (60 MB on an H200); each output is checked against the
-reference before it is timed. ``decode_vs_sdpa`` is the entry point the launcher's demo calls.
+reference before it is timed. Lives outside the package (benchmark harness, not library code); the
+``benchmarks/*.py`` scripts import it from this folder.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..paged import PagedKV, allocate_pages, slots_for_positions
-from ..codec.kv import KVCodec
-from ..errors import UnsupportedPlatformError
-from ..format import KVFormat, PagedLayout
+from jetson_tq.paged import PagedKV, allocate_pages, slots_for_positions
+from jetson_tq.codec.kv import KVCodec
+from jetson_tq.errors import UnsupportedPlatformError
+from jetson_tq.format import KVFormat, PagedLayout
 
 L2_BYTES = 60 * 2**20
 
@@ -97,7 +98,7 @@ def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: i
                      seed: int = 0) -> DecodeCase:
     """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
     buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
-    from .compress_write import compress_write
+    from jetson_tq.kernels.compress_write import compress_write
 
     dev = _require_cuda()
     fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
@@ -151,8 +152,8 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[dict], q_scale: float = 1.0) -> list[dict]:
     """Relative error vs the reference of each kernel variant on each (B, Hq, Hkv, ctx) case (first 2 sequences)."""
-    from ..attention.reference import paged_attention_decode
-    from .hybrid_decode import hybrid_decode
+    from jetson_tq.attention.reference import paged_attention_decode
+    from jetson_tq.kernels.hybrid_decode import hybrid_decode
 
     rows = []
     for b, hq, hkv, ctx in cases:
@@ -178,7 +179,7 @@ def resolve_format(fmt: KVFormat | str | None) -> KVFormat:
     """A KVFormat from a preset name (``configs/<name>.yaml``), a KVFormat, or None (blog_k3v2-like defaults)."""
     if fmt is None or isinstance(fmt, KVFormat):
         return fmt or KVFormat()
-    from ..config import load_config
+    from jetson_tq.config import load_config
 
     return load_config(fmt).default
 
@@ -194,8 +195,8 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
     ``ragged``: one extra row with these per-sequence lengths (Hq/Hkv 32/8; flash runs padded).
     ``fmt``: the cache format (KVFormat or preset name; default KVFormat(), i.e. blog_k3v2's layout).
     """
-    from ..attention.reference import paged_attention_decode
-    from .hybrid_decode import hybrid_decode
+    from jetson_tq.attention.reference import paged_attention_decode
+    from jetson_tq.kernels.hybrid_decode import hybrid_decode
 
     _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -239,10 +240,17 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
 
 
 # ------------------------------------------------------------------------------------- compress
+def _compress_reference(k, v, slots, pages, layout, codec) -> None:
+    """The PyTorch write path compress-on-write replaces: ``KVCodec.encode`` then ``write_slots``."""
+    from jetson_tq.cache.paged import write_slots
+
+    write_slots(pages, layout, slots, codec.encode(k, v))
+
+
 def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, variants: list[dict] | None = None,
                    copy_gbps: float | None = None, fmt: KVFormat | str | None = None) -> list[dict]:
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch (vLLM slot mapping)."""
-    from .compress_write import compress_write, compress_write_reference
+    from jetson_tq.kernels.compress_write import compress_write
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -258,7 +266,7 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
         sets.append((k, v, slots, allocate_pages(layout, nblocks, hkv, dev)))
     k, v, slots, pages = sets[0]
     ref_pages = pages.clone()
-    compress_write_reference(k, v, slots, ref_pages, layout, codec)
+    _compress_reference(k, v, slots, ref_pages, layout, codec)
     rows = []
     for var in variants or [{}]:
         compress_write(k, v, slots, pages, layout, codec, **var)
@@ -268,7 +276,7 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
         rows.append({"variant": ",".join(f"{a}={b}" for a, b in var.items()) or "default", "tokens": tokens,
                      "heads": hkv, "us": t, "MB_moved": io_bytes / 1e6, "floor_us": io_bytes / (bw * 1e3),
                      "pct_copy_bw": 100 * io_bytes / (t * 1e-6) / (bw * 1e9), "bytes_differing": same})
-    ref_t = _bench([lambda s=s: compress_write_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
+    ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
     rows.append({"variant": "reference (encode + write_slots)", "tokens": tokens, "heads": hkv, "us": ref_t,
                  "MB_moved": io_bytes / 1e6, "floor_us": io_bytes / (bw * 1e3),
                  "pct_copy_bw": 100 * io_bytes / (ref_t * 1e-6) / (bw * 1e9), "bytes_differing": 0.0})
@@ -277,19 +285,19 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
 
 # ------------------------------------------------------------------------------------- prefill
 def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, head_dim: int = 128,
-                  copy_gbps: float | None = None) -> list[dict]:
+                  copy_gbps: float | None = None, fmt: KVFormat | str | None = None) -> list[dict]:
     """Chunked prefill (B, Hq, Hkv, history, chunk T) vs SDPA flash over the fp16 history + chunk (causal, lower-right)."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from ..attention.reference import paged_attention_prefill
-    from .prefill import chunked_prefill
+    from jetson_tq.attention.reference import paged_attention_prefill
+    from jetson_tq.kernels.prefill import chunked_prefill
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
     shapes = shapes or [(1, 32, 8, 16384, 1024), (1, 32, 8, 65536, 1024), (4, 32, 8, 8192, 512)]
     rows = []
     for b, hq, hkv, hist, t in shapes:
-        case = make_decode_case(b, hq, hkv, [hist] * b, head_dim, seed=1)
+        case = make_decode_case(b, hq, hkv, [hist] * b, head_dim, fmt=resolve_format(fmt), seed=1)
         gen = torch.Generator(device=dev).manual_seed(2)
         q = torch.randn(b, hq, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
         k = torch.randn(b, hkv, t, head_dim, device=dev, dtype=torch.float16, generator=gen)
@@ -312,7 +320,7 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         t_ours = _bench([lambda: chunked_prefill(q, k, v, kv)])
         t_flash = _bench([flash])
         flops = 4 * b * hq * t * head_dim * (hist + t / 2)
-        rows.append({"B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
+        rows.append({"format": getattr(fmt, "name", fmt) or "default", "B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
                      "sdpa_us": t_flash, "speedup": t_flash / t_ours, "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,
                      "hist_MB": (case.compressed_bytes + case.buffer_bytes) / 1e6, "check_err": err,
                      "check": "ok" if err <= 2e-3 else "FAILED"})
@@ -324,10 +332,10 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
 # ------------------------------------------------------------------------------------- scores
 def scores_bench(b: int = 32, s: int = 32768, d: int = 128, c: int = 16, copy_gbps: float | None = None) -> list[dict]:
     """``turboquant_scores`` kernel vs the reconstruct-then-matmul PyTorch reference, and its byte floor."""
-    from ..codec.codebook import lloyd_max_codebook
-    from ..codec.rotation import Rotation, qjl_matrix
-    from ..codec.scores import turboquant_scores_reference
-    from .scores import turboquant_scores_triton
+    from jetson_tq.codec.codebook import lloyd_max_codebook
+    from jetson_tq.codec.rotation import Rotation, qjl_matrix
+    from jetson_tq.codec.scores import turboquant_scores_reference
+    from jetson_tq.kernels.scores import turboquant_scores_triton
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()

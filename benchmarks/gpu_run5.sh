@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run 5 on the H200 (issue 12): uniform 4-bit keys vs Lloyd-Max, fused query rotation, Walsh-Hadamard
+# compress-on-write, prefill at the issue's shapes, then every kernel test file (in parallel: compile-bound).
+# Usage on the device: bash benchmarks/gpu_run5.sh "$OUT"
+set -o pipefail
+OUT=${1:-/tmp/run5}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD
+log() { echo "=== $* ($(date -u +%T))"; }
+log env
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+log "decode sweep mse_k4v3u"
+timeout 90 python3 benchmarks/sweep_decode.py --formats mse_k4v3u --out "$OUT/sweep" \
+  --variants '[{}, {"block_n": 16, "num_warps": 1}, {"block_r": 16}]' 2>&1 | tail -12
+log "decode mse_k4v3u"
+timeout 75 python3 benchmarks/bench_decode.py --format mse_k4v3u --json "$OUT/decode_k4v3u.json" \
+  --shapes '[[1,32,8,1024],[8,32,8,16384],[1,32,8,131072],[8,32,8,65536],[8,28,4,65536]]' 2>&1 | tail -8
+log "decode mse_k4v3 (Lloyd-Max, fused query rotation)"
+timeout 45 python3 benchmarks/bench_decode.py --format mse_k4v3 --json "$OUT/decode_k4v3.json" \
+  --shapes '[[1,32,8,1024],[8,32,8,65536]]' 2>&1 | tail -5
+log "compress mse_k4v3u"
+timeout 40 python3 benchmarks/bench_compress.py --format mse_k4v3u \
+  --variants '[{}, {"fast_rotation": false}, {"block_t": 64, "num_warps": 4}]' 2>&1 | tail -6
+log "compress blog_k3v2"
+timeout 30 python3 benchmarks/bench_compress.py --format blog_k3v2 --variants '[{}]' 2>&1 | tail -4
+log "prefill mse_k4v3u"
+timeout 45 python3 benchmarks/bench_prefill.py --format mse_k4v3u --issue-shapes 2>&1 | tail -4
+log "kernel tests (one pytest per file, in parallel)"
+for f in tests/test_kernels_*.py; do
+  n=$(basename "$f" .py)
+  ( timeout 170 python3 -m pytest -q -p no:cacheprovider "$f" > "/tmp/$n.log" 2>&1; echo "$n rc=$?" >> /tmp/tests_rc.txt ) &
+done
+wait
+for f in /tmp/test_kernels_*.log; do echo "--- $f"; cat "$f"; done > "$OUT/tests.log"
+cat /tmp/tests_rc.txt
+for f in /tmp/test_kernels_*.log; do echo "--- $f"; tail -3 "$f"; done
+log done

@@ -1,0 +1,67 @@
+"""Low-overhead kernel launches: Triton's JIT binds and specializes every argument in Python on every call
+(tens of µs for a kernel with ~90 parameters); this binds the constexprs once per launch plan and then calls
+the compiled kernel's C launcher directly.
+
+The first launch of a (plan key, runtime specialization) pair goes through ``kernel[grid](...)``, which compiles
+and returns the ``CompiledKernel``; later ones reuse it. The runtime specialization is what Triton itself
+specializes on and may change between calls of one plan: whether each tensor's data pointer is 16-byte
+aligned, and for each int argument whether it is 1 or a multiple of 16 (and whether it fits int32). The
+caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
+hook is installed (profilers), the plain JIT path runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton import knobs
+
+from ._common import INTERPRET
+
+
+def _runtime_key(args: tuple) -> tuple:
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(a.data_ptr() % 16 == 0)
+        elif isinstance(a, bool):
+            key.append(a)
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+    return tuple(key)
+
+
+class FastLauncher:
+    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=)`` for one ``@triton.jit`` kernel."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, plan_key: tuple, *,
+                 num_warps: int, num_stages: int = 1) -> None:
+        if INTERPRET or not args[0].is_cuda or _launch_hooked():
+            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = (plan_key, num_warps, num_stages, _runtime_key(args))
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            names = self.kernel.arg_names
+            template = [constexprs.get(n) for n in names]
+            slots = [i for i, n in enumerate(names) if n not in constexprs]
+            if len(slots) != len(args):  # a parameter neither passed positionally nor as a constexpr
+                return
+            self._compiled[key] = (compiled, template, slots)
+            return
+        compiled, template, slots = entry
+        full = list(template)
+        for i, a in zip(slots, args):
+            full[i] = a
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+        compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
+
+
+def _launch_hooked() -> bool:
+    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
