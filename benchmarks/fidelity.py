@@ -36,10 +36,12 @@ from jetson_tq.reports import fidelity as F  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tq(name: str, keys: tuple[str, int], values: tuple[str, int, int] = ("group", 2, 32), buffer: int = 128,
-        keep: int = 0) -> TurboQuantConfig:
-    """A TurboQuant config from (key mode, bits), (value mode, bits, group), buffer tokens and fp16 first/last layers."""
-    raw = {"name": name, "keys": {"mode": keys[0], "bits": keys[1]},
+def _tq(name: str, keys: tuple[str, int] | tuple[str, int, str], values: tuple[str, int, int] = ("group", 2, 32),
+        buffer: int = 128, keep: int = 0, seed: int = 0) -> TurboQuantConfig:
+    """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens, fp16
+    first/last layers and the rotation seed."""
+    raw = {"name": name, "seed": seed,
+           "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
            "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
            "buffer": {"recent_tokens": buffer, "flush_chunk": 64},
            "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep}}
@@ -61,6 +63,9 @@ def all_rows(backend: str) -> list[F.Variant]:
         v("mse_k4v3g64", "values", _tq("mse_k4v3g64", ("mse", 4), ("group", 3, 64))),
         # 4-bit key codebook at equal bytes: Lloyd-Max (the row above) vs a uniform grid the kernels read as a plane
         v("mse_k4v3u", "key codebook", load_config("mse_k4v3u"), "preset: mse_k4v3 with a uniform 4-bit key grid"),
+        # the same two with another rotation seed: how much KL moves with the seed alone (the noise floor)
+        v("mse_k4v3_seed1", "key codebook", _tq("mse_k4v3_seed1", ("mse", 4), ("group", 3, 64), seed=1)),
+        v("mse_k4v3u_seed1", "key codebook", _tq("mse_k4v3u_seed1", ("mse", 4, "uniform"), ("group", 3, 64), seed=1)),
         # recent fp buffer
         v("mse_k3v2_buf0", "buffer", _tq("mse_k3v2_buf0", ("mse", 3), buffer=0)),
         # first and last layers uncompressed (as vLLM's built-in TurboQuant does)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run 5 on the H200 (issue 12): uniform 4-bit keys vs Lloyd-Max, fused query rotation, Walsh-Hadamard
-# compress-on-write, prefill at the issue's shapes, then every kernel test file (in parallel: compile-bound).
-# Usage on the device: bash benchmarks/gpu_run5.sh "$OUT"
+# compress-on-write, prefill at the issue's shapes, then kernel tests (in parallel: compile-bound).
+# Usage on the device: bash benchmarks/gpu_run5.sh "$OUT"   (TEST_FILES="tests/a.py tests/b.py": those files whole;
+# default: the decode and compress test files, each split in two processes)
 set -o pipefail
 OUT=${1:-/tmp/run5}
 mkdir -p "$OUT"
@@ -26,13 +27,21 @@ log "compress blog_k3v2"
 timeout 30 python3 benchmarks/bench_compress.py --format blog_k3v2 --variants '[{}]' 2>&1 | tail -4
 log "prefill mse_k4v3u"
 timeout 45 python3 benchmarks/bench_prefill.py --format mse_k4v3u --issue-shapes 2>&1 | tail -4
-log "kernel tests (one pytest per file, in parallel)"
-for f in tests/test_kernels_*.py; do
-  n=$(basename "$f" .py)
-  ( timeout 170 python3 -m pytest -q -p no:cacheprovider "$f" > "/tmp/$n.log" 2>&1; echo "$n rc=$?" >> /tmp/tests_rc.txt ) &
-done
+log "kernel tests (one pytest per file or half file, in parallel: compile-bound)"
+run_tests() {  # name, timeout, pytest args...
+  local n=$1 t=$2; shift 2
+  ( timeout "$t" python3 -m pytest -q -p no:cacheprovider "$@" > "/tmp/$n.log" 2>&1; echo "$n rc=$?" >> /tmp/tests_rc.txt ) &
+}
+if [ -n "$TEST_FILES" ]; then
+  for f in $TEST_FILES; do run_tests "$(basename "$f" .py)" 200 "$f"; done
+else
+  run_tests decode_a 150 tests/test_kernels_decode.py -k matches_reference
+  run_tests decode_b 150 tests/test_kernels_decode.py -k "not matches_reference"
+  run_tests compress_a 150 tests/test_kernels_compress.py -k dtype0
+  run_tests compress_b 150 tests/test_kernels_compress.py -k "not dtype0"
+fi
 wait
-for f in /tmp/test_kernels_*.log; do echo "--- $f"; cat "$f"; done > "$OUT/tests.log"
+for f in /tmp/*.log; do echo "--- $f"; cat "$f"; done > "$OUT/tests.log"
 cat /tmp/tests_rc.txt
-for f in /tmp/test_kernels_*.log; do echo "--- $f"; tail -3 "$f"; done
+for f in /tmp/*.log; do echo "--- $f"; tail -3 "$f"; done
 log done

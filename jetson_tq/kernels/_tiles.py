@@ -76,9 +76,8 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
     """Unnormalized Walsh-Hadamard transform of each row of an fp32 [R, D] tile (D a power of two), in
     registers: log2(D) butterfly stages pairing i and i + h in the order of ``codec.rotation.fwht``, so
     the sums round exactly as the reference's do (bit-identical results)."""
-    for stage in tl.static_range(LOG2D):
-        H: tl.constexpr = 1 << stage
-        y = tl.permute(tl.reshape(x, [R, D // (2 * H), 2, H]), [0, 1, 3, 2])
+    for stage in tl.static_range(LOG2D):  # pairs (i, i + h), h = 2^stage
+        y = tl.permute(tl.reshape(x, [R, D // (2 << stage), 2, 1 << stage]), [0, 1, 3, 2])
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, D])
     return x

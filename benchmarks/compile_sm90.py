@@ -1,0 +1,120 @@
+"""Compile every kernel launch of the test-sized cases for sm_90 (H200) on a machine without a GPU.
+
+    python benchmarks/compile_sm90.py [--formats mse_k4v3,mse_k4v3u] [--d 128]
+
+Each launcher runs on CPU tensors with Triton's driver replaced by a stub whose target is sm_90:
+``kernel[grid](...)`` compiles (frontend, ptxas) and skips the launch. Catches what the CPU
+interpreter cannot (constexpr rules, layouts, shared memory, register spills) at no device time, and
+prints per compiled kernel: registers, stack frame (spills), shared memory and SASS instructions
+(Triton's bundled cuobjdump).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+COMPILED: list[tuple[str, object]] = []
+
+
+class _StubDriver:
+    """Enough of Triton's driver for ``JITFunction.run(warmup=True)``: device 0, stream 0, target sm_90."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _install() -> None:
+    triton.runtime.driver.set_active(_StubDriver())
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = original(self, *args, grid=grid, warmup=True, **kwargs)
+        COMPILED.append((self.fn.__name__, kernel))
+        return kernel
+
+    JITFunction.run = run
+    from jetson_tq.kernels import _common, compress_write, hybrid_decode, prefill
+
+    for mod in (_common, compress_write, hybrid_decode, prefill):
+        mod.cuda_or_interpreter = lambda t: None
+
+
+def _resources(kernel) -> dict:
+    """Registers, stack bytes, shared bytes and SASS instruction count of a compiled kernel."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                           text=True).stdout
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else -1  # noqa: E731
+    return {"regs": get("REG"), "stack": get("STACK"), "shared": kernel.metadata.shared,
+            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default="mse_k4v3,mse_k4v3u,blog_k3v2")
+    ap.add_argument("--d", type=int, default=128)
+    args = ap.parse_args(argv)
+    _install()
+    from kernel_cases import build_paged_kv, fmt_for
+    from jetson_tq.cache.paged import allocate_pages
+    from jetson_tq.kernels.compress_write import compress_write
+    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.prefill import chunked_prefill
+
+    d, hkv, g = args.d, 2, 4
+    for name in args.formats.split(","):
+        gen = torch.Generator().manual_seed(0)
+        fmt = fmt_for(name, d)
+        kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen)
+        q = torch.randn(2, hkv * g, d).half()
+        for knobs in ({}, {"num_splits": 1}, {"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2}):
+            n0 = len(COMPILED)
+            hybrid_decode(q, kv, **knobs)
+            for kname, k in COMPILED[n0:]:
+                print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {_resources(k)}", flush=True)
+        qp = torch.randn(2, hkv * g, 8, d).half()
+        kp = torch.randn(2, hkv, 8, d).half()
+        n0 = len(COMPILED)
+        chunked_prefill(qp, kp, kp.clone(), kv)
+        for kname, k in COMPILED[n0:]:
+            print(f"{name:10s} prefill {'':35s} {kname:24s} {_resources(k)}", flush=True)
+        pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
+        kc = torch.randn(32, hkv, d).half()
+        for knobs in ({}, {"fast_rotation": False}):
+            n0 = len(COMPILED)
+            compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, **knobs)
+            for kname, k in COMPILED[n0:]:
+                print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {_resources(k)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
