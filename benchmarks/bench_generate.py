@@ -64,6 +64,13 @@ def run(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict:
         tokens.append(int(nxt[0, 0]) if step < 16 else 0)
     torch.cuda.synchronize()
     ms = (time.perf_counter() - t_start) / (new_tokens - WARMUP_STEPS) * 1e3
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:  # one more step, for the record
+        model(nxt, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+    top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
+    print(f"---- one decode step, {type(cache).__name__}, {prompt.shape[1]} tokens\n{top}", flush=True)
     return {"prefill_s": prefill_s, "ms_per_token": ms, "kv_bytes": kv_bytes(cache),
             "peak_bytes": torch.cuda.max_memory_allocated(), "first_tokens": tokens[:16]}
 

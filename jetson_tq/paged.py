@@ -102,3 +102,33 @@ class PagedKV:
         fields = read_slots(self.pages, self.layout, slots_for_positions(self.block_table, pos, self.layout.block_size),
                             raw_dtype=self.codec.raw_dtype)
         return {name: t.transpose(1, 2) for name, t in fields.items()}  # [B, n, H, c] -> [B, H, n, c]
+
+
+def append_rows_reference(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
+                          lens: torch.Tensor, comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int,
+                          capacity: int, stage: bool = True, commit: bool = True) -> torch.Tensor | None:
+    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of a cache whose sequence b owns slots
+    [b * capacity, (b + 1) * capacity): returns the page slots [nb * T] of the new tokens (stage; -1 past the
+    capacity, setting ``overflow``), copies the last min(T, R) exactly into ring rows (L + t) % R and advances
+    lens / rec = min(lens, R) / comp = lens - rec (commit). ``kernels.append.append_rows`` is the same in one launch."""
+    nb, _, t, _ = k.shape
+    rows = slice(row0, row0 + nb)
+    pos = lens[rows].long().unsqueeze(1) + torch.arange(t, device=k.device)  # [nb, T]
+    slots = None
+    if stage:
+        inside = pos < capacity
+        overflow |= ~inside.all()
+        base = torch.arange(row0, row0 + nb, device=k.device).unsqueeze(1) * capacity
+        slots = torch.where(inside, base + pos, -1).reshape(-1)
+    if commit:
+        ring = ring_k.shape[2]
+        r = min(t, ring)
+        if r:
+            cols = pos[:, t - r :] % ring
+            brow = torch.arange(row0, row0 + nb, device=k.device).unsqueeze(1).expand(nb, r)
+            ring_k[brow, :, cols] = k[:, :, t - r :].transpose(1, 2).to(ring_k.dtype)  # [nb, r, H, D]
+            ring_v[brow, :, cols] = v[:, :, t - r :].transpose(1, 2).to(ring_v.dtype)
+        lens[rows] += t
+        torch.clamp(lens, max=ring, out=rec)
+        torch.sub(lens, rec, out=comp)
+    return slots

@@ -62,9 +62,6 @@ class CompressedKVCache:
         self._host_lens = torch.zeros(batch_size, dtype=torch.int64)  # mirror for eager bookkeeping
         self._host_valid = True
         self._rows = torch.arange(batch_size, **i32)
-        self._row_ids = torch.arange(batch_size, device=self.device)
-        self._steps = torch.arange(64, device=self.device)
-        self._row_base = self._row_ids * 0
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
         self._view: PagedKV | None = None
@@ -82,7 +79,6 @@ class CompressedKVCache:
             old = self.pages.unflatten(0, (self.batch_size, self.blocks_per_seq))
             new.unflatten(0, (self.batch_size, blocks_per_seq))[:, : self.blocks_per_seq] = old
         self.pages, self.blocks_per_seq = new, blocks_per_seq
-        self._row_base = self._row_ids * self.capacity  # slot of position 0 of each sequence
         b = torch.arange(self.batch_size, device=self.device, dtype=torch.int32).unsqueeze(1)
         j = torch.arange(blocks_per_seq, device=self.device, dtype=torch.int32).unsqueeze(0)
         table = b * blocks_per_seq + j
@@ -160,10 +156,10 @@ class CompressedKVCache:
     def append(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
         """Append T tokens: k, v [B, H, T, D] for every sequence, or [H, T, D] for sequence ``seq``.
 
-        Device-side only (capturable in a CUDA graph) when the tokens fit the reserved capacity.
+        Device-side only (capturable in a CUDA graph) when the tokens fit the reserved capacity: on CUDA one
+        bookkeeping launch (slots, exact ring copy, lengths; ``kernels.append``) plus the compress-on-write launch.
         """
-        self.stage(k, v, seq)
-        self.commit(k, v, seq)
+        self._put(k, v, seq, stage=True, commit=True)
 
     def stage(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
         """Write the compressed form of the next T tokens into the pages without counting them yet.
@@ -171,37 +167,38 @@ class CompressedKVCache:
         Prefill attention reads them there (positions older than p + 1 - R are read compressed, also inside the
         chunk); ``commit`` with the same tokens then makes them part of the cache.
         """
-        rows, k, v = self._inputs(k, v, seq)
-        t = k.shape[2]
-        if t == 0:
-            return
-        self._make_room(rows, t)
-        if t == 1 or len(rows) == 1:
-            self._write_pages(rows, k, v)
-        else:  # per sequence: [T, H, D] stays a strided view of the input (no copy of the prompt)
-            for i, b in enumerate(rows):
-                self._write_pages(range(b, b + 1), k[i : i + 1], v[i : i + 1])
+        self._put(k, v, seq, stage=True, commit=False)
 
     def commit(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
         """Count T staged tokens: copy the last min(T, R) into the ring and advance the lengths."""
+        self._put(k, v, seq, stage=False, commit=True)
+
+    def _put(self, k: torch.Tensor, v: torch.Tensor, seq: int | None, stage: bool, commit: bool) -> None:
         rows, k, v = self._inputs(k, v, seq)
         t = k.shape[2]
         if t == 0:
             return
-        r = min(t, self.recent_window)
-        if r:
-            first = self._lens[rows.start : rows.stop].long().unsqueeze(1)
-            cols = (first + self._steps_for(t)[t - r :]) % self.recent_window  # [nb, r]
-            brow = self._row_ids[rows.start : rows.stop].unsqueeze(1).expand(len(rows), r)
-            self.ring_k[brow, :, cols] = k[:, :, t - r :].transpose(1, 2).to(self.dtype)  # [nb, r, H, D]
-            self.ring_v[brow, :, cols] = v[:, :, t - r :].transpose(1, 2).to(self.dtype)
-        self._lens[rows.start : rows.stop] += t
-        torch.clamp(self._lens, max=self.recent_window, out=self._rec)
-        torch.sub(self._lens, self._rec, out=self._comp)
-        if _capturing(self._lens):
-            self._host_valid = False
-        elif self._host_valid:
-            self._host_lens[rows.start : rows.stop] += t
+        if stage:
+            self._make_room(rows, t)
+        if stage and t > 1 and len(rows) > 1:  # per sequence: [T, H, D] stays a strided view of the input
+            for i, b in enumerate(rows):
+                self._put_rows(range(b, b + 1), k[i : i + 1], v[i : i + 1], stage, commit)
+        else:
+            self._put_rows(rows, k, v, stage, commit)
+        if commit:
+            if _capturing(self._lens):
+                self._host_valid = False
+            elif self._host_valid:
+                self._host_lens[rows.start : rows.stop] += t
+
+    def _put_rows(self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool) -> None:
+        """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] and, when staging, compress-on-write."""
+        slots = ops.append_rows(k, v, self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow,
+                                rows.start, self.capacity, stage, commit)
+        if stage:  # a view: T == 1 or one row
+            nb, h, t, d = k.shape
+            ops.write(k.permute(0, 2, 1, 3).reshape(nb * t, h, d), v.permute(0, 2, 1, 3).reshape(nb * t, h, d),
+                      slots, self.pages, self.layout, self.codec)
 
     def _inputs(self, k: torch.Tensor, v: torch.Tensor, seq: int | None) -> tuple[range, torch.Tensor, torch.Tensor]:
         """Validated (rows, k, v) with k, v as [rows, H, T, D]."""
@@ -215,9 +212,6 @@ class CompressedKVCache:
             raise ShapeError(f"seq: expected an integer 0 <= seq < {self.batch_size}, got {seq!r}")
         return range(seq, seq + 1), k.unsqueeze(0), v.unsqueeze(0)
 
-    def _steps_for(self, t: int) -> torch.Tensor:
-        return self._steps[:t] if t <= self._steps.numel() else torch.arange(t, device=self.device)
-
     def _make_room(self, rows: range, t: int) -> None:
         """Eagerly: grow the pages for ``t`` more tokens. During capture: check the room (named error if none)."""
         if _capturing(self.pages):
@@ -228,17 +222,6 @@ class CompressedKVCache:
                                    f"the cache has {self.capacity}; call cache.reserve(tokens) before capturing")
             return
         self.reserve(int(self.lengths[rows.start : rows.stop].max()) + t)
-
-    def _write_pages(self, rows: range, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Compress k, v [nb, H, T, D] (T == 1 or nb == 1) into the pages of ``rows`` at their next positions."""
-        nb, h, t, d = k.shape
-        pos = self._lens[rows.start : rows.stop].long().unsqueeze(1) + self._steps_for(t)  # [nb, T]
-        inside = pos < self.capacity
-        self._overflow |= ~inside.all()
-        slots = torch.where(inside, self._row_base[rows.start : rows.stop].unsqueeze(1) + pos, -1).reshape(-1)
-        flat_k = k.permute(0, 2, 1, 3).reshape(nb * t, h, d)  # a view: T == 1 or nb == 1
-        flat_v = v.permute(0, 2, 1, 3).reshape(nb * t, h, d)
-        ops.write(flat_k, flat_v, slots, self.pages, self.layout, self.codec)
 
     # ------------------------------------------------------------------ read helpers
     def paged(self) -> PagedKV:

@@ -64,4 +64,5 @@ class FastLauncher:
 
 
 def _launch_hooked() -> bool:
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    """True when a profiler installed launch hooks (Triton 3.6 keeps them as ``HookChain`` lists, else None)."""
+    return any(getattr(h, "calls", h) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))

@@ -14,13 +14,25 @@ from ..attention.reference import paged_attention_decode, paged_attention_prefil
 from ..codec.kv import KVCodec
 from ..codec.scores import turboquant_scores_reference
 from ..format import PagedLayout
-from ..paged import PagedKV, write_slots
+from ..paged import PagedKV, append_rows_reference, write_slots
 from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
-__all__ = ["BACKENDS", "ENV_VAR", "configured", "resolve", "graph_safe", "write", "decode", "prefill", "scores"]
+__all__ = ["BACKENDS", "ENV_VAR", "configured", "resolve", "graph_safe", "append_rows", "write", "decode", "prefill",
+           "scores"]
 
 #: Tokens the reference write path encodes per step: bounds its fp32 temporaries (a few MB) at any append size.
 WRITE_CHUNK_ELEMENTS = 1 << 18
+
+
+def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
+                comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
+                stage: bool = True, commit: bool = True, backend: str | None = None) -> torch.Tensor | None:
+    """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``)."""
+    if resolve(k.device, None, backend) == "triton":
+        from ..kernels.append import append_rows as kernel
+
+        return kernel(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit)
+    return append_rows_reference(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit)
 
 
 def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout,

@@ -1,0 +1,83 @@
+"""Cache append bookkeeping in one launch: page slots of the new tokens, the exact ring copy, the lengths.
+
+For each appended row b (one program each, so no two programs touch one row's length) with L = lens[b] tokens
+and T new ones:
+- STAGE: slots[i * T + t] = b * capacity + L + t for the T positions (-1 past the capacity, and the overflow
+  flag is set), which ``compress_write`` then fills;
+- COMMIT: the last min(T, R) tokens are copied exactly into ring row (L + t) % R, then lens[b] = L + T,
+  rec[b] = min(L + T, R) and comp[b] = L + T - rec[b].
+Everything reads and writes device memory only, so it can be captured in a CUDA graph. ``paged.append_rows_reference``
+is the same in PyTorch, with the same signature (CPU, or CUDA under ``JETSON_TQ_BACKEND=reference``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, next_pow2
+from ._launch import FastLauncher
+
+
+@triton.jit
+def _append_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, slots_ptr, overflow_ptr,
+                   row0, T, capacity, ring,
+                   skb, skh, skt, svb, svh, svt, srkb, srkh, srkt, srvb, srvh, srvt,
+                   H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, STAGE: tl.constexpr, COMMIT: tl.constexpr,
+                   BLOCK_T: tl.constexpr):
+    i = tl.program_id(0)
+    b = row0 + i
+    length = tl.load(lens_ptr + b)
+    if STAGE:
+        for t0 in range(0, T, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            m = t < T
+            pos = (length + t).to(tl.int64)
+            inside = pos < capacity
+            tl.store(slots_ptr + i.to(tl.int64) * T + t, tl.where(inside, b.to(tl.int64) * capacity + pos, -1), mask=m)
+            over = tl.max(tl.where(m & (pos >= capacity), 1, 0), 0)
+            if over > 0:
+                tl.store(overflow_ptr, 1)
+    if COMMIT:
+        if ring > 0:
+            r = tl.minimum(T, ring)
+            d = tl.arange(0, DP)
+            for h in range(H):
+                for t0 in range(T - r, T, BLOCK_T):
+                    t = t0 + tl.arange(0, BLOCK_T)
+                    m = (t < T)[:, None] & (d < D)[None, :]
+                    col = ((length + t) % ring).to(tl.int64)
+                    kk = tl.load(k_ptr + i.to(tl.int64) * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :],
+                                 mask=m)
+                    vv = tl.load(v_ptr + i.to(tl.int64) * svb + h * svh + t[:, None].to(tl.int64) * svt + d[None, :],
+                                 mask=m)
+                    tl.store(rk_ptr + b.to(tl.int64) * srkb + h * srkh + col[:, None] * srkt + d[None, :],
+                             kk.to(rk_ptr.dtype.element_ty), mask=m)
+                    tl.store(rv_ptr + b.to(tl.int64) * srvb + h * srvh + col[:, None] * srvt + d[None, :],
+                             vv.to(rv_ptr.dtype.element_ty), mask=m)
+        new = length + T
+        rec = tl.minimum(new, ring)
+        tl.store(lens_ptr + b, new)
+        tl.store(rec_ptr + b, rec)
+        tl.store(comp_ptr + b, new - rec)
+
+
+_LAUNCH = FastLauncher(_append_kernel)
+
+
+def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
+                comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
+                stage: bool = True, commit: bool = True) -> torch.Tensor | None:
+    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb): returns the slots [nb * T] (stage)."""
+    nb, h, t, d = k.shape
+    slots = torch.empty(nb * t if stage else 1, dtype=torch.int64, device=k.device)
+    ring = ring_k.shape[2]
+    rk, rv = (ring_k, ring_v) if ring_k.numel() else (k, v)  # no ring storage: never written (ring == 0)
+    block_t = min(64, max(16, next_pow2(min(t, 64))))
+    args = (k, v, rk, rv, lens, comp, rec, slots, overflow, row0, t, capacity, ring,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2))
+    kw = dict(H=h, D=d, DP=max(16, next_pow2(d)), STAGE=stage, COMMIT=commit, BLOCK_T=block_t)
+    _LAUNCH((nb,), args, kw, (h, d, stage, commit, block_t), num_warps=1 if INTERPRET else 4)
+    return slots if stage else None
