@@ -183,7 +183,8 @@ def test_append_and_decode_capture_in_a_cuda_graph_and_replay_as_the_cache_grows
         want = jt.attention_decode(q, eager)
         assert torch.allclose(out, want, atol=2e-3, rtol=0), f"step {step}"
     assert cache.lengths.tolist() == [330, 330] and not cache.overflowed  # capture records, replays append
+    too_many = cache.capacity - 330 + 1  # one token more than the reserved pages hold
     with pytest.raises(CaptureError, match="reserve"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            cache.append(torch.zeros(b, hkv, 100, d, device="cuda", dtype=torch.float16),
-                         torch.zeros(b, hkv, 100, d, device="cuda", dtype=torch.float16))
+            cache.append(torch.zeros(b, hkv, too_many, d, device="cuda", dtype=torch.float16),
+                         torch.zeros(b, hkv, too_many, d, device="cuda", dtype=torch.float16))

@@ -466,10 +466,15 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
     rk, rv = (q.unsqueeze(2), q.unsqueeze(2)) if plan.rk_fallback else (kv.recent_k, kv.recent_v)
     consts = plan.consts
+    # the plan fixes every int argument; only the data pointers' 16-byte alignment can change between calls
+    aligned = (q.data_ptr() | kv.pages.data_ptr() | kv.block_table.data_ptr() | kv.compressed_lens.data_ptr()
+               | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
+               | out.data_ptr()) % 16 == 0
     _DECODE(plan.grid, (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens,
                         kv.recent_index, consts["codebook"], consts["hsigns"], out, po, plse, *plan.ints,
-                        *plan.floats), plan.kw, plan.key, num_warps=plan.num_warps, num_stages=plan.num_stages)
+                        *plan.floats), plan.kw, plan.key, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            aligned=aligned)
     if plan.splits > 1:
         _REDUCE(plan.reduce_grid, (po, plse, out, out.stride(0), out.stride(1), plan.splits), plan.reduce_kw,
-                plan.key, num_warps=4)
+                plan.key, num_warps=4, aligned=aligned)
     return out
