@@ -18,6 +18,7 @@ from ..cache.paged import PagedKV, write_slots
 from ..codec.kv import KVCodec
 from ..errors import ConfigError, ShapeError, UnsupportedPlatformError
 from ..format import PagedLayout
+from ..validate import check_attention_inputs
 from .reference import paged_attention_decode, paged_attention_prefill
 
 BACKENDS = ("auto", "reference", "triton")
@@ -60,6 +61,7 @@ def _as_paged(cache_or_kv: CompressedKVCache | PagedKV, need_tokens: bool) -> Pa
 def decode(q: torch.Tensor, cache_or_kv: CompressedKVCache | PagedKV, softmax_scale: float | None = None,
            backend: str = "auto") -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over a cache -> [B, Hq, D]."""
+    check_attention_inputs(q, cache_or_kv, softmax_scale)
     kv = _as_paged(cache_or_kv, need_tokens=True)
     if resolve_backend(backend, q.device, kv.layout) == "triton":
         from ..kernels.hybrid_decode import hybrid_decode
@@ -71,6 +73,7 @@ def decode(q: torch.Tensor, cache_or_kv: CompressedKVCache | PagedKV, softmax_sc
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_or_kv: CompressedKVCache | PagedKV,
             softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] over the cache history plus its own k, v [B, Hkv, T, D] (causal)."""
+    check_attention_inputs(q, cache_or_kv, softmax_scale, ("k", k), ("v", v))
     kv = _as_paged(cache_or_kv, need_tokens=False)
     if resolve_backend(backend, q.device, kv.layout) == "triton":
         from ..kernels.prefill import chunked_prefill

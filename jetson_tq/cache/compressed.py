@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from ..codec.kv import Fields, KVCodec
-from ..errors import DTypeError, ShapeError, expect_float, expect_same_device
+from ..errors import DTypeError, ShapeError, expect_float, expect_int, expect_same_device
 from ..format import KVFormat, PagedLayout
+from ..validate import check_cache_args, check_kv_storable
 from .paged import PagedKV, allocate_pages, slots_for_positions
 
 _MIN_CAPACITY = 64
@@ -23,18 +24,24 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 class CompressedKVCache:
-    """The hybrid KV cache of one attention layer for a batch of ``batch_size`` sequences."""
+    """The hybrid KV cache of one attention layer for a batch of ``batch_size`` sequences.
+
+    ``validate=True`` (default) rejects non-finite K/V and K/V that overflow a stored field at
+    ``append``, and a non-finite query at attention (``jetson_tq.validate``); ``False`` skips those
+    data checks (one reduction and, on CUDA, one device sync per call).
+    """
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
                  seed: int | None = None, initial_capacity: int = _MIN_CAPACITY,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, validate: bool = True) -> None:
+        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         if num_kv_heads < 1 or batch_size < 1:
             raise ShapeError(f"num_kv_heads and batch_size must be >= 1, got {num_kv_heads}, {batch_size}")
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype, self.validate = torch.device(device), dtype, bool(validate)
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.layout = PagedLayout(fmt, head_dim, block_size)
         self.blocks_per_seq = 0
@@ -102,12 +109,19 @@ class CompressedKVCache:
             self._check_kv(k, v, 4)
             if k.shape[0] != self.batch_size:
                 raise ShapeError(f"k: expected batch {self.batch_size}, got {k.shape[0]}")
+            self._validate(k, v, list(range(self.batch_size)))
             self._append({b: (k[b], v[b]) for b in range(self.batch_size)})
         else:
             self._check_kv(k, v, 3)
-            if not 0 <= seq < self.batch_size:
+            if not 0 <= expect_int("seq", seq) < self.batch_size:
                 raise ShapeError(f"seq: expected 0 <= seq < {self.batch_size}, got {seq}")
+            self._validate(k, v, [seq])
             self._append({seq: (k, v)})
+
+    def _validate(self, k: torch.Tensor, v: torch.Tensor, seqs: list[int]) -> None:
+        if self.validate:
+            starts = [int(self.lengths[b]) for b in seqs]
+            check_kv_storable(k, v, self.fmt, self.dtype, self.codec.raw_dtype, seqs, starts)
 
     def _append(self, chunks: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Merge new tokens into buffers; compress every full chunk past the recent window in one call."""
