@@ -65,7 +65,7 @@ setup_venv() {
   want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
   [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "${pip[@]}" --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; installed=1; }
   if [[ "$installed" == 1 ]]; then
-    while read -r pkg; do skip+="|$pkg "; done < <(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' "$ROOT"/requirements/*-nodeps.txt)
+    while read -r pkg; do skip+="|$pkg "; done < <(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' "$ROOT"/requirements/*-nodeps.txt 2>/dev/null)
     "$PY" -m pip check 2>&1 | grep -viE "^($skip)" >&2 || true
   fi
 }
