@@ -150,9 +150,12 @@ def resolve_named_yaml(name_or_path: str | os.PathLike, folder: Path, what: str,
     path = Path(text)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            state = "is a directory" if path.is_dir() else "does not exist"
+            state = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
+                     else "does not exist")
             raise ConfigError(f"{what} {text!r}: expected a YAML file, but the path {state}")
         return path
+    if "/" in text or os.sep in text:
+        raise ConfigError(f"{what} {text!r}: expected a path ending in .yaml or .yml, or one of {names}")
     if not _NAME.match(text) or ".." in text:
         raise ConfigError(f"{what} {text!r}: expected one of {names} (a name: letters, digits, '_', '-', '.'; "
                           f"no path) or a path to a .yaml file")

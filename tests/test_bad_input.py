@@ -270,13 +270,18 @@ def test_config_loader_rejects_bad_files_by_name(case, tmp_path):
 
 def test_config_names_and_paths(tmp_path):
     (tmp_path / "dir.yaml").mkdir()
-    cases = {"../../etc/passwd": "no path", "../configs/k4v4": "no path", "k4v4/..": "no path", "nosuchpreset": "no config",
-             str(tmp_path / "dir.yaml"): "the path is a directory", str(tmp_path / "missing.yaml"): "does not exist"}
+    cases = {"../../etc/passwd": "expected a path ending in .yaml", "../configs/k4v4": "ending in .yaml",
+             "k4v4/..": "ending in .yaml", "..": "no path", "k4v4..": "no path", "nosuchpreset": "no config",
+             str(tmp_path / "dir.yaml"): "the path is a directory", str(tmp_path / "missing.yaml"): "does not exist",
+             str(tmp_path): "ending in .yaml", "": "no path"}
     for name, words in cases.items():
         with pytest.raises(ConfigError, match=words):
             load_config(name)
     with pytest.raises(ConfigError, match="expected a name or a path"):
         load_config(3)
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")            # never read: it would not end
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        load_config(tmp_path / "zero.yaml")
     big = tmp_path / "big.yaml"
     big.write_text("description: " + "x" * MAX_YAML_BYTES + "\n")
     with pytest.raises(ConfigError, match="at most 262,144 bytes"):
@@ -296,7 +301,7 @@ def test_model_specs_are_read_by_the_same_strict_loader(tmp_path):
     path.write_text("name: m\nnum_layers: 2\nnum_layers: 3\n")
     with pytest.raises(ConfigError, match="duplicate key 'num_layers'"):
         load_model_spec(path)
-    with pytest.raises(ConfigError, match="no path"):
+    with pytest.raises(ConfigError, match="ending in .yaml"):
         load_model_spec("../models/qwen2.5-7b-instruct")
     assert load_model_spec("Qwen2.5-7B-Instruct").num_layers == 28   # shipped names stay case-insensitive
 
@@ -336,7 +341,7 @@ CLI_CASES = {
                                    "no memory left for the KV cache: --memory-gb 1"),
     "--config a directory": (["capacity", "--config", "{tmp}/d.yaml"], exit_codes.USAGE, "the path is a directory"),
     "--config invalid UTF-8": (["capacity", "--config", "{tmp}/latin1.yaml"], exit_codes.USAGE, "expected UTF-8 text"),
-    "--config ../": (["capacity", "--config", "../../etc/passwd"], exit_codes.USAGE, "no path"),
+    "--config ../": (["capacity", "--config", "../../etc/passwd"], exit_codes.USAGE, "expected a path ending in .yaml"),
     "--model a directory": (["capacity", "--model", "{tmp}/d.yaml"], exit_codes.USAGE, "the path is a directory"),
     "--compare with an unknown preset": (["capacity", "--compare", "k4v4,nosuch", "--plot", "{tmp}/p.png"],
                                          exit_codes.USAGE, "no config 'nosuch'"),
