@@ -5,7 +5,7 @@ Policy (docs/robustness.md):
   K/V whose stored fields would overflow their dtype: the fp16 recent buffer, fp16 key/value norms,
   the fp16 scale/zero of value groups, raw fp16 fields of a float32 cache. The error names the
   sequence, KV head and position. Attention over such a cache rejects a non-finite query.
-  ``validate=False`` skips these data checks (each costs one reduction and, on CUDA, one device sync).
+  ``validate=False`` skips these data checks (a few reductions and, on CUDA, one device sync per call).
 - Always checked (host-side, free): Python types, ``softmax_scale`` (finite, > 0), seeds.
 Bytes per token are unchanged: values that do not fit the format are refused, never stored wider.
 """
@@ -108,36 +108,50 @@ def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hin
                               f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}")
 
 
+def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
+                  raw_dtype: torch.dtype) -> list[tuple[str, str, torch.Tensor, float, str]]:
+    """(tensor name, quantity, per-token values [B?, H, T], limit, hint) for every fp16-stored quantity."""
+    kf, vf = k.float(), v.float()
+    out = []
+    for name, t, mode in (("k", kf, fmt.key_mode), ("v", vf, fmt.value_mode)):
+        if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
+            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
+                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
+            out.append((name, "|value|", t.abs().amax(dim=-1), FP16_MAX, hint))
+    norm_hint = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
+    if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
+        limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
+        out.append(("k", "key norm", kf.norm(dim=-1), limit, norm_hint))
+    if fmt.value_mode == "mse" and fmt.norm_dtype == "float16":
+        out.append(("v", "value norm", vf.norm(dim=-1), FP16_MAX, norm_hint))
+    if fmt.value_mode == "group":
+        g = vf.unflatten(-1, (-1, fmt.value_group))
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        hint = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
+        levels = (1 << fmt.value_bits) - 1
+        out.append(("v", "|group minimum|", lo.abs().amax(dim=-1), FP16_MAX, hint))
+        out.append(("v", "group scale (max - min) / levels", ((hi - lo) / levels).amax(dim=-1), FP16_MAX, hint))
+    return out
+
+
 def check_kv_storable(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
                       raw_dtype: torch.dtype, seqs: list[int], starts: list[int]) -> None:
     """Reject K/V [B, H, T, D] or [H, T, D] that are non-finite or overflow a field of ``fmt`` (see module doc).
 
     ``seqs`` / ``starts``: the sequence id and first position of each leading row, for the message.
+    All conditions are reduced to one flag first, so a good append costs one device sync.
     """
-    batched = k.dim() == 4
-    where = (seqs, starts, batched)
+    where = (seqs, starts, k.dim() == 4)
+    limits = _field_limits(k, v, fmt, cache_dtype, raw_dtype)
+    ok = torch.isfinite(k).all() & torch.isfinite(v).all()
+    for _, _, values, limit, _ in limits:
+        ok &= (values <= limit).all()
+    if bool(ok):
+        return
     check_finite("k", k, *where)
     check_finite("v", v, *where)
-    kf, vf = k.float(), v.float()
-    for name, t, mode in (("k", kf, fmt.key_mode), ("v", vf, fmt.value_mode)):
-        if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
-            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
-                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
-            _check_at_most(name, "|value|", t.abs().amax(dim=-1), FP16_MAX, hint, *where)
-    norm_hint = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
-    if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
-        limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
-        _check_at_most("k", "key norm", kf.norm(dim=-1), limit, norm_hint, *where)
-    if fmt.value_mode == "mse" and fmt.norm_dtype == "float16":
-        _check_at_most("v", "value norm", vf.norm(dim=-1), FP16_MAX, norm_hint, *where)
-    if fmt.value_mode == "group":
-        g = vf.unflatten(-1, (-1, fmt.value_group))
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        hint = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
-        _check_at_most("v", "|group minimum|", lo.abs().amax(dim=-1), FP16_MAX, hint, *where)
-        levels = (1 << fmt.value_bits) - 1
-        _check_at_most("v", "group scale (max - min) / levels", ((hi - lo) / levels).amax(dim=-1), FP16_MAX, hint,
-                       *where)
+    for name, what, values, limit, hint in limits:
+        _check_at_most(name, what, values, limit, hint, *where)
 
 
 def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object,

@@ -28,7 +28,7 @@ class CompressedKVCache:
 
     ``validate=True`` (default) rejects non-finite K/V and K/V that overflow a stored field at
     ``append``, and a non-finite query at attention (``jetson_tq.validate``); ``False`` skips those
-    data checks (one reduction and, on CUDA, one device sync per call).
+    data checks (a few reductions and, on CUDA, one device sync per call).
     """
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
@@ -38,8 +38,6 @@ class CompressedKVCache:
         device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
-        if num_kv_heads < 1 or batch_size < 1:
-            raise ShapeError(f"num_kv_heads and batch_size must be >= 1, got {num_kv_heads}, {batch_size}")
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
         self.device, self.dtype, self.validate = torch.device(device), dtype, bool(validate)
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
