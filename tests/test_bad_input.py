@@ -364,6 +364,25 @@ if not torch.cuda.is_available():
                                                 "DeviceError: device: 'cuda' asked for, but torch sees no CUDA GPU")
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=st.one_of(st.text(max_size=12), st.floats().map(repr), st.integers(-10**20, 10**20).map(str)))
+def test_number_arguments_are_finite_and_in_range_or_a_usage_error(text):
+    import argparse
+
+    from jetson_tq import arg_types
+
+    for check, ok in ((arg_types.positive_float, lambda x: math.isfinite(x) and x > 0),
+                      (arg_types.nonnegative_float, lambda x: math.isfinite(x) and x >= 0),
+                      (arg_types.fraction, lambda x: 0 < x <= 1),
+                      (arg_types.positive_int, lambda x: isinstance(x, int) and x >= 1)):
+        try:
+            value = check(text)
+        except argparse.ArgumentTypeError as e:
+            assert repr(text) in str(e)
+            continue
+        assert ok(value), (check.__name__, text, value)
+
+
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail loudly if a command starts real work (a vLLM engine, a demo section, a measured cache)."""
