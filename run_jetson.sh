@@ -123,7 +123,7 @@ while [[ $# -gt 0 ]]; do
     --image) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "--image needs a value"; image_override="$2"; shift ;;
     --config|--model) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "$1 needs a value"; fwd+=("$1" "$2"); shift ;;
     --dry-run) dry_run=1 ;;
-    -h|--help) [[ -z "$mode" ]] && { usage; exit 0; }; extra+=("$1") ;;   # after the mode: the mode's help
+    -h|--help) [[ -z "$mode" || "$mode" == shell ]] && { usage; exit 0; }; extra+=("$1") ;;   # after a mode: its help
     --) shift; extra+=("$@"); break ;;
     -*) [[ -n "$mode" ]] || { usage >&2; die "$EXIT_USAGE" "unknown option '$1' (options above; put mode options after the mode)"; }
         extra+=("$1") ;;

@@ -202,6 +202,9 @@ def test_help_after_the_mode_reaches_the_mode(tmp_path):
     for mode in ("capacity", "demo", "vllm", "platform"):
         assert dry(tmp_path, "x86_cpu", mode, "--help")[-2:] == [mode, "--help"]
         assert dry(tmp_path, "x86_cpu", mode, "-h")[-2:] == [mode, "-h"]
+    p = run(tmp_path, "x86_cpu", "shell", "--help")      # bash has no mode help: the launcher's
+    assert p.returncode == 0 and "usage: ./run_jetson.sh" in p.stdout
+    assert dry(tmp_path, "x86_cpu", "test", "--help")[-1] == "--help"    # pytest's own
 
 
 def test_dry_run_works_in_any_position(tmp_path):
