@@ -491,3 +491,24 @@ def test_vllm_report_names_the_baseline_dtype_and_the_ratio_vs_fp16(capsys):
                        for word in shown.split()), shown   # ... and never a word cut in half
     s16 = compare.summarize(engine(1000, "bfloat16", [[1]]), engine(4100, None, [[1]]), 2048)
     assert s16["capacity_ratio_vs_fp16"] == s16["capacity_ratio"] == 4.1
+
+
+def test_vllm_config_that_does_not_fit_the_model_is_refused_before_the_baseline(tmp_path, monkeypatch, capsys,
+                                                                                 no_work):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 6, "hidden_size": 128,
+                                                      "num_attention_heads": 4, "head_dim": 32}))
+    monkeypatch.setattr(compare, "resolve_model", lambda name: (str(tmp_path), "float32"))
+    assert compare.model_shape(str(tmp_path)) == (6, 32)
+    assert compare.model_shape("qwen2.5-7b-instruct") == (28, 128) and compare.model_shape("org/some-hub-id") is None
+    assert main(["vllm", "--model", "tiny", "--config", "mse_k4v3"]) == exit_codes.USAGE   # groups of 64 > D=32
+    assert "value_group 64 must divide head_dim 32" in capsys.readouterr().err
+
+
+def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
+    log = "INFO x\nTraceback (most recent call last):\n  File ...\njetson_tq.errors.ConfigError: layer 0: bad group\n"
+    err = compare.engine_failure("jetson-tq k4v4", 1, log)
+    assert isinstance(err, ConfigError) and "vLLM engine (jetson-tq k4v4): layer 0: bad group (full log: " in str(err)
+    err = compare.engine_failure("baseline", -9, "loading\nKilled\n")
+    assert isinstance(err, RuntimeError) and "failed with code -9: Killed" in str(err) and "Traceback" not in str(err)

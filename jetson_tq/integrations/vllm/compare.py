@@ -123,14 +123,31 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
                               timeout=timeout)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"vLLM engine ({'jetson-tq ' + tq_config if tq_config else 'baseline'}) failed "
-                               f"with code {proc.returncode}:\n{log[-6000:]}")
+            raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
         result = json.loads(out_path.read_text())
     found = KV_SIZE_LOG.findall(log)
     result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
     result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
     result["log_tail"] = log[-3000:]
     return result
+
+
+NAMED_ERROR = re.compile(r"jetson_tq\.errors\.(\w+Error): (.+)")
+
+
+def engine_failure(label: str, code: int, log: str) -> Exception:
+    """The child's last jetson-tq error, re-raised as its class (exit 2), else a RuntimeError; full log in a file."""
+    path = Path(tempfile.gettempdir()) / f"jetson_tq_vllm_{label.split()[0].replace('-', '_')}.log"
+    path.write_text(log)
+    found = NAMED_ERROR.findall(log)
+    from ... import errors
+
+    cls = getattr(errors, found[-1][0], None) if found else None
+    if isinstance(cls, type) and issubclass(cls, errors.JetsonTQError):
+        return cls(f"vLLM engine ({label}): {found[-1][1]} (full log: {path})")
+    lines = [line for line in log.splitlines() if line.strip()]
+    return RuntimeError(f"vLLM engine ({label}) failed with code {code}: {lines[-1] if lines else 'no output'} "
+                        f"(full log: {path})")
 
 
 # ------------------------------------------------------------------------------------- comparison
@@ -238,6 +255,22 @@ def build_parser() -> argparse.ArgumentParser:
 REQUIRED_MODULES = ("vllm", "safetensors", "transformers")
 
 
+def model_shape(model: str) -> tuple[int, int] | None:
+    """(layers, head dim) of a local model dir (its config.json) or a configs/models name; None for a hub id."""
+    config_json = Path(model) / "config.json"
+    if config_json.is_file():
+        c = json.loads(config_json.read_text())
+        c = c.get("text_config", c)
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return int(c["num_hidden_layers"]), int(head_dim)
+    if (MODEL_DIR / f"{model.lower()}.yaml").is_file():
+        from ...reports.model_specs import load_model_spec
+
+        spec = load_model_spec(model)
+        return spec.num_layers, spec.head_dim
+    return None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything that can be checked before the ~1 min baseline run: config, dependencies, output path."""
     load_config(args.config)
@@ -261,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available()
-    model, dtype = resolve_model(args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2"))
+    name = args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2")
+    model, dtype = resolve_model(name)
+    shape = model_shape(model) or model_shape(name)
+    if shape is not None:  # the config must fit the model before the baseline engine runs
+        load_config(args.config).check_model(*shape)
     kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
