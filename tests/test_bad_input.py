@@ -507,8 +507,16 @@ def test_vllm_config_that_does_not_fit_the_model_is_refused_before_the_baseline(
 
 
 def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
-    log = "INFO x\nTraceback (most recent call last):\n  File ...\njetson_tq.errors.ConfigError: layer 0: bad group\n"
+    from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+
+    log = ("INFO x\nTraceback (most recent call last):\n  File ...\n[rank0]: jetson_tq.errors.ConfigError: layer 0: bad "
+           "group\nRuntimeError: Engine core initialization failed. See root cause above.\n")
     err = compare.engine_failure("jetson-tq k4v4", 1, log)
-    assert isinstance(err, ConfigError) and "vLLM engine (jetson-tq k4v4): layer 0: bad group (full log: " in str(err)
+    assert isinstance(err, ConfigError)
+    assert "vLLM engine (jetson-tq k4v4): ConfigError: layer 0: bad group (full log: " in str(err)
+    err = compare.engine_failure("jetson-tq x", 1, "jetson_tq.integrations.vllm.spec.UnsupportedModelError: sliding_window\n")
+    assert isinstance(err, UnsupportedModelError) and "UnsupportedModelError: sliding_window" in str(err)
+    err = compare.engine_failure("baseline", 1, "Traceback ...\nValueError: bad dtype\nshutting down\n")
+    assert type(err) is RuntimeError and "failed with code 1: ValueError: bad dtype" in str(err)
     err = compare.engine_failure("baseline", -9, "loading\nKilled\n")
     assert isinstance(err, RuntimeError) and "failed with code -9: Killed" in str(err) and "Traceback" not in str(err)

@@ -132,22 +132,32 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     return result
 
 
-NAMED_ERROR = re.compile(r"jetson_tq\.errors\.(\w+Error): (.+)")
+OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")    # e.g. jetson_tq.errors.ConfigError: ...
+ANY_ERROR = re.compile(r"\b([\w.]*(?:Error|Exception)): (.+)")
 
 
 def engine_failure(label: str, code: int, log: str) -> Exception:
-    """The child's last jetson-tq error, re-raised as its class (exit 2), else a RuntimeError; full log in a file."""
+    """The child's last jetson-tq error re-raised by class (ConfigError -> exit 2), else a RuntimeError naming
+    the last exception line; the full log goes to a file instead of nested tracebacks on the terminal."""
+    import importlib
+
+    from ...errors import JetsonTQError
+
     path = Path(tempfile.gettempdir()) / f"jetson_tq_vllm_{label.split()[0].replace('-', '_')}.log"
     path.write_text(log)
-    found = NAMED_ERROR.findall(log)
-    from ... import errors
-
-    cls = getattr(errors, found[-1][0], None) if found else None
-    if isinstance(cls, type) and issubclass(cls, errors.JetsonTQError):
-        return cls(f"vLLM engine ({label}): {found[-1][1]} (full log: {path})")
+    ours = OUR_ERROR.findall(log)
+    if ours:
+        module, name, message = ours[-1]
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, JetsonTQError):
+            return cls(f"vLLM engine ({label}): {name}: {message} (full log: {path})")
+    last = ANY_ERROR.findall(log)
     lines = [line for line in log.splitlines() if line.strip()]
-    return RuntimeError(f"vLLM engine ({label}) failed with code {code}: {lines[-1] if lines else 'no output'} "
-                        f"(full log: {path})")
+    what = ": ".join(last[-1]) if last else (lines[-1] if lines else "no output")
+    return RuntimeError(f"vLLM engine ({label}) failed with code {code}: {what} (full log: {path})")
 
 
 # ------------------------------------------------------------------------------------- comparison
