@@ -520,3 +520,28 @@ def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
     assert type(err) is RuntimeError and "failed with code 1: ValueError: bad dtype" in str(err)
     err = compare.engine_failure("baseline", -9, "loading\nKilled\n")
     assert isinstance(err, RuntimeError) and "failed with code -9: Killed" in str(err) and "Traceback" not in str(err)
+
+
+FORMATS = [KVFormat(value_group=16, buffer_tokens=0, flush_chunk=8, **kw) for kw in (
+    {}, {"key_mode": "mse", "key_bits": 4, "value_bits": 3}, {"norm_dtype": "float32"},
+    {"value_mode": "mse", "value_bits": 3}, {"key_mode": "fp16", "value_mode": "fp16"}, {"value_bits": 1})]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fmt=st.sampled_from(FORMATS), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+       log_scale=st.floats(-3, 6.5), offset=st.floats(-1e5, 1e5), seed=st.integers(0, 2**16))
+def test_finite_input_is_stored_finite_or_refused_never_nan(fmt, dtype, log_scale, offset, seed):
+    """The promise of issue 13 as a property: any finite K/V either round-trips to finite output or is refused."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(1, 1, 8, D, generator=g) * 10**log_scale
+    v = torch.randn(1, 1, 8, D, generator=g) * 10**log_scale + offset
+    c = CompressedKVCache(fmt, 1, D, 1, dtype=dtype)
+    try:
+        c.append(k, v)
+    except ValueRangeError as e:
+        assert "expected" in str(e) and "sequence 0, KV head 0, position" in str(e)
+        return
+    assert c.compressed_lens.tolist() == [8] or fmt.is_passthrough
+    keys, values, _ = c.materialize()
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    assert torch.isfinite(attention_decode(torch.randn(1, 2, D, generator=g), c)).all()
