@@ -322,7 +322,7 @@ def test_any_bytes_give_a_config_or_a_config_error(data, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- command line table
-CLI_CASES = {
+CLI_CASES = {  # cases past the budget pass --kv-budget-gb: this machine's free memory must not matter
     "--memory-gb -5": (["capacity", "--memory-gb", "-5"], exit_codes.USAGE, "argument --memory-gb: expected a number > 0, got '-5'"),
     "--memory-gb 0": (["capacity", "--memory-gb", "0"], exit_codes.USAGE, "expected a number > 0, got '0'"),
     "--memory-gb nan": (["capacity", "--memory-gb", "nan"], exit_codes.USAGE, "expected a finite number, got 'nan'"),
@@ -343,9 +343,9 @@ CLI_CASES = {
     "--config invalid UTF-8": (["capacity", "--config", "{tmp}/latin1.yaml"], exit_codes.USAGE, "expected UTF-8 text"),
     "--config ../": (["capacity", "--config", "../../etc/passwd"], exit_codes.USAGE, "expected a path ending in .yaml"),
     "--model a directory": (["capacity", "--model", "{tmp}/d.yaml"], exit_codes.USAGE, "the path is a directory"),
-    "--compare with an unknown preset": (["capacity", "--compare", "k4v4,nosuch", "--plot", "{tmp}/p.png"],
+    "--compare with an unknown preset": (["capacity", "--kv-budget-gb", "1", "--compare", "k4v4,nosuch", "--plot", "{tmp}/p.png"],
                                          exit_codes.USAGE, "no config 'nosuch'"),
-    "--plot a directory": (["capacity", "--plot", "{tmp}"], exit_codes.USAGE, "--plot: expected a PNG file path"),
+    "--plot a directory": (["capacity", "--kv-budget-gb", "1", "--plot", "{tmp}"], exit_codes.USAGE, "--plot: expected a PNG file path"),
     "vllm --config nosuchpreset": (["vllm", "--config", "nosuchpreset"], exit_codes.USAGE, "no config 'nosuchpreset'"),
     "vllm --kv-mib 0": (["vllm", "--kv-mib", "0"], exit_codes.USAGE, "argument --kv-mib: expected an integer >= 1"),
     "vllm --max-tokens -1": (["vllm", "--max-tokens", "-1"], exit_codes.USAGE, "expected an integer >= 1, got '-1'"),
@@ -360,7 +360,8 @@ CLI_CASES = {
     "unknown mode": (["bogus"], exit_codes.USAGE, "invalid choice: 'bogus'"),
 }
 if not torch.cuda.is_available():
-    CLI_CASES["--device cuda without a GPU"] = (["capacity", "--device", "cuda", "--no-plot"], exit_codes.USAGE,
+    CLI_CASES["--device cuda without a GPU"] = (["capacity", "--kv-budget-gb", "1", "--device", "cuda", "--no-plot"],
+                                                exit_codes.USAGE,
                                                 "DeviceError: device: 'cuda' asked for, but torch sees no CUDA GPU")
 
 
