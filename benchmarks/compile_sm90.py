@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     _install()
     from kernel_cases import build_paged_kv, fmt_for
-    from jetson_tq.cache.paged import allocate_pages
+    from jetson_tq.paged import allocate_pages
     from jetson_tq.kernels.compress_write import compress_write
     from jetson_tq.kernels.hybrid_decode import hybrid_decode
     from jetson_tq.kernels.prefill import chunked_prefill

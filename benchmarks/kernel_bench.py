@@ -242,7 +242,7 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
 # ------------------------------------------------------------------------------------- compress
 def _compress_reference(k, v, slots, pages, layout, codec) -> None:
     """The PyTorch write path compress-on-write replaces: ``KVCodec.encode`` then ``write_slots``."""
-    from jetson_tq.cache.paged import write_slots
+    from jetson_tq.paged import write_slots
 
     write_slots(pages, layout, slots, codec.encode(k, v))
 

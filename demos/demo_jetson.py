@@ -219,19 +219,35 @@ def section_capacity(demo: Demo, args, platform_rep: dict, cuda: bool) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    from jetson_tq.arg_types import fraction, positive_int
+
     p = argparse.ArgumentParser(prog="demo_jetson.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/demo", help="folder for plots and summary.json (default out/demo)")
     p.add_argument("--model", help="model for the capacity section (default: smollm2-135m-instruct on CPU, "
                                    "qwen2.5-7b-instruct on Jetson/GPU)")
     p.add_argument("--config", default=DEFAULT_PRESET, help=f"TurboQuant preset or YAML (default {DEFAULT_PRESET})")
-    p.add_argument("--utilization", type=float, default=0.85, help="fraction of the memory budget to use (0.85)")
-    p.add_argument("--measure-tokens", type=int, help="tokens in the measured cache (1024 on CPU, 32768 on CUDA)")
+    p.add_argument("--utilization", type=fraction, default=0.85, help="fraction of the memory budget to use (0.85)")
+    p.add_argument("--measure-tokens", type=positive_int, help="tokens in the measured cache (1024 on CPU, 32768 on CUDA)")
     p.add_argument("--dispatch-module", default="jetson_tq.api", help=argparse.SUPPRESS)
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Fail on a bad --config, --model or --out before the first section runs (exit 2 through the CLI)."""
+    from jetson_tq.config import load_config
+    from jetson_tq.errors import ConfigError
+    from jetson_tq.reports.model_specs import load_model_spec
+
+    load_config(args.config)
+    if args.model:
+        load_model_spec(args.model)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ConfigError(f"--out: expected a folder, got the file {args.out!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_args(args)
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:

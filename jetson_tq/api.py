@@ -13,6 +13,7 @@ from . import ops
 from .cache.compressed import CompressedKVCache
 from .errors import ShapeError
 from .paged import PagedKV
+from .validate import check_attention_inputs
 
 
 def _view(cache: CompressedKVCache | PagedKV, name: str) -> PagedKV:
@@ -23,9 +24,7 @@ def _view(cache: CompressedKVCache | PagedKV, name: str) -> PagedKV:
     raise ShapeError(f"{name}: expected a CompressedKVCache or PagedKV as cache, got {type(cache).__name__}")
 
 
-def _check_query(q: object, rank: int, name: str) -> None:
-    if not isinstance(q, torch.Tensor):
-        raise ShapeError(f"{name}: expected q as a torch.Tensor, got {type(q).__name__}")
+def _check_query(q: torch.Tensor, rank: int, name: str) -> None:
     if q.dim() != rank:
         want = "[B, Hq, D]" if rank == 3 else "[B, Hq, T, D]"
         raise ShapeError(f"{name}: expected q {want}, got {tuple(q.shape)}")
@@ -37,6 +36,7 @@ def attention_decode(q: torch.Tensor, cache: CompressedKVCache | PagedKV, softma
 
     A sequence with nothing cached is an error on the host-checked eager path and zeros inside a CUDA graph.
     """
+    check_attention_inputs(q, cache, softmax_scale)
     _check_query(q, 3, "attention_decode")
     if isinstance(cache, CompressedKVCache) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
             and cache.has_empty_sequence():
@@ -53,6 +53,7 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     Positions older than p + 1 - R are read compressed and the last R exactly, as in decode, so the result does
     not depend on the chunk size. A ``PagedKV`` must already hold the chunk in its pages (vLLM's contract).
     """
+    check_attention_inputs(q, cache, softmax_scale, ("k", k), ("v", v))
     _check_query(q, 4, "attention_prefill")
     if not isinstance(cache, CompressedKVCache):
         return ops.prefill(q, k, v, _view(cache, "attention_prefill"), softmax_scale, backend, attn_mask)

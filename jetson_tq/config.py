@@ -16,6 +16,7 @@ Schema (every key optional; unknown keys are errors)::
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ _VALUE_KEYS = {"mode": "value_mode", "bits": "value_bits", "group_size": "value_
 _BUFFER_KEYS = {"recent_tokens": "buffer_tokens", "flush_chunk": "flush_chunk"}
 _LAYER_KEYS = {"keep_fp16_first", "keep_fp16_last", "overrides"}
 _FORMAT_SECTIONS = {"keys", "values", "norm_dtype", "rotation", "buffer", "seed"}
+MAX_LAYERS = 4096  # more than any model has: a larger keep_fp16_* count is a typo, not a policy
+MAX_YAML_BYTES = 256 * 1024  # presets and model files are < 2 KB; a cap keeps a hostile file from costing memory
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")  # a preset / model name: no path separators, no '..'
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,11 @@ class TurboQuantConfig:
         for i in self.overrides:
             if not 0 <= i < num_layers:
                 raise ConfigError(f"layers.overrides: layer {i} out of range for a model of {num_layers} layers")
+        kept = self.keep_fp16_first + self.keep_fp16_last
+        if kept > num_layers or (kept == num_layers and not self.default.is_passthrough):
+            raise ConfigError(f"layers: keep_fp16_first {self.keep_fp16_first} + keep_fp16_last {self.keep_fp16_last} "
+                              f"= {kept}: expected fewer than the model's {num_layers} layers (all layers fp16 "
+                              f"would never use the compressed format; use the fp16 preset for that)")
         for i in range(num_layers):
             try:
                 self.format_for_layer(i, num_layers).check_head_dim(head_dim)
@@ -110,8 +119,8 @@ def config_from_dict(raw: dict, name: str = "custom") -> TurboQuantConfig:
     keep = {}
     for key in ("keep_fp16_first", "keep_fp16_last"):
         value = layers.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(f"layers.{key}: expected an integer >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LAYERS:
+            raise ConfigError(f"layers.{key}: expected an integer in [0, {MAX_LAYERS}], got {value!r}")
         keep[key] = value
     overrides: dict[int, KVFormat] = {}
     for layer, sub in (_as_mapping("layers.overrides", layers.get("overrides", {}) or {})).items():
@@ -130,22 +139,84 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
+def resolve_named_yaml(name_or_path: str | os.PathLike, folder: Path, what: str, names: list[str]) -> Path:
+    """A name in ``folder`` (``k4v4``) or a path to a .yaml/.yml file -> the file's path (ConfigError otherwise).
+
+    Names may not hold path separators or '..', so a name never reaches a file outside ``folder``.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(f"{what}: expected a name or a path to a YAML file, got {type(name_or_path).__name__}")
+    text = os.fspath(name_or_path)
+    path = Path(text)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            state = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
+                     else "does not exist")
+            raise ConfigError(f"{what} {text!r}: expected a YAML file, but the path {state}")
+        return path
+    if "/" in text or os.sep in text:
+        raise ConfigError(f"{what} {text!r}: expected a path ending in .yaml or .yml, or one of {names}")
+    if not _NAME.match(text) or ".." in text:
+        raise ConfigError(f"{what} {text!r}: expected one of {names} (a name: letters, digits, '_', '-', '.'; "
+                          f"no path) or a path to a .yaml file")
+    named = folder / f"{text}.yaml"
+    if not named.is_file():
+        raise ConfigError(f"no {what} {text!r}: not a YAML file and not one of {names}")
+    return named
+
+
 def resolve_config_path(name_or_path: str | os.PathLike) -> Path:
     """A preset name (``k4v4``) or a path to a YAML file -> the file's path."""
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
-    preset = CONFIG_DIR / f"{name_or_path}.yaml"
-    if preset.exists():
-        return preset
-    raise ConfigError(f"no config {str(name_or_path)!r}: not a YAML file and not one of the presets {preset_names()}")
+    return resolve_named_yaml(name_or_path, CONFIG_DIR, "config", preset_names())
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors/aliases (no expansion bombs) and duplicate keys (no silent last-wins)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
+            raise ConfigError(f"line {event.start_mark.line + 1}: YAML {kind}{event.anchor} is not allowed in "
+                              f"jetson-tq files (expected plain values; write the value out)")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r} (first on line "
+                                  f"{seen[key]}); expected each key once")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path) -> dict:
+    """Parse a small jetson-tq YAML file strictly: a non-empty UTF-8 mapping, no aliases, no duplicate keys."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(f"{path}: expected a YAML file of at most {MAX_YAML_BYTES:,} bytes, got {size:,}")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: expected UTF-8 text, got byte 0x{data[e.start]:02x} at offset {e.start}") from e
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if raw is None:
+        raise ConfigError(f"{path}: the file is empty; expected a mapping of settings (see configs/*.yaml)")
+    return _as_mapping(str(path), raw)
 
 
 def load_config(name_or_path: str | os.PathLike = DEFAULT_PRESET) -> TurboQuantConfig:
     """Load and validate a preset by name or a YAML file by path."""
     path = resolve_config_path(name_or_path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    return config_from_dict(raw, name=path.stem)
+    return config_from_dict(read_yaml(path), name=path.stem)

@@ -27,6 +27,14 @@ class DeviceError(JetsonTQError, ValueError):
     """Tensors that must share a device do not, or a needed device is missing."""
 
 
+class ValueRangeError(JetsonTQError, ValueError):
+    """A tensor holds NaN/inf, or a value its storage dtype cannot hold (it would decode to NaN/inf)."""
+
+
+class ArgTypeError(JetsonTQError, TypeError):
+    """An argument has the wrong Python type (a list where a tensor belongs, a float where an int does)."""
+
+
 class UnsupportedPlatformError(JetsonTQError, RuntimeError):
     """The platform (GPU, JetPack, vLLM version) cannot run what was asked."""
 
@@ -35,8 +43,29 @@ class MissingComponentError(JetsonTQError, RuntimeError):
     """An optional part of jetson-tq (vLLM integration, Triton kernels, jtop) is not in this build."""
 
 
+def expect_tensor(name: str, value) -> None:
+    """Raise ArgTypeError unless ``value`` is a torch.Tensor."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise ArgTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+
+
+def expect_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
+    """Raise ArgTypeError unless ``value`` is an int (not a bool), ValueRangeError unless lo <= value <= hi."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ArgTypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueRangeError(f"{name}: expected an integer {want}, got {value}")
+    return int(value)
+
+
 def expect_rank(name: str, tensor, ranks: tuple[int, ...]) -> None:
     """Raise ShapeError unless ``tensor.dim()`` is one of ``ranks``."""
+    expect_tensor(name, tensor)
     if tensor.dim() not in ranks:
         want = " or ".join(str(r) for r in ranks)
         raise ShapeError(f"{name}: expected a {want}-d tensor, got shape {tuple(tensor.shape)}")
@@ -44,6 +73,7 @@ def expect_rank(name: str, tensor, ranks: tuple[int, ...]) -> None:
 
 def expect_last_dim(name: str, tensor, size: int) -> None:
     """Raise ShapeError unless the last dimension of ``tensor`` is ``size``."""
+    expect_tensor(name, tensor)
     if tensor.dim() == 0 or tensor.shape[-1] != size:
         raise ShapeError(f"{name}: expected last dimension {size}, got shape {tuple(tensor.shape)}")
 
@@ -52,6 +82,7 @@ def expect_float(name: str, tensor) -> None:
     """Raise DTypeError unless ``tensor`` is fp32, fp16 or bf16."""
     import torch
 
+    expect_tensor(name, tensor)
     if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise DTypeError(f"{name}: expected float32, float16 or bfloat16, got {tensor.dtype}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import shlex
@@ -59,25 +60,67 @@ def container_tail(argv: list[str], image: str) -> list[str]:
 
 
 def mounts(argv: list[str]) -> list[str]:
-    return [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
+    """Bind mounts as 'src:dst' (':ro' when read-only), from docker's --mount type=bind,src=...,dst=... form."""
+    out = []
+    for i, a in enumerate(argv):
+        if a == "--mount":
+            fields = dict(f.partition("=")[::2] for f in argv[i + 1].split(","))
+            assert fields.pop("type") == "bind", argv[i + 1]
+            out.append(f"{fields['src']}:{fields['dst']}" + (":ro" if "readonly" in fields else ""))
+    assert "-v" not in argv   # -v splits on ':', which a host path may contain
+    return out
 
 
 def test_thor_demo_runs_in_the_cuda13_image_with_jetson_mounts(tmp_path):
     argv = dry(tmp_path, "thor_r38", "demo", "--config", "k4v4", docker=True)
     image = f"jetson-tq:{__version__}-cu130-arm64"
     assert argv[:3] == ["docker", "run", "--rm"]
+    assert argv[argv.index("--user") + 1] == f"{os.getuid()}:{os.getgid()}"   # never root in the checkout
     assert argv[argv.index("--runtime") + 1] == "nvidia" and "--gpus" not in argv
-    for flag in ("--ipc=host", "--network"):
-        assert flag in argv
-    assert "memlock=-1" in argv and "stack=67108864" in argv
+    assert argv[argv.index("--network") + 1] == "none" and "--ipc=host" not in argv   # the demo downloads nothing
+    assert "memlock=-1" not in argv
     board = BOARDS / "thor_r38"
     m = mounts(argv)
     assert f"{board}/etc/nv_tegra_release:/etc/nv_tegra_release:ro" in m
     assert f"{tmp_path}/cache/jetson-tq/nv_jetson_model:/tmp/nv_jetson_model:ro" in m
     assert f"{board}/run/jtop.sock:/run/jtop.sock" in m          # the fixture has a jtop socket
     assert f"{REPO}:/opt/jetson-tq" in m
-    assert f"{tmp_path}/home/.cache/huggingface:/root/.cache/huggingface" in m
+    assert f"{tmp_path}/cache/jetson-tq/home:/home/jtq" in m
+    assert not any("huggingface" in x or "vllm" in x for x in m)   # no model cache, no token file
     assert container_tail(argv, image) == [image, "python3", "-m", "jetson_tq", "demo", "--config", "k4v4"]
+
+
+def test_container_vllm_gets_the_model_cache_but_not_the_token_file(tmp_path):
+    argv = dry(tmp_path, "thor_r38", "vllm", docker=True, HF_TOKEN="hf_secret")
+    for flag in ("--ipc=host", "memlock=-1", "stack=67108864"):
+        assert flag in argv
+    assert argv[argv.index("--network") + 1] == "host"
+    m = mounts(argv)
+    assert f"{tmp_path}/cache/huggingface/hub:/cache/huggingface/hub" in m      # models only, not HF_HOME
+    assert f"{tmp_path}/cache/vllm:/cache/vllm" in m
+    assert not any(x.startswith(f"{tmp_path}/cache/huggingface:") for x in m)
+    assert "/run/jtop.sock" not in " ".join(m)
+    assert "HF_TOKEN" in argv and "hf_secret" not in " ".join(argv)            # passed by name from the env
+    assert "HF_TOKEN" not in dry(tmp_path, "thor_r38", "vllm", docker=True)
+    capacity = dry(tmp_path, "x86_h200", "capacity", docker=True)
+    assert capacity[capacity.index("--network") + 1] == "none"
+    assert mounts(capacity) == [f"{REPO}:/opt/jetson-tq", f"{tmp_path}/cache/jetson-tq/home:/home/jtq"]
+
+
+def test_container_mounts_a_checkout_whose_path_has_a_colon(tmp_path):
+    repo = tmp_path / "a:b" / "jetson-tq"   # the script alone: a dry run reads nothing else of the checkout
+    repo.mkdir(parents=True)
+    shutil.copy2(SCRIPT, repo)
+    e = sandbox_env(tmp_path, "x86_h200", docker=True)
+    p = subprocess.run([str(repo / "run_jetson.sh"), "--dry-run", "demo"], env=e, capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert f"{repo}:/opt/jetson-tq" in mounts(shlex.split(p.stdout))
+    comma = tmp_path / "a,b"
+    shutil.copytree(repo, comma / "jetson-tq")
+    p = subprocess.run([str(comma / "jetson-tq" / "run_jetson.sh"), "--dry-run", "demo"], env=e, capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == exit_codes.USAGE and "contains ','" in p.stderr
 
 
 def test_orin_jetpack6_demo_uses_jp6_image_and_vllm_is_refused(tmp_path):
@@ -151,6 +194,28 @@ def test_usage_errors_and_help(tmp_path):
         assert p.returncode == exit_codes.USAGE == 2, (args, p.stderr)
     p = run(tmp_path, "x86_cpu", "-h")
     assert p.returncode == 0 and "usage: ./run_jetson.sh" in p.stdout and "exit codes" in p.stdout
+    p = run(tmp_path, "x86_cpu", "--bogus", "demo")
+    assert p.returncode == 2 and "unknown option '--bogus'" in p.stderr and "unknown mode" not in p.stderr
+
+
+def test_help_after_the_mode_reaches_the_mode(tmp_path):
+    for mode in ("capacity", "demo", "vllm", "platform"):
+        assert dry(tmp_path, "x86_cpu", mode, "--help")[-2:] == [mode, "--help"]
+        assert dry(tmp_path, "x86_cpu", mode, "-h")[-2:] == [mode, "-h"]
+    p = run(tmp_path, "x86_cpu", "shell", "--help")      # bash has no mode help: the launcher's
+    assert p.returncode == 0 and "usage: ./run_jetson.sh" in p.stdout
+    assert dry(tmp_path, "x86_cpu", "test", "--help")[-1] == "--help"    # pytest's own
+
+
+def test_dry_run_works_in_any_position(tmp_path):
+    venv = f"{tmp_path}/venv-never-created"
+    for args in (["--dry-run", "capacity", "--json"], ["capacity", "--dry-run", "--json"], ["capacity", "--json", "--dry-run"]):
+        p = run(tmp_path, "x86_cpu", *args)
+        assert p.returncode == 0 and shlex.split(p.stdout) == [f"{venv}/bin/python", "-m", "jetson_tq", "capacity", "--json"]
+    for args in (["test", "--dry-run", "-q"], ["test", "-q", "--dry-run"]):   # pytest has no --dry-run: never passed on
+        p = run(tmp_path, "x86_cpu", *args)
+        assert p.returncode == 0 and shlex.split(p.stdout) == [f"{venv}/bin/python", "-m", "pytest", "-q"], p.stdout
+    assert not (tmp_path / "venv-never-created").exists()
 
 
 def test_passthrough_after_double_dash(tmp_path):

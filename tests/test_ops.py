@@ -10,7 +10,7 @@ import jetson_tq as jt
 from jetson_tq import ops
 from jetson_tq.attention.reference import paged_attention_decode, paged_attention_prefill
 from jetson_tq.cache.compressed import CaptureError, CompressedKVCache
-from jetson_tq.errors import ConfigError, ShapeError, UnsupportedPlatformError
+from jetson_tq.errors import ArgTypeError, ConfigError, ShapeError, UnsupportedPlatformError
 from jetson_tq.format import KVFormat, PagedLayout
 from kernel_cases import DEVICE, GPU, fresh_seed, rel_err
 
@@ -78,9 +78,9 @@ def test_public_api_runs_the_reference_on_cpu(monkeypatch):
     empty = CompressedKVCache(KVFormat(), 2, 64, 1)
     with pytest.raises(ShapeError, match="empty cache"):
         jt.attention_decode(torch.randn(1, 4, 64), empty)
-    with pytest.raises(ShapeError, match="expected q as a torch.Tensor"):
+    with pytest.raises(ArgTypeError, match="q: expected a torch.Tensor"):
         jt.attention_decode([[0.0]], cache)
-    with pytest.raises(ShapeError, match="CompressedKVCache or PagedKV"):
+    with pytest.raises(ArgTypeError, match="CompressedKVCache or PagedKV"):
         jt.attention_decode(q, "cache")
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ..paged import PagedKV
 from ..errors import ShapeError, expect_float, expect_same_device
+from ..validate import check_softmax_scale
 
 
 def _group_query(q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
@@ -63,6 +64,7 @@ def _finish(scores: torch.Tensor, values: torch.Tensor, out_shape, dtype) -> tor
 def paged_attention_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]."""
     expect_float("q", q)
+    check_softmax_scale(softmax_scale)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
         raise ShapeError(f"q: expected [B, Hq, D], got {tuple(q.shape)}")
@@ -100,6 +102,7 @@ def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
         expect_float(name, t)
         if t.dim() != 4:
             raise ShapeError(f"{name}: expected a 4-d tensor [B, H, T, D], got {tuple(t.shape)}")
+    check_softmax_scale(softmax_scale)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     if k.shape != v.shape or k.shape[1] != kv.num_kv_heads or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0]:
         raise ShapeError(f"k, v: expected [{q.shape[0]}, {kv.num_kv_heads}, {q.shape[2]}, D], "

@@ -19,9 +19,11 @@ import torch
 
 from .. import ops
 from ..codec.kv import Fields, KVCodec
-from ..errors import DTypeError, JetsonTQError, ShapeError, expect_float, expect_same_device
+from ..errors import (DTypeError, JetsonTQError, ShapeError, expect_float, expect_int, expect_same_device,
+                      expect_tensor)
 from ..format import KVFormat, PagedLayout
 from ..paged import PagedKV, allocate_pages
+from ..validate import check_cache_args, check_kv_storable
 
 _MIN_CAPACITY = 64
 DEFAULT_BLOCK_SIZE = 16
@@ -36,18 +38,22 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 class CompressedKVCache:
-    """The hybrid KV cache of one attention layer for a batch of ``batch_size`` sequences."""
+    """The hybrid KV cache of one attention layer for a batch of ``batch_size`` sequences.
+
+    ``validate=True`` (default) rejects non-finite K/V and K/V that overflow a stored field at
+    ``append``, and a non-finite query at attention (``jetson_tq.validate``); ``False`` skips those
+    data checks (a few reductions and, on CUDA, one device sync per call).
+    """
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
                  seed: int | None = None, initial_capacity: int = _MIN_CAPACITY,
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, validate: bool = True) -> None:
+        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
-        if num_kv_heads < 1 or batch_size < 1:
-            raise ShapeError(f"num_kv_heads and batch_size must be >= 1, got {num_kv_heads}, {batch_size}")
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype, self.validate = torch.device(device), dtype, bool(validate)
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.layout = PagedLayout(fmt, head_dim, block_size)
         self.recent_window = fmt.buffer_tokens
@@ -142,9 +148,8 @@ class CompressedKVCache:
 
     # ------------------------------------------------------------------ write path
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise ShapeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        expect_tensor("k", k)
+        expect_tensor("v", v)
         expect_float("k", k)
         expect_float("v", v)
         expect_same_device(k=k, v=v, cache=self.ring_k)
@@ -179,6 +184,7 @@ class CompressedKVCache:
         if t == 0:
             return
         if stage:
+            self._validate(k, v, rows)
             self._make_room(rows, t)
         if stage and t > 1 and len(rows) > 1:  # per sequence: [T, H, D] stays a strided view of the input
             for i, b in enumerate(rows):
@@ -208,9 +214,15 @@ class CompressedKVCache:
                 raise ShapeError(f"k: expected batch {self.batch_size}, got {k.shape[0]}")
             return range(self.batch_size), k, v
         self._check_kv(k, v, 3)
-        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self.batch_size:
-            raise ShapeError(f"seq: expected an integer 0 <= seq < {self.batch_size}, got {seq!r}")
+        if not 0 <= expect_int("seq", seq) < self.batch_size:
+            raise ShapeError(f"seq: expected 0 <= seq < {self.batch_size}, got {seq}")
         return range(seq, seq + 1), k.unsqueeze(0), v.unsqueeze(0)
+
+    def _validate(self, k: torch.Tensor, v: torch.Tensor, rows: range) -> None:
+        """Refuse non-finite or overflowing K/V (``jetson_tq.validate``; one device sync, skipped in graph capture)."""
+        if self.validate and not _capturing(k):
+            check_kv_storable(k, v, self.fmt, self.dtype, self.codec.raw_dtype, list(rows),
+                              self.lengths[rows.start : rows.stop].tolist())
 
     def _make_room(self, rows: range, t: int) -> None:
         """Eagerly: grow the pages for ``t`` more tokens. During capture: check the room (named error if none)."""

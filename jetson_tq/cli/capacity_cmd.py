@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from ..reports.capacity import (KVBudget, capacity_report, format_measurement, format_report, human_bytes,
                                 measure_model)
 from ..reports.model_specs import ModelSpec, load_model_spec
+from ..arg_types import device_name, fraction, nonnegative_float, positive_float, positive_int
 
 DEFAULT_MODEL = "qwen2.5-7b-instruct"
 DEFAULT_UTILIZATION = 0.85  # vLLM --gpu-memory-utilization on unified memory: 0.75-0.85 (FIELD_NOTES)
@@ -30,44 +31,60 @@ def resolve_budget(args: argparse.Namespace, model: ModelSpec) -> KVBudget:
     if args.kv_budget_gb is not None:
         kv = int(args.kv_budget_gb * 1e9)
         return KVBudget(kv + weights + overhead, 1.0, weights, overhead, "--kv-budget-gb")
-    if not 0 < args.utilization <= 1:
-        raise ConfigError(f"--utilization: expected a fraction in (0, 1], got {args.utilization}")
     if args.memory_gb is not None:
-        return KVBudget(int(args.memory_gb * 1e9), args.utilization, weights, overhead, f"--memory-gb {args.memory_gb:g}")
-    from ..platform import memory_budget, probe
+        budget = KVBudget(int(args.memory_gb * 1e9), args.utilization, weights, overhead, f"--memory-gb {args.memory_gb:g}")
+    else:
+        from ..platform import memory_budget, probe
 
-    info = probe()
-    mem = memory_budget(info)
-    if mem.available_bytes is None:
-        raise ConfigError(f"cannot read this machine's memory budget ({mem.note}); pass --memory-gb or --kv-budget-gb")
-    return KVBudget(mem.available_bytes, args.utilization, weights, overhead, f"this {info.kind}: {mem.source}")
+        info = probe()
+        mem = memory_budget(info)
+        if mem.available_bytes is None:
+            raise ConfigError(f"cannot read this machine's memory budget ({mem.note}); pass --memory-gb or --kv-budget-gb")
+        budget = KVBudget(mem.available_bytes, args.utilization, weights, overhead, f"this {info.kind}: {mem.source}")
+    if budget.kv_bytes <= 0:
+        raise ConfigError(f"no memory left for the KV cache: {budget.source}: {human_bytes(budget.available_bytes)} x "
+                          f"utilization {budget.utilization:g} = {human_bytes(budget.usable_bytes)}, but weights {human_bytes(weights)} "
+                          f"+ overhead {human_bytes(overhead)} need more; expected a larger --memory-gb, a smaller "
+                          f"--weights-gb/--overhead-gb, or --kv-budget-gb")
+    return budget
 
 
 def _measure_device(name: str) -> str:
+    """The measured cache's device; DeviceError when 'cuda' is asked for on a machine without one."""
+    from ..validate import check_device
+
     if name != "auto":
-        return name
+        return str(check_device(name))
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _plot_path(args: argparse.Namespace, model: ModelSpec, config_name: str) -> Path:
+    path = Path(args.plot) if args.plot else Path("out/capacity") / f"capacity_{model.name}_{config_name}.png"
+    if path.is_dir():
+        raise ConfigError(f"--plot: expected a PNG file path, got the directory {str(path)!r}")
+    return path
+
+
 def run_capacity(args: argparse.Namespace) -> dict:
     """Compute (and optionally measure and plot) the report; returns everything as one dict."""
-    model = load_model_spec(args.model)
+    model = load_model_spec(args.model)  # every argument is checked before any work starts
     config = load_config(args.config)
     context = args.context or min(DEFAULT_CONTEXT, model.max_position_embeddings)
     budget = resolve_budget(args, model)
+    device = None if args.no_measure else _measure_device(args.device)
+    if not args.no_plot:
+        names = args.compare.split(",") if args.compare else preset_names()
+        configs = [load_config(n) for n in names if n != config.name] + [config]
+        path = _plot_path(args, model, config.name)
     out = {"report": capacity_report(model, config, budget, context)}
-    if not args.no_measure:
-        device = _measure_device(args.device)
+    if device is not None:
         tokens = args.measure_tokens or (GPU_MEASURE_TOKENS if device.startswith("cuda") else CPU_MEASURE_TOKENS)
         out["measured"] = measure_model(config, model, tokens, device)
     if not args.no_plot:
         from ..reports.plots import plot_capacity
 
-        names = args.compare.split(",") if args.compare else preset_names()
-        configs = [load_config(n) for n in names if n != config.name] + [config]
-        path = args.plot or Path("out/capacity") / f"capacity_{model.name}_{config.name}.png"
         out["plot"] = str(plot_capacity(model, configs, budget.kv_bytes, path,
                                         f"{model.name}: KV memory vs tokens ({budget.source})"))
     return out
@@ -94,14 +111,14 @@ def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name in configs/models or a YAML path "
                                                           f"(default {DEFAULT_MODEL})")
     p.add_argument("--config", default=DEFAULT_PRESET, help=f"TurboQuant preset or YAML (default {DEFAULT_PRESET})")
-    p.add_argument("--memory-gb", type=float, help="memory available to the model, GB (default: this machine's "
+    p.add_argument("--memory-gb", type=positive_float, help="memory available to the model, GB (default: this machine's "
                                                    "budget: MemAvailable on Jetson, free GPU memory, or RAM)")
-    p.add_argument("--utilization", type=float, default=DEFAULT_UTILIZATION,
+    p.add_argument("--utilization", type=fraction, default=DEFAULT_UTILIZATION,
                    help=f"fraction of that memory the model may use (default {DEFAULT_UTILIZATION})")
-    p.add_argument("--weights-gb", type=float, help="override the model's weight bytes, GB")
-    p.add_argument("--overhead-gb", type=float, default=0.0, help="activations/CUDA context to set aside, GB")
-    p.add_argument("--kv-budget-gb", type=float, help="give the KV budget directly, GB (overrides the above)")
-    p.add_argument("--context", type=int, help=f"tokens per sequence for the per-sequence view "
+    p.add_argument("--weights-gb", type=nonnegative_float, help="override the model's weight bytes, GB")
+    p.add_argument("--overhead-gb", type=nonnegative_float, default=0.0, help="activations/CUDA context to set aside, GB")
+    p.add_argument("--kv-budget-gb", type=positive_float, help="give the KV budget directly, GB (overrides the above)")
+    p.add_argument("--context", type=positive_int, help=f"tokens per sequence for the per-sequence view "
                                                f"(default min({DEFAULT_CONTEXT}, model max))")
 
 
@@ -112,8 +129,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", help="PNG path (default out/capacity/capacity_<model>_<config>.png)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--measure-tokens", type=int, help=f"tokens in the measured cache (default {CPU_MEASURE_TOKENS} on "
+    p.add_argument("--measure-tokens", type=positive_int, help=f"tokens in the measured cache (default {CPU_MEASURE_TOKENS} on "
                                                       f"CPU, {GPU_MEASURE_TOKENS} on CUDA)")
     p.add_argument("--no-measure", action="store_true", help="skip allocating a real cache")
-    p.add_argument("--device", default="auto", help="device of the measured cache: auto, cpu, cuda")
+    p.add_argument("--device", default="auto", type=device_name, help="device of the measured cache: auto, cpu, cuda")
     p.set_defaults(func=_run)

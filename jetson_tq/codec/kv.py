@@ -11,6 +11,7 @@ import torch
 
 from ..errors import ShapeError, expect_float, expect_last_dim
 from ..format import KVFormat
+from ..validate import check_seed
 from .mse import MSECode, TurboQuantMSE
 from .packing import unpack_bits
 from .prod import ProdCode, TurboQuantProd
@@ -27,7 +28,7 @@ class KVCodec:
                  raw_dtype: torch.dtype = torch.float16) -> None:
         fmt.check_head_dim(head_dim)
         self.fmt, self.head_dim, self.raw_dtype = fmt, head_dim, raw_dtype
-        self.seed = fmt.seed if seed is None else int(seed)
+        self.seed = fmt.seed if seed is None else check_seed("seed", seed)
         rot, nd = fmt.rotation_for(head_dim), fmt.norm_torch_dtype
         self.keys: TurboQuantProd | TurboQuantMSE | None = None
         if fmt.key_mode == "prod":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DTypeError, FormatError, ShapeError
+from ..errors import DTypeError, FormatError, ShapeError, ValueRangeError
 from ..format import MAX_BITS, packed_bytes, subfield_widths
 
 
@@ -27,6 +27,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise DTypeError(f"codes: expected uint8, got {codes.dtype}")
     if codes.dim() == 0:
         raise ShapeError("codes: expected at least 1 dimension, got a scalar")
+    if bits < MAX_BITS and codes.numel() and int(codes.max()) >= 1 << bits:
+        raise ValueRangeError(f"codes: expected values < 2**{bits} = {1 << bits} for {bits}-bit packing, "
+                              f"got {int(codes.max())} (its high bits would be dropped)")
     n = codes.shape[-1]
     ch = (n + 7) // 8
     lead = codes.shape[:-1]

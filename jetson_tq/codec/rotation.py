@@ -16,6 +16,7 @@ import torch
 
 from ..errors import FormatError
 from ..format import is_power_of_two
+from ..validate import check_seed
 
 _QJL_SEED_SALT = 0x51A7_C0DE
 _VALUE_SEED_SALT = 0x0BAD_5EED
@@ -80,7 +81,7 @@ class Rotation:
             raise FormatError(f"rotation kind: expected 'auto', 'hadamard' or 'dense', got {kind!r}")
         if kind == "hadamard" and not is_power_of_two(dim):
             raise FormatError(f"rotation 'hadamard' needs a power-of-two dim, got {dim}; use 'dense'")
-        self.dim, self.kind, self.seed = dim, kind, int(seed)
+        self.dim, self.kind, self.seed = dim, kind, check_seed("seed", seed)
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def matrix64(self) -> torch.Tensor:

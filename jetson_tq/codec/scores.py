@@ -13,6 +13,7 @@ import math
 import torch
 
 from ..errors import DTypeError, ShapeError, expect_rank, expect_same_device
+from ..validate import check_scores_values
 
 
 def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
@@ -42,6 +43,7 @@ def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None
     for name, t in (("Q", Q), ("gamma", gamma), ("Pi", Pi), ("S_mat", S_mat), ("codebook", codebook)):
         if not t.is_floating_point():
             raise DTypeError(f"{name}: expected a floating tensor, got {t.dtype}")
+    check_scores_values(qjl_signs, gamma, Q=Q, Pi=Pi, S_mat=S_mat, codebook=codebook)
 
 
 def turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> torch.Tensor:

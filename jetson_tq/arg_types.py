@@ -1,0 +1,59 @@
+"""argparse ``type=`` checkers shared by every command line: finite numbers in range, known device names (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+
+def _number(text: str, kind: type) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float > 0 (memory sizes in GB)."""
+    value = _number(text, float)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite float >= 0 (overheads, weight overrides)."""
+    value = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A finite float in (0, 1] (memory utilization)."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (tokens, sequences, MiB)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def device_name(text: str) -> str:
+    """'auto', 'cpu', 'cuda' or 'cuda:N' (whether it exists here is checked when it is used)."""
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text

@@ -1,0 +1,187 @@
+"""Input checks the public API runs at its entry points, so bad numbers fail loudly instead of decoding to NaN.
+
+Policy (docs/robustness.md):
+- ``CompressedKVCache(validate=True)`` (the default) rejects, at ``append``, K/V holding NaN/inf and
+  K/V whose stored fields would overflow their dtype: the fp16 recent buffer, fp16 key/value norms,
+  the fp16 scale/zero of value groups, raw fp16 fields of a float32 cache. The error names the
+  sequence, KV head and position. Attention over such a cache rejects a non-finite query.
+  ``validate=False`` skips these data checks (a few reductions and, on CUDA, one device sync per call).
+- Always checked (host-side, free): Python types, ``softmax_scale`` (finite, > 0), seeds.
+Bytes per token are unchanged: values that do not fit the format are refused, never stored wider.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .errors import ArgTypeError, DeviceError, ValueRangeError, expect_int, expect_tensor
+from .format import KVFormat
+
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+#: prod keys also store ||r|| = ||k|| * ||k/||k|| - k_mse||; that factor is <= 1.23 for any input we tried
+#: (one-hot vectors in the rotated basis, D = 64/128, every bit width), so key norms get half the range.
+PROD_RNORM_HEADROOM = 2.0
+SEED_MAX = 2**63 - 1
+
+
+def check_seed(name: str, seed: object) -> int:
+    """An int seed in [0, 2**63 - 1] (no float truncation, no negative seed, as ``KVFormat`` requires)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ArgTypeError(f"{name}: expected an integer seed in [0, {SEED_MAX}], got {type(seed).__name__} {seed!r}")
+    if not 0 <= seed <= SEED_MAX:
+        raise ValueRangeError(f"{name}: expected an integer seed in [0, {SEED_MAX}], got {seed}")
+    return int(seed)
+
+
+def check_softmax_scale(scale: object) -> None:
+    """None, or a finite number > 0 (a NaN or negative scale silently breaks the softmax)."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ArgTypeError(f"softmax_scale: expected a float > 0 or None, got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueRangeError(f"softmax_scale: expected a finite float > 0 or None, got {scale}")
+
+
+def check_cache_args(fmt: object, num_kv_heads: object, head_dim: object, batch_size: object, device: object,
+                     seed: object, initial_capacity: object, block_size: object) -> torch.device:
+    """Python types and ranges of ``CompressedKVCache(...)``'s arguments; returns the torch.device."""
+    if not isinstance(fmt, KVFormat):
+        raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
+    for name, value, lo in (("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 2), ("batch_size", batch_size, 1),
+                            ("initial_capacity", initial_capacity, 0), ("block_size", block_size, 1)):
+        expect_int(name, value, lo)
+    if seed is not None:
+        check_seed("seed", seed)
+    return check_device(device)
+
+
+def check_device(device: object) -> torch.device:
+    """A torch.device that exists here (DeviceError for 'bogus', or 'cuda' without a CUDA GPU)."""
+    if not isinstance(device, (str, torch.device)):
+        raise ArgTypeError(f"device: expected a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise DeviceError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"device: {device!r} asked for, but torch sees no CUDA GPU here")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceError(f"device: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, got {device!r}")
+    return dev
+
+
+def _first_index(bad: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+def _nonfinite_index(t: torch.Tensor) -> tuple[int, ...] | None:
+    """Index of the first NaN/inf element of ``t`` (None when all are finite or ``t`` is not floating)."""
+    if not t.dtype.is_floating_point or bool(torch.isfinite(t).all()):
+        return None
+    return _first_index(~torch.isfinite(t))
+
+
+def _where(index: tuple[int, ...], seqs: list[int], starts: list[int], batched: bool) -> str:
+    """'sequence b, KV head h, position p' for an index [B?, H, T, ...] of the appended chunk."""
+    b, rest = (index[0], index[1:]) if batched else (0, index)
+    return f"sequence {seqs[b]}, KV head {rest[0]}, position {starts[b] + rest[1]}"
+
+
+def check_finite(name: str, t: torch.Tensor, seqs: list[int], starts: list[int], batched: bool) -> None:
+    """Raise ValueRangeError naming the first NaN/inf element of ``t`` ([B, H, T, D] or [H, T, D])."""
+    idx = _nonfinite_index(t)
+    if idx is not None:
+        raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at "
+                              f"{_where(idx, seqs, starts, batched)}, coordinate {idx[-1]}")
+
+
+def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hint: str, seqs, starts, batched) -> None:
+    """``values`` [B?, H, T, ...] must stay <= ``limit``; else name where, by how much, and what to do."""
+    bad = values > limit
+    if bool(bad.any()):
+        idx = _first_index(bad)
+        raise ValueRangeError(f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got "
+                              f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}")
+
+
+def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
+                  raw_dtype: torch.dtype) -> list[tuple[str, str, torch.Tensor, float, str]]:
+    """(tensor name, quantity, per-token values [B?, H, T], limit, hint) for every fp16-stored quantity."""
+    kf, vf = k.float(), v.float()
+    out = []
+    for name, t, mode in (("k", kf, fmt.key_mode), ("v", vf, fmt.value_mode)):
+        if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
+            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
+                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
+            out.append((name, "|value|", t.abs().amax(dim=-1), FP16_MAX, hint))
+    norm_hint = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
+    if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
+        limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
+        out.append(("k", "key norm", kf.norm(dim=-1), limit, norm_hint))
+    if fmt.value_mode == "mse" and fmt.norm_dtype == "float16":
+        out.append(("v", "value norm", vf.norm(dim=-1), FP16_MAX, norm_hint))
+    if fmt.value_mode == "group":
+        g = vf.unflatten(-1, (-1, fmt.value_group))
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        hint = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
+        levels = (1 << fmt.value_bits) - 1
+        out.append(("v", "|group minimum|", lo.abs().amax(dim=-1), FP16_MAX, hint))
+        out.append(("v", "group scale (max - min) / levels", ((hi - lo) / levels).amax(dim=-1), FP16_MAX, hint))
+    return out
+
+
+def check_kv_storable(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
+                      raw_dtype: torch.dtype, seqs: list[int], starts: list[int]) -> None:
+    """Reject K/V [B, H, T, D] or [H, T, D] that are non-finite or overflow a field of ``fmt`` (see module doc).
+
+    ``seqs`` / ``starts``: the sequence id and first position of each leading row, for the message.
+    All conditions are reduced to one flag first, so a good append costs one device sync.
+    """
+    where = (seqs, starts, k.dim() == 4)
+    limits = _field_limits(k, v, fmt, cache_dtype, raw_dtype)
+    ok = torch.isfinite(k).all() & torch.isfinite(v).all()
+    for _, _, values, limit, _ in limits:
+        ok &= (values <= limit).all()
+    if bool(ok):
+        return
+    check_finite("k", k, *where)
+    check_finite("v", v, *where)
+    for name, what, values, limit, hint in limits:
+        _check_at_most(name, what, values, limit, hint, *where)
+
+
+def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object,
+                           *chunk: tuple[str, object]) -> None:
+    """Types and scale always; a finite query (and chunk K/V) when the cache was built with ``validate=True`` and the
+    query is on the CPU. CUDA queries are not data-checked: that would cost a host sync per call and break CUDA graph
+    capture; a NaN query only gives NaN output for that query (the cache is untouched: K/V are checked at append)."""
+    expect_tensor("q", q)
+    for name, t in chunk:
+        expect_tensor(name, t)
+    if not hasattr(cache_or_kv, "pages"):
+        raise ArgTypeError(f"cache: expected a CompressedKVCache or PagedKV, got {type(cache_or_kv).__name__}")
+    check_softmax_scale(softmax_scale)
+    if getattr(cache_or_kv, "validate", False) and not q.is_cuda:
+        for name, t in (("q", q), *chunk):
+            idx = _nonfinite_index(t)
+            if idx is not None:
+                raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
+
+
+def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: torch.Tensor) -> None:
+    """``turboquant_scores`` data: signs exactly +1/-1, gamma (a residual norm) finite and >= 0, floats finite."""
+    bad = (qjl_signs != 1) & (qjl_signs != -1)
+    if bool(bad.any()):
+        idx = _first_index(bad)
+        raise ValueRangeError(f"qjl_signs: expected only +1 or -1, got {int(qjl_signs[idx])} at index {idx}")
+    for name, t in {"gamma": gamma, **floats}.items():
+        idx = _nonfinite_index(t)
+        if idx is not None:
+            raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
+    if bool((gamma < 0).any()):
+        idx = _first_index(gamma < 0)
+        raise ValueRangeError(f"gamma: expected residual norms >= 0, got {gamma[idx].item()} at index {idx}")
