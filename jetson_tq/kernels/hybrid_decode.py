@@ -301,11 +301,12 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_spl
 # Launch defaults from benchmarks/sweep_decode.py on the H200 (docs/benchmarks.md): small programs
 # (32 tokens, 2 warps, no software pipelining) and ~16 of them per SM hide the load -> unpack -> MMA
 # latency chain better than fewer, larger ones (occupancy, not instruction count, was the limit);
-# formats whose key indices need a codebook lookup (3-4 bits) do best with 16-token, 1-warp programs.
+# formats with 3-4 bit key indices do best with 16-token, 1-warp programs, whether the indices go through a
+# codebook lookup (Lloyd-Max, run 4: 693 vs 800 us) or one bit plane (uniform, run 5: 502 vs 566 us).
 BLOCK_N = 32
 NUM_WARPS = 2
-LOOKUP_BLOCK_N = 16
-LOOKUP_NUM_WARPS = 1
+WIDE_BLOCK_N = 16
+WIDE_NUM_WARPS = 1
 NUM_STAGES = 1
 BLOCK_R = 64
 WAVES = 16.0  # programs per SM the split count aims for
@@ -388,9 +389,9 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     fast_k, k_high = fast_key_planes(spec, consts, fast_keys)
-    lookup = spec.KB >= 3 and not fast_k
-    block_n = block_n or (LOOKUP_BLOCK_N if lookup else BLOCK_N)
-    num_warps = num_warps or (LOOKUP_NUM_WARPS if lookup else NUM_WARPS)
+    wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
+    block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
+    num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     fuse = fuse_query and fused_query(spec, kv.codec)
     if fuse:
