@@ -74,7 +74,20 @@ def _resources(kernel) -> dict:
     os.unlink(f.name)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else -1  # noqa: E731
     return {"regs": get("REG"), "stack": get("STACK"), "shared": kernel.metadata.shared,
-            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))}
+            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "loops": _loops(sass)}
+
+
+def _loops(sass: str) -> list[int]:
+    """Instruction counts of every loop (backward branch to its target), in code order: in the attention
+    kernels the first is the compressed-tile loop, the second the recent-buffer loop."""
+    found = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?`?\(?\.L_x_\d+\)?|"
+                         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?0x([0-9a-f]+)", sass):
+        if m.group(2):
+            here, target = int(m.group(2), 16), int(m.group(3), 16)
+            if target < here:
+                found.append((target, (here - target) // 16 + 1))
+    return [n for _, n in sorted(found)]
 
 
 def main(argv=None) -> int:
