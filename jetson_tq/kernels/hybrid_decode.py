@@ -7,7 +7,10 @@ scoring every tile for all G query heads of the KV head at once (GQA: the tile i
     score = ||k|| <Pi q, c[idx]> + sqrt(pi/2)/D ||r|| <S q, signs>      (keys never rebuilt)
     value = code * scale + zero                                         (per group of coordinates)
 
-with (Pi q, S q) computed once per query by ``query_transform`` (scaled by softmax_scale*log2 e).
+with (Pi q, S q) computed once per query (scaled by softmax_scale*log2 e): inside this launch for mse
+keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in registers), else by
+``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
+bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
 also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
