@@ -74,7 +74,20 @@ def _resources(kernel) -> dict:
     os.unlink(f.name)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else -1  # noqa: E731
     return {"regs": get("REG"), "stack": get("STACK"), "shared": kernel.metadata.shared,
-            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))}
+            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "loops": _loops(sass)}
+
+
+def _loops(sass: str) -> list[int]:
+    """Instruction counts of every loop (backward branch to its target), in code order: in the attention
+    kernels the first is the compressed-tile loop, the second the recent-buffer loop."""
+    found = []
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?`?\(?\.L_x_\d+\)?|"
+                         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?0x([0-9a-f]+)", sass):
+        if m.group(2):
+            here, target = int(m.group(2), 16), int(m.group(3), 16)
+            if target < here:
+                found.append((target, (here - target) // 16 + 1))
+    return [n for _, n in sorted(found)]
 
 
 def main(argv=None) -> int:
@@ -108,7 +121,7 @@ def main(argv=None) -> int:
             print(f"{name:10s} prefill {'':35s} {kname:24s} {_resources(k)}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
-        for knobs in ({}, {"fast_rotation": False}):
+        for knobs in ({}, {"fast_rotation": True}):
             n0 = len(COMPILED)
             compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, **knobs)
             for kname, k in COMPILED[n0:]:

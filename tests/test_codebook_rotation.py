@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from jetson_tq.codec.codebook import lloyd_max_codebook, lloyd_max_mse
+from jetson_tq.codec.codebook import key_codebook, lloyd_max_codebook, lloyd_max_mse, uniform_codebook, uniform_mse
+from jetson_tq.codec.kv import KVCodec
+from jetson_tq.format import KVFormat
 from jetson_tq.codec.rotation import Rotation, derive_seed, fwht, qjl_matrix
 from jetson_tq.errors import FormatError
 
@@ -69,3 +71,28 @@ def test_seeds_per_layer_and_head_differ_and_repeat():
     s = qjl_matrix(32, 5)
     assert s.shape == (32, 32) and torch.equal(s, qjl_matrix(32, 5))
     assert abs(float(s.mean())) < 0.1 and abs(float(s.std()) - 1) < 0.1
+
+
+@pytest.mark.parametrize("dim,bits", [(64, 4), (128, 4), (128, 2)])
+def test_uniform_codebook_is_evenly_spaced_with_the_optimal_step(dim, bits):
+    c = uniform_codebook(dim, bits).double()
+    step = (c[-1] - c[0]) / (c.numel() - 1)
+    assert torch.allclose(c, (torch.arange(c.numel(), dtype=torch.float64) - (c.numel() - 1) / 2) * step, atol=1e-7)
+    assert uniform_mse(dim, bits) >= lloyd_max_mse(dim, bits)  # Lloyd-Max is the optimum over all codebooks
+    from jetson_tq.codec.codebook import _grid_mse, _uniform_levels
+
+    levels = _uniform_levels(bits)
+    for f in (0.98, 1.02):  # a 2 % longer or shorter step is worse: the step minimizes the MSE
+        assert _grid_mse(dim, float(step) * f * levels) > uniform_mse(dim, bits)
+    assert torch.equal(key_codebook("uniform", dim, bits), uniform_codebook(dim, bits))
+    with pytest.raises(FormatError):
+        key_codebook("nf4", dim, bits)
+
+
+def test_codec_uses_the_formats_key_codebook():
+    """Measured key MSE of the codec matches each codebook's expected MSE (4-bit, D=128, 4096 keys)."""
+    k = torch.randn(4096, 128, generator=torch.Generator().manual_seed(0))
+    for kind, expect in (("lloyd_max", lloyd_max_mse(128, 4)), ("uniform", uniform_mse(128, 4))):
+        codec = KVCodec(KVFormat(key_mode="mse", key_bits=4, key_codebook=kind), 128)
+        rel = ((codec.decode_keys(codec.encode_keys(k)) - k).pow(2).sum(-1) / k.pow(2).sum(-1)).mean().item()
+        assert abs(rel - expect) < 0.05 * expect, f"{kind}: {rel:.5f} vs {expect:.5f}"

@@ -16,6 +16,15 @@ def test_presets_load_with_expected_bytes():
         ("prod", 3, 2, 2, 32, 128)
 
 
+def test_uniform_key_preset_has_the_default_presets_bytes():
+    uni, lm = load_config("mse_k4v3u").default, load_config("mse_k4v3").default
+    assert (uni.key_codebook, lm.key_codebook) == ("uniform", "lloyd_max")
+    assert uni.with_(key_codebook="lloyd_max") == lm
+    assert [uni.bytes_per_token(d) for d in (64, 128)] == [lm.bytes_per_token(d) for d in (64, 128)] == [62, 122]
+    with pytest.raises(ConfigError, match="key_codebook"):
+        config_from_dict({"keys": {"mode": "mse", "bits": 4, "codebook": "nf4"}})
+
+
 def test_layer_policy_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("keys: {mode: mse, bits: 4}\nlayers: {keep_fp16_first: 1, keep_fp16_last: 2, overrides: {3: {keys: {bits: 2}}}}\n")

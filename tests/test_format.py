@@ -40,7 +40,8 @@ def test_bytes_match_what_the_codec_produces():
 
 @pytest.mark.parametrize("kwargs", [dict(key_mode="qjl"), dict(key_bits=0), dict(key_bits=9), dict(value_bits=0),
                                     dict(value_mode="int"), dict(rotation="random"), dict(norm_dtype="bfloat8"),
-                                    dict(buffer_tokens=-1), dict(flush_chunk=0), dict(key_bits=2.5)])
+                                    dict(buffer_tokens=-1), dict(flush_chunk=0), dict(key_bits=2.5),
+                                    dict(key_codebook="nf4")])
 def test_invalid_formats_raise(kwargs):
     with pytest.raises(FormatError):
         KVFormat(**kwargs)

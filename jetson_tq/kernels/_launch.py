@@ -39,8 +39,9 @@ class FastLauncher:
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, plan_key: tuple, *,
                  num_warps: int, num_stages: int = 1, aligned: bool | None = None) -> None:
-        """``aligned``: the caller vouches that ``plan_key`` fixes every int argument and says whether every tensor's
-        data pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built."""
+        """``aligned=True``: the caller vouches that ``plan_key`` fixes every int argument and that every tensor's data
+        pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built; None: the
+        generic per-argument key."""
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return

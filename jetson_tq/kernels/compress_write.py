@@ -1,9 +1,9 @@
 """Compress-on-write: new K/V tokens -> packed TurboQuant fields, stored straight into their pages.
 
 One launch does everything ``KVCodec.encode`` + ``paged.write_slots`` do: per token and KV
-head it normalizes the key, rotates it (randomized Hadamard: a fast Walsh-Hadamard transform in
-registers, bit-identical to the reference; dense rotations: tensor cores, fp16 hi+lo split, ~fp32
-accurate), picks the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
+head it normalizes the key, rotates it (tensor cores, fp16 hi+lo split: ~fp32 accurate; or, with
+``fast_rotation``, a Walsh-Hadamard transform in registers, bit-identical to the reference), picks
+the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
 combined matrices, so the residual is never formed), packs
 indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
 zero, round-half-even), and writes every field at ``slot = block * block_size + offset`` (vLLM's
@@ -124,11 +124,13 @@ def _compress_write_kernel(
                  mask=dmask)
     else:
         nrm = tl.sqrt_rn(tl.sum(k * k, 1))
-        unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
         if HADAMARD:
+            unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
             # Pi u = H (s * u) / sqrt(D): butterflies in registers, in the reference's order and rounding
             rot = tl.math.div_rn(fwht_rows(unit * tl.load(hs_ptr + d)[None, :], BLOCK_T, DP, LOG2D),
                                  tl.zeros([BLOCK_T, DP], tl.float32) + sqrt_d)
+        else:
+            unit = k / tl.maximum(nrm, TINY)[:, None]
         u_hi = unit.to(tl.float16)
         u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
         # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
@@ -252,15 +254,17 @@ def default_block_t(head_dim: int) -> int:
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                    layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True, fast_rotation: bool = True) -> None:
+                   exact_signs: bool = True, fast_rotation: bool = False) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
     ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
     faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
     ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory.
-    ``fast_rotation=False`` rotates with the dense split products even where the rotation is a Hadamard one
-    (for measurements; the default rotates in registers with a fast Walsh-Hadamard transform).
+    ``fast_rotation=True`` rotates a Hadamard rotation in registers with a fast Walsh-Hadamard transform
+    (bit-identical to the codec's rotation) instead of the dense split products; on the H200 it was slower
+    (597 vs 333 us for 16k tokens of mse_k4v3u, run 5: Triton moves the tile through shared memory at every
+    butterfly stage), so the dense products stay the default (docs/benchmarks.md).
     """
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)

@@ -7,7 +7,10 @@ scoring every tile for all G query heads of the KV head at once (GQA: the tile i
     score = ||k|| <Pi q, c[idx]> + sqrt(pi/2)/D ||r|| <S q, signs>      (keys never rebuilt)
     value = code * scale + zero                                         (per group of coordinates)
 
-with (Pi q, S q) computed once per query by ``query_transform`` (scaled by softmax_scale*log2 e).
+with (Pi q, S q) computed once per query (scaled by softmax_scale*log2 e): inside this launch for mse
+keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in registers), else by
+``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
+bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
 also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
@@ -302,11 +305,12 @@ def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_spl
 # Launch defaults from benchmarks/sweep_decode.py on the H200 (docs/benchmarks.md): small programs
 # (32 tokens, 2 warps, no software pipelining) and ~16 of them per SM hide the load -> unpack -> MMA
 # latency chain better than fewer, larger ones (occupancy, not instruction count, was the limit);
-# formats whose key indices need a codebook lookup (3-4 bits) do best with 16-token, 1-warp programs.
+# formats with 3-4 bit key indices do best with 16-token, 1-warp programs, whether the indices go through a
+# codebook lookup (Lloyd-Max, run 4: 693 vs 800 us) or one bit plane (uniform, run 5: 502 vs 566 us).
 BLOCK_N = 32
 NUM_WARPS = 2
-LOOKUP_BLOCK_N = 16
-LOOKUP_NUM_WARPS = 1
+WIDE_BLOCK_N = 16
+WIDE_NUM_WARPS = 1
 NUM_STAGES = 1
 BLOCK_R = 64
 WAVES = 16.0  # programs per SM the split count aims for
@@ -386,9 +390,9 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     fast_k, k_high = fast_key_planes(spec, consts, fast_keys)
-    lookup = spec.KB >= 3 and not fast_k
-    block_n = block_n or (LOOKUP_BLOCK_N if lookup else BLOCK_N)
-    num_warps = num_warps or (LOOKUP_NUM_WARPS if lookup else NUM_WARPS)
+    wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
+    block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
+    num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
     plan = _DecodePlan()
     plan.codec, plan.consts = kv.codec, consts
     plan.fuse = fuse_query and fused_query(spec, kv.codec)
@@ -467,9 +471,10 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     rk, rv = (q.unsqueeze(2), q.unsqueeze(2)) if plan.rk_fallback else (kv.recent_k, kv.recent_v)
     consts = plan.consts
     # the plan fixes every int argument; only the data pointers' 16-byte alignment can change between calls
-    aligned = (q.data_ptr() | kv.pages.data_ptr() | kv.block_table.data_ptr() | kv.compressed_lens.data_ptr()
-               | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
-               | out.data_ptr()) % 16 == 0
+    # (any misaligned pointer: the generic per-argument key)
+    aligned = True if (q.data_ptr() | kv.pages.data_ptr() | kv.block_table.data_ptr() | kv.compressed_lens.data_ptr()
+                       | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
+                       | out.data_ptr()) % 16 == 0 else None
     _DECODE(plan.grid, (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens,
                         kv.recent_index, consts["codebook"], consts["hsigns"], out, po, plse, *plan.ints,
                         *plan.floats), plan.kw, plan.key, num_warps=plan.num_warps, num_stages=plan.num_stages,

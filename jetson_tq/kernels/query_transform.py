@@ -55,7 +55,3 @@ def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torc
                  PRECISION="ieee" if INTERPRET else "tf32x3"), (d, qw, block_r, block_w), num_warps=4)
     return out
 
-
-def query_transform_reference(q: torch.Tensor, qmat: torch.Tensor, scale: float) -> torch.Tensor:
-    """PyTorch reference of ``query_transform``."""
-    return (q.reshape(-1, q.shape[-1]).float() @ qmat.float().T) * scale

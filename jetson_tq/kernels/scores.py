@@ -72,9 +72,3 @@ def turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, *,
                          BLOCK_B=block_b, PRECISION="ieee" if INTERPRET else "tf32x3", num_warps=num_warps)
     return out
 
-
-def turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> torch.Tensor:
-    """PyTorch reference (the contract): ``codec.scores.turboquant_scores_reference``."""
-    from ..codec.scores import turboquant_scores_reference as ref
-
-    return ref(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
