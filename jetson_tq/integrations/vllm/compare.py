@@ -77,7 +77,8 @@ def run_engine(job: dict) -> dict:
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
               seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
-              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False)
+              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
+              tensor_parallel_size=job.get("tensor_parallel_size", 1))
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     t1 = time.perf_counter()
