@@ -17,9 +17,12 @@ stored and read the same way whatever rank holds it and whatever the TP size.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +90,7 @@ def test_head_split_is_invisible():
 
 # ------------------------------------------------------------------------------------- real engines
 MiB = 2**20
+REPORT_ENV = "JETSON_TQ_TP_JSON"  # set to a path to keep the four runs' numbers (docs/vllm.md)
 TINY = {"layers": 6, "kv_heads": HKV // TP, "head_dim": D}  # per rank
 # Two ranks on the two cores: one OpenMP thread each ("auto" binding needs a NUMA node per rank).
 ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE",
@@ -100,11 +104,16 @@ def tp_runs(tmp_path_factory) -> dict:
     rng = random.Random(0)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 170, 230)]  # 2 exceed the 128-token ring
     job = {"model": str(model), "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "kv_bytes": 64 * MiB,
-           "eager": True, "max_tokens": 16, "prompts": prompts, "max_num_batched_tokens": 128}
+           "eager": True, "max_tokens": 16, "prompts": prompts, "max_num_batched_tokens": 128, "logprobs": True}
     runs = {}
     for name, cfg, tp in (("stock_tp2", None, 2), ("fp16_tp2", "fp16", 2), ("tq_tp2", DEFAULT_PRESET, 2),
                           ("tq_tp1", DEFAULT_PRESET, 1)):
+        t0 = time.perf_counter()
         runs[name] = run_engine_subprocess(dict(job, tensor_parallel_size=tp), cfg, ENV, timeout=600)
+        runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+    if os.environ.get(REPORT_ENV):  # raw figures for docs/vllm.md
+        Path(os.environ[REPORT_ENV]).write_text(json.dumps(
+            {k: {f: v for f, v in r.items() if f != "log_tail"} for k, r in runs.items()}, indent=1))
     return runs
 
 

@@ -69,6 +69,13 @@ def resolve_model(name: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------- one engine
+def _chosen_logprobs(completion) -> list[float] | None:
+    """Log-probability of each generated token (None unless the job asked for ``logprobs``)."""
+    if not completion.logprobs:
+        return None
+    return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
+
+
 def run_engine(job: dict) -> dict:
     """Run one vLLM engine in THIS process (env already set) and return its numbers."""
     from vllm import LLM, SamplingParams
@@ -80,7 +87,8 @@ def run_engine(job: dict) -> dict:
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
               tensor_parallel_size=job.get("tensor_parallel_size", 1))
     init_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            logprobs=0 if job.get("logprobs") else None)
     t1 = time.perf_counter()
     outs = llm.generate(list(job["prompts"]), params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
@@ -98,8 +106,8 @@ def run_engine(job: dict) -> dict:
         "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"], "preemptions": preemptions,
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
-        "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
-                    for o in outs],
+        "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+                     "logprobs": _chosen_logprobs(o.outputs[0])} for o in outs],
     }
 
 
@@ -198,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt (repeatable; default: four ~400-token essay excerpts)")
     p.add_argument("--json", default="out/vllm_compare.json", help="where to write the JSON report")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism for both engines "
+                   "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     return p
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
-           "prompts": args.prompt or default_prompts()}
+           "prompts": args.prompt or default_prompts(), "tensor_parallel_size": args.tensor_parallel_size}
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     base = run_engine_subprocess(job, None, env)
