@@ -33,6 +33,7 @@ pytest.importorskip("vllm")
 from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
 from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402
 from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
+from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
 from jetson_tq.integrations.vllm.tiny_model import WORDS, make_tiny_llama  # noqa: E402
 from test_vllm_e2e import expected_stock_blocks, expected_tq_blocks  # noqa: E402
 
@@ -121,6 +122,11 @@ def _tokens(run: dict) -> list[list[int]]:
     return [o["token_ids"] for o in run["outputs"]]
 
 
+def _max_logprob_gap(a: dict, b: dict) -> float:
+    """Largest |difference| between two runs' chosen-token log-probabilities (same tokens assumed)."""
+    return max(abs(x - y) for oa, ob in zip(a["outputs"], b["outputs"]) for x, y in zip(oa["logprobs"], ob["logprobs"]))
+
+
 def _check_capacity(run: dict) -> None:
     assert run["kv_cache_size_tokens"] == run["num_gpu_blocks"] * run["block_size"] == run["logged_kv_tokens"]
 
@@ -132,6 +138,7 @@ def test_tp2_fp16_passthrough_equals_stock_tp2(tp_runs):
         _check_capacity(r)
     assert all(len(t) == 16 for t in _tokens(stock))
     assert _tokens(fp16) == _tokens(stock)
+    assert _max_logprob_gap(fp16, stock) < 2e-2  # K/V rounded to fp16 on an fp32 model (2.5e-3 measured)
     bs = stock["block_size"]
     assert stock["num_gpu_blocks"] == expected_stock_blocks(**TINY, block_size=bs, kv_bytes=64 * MiB, element_bytes=4)
     assert fp16["num_gpu_blocks"] == expected_tq_blocks("fp16", **TINY, block_size=bs, kv_bytes=64 * MiB, rows=4,
@@ -145,6 +152,7 @@ def test_tp2_default_preset_equals_its_tp1_run(tp_runs):
     for r in (tp1, tp2):
         _check_capacity(r)
     assert _tokens(tp2) == _tokens(tp1)
+    assert _max_logprob_gap(tp2, tp1) < 1e-3  # fp32 all-reduce rounding only (5.7e-6 measured)
     # the compressed history matters on this model (so equality above is not the ring's doing)
     assert _tokens(tp2) != _tokens(stock)
     bs = tp2["block_size"]
@@ -153,3 +161,8 @@ def test_tp2_default_preset_equals_its_tp1_run(tp_runs):
                                element_bytes=4)
     assert (tp2["num_gpu_blocks"], tp1["num_gpu_blocks"]) == (per_rank, whole)
     assert tp2["num_gpu_blocks"] > 2 * tp1["num_gpu_blocks"] - 1  # half the heads per rank (pools halve too)
+    # each rank reserved its own recent-buffer pools, sized for its 2 KV heads (half the TP=1 reservation)
+    fmts = [load_config(DEFAULT_PRESET).format_for_layer(i, TINY["layers"]) for i in range(TINY["layers"])]
+    per_rank_mib = sum(pool_bytes(4 + 1, HKV // TP, f.buffer_tokens, D, 4) for f in fmts) / MiB
+    reserved = [line for line in tp2["jetson_tq_log"] if "reserved for fp16 recent buffers" in line]
+    assert len(reserved) == TP and all(f"{per_rank_mib:.1f} MiB of the KV budget" in line for line in reserved)
