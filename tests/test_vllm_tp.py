@@ -31,8 +31,10 @@ import torch
 pytest.importorskip("vllm")
 
 from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
+from jetson_tq.errors import ConfigError  # noqa: E402
 from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402
 from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
+from jetson_tq.integrations.vllm.cpu_binding import split_cores, tp_cpu_env  # noqa: E402
 from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
 from jetson_tq.integrations.vllm.tiny_model import WORDS, make_tiny_llama  # noqa: E402
 from test_vllm_e2e import expected_stock_blocks, expected_tq_blocks  # noqa: E402
@@ -89,13 +91,27 @@ def test_head_split_is_invisible():
     assert torch.equal(torch.cat(pages_rank, dim=1), pages_full)
 
 
+def test_cpu_core_split_for_tp_ranks(monkeypatch):
+    assert split_cores(2, [0, 1]) == "0|1"
+    assert split_cores(2, [4, 0, 1, 2, 3]) == "0,1|2,3"  # equal shares; the odd core left out
+    with pytest.raises(ConfigError, match="ranks <= 2 usable cores, got 3"):
+        split_cores(3, [0, 1])
+    monkeypatch.setattr("jetson_tq.integrations.vllm.cpu_binding.numa_nodes", lambda: 1)
+    assert tp_cpu_env({}, 1) == {}
+    assert tp_cpu_env({"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, 2) == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    monkeypatch.setattr("jetson_tq.integrations.vllm.cpu_binding.os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert tp_cpu_env({"A": "1"}, 2) == {"A": "1", "VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    monkeypatch.setattr("jetson_tq.integrations.vllm.cpu_binding.numa_nodes", lambda: 2)
+    assert tp_cpu_env({}, 2) == {}  # vLLM's own auto binding works: one node per rank
+
+
 # ------------------------------------------------------------------------------------- real engines
 MiB = 2**20
 REPORT_ENV = "JETSON_TQ_TP_JSON"  # set to a path to keep the four runs' numbers (docs/vllm.md)
 TINY = {"layers": 6, "kv_heads": HKV // TP, "head_dim": D}  # per rank
-# Two ranks on the two cores: one OpenMP thread each ("auto" binding needs a NUMA node per rank).
-ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE",
-           VLLM_CPU_OMP_THREADS_BIND="0|1")
+# The cores split between the two ranks ("auto" binding needs a NUMA node per rank; "0|1" on 2 cores).
+ENV = tp_cpu_env(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq",
+                      OMP_WAIT_POLICY="PASSIVE"), TP)
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from ...config import DEFAULT_PRESET
 from pathlib import Path
 
 import yaml
+
+from ...config import DEFAULT_PRESET
+from .cpu_binding import tp_cpu_env
 
 DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
 MODEL_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
            "prompts": args.prompt or default_prompts(), "tensor_parallel_size": args.tensor_parallel_size}
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not on_gpu:
+        env = tp_cpu_env(env, args.tensor_parallel_size)
     base = run_engine_subprocess(job, None, env)
     tq = run_engine_subprocess(job, args.config, env)
     from .versions import installed_vllm_version
