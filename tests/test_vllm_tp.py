@@ -109,9 +109,6 @@ def test_cpu_core_split_for_tp_ranks(monkeypatch):
 MiB = 2**20
 REPORT_ENV = "JETSON_TQ_TP_JSON"  # set to a path to keep the four runs' numbers (docs/vllm.md)
 TINY = {"layers": 6, "kv_heads": HKV // TP, "head_dim": D}  # per rank
-# The cores split between the two ranks ("auto" binding needs a NUMA node per rank; "0|1" on 2 cores).
-ENV = tp_cpu_env(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq",
-                      OMP_WAIT_POLICY="PASSIVE"), TP)
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +119,14 @@ def tp_runs(tmp_path_factory) -> dict:
     prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 170, 230)]  # 2 exceed the 128-token ring
     job = {"model": str(model), "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "kv_bytes": 64 * MiB,
            "eager": True, "max_tokens": 16, "prompts": prompts, "max_num_batched_tokens": 128, "logprobs": True}
+    # the cores split between the two ranks ("auto" binding needs a NUMA node per rank; "0|1" on 2 cores)
+    env = tp_cpu_env(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq",
+                          OMP_WAIT_POLICY="PASSIVE"), TP)
     runs = {}
     for name, cfg, tp in (("stock_tp2", None, 2), ("fp16_tp2", "fp16", 2), ("tq_tp2", DEFAULT_PRESET, 2),
                           ("tq_tp1", DEFAULT_PRESET, 1)):
         t0 = time.perf_counter()
-        runs[name] = run_engine_subprocess(dict(job, tensor_parallel_size=tp), cfg, ENV, timeout=600)
+        runs[name] = run_engine_subprocess(dict(job, tensor_parallel_size=tp), cfg, env, timeout=600)
         runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
     if os.environ.get(REPORT_ENV):  # raw figures for docs/vllm.md
         Path(os.environ[REPORT_ENV]).write_text(json.dumps(
@@ -176,7 +176,7 @@ def test_tp2_default_preset_equals_its_tp1_run(tp_runs):
     whole = expected_tq_blocks(DEFAULT_PRESET, **dict(TINY, kv_heads=HKV), block_size=bs, kv_bytes=64 * MiB, rows=4,
                                element_bytes=4)
     assert (tp2["num_gpu_blocks"], tp1["num_gpu_blocks"]) == (per_rank, whole)
-    assert tp2["num_gpu_blocks"] > 2 * tp1["num_gpu_blocks"] - 1  # half the heads per rank (pools halve too)
+    assert tp2["num_gpu_blocks"] >= 2 * tp1["num_gpu_blocks"]  # half the heads per rank (pools halve too)
     # each rank reserved its own recent-buffer pools, sized for its 2 KV heads (half the TP=1 reservation)
     fmts = [load_config(DEFAULT_PRESET).format_for_layer(i, TINY["layers"]) for i in range(TINY["layers"])]
     per_rank_mib = sum(pool_bytes(4 + 1, HKV // TP, f.buffer_tokens, D, 4) for f in fmts) / MiB
