@@ -29,6 +29,7 @@ import yaml
 from ...arg_types import positive_int
 from ...config import DEFAULT_PRESET, load_config
 from ...errors import ConfigError, MissingComponentError
+from .cpu_binding import tp_cpu_env
 
 DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
 MODEL_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
@@ -74,6 +75,13 @@ def resolve_model(name: str) -> tuple[str, str]:
 
 
 # ------------------------------------------------------------------------------------- one engine
+def _chosen_logprobs(completion) -> list[float] | None:
+    """Log-probability of each generated token (None unless the job asked for ``logprobs``)."""
+    if not completion.logprobs:
+        return None
+    return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
+
+
 def run_engine(job: dict) -> dict:
     """Run one vLLM engine in THIS process (env already set) and return its numbers."""
     from vllm import LLM, SamplingParams
@@ -82,9 +90,11 @@ def run_engine(job: dict) -> dict:
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
               seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
-              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False)
+              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
+              tensor_parallel_size=job.get("tensor_parallel_size", 1))
     init_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            logprobs=0 if job.get("logprobs") else None)
     t1 = time.perf_counter()
     outs = llm.generate(list(job["prompts"]), params, use_tqdm=False)
     gen_s = time.perf_counter() - t1
@@ -104,8 +114,8 @@ def run_engine(job: dict) -> dict:
         "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"], "preemptions": preemptions,
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
-        "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids)}
-                    for o in outs],
+        "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+                     "logprobs": _chosen_logprobs(o.outputs[0])} for o in outs],
     }
 
 
@@ -256,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt (repeatable; default: four ~400-token essay excerpts)")
     p.add_argument("--json", default="out/vllm_compare.json", help="where to write the JSON report")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism for both engines "
+                   "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     return p
@@ -312,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
-           "prompts": args.prompt or default_prompts()}
+           "prompts": args.prompt or default_prompts(), "tensor_parallel_size": args.tensor_parallel_size}
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if not on_gpu:
+        env = tp_cpu_env(env, args.tensor_parallel_size)
     base = run_engine_subprocess(job, None, env)
     tq = run_engine_subprocess(job, args.config, env)
     from .versions import installed_vllm_version
