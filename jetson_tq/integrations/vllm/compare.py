@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt (repeatable; default: four ~400-token essay excerpts)")
     p.add_argument("--json", default="out/vllm_compare.json", help="where to write the JSON report")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism for both engines "
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="vLLM tensor parallelism for both engines "
                    "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
