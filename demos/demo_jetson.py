@@ -174,7 +174,7 @@ def section_capacity(demo: Demo, args, platform_rep: dict, cuda: bool) -> None:
     from jetson_tq.format import FP16_FORMAT
     from jetson_tq.reports.capacity import (KVBudget, bytes_per_token, capacity_report, format_measurement, format_report,
                                             measure_model)
-    from jetson_tq.reports.model_specs import load_model_spec
+    from jetson_tq.models.specs import load_model_spec
     from jetson_tq.reports.plots import plot_capacity
 
     config = load_config(args.config)
@@ -236,7 +236,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Fail on a bad --config, --model or --out before the first section runs (exit 2 through the CLI)."""
     from jetson_tq.config import load_config
     from jetson_tq.errors import ConfigError
-    from jetson_tq.reports.model_specs import load_model_spec
+    from jetson_tq.models.specs import load_model_spec
 
     load_config(args.config)
     if args.model:

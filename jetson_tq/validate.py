@@ -125,7 +125,7 @@ def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: 
     if fmt.value_mode == "mse" and fmt.norm_dtype == "float16":
         out.append(("v", "value norm", vf.norm(dim=-1), FP16_MAX, norm_hint))
     if fmt.value_mode == "group":
-        g = vf.unflatten(-1, (-1, fmt.value_group))
+        g = vf.unflatten(-1, (-1, fmt.value_group_for(vf.shape[-1])))
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
         hint = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
         levels = (1 << fmt.value_bits) - 1

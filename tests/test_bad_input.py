@@ -26,7 +26,7 @@ from jetson_tq.config import MAX_YAML_BYTES, config_from_dict, load_config
 from jetson_tq.errors import (ArgTypeError, ConfigError, DeviceError, JetsonTQError, ValueRangeError)
 from jetson_tq.format import FP16_FORMAT, KVFormat
 from jetson_tq.integrations.vllm import compare
-from jetson_tq.reports.model_specs import load_model_spec
+from jetson_tq.models.specs import load_model_spec
 from tests.test_launcher import run as run_launcher
 
 D, H, B = 32, 2, 2

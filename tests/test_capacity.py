@@ -9,7 +9,7 @@ from jetson_tq.errors import ConfigError
 from jetson_tq.format import FP16_FORMAT
 from jetson_tq.reports.capacity import (KVBudget, breakdown, buffer_bytes, bytes_per_token, capacity_report,
                                         layer_formats, measure_cache, measure_model, sequence_bytes)
-from jetson_tq.reports.model_specs import load_model_spec, model_names, model_spec_from_dict
+from jetson_tq.models.specs import load_model_spec, model_names, model_spec_from_dict
 
 QWEN = load_model_spec("qwen2.5-7b-instruct")
 SMOL = load_model_spec("smollm2-135m-instruct")

@@ -19,7 +19,7 @@ from jetson_tq.config import config_from_dict, load_config
 from jetson_tq.errors import ConfigError, FormatError
 from jetson_tq.format import KVFormat, PagedLayout, fp16_bytes_per_token, packed_bytes
 from jetson_tq.reports.capacity import KVBudget, capacity_report, format_report, layer_formats, measure_cache
-from jetson_tq.reports.model_specs import load_model_spec, model_spec_from_dict
+from jetson_tq.models.specs import load_model_spec, model_spec_from_dict
 
 DEFAULT = load_config().default  # mse_k4v3: 4-bit mse keys, 3-bit values in groups of 64
 FITTED = {80: 40, 96: 48, 112: 56, 160: 40}

