@@ -134,23 +134,38 @@ def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: 
     return out
 
 
+#: Tokens checked per step: bounds the check's fp32 temporaries (a few MB) at any append size.
+CHECK_CHUNK_ELEMENTS = 1 << 20
+
+
+def _storable_flag(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
+                   raw_dtype: torch.dtype) -> torch.Tensor:
+    """One device bool: every element finite and every stored quantity within its limit (token chunks at a time)."""
+    t = k.shape[-2]
+    step = max(1, CHECK_CHUNK_ELEMENTS // max(1, k[..., :1, :].numel()))
+    ok = torch.ones((), dtype=torch.bool, device=k.device)
+    for i in range(0, t, step):
+        kc, vc = k[..., i : i + step, :], v[..., i : i + step, :]
+        ok &= torch.isfinite(kc).all() & torch.isfinite(vc).all()
+        for _, _, values, limit, _ in _field_limits(kc, vc, fmt, cache_dtype, raw_dtype):
+            ok &= (values <= limit).all()
+    return ok
+
+
 def check_kv_storable(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
                       raw_dtype: torch.dtype, seqs: list[int], starts: list[int]) -> None:
     """Reject K/V [B, H, T, D] or [H, T, D] that are non-finite or overflow a field of ``fmt`` (see module doc).
 
     ``seqs`` / ``starts``: the sequence id and first position of each leading row, for the message.
-    All conditions are reduced to one flag first, so a good append costs one device sync.
+    All conditions are reduced to one flag first (token chunks at a time, so the check's memory is bounded), so a
+    good append costs one device sync; the details are computed only on failure.
     """
-    where = (seqs, starts, k.dim() == 4)
-    limits = _field_limits(k, v, fmt, cache_dtype, raw_dtype)
-    ok = torch.isfinite(k).all() & torch.isfinite(v).all()
-    for _, _, values, limit, _ in limits:
-        ok &= (values <= limit).all()
-    if bool(ok):
+    if bool(_storable_flag(k, v, fmt, cache_dtype, raw_dtype)):
         return
+    where = (seqs, starts, k.dim() == 4)
     check_finite("k", k, *where)
     check_finite("v", v, *where)
-    for name, what, values, limit, hint in limits:
+    for name, what, values, limit, hint in _field_limits(k, v, fmt, cache_dtype, raw_dtype):
         _check_at_most(name, what, values, limit, hint, *where)
 
 

@@ -112,7 +112,7 @@ from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.format import KVFormat
 n = 80_000
 c = CompressedKVCache(KVFormat(), 1, 128, 1, dtype=torch.float16, initial_capacity=n)
-k = torch.randn(1, n, 128).half(); v = torch.randn(1, n, 128).half()
+k = torch.randn(1, n, 128, dtype=torch.float16); v = torch.randn(1, n, 128, dtype=torch.float16)
 c.append(k[:, :64], v[:, :64], seq=0)  # warm-up: codebooks, rotation
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 c.append(k[:, 64:], v[:, 64:], seq=0)
