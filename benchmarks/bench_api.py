@@ -56,8 +56,8 @@ def graph_us(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def eager_us(fn, calls: int = 200) -> tuple[float, float]:
-    """(wall µs per back-to-back call, host µs per call issued while the GPU is busy)."""
+def wall_us(fn, calls: int = 200) -> float:
+    """Wall µs per call of ``calls`` back-to-back calls (warmed up; one sync at the end)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
@@ -65,14 +65,23 @@ def eager_us(fn, calls: int = 200) -> tuple[float, float]:
     for _ in range(calls):
         fn()
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda._sleep(int(2e9))  # ~1 s of GPU work ahead of the calls: enqueueing never waits for the GPU
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def host_us(fn, calls: int = 200) -> float:
+    """Host µs per call, the calls issued while the GPU is held busy (enqueueing never waits for the GPU)."""
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU work ahead of the calls
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     host = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
-    return wall, host
+    return host
+
+
+def eager_us(fn, calls: int = 200) -> tuple[float, float]:
+    """(wall µs per back-to-back call, host µs per call issued while the GPU is busy)."""
+    return wall_us(fn, calls), host_us(fn, calls)
 
 
 def filled_cache(fmt, b: int, hkv: int, ctx: int, d: int = 128):

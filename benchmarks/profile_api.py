@@ -14,7 +14,6 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,18 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jetson_tq as jt  # noqa: E402
+from bench_api import wall_us  # noqa: E402
 from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main(argv=None) -> int:
@@ -61,7 +50,7 @@ def main(argv=None) -> int:
     }
     cache.reserve(args.ctx + 256 + 12 * args.calls)
     for name, fn in pieces.items():
-        print(f"{name:32s} {per_call_us(fn, args.calls):8.1f} us/call", flush=True)
+        print(f"{name:32s} {wall_us(fn, args.calls):8.1f} us/call", flush=True)
     for name in ("jt.attention_decode(q, cache)", "cache.append(1 token)"):
         prof = cProfile.Profile()
         fn = pieces[name]

@@ -17,28 +17,26 @@ def _number(text: str, kind: type) -> float | int:
     return value
 
 
+def _within(text: str, ok, want: str) -> float:
+    value = _number(text, float)
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite float > 0 (memory sizes in GB)."""
-    value = _number(text, float)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+    return _within(text, lambda x: x > 0, "a number > 0")
 
 
 def nonnegative_float(text: str) -> float:
     """A finite float >= 0 (overheads, weight overrides)."""
-    value = _number(text, float)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+    return _within(text, lambda x: x >= 0, "a number >= 0")
 
 
 def fraction(text: str) -> float:
     """A finite float in (0, 1] (memory utilization)."""
-    value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
+    return _within(text, lambda x: 0 < x <= 1, "a fraction in (0, 1]")
 
 
 def positive_int(text: str) -> int:
