@@ -36,6 +36,8 @@ def _delegate() -> bool:
 
 
 def pytest_configure(config):
+    if getattr(config.option, "durations", None) is None:  # CI prints its 15 slowest tests (2-core budget)
+        config.option.durations = 15
     config.addinivalue_line("markers", "kernel: launches Triton kernels (GPU, or the CPU interpreter in a child)")
 
 
