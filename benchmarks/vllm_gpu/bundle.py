@@ -1,0 +1,136 @@
+"""Build the vLLM 0.26.0 bundle for the GPU machine (no network there): slim vLLM tar + dependency wheels.
+
+    python benchmarks/vllm_gpu/bundle.py [--dir .devwork/vllm_bundle] [--with-c] [--with-fa3]
+
+Runs on a machine with package-index access. Downloads the ``vllm==0.26.0`` manylinux x86_64 wheel
+with ``pip download --no-deps``, writes ``vllm-core.tar.gz`` from its members minus what a bf16
+dense model on Hopper under TRITON_ATTN does not need (FA2/FA3, the MoE ops, vllm-rs, other
+Pythons' deep_gemm builds, CUTLASS headers for JIT) and, by default, minus the 79 MB CUDA op library
+``_C_stable_libtorch.abi3.so`` (56 MB even with xz: with it one device call cannot carry the rest),
+then downloads cp312 wheels of the pure-Python / binary dependencies the GPU image lacks (DEPS,
+found by importing vLLM with ``--no-deps`` in a scratch venv). Parts are at most 60 MB.
+``--with-c`` / ``--with-fa3`` write the left-out libraries as separate optional parts.
+The directory is git-ignored (``.devwork/``); nothing here is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+VLLM = "vllm==0.26.0"
+PART_BYTES = 60 * 10**6
+PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
+    a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+                "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64",
+                "manylinux_2_34_x86_64", "manylinux_2_35_x86_64") for a in ("--platform", p)]
+#: wheel members left out of the core tar (fnmatch patterns)
+DROP = [
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+    "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/_C_stable_libtorch.abi3.so", "vllm/vllm-rs",
+    "vllm/third_party/deep_gemm/_C.cpython-310-*", "vllm/third_party/deep_gemm/_C.cpython-311-*",
+    "vllm/third_party/deep_gemm/_C.cpython-313-*", "vllm/third_party/deep_gemm/_C.cpython-314-*",
+    "vllm/third_party/deep_gemm/include/*", "vllm/third_party/fmha_sm100/cutlass/*",
+    "vllm/third_party/fmha_sm100/csrc/*",
+]
+OPTIONAL = {"c": "vllm/_C_stable_libtorch.abi3.so", "fa3": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
+#: what `import vllm.entrypoints.llm` and an offline LLM(...) need beyond the GPU image's packages
+#: (KINDS.md list), with versions inside vllm 0.26.0's Requires-Dist
+DEPS = [
+    "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+    "msgspec==0.23.0", "pyzmq==27.3.0", "cachetools==8.0.2", "cbor2==6.3.0", "pybase64==1.5.1",
+    "blake3==1.0.11", "setproctitle==1.3.8", "openai==3.57.0", "httpx2==2.16.2", "sniffio==1.3.1", "distro==1.9.0",
+    "jiter==0.19.0", "openai-harmony==0.0.8", "llguidance==1.7.6", "apache-tvm-ffi==0.1.10",
+    # xgrammar >= 0.2.7 needs a newer tvm-ffi than the 0.1.10 vllm pins (load_lib_module(extra_lib_paths=...))
+    "xgrammar==0.2.6",
+]
+
+
+def pip(*args: str) -> None:
+    """Run pip of this interpreter (raises on failure)."""
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def dropped(name: str, keep: set[str]) -> bool:
+    """True when a wheel member stays out of the core tar (optional libraries named in keep stay in)."""
+    return name not in keep and any(fnmatch.fnmatch(name, p) for p in DROP)
+
+
+def write_tar(whl: Path, out: Path, select, mode: str = "w:gz") -> int:
+    """Write the members accepted by ``select`` into a tar; returns their uncompressed bytes."""
+    total = 0
+    with zipfile.ZipFile(whl) as z, tarfile.open(out, mode) as tar:
+        for info in z.infolist():
+            if info.is_dir() or not select(info.filename):
+                continue
+            ti = tarfile.TarInfo(info.filename)
+            ti.size, ti.mode, ti.mtime = info.file_size, 0o755 if info.filename.endswith(".so") else 0o644, 0
+            with z.open(info) as f:
+                tar.addfile(ti, f)
+            total += info.file_size
+    return total
+
+
+def split(path: Path) -> list[Path]:
+    """Split a file into <= PART_BYTES pieces (path.partNN); the whole file is removed."""
+    data_parts = []
+    with open(path, "rb") as f:
+        i = 0
+        while chunk := f.read(PART_BYTES):
+            p = path.with_name(f"{path.name}.part{i:02d}")
+            p.write_bytes(chunk)
+            data_parts.append(p)
+            i += 1
+    path.unlink()
+    return data_parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path(".devwork/vllm_bundle"))
+    ap.add_argument("--with-c", action="store_true", help="also write vllm-c.tar.xz (CUDA op library)")
+    ap.add_argument("--with-fa3", action="store_true", help="also write vllm-fa3.tar.xz (FlashAttention 3)")
+    args = ap.parse_args()
+    d = args.dir
+    dl, wheels = d / "download", d / "wheels"
+    dl.mkdir(parents=True, exist_ok=True)
+    wheels.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    whl = dl / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    if not whl.exists():
+        pip("download", "--no-deps", *PLATFORM, "-d", str(dl), VLLM)
+    for old in d.glob("vllm-*.tar*"):
+        old.unlink()
+    core = d / "vllm-core.tar.gz"
+    raw = write_tar(whl, core, lambda n: not dropped(n, set()))
+    manifest = {"vllm": VLLM, "wheel_bytes": whl.stat().st_size, "core_uncompressed": raw,
+                "core_bytes": core.stat().st_size, "dropped": DROP}
+    parts = split(core) if core.stat().st_size > PART_BYTES else [core]
+    manifest["core_parts"] = [p.name for p in parts]
+    for key, member in OPTIONAL.items():
+        if getattr(args, f"with_{key}"):
+            opt = d / f"vllm-{key}.tar.xz"
+            write_tar(whl, opt, lambda n, m=member: n == m, mode="w:xz")
+            manifest[f"optional_{key}"] = [p.name for p in (split(opt) if opt.stat().st_size > PART_BYTES else [opt])]
+    for old in wheels.glob("*.whl"):
+        old.unlink()
+    pip("download", "--no-deps", *PLATFORM, "-d", str(wheels), *DEPS)
+    manifest["wheels"] = sorted(p.name for p in wheels.glob("*.whl"))
+    manifest["wheel_bytes_total"] = sum(p.stat().st_size for p in wheels.glob("*.whl"))
+    manifest["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                          for p in sorted(d.glob("vllm-*.tar*")) + sorted(wheels.glob("*.whl"))}
+    manifest["build_s"] = round(time.time() - t, 1)
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(json.dumps({k: v for k, v in manifest.items() if k not in ("sha256", "dropped")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
