@@ -200,6 +200,8 @@ def correctness(llm, spec: dict) -> dict:
 
 
 def main() -> None:
+    import vllm.logger  # noqa: F401 - configures vLLM's loggers first (it would drop a handler added before)
+
     grab = _Grab()
     logging.getLogger("vllm").addHandler(grab)
     _count_graphs()

@@ -27,6 +27,7 @@ UTIL = 0.25  # equal memory for every engine: ~16 GB of KV for Qwen2.5-7B on a 1
 MML = 131072
 WORK_STOCK = [[8192, 1, 64], [8192, 8, 64], [8192, 32, 64], [32768, 1, 64], [32768, 8, 64], [130944, 1, 64]]
 WORK_TQ = WORK_STOCK[:5] + [[32768, 32, 64], WORK_STOCK[5]]
+WORK_SHORT = [[8192, 1, 32], [8192, 8, 32], [32768, 1, 32], [32768, 8, 32]]
 WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
 
 
@@ -46,6 +47,17 @@ def plan(kind: str) -> list[dict]:
     ]
     if kind == "smoke":
         return smoke
+    if kind == "short":  # one call of ~4 device minutes: the headline rows first, each job time-capped
+        cap_only = dict(eager=True, seqs=8, timeout=35)
+        return [
+            _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=WORK_SHORT + [[130944, 1, 32]], timeout=75),
+            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_SHORT + [[32768, 32, 32], [130944, 1, 32]],
+                    timeout=95),
+            _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=[[8192, 8, 32], [32768, 8, 32]],
+                    timeout=60),
+            _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", **cap_only),
+            _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
+        ]
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
     cap_only = dict(eager=True, seqs=8, timeout=45)
     return [
@@ -133,7 +145,7 @@ def summarize(results: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", default="full", choices=["full", "smoke"])
+    ap.add_argument("--plan", default="full", choices=["full", "short", "smoke"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     args = ap.parse_args()
