@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -51,7 +52,21 @@ DEPS = [
     "jiter==0.19.0", "openai-harmony==0.0.8", "llguidance==1.7.6", "apache-tvm-ffi==0.1.10",
     # xgrammar >= 0.2.7 needs a newer tvm-ffi than the 0.1.10 vllm pins (load_lib_module(extra_lib_paths=...))
     "xgrammar==0.2.6",
+    # `from vllm import LLM` reaches vllm.entrypoints.serve (fastapi) through the pooling mixin; the rest is
+    # what `import vllm.entrypoints.openai.api_server` (vllm serve) needs
+    "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "watchfiles==1.3.0", "partial-json-parser==0.2.1.1.post7",
+    "model-hosting-container-standards==0.1.16", "jmespath==1.1.0",
 ]
+#: files added to the core tar: (path in the tar, source next to this script)
+STUBS = {"vllm/_C_stable_libtorch.py": "c_stub.py"}
+#: textual patches of vLLM members: path -> (old, new). Without FA2/FA3 vllm_flash_attn raises at import,
+#: and on CUDA fa_utils imports it unconditionally (every model import reaches it): keep the flags False.
+PATCHES = {
+    "vllm/vllm_flash_attn/__init__.py": (
+        "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(",
+        "if False and not (FA2_AVAILABLE or FA3_AVAILABLE):  # jetson-tq bundle: FA left out\n    raise ImportError(",
+    ),
+}
 
 
 def pip(*args: str) -> None:
@@ -64,18 +79,37 @@ def dropped(name: str, keep: set[str]) -> bool:
     return name not in keep and any(fnmatch.fnmatch(name, p) for p in DROP)
 
 
-def write_tar(whl: Path, out: Path, select, mode: str = "w:gz") -> int:
-    """Write the members accepted by ``select`` into a tar; returns their uncompressed bytes."""
+def patched(name: str, data: bytes) -> bytes:
+    """A member's bytes after PATCHES (ValueError when a patch no longer applies: wrong vLLM version)."""
+    if name not in PATCHES:
+        return data
+    old, new = PATCHES[name]
+    text = data.decode()
+    if text.count(old) != 1:
+        raise ValueError(f"{name}: expected exactly one {old!r} to patch, found {text.count(old)}")
+    return text.replace(old, new).encode()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mode, ti.mtime = len(data), mode, 0
+    tar.addfile(ti, io.BytesIO(data))
+
+
+def write_tar(whl: Path, out: Path, select, mode: str = "w:gz", stubs: bool = True) -> int:
+    """Write the members accepted by ``select`` (patched) plus STUBS into a tar; returns uncompressed bytes."""
     total = 0
     with zipfile.ZipFile(whl) as z, tarfile.open(out, mode) as tar:
         for info in z.infolist():
             if info.is_dir() or not select(info.filename):
                 continue
-            ti = tarfile.TarInfo(info.filename)
-            ti.size, ti.mode, ti.mtime = info.file_size, 0o755 if info.filename.endswith(".so") else 0o644, 0
-            with z.open(info) as f:
-                tar.addfile(ti, f)
-            total += info.file_size
+            data = patched(info.filename, z.read(info))
+            _add(tar, info.filename, data, 0o755 if info.filename.endswith(".so") else 0o644)
+            total += len(data)
+        for name, src in (STUBS.items() if stubs else ()):
+            data = (Path(__file__).parent / src).read_bytes()
+            _add(tar, name, data)
+            total += len(data)
     return total
 
 
@@ -118,7 +152,7 @@ def main() -> None:
     for key, member in OPTIONAL.items():
         if getattr(args, f"with_{key}"):
             opt = d / f"vllm-{key}.tar.xz"
-            write_tar(whl, opt, lambda n, m=member: n == m, mode="w:xz")
+            write_tar(whl, opt, lambda n, m=member: n == m, mode="w:xz", stubs=False)
             manifest[f"optional_{key}"] = [p.name for p in (split(opt) if opt.stat().st_size > PART_BYTES else [opt])]
     for old in wheels.glob("*.whl"):
         old.unlink()

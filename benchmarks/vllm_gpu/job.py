@@ -20,12 +20,13 @@ import sys
 import time
 from collections import Counter
 
-SPEC = json.loads(sys.argv[1])
-if SPEC.get("tq_config"):
-    os.environ["JETSON_TQ_CONFIG"] = SPEC["tq_config"]
-else:
-    os.environ.pop("JETSON_TQ_CONFIG", None)
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+SPEC: dict = json.loads(sys.argv[1]) if __name__ == "__main__" else {}
+if __name__ == "__main__":
+    if SPEC.get("tq_config"):
+        os.environ["JETSON_TQ_CONFIG"] = SPEC["tq_config"]
+    else:
+        os.environ.pop("JETSON_TQ_CONFIG", None)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 T_START = time.time()
 
