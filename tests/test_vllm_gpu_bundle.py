@@ -83,6 +83,8 @@ t[0] = 99.0
 assert w.data_ptr() == t.data_ptr() and w.shape == t.shape and w.stride() == t.stride() and w[0].item() == 99.0
 assert torch.ops._C.cutlass_scaled_mm_supports_fp8(90) is False
 assert torch.ops._C.cutlass_scaled_mm_supports_block_fp8(90) is False
+assert hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash")
+assert hasattr(torch.ops._C_cuda_utils, "get_max_shared_memory_per_block_device_attribute")
 import importlib; importlib.reload(c_stub)  # a second import must not redefine the ops
 print("ok")
 """
@@ -158,3 +160,18 @@ def test_unpack_script_registers_plugin(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert "jetson_tq.integrations.vllm.plugin:register" in res.stdout, res.stderr
 
+
+
+def test_plugin_pins_v1_model_runner(monkeypatch) -> None:
+    from jetson_tq.errors import UnsupportedPlatformError
+    from jetson_tq.integrations.vllm import plugin
+
+    monkeypatch.delenv(plugin.ENV_RUNNER, raising=False)
+    assert plugin.pin_v1_model_runner() is True
+    import os
+
+    assert os.environ[plugin.ENV_RUNNER] == "0"
+    assert plugin.pin_v1_model_runner() is False  # already pinned: left alone
+    monkeypatch.setenv(plugin.ENV_RUNNER, "1")
+    with pytest.raises(UnsupportedPlatformError, match="V1 GPUModelRunner"):
+        plugin.pin_v1_model_runner()

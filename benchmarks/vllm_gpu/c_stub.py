@@ -5,7 +5,9 @@ questions at import time (``cutlass_scaled_mm_supports_fp8`` ...). The bundle sh
 ``vllm/_C_stable_libtorch.py``: it registers in ``torch.ops._C`` those query ops (answering
 "unsupported", so vLLM picks its non-CUTLASS paths) and the three memory helpers the CUDA-graph and
 buffer code call (``weak_ref_tensor``, ``get_cuda_view_from_cpu_tensor``,
-``get_max_shared_memory_per_block_device_attribute``), written with PyTorch. Compute ops (RMSNorm,
+``get_max_shared_memory_per_block_device_attribute``), written with PyTorch, and the KV-cache write
+of the FlashAttention backend (``_C_cache_ops.reshape_and_cache_flash``) through vLLM's own Triton
+version of it, so FLASH_ATTN (FA3, an optional bundle part) can run as the stock baseline. Compute ops (RMSNorm,
 SiLU-and-mul, RoPE, cache writes) are not provided: the run scripts select vLLM's native PyTorch
 implementations (``custom_ops=["none"]``, IR op priority "native") and Triton attention backends.
 If the real library (``_C_stable_libtorch.abi3.so``) is present, Python imports it instead of this file.
@@ -38,6 +40,15 @@ def max_shared_memory(device: int) -> int:
 
 _LIB = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
 _LIB_UTILS = torch.library.Library("_C_cuda_utils", "FRAGMENT")  # noqa: TOR901
+_LIB_CACHE = torch.library.Library("_C_cache_ops", "FRAGMENT")  # noqa: TOR901
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str, k_scale,
+                            v_scale) -> None:
+    """vLLM's Triton cache write (the one TRITON_ATTN uses), same arguments as the CUDA op."""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+    triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
 
 #: schema -> Python implementation (capability queries only; all answer "not supported")
 _QUERIES = {
@@ -59,6 +70,11 @@ for _schema, _fn in _TENSOR_OPS.items():
         _LIB.define(_schema)
         for _key in ("CPU", "CUDA"):
             _LIB.impl(_name, _fn, _key)
+
+if not hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
+    _LIB_CACHE.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+                      "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
+    _LIB_CACHE.impl("reshape_and_cache_flash", reshape_and_cache_flash, "CUDA")
 
 for _lib, _ns, _schema, _fn in [(_LIB, torch.ops._C, s, f) for s, f in _QUERIES.items()] + [
         (_LIB_UTILS, torch.ops._C_cuda_utils, "get_max_shared_memory_per_block_device_attribute(int device) -> int",

@@ -7,7 +7,7 @@ Prints ``RESULT {json}`` lines (the driver collects them). The engine runs in-pr
 name, model (a directory with config.json), tq_config (JETSON_TQ_CONFIG or null), kv_cache_dtype,
 backend (attention backend name or null), gpu_util, max_model_len, max_num_seqs, max_num_batched_tokens,
 eager, workloads ([[context, concurrency, output_tokens], ...]), correctness ({requests, seed,
-blocks_override} or null), deadline (epoch seconds: workloads that would start later are skipped).
+blocks_override} or null), env (extra environment), serve ({port} or null: run `vllm serve` instead), deadline (epoch seconds: workloads that would start later are skipped).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ if __name__ == "__main__":
     else:
         os.environ.pop("JETSON_TQ_CONFIG", None)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.update(SPEC.get("env", {}))
 
 T_START = time.time()
 
@@ -200,7 +201,62 @@ def correctness(llm, spec: dict) -> dict:
                 r.outputs[0].logprobs[j][t].logprob for r in res for j, t in enumerate(r.outputs[0].token_ids)]))}
 
 
+def serve(spec: dict) -> dict:
+    """``vllm serve`` (OpenAI server, engine core in its own process) + one streaming completions request."""
+    import subprocess
+    import urllib.request
+
+    port = int(spec.get("port", 8123))
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", SPEC["model"], "--port", str(port),
+            "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(SPEC["max_model_len"]),
+            "--gpu-memory-utilization", str(SPEC["gpu_util"]), "--max-num-seqs", str(SPEC["max_num_seqs"]),
+            "--no-enable-prefix-caching", "--served-model-name", "m",
+            "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
+                                                "cudagraph_capture_sizes": [1, 2, 4, 8]}),
+            "--ir-op-priority", json.dumps({"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})]
+    if SPEC.get("backend"):
+        args += ["--attention-backend", SPEC["backend"]]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    t0 = time.time()
+    proc = subprocess.Popen(args, env=env, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                return {"ok": False, "why": f"server exited with {proc.returncode}"}
+            if time.time() - t0 > spec.get("start_timeout_s", 150):
+                return {"ok": False, "why": "server did not become healthy in time"}
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        up = time.time() - t0
+        body = json.dumps({"model": "m", "prompt": "the cat sat on the mat and", "max_tokens": 16,
+                           "temperature": 0, "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        chunks, text, t1 = 0, "", time.time()
+        with urllib.request.urlopen(req, timeout=60) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks += 1
+                    text += json.loads(line[6:])["choices"][0].get("text", "")
+        return {"ok": chunks > 1, "startup_s": round(up, 1), "stream_chunks": chunks, "text": text,
+                "request_s": round(time.time() - t1, 3)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> None:
+    if SPEC.get("serve"):
+        emit("serve", **serve(SPEC["serve"]))
+        return
     import vllm.logger  # noqa: F401 - configures vLLM's loggers first (it would drop a handler added before)
 
     grab = _Grab()

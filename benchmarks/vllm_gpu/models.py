@@ -44,6 +44,15 @@ def write_model_dir(name: str, root: str | Path) -> Path:
     return out
 
 
+def write_tokenizer(model_dir: str | Path, vocab_size: int = 32000) -> Path:
+    """Add a local WordLevel tokenizer (no hub) so ``vllm serve`` can take and return text."""
+    from jetson_tq.integrations.vllm.tiny_model import write_tokenizer_files
+
+    model_dir = Path(model_dir)
+    write_tokenizer_files(model_dir, vocab_size)
+    return model_dir
+
+
 def kv_bytes_per_token(name: str, element_bytes: int = 2) -> int:
     """Bytes one token's K and V take across all layers in a 16-bit cache (the stock figure)."""
     c = CONFIGS[name]

