@@ -175,3 +175,26 @@ def test_plugin_pins_v1_model_runner(monkeypatch) -> None:
     monkeypatch.setenv(plugin.ENV_RUNNER, "1")
     with pytest.raises(UnsupportedPlatformError, match="V1 GPUModelRunner"):
         plugin.pin_v1_model_runner()
+
+
+def test_targets_verdicts() -> None:
+    def w(job, ctx, n, tok_s, tpot, ttft=1.0):
+        return {"job": job, "kind": "workload", "context": ctx, "concurrency": n, "decode_tok_s": tok_s,
+                "tpot_ms": tpot, "ttft_first_s": ttft}
+
+    results = [
+        {"job": "stock_bf16", "kind": "capacity", "kv_tokens": 1000},
+        {"job": "ours_mse_k4v3", "kind": "capacity", "kv_tokens": 4000},
+        w("stock_bf16", 32768, 1, 50.0, 20.0, 2.0), w("stock_bf16", 32768, 8, 300.0, 26.0),
+        {"job": "stock_bf16", "kind": "workload", "context": 32768, "concurrency": 32, "skipped": "not admitted"},
+        w("ours_mse_k4v3", 32768, 1, 45.0, 22.0, 4.0), w("ours_mse_k4v3", 32768, 8, 280.0, 28.0),
+        w("ours_mse_k4v3", 32768, 32, 700.0, 45.0),
+        w("vllm_tq_4bit_nc", 32768, 8, 100.0, 80.0),
+    ]
+    t = run.targets(results)
+    assert t["capacity_x_stock>=3.9"] == {"value": 4.0, "verdict": "met"}
+    assert t["aggregate_32k_x_stock>=2"]["value"] == round(700 / 300, 3) and t["aggregate_32k_x_stock>=2"]["verdict"] == "met"
+    assert t["tpot_x_stock<=1.3"]["value"] == {"32768x1": 1.1, "32768x8": round(28 / 26, 3)}
+    assert t["ttft_32k_x_stock<=1.5"] == {"value": 2.0, "verdict": "missed"}
+    assert t["decode_x_vllm_turboquant>1_every_row"] == {"value": {"32768x8": 2.8}, "verdict": "met"}
+    assert run.targets([])["capacity_x_stock>=3.9"]["verdict"] == "not measured"

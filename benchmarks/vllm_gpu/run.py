@@ -186,6 +186,43 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
+def _rows(results: list[dict], job: str) -> dict[tuple[int, int], dict]:
+    return {(r["context"], r["concurrency"]): r for r in results
+            if r["job"] == job and r["kind"] == "workload" and "skipped" not in r}
+
+
+def targets(results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stock_bf16",
+            theirs: str = "vllm_tq_4bit_nc") -> dict:
+    """Issue 10's targets, met / missed / not measured, from the RESULT lines."""
+    caps = {r["job"]: r["kv_tokens"] for r in results if r["kind"] == "capacity"}
+    o, s, t = _rows(results, ours), _rows(results, stock), _rows(results, theirs)
+    out: dict = {}
+
+    def verdict(name: str, value, ok) -> None:
+        out[name] = {"value": value, "verdict": "not measured" if value is None else ("met" if ok else "missed")}
+
+    cap = caps[ours] / caps[stock] if ours in caps and stock in caps else None
+    verdict("capacity_x_stock>=3.9", None if cap is None else round(cap, 3), cap is not None and cap >= 3.9)
+
+    def best32k(rows):
+        got = [r["decode_tok_s"] for (ctx, _), r in rows.items() if ctx == 32768 and r.get("decode_tok_s")]
+        return max(got) if got else None
+
+    bo, bs = best32k(o), best32k(s)
+    agg = bo / bs if bo and bs else None
+    verdict("aggregate_32k_x_stock>=2", None if agg is None else round(agg, 3), agg is not None and agg >= 2)
+    tpot = {f"{c}x{n}": round(o[k]["tpot_ms"] / s[k]["tpot_ms"], 3) for k in sorted(o.keys() & s.keys())
+            for c, n in [k] if o[k].get("tpot_ms") and s[k].get("tpot_ms")}
+    verdict("tpot_x_stock<=1.3", tpot or None, bool(tpot) and max(tpot.values()) <= 1.3)
+    k = (32768, 1)
+    ttft = o[k]["ttft_first_s"] / s[k]["ttft_first_s"] if k in o and k in s else None
+    verdict("ttft_32k_x_stock<=1.5", None if ttft is None else round(ttft, 3), ttft is not None and ttft <= 1.5)
+    vs = {f"{c}x{n}": round(o[k]["decode_tok_s"] / t[k]["decode_tok_s"], 3) for k in sorted(o.keys() & t.keys())
+          for c, n in [k] if o[k].get("decode_tok_s") and t[k].get("decode_tok_s")}
+    verdict("decode_x_vllm_turboquant>1_every_row", vs or None, bool(vs) and min(vs.values()) > 1)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -224,7 +261,7 @@ def main() -> None:
             deadline = 0
         with open(args.out / "results.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-        (args.out / "summary.json").write_text(json.dumps(summarize(results), indent=1))
+        (args.out / "summary.json").write_text(json.dumps(dict(summarize(results), targets=targets(results)), indent=1))
     print(f"all jobs: {time.time() - start:.0f} s", flush=True)
 
 
