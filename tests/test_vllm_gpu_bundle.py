@@ -126,14 +126,17 @@ def test_summary_ratios_and_greedy() -> None:
     results = [
         {"job": "stock_bf16", "kind": "capacity", "kv_tokens": 1000, "num_gpu_blocks": 62},
         {"job": "ours_mse_k4v3", "kind": "capacity", "kv_tokens": 4100, "num_gpu_blocks": 256},
-        {"job": "corr_stock", "kind": "correctness", "ids": [[1, 2, 3], [4, 5]], "nonfinite_logprobs": 0},
-        {"job": "corr_ours_fp16", "kind": "correctness", "ids": [[1, 2, 3], [4, 6]], "nonfinite_logprobs": 0},
+        {"job": "corr_stock", "kind": "correctness", "ids": [[1, 2, 3], [4, 5]], "nonfinite_logprobs": 0,
+         "logprobs": [[-1.0, -2.0, -3.0], [-0.5, -0.7]]},
+        {"job": "corr_ours_fp16", "kind": "correctness", "ids": [[1, 2, 3], [4, 6]], "nonfinite_logprobs": 0,
+         "logprobs": [[-1.0, -2.25, -3.0], [-0.5, -9.0]]},
         {"job": "ours_mse_k4v3", "kind": "error", "error": "x"},
     ]
     s = run.summarize(results)
     assert s["capacity"]["ours_mse_k4v3"]["x_stock"] == 4.1
     assert s["greedy_corr_ours_fp16_vs_stock"]["identical_requests"] == 1
     assert s["greedy_corr_ours_fp16_vs_stock"]["first_divergence"] == [None, 1]
+    assert s["greedy_corr_ours_fp16_vs_stock"]["max_abs_logprob_diff_common_prefix"] == 0.25  # not the -9.0 after it
     assert len(s["errors"]) == 1
 
 

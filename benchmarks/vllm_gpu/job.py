@@ -188,15 +188,13 @@ def correctness(llm, spec: dict) -> dict:
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    ids, bad = [], 0
+    ids, lps, bad = [], [], 0
     for r in res:
         c = r.outputs[0]
         ids.append(list(c.token_ids))
-        for step, tok in zip(c.logprobs or [], c.token_ids):
-            lp = step[tok].logprob
-            if not math.isfinite(lp):
-                bad += 1
-    return {"requests": len(res), "prompt_lens": lens, "ids": ids, "nonfinite_logprobs": bad,
+        lps.append([round(step[tok].logprob, 5) for step, tok in zip(c.logprobs or [], c.token_ids)])
+        bad += sum(not math.isfinite(v) for v in lps[-1])
+    return {"requests": len(res), "prompt_lens": lens, "ids": ids, "logprobs": lps, "nonfinite_logprobs": bad,
             "wall_s": round(wall, 2), "sampled_logprob_mean": float(np.mean([
                 r.outputs[0].logprobs[j][t].logprob for r in res for j, t in enumerate(r.outputs[0].token_ids)]))}
 

@@ -145,7 +145,7 @@ def run_job(spec: dict, out: Path, deadline: float, jobs_left: int = 1) -> list[
                 if line.startswith("RESULT "):
                     rec = json.loads(line[7:])
                     results.append(rec)
-                    print(json.dumps({k: v for k, v in rec.items() if k not in ("ids", "prompt_lens", "log")}),
+                    print(json.dumps({k: v for k, v in rec.items() if k not in ("ids", "prompt_lens", "log", "logprobs")}),
                           flush=True)
                 if time.time() > deadline_job:
                     proc.kill()
@@ -173,16 +173,21 @@ def summarize(results: list[dict]) -> dict:
     summary["workloads"] = [r for r in results if r["kind"] == "workload"]
     corr = {r["job"]: r for r in results if r["kind"] == "correctness"}
     if "corr_stock" in corr:
-        ref = corr["corr_stock"]["ids"]
+        ref = corr["corr_stock"]
         for job, c in corr.items():
-            same = sum(a == b for a, b in zip(ref, c["ids"]))
-            first_div = []
-            for a, b in zip(ref, c["ids"]):
-                d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            first_div, dlp = [], []
+            for i, (a, b) in enumerate(zip(ref["ids"], c["ids"])):
+                d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
                 first_div.append(d)
-            summary[f"greedy_{job}_vs_stock"] = {"identical_requests": same, "of": len(ref),
-                                                 "first_divergence": first_div,
-                                                 "nonfinite_logprobs": c["nonfinite_logprobs"]}
+                # dummy weights give near-tied logits: the sampled tokens' logprobs over the common prefix
+                # say whether a divergence is a flipped tie or a real difference
+                la, lb = ref.get("logprobs", [[]] * (i + 1))[i], c.get("logprobs", [[]] * (i + 1))[i]
+                n = min(len(a), len(b)) if d is None else d
+                dlp += [abs(x - y) for x, y in zip(la[:n], lb[:n])]
+            summary[f"greedy_{job}_vs_stock"] = {
+                "identical_requests": sum(a == b for a, b in zip(ref["ids"], c["ids"])), "of": len(ref["ids"]),
+                "first_divergence": first_div, "nonfinite_logprobs": c["nonfinite_logprobs"],
+                "max_abs_logprob_diff_common_prefix": round(max(dlp), 5) if dlp else None}
     return summary
 
 
