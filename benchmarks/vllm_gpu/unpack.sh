@@ -8,7 +8,7 @@ B=${1:-.devwork/vllm_bundle}
 SITE=${2:-/tmp/jtq_site}
 REPO=$(pwd)
 t0=$(date +%s%N)
-mkdir -p "$SITE"
+rm -rf "$SITE"; mkdir -p "$SITE"  # fresh each run (a warm machine keeps /tmp)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$B"/wheels/*.whl || return 1 2>/dev/null || exit 1
 t1=$(date +%s%N)
 cat "$B"/vllm-core.tar.gz* | tar -xzf - -C "$SITE" || return 1 2>/dev/null || exit 1
