@@ -5,7 +5,8 @@ questions at import time (``cutlass_scaled_mm_supports_fp8`` ...). The bundle sh
 ``vllm/_C_stable_libtorch.py``: it registers in ``torch.ops._C`` those query ops (answering
 "unsupported", so vLLM picks its non-CUTLASS paths) and the three memory helpers the CUDA-graph and
 buffer code call (``weak_ref_tensor``, ``get_cuda_view_from_cpu_tensor``,
-``get_max_shared_memory_per_block_device_attribute``), written with PyTorch, and the KV-cache write
+``get_max_shared_memory_per_block_device_attribute``), ``silu_and_mul`` (``SiluAndMul.__init__``
+looks it up on CUDA even when the native path runs), written with PyTorch, and the KV-cache write
 of the FlashAttention backend (``_C_cache_ops.reshape_and_cache_flash``) through vLLM's own Triton
 version of it, so FLASH_ATTN (FA3, an optional bundle part) can run as the stock baseline. Compute ops (RMSNorm,
 SiLU-and-mul, RoPE, cache writes) are not provided: the run scripts select vLLM's native PyTorch
@@ -32,6 +33,12 @@ def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def get_cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
     """A CUDA view of pinned host memory (UVA: the host pointer is valid on the device)."""
     return _view(cpu_tensor, torch.device("cuda", torch.cuda.current_device()))
+
+
+def silu_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
+    """result = silu(x[..., :d]) * x[..., d:] (``SiluAndMul`` looks the op up in __init__ on CUDA)."""
+    d = x.shape[-1] // 2
+    torch.mul(torch.nn.functional.silu(x[..., :d]), x[..., d:], out=result)
 
 
 def max_shared_memory(device: int) -> int:
@@ -63,6 +70,8 @@ _TENSOR_OPS = {
     "weak_ref_tensor(Tensor input) -> Tensor": weak_ref_tensor,
     "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor": get_cuda_view_from_cpu_tensor,
 }
+
+_TENSOR_OPS["silu_and_mul(Tensor(a!) result, Tensor input) -> ()"] = silu_and_mul
 
 for _schema, _fn in _TENSOR_OPS.items():
     _name = _schema.split("(", 1)[0]

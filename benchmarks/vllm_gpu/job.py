@@ -272,6 +272,10 @@ def main() -> None:
         return
     cap = capacity(llm, grab, time.time() - t)
     emit("capacity", **cap, import_and_init_s=round(time.time() - T_START, 1))
+    if SPEC.get("tq_config") and not any("jetson-tq: TurboQuant KV cache" in line for line in grab.lines):
+        # without the entry point vLLM silently runs stock attention: no figure of this job would be ours
+        emit("error", stage="plugin", error="JETSON_TQ_CONFIG set but the jetson-tq plugin did not register")
+        return
     kv, bs = cap["kv_tokens"], cap["block_size"]
     for ctx, conc, out in SPEC.get("workloads", []):
         fits = admitted(kv, bs, ctx, out)
