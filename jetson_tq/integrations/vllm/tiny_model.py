@@ -37,6 +37,9 @@ def _tokenizer_files(out: Path, vocab_size: int) -> None:
                                                              "unk_token": "<unk>"}))
 
 
+write_tokenizer_files = _tokenizer_files  # public name for scripts that need a local tokenizer
+
+
 def make_tiny_llama(out: str | Path, *, layers: int = 6, hidden: int = 128, heads: int = 4, kv_heads: int = 2,
                     vocab_size: int = 512, intermediate: int = 256, seed: int = 0,
                     extra_config: dict | None = None) -> Path:

@@ -1,0 +1,173 @@
+"""Build the vLLM 0.26.0 bundle for the GPU machine (no network there): slim vLLM tar + dependency wheels.
+
+    python benchmarks/vllm_gpu/bundle.py [--dir .devwork/vllm_bundle] [--with-c] [--no-fa3]
+
+Runs on a machine with package-index access. Downloads the ``vllm==0.26.0`` manylinux x86_64 wheel
+with ``pip download --no-deps``, writes ``vllm-core.tar.gz`` from its members minus what a bf16
+dense model on Hopper under TRITON_ATTN does not need (FA2/FA3, the MoE ops, vllm-rs, other
+Pythons' deep_gemm builds, CUTLASS headers for JIT) and, by default, minus the 79 MB CUDA op library
+``_C_stable_libtorch.abi3.so`` (56 MB even with xz: with it one device call cannot carry the rest),
+then downloads cp312 wheels of the pure-Python / binary dependencies the GPU image lacks (DEPS,
+found by importing vLLM with ``--no-deps`` in a scratch venv). Parts are at most 60 MB.
+FlashAttention 3 goes in its own part ``vllm-fa3.tar.xz`` (153 MB -> 10.6 MB; ``--no-fa3`` skips it);
+``--with-c`` writes the op library as an optional part too (56 MB: it does not fit one call with the rest).
+The directory is git-ignored (``.devwork/``); nothing here is committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import io
+import json
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+VLLM = "vllm==0.26.0"
+PART_BYTES = 60 * 10**6
+PLATFORM = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"] + [
+    a for p in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+                "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64",
+                "manylinux_2_34_x86_64", "manylinux_2_35_x86_64") for a in ("--platform", p)]
+#: wheel members left out of the core tar (fnmatch patterns)
+DROP = [
+    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+    "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/_C_stable_libtorch.abi3.so", "vllm/vllm-rs",
+    "vllm/third_party/deep_gemm/_C.cpython-310-*", "vllm/third_party/deep_gemm/_C.cpython-311-*",
+    "vllm/third_party/deep_gemm/_C.cpython-313-*", "vllm/third_party/deep_gemm/_C.cpython-314-*",
+    "vllm/third_party/deep_gemm/include/*", "vllm/third_party/fmha_sm100/cutlass/*",
+    "vllm/third_party/fmha_sm100/csrc/*",
+]
+OPTIONAL = {"c": "vllm/_C_stable_libtorch.abi3.so", "fa3": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
+#: what `import vllm.entrypoints.llm` and an offline LLM(...) need beyond the GPU image's packages
+#: (KINDS.md list), with versions inside vllm 0.26.0's Requires-Dist
+DEPS = [
+    "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+    "msgspec==0.23.0", "pyzmq==27.3.0", "cachetools==8.0.2", "cbor2==6.3.0", "pybase64==1.5.1",
+    "blake3==1.0.11", "setproctitle==1.3.8", "openai==3.57.0", "httpx2==2.16.2", "sniffio==1.3.1", "distro==1.9.0",
+    "jiter==0.19.0", "openai-harmony==0.0.8", "llguidance==1.7.6", "apache-tvm-ffi==0.1.10",
+    # xgrammar >= 0.2.7 needs a newer tvm-ffi than the 0.1.10 vllm pins (load_lib_module(extra_lib_paths=...))
+    "xgrammar==0.2.6",
+    # `from vllm import LLM` reaches vllm.entrypoints.serve (fastapi) through the pooling mixin; the rest is
+    # what `import vllm.entrypoints.openai.api_server` (vllm serve) needs
+    "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "watchfiles==1.3.0", "partial-json-parser==0.2.1.1.post7",
+    "model-hosting-container-standards==0.1.16", "jmespath==1.1.0",
+]
+#: files added to the core tar: (path in the tar, source next to this script)
+STUBS = {"vllm/_C_stable_libtorch.py": "c_stub.py"}
+#: textual patches of vLLM members: path -> (old, new). Without FA2/FA3 vllm_flash_attn raises at import,
+#: and on CUDA fa_utils imports it unconditionally (every model import reaches it): keep the flags False.
+PATCHES = {
+    "vllm/vllm_flash_attn/__init__.py": (
+        "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(",
+        "if False and not (FA2_AVAILABLE or FA3_AVAILABLE):  # jetson-tq bundle: FA left out\n    raise ImportError(",
+    ),
+}
+
+
+def pip(*args: str) -> None:
+    """Run pip of this interpreter (raises on failure)."""
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def dropped(name: str, keep: set[str]) -> bool:
+    """True when a wheel member stays out of the core tar (optional libraries named in keep stay in)."""
+    return name not in keep and any(fnmatch.fnmatch(name, p) for p in DROP)
+
+
+def patched(name: str, data: bytes) -> bytes:
+    """A member's bytes after PATCHES (ValueError when a patch no longer applies: wrong vLLM version)."""
+    if name not in PATCHES:
+        return data
+    old, new = PATCHES[name]
+    text = data.decode()
+    if text.count(old) != 1:
+        raise ValueError(f"{name}: expected exactly one {old!r} to patch, found {text.count(old)}")
+    return text.replace(old, new).encode()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mode, ti.mtime = len(data), mode, 0
+    tar.addfile(ti, io.BytesIO(data))
+
+
+def write_tar(whl: Path, out: Path, select, mode: str = "w:gz", stubs: bool = True) -> int:
+    """Write the members accepted by ``select`` (patched) plus STUBS into a tar; returns uncompressed bytes."""
+    total = 0
+    with zipfile.ZipFile(whl) as z, tarfile.open(out, mode) as tar:
+        for info in z.infolist():
+            if info.is_dir() or not select(info.filename):
+                continue
+            data = patched(info.filename, z.read(info))
+            _add(tar, info.filename, data, 0o755 if info.filename.endswith(".so") else 0o644)
+            total += len(data)
+        for name, src in (STUBS.items() if stubs else ()):
+            data = (Path(__file__).parent / src).read_bytes()
+            _add(tar, name, data)
+            total += len(data)
+    return total
+
+
+def split(path: Path) -> list[Path]:
+    """Split a file into <= PART_BYTES pieces (path.partNN); the whole file is removed."""
+    data_parts = []
+    with open(path, "rb") as f:
+        i = 0
+        while chunk := f.read(PART_BYTES):
+            p = path.with_name(f"{path.name}.part{i:02d}")
+            p.write_bytes(chunk)
+            data_parts.append(p)
+            i += 1
+    path.unlink()
+    return data_parts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", type=Path, default=Path(".devwork/vllm_bundle"))
+    ap.add_argument("--with-c", action="store_true", help="also write vllm-c.tar.xz (CUDA op library)")
+    ap.add_argument("--no-fa3", dest="with_fa3", action="store_false",
+                    help="leave out vllm-fa3.tar.xz (FlashAttention 3: 10.6 MB with xz; vLLM's TurboQuant prefill and "
+                         "the FLASH_ATTN stock baseline need it)")
+    args = ap.parse_args()
+    d = args.dir
+    dl, wheels = d / "download", d / "wheels"
+    dl.mkdir(parents=True, exist_ok=True)
+    wheels.mkdir(parents=True, exist_ok=True)
+    t = time.time()
+    whl = dl / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    if not whl.exists():
+        pip("download", "--no-deps", *PLATFORM, "-d", str(dl), VLLM)
+    for old in d.glob("vllm-*.tar*"):
+        old.unlink()
+    core = d / "vllm-core.tar.gz"
+    raw = write_tar(whl, core, lambda n: not dropped(n, set()))
+    manifest = {"vllm": VLLM, "wheel_bytes": whl.stat().st_size, "core_uncompressed": raw,
+                "core_bytes": core.stat().st_size, "dropped": DROP}
+    parts = split(core) if core.stat().st_size > PART_BYTES else [core]
+    manifest["core_parts"] = [p.name for p in parts]
+    for key, member in OPTIONAL.items():
+        if getattr(args, f"with_{key}"):
+            opt = d / f"vllm-{key}.tar.xz"
+            write_tar(whl, opt, lambda n, m=member: n == m, mode="w:xz", stubs=False)
+            manifest[f"optional_{key}"] = [p.name for p in (split(opt) if opt.stat().st_size > PART_BYTES else [opt])]
+    for old in wheels.glob("*.whl"):
+        old.unlink()
+    pip("download", "--no-deps", *PLATFORM, "-d", str(wheels), *DEPS)
+    manifest["wheels"] = sorted(p.name for p in wheels.glob("*.whl"))
+    manifest["wheel_bytes_total"] = sum(p.stat().st_size for p in wheels.glob("*.whl"))
+    manifest["sha256"] = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                          for p in sorted(d.glob("vllm-*.tar*")) + sorted(wheels.glob("*.whl"))}
+    manifest["build_s"] = round(time.time() - t, 1)
+    (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    print(json.dumps({k: v for k, v in manifest.items() if k not in ("sha256", "dropped")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

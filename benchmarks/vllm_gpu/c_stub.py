@@ -1,0 +1,94 @@
+"""Stand-in for ``vllm._C_stable_libtorch`` (79 MB, left out of the bundle): the few ops vLLM calls at import.
+
+vLLM 0.26's CUDA platform imports this library unconditionally, and some modules ask it capability
+questions at import time (``cutlass_scaled_mm_supports_fp8`` ...). The bundle ships this file as
+``vllm/_C_stable_libtorch.py``: it registers in ``torch.ops._C`` those query ops (answering
+"unsupported", so vLLM picks its non-CUTLASS paths) and the three memory helpers the CUDA-graph and
+buffer code call (``weak_ref_tensor``, ``get_cuda_view_from_cpu_tensor``,
+``get_max_shared_memory_per_block_device_attribute``), ``silu_and_mul`` (``SiluAndMul.__init__``
+looks it up on CUDA even when the native path runs), written with PyTorch, and the KV-cache write
+of the FlashAttention backend (``_C_cache_ops.reshape_and_cache_flash``) through vLLM's own Triton
+version of it, so FLASH_ATTN (FA3, an optional bundle part) can run as the stock baseline. Compute ops (RMSNorm,
+SiLU-and-mul, RoPE, cache writes) are not provided: the run scripts select vLLM's native PyTorch
+implementations (``custom_ops=["none"]``, IR op priority "native") and Triton attention backends.
+If the real library (``_C_stable_libtorch.abi3.so``) is present, Python imports it instead of this file.
+"""
+
+import torch
+
+
+def _view(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor over ``tensor``'s memory that does not own it (same data pointer, shape, strides)."""
+    storage = tensor.untyped_storage()
+    raw = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), device, storage.nbytes())
+    out = torch.empty(0, dtype=tensor.dtype, device=device)
+    return out.set_(raw, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """vLLM's weak reference: shares the memory, does not keep it alive (CUDA-graph outputs)."""
+    return _view(tensor, tensor.device)
+
+
+def get_cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
+    """A CUDA view of pinned host memory (UVA: the host pointer is valid on the device)."""
+    return _view(cpu_tensor, torch.device("cuda", torch.cuda.current_device()))
+
+
+def silu_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
+    """result = silu(x[..., :d]) * x[..., d:] (``SiluAndMul`` looks the op up in __init__ on CUDA)."""
+    d = x.shape[-1] // 2
+    torch.mul(torch.nn.functional.silu(x[..., :d]), x[..., d:], out=result)
+
+
+def max_shared_memory(device: int) -> int:
+    """Opt-in shared memory per block, as cudaDevAttrMaxSharedMemoryPerBlockOptin reports it."""
+    return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+_LIB = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
+_LIB_UTILS = torch.library.Library("_C_cuda_utils", "FRAGMENT")  # noqa: TOR901
+_LIB_CACHE = torch.library.Library("_C_cache_ops", "FRAGMENT")  # noqa: TOR901
+
+def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str, k_scale,
+                            v_scale) -> None:
+    """vLLM's Triton cache write (the one TRITON_ATTN uses), same arguments as the CUDA op."""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+    triton_reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+
+
+#: schema -> Python implementation (capability queries only; all answer "not supported")
+_QUERIES = {
+    "cutlass_scaled_mm_supports_fp8(int cuda_device_capability) -> bool": lambda c: False,
+    "cutlass_scaled_mm_supports_fp4(int cuda_device_capability) -> bool": lambda c: False,
+    "cutlass_scaled_mm_supports_block_fp8(int cuda_device_capability) -> bool": lambda c: False,
+    "cutlass_group_gemm_supported(int cuda_device_capability) -> bool": lambda c: False,
+}
+
+#: schema -> implementation for tensors (registered for CPU and CUDA)
+_TENSOR_OPS = {
+    "weak_ref_tensor(Tensor input) -> Tensor": weak_ref_tensor,
+    "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor": get_cuda_view_from_cpu_tensor,
+}
+
+_TENSOR_OPS["silu_and_mul(Tensor(a!) result, Tensor input) -> ()"] = silu_and_mul
+
+for _schema, _fn in _TENSOR_OPS.items():
+    _name = _schema.split("(", 1)[0]
+    if not hasattr(torch.ops._C, _name):
+        _LIB.define(_schema)
+        for _key in ("CPU", "CUDA"):
+            _LIB.impl(_name, _fn, _key)
+
+if not hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
+    _LIB_CACHE.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+                      "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
+    _LIB_CACHE.impl("reshape_and_cache_flash", reshape_and_cache_flash, "CUDA")
+
+for _lib, _ns, _schema, _fn in [(_LIB, torch.ops._C, s, f) for s, f in _QUERIES.items()] + [
+        (_LIB_UTILS, torch.ops._C_cuda_utils, "get_max_shared_memory_per_block_device_attribute(int device) -> int",
+         max_shared_memory)]:
+    _name = _schema.split("(", 1)[0]
+    if not hasattr(_ns, _name):
+        _lib.define(_schema)
+        _lib.impl(_name, _fn, "CompositeExplicitAutograd")

@@ -1,0 +1,60 @@
+"""Weightless model directories (config.json only) for vLLM's ``load_format="dummy"``: real shapes, no hub.
+
+vLLM builds the model from config.json and fills random weights; with ``skip_tokenizer_init=True``
+and token-id prompts no tokenizer is needed. ``max_position_embeddings`` is raised to 131072 so a
+128k-token context is allowed for Qwen2.5-7B as well (the weights are random anyway).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: name -> HF config dict (the public configs' shapes; head_dim 128, GQA 28/4 and 32/8)
+CONFIGS: dict[str, dict] = {
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645, "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": 28, "attention_dropout": 0.0,
+    },
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009, "attention_bias": False,
+        "mlp_bias": False,
+    },
+}
+
+
+def write_model_dir(name: str, root: str | Path) -> Path:
+    """Write ``root/name/config.json`` from CONFIGS[name] and return the directory."""
+    if name not in CONFIGS:
+        raise KeyError(f"model {name!r}: expected one of {sorted(CONFIGS)}")
+    out = Path(root) / name
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(CONFIGS[name], indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": CONFIGS[name]["eos_token_id"]}))
+    return out
+
+
+def write_tokenizer(model_dir: str | Path, vocab_size: int = 32000) -> Path:
+    """Add a local WordLevel tokenizer (no hub) so ``vllm serve`` can take and return text."""
+    from jetson_tq.integrations.vllm.tiny_model import write_tokenizer_files
+
+    model_dir = Path(model_dir)
+    write_tokenizer_files(model_dir, vocab_size)
+    return model_dir
+
+
+def kv_bytes_per_token(name: str, element_bytes: int = 2) -> int:
+    """Bytes one token's K and V take across all layers in a 16-bit cache (the stock figure)."""
+    c = CONFIGS[name]
+    head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * element_bytes

@@ -1,0 +1,274 @@
+"""All vLLM-on-GPU measurements of issue 10 in one command: one subprocess (one engine) per configuration.
+
+    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|smoke] [--budget S] [--only NAME,...]
+
+Writes DIR/results.jsonl (every ``RESULT`` line of every job), DIR/raw.log (all engine logs, in
+order) and DIR/summary.json (the tables + the greedy comparison). Jobs run in priority order; one
+that would start after ``--budget`` seconds is skipped (reported), and each job's workloads stop at
+the budget too, so a run cut short keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from models import kv_bytes_per_token, write_model_dir, write_tokenizer  # noqa: E402
+
+QWEN, LLAMA = "qwen2.5-7b", "llama-3.1-8b"
+UTIL = 0.25  # equal memory for every engine: ~16 GB of KV for Qwen2.5-7B on a 141 GB H200 (~8 x 32k stock)
+MML = 131072
+WORK_STOCK = [[8192, 1, 64], [8192, 8, 64], [8192, 32, 64], [32768, 1, 64], [32768, 8, 64], [130944, 1, 64]]
+WORK_TQ = WORK_STOCK[:5] + [[32768, 32, 64], WORK_STOCK[5]]
+WORK_SHORT = [[32768, 8, 32], [32768, 1, 32], [8192, 8, 32], [8192, 1, 32]]
+WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
+
+
+#: every engine on vLLM's V1 model runner unless a job says otherwise: jetson-tq pins it (its hooks are
+#: written against V1's GPUModelRunner) and 0.26 would pick V2 for stock dense models on CUDA
+V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def _engine(name: str, model: str, *, tq: str | None = None, kv: str = "auto", backend: str | None = None,
+            mml: int = MML, seqs: int = 32, work=(), eager: bool = False, timeout: int = 240, env=None,
+            **extra) -> dict:
+    return {"name": name, "model_name": model, "tq_config": tq, "kv_cache_dtype": kv, "backend": backend,
+            "gpu_util": UTIL, "max_model_len": mml, "max_num_seqs": seqs, "max_num_batched_tokens": 16384,
+            "eager": eager, "workloads": [list(w) for w in work], "timeout": timeout,
+            "env": dict(V1 if env is None else env), **extra}
+
+
+def plan(kind: str) -> list[dict]:
+    """The jobs, most important first."""
+    small = dict(mml=4096, seqs=8, timeout=150)
+    smoke = [
+        _engine("smoke_stock", QWEN, backend="TRITON_ATTN", work=[[2048, 2, 16]], **small),
+        _engine("smoke_ours", QWEN, tq="mse_k4v3", work=[[2048, 2, 16]], **small),
+    ]
+    if kind == "smoke":
+        return smoke
+    if kind == "short":  # one call of ~4 device minutes: the headline rows first, each job time-capped
+        cap_only = dict(eager=True, seqs=8, timeout=35)
+        few = dict(capture_sizes=[1, 8, 32])  # graph sizes of the rows below only (capture time)
+        return [
+            _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=WORK_SHORT + [[130944, 1, 32]], timeout=75, **few),
+            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_SHORT[:1] + [[32768, 32, 32]] + WORK_SHORT[1:] + [[130944, 1, 32]],
+                    timeout=95, **few),
+            _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=[[8192, 8, 32], [32768, 8, 32]],
+                    timeout=60, **few),
+            _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", **cap_only),
+            _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
+        ]
+    corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
+    cap_only = dict(eager=True, seqs=8, timeout=45)
+    return [
+        _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=WORK_STOCK, timeout=150),
+        _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_TQ, timeout=200),
+        _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=WORK_TQ, timeout=120),
+        _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", work=[[32768, 8, 64], [32768, 32, 64]], timeout=80),
+        _engine("stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=[[32768, 8, 64], [32768, 1, 64], [8192, 8, 64]],
+                timeout=80),
+        _engine("stock_bf16_runner_v2", QWEN, backend="TRITON_ATTN", work=[[32768, 8, 64], [8192, 8, 64]], env={},
+                timeout=80),
+        _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
+        # greedy correctness: fp16 passthrough vs stock (eager both), the default preset under forced preemption
+        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
+                timeout=60),
+        _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
+        _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, correctness=corr,
+                blocks_override=1024, timeout=60),
+        # Llama-3.1-8B capacity at 32k (131 kB/token stock: 128k does not fit this budget in bf16)
+        _engine("llama_stock", LLAMA, backend="TRITON_ATTN", mml=32768, **cap_only),
+        _engine("llama_ours_mse_k4v3", LLAMA, tq="mse_k4v3", mml=32768, **cap_only),
+        _engine("llama_ours_blog_k3v2", LLAMA, tq="blog_k3v2", mml=32768, **cap_only),
+        _engine("llama_vllm_tq_4bit_nc", LLAMA, kv="turboquant_4bit_nc", mml=32768, **cap_only),
+        _engine("llama_vllm_tq_3bit_nc", LLAMA, kv="turboquant_3bit_nc", mml=32768, **cap_only),
+        _engine("serve_ours_mse_k4v3", QWEN, tq="mse_k4v3", mml=4096, seqs=8, serve={"port": 8123}, tokenizer=True,
+                timeout=170),
+        _engine("eager_stock", QWEN, backend="TRITON_ATTN", work=WORK_EAGER, eager=True, mml=40000, timeout=70),
+        _engine("eager_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_EAGER, eager=True, mml=40000, timeout=70),
+    ]
+
+
+def fa3_present() -> bool:
+    """True when the bundle's optional FA3 part is unpacked (found without importing vLLM)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    return any((Path(r) / "vllm_flash_attn" / "_vllm_fa3_C.abi3.so").exists() for r in roots)
+
+
+def adapt(jobs: list[dict], stock_backend: str, fa3: bool) -> list[dict]:
+    """Stock jobs on ``stock_backend``; vLLM-TurboQuant jobs marked unrunnable without FA3 (its prefill)."""
+    out = []
+    for j in jobs:
+        j = dict(j)
+        if j["backend"] == "TRITON_ATTN":
+            j["backend"] = stock_backend
+        if j["backend"] == "FLASH_ATTN_FIXED":  # the FA3 row of the full plan, whatever the stock choice
+            j["backend"] = "FLASH_ATTN"
+        if j["kv_cache_dtype"].startswith("turboquant") and not fa3:
+            j["unrunnable"] = "vLLM's TurboQuant prefill calls flash_attn_varlen_func: needs the FA3 part"
+        if stock_backend == "FLASH_ATTN" and not fa3 and j["backend"] == "FLASH_ATTN":
+            j["unrunnable"] = "FLASH_ATTN needs the FA3 part"
+        out.append(j)
+    return out
+
+
+def run_job(spec: dict, out: Path, deadline: float, jobs_left: int = 1) -> list[dict]:
+    """Run one job in its own process; its output goes to raw.log, its RESULT lines are returned.
+
+    The job gets at most its own timeout and at least an equal share of what is left (>= 45 s).
+    """
+    t = time.time()
+    share = max(45.0, (deadline - t) / max(1, jobs_left))
+    timeout = min(spec.pop("timeout"), share, max(10, deadline - t))
+    spec = dict(spec, deadline=t + timeout - 10)  # workloads that would start later are skipped
+    results: list[dict] = []
+    with open(out / "raw.log", "a") as log:
+        log.write(f"\n===== job {spec['name']} {json.dumps(spec)}\n")
+        log.flush()
+        proc = subprocess.Popen([sys.executable, str(HERE / "job.py"), json.dumps(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+        try:
+            deadline_job = t + timeout
+            for line in proc.stdout:
+                log.write(line)
+                if line.startswith("RESULT "):
+                    rec = json.loads(line[7:])
+                    results.append(rec)
+                    print(json.dumps({k: v for k, v in rec.items() if k not in ("ids", "prompt_lens", "log", "logprobs")}),
+                          flush=True)
+                if time.time() > deadline_job:
+                    proc.kill()
+                    results.append({"job": spec["name"], "kind": "error", "error": f"killed after {timeout:.0f} s"})
+                    break
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.write(f"===== job {spec['name']} rc={proc.returncode} {time.time() - t:.1f} s\n")
+    if proc.returncode not in (0, None) and not any(r["kind"] == "error" for r in results):
+        results.append({"job": spec["name"], "kind": "error", "error": f"exit code {proc.returncode}"})
+    return results
+
+
+def summarize(results: list[dict]) -> dict:
+    """Capacity table, workload table and greedy comparisons from the RESULT lines."""
+    caps = {r["job"]: r for r in results if r["kind"] == "capacity"}
+    summary: dict = {"capacity": {}, "workloads": [], "errors": [r for r in results if r["kind"] == "error"]}
+    for job, c in caps.items():
+        model = LLAMA if job.startswith("llama") else QWEN
+        base = caps.get("llama_stock" if model == LLAMA else "stock_bf16")
+        summary["capacity"][job] = {"kv_tokens": c["kv_tokens"], "num_gpu_blocks": c["num_gpu_blocks"],
+                                    "x_stock": round(c["kv_tokens"] / base["kv_tokens"], 3) if base else None,
+                                    "stock_bytes_per_token": kv_bytes_per_token(model)}
+    summary["workloads"] = [r for r in results if r["kind"] == "workload"]
+    corr = {r["job"]: r for r in results if r["kind"] == "correctness"}
+    if "corr_stock" in corr:
+        ref = corr["corr_stock"]
+        for job, c in corr.items():
+            first_div, dlp = [], []
+            for i, (a, b) in enumerate(zip(ref["ids"], c["ids"])):
+                d = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                first_div.append(d)
+                # dummy weights give near-tied logits: the sampled tokens' logprobs over the common prefix
+                # say whether a divergence is a flipped tie or a real difference
+                la, lb = ref.get("logprobs", [[]] * (i + 1))[i], c.get("logprobs", [[]] * (i + 1))[i]
+                n = min(len(a), len(b)) if d is None else d
+                dlp += [abs(x - y) for x, y in zip(la[:n], lb[:n])]
+            summary[f"greedy_{job}_vs_stock"] = {
+                "identical_requests": sum(a == b for a, b in zip(ref["ids"], c["ids"])), "of": len(ref["ids"]),
+                "first_divergence": first_div, "nonfinite_logprobs": c["nonfinite_logprobs"],
+                "max_abs_logprob_diff_common_prefix": round(max(dlp), 5) if dlp else None}
+    return summary
+
+
+def _rows(results: list[dict], job: str) -> dict[tuple[int, int], dict]:
+    return {(r["context"], r["concurrency"]): r for r in results
+            if r["job"] == job and r["kind"] == "workload" and "skipped" not in r}
+
+
+def targets(results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stock_bf16",
+            theirs: str = "vllm_tq_4bit_nc") -> dict:
+    """Issue 10's targets, met / missed / not measured, from the RESULT lines."""
+    caps = {r["job"]: r["kv_tokens"] for r in results if r["kind"] == "capacity"}
+    o, s, t = _rows(results, ours), _rows(results, stock), _rows(results, theirs)
+    out: dict = {}
+
+    def verdict(name: str, value, ok) -> None:
+        out[name] = {"value": value, "verdict": "not measured" if value is None else ("met" if ok else "missed")}
+
+    cap = caps[ours] / caps[stock] if ours in caps and stock in caps else None
+    verdict("capacity_x_stock>=3.9", None if cap is None else round(cap, 3), cap is not None and cap >= 3.9)
+
+    def best32k(rows):
+        got = [r["decode_tok_s"] for (ctx, _), r in rows.items() if ctx == 32768 and r.get("decode_tok_s")]
+        return max(got) if got else None
+
+    bo, bs = best32k(o), best32k(s)
+    agg = bo / bs if bo and bs else None
+    verdict("aggregate_32k_x_stock>=2", None if agg is None else round(agg, 3), agg is not None and agg >= 2)
+    tpot = {f"{c}x{n}": round(o[k]["tpot_ms"] / s[k]["tpot_ms"], 3) for k in sorted(o.keys() & s.keys())
+            for c, n in [k] if o[k].get("tpot_ms") and s[k].get("tpot_ms")}
+    verdict("tpot_x_stock<=1.3", tpot or None, bool(tpot) and max(tpot.values()) <= 1.3)
+    k = (32768, 1)
+    ttft = o[k]["ttft_first_s"] / s[k]["ttft_first_s"] if k in o and k in s else None
+    verdict("ttft_32k_x_stock<=1.5", None if ttft is None else round(ttft, 3), ttft is not None and ttft <= 1.5)
+    vs = {f"{c}x{n}": round(o[k]["decode_tok_s"] / t[k]["decode_tok_s"], 3) for k in sorted(o.keys() & t.keys())
+          for c, n in [k] if o[k].get("decode_tok_s") and t[k].get("decode_tok_s")}
+    verdict("decode_x_vllm_turboquant>1_every_row", vs or None, bool(vs) and min(vs.values()) > 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plan", default="full", choices=["full", "short", "smoke"])
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
+    ap.add_argument("--only", default="", help="comma-separated job names")
+    ap.add_argument("--stock-backend", default="TRITON_ATTN", choices=["TRITON_ATTN", "FLASH_ATTN"],
+                    help="stock vLLM's attention (FLASH_ATTN = FA3, needs the optional bundle part)")
+    args = ap.parse_args()
+    start = time.time()
+    deadline = start + args.budget
+    args.out.mkdir(parents=True, exist_ok=True)
+    models = args.out.parent / "models" if os.environ.get("JTQ_MODELS") is None else Path(os.environ["JTQ_MODELS"])
+    jobs = adapt(plan(args.plan), args.stock_backend, fa3_present())
+    if args.only:
+        keep = set(args.only.split(","))
+        jobs = [j for j in jobs if j["name"] in keep]
+    results: list[dict] = []
+    for i, spec in enumerate(jobs):
+        spec = dict(spec, model=str(write_model_dir(spec["model_name"], models)))
+        if spec.pop("tokenizer", False):
+            spec["model"] = str(write_tokenizer(write_model_dir(spec["model_name"], models / "with_tokenizer")))
+        if spec.get("unrunnable"):
+            results.append({"job": spec["name"], "kind": "skipped", "why": spec["unrunnable"]})
+            print(json.dumps(results[-1]), flush=True)
+            continue
+        if time.time() > deadline - 30:
+            results.append({"job": spec["name"], "kind": "skipped", "why": "budget"})
+            print(json.dumps(results[-1]), flush=True)
+            continue
+        got = run_job(spec, args.out, deadline, len(jobs) - i)
+        results.extend(got)
+        if spec["name"] == jobs[0]["name"] and not any(r["kind"] == "capacity" for r in got):
+            results.append({"job": "all", "kind": "error", "error": "first (stock) engine did not start: stopping"})
+            print(json.dumps(results[-1]), flush=True)
+            deadline = 0
+        with open(args.out / "results.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in results)
+        (args.out / "summary.json").write_text(json.dumps(dict(summarize(results), targets=targets(results)), indent=1))
+    print(f"all jobs: {time.time() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
