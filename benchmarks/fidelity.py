@@ -86,6 +86,8 @@ def all_rows(backend: str) -> list[F.Variant]:
         v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"), "preset (default): mse 4-bit keys, 3-bit values g64, buffer 128"),
         v("mse_k4v3_buf0", "ours vs vLLM built-in", _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
           "the default without its fp16 recent buffer (like vLLM: every token compressed)"),
+        *[v(f"mse_k4v3_buf{r}", "buffer", _tq(f"mse_k4v3_buf{r}", ("mse", 4), ("group", 3, 64), buffer=r),
+            f"the default with a {r}-token fp16 recent buffer") for r in (8, 16, 32, 64, 256)],
         *[v(f"vllm_{p}{tail}", "ours vs vLLM built-in", VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
             f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
                                                               ", all layers compressed (boundary skip off)"))

@@ -91,32 +91,51 @@ def run_engine(job: dict) -> dict:
               max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
               seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
-              tensor_parallel_size=job.get("tensor_parallel_size", 1))
+              tensor_parallel_size=job.get("tensor_parallel_size", 1),
+              **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}))
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                             logprobs=0 if job.get("logprobs") else None)
+    prompts = list(job["prompts"])
+    # prompt_groups: generate() calls in order, each on a subset (batch composition; later calls may hit the
+    # prefix cache filled by earlier ones); "outputs" is the first call's
+    groups = job.get("prompt_groups") or [list(range(len(prompts)))]
     t1 = time.perf_counter()
-    outs = llm.generate(list(job["prompts"]), params, use_tqdm=False)
+    runs = [llm.generate([prompts[i] for i in group], params, use_tqdm=False) for group in groups]
     gen_s = time.perf_counter() - t1
+    outs = runs[0]
     cache = llm.llm_engine.vllm_config.cache_config
     model_dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    preemptions = None
-    try:
-        preemptions = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-    except Exception:  # metrics are informative only
-        pass
-    n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    counters = _counters(llm, ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
+    n_gen = sum(len(o.outputs[0].token_ids) for run in runs for o in run)
     return {
         "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
         "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
         "kv_dtype": model_dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype),
         "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
-        "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"], "preemptions": preemptions,
+        "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"],
+        "preemptions": counters["vllm:num_preemptions"], "prefix_cache_hits": counters["vllm:prefix_cache_hits"],
+        "prefix_cache_queries": counters["vllm:prefix_cache_queries"],
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
-        "outputs": [{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
-                     "logprobs": _chosen_logprobs(o.outputs[0])} for o in outs],
+        "outputs": [_output(o) for o in outs],
+        "groups": [[_output(o) for o in run] for run in runs],
     }
+
+
+def _output(o) -> dict:
+    """One request's prompt, greedy text, token ids, chosen log-probabilities and prefix-cache hit tokens."""
+    return {"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
+            "logprobs": _chosen_logprobs(o.outputs[0]), "num_cached_tokens": o.num_cached_tokens}
+
+
+def _counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
+    """Totals of vLLM's counters ``names`` (None when its metrics cannot be read: informative only)."""
+    try:
+        metrics = list(llm.get_metrics())
+    except Exception:
+        return dict.fromkeys(names)
+    return {name: sum(int(getattr(m, "value", 0)) for m in metrics if m.name == name) for name in names}
 
 
 def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
