@@ -92,3 +92,26 @@ for _lib, _ns, _schema, _fn in [(_LIB, torch.ops._C, s, f) for s, f in _QUERIES.
     if not hasattr(_ns, _name):
         _lib.define(_schema)
         _lib.impl(_name, _fn, "CompositeExplicitAutograd")
+
+#: Ops vLLM 0.26's fusion passes name at import time (module-level ``torch.ops._C.<op>.default`` in
+#: ``vllm/compilation/passes/fusion/*.py``; found by scanning the wheel's module-level code). The passes are
+#: off (compilation mode 0), so the ops are only named, never called: each is a placeholder whose call raises
+#: a named error (H200 call 4 stopped at ``rotary_embedding``).
+NAMED_ONLY = ("dynamic_per_token_scaled_fp8_quant", "dynamic_scaled_fp8_quant", "fused_add_rms_norm",
+              "fused_add_rms_norm_static_fp8_quant", "fused_qk_norm_rope", "per_token_group_fp8_quant",
+              "rms_norm_dynamic_per_token_quant", "rms_norm_per_block_quant", "rms_norm_static_fp8_quant",
+              "rotary_embedding", "scaled_fp4_quant", "silu_and_mul_nvfp4_quant", "silu_and_mul_per_block_quant",
+              "silu_and_mul_quant", "rms_norm")
+
+
+def _unserved(name: str):
+    def call(*args, **kwargs):
+        raise NotImplementedError(f"torch.ops._C.{name}: vLLM's compiled op library is not in the jetson-tq GPU "
+                                  "bundle (benchmarks/vllm_gpu/c_stub.py); run with custom_ops=['none']")
+    return call
+
+
+for _name in NAMED_ONLY:
+    if not hasattr(torch.ops._C, _name):
+        _LIB.define(f"{_name}(Tensor input) -> ()")
+        _LIB.impl(_name, _unserved(_name), "CompositeExplicitAutograd")
