@@ -83,6 +83,13 @@ def all_rows(backend: str) -> list[F.Variant]:
             f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
                                                               ", all layers compressed (boundary skip off)"))
           for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc") for b, tail in ((2, ""), (0, "_all"))],
+        # ablations: vLLM's formats under our serving policy (own chunk exact; + the 128-token fp16 buffer)
+        *[v(f"vllm_{p}_all_chunkexact", "vLLM format, our policy",
+            VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=0, stored_chunk_limit=0),
+            f"turboquant_{p}, all layers, the current chunk attends to itself exactly, no buffer") for p in ("4bit_nc", "k3v4_nc")],
+        v("vllm_k3v4_nc_all_buf128", "vLLM format, our policy",
+          VLLMTurboQuantFormat(preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128,
+                               flush_chunk=64), "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)"),
     ]
 
 
