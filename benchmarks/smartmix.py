@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--target", default="mse_k4v3", help="preset whose mean bytes per token is the budget")
+    p.add_argument("--sensitivity", default="proxy", choices=("proxy", "kl"),
+                   help="proxy: attention-output error only; kl: also measure each layer's output KL alone at k3v2 "
+                        "(one window) and scale that layer's proxy errors to it")
+    p.add_argument("--kl-tokens", type=int, default=1024, help="tokens of the one window the KL sensitivity uses")
+    p.add_argument("--name", default="smartmix_smollm2-135m")
+    p.add_argument("--reuse-errors", default="", help="smartmix.json of an earlier run: reuse its proxy errors")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -56,19 +62,28 @@ def main(argv: list[str] | None = None) -> dict:
                   for k, v, g in CANDIDATES}
     cost = {n: f.bytes_per_token(head_dim) for n, f in candidates.items()}
     budget = base.bytes_per_token(head_dim) * n_layers
-    caps = S.capture(model, calib)
-    errors = S.layer_errors(model, caps, candidates, chunk=args.chunk, progress=lambda m: print(m, flush=True))
+    if args.reuse_errors:  # the proxy errors of an earlier run (same candidates and calibration text)
+        errors = json.loads(Path(args.reuse_errors).read_text())["proxy_errors"]
+    else:
+        errors = S.layer_errors(model, S.capture(model, calib), candidates, chunk=args.chunk,
+                                progress=lambda m: print(m, flush=True))
+    proxy_errors = errors
+    kl = None
+    if args.sensitivity == "kl":
+        kl = S.layer_kl(model, calib[:1, : args.kl_tokens], candidates["k3v2g32"], chunk=args.chunk, progress=lambda m: print(m, flush=True))
+        errors = S.weight_errors(errors, kl, "k3v2g32")
     picks = S.allocate(errors, cost, budget)
     mean_bytes = sum(cost[x] for x in picks) / n_layers
-    name = "smartmix_smollm2-135m"
+    name = args.name
     desc = (f"SmartMix for SmolLM2-135M (benchmarks/smartmix.py): per-layer mse key / group value bits picked from "
-            f"measured per-layer attention-output error on {args.windows} x {args.window_len} calibration tokens "
+            f"measured per-layer attention-output error{' scaled to the measured output KL of each layer' if kl else ''} on "
+            f"{args.windows} x {args.window_len} calibration tokens "
             f"(the essays' end), mean {mean_bytes:.1f} B/token/head at D={head_dim}, the budget of {args.target}.")
     raw = S.to_config(name, desc, picks, candidates)
     config_from_dict(raw, name=name).check_model(n_layers, head_dim)  # loads back as a valid per-layer config
     (out / f"{name}.yaml").write_text(yaml.safe_dump(raw, sort_keys=False, width=110))
-    result = {"picks": picks, "mean_bytes": mean_bytes, "budget_mean_bytes": budget / n_layers, "cost": cost,
-              "errors": errors, "proxy_error_mix": sum(e[x] for e, x in zip(errors, picks)),
+    result = {"picks": picks, "sensitivity": args.sensitivity, "layer_kl_k3v2": kl, "mean_bytes": mean_bytes, "budget_mean_bytes": budget / n_layers, "cost": cost,
+              "proxy_errors": proxy_errors, "errors": errors, "proxy_error_mix": sum(e[x] for e, x in zip(errors, picks)),
               "proxy_error_uniform": sum(e[f"k{base.key_bits}v{base.value_bits}g{base.value_group}"] for e in errors),
               "calibration_tokens": args.windows * args.window_len, "wall_s": time.time() - t0}
     (out / "smartmix.json").write_text(json.dumps(result, indent=1))

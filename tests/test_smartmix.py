@@ -89,3 +89,15 @@ def test_config_round_trip():
     picks = ["k4v3", "k3v2", "k4v3", "k5v4"]
     cfg = config_from_dict(S.to_config("mix", "test", picks, cands))
     assert cfg.default == BASE and [cfg.format_for_layer(i, 4) for i in range(4)] == [cands[p] for p in picks]
+
+
+def test_layer_kl_and_weighting():
+    model = _model()
+    ids = torch.randint(0, 256, (1, 64))
+    kl = S.layer_kl(model, ids, BASE.with_(key_bits=2, value_bits=2, buffer_tokens=8, flush_chunk=8), chunk=16,
+                    backend="reference")
+    assert len(kl) == 3 and all(x > 0 for x in kl)
+    fp16 = S.layer_kl(model, ids, BASE.with_(key_mode="fp16", value_mode="fp16"), chunk=16, backend="reference")
+    assert all(f < 1e-6 and f < x / 100 for f, x in zip(fp16, kl))  # fp16 rounding of an fp32 model's K/V only
+    w = S.weight_errors([{"a": 2.0, "b": 1.0}, {"a": 4.0, "b": 1.0}], [0.5, 0.1], "a")
+    assert w == [{"a": 0.5, "b": 0.25}, {"a": 0.1, "b": 0.025}]

@@ -25,12 +25,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ..codec.kv import KVCodec
-from ..format import KVFormat
+from ..config import TurboQuantConfig
+from ..format import FP16_FORMAT, KVFormat
+from ..integrations.transformers import TurboQuantCache, enable_turboquant
 
 CAPTURE = "jetson_tq_capture"
 
@@ -128,6 +131,33 @@ def layer_errors(model, caps: list[LayerCapture], candidates: dict[str, KVFormat
         out.append(row)
         progress(f"[smartmix] layer {i}: " + ", ".join(f"{k} {v:.2e}" for k, v in row.items()))
     return out
+
+
+@torch.no_grad()
+def layer_kl(model, ids: torch.Tensor, low: KVFormat, chunk: int = 128, backend: str = "cpu-decoded",
+             progress: Callable[[str], None] = lambda _: None) -> list[float]:
+    """Per layer: mean KL(exact || model) per token when only that layer's cache is stored in ``low`` (the rest exact)."""
+    enable_turboquant(model)
+    ref_cache = DynamicCache(config=model.config)
+    ref = [model(ids[:, s : s + chunk], past_key_values=ref_cache).logits.float().log_softmax(-1)
+           for s in range(0, ids.shape[1], chunk)]
+    out = []
+    for i in range(model.config.num_hidden_layers):
+        cfg = TurboQuantConfig(name=f"only{i}", default=FP16_FORMAT, overrides={i: low})
+        cache = TurboQuantCache(model, cfg, backend=backend)
+        kl, n = 0.0, 0
+        for c, s in enumerate(range(0, ids.shape[1], chunk)):
+            logp = model(ids[:, s : s + chunk], past_key_values=cache).logits.float().log_softmax(-1)
+            kl += float((ref[c].exp() * (ref[c] - logp)).sum(-1).clamp_min(0).sum())
+            n += logp.shape[0] * logp.shape[1]
+        out.append(kl / n)
+        progress(f"[smartmix] layer {i} alone in {low.key_bits}/{low.value_bits} bits: KL {out[-1]:.2e}")
+    return out
+
+
+def weight_errors(errors: list[dict[str, float]], kl: list[float], probe: str) -> list[dict[str, float]]:
+    """Rescale each layer's proxy errors so that its ``probe`` candidate's error equals the measured KL of that layer."""
+    return [{k: v * w / row[probe] for k, v in row.items()} for row, w in zip(errors, kl)]
 
 
 def allocate(errors: list[dict[str, float]], cost: dict[str, int], budget: int) -> list[str]:
