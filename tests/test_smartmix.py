@@ -101,3 +101,15 @@ def test_layer_kl_and_weighting():
     assert all(f < 1e-6 and f < x / 100 for f, x in zip(fp16, kl))  # fp16 rounding of an fp32 model's K/V only
     w = S.weight_errors([{"a": 2.0, "b": 1.0}, {"a": 4.0, "b": 1.0}], [0.5, 0.1], "a")
     assert w == [{"a": 0.5, "b": 0.25}, {"a": 0.1, "b": 0.025}]
+
+
+def test_shipped_smollm2_mix_loads_at_the_defaults_bytes():
+    from jetson_tq.config import load_config
+    from jetson_tq.reports.capacity import bytes_per_token, layer_formats
+    from jetson_tq.reports.model_specs import load_model_spec
+
+    smol = load_model_spec("smollm2-135m-instruct")
+    mix = load_config("configs/per_layer/smartmix_smollm2-135m.yaml")
+    formats = layer_formats(mix, smol)
+    assert len(set(formats)) > 1 and bytes_per_token(formats, smol) == bytes_per_token(
+        layer_formats(load_config("mse_k4v3"), smol), smol)
