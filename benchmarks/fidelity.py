@@ -92,6 +92,13 @@ def all_rows(backend: str) -> list[F.Variant]:
             f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
                                                               ", all layers compressed (boundary skip off)"))
           for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc") for b, tail in ((2, ""), (0, "_all"))],
+        # ablations: vLLM's formats under our serving policy (own chunk exact; + the 128-token fp16 buffer)
+        *[v(f"vllm_{p}_all_chunkexact", "vLLM format, our policy",
+            VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=0, stored_chunk_limit=0),
+            f"turboquant_{p}, all layers, the current chunk attends to itself exactly, no buffer") for p in ("4bit_nc", "k3v4_nc")],
+        v("vllm_k3v4_nc_all_buf128", "vLLM format, our policy",
+          VLLMTurboQuantFormat(preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128,
+                               flush_chunk=64), "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)"),
     ]
 
 
@@ -112,7 +119,8 @@ def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: 
         if isinstance(v.spec, TurboQuantConfig) and not v.note:
             f = v.spec.default
             desc = (f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
-                    f"buffer {f.buffer_tokens}" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else ""))
+                    f"buffer {f.buffer_tokens}" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
+                    + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else ""))
         out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
                        "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}
     return out
@@ -222,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--needle-lengths", default="1024,2048")
     p.add_argument("--needle-depths", default="0.1,0.5,0.9")
     p.add_argument("--free-running", default=",".join(FREE_RUNNING), help="rows that also run the real decode loop")
+    p.add_argument("--phases", default="tf,gen,needle", help="probes to run: tf (teacher-forced), gen, needle")
+    p.add_argument("--extra-configs", default="", help="comma-separated YAML configs added as rows (named by file)")
     p.add_argument("--backend", default="cpu-decoded", choices=("auto", "reference", "cpu-decoded"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     p.add_argument("--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json")
@@ -256,12 +266,15 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok = load_smollm2()
     n_layers, head_dim = F.model_shape(model)
     variants = all_rows(args.backend)
+    extra = [F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
+             for x in args.extra_configs.split(",") if x]
     if args.rows:
         wanted = args.rows.split(",")
         unknown = sorted(set(wanted) - {v.name for v in variants})
         if unknown:
             raise SystemExit(f"unknown rows {unknown}; known: {[v.name for v in variants]}")
         variants = [v for v in variants if v.name in wanted]
+    variants += extra
     ids = tok(essay_text(), return_tensors="pt").input_ids[0]
     progress(f"model loaded, {ids.numel()} essay tokens, {len(variants)} rows: {[v.name for v in variants]}")
 
@@ -285,21 +298,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Disjoint text regions per probe: windows from the start, prompts and needle filler from later essays.
     n_tf = args.windows * args.window_len
+    phases = set(args.phases.split(","))
     windows = F.token_windows(ids, args.windows, args.window_len)
-    result["teacher_forced"] = F.teacher_forced(model, windows, variants, chunk=args.chunk, batch=args.batch,
-                                                progress=progress)
-    save()
-    prompts = F.token_windows(ids[n_tf:], args.gen_prompts, args.prompt_len)
-    free = tuple(x for x in args.free_running.split(",") if x)
-    result["generation"] = F.generation(model, prompts, variants, new_tokens=args.new_tokens, chunk=args.gen_chunk,
-                                        free_running=free, progress=progress)
-    result["generation"]["reference"]["text"] = [tok.decode(t) for t in result["generation"]["reference"].pop("reference_tokens")]
-    save()
-    filler = ids[n_tf + args.gen_prompts * args.prompt_len:]
-    cases = F.needle_cases(tok, filler, [int(x) for x in args.needle_lengths.split(",")],
-                           [float(x) for x in args.needle_depths.split(",")])
-    result["needle"] = F.needle(model, tok, cases, variants, progress=progress)
-    save()
+    if "tf" in phases:
+        result["teacher_forced"] = F.teacher_forced(model, windows, variants, chunk=args.chunk, batch=args.batch,
+                                                    progress=progress)
+        save()
+    if "gen" in phases:
+        prompts = F.token_windows(ids[n_tf:], args.gen_prompts, args.prompt_len)
+        free = tuple(x for x in args.free_running.split(",") if x)
+        result["generation"] = F.generation(model, prompts, variants, new_tokens=args.new_tokens, chunk=args.gen_chunk,
+                                            free_running=free, progress=progress)
+        ref_tokens = result["generation"]["reference"].pop("reference_tokens")
+        result["generation"]["reference"]["text"] = [tok.decode(t) for t in ref_tokens]
+        save()
+    if "needle" in phases:
+        filler = ids[n_tf + args.gen_prompts * args.prompt_len:]
+        cases = F.needle_cases(tok, filler, [int(x) for x in args.needle_lengths.split(",")],
+                               [float(x) for x in args.needle_depths.split(",")])
+        result["needle"] = F.needle(model, tok, cases, variants, progress=progress)
+        save()
     plot(result, out / "fidelity_ppl_vs_bytes.png")
     progress(f"done: {out / 'fidelity.md'}")
     return result
