@@ -44,4 +44,4 @@ wait
 for f in /tmp/*.log; do echo "--- $f"; cat "$f"; done > "$OUT/tests.log"
 cat /tmp/tests_rc.txt
 for f in /tmp/*.log; do echo "--- $f"; tail -3 "$f"; done
-log done
+log "done"

@@ -185,6 +185,9 @@ class _StrictLoader(yaml.SafeLoader):
         seen: dict = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: a mapping key must be a plain value, got "
+                                  f"{type(key).__name__} {key!r}")
             if key in seen:
                 raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r} (first on line "
                                   f"{seen[key]}); expected each key once")

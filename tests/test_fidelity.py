@@ -103,8 +103,8 @@ def test_fast_cpu_path_matches_reference_on_the_real_model(setup):
             logits[backend] = torch.cat([model(x[:, s : s + 64], past_key_values=cache).logits
                                          for s in range(0, 320, 64)], dim=1)
     ref, fast = logits["reference"].log_softmax(-1), logits["cpu-decoded"].log_softmax(-1)
-    # Before anything is compressed (192 tokens: buffer 128 + flush 64) both are float-rounding close...
-    assert (ref[:, :192] - fast[:, :192]).abs().max() < 1e-3
+    # While every key is inside the 128-token exact window (positions < 128) both are float-rounding close...
+    assert (ref[:, :128] - fast[:, :128]).abs().max() < 1e-3
     # ...after, rounding differences flip a few fp16 scales / codes downstream: distributions stay equal.
     kl = (ref.exp() * (ref - fast)).sum(-1)
     assert kl.mean() < 1e-5 and kl.max() < 1e-3, (kl.mean(), kl.max())

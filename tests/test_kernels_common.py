@@ -43,6 +43,7 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
     from jetson_tq.config import load_config
     from jetson_tq.codec.kv import KVCodec
     from jetson_tq.format import PagedLayout
+    from jetson_tq.kernels._launch import FastLauncher
 
     tried, fits = [], [32]
 
@@ -54,7 +55,7 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
                     raise OutOfResources(BLOCK_T * 2304, 232448, "shared memory")
             return launch
 
-    monkeypatch.setattr(cw, "_compress_write_kernel", FakeKernel())
+    monkeypatch.setattr(cw, "_LAUNCH", FastLauncher(FakeKernel()))  # CPU tensors: the plain launch path
     monkeypatch.setattr(cw, "cuda_or_interpreter", lambda t: None)
     monkeypatch.setattr(cw, "_FITTED_BLOCK_T", {})
     fmt = load_config("blog_k3v2").default

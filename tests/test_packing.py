@@ -44,9 +44,11 @@ def test_subfields_of_odd_widths():
 
 
 def test_reference_bytes_per_token_unchanged():
-    assert KVFormat().bytes_per_token(128) == 100
-    assert KVFormat(key_bits=4, value_bits=4).bytes_per_token(128) == 148
-    assert KVFormat(key_mode="mse").bytes_per_token(128) == 98
+    blog = KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32)
+    assert blog.bytes_per_token(128) == 100
+    assert blog.with_(key_bits=4, value_bits=4).bytes_per_token(128) == 148
+    assert blog.with_(key_mode="mse").bytes_per_token(128) == 98
+    assert KVFormat().bytes_per_token(128) == 122  # the default, mse_k4v3
 
 
 def test_bad_input():
