@@ -80,36 +80,35 @@ def _residual_hook(records: dict, index: int) -> Callable:
 
 
 def compressed_counts(fmt: KVFormat, total: int, chunk: int) -> list[int]:
-    """Tokens held compressed when each chunk of ``chunk`` tokens arrives (the cache's flush rule)."""
-    counts, compressed = [], 0
-    for start in range(0, total, chunk):
-        counts.append(compressed)
-        pending = min(start + chunk, total) - compressed
-        if pending >= fmt.buffer_tokens + fmt.flush_chunk:
-            compressed += (pending - fmt.buffer_tokens) // fmt.flush_chunk * fmt.flush_chunk
-    return counts
+    """Tokens a cache reads only compressed when each chunk of ``chunk`` tokens arrives (``compressed_lens``)."""
+    return [max(0, start - fmt.buffer_tokens) for start in range(0, total, chunk)]
 
 
 @torch.no_grad()
 def chunked_attention(cap: LayerCapture, fmt: KVFormat | None, chunk: int, scale: float) -> torch.Tensor:
-    """Attention output [B, T, Hq*D] as the chunked cache serves it (``fmt`` None: exact)."""
+    """Attention output [B, T, Hq*D] as the cache serves it (``fmt`` None: exact): a query at position p reads
+    positions older than p + 1 - R compressed and the last R exactly (the window rule); ``chunk`` bounds memory."""
     q, k, v = cap.q.float(), cap.k.float(), cap.v.float()
     b, hq, t, d = q.shape
     group = hq // k.shape[1]
-    kd, vd = k, v
-    counts = [0] * len(range(0, t, chunk))
-    if fmt is not None and not fmt.is_passthrough:
+    compressed = fmt is not None and not fmt.is_passthrough
+    if compressed:
         codec = KVCodec(fmt, d)
         f = codec.encode(k, v)
         kd, vd = codec.decode_keys(f).float(), codec.decode_values(f).float()
-        counts = compressed_counts(fmt, t, chunk)
     outs = []
-    for c, s in enumerate(range(0, t, chunk)):
+    for s in range(0, t, chunk):
         e = min(s + chunk, t)
-        n = counts[c]
-        keys = torch.cat([kd[:, :, :n], k[:, :, n:e]], 2).repeat_interleave(group, 1)
-        vals = torch.cat([vd[:, :, :n], v[:, :, n:e]], 2).repeat_interleave(group, 1)
-        mask = torch.ones(e - s, e, dtype=torch.bool, device=q.device).tril(s)
+        p = torch.arange(s, e, device=q.device).unsqueeze(1)
+        j = torch.arange(e, device=q.device).unsqueeze(0)
+        causal = j <= p
+        if compressed:
+            exact = causal & (j >= p + 1 - fmt.buffer_tokens)
+            keys = torch.cat([kd[:, :, :e], k[:, :, :e]], 2).repeat_interleave(group, 1)
+            vals = torch.cat([vd[:, :, :e], v[:, :, :e]], 2).repeat_interleave(group, 1)
+            mask = torch.cat([causal & ~exact, exact], 1)
+        else:
+            keys, vals, mask = k[:, :, :e].repeat_interleave(group, 1), v[:, :, :e].repeat_interleave(group, 1), causal
         outs.append(F.scaled_dot_product_attention(q[:, :, s:e], keys, vals, attn_mask=mask, scale=scale))
     return torch.cat(outs, 2).transpose(1, 2).reshape(b, t, hq * d)
 
