@@ -36,7 +36,7 @@ from .. import ops
 from ..cache.compressed import CompressedKVCache
 from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
-from ..errors import ConfigError, JetsonTQError, ShapeError, UnsupportedPlatformError
+from ..errors import ConfigError, JetsonTQError, ShapeError
 from ..format import KVFormat
 from .decoded_history import DecodedHistory
 

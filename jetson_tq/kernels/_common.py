@@ -9,7 +9,6 @@ values — nothing here re-derives a byte count.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
 
 import torch
 

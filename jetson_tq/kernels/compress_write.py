@@ -284,7 +284,7 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    setup = _SETUPS.get((id(codec), layout, k.device, exact_signs, num_warps, fast_rotation))
+    setup = _SETUPS.get((id(codec), layout.block_size, k.device, exact_signs, num_warps, fast_rotation))
     if setup is None or setup[0] is not codec:
         setup = _setup(codec, layout, k.device, exact_signs, num_warps, fast_rotation)
     _, consts, kw, sqrt_d, key = setup
@@ -323,7 +323,7 @@ def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, exact_sign
               INTERP=INTERPRET)
     key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, hadamard)
     setup = (codec, consts, kw, sqrt_d, key)
-    _SETUPS[(id(codec), layout, device, exact_signs, num_warps, fast_rotation)] = setup
+    _SETUPS[(id(codec), layout.block_size, device, exact_signs, num_warps, fast_rotation)] = setup
     return setup
 
 
