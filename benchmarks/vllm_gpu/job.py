@@ -28,6 +28,7 @@ if __name__ == "__main__":
         os.environ.pop("JETSON_TQ_CONFIG", None)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the bundle has no flashinfer (H200 call 3)
+    os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")  # bf16 models: nothing to warm, skip the JIT probe
     os.environ.update(SPEC.get("env", {}))
 
 T_START = time.time()

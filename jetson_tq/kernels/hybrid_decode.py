@@ -124,8 +124,12 @@ def _hybrid_decode_kernel(
     l_i = tl.zeros([GP], tl.float32)
 
     # ---- compressed tokens [start, end) of this split, BLOCK_N per tile
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, clen)
+    # the split size follows this sequence's own length (at least tokens_per_split, a BLOCK_N multiple), not
+    # the block table's capacity: under vLLM the table spans max_model_len, and capacity-sized splits left
+    # most programs of an 8k sequence idle in a 128k table
+    tps = tl.maximum(tokens_per_split, tl.cdiv(clen, n_splits * BLOCK_N) * BLOCK_N)
+    start = split * tps
+    end = tl.minimum(start + tps, clen)
     head_off = h.to(tl.int64) * page_bytes
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -402,9 +406,7 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     g = hq // hkv
     capacity = kv.block_table.shape[1] * spec.BS
     splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves)
-    tokens_per_split = -(-max(capacity, 1) // splits)
-    tokens_per_split = -(-tokens_per_split // block_n) * block_n
-    splits = max(1, -(-max(capacity, 1) // tokens_per_split))
+    tokens_per_split = block_n  # the smallest split; the kernel sizes splits from each sequence's length
     plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
     if splits > 1:
         plan.po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
