@@ -67,6 +67,13 @@ PATCHES = {
         "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(",
         "if False and not (FA2_AVAILABLE or FA3_AVAILABLE):  # jetson-tq bundle: FA left out\n    raise ImportError(",
     ),
+    # vLLM's built-in TurboQuant forces FA2 for its boundary layers and prefill; FA2 (304 MB, 85 MB with xz) does
+    # not fit a device call, FA3 does. The check the override guards against (FA metadata builders asserting
+    # FlashAttentionImpl) skips non-FA layers in 0.26 (`_get_sliding_window_configs`), so FA3 is used instead.
+    "vllm/engine/arg_utils.py": (
+        'if resolved_cache_dtype.startswith("turboquant_") and (',
+        'if False and resolved_cache_dtype.startswith("turboquant_") and (  # jetson-tq bundle: FA3, not FA2',
+    ),
 }
 
 
