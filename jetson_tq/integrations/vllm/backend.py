@@ -108,7 +108,6 @@ class TurboQuantMetadata:
     num_reqs: int
     num_decodes: int  # leading rows with at most one new token
     recent_tokens: int
-    block_window: bool  # window: block (exact window = the query's own recent_tokens-token block)
     query_start_loc: np.ndarray  # host int64 [num_reqs + 1]
     seq_lens: np.ndarray  # host int64 [num_reqs], tokens after this step
     context_lens: np.ndarray  # host int64 [num_reqs], tokens before this step
@@ -119,6 +118,7 @@ class TurboQuantMetadata:
     dec_ring_cols: torch.Tensor  # device int64 [num_decodes]: position % R of the new token
     dec_compressed_lens: torch.Tensor  # device int32 [num_decodes]
     dec_recent_lens: torch.Tensor  # device int32 [num_decodes]
+    block_window: bool = False  # window: block (exact window = the query's own recent_tokens-token block)
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
