@@ -116,8 +116,9 @@ class KVFormat:
     MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly spaced with the MSE-optimal
     step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
     as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
-    The defaults are the recommended preset ``mse_k4v3`` (configs/mse_k4v3.yaml, chosen from
-    docs/fidelity.md). Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
+    The defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from
+    docs/fidelity.md); the preset sets ``window: block``, while the dataclass default stays ``sliding``, the
+    rule every other preset was measured with. Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
     kept exact (a ring, token p in row p % R), and ``window`` says which of them a query at position p reads
     exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its own R-token block
     ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a prefix-cache
@@ -150,8 +151,6 @@ class KVFormat:
             raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
         if self.window not in WINDOWS:
             raise FormatError(f"window: expected one of {WINDOWS}, got {self.window!r}")
-        if self.window == "block" and self.buffer_tokens < 1:
-            raise FormatError("window 'block': expected buffer_tokens (the window block) >= 1, got 0")
         if self.norm_dtype not in NORM_DTYPES:
             raise FormatError(f"norm_dtype: expected one of {tuple(NORM_DTYPES)}, got {self.norm_dtype!r}")
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
@@ -276,8 +275,9 @@ class KVFormat:
 
     @property
     def block_window(self) -> bool:
-        """True when a query reads its own ``buffer_tokens``-token block exactly (``window: block``)."""
-        return self.window == "block"
+        """True when a query reads its own ``buffer_tokens``-token block exactly (``window: block``; with no
+        buffer both windows are empty and this is False)."""
+        return self.window == "block" and self.buffer_tokens > 0
 
     def exact_start(self, pos):
         """First position a query at ``pos`` reads exactly (may be < 0); int, NumPy array or tensor alike."""
