@@ -94,6 +94,8 @@ def test_prefix_caching_stays_on_only_for_block_windows_that_divide_the_block(mo
     assert prefix_caching_blocker(default, cache(256, True), is_cpu=False) is None
     assert prefix_caching_blocker(default, cache(16, False), is_cpu=False) is None  # the backend asks for 128
     assert "multiple of 128" in prefix_caching_blocker(default, cache(16, True), is_cpu=False)
+    finer = SimpleNamespace(block_size=128, user_specified_block_size=False, prefix_match_unit=32)
+    assert "prefix_match_unit" in prefix_caching_blocker(default, finer, is_cpu=True)
     assert "sliding" in prefix_caching_blocker(load_config("blog_k3v2"), cache(128, False), is_cpu=True)
     monkeypatch.setenv(settings.ENV_CONFIG, DEFAULT_PRESET)
     assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 128

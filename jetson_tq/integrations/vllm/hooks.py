@@ -161,6 +161,9 @@ def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
     if size and size % w:
         return (f"block windows restart every {w} tokens but vLLM's block size is {size} (a hit may start inside a "
                 f"window); set --block-size to a multiple of {w}")
+    unit = getattr(cache_config, "prefix_match_unit", None)  # vLLM 0.27: hits at finer boundaries than a block
+    if unit and unit % w:
+        return f"block windows restart every {w} tokens but prefix_match_unit is {unit}; set it to a multiple of {w}"
     return None
 
 
