@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     _install()
     from kernel_cases import build_paged_kv, fmt_for
     from jetson_tq.paged import allocate_pages
+    from jetson_tq.kernels.append import append_rows
     from jetson_tq.kernels.compress_write import compress_write
     from jetson_tq.kernels.hybrid_decode import hybrid_decode
     from jetson_tq.kernels.prefill import chunked_prefill
@@ -115,10 +116,13 @@ def main(argv=None) -> int:
                 print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {_resources(k)}", flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
-        n0 = len(COMPILED)
-        chunked_prefill(qp, kp, kp.clone(), kv)
-        for kname, k in COMPILED[n0:]:
-            print(f"{name:10s} prefill {'':35s} {kname:24s} {_resources(k)}", flush=True)
+        kv_block = build_paged_kv(fmt.with_(buffer_tokens=16, window="block"), hkv, d, [64, 0], [5, 9], torch.float16,
+                                  torch.Generator().manual_seed(0), recent_cap=16)
+        for window, view in (("sliding", kv), ("block", kv_block)):
+            n0 = len(COMPILED)
+            chunked_prefill(qp, kp, kp.clone(), view)
+            for kname, k in COMPILED[n0:]:
+                print(f"{name:10s} prefill {window:35s} {kname:24s} {_resources(k)}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
         for knobs in ({}, {"fast_rotation": True}):
@@ -126,6 +130,14 @@ def main(argv=None) -> int:
             compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, **knobs)
             for kname, k in COMPILED[n0:]:
                 print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {_resources(k)}", flush=True)
+    for block in (False, True):  # the cache's append bookkeeping (format-independent)
+        ring = torch.zeros(2, hkv, 16, d).half()
+        lens = torch.tensor([3, 20], dtype=torch.int32)
+        n0 = len(COMPILED)
+        append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(), torch.zeros((), dtype=torch.bool),
+                    0, 64, True, True, block)
+        for kname, k in COMPILED[n0:]:
+            print(f"{'any':10s} append {'block' if block else 'sliding':36s} {kname:24s} {_resources(k)}", flush=True)
     return 0
 
 

@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tq(name: str, keys: tuple[str, int] | tuple[str, int, str], values: tuple[str, int, int] = ("group", 2, 32),
-        buffer: int = 128, keep: int = 0, seed: int = 0) -> TurboQuantConfig:
-    """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens, fp16
-    first/last layers and the rotation seed."""
+        buffer: int = 128, keep: int = 0, seed: int = 0, window: str = "sliding") -> TurboQuantConfig:
+    """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens and window
+    (sliding | block), fp16 first/last layers and the rotation seed."""
     raw = {"name": name, "seed": seed,
            "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
            "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
-           "buffer": {"recent_tokens": buffer, "flush_chunk": 64},
+           "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
            "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep}}
     return config_from_dict(raw, name=name)
 
@@ -83,11 +83,15 @@ def all_rows(backend: str) -> list[F.Variant]:
           "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128"),
         # our default against vLLM 0.26's built-in TurboQuant presets (simulated from its source, see
         # jetson_tq/integrations/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
-        v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"), "preset (default): mse 4-bit keys, 3-bit values g64, buffer 128"),
+        v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"),
+          "preset (default): mse 4-bit keys, 3-bit values g64, own 128-token block exact"),
         v("mse_k4v3_buf0", "ours vs vLLM built-in", _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
           "the default without its fp16 recent buffer (like vLLM: every token compressed)"),
         *[v(f"mse_k4v3_buf{r}", "buffer", _tq(f"mse_k4v3_buf{r}", ("mse", 4), ("group", 3, 64), buffer=r),
-            f"the default with a {r}-token fp16 recent buffer") for r in (8, 16, 32, 64, 256)],
+            f"the default's bits with the last {r} tokens exact (sliding window)") for r in (8, 16, 32, 64, 128, 256)],
+        *[v(f"mse_k4v3_block{r}", "buffer", _tq(f"mse_k4v3_block{r}", ("mse", 4), ("group", 3, 64), buffer=r,
+                                                  window="block"),
+            f"the default's bits with the query's own {r}-token block exact (block window)") for r in (64, 128, 256)],
         *[v(f"vllm_{p}{tail}", "ours vs vLLM built-in", VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
             f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
                                                               ", all layers compressed (boundary skip off)"))
@@ -119,7 +123,7 @@ def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: 
         if isinstance(v.spec, TurboQuantConfig) and not v.note:
             f = v.spec.default
             desc = (f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
-                    f"buffer {f.buffer_tokens}" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
+                    f"buffer {f.buffer_tokens} ({f.window} window)" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
                     + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else ""))
         out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
                        "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}

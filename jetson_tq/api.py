@@ -50,8 +50,8 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     """Prefill a chunk: attention of q [B, Hq, T, D] over the cache history plus the chunk's own k, v [B, Hkv, T, D]
     (causal), and — for a ``CompressedKVCache`` — append the chunk to the cache.
 
-    Positions older than p + 1 - R are read compressed and the last R exactly, as in decode, so the result does
-    not depend on the chunk size. A ``PagedKV`` must already hold the chunk in its pages (vLLM's contract).
+    Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed and the
+    rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the chunk in its pages (vLLM's contract).
     """
     check_attention_inputs(q, cache, softmax_scale, ("k", k), ("v", v))
     _check_query(q, 4, "attention_prefill")

@@ -52,11 +52,13 @@ KeyMode = Literal["prod", "mse", "fp16"]
 ValueMode = Literal["group", "mse", "fp16"]
 RotationKind = Literal["auto", "hadamard", "dense"]
 KeyCodebook = Literal["lloyd_max", "uniform"]
+Window = Literal["sliding", "block"]
 
 KEY_MODES: tuple[str, ...] = ("prod", "mse", "fp16")
 VALUE_MODES: tuple[str, ...] = ("group", "mse", "fp16")
 ROTATIONS: tuple[str, ...] = ("auto", "hadamard", "dense")
 KEY_CODEBOOKS: tuple[str, ...] = ("lloyd_max", "uniform")
+WINDOWS: tuple[str, ...] = ("sliding", "block")
 NORM_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
 MAX_BITS = 8
 #: Key / value modes as kernels see them (``PageSpec.KEY_MODE`` / ``VAL_MODE``).
@@ -114,9 +116,13 @@ class KVFormat:
     MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly spaced with the MSE-optimal
     step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
     as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
-    The defaults are the recommended preset ``mse_k4v3`` (configs/mse_k4v3.yaml, chosen from
-    docs/fidelity.md). Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
-    kept exact, and attention at position p reads positions older than p + 1 - R compressed.
+    The defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from
+    docs/fidelity.md); the preset sets ``window: block``, while the dataclass default stays ``sliding``, the
+    rule every other preset was measured with. Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
+    kept exact (a ring, token p in row p % R), and ``window`` says which of them a query at position p reads
+    exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its own R-token block
+    ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a prefix-cache
+    hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
     ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their
     buffer (the paged cache does not use it).
     """
@@ -130,6 +136,7 @@ class KVFormat:
     norm_dtype: str = "float16"
     rotation: RotationKind = "auto"
     buffer_tokens: int = 128
+    window: Window = "sliding"
     flush_chunk: int = 64
     seed: int = 0
 
@@ -142,6 +149,8 @@ class KVFormat:
             raise FormatError(f"key_codebook: expected one of {KEY_CODEBOOKS}, got {self.key_codebook!r}")
         if self.rotation not in ROTATIONS:
             raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
+        if self.window not in WINDOWS:
+            raise FormatError(f"window: expected one of {WINDOWS}, got {self.window!r}")
         if self.norm_dtype not in NORM_DTYPES:
             raise FormatError(f"norm_dtype: expected one of {tuple(NORM_DTYPES)}, got {self.norm_dtype!r}")
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
@@ -265,6 +274,16 @@ class KVFormat:
         return fp16_bytes_per_token(head_dim) / self.bytes_per_token(head_dim)
 
     @property
+    def block_window(self) -> bool:
+        """True when a query reads its own ``buffer_tokens``-token block exactly (``window: block``; with no
+        buffer both windows are empty and this is False)."""
+        return self.window == "block" and self.buffer_tokens > 0
+
+    def exact_start(self, pos):
+        """First position a query at ``pos`` reads exactly (may be < 0); int, NumPy array or tensor alike."""
+        return exact_start(pos, self.buffer_tokens, self.block_window)
+
+    @property
     def buffer_capacity(self) -> int:
         """Exact tokens one sequence keeps at most (its recent ring)."""
         return self.buffer_tokens
@@ -273,8 +292,27 @@ class KVFormat:
         """Bytes one sequence of ``tokens`` tokens takes per KV head: every token compressed + the exact ring."""
         if self.is_passthrough:
             return tokens * fp16_bytes_per_token(head_dim)
-        exact = min(tokens, self.buffer_tokens)
+        exact = min(tokens, self.buffer_tokens)  # the ring holds the last R (block mode reads fewer of them)
         return tokens * self.bytes_per_token(head_dim) + exact * 2 * head_dim * buffer_element_bytes
+
+
+def exact_start(pos, ring: int, block: bool):
+    """The window rule, the one definition every path follows: a query at position ``pos`` reads positions
+    [exact_start, pos] exactly (from the ring / its own chunk) and everything older compressed. Sliding: the last
+    ``ring`` positions (pos + 1 - ring); block: its own ``ring``-token block (pos - pos % ring). Elementwise on
+    ints, NumPy arrays and tensors; the Triton kernels (``kernels.prefill._window_lo``, ``kernels.append``)
+    mirror it. A sequence of L tokens then reads ``L - max(exact_start(L - 1), 0)`` of them exactly."""
+    if block:
+        return pos - pos % ring
+    return pos + 1 - ring
+
+
+def exact_count(length, ring: int, block: bool):
+    """Tokens of a sequence of ``length`` tokens that its last query (at length - 1) reads exactly: min(L, R)
+    (sliding) or (L - 1) % R + 1 (block; 0 for L = 0). Elementwise on ints, NumPy arrays and tensors."""
+    if block:
+        return (length + ring - 1) % ring + 1 - (length == 0) * ring
+    return length - (length - ring) * (length > ring)
 
 
 def fp16_bytes_per_token(head_dim: int) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from .codec.kv import Fields, KVCodec
 from .errors import ShapeError
-from .format import PagedLayout
+from .format import PagedLayout, exact_count
 
 
 def allocate_pages(layout: PagedLayout, num_blocks: int, num_kv_heads: int, device="cpu") -> torch.Tensor:
@@ -106,11 +106,13 @@ class PagedKV:
 
 def append_rows_reference(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                           lens: torch.Tensor, comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int,
-                          capacity: int, stage: bool = True, commit: bool = True) -> torch.Tensor | None:
+                          capacity: int, stage: bool = True, commit: bool = True,
+                          block_window: bool = False) -> torch.Tensor | None:
     """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of a cache whose sequence b owns slots
     [b * capacity, (b + 1) * capacity): returns the page slots [nb * T] of the new tokens (stage; -1 past the
     capacity, setting ``overflow``), copies the last min(T, R) exactly into ring rows (L + t) % R and advances
-    lens / rec = min(lens, R) / comp = lens - rec (commit). ``kernels.append.append_rows`` is the same in one launch."""
+    lens / rec = ``format.exact_count(lens)`` (min(lens, R), or (lens - 1) % R + 1 with ``block_window``) /
+    comp = lens - rec (commit). ``kernels.append.append_rows`` is the same in one launch."""
     nb, _, t, _ = k.shape
     rows = slice(row0, row0 + nb)
     pos = lens[rows].long().unsqueeze(1) + torch.arange(t, device=k.device)  # [nb, T]
@@ -129,6 +131,6 @@ def append_rows_reference(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor
             ring_k[brow, :, cols] = k[:, :, t - r :].transpose(1, 2).to(ring_k.dtype)  # [nb, r, H, D]
             ring_v[brow, :, cols] = v[:, :, t - r :].transpose(1, 2).to(ring_v.dtype)
         lens[rows] += t
-        torch.clamp(lens, max=ring, out=rec)
+        rec.copy_(exact_count(lens, ring, block_window))
         torch.sub(lens, rec, out=comp)
     return slots

@@ -1,5 +1,6 @@
 """Reference attention: equals naive dequantize-then-softmax, prefill == sequential decode, fidelity per format."""
 
+import functools
 import math
 
 import pytest
@@ -38,21 +39,15 @@ def test_decode_equals_naive_dequantize_then_softmax(fmt):
     assert torch.allclose(out, naive_attention(q, k, v, lengths, 2), atol=2e-5)
 
 
-@pytest.mark.parametrize("chunks", [[70, 6], [3, 40, 33], [76], [1] * 76])
-def test_results_do_not_depend_on_how_tokens_are_chunked(chunks):
-    """Scheduling invariance: prefill in chunks of any size (larger than the window R = 32 too) gives the same
-    per-position outputs as one token at a time, because a query at p reads positions older than p + 1 - R
-    compressed and the last R exactly in both paths."""
-    torch.manual_seed(1)
-    fmt = KVFormat(buffer_tokens=32, value_group=32)
+@pytest.mark.parametrize("window", ["sliding", "block"])
+@pytest.mark.parametrize("chunks", [[70, 6], [3, 40, 33], [76], [1] * 76, [20, 25, 31], [32, 32, 12]])
+def test_results_do_not_depend_on_how_tokens_are_chunked(chunks, window):
+    """Scheduling invariance: prefill in chunks of any size (larger than the window R = 32 too, straddling
+    32-token block boundaries or aligned to them) gives the same per-position outputs as one token at a time,
+    because a query at p reads positions older than ``exact_start(p)`` (p + 1 - R, or its own block p - p % R)
+    compressed and the rest exactly in both paths."""
+    fmt, (q, k, v), want = _decoded_one_by_one(window)
     n = sum(chunks)
-    q, k, v = torch.randn(2, 4, n, 64), torch.randn(2, 2, n, 64), torch.randn(2, 2, n, 64)
-    step = CompressedKVCache(fmt, 2, 64, batch_size=2, dtype=torch.float32)
-    one_by_one = []
-    for t in range(n):
-        step.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        one_by_one.append(attention_decode(q[:, :, t], step))
-    want = torch.stack(one_by_one, dim=2)
     cache = CompressedKVCache(fmt, 2, 64, batch_size=2, dtype=torch.float32)
     got, start = [], 0
     for c in chunks:
@@ -61,6 +56,42 @@ def test_results_do_not_depend_on_how_tokens_are_chunked(chunks):
         start += c
     assert cache.lengths.tolist() == [n, n]
     assert torch.allclose(torch.cat(got, dim=2), want, atol=1e-5)
+
+
+@functools.lru_cache(maxsize=2)
+def _decoded_one_by_one(window: str, n: int = 76):
+    """(format, (q, k, v), decode outputs [2, 4, n, 64] one token at a time): the chunking tests' reference."""
+    torch.manual_seed(1)
+    fmt = KVFormat(buffer_tokens=32, value_group=32, window=window)
+    q, k, v = torch.randn(2, 4, n, 64), torch.randn(2, 2, n, 64), torch.randn(2, 2, n, 64)
+    step = CompressedKVCache(fmt, 2, 64, batch_size=2, dtype=torch.float32)
+    one_by_one = []
+    for t in range(n):
+        step.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        one_by_one.append(attention_decode(q[:, :, t], step))
+    return fmt, (q, k, v), torch.stack(one_by_one, dim=2)
+
+
+def test_block_window_reads_the_own_block_exactly():
+    """Under ``window: block`` a query at p reads exactly [p - p % R, p] and compressed everything before: the
+    prefill output equals naive softmax over that mix of exact and dequantized tokens, position by position
+    (a chunk of 45 from history 27 crosses the boundaries at 32 and 64)."""
+    torch.manual_seed(4)
+    fmt, ring, s, t = KVFormat(buffer_tokens=32, value_group=32, window="block"), 32, 27, 45
+    q, k, v = torch.randn(1, 4, s + t, 64), torch.randn(1, 2, s + t, 64), torch.randn(1, 2, s + t, 64)
+    cache = CompressedKVCache(fmt, 2, 64, dtype=torch.float32)
+    attention_prefill(q[:, :, :s], k[:, :, :s], v[:, :, :s], cache)
+    assert cache.buffer_lens.tolist() == [s % ring]
+    got = attention_prefill(q[:, :, s:], k[:, :, s:], v[:, :, s:], cache)
+    assert cache.buffer_lens.tolist() == [(s + t - 1) % ring + 1]
+    f = cache.codec.encode(k[0].transpose(0, 1), v[0].transpose(0, 1))  # [N, H, ·]: the stored form
+    kd, vd = cache.codec.decode_keys(f).transpose(0, 1), cache.codec.decode_values(f).transpose(0, 1)
+    for p in range(s, s + t):
+        e = p - p % ring
+        kk = torch.cat([kd[:, :e], k[0, :, e : p + 1]], 1).unsqueeze(0)
+        vv = torch.cat([vd[:, :e], v[0, :, e : p + 1]], 1).unsqueeze(0)
+        want = naive_attention(q[:, :, p], kk, vv, [p + 1], 2)
+        assert torch.allclose(got[:, :, p - s], want, atol=2e-5), p
 
 
 def exact_attention(q, k, v):

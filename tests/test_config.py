@@ -25,6 +25,12 @@ def test_uniform_key_preset_has_the_default_presets_bytes():
         config_from_dict({"keys": {"mode": "mse", "bits": 4, "codebook": "nf4"}})
 
 
+def test_window_key_and_preset_windows():
+    assert config_from_dict({"buffer": {"recent_tokens": 64, "window": "block"}}).default.exact_start(100) == 64
+    assert config_from_dict({}).default.window == "sliding"  # KVFormat's default: the other presets' rule
+    assert load_config("mse_k4v3").default.window == "block" and load_config("blog_k3v2").default.window == "sliding"
+
+
 def test_layer_policy_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("keys: {mode: mse, bits: 4}\nlayers: {keep_fp16_first: 1, keep_fp16_last: 2, overrides: {3: {keys: {bits: 2}}}}\n")
@@ -43,6 +49,7 @@ def test_layer_policy_and_overrides(tmp_path):
     ({"keys": {"bits": 12}}, "key_bits"),
     ({"values": {"mode": "int3"}}, "value_mode"),
     ({"buffer": {"recent_tokens": -5}}, "buffer_tokens"),
+    ({"buffer": {"window": "ring"}}, "window"),
     ({"layers": {"keep_fp16_first": "two"}}, "keep_fp16_first"),
     ({"layers": {"overrides": {"x": {}}}}, "integers"),
     ({"layers": {"overrides": {2: {"layers": {}}}}}, "unknown key"),

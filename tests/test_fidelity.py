@@ -57,7 +57,7 @@ def test_mse_preset_within_bounds(slice_metrics):
 
 def test_recommended_preset_within_bounds(slice_metrics):
     ref, got = slice_metrics["reference"], slice_metrics["mse_k4v3"]
-    assert got["ppl"] < ref["ppl"] * 1.04, (got, ref)  # full run: +0.98 %, KL 0.0077, top-1 95.3 %
+    assert got["ppl"] < ref["ppl"] * 1.04, (got, ref)  # full run (own-block window): +1.69 %, KL 0.0132, top-1 93.7 %
     assert got["kl"] < 0.025 and got["top1"] > 0.91, got
     assert got["kl"] < slice_metrics["mse_k3v2"]["kl"]
 

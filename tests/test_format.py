@@ -72,3 +72,28 @@ def test_paged_layout_regions_are_aligned_and_disjoint():
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:]))
     assert layout.page_bytes >= 16 * 122 and layout.page_bytes % 16 == 0
     assert layout.page_bytes == 16 * 122  # every region is already a multiple of 16 B at block 16
+
+
+def test_window_rule_sliding_and_block():
+    """``exact_start`` / ``exact_count``: the one window rule, elementwise on ints, NumPy arrays and tensors."""
+    import numpy as np
+
+    from jetson_tq.format import exact_count, exact_start
+
+    pos = [0, 5, 7, 8, 9, 15, 16, 17]
+    assert [exact_start(p, 8, False) for p in pos] == [p - 7 for p in pos]
+    assert [exact_start(p, 8, True) for p in pos] == [0, 0, 0, 8, 8, 8, 16, 16]
+    lens = [0, 1, 7, 8, 9, 16, 17]
+    assert [exact_count(n, 8, False) for n in lens] == [0, 1, 7, 8, 8, 8, 8]
+    assert [exact_count(n, 8, True) for n in lens] == [0, 1, 7, 8, 1, 8, 1]
+    assert [exact_count(n, 0, False) for n in lens] == [0] * len(lens)
+    for block in (False, True):  # a sequence of L tokens reads L - max(exact_start(L - 1), 0) of them exactly
+        assert [exact_count(n, 8, block) for n in lens[1:]] == [n - max(exact_start(n - 1, 8, block), 0) for n in lens[1:]]
+        assert exact_count(np.array(lens), 8, block).tolist() == [exact_count(n, 8, block) for n in lens]
+        assert exact_count(torch.tensor(lens), 8, block).tolist() == [exact_count(n, 8, block) for n in lens]
+        assert exact_start(torch.tensor(pos), 8, block).tolist() == [exact_start(p, 8, block) for p in pos]
+    fmt = KVFormat(buffer_tokens=8, window="block")
+    assert fmt.block_window and fmt.exact_start(13) == 8
+    assert not KVFormat(buffer_tokens=0, window="block").block_window  # no buffer: nothing exact either way
+    with pytest.raises(FormatError, match="window"):
+        KVFormat(window="ring")

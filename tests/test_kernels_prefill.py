@@ -12,6 +12,7 @@ import torch
 
 from kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 from jetson_tq.attention.reference import paged_attention_prefill
+from jetson_tq.format import exact_count
 from jetson_tq.kernels.prefill import chunked_prefill
 
 pytestmark = pytest.mark.kernel
@@ -50,17 +51,19 @@ LARGE = [
 CASES = LARGE if GPU else SMALL
 
 
-def _check(name, d, g, comp, rec, t, dtype, seed):
+def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=None):
     gen = torch.Generator().manual_seed(seed)
     hkv = 2
     # The ring has R = max(rec) rows and, as in vLLM and CompressedKVCache, holds min(s, R) of the s history
-    # tokens; the pages hold history and chunk (vLLM writes the chunk before attention).
+    # tokens (block window: ``ring_rows(s, R)`` of them, the own block's); the pages hold history and chunk (vLLM
+    # writes the chunk before attention).
     ring = max(rec)
     hist = [c + r for c, r in zip(comp, rec)]
-    rec = [min(s, ring) for s in hist]
+    rec = [(ring_rows or min)(s, ring) for s in hist]
     comp = [s - r for s, r in zip(hist, rec)]
     hold = [s + t for s in hist]
-    kv = build_paged_kv(fmt_for(name, d), hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=hold)
+    fmt = fmt_for(name, d).with_(buffer_tokens=ring, window=window)  # the window the ring of R rows serves
+    kv = build_paged_kv(fmt, hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=hold)
     b = len(comp)
     q = (torch.randn(b, hkv * g, t, d, generator=gen) * 3).to(dtype).to(DEVICE)
     k = (torch.randn(b, hkv, t, d, generator=gen) * 2).to(dtype).to(DEVICE)
@@ -69,12 +72,28 @@ def _check(name, d, g, comp, rec, t, dtype, seed):
     chunked_prefill(q, k, v, kv, out=out)
     ref = paged_attention_prefill(q, k, v, kv)
     err = rel_err(out, ref)
-    assert err <= TOL[dtype], f"seed={seed} {name} D={d} G={g} lens={comp}+{rec} T={t}: rel err {err:.2e}"
+    assert err <= TOL[dtype], f"seed={seed} {name} {window} D={d} G={g} lens={comp}+{rec} T={t}: rel err {err:.2e}"
 
 
 @pytest.mark.parametrize("name,d,g,comp,rec,t", CASES, ids=[f"{c[0]}-D{c[1]}-G{c[2]}-T{c[5]}" for c in CASES])
 def test_prefill_matches_reference(name, d, g, comp, rec, t):
     _check(name, d, g, comp, rec, t, torch.float16, fresh_seed())
+
+
+# window: block — chunks that start inside a block, on a boundary (history 48 = 3 x 16, nothing in the ring), and
+# straddle one or more boundaries; the ring holds the own block's s % R tokens (vLLM) or exact_count(s) (the cache)
+BLOCK_CASES = [
+    ("mse_k4v3", 64, 2, [40, 48], [16, 0], 21, "vllm"),
+    ("blog_k3v2", 128, 2, [20], [16], 5, "cache"),
+    ("mse_k4v3", 80, 1, [0, 33], [16, 0], 20, "cache"),
+]
+RING_ROWS = {"vllm": lambda s, r: s % r, "cache": lambda s, r: exact_count(s, r, True)}
+
+
+@pytest.mark.parametrize("name,d,g,comp,rec,t,rows", BLOCK_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-T{c[5]}-{c[6]}" for c in BLOCK_CASES])
+def test_block_window_prefill_matches_reference(name, d, g, comp, rec, t, rows):
+    _check(name, d, g, comp, rec, t, torch.float16, fresh_seed(), window="block", ring_rows=RING_ROWS[rows])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

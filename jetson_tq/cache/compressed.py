@@ -1,9 +1,9 @@
 """CompressedKVCache: one layer's KV cache for a batch — every token compressed into pages on append, the
 ``buffer_tokens`` (R) most recent also kept exact in a per-sequence ring.
 
-A sequence of L tokens is read as compressed positions [0, L - r) plus r = min(L, R) exact tokens: the same
-rule as the vLLM backend (and as a decode step there), so a token's treatment does not depend on how it
-arrived. Appending is device-side only — positions, page slots and ring slots come from lengths kept on the
+A sequence of L tokens is read as compressed positions [0, L - r) plus r = ``format.exact_count(L)`` exact tokens
+(min(L, R) for ``window: sliding``, (L - 1) % R + 1 for ``window: block``): the same rule as the vLLM backend
+(and as a decode step there), so a token's treatment does not depend on how it arrived. Appending is device-side only — positions, page slots and ring slots come from lengths kept on the
 device — so an append and the attention after it can be captured in a CUDA graph and replayed while the cache
 grows inside its reserved capacity (``reserve``). Storage:
 
@@ -21,7 +21,7 @@ from .. import ops
 from ..codec.kv import Fields, KVCodec
 from ..errors import (DTypeError, JetsonTQError, ShapeError, expect_float, expect_int, expect_same_device,
                       expect_tensor)
-from ..format import KVFormat, PagedLayout
+from ..format import KVFormat, PagedLayout, exact_count
 from ..paged import PagedKV, allocate_pages
 from ..validate import check_cache_args, check_kv_storable
 
@@ -63,7 +63,7 @@ class CompressedKVCache:
         i32 = dict(dtype=torch.int32, device=self.device)
         self._lens = torch.zeros(batch_size, **i32)  # tokens per sequence: the truth, on the device
         self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
-        self._rec = torch.zeros(batch_size, **i32)  # r = min(L, R)
+        self._rec = torch.zeros(batch_size, **i32)  # r = exact_count(L)
         self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
         self._host_lens = torch.zeros(batch_size, dtype=torch.int64)  # mirror for eager bookkeeping
         self._host_valid = True
@@ -123,13 +123,14 @@ class CompressedKVCache:
 
     @property
     def compressed_lens(self) -> torch.Tensor:
-        """Tokens per sequence read from their compressed form (L - min(L, R)), int64 on the host."""
+        """Tokens per sequence read from their compressed form (L - ``buffer_lens``), int64 on the host."""
         return self.lengths - self.buffer_lens
 
     @property
     def buffer_lens(self) -> torch.Tensor:
-        """Tokens per sequence read exactly from the ring (min(L, R)), int64 on the host."""
-        return self.lengths.clamp(max=self.recent_window)
+        """Tokens per sequence read exactly from the ring (``format.exact_count``: min(L, R) or (L - 1) % R + 1),
+        int64 on the host."""
+        return exact_count(self.lengths, self.recent_window, self.fmt.block_window)
 
     @property
     def overflowed(self) -> bool:
@@ -144,7 +145,8 @@ class CompressedKVCache:
         """Bytes the stored tokens occupy: every token at the format's size plus the exact ring copies."""
         per_token = self.fmt.bytes_per_token(self.head_dim) * self.num_kv_heads
         exact = 2 * self.head_dim * self.ring_k.element_size() * self.num_kv_heads
-        return int(self.lengths.sum()) * per_token + int(self.buffer_lens.sum()) * exact
+        held = self.lengths.clamp(max=self.recent_window)  # the ring holds the last R (block mode reads fewer)
+        return int(self.lengths.sum()) * per_token + int(held.sum()) * exact
 
     # ------------------------------------------------------------------ write path
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
@@ -169,8 +171,8 @@ class CompressedKVCache:
     def stage(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
         """Write the compressed form of the next T tokens into the pages without counting them yet.
 
-        Prefill attention reads them there (positions older than p + 1 - R are read compressed, also inside the
-        chunk); ``commit`` with the same tokens then makes them part of the cache.
+        Prefill attention reads them there (positions older than ``fmt.exact_start(p)`` are read compressed, also
+        inside the chunk); ``commit`` with the same tokens then makes them part of the cache.
         """
         self._put(k, v, seq, stage=True, commit=False)
 
@@ -200,7 +202,7 @@ class CompressedKVCache:
     def _put_rows(self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool) -> None:
         """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] and, when staging, compress-on-write."""
         slots = ops.append_rows(k, v, self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow,
-                                rows.start, self.capacity, stage, commit)
+                                rows.start, self.capacity, stage, commit, self.fmt.block_window)
         if stage:  # a view: T == 1 or one row
             nb, h, t, d = k.shape
             ops.write(k.permute(0, 2, 1, 3).reshape(nb * t, h, d), v.permute(0, 2, 1, 3).reshape(nb * t, h, d),
@@ -248,7 +250,7 @@ class CompressedKVCache:
             empty = self.ring_k[:, :, :0]
             return empty, empty
         lens = self.lengths.to(self.device)
-        r = lens.clamp(max=self.recent_window)
+        r = self.buffer_lens.to(self.device)
         j = torch.arange(r_max, device=self.device)
         pos = lens.unsqueeze(1) - r.unsqueeze(1) + j  # [B, r_max] positions, in order
         valid = j.unsqueeze(0) < r.unsqueeze(1)

@@ -10,7 +10,7 @@ copy of each compressed token *in the transformed key space* (decoded once, when
 
 so <q', k'> is exactly the reference's score ``KVCodec.key_scores`` (rotated query, no key rotated
 back). Exact window and current chunk keys enter as [Pi k, 0] / Pi k / k, which leaves their
-scores exact; a mask applies the window rule (older than p + 1 - R: compressed). One SDPA call then
+scores exact; a mask applies the window rule (older than ``format.exact_start(p)``: compressed). One SDPA call then
 does softmax and the value sum.
 
 It trades memory (fp32 per token) for speed, so it is opt-in (``backend="cpu-decoded"``), meant for
@@ -27,6 +27,7 @@ from ..codec.mse import TurboQuantMSE
 from ..codec.packing import unpack_bits
 from ..codec.prod import TurboQuantProd
 from ..errors import ShapeError
+from ..format import exact_count, exact_start
 
 
 class DecodedHistory:
@@ -100,7 +101,7 @@ class DecodedHistory:
         if bool((lens != lens[0]).any()):
             raise ShapeError(f"decoded history needs equal lengths across the batch, got {lens.tolist()}")
         s, ring = int(lens[0]), store.recent_window
-        r = min(s, ring)
+        r = int(exact_count(s, ring, store.fmt.block_window))  # = store.buffer_lens
         rk, rv = store.recent_in_order()  # positions [s - r, s)
         if k is None:  # decode: compressed [0, s - r) + the exact window
             self.sync(s)
@@ -116,7 +117,7 @@ class DecodedHistory:
         qpos = s + torch.arange(t, device=dev)
         kpos = torch.cat([torch.arange(s + t, device=dev), torch.arange(s - r, s + t, device=dev)])
         exact = torch.arange(kpos.numel(), device=dev) >= s + t
-        oldest = qpos.unsqueeze(1) + 1 - ring
+        oldest = exact_start(qpos.unsqueeze(1), ring, store.fmt.block_window)
         allowed = torch.where(exact, (kpos >= oldest) & (kpos <= qpos.unsqueeze(1)), kpos < oldest)  # [T, N]
         if mask is not None:
             if mask.shape[-1] != s + t or mask.shape[-2] != t:

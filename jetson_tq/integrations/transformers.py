@@ -155,7 +155,8 @@ class TurboQuantLayer(CacheLayerMixin):
                scaling: float) -> torch.Tensor:
         """Attention of query [B, Hq, T, D] over history + chunk, then the chunk is stored -> [B, Hq, T, D].
 
-        Positions older than p + 1 - R are read compressed, the last R exactly (decode and prefill alike).
+        Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed, the
+        rest exactly (decode and prefill alike).
         """
         store = self.store
         if mask is None and query.shape[2] == 1:

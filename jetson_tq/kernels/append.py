@@ -5,7 +5,8 @@ and T new ones:
 - STAGE: slots[i * T + t] = b * capacity + L + t for the T positions (-1 past the capacity, and the overflow
   flag is set), which ``compress_write`` then fills;
 - COMMIT: the last min(T, R) tokens are copied exactly into ring row (L + t) % R, then lens[b] = L + T,
-  rec[b] = min(L + T, R) and comp[b] = L + T - rec[b].
+  rec[b] = ``format.exact_count(L + T)`` (min(L + T, R); (L + T - 1) % R + 1 under BLOCK_WINDOW) and
+  comp[b] = L + T - rec[b].
 Everything reads and writes device memory only, so it can be captured in a CUDA graph. ``paged.append_rows_reference``
 is the same in PyTorch, with the same signature (CPU, or CUDA under ``JETSON_TQ_BACKEND=reference``).
 """
@@ -25,7 +26,7 @@ def _append_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, sl
                    row0, T, capacity, ring,
                    skb, skh, skt, svb, svh, svt, srkb, srkh, srkt, srvb, srvh, srvt,
                    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, STAGE: tl.constexpr, COMMIT: tl.constexpr,
-                   BLOCK_T: tl.constexpr):
+                   BLOCK_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
     i = tl.program_id(0)
     b = row0 + i
     length = tl.load(lens_ptr + b)
@@ -57,7 +58,10 @@ def _append_kernel(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, sl
                     tl.store(rv_ptr + b.to(tl.int64) * srvb + h * srvh + col[:, None] * srvt + d[None, :],
                              vv.to(rv_ptr.dtype.element_ty), mask=m)
         new = length + T
-        rec = tl.minimum(new, ring)
+        if BLOCK_WINDOW:  # the own block: (new - 1) % ring + 1 tokens (ring >= 1 in this mode; new >= 1 here)
+            rec = (new - 1) % ring + 1
+        else:
+            rec = tl.minimum(new, ring)
         tl.store(lens_ptr + b, new)
         tl.store(rec_ptr + b, rec)
         tl.store(comp_ptr + b, new - rec)
@@ -68,7 +72,7 @@ _LAUNCH = FastLauncher(_append_kernel)
 
 def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
                 comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
-                stage: bool = True, commit: bool = True) -> torch.Tensor | None:
+                stage: bool = True, commit: bool = True, block_window: bool = False) -> torch.Tensor | None:
     """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb): returns the slots [nb * T] (stage)."""
     nb, h, t, d = k.shape
     slots = torch.empty(nb * t if stage else 1, dtype=torch.int64, device=k.device)
@@ -78,6 +82,8 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: 
     args = (k, v, rk, rv, lens, comp, rec, slots, overflow, row0, t, capacity, ring,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2))
-    kw = dict(H=h, D=d, DP=max(16, next_pow2(d)), STAGE=stage, COMMIT=commit, BLOCK_T=block_t)
-    _LAUNCH((nb,), args, kw, (h, d, stage, commit, block_t), num_warps=1 if INTERPRET else 4)
+    block_window = bool(block_window and ring > 0)
+    kw = dict(H=h, D=d, DP=max(16, next_pow2(d)), STAGE=stage, COMMIT=commit, BLOCK_WINDOW=block_window,
+              BLOCK_T=block_t)
+    _LAUNCH((nb,), args, kw, (h, d, stage, commit, block_window, block_t), num_warps=1 if INTERPRET else 4)
     return slots if stage else None

@@ -1,7 +1,8 @@
 """Chunked prefill: a chunk of T query tokens per sequence over the compressed tokens, the recent ring
-and (causally) the chunk's own fp16 keys/values, in one flash-attention pass, under decode's window rule:
-a query at position p reads positions older than p + 1 - R compressed (history and chunk alike: the
-pages already hold the chunk) and the last R exactly.
+and (causally) the chunk's own fp16 keys/values, in one flash-attention pass, under decode's window rule
+(``format.exact_start``, mirrored by ``_window_lo``): a query at position p reads positions older than
+p + 1 - R (sliding) or than its own R-token block p - p % R (BLOCK_WINDOW) compressed (history and chunk
+alike: the pages already hold the chunk) and the rest exactly.
 
 One program = BLOCK_M query rows of one (sequence, KV head); a row is a (token, query head) pair,
 so the G query heads of a KV head share every loaded tile (GQA). History tiles are expanded from
@@ -34,6 +35,14 @@ def _qchunk(qt_ptr, qrow, rmask, col0, CW: tl.constexpr, cols, QW: tl.constexpr,
     q = tl.load(qt_ptr + qrow[:, None] * QW + col[None, :],
                 mask=rmask[:, None] & (cols[None, :] < CW) & (col[None, :] < LIMIT), other=0.0)
     return q * factor
+
+
+@triton.jit
+def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
+    """First position a query at ``pos`` reads exactly (``format.exact_start``; ring >= 1 under BLOCK_WINDOW)."""
+    if BLOCK_WINDOW:
+        return pos - pos % ring
+    return pos + 1 - ring
 
 
 @triton.jit
@@ -94,7 +103,7 @@ def _prefill_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
         NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        BLOCK_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
@@ -108,9 +117,11 @@ def _prefill_kernel(
     # window rule: the row at position qpos reads positions < lo compressed and [lo, qpos] exactly
     hist = clen + rlen
     qpos = hist + tok
-    lo = qpos + 1 - ring
+    lo = _window_lo(qpos, ring, BLOCK_WINDOW)
     first_tok = pid_m * BLOCK_M // G
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
+    lo_first = _window_lo(hist + first_tok, ring, BLOCK_WINDOW)  # lo grows with the token: the tile's bounds
+    lo_last = _window_lo(hist + last_tok, ring, BLOCK_WINDOW)
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
 
     # ---- constants the fast planes add, per row: alpha * sum(Pi q) and sum(S q). The query chunks
@@ -139,7 +150,7 @@ def _prefill_kernel(
     # ---- compressed tokens (history and, past the window, the chunk: the pages hold both), BLOCK_N per tile
     # (tiles are loaded [bytes, tokens]: B operands)
     head_off = h.to(tl.int64) * page_bytes
-    cend = tl.maximum(hist + last_tok + 1 - ring, 0)
+    cend = tl.maximum(lo_last, 0)
     for n0 in range(0, cend, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < cend
@@ -251,13 +262,13 @@ def _prefill_kernel(
                     mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
             ).to(rk_ptr.dtype.element_ty)
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
-    ring_rows = tl.where(hist + first_tok + 1 - ring < hist, rlen, 0)  # skip the ring once the window left it
+    ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
     acc, zacc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
                                       rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
                                       stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
                                       qraw, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
                                       D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
-    t_start = tl.maximum(first_tok + 1 - ring, 0) // BLOCK_N * BLOCK_N
+    t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
     acc, zacc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
                                       v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
                                       stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
@@ -314,7 +325,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E)
     g = hq // hkv
     rk, rv = kv.recent_k, kv.recent_v
-    ring = rk.shape[2]  # the window R: positions older than p + 1 - R are read compressed
+    ring = rk.shape[2]  # the window R: positions older than exact_start(p) are read compressed
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
     vsub, vsc = value_subchunks(spec)
@@ -331,7 +342,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         HKV=hkv, G=g, QW=qt.shape[1], **spec_kw,
         KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
         VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v,
+        FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, BLOCK_WINDOW=kv.layout.fmt.block_window and ring > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
 

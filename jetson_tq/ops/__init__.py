@@ -26,13 +26,15 @@ WRITE_CHUNK_ELEMENTS = 1 << 18
 
 def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
                 comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
-                stage: bool = True, commit: bool = True, backend: str | None = None) -> torch.Tensor | None:
+                stage: bool = True, commit: bool = True, block_window: bool = False,
+                backend: str | None = None) -> torch.Tensor | None:
     """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``)."""
     if resolve(k.device, None, backend) == "triton":
         from ..kernels.append import append_rows as kernel
 
-        return kernel(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit)
-    return append_rows_reference(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit)
+        return kernel(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window)
+    return append_rows_reference(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit,
+                                 block_window)
 
 
 def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout,

@@ -32,7 +32,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..codec.kv import KVCodec
 from ..config import TurboQuantConfig
-from ..format import FP16_FORMAT, KVFormat
+from ..format import FP16_FORMAT, KVFormat, exact_count
 from ..integrations.transformers import TurboQuantCache, enable_turboquant
 
 CAPTURE = "jetson_tq_capture"
@@ -81,13 +81,14 @@ def _residual_hook(records: dict, index: int) -> Callable:
 
 def compressed_counts(fmt: KVFormat, total: int, chunk: int) -> list[int]:
     """Tokens a cache reads only compressed when each chunk of ``chunk`` tokens arrives (``compressed_lens``)."""
-    return [max(0, start - fmt.buffer_tokens) for start in range(0, total, chunk)]
+    return [start - exact_count(start, fmt.buffer_tokens, fmt.block_window) for start in range(0, total, chunk)]
 
 
 @torch.no_grad()
 def chunked_attention(cap: LayerCapture, fmt: KVFormat | None, chunk: int, scale: float) -> torch.Tensor:
     """Attention output [B, T, Hq*D] as the cache serves it (``fmt`` None: exact): a query at position p reads
-    positions older than p + 1 - R compressed and the last R exactly (the window rule); ``chunk`` bounds memory."""
+    positions older than ``fmt.exact_start(p)`` compressed and the rest exactly (the window rule); ``chunk`` bounds
+    memory."""
     q, k, v = cap.q.float(), cap.k.float(), cap.v.float()
     b, hq, t, d = q.shape
     group = hq // k.shape[1]
@@ -103,7 +104,7 @@ def chunked_attention(cap: LayerCapture, fmt: KVFormat | None, chunk: int, scale
         j = torch.arange(e, device=q.device).unsqueeze(0)
         causal = j <= p
         if compressed:
-            exact = causal & (j >= p + 1 - fmt.buffer_tokens)
+            exact = causal & (j >= fmt.exact_start(p))
             keys = torch.cat([kd[:, :, :e], k[:, :, :e]], 2).repeat_interleave(group, 1)
             vals = torch.cat([vd[:, :, :e], v[:, :, :e]], 2).repeat_interleave(group, 1)
             mask = torch.cat([causal & ~exact, exact], 1)
@@ -188,7 +189,8 @@ def to_config(name: str, description: str, picks: list[str], candidates: dict[st
     common = max(set(picks), key=picks.count)
     base = candidates[common]
     raw = {"name": name, "description": description, **format_section(base), "norm_dtype": base.norm_dtype,
-           "rotation": base.rotation, "buffer": {"recent_tokens": base.buffer_tokens, "flush_chunk": base.flush_chunk},
+           "rotation": base.rotation, "buffer": {"recent_tokens": base.buffer_tokens, "window": base.window,
+                                                     "flush_chunk": base.flush_chunk},
            "seed": base.seed, "layers": {"keep_fp16_first": 0, "keep_fp16_last": 0, "overrides": {
                i: format_section(candidates[p]) for i, p in enumerate(picks) if p != common}}}
     return raw

@@ -5,9 +5,11 @@ Data flow of one step for one layer:
    ``slot_mapping`` (slot = block * block_size + offset; -1 = padding, skipped).
 2. ``forward``: decode rows (one new token; vLLM puts them first, ``reorder_batch_threshold = 1``)
    first copy their token into the request's fp16 ring, then attend over compressed positions
-   [0, L - r) plus r = min(L, R) ring tokens. Prefill / chunked-prefill rows attend over the
-   history (compressed [0, s - r) + ring, r = min(s, R)) plus their own exact chunk (causal), then
-   copy the chunk's last min(T, R) tokens into the ring.
+   [0, L - r) plus r = ``format.exact_count(L)`` ring tokens (min(L, R); (L - 1) % R + 1 for block
+   windows). Prefill / chunked-prefill rows attend over the history (compressed [0, s - r) + ring,
+   r = min(s, R), or s % R for block windows) plus their own exact chunk (causal, each query under
+   ``format.exact_start``, chunks may straddle block boundaries), then copy the chunk's last
+   min(T, R) tokens into the ring.
 The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (``PagedLayout``).
 """
 
@@ -33,10 +35,10 @@ from ...paged import PagedKV
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
 from ...errors import ShapeError, UnsupportedPlatformError
-from ...format import KVFormat, PagedLayout
+from ...format import KVFormat, PagedLayout, exact_count
 from ... import ops
 from . import hooks
-from .settings import active_config
+from .settings import active_config, preferred_block_size
 from .spec import UnsupportedModelError, check_architecture, layer_format, layer_index, layout_for, make_spec
 
 BACKEND_PATH = "jetson_tq.integrations.vllm.backend.TurboQuantAttentionBackend"
@@ -64,6 +66,11 @@ class TurboQuantAttentionBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
         return [MultipleOf(1)]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        # block windows restart at multiples of R: vLLM's blocks (prefix-cache hit boundaries) must be too
+        return preferred_block_size(default_block_size)
 
     @staticmethod
     def get_impl_cls() -> type["TurboQuantAttentionImpl"]:
@@ -111,6 +118,7 @@ class TurboQuantMetadata:
     dec_ring_cols: torch.Tensor  # device int64 [num_decodes]: position % R of the new token
     dec_compressed_lens: torch.Tensor  # device int32 [num_decodes]
     dec_recent_lens: torch.Tensor  # device int32 [num_decodes]
+    block_window: bool = False  # window: block (exact window = the query's own recent_tokens-token block)
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
@@ -126,6 +134,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.recent_tokens = int(getattr(kv_cache_spec, "tq_recent_tokens", 0))
+        self.block_window = bool(getattr(kv_cache_spec, "tq_block_window", False)) and self.recent_tokens > 0
         sched = vllm_config.scheduler_config
         cap = max(sched.max_num_seqs, sched.max_num_batched_tokens) + 1
         self._rows = torch.zeros(cap, dtype=torch.int64, device=device)
@@ -163,16 +172,17 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         R = self.recent_tokens
         if R > 0:
             req_ids, live = self._request_ids(n)
-            rows = self._slots.assign(req_ids, ctx, q_lens, live)
+            rows = self._slots.assign(req_ids, ctx, q_lens, live, R if self.block_window else 0)
         else:
             rows = np.full(n, self._slots.scratch, dtype=np.int64)
         L = seq[:nd]
-        rec = np.minimum(L, R)
+        rec = exact_count(L, R, self.block_window)
         cols = (L - 1) % R if R > 0 else np.zeros_like(L)
         for buf, values in ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec)):
             buf[:nd].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
         return TurboQuantMetadata(
             num_actual_tokens=cm.num_actual_tokens, num_reqs=n, num_decodes=nd, recent_tokens=R,
+            block_window=self.block_window,
             query_start_loc=qsl, seq_lens=seq, context_lens=ctx, ring_rows=rows,
             block_table=cm.block_table_tensor[:n], slot_mapping=cm.slot_mapping,
             dec_ring_rows=self._rows[:nd], dec_ring_cols=self._cols[:nd],
@@ -271,9 +281,11 @@ class TurboQuantAttentionImpl(AttentionImpl):
         if kv_cache.dim() != 3 or kv_cache.shape[1:] != (self.num_kv_heads, self.layout.page_bytes):
             raise ShapeError(f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
                              f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}")
-        if md.recent_tokens != self.fmt.buffer_tokens or self.recent_k is None:
-            raise ShapeError(f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens expected, "
-                             f"metadata has {md.recent_tokens}, pool {'missing' if self.recent_k is None else 'ok'}")
+        if md.recent_tokens != self.fmt.buffer_tokens or md.block_window != (self.fmt.block_window and md.recent_tokens > 0) \
+                or self.recent_k is None:
+            raise ShapeError(f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens ({self.fmt.window} "
+                             f"window) expected, metadata has {md.recent_tokens} (block window {md.block_window}), "
+                             f"pool {'missing' if self.recent_k is None else 'ok'}")
         self._checked_pages = True
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -309,7 +321,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         if dec.size:
             tok = torch.from_numpy(qsl[dec]).to(dev)
             L = seq[dec]
-            rec = np.minimum(L, R)
+            rec = exact_count(L, R, md.block_window)
             ring_rows = torch.from_numpy(rows[dec]).to(dev)
             if R > 0:
                 cols = torch.from_numpy((L - 1) % R).to(dev)
@@ -323,7 +335,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             qs, qe, s = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
             if qe <= qs:
                 continue
-            r, row = min(s, R), int(rows[i])
+            r, row = (s % R if md.block_window else min(s, R)), int(rows[i])  # history tokens read from the ring
             kv = self._paged(kv_cache, md.block_table[i : i + 1], torch.tensor([s - r], dtype=torch.int32, device=dev),
                              torch.tensor([r], dtype=torch.int32, device=dev),
                              torch.tensor([row], dtype=torch.int64, device=dev))

@@ -4,8 +4,10 @@
 - worker ``determine_available_memory``: the recent-buffer pools are taken out of the KV budget.
 - ``GPUModelRunner.initialize_kv_cache`` (the CPU runner inherits it): remembers the runner (request ids
   for recent-buffer rows) and allocates the pools once vLLM's own KV cache exists.
-- ``EngineArgs.create_engine_config``: turns prefix caching off (logged) while recent buffers are used,
-  and on CUDA selects the CUSTOM backend (which the plugin registered).
+- ``EngineArgs.create_engine_config``: leaves prefix caching as vLLM set it (on by default) when every ring
+  is a block window (``window: block``) whose block divides vLLM's block size, turns it off (logged) otherwise
+  (sliding windows need the exact copies of tokens a hit skips), and on CUDA selects the CUSTOM backend
+  (which the plugin registered).
 Each wrap is installed once per process and calls the original first.
 """
 
@@ -17,7 +19,7 @@ import torch
 
 from ...errors import ConfigError
 from .recent import RecentSlots, pool_bytes
-from .settings import active_config, enabled, logger, uses_recent_buffer
+from .settings import active_config, enabled, logger, preferred_block_size, sliding_windows, window_block
 
 _RUNNER: weakref.ReferenceType | None = None
 _SLOTS: RecentSlots | None = None
@@ -127,12 +129,13 @@ def _config_wrap(original):
         if not enabled():  # installed by an earlier engine of this process whose switch was on
             return config
         log = logger()
-        if config.cache_config.enable_prefix_caching and uses_recent_buffer(active_config()):
-            log.info("jetson-tq: prefix caching switched off: a request's fp16 recent buffer is filled by its own "
-                     "steps, so a prefix-cache hit would start attention without the cached tokens' recent copies")
-            config.cache_config.enable_prefix_caching = False
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        why = prefix_caching_blocker(active_config(), config.cache_config, current_platform.is_cpu())
+        if config.cache_config.enable_prefix_caching and why:
+            log.info("jetson-tq: prefix caching switched off: %s", why)
+            config.cache_config.enable_prefix_caching = False
 
         if not current_platform.is_cpu():
             chosen = config.attention_config.backend
@@ -141,6 +144,27 @@ def _config_wrap(original):
             config.attention_config.backend = AttentionBackendEnum.CUSTOM
         return config
     return create_engine_config
+
+
+def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
+    """Why prefix caching must be off under ``cfg`` (None when hits are safe): a hit starts a request at a block
+    boundary with nothing in its fp16 ring, which only a block window restarting at that boundary expects."""
+    if sliding_windows(cfg):
+        return ("a sliding window (buffer.window: sliding) reads the last recent_tokens exactly, and a prefix-cache "
+                "hit would start attention without the cached tokens' exact copies (buffer.window: block allows hits)")
+    from vllm.config.cache import CacheConfig
+
+    w = window_block(cfg)
+    # the block size is final here on CPU or when the user set it; else the backend will ask for a multiple of w
+    final = is_cpu or cache_config.user_specified_block_size
+    size = cache_config.block_size if final else preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE, cfg)
+    if size and size % w:
+        return (f"block windows restart every {w} tokens but vLLM's block size is {size} (a hit may start inside a "
+                f"window); set --block-size to a multiple of {w}")
+    unit = getattr(cache_config, "prefix_match_unit", None)  # vLLM 0.27: hits at finer boundaries than a block
+    if unit and unit % w:
+        return f"block windows restart every {w} tokens but prefix_match_unit is {unit}; set it to a multiple of {w}"
+    return None
 
 
 def install() -> None:

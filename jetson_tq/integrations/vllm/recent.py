@@ -2,8 +2,11 @@
 
 Every token is written compressed into vLLM's pages; the last ``R = buffer_tokens`` tokens of each
 request are also kept exactly (model dtype) in row ``r`` of a per-layer pool [rows, H, R, D], token at
-position p in column p % R. Attention reads the compressed pages for positions [0, L - min(L, R)) and
-the ring for the rest (order inside the ring does not matter to attention).
+position p in column p % R. Attention reads the compressed pages for positions [0, L - r) and the ring for
+the last r = ``format.exact_count(L)`` (min(L, R); (L - 1) % R + 1 under ``window: block``, where the ring's
+columns [0, r) hold the query's own block). Under ``window: block`` a request may start at any multiple of R
+(a prefix-cache hit, or a recompute from cached blocks) with an empty ring: nothing before that boundary is
+read exactly.
 
 Rows are assigned on the host by the metadata builder (``RecentSlots``), keyed by vLLM request id;
 the pool has ``max_num_seqs`` rows plus one scratch row for padded / dummy rows, and its bytes are
@@ -60,11 +63,12 @@ class RecentSlots:
         return self._free.pop()
 
     def assign(self, req_ids: Sequence[str | None], context_lens: np.ndarray, query_lens: np.ndarray,
-               live: Container[str]) -> np.ndarray:
+               live: Container[str], window_block: int = 0) -> np.ndarray:
         """Ring row of each batch row (scratch for padding); raise RecentBufferLost for an unvouched history.
 
-        ``context_lens[i]`` tokens precede row i's ``query_lens[i]`` new tokens. Calling twice for the
-        same step (one call per metadata builder) returns the same rows.
+        ``context_lens[i]`` tokens precede row i's ``query_lens[i]`` new tokens. ``window_block`` R > 0 (block
+        windows): a step may start at any multiple of R with nothing from the ring. Calling twice for the same
+        step (one call per metadata builder) returns the same rows.
         """
         batch = {r for r in req_ids if r is not None}
         rows = np.full(len(req_ids), self.scratch, dtype=np.int64)
@@ -72,15 +76,17 @@ class RecentSlots:
             q, s = int(query_lens[i]), int(context_lens[i])
             if req is None or q <= 0:
                 continue
+            fresh = s == 0 or (window_block > 0 and s % window_block == 0)  # needs no earlier exact token
             if req not in self._row:
-                if s > 0:
+                if not fresh:
                     raise RecentBufferLost(
                         f"request {req!r} starts a step at position {s} but has no recent buffer "
-                        "(prefix caching or an eviction skipped its earlier tokens)")
+                        "(prefix caching or an eviction skipped its earlier tokens)"
+                        + (f"; block windows restart at multiples of {window_block}" if window_block else ""))
                 self._row[req] = self._take(live, batch)
             else:
                 start, end = self._span.get(req, (0, 0))
-                if s not in (0, start, end):
+                if not fresh and s not in (start, end):
                     raise RecentBufferLost(
                         f"request {req!r}: its recent buffer holds positions up to {end}, the step starts at {s}")
             self._row.move_to_end(req)

@@ -8,6 +8,7 @@ by inheritance.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 from ...config import TurboQuantConfig, load_config
@@ -50,6 +51,25 @@ def active_config() -> TurboQuantConfig:
     return _load(name)
 
 
-def uses_recent_buffer(cfg: TurboQuantConfig) -> bool:
-    """True when some layer keeps recent tokens in fp16 (the default or any override has a buffer)."""
-    return cfg.default.buffer_tokens > 0 or any(f.buffer_tokens > 0 for f in cfg.overrides.values())
+def _ringed(cfg: TurboQuantConfig) -> list:
+    return [f for f in (cfg.default, *cfg.overrides.values()) if f.buffer_tokens > 0]
+
+
+def sliding_windows(cfg: TurboQuantConfig) -> bool:
+    """True when some layer reads the last R tokens exactly (``window: sliding`` with a ring): a prefix-cache hit
+    would start such a layer without the cached tokens' exact copies, so prefix caching must stay off."""
+    return any(not f.block_window for f in _ringed(cfg))
+
+
+def window_block(cfg: TurboQuantConfig) -> int:
+    """The token boundary every block-window layer's exact window restarts at (lcm of their R; 1 when none):
+    vLLM's block size must be a multiple of it for prefix-cache hits to start with empty windows."""
+    return math.lcm(1, *(f.buffer_tokens for f in _ringed(cfg) if f.block_window))
+
+
+def preferred_block_size(default: int, cfg: TurboQuantConfig | None = None) -> int:
+    """vLLM's block size the backend asks for when the user sets none: a multiple of the window block of ``cfg``
+    (default: the active config; ``default`` itself when the switch is off)."""
+    if cfg is None and not enabled():
+        return default
+    return math.lcm(default, window_block(cfg or active_config()))

@@ -84,6 +84,7 @@ def _make_spec_cls():
 
         tq_page_bytes: int = 0
         tq_recent_tokens: int = 0
+        tq_block_window: bool = False
         tq_format: str = ""
 
         @property
@@ -96,10 +97,11 @@ def _make_spec_cls():
             first = specs[0]
             for s in specs:
                 # AssertionError is vLLM's signal "not one spec": it then builds UniformTypeKVCacheSpecs.
-                assert (s.tq_page_bytes, s.tq_recent_tokens, s.tq_format) == (
-                    first.tq_page_bytes, first.tq_recent_tokens, first.tq_format), "different jetson-tq formats"
+                assert (s.tq_page_bytes, s.tq_recent_tokens, s.tq_block_window, s.tq_format) == (
+                    first.tq_page_bytes, first.tq_recent_tokens, first.tq_block_window, first.tq_format), \
+                    "different jetson-tq formats"
             return replace(merged, tq_page_bytes=first.tq_page_bytes, tq_recent_tokens=first.tq_recent_tokens,
-                           tq_format=first.tq_format)
+                           tq_block_window=first.tq_block_window, tq_format=first.tq_format)
 
     TurboQuantPagedSpec.__module__ = __name__
     TurboQuantPagedSpec.__qualname__ = "TurboQuantPagedSpec"
@@ -128,4 +130,4 @@ def make_spec(block_size: int, num_kv_heads: int, head_size: int, fmt: KVFormat,
     """The spec vLLM sizes this layer's cache from (dtype uint8: the cache is raw packed bytes)."""
     return spec_cls()(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size,
                       dtype=torch.uint8, tq_page_bytes=layout.page_bytes, tq_recent_tokens=fmt.buffer_tokens,
-                      tq_format=format_key(fmt))
+                      tq_block_window=fmt.block_window, tq_format=format_key(fmt))
