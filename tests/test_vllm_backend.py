@@ -167,3 +167,28 @@ def test_recent_slots_refuse_unvouched_history():
 def test_impl_refuses_unsupported_attention(kwargs, word):
     with pytest.raises(UnsupportedModelError, match=word):
         TurboQuantAttentionImpl(HQ, D, 1.0, HKV, **kwargs)
+
+
+def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
+    """The engine-start warm-up (so Triton compiles before the first request) writes vLLM's null block 0 and the
+    scratch ring row, nothing a request owns; the layer's real path runs, so a broken path fails here."""
+    from jetson_tq.integrations.vllm.hooks import bound_cache
+
+    fmt = KVFormat()
+    impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
+    impl.set_format(fmt, LAYER, BS, torch.float32)
+    impl.allocate_recent(3, torch.device("cpu"), torch.float32)
+    pages = allocate_pages(impl.layout, 8, HKV)
+    pages.random_(0, 0x7C, generator=torch.Generator().manual_seed(0))
+    before, ring_before = pages.clone(), impl.recent_k.clone()
+    impl.warm_up(pages)
+    assert not torch.equal(pages[0], before[0]), "the warm-up must run the write path (block 0)"
+    assert torch.equal(pages[1:], before[1:]), "blocks other than the null block 0 must stay untouched"
+    assert torch.equal(impl.recent_k[:-1], ring_before[:-1]), "only the scratch ring row may change"
+
+    class Layer:
+        kv_cache = [pages]
+    assert bound_cache(Layer()) is pages
+    Layer.kv_cache = torch.zeros(0)
+    assert bound_cache(Layer()) is None
+    assert hash((fmt, HQ)) == hash((KVFormat(), HQ)), "warm-up dedupes formats by value"

@@ -74,6 +74,14 @@ def recent_pool_bytes(vllm_config) -> int:
 
 
 # ------------------------------------------------------------------------------------- the wraps
+def bound_cache(layer) -> torch.Tensor | None:
+    """The KV cache tensor vLLM bound to an attention layer (a list per virtual engine in some versions)."""
+    cache = getattr(layer, "kv_cache", None)
+    if isinstance(cache, (list, tuple)):
+        cache = cache[0] if cache else None
+    return cache if isinstance(cache, torch.Tensor) and cache.numel() else None
+
+
 def _wrap(cls, name: str, make):
     """Replace ``cls.name`` by ``make(original)`` once."""
     original = cls.__dict__.get(name)
@@ -116,9 +124,18 @@ def _runner_wrap(original):
         global _RUNNER
         _RUNNER = weakref.ref(self)
         out = original(self, kv_cache_config, *args, **kwargs)
+        warmed: set = set()
         for layer in configure_all(self.vllm_config).values():
             layer.impl.allocate_recent(recent_rows(self.vllm_config), torch.device(self.device),
                                        self.model_config.dtype)
+            key = (layer.impl.fmt, layer.impl.num_heads, layer.impl.num_kv_heads, layer.impl.head_size)
+            cache = bound_cache(layer)
+            if torch.device(self.device).type == "cuda" and cache is not None and key not in warmed:
+                try:  # Triton compiles now, not in the first request (once per format)
+                    layer.impl.warm_up(cache)
+                except Exception as exc:  # the first request then compiles, and raises if the path is broken
+                    logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
+                warmed.add(key)
         return out
     return initialize_kv_cache
 
