@@ -25,15 +25,22 @@ from models import kv_bytes_per_token, write_model_dir, write_tokenizer  # noqa:
 QWEN, LLAMA = "qwen2.5-7b", "llama-3.1-8b"
 UTIL = 0.25  # equal memory for every engine: ~16 GB of KV for Qwen2.5-7B on a 141 GB H200 (~8 x 32k stock)
 MML = 131072
-WORK_STOCK = [[8192, 1, 64], [8192, 8, 64], [8192, 32, 64], [32768, 1, 64], [32768, 8, 64], [130944, 1, 64]]
-WORK_TQ = WORK_STOCK[:5] + [[32768, 32, 64], WORK_STOCK[5]]
-WORK_SHORT = [[32768, 8, 32], [32768, 1, 32], [8192, 8, 32], [8192, 1, 32]]
 WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
-
 
 #: every engine on vLLM's V1 model runner unless a job says otherwise: jetson-tq pins it (its hooks are
 #: written against V1's GPUModelRunner) and 0.26 would pick V2 for stock dense models on CUDA
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def steady_outputs(ctx: int, conc: int, batched: int = 16384, decode_steps: int = 32) -> int:
+    """Output tokens per request so that all ``conc`` requests still decode together for ``decode_steps`` steps:
+    a request that finished prefill early emits one token per engine step while the others prefill."""
+    return -(-ctx * conc // batched) + decode_steps
+
+
+WORK_STOCK = [[c, n, max(64, steady_outputs(c, n))] for c, n in
+              [(8192, 1), (8192, 8), (8192, 32), (32768, 1), (32768, 8), (130944, 1)]]
+WORK_TQ = WORK_STOCK[:5] + [[32768, 32, steady_outputs(32768, 32)], WORK_STOCK[5]]
 
 
 def _engine(name: str, model: str, *, tq: str | None = None, kv: str = "auto", backend: str | None = None,
@@ -57,10 +64,10 @@ def plan(kind: str) -> list[dict]:
     if kind == "short":  # one call of ~9 device minutes: the headline rows first, each job time-capped
         cap_only = dict(eager=True, seqs=8, timeout=50)
         few = dict(capture_sizes=[1, 8, 32])  # graph sizes of the rows below only (capture time)
-        rows = [[8192, 8, 32], [32768, 1, 32], [32768, 8, 32]]
+        rows = [[8192, 8, steady_outputs(8192, 8)], [32768, 1, 32], [32768, 8, steady_outputs(32768, 8)]]
         return [
             _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=rows, timeout=160, **few),
-            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=rows + [[32768, 32, 32]], timeout=230, **few),
+            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=rows + [[32768, 32, steady_outputs(32768, 32)]], timeout=230, **few),
             _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=rows[:1] + rows[2:], timeout=120, env={},
                     **few),  # vLLM's own runner choice (V2): under V1 its TurboQuant fails in graph-memory profiling
             _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", **cap_only),
