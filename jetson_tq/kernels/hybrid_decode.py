@@ -14,8 +14,9 @@ bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup 
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
 also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
-softmax. With several splits each program writes a partial (output, log-sum-exp) and
-``_decode_reduce_kernel`` merges them. No host sync and no allocation after the first call of a
+softmax. With several splits each program writes a partial (output, log-sum-exp) and the last program of
+its (sequence, KV head) to finish merges them (``_reduce_on_arrival``: arrival counters, two levels), so a decode
+call is one launch (``fused_reduce=False``: ``_decode_reduce_kernel`` in a second launch). No host sync and no allocation after the first call of a
 shape (workspaces are cached), so the launcher can be captured in a CUDA graph.
 """
 
@@ -389,7 +390,7 @@ WIDE_BLOCK_N = 16
 WIDE_NUM_WARPS = 1
 NUM_STAGES = 1
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
-MERGE_ELEMS = 2048  # split partials merged per step in the in-launch reduction: SPB * GP * DP elements
+MERGE_ELEMS = 1024  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP): 2048 cost 3 registers
 WAVES = 16.0  # programs per SM the split count aims for
 
 
