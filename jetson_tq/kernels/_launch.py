@@ -4,8 +4,10 @@ the compiled kernel's C launcher directly.
 
 The first launch of a (plan key, runtime specialization) pair goes through ``kernel[grid](...)``, which compiles
 and returns the ``CompiledKernel``; later ones reuse it. The runtime specialization is what Triton itself
-specializes on and may change between calls of one plan: whether each tensor's data pointer is 16-byte
-aligned, and for each int argument whether it is 1 or a multiple of 16 (and whether it fits int32). The
+specializes on and may change between calls of one plan: every tensor's dtype (always part of the key: the H200
+test run 6 found an fp32 query read through the kernel compiled for fp16 when plan keys left dtypes out), whether
+each tensor's data pointer is 16-byte aligned, and for each int argument whether it is 1 or a multiple of 16 (and
+whether it fits int32). The
 caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
 hook is installed (profilers), the plain JIT path runs.
 """
@@ -47,7 +49,8 @@ class FastLauncher:
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
             self.kernel[grid](*args, **constexprs, **opts)
             return
-        key = (plan_key, num_warps, num_stages, maxnreg, _runtime_key(args) if aligned is None else aligned)
+        dtypes = tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
+        key = (plan_key, dtypes, num_warps, num_stages, maxnreg, _runtime_key(args) if aligned is None else aligned)
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **constexprs, **opts)
