@@ -12,8 +12,8 @@ keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in re
 ``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
 bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
-a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
-also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
+a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
+tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
 softmax. With several splits each program writes a partial (output, log-sum-exp) and the last program of
 its (sequence, KV head) to finish merges them (``_reduce_on_arrival``: arrival counters, two levels), so a decode
 call is one launch (``fused_reduce=False``: ``_decode_reduce_kernel`` in a second launch). No host sync and no allocation after the first call of a
@@ -125,7 +125,8 @@ def _hybrid_decode_kernel(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
 
-    # ---- compressed tokens [start, end) of this split, BLOCK_N per tile
+    # ---- this split's share of the sequence's tokens, compressed ones first, then the recent buffer's:
+    # virtual tokens [start, start + tokens_per_split) of [0, clen + rlen); compressed [start, end), BLOCK_N per tile
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, clen)
     head_off = h.to(tl.int64) * page_bytes
@@ -232,17 +233,20 @@ def _hybrid_decode_kernel(
                 zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
                 zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([NGP, GP], tl.float32) + zero_rt, INTERP)
 
-    # ---- the recent (uncompressed) buffer, on the last split only
-    if split == n_splits - 1:
+    # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
+    # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
+    r0 = tl.maximum(start - clen, 0)
+    r1 = tl.minimum(start + tokens_per_split - clen, rlen)
+    if r1 > r0:
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
         d = tl.arange(0, DP)
         qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
                      mask=gmask[None, :] & (d[:, None] < D), other=0.0).to(tl.float32) * scale_log2
         rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
         rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
-        for t0 in range(0, rlen, BLOCK_R):
+        for t0 in range(r0, r1, BLOCK_R):
             t = t0 + tl.arange(0, BLOCK_R)
-            tmask = t < rlen
+            tmask = t < r1
             k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
                         mask=tmask[:, None] & (d[None, :] < D), other=0.0)
             s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
@@ -388,9 +392,12 @@ BLOCK_N = 32
 NUM_WARPS = 2
 WIDE_BLOCK_N = 16
 WIDE_NUM_WARPS = 1
+# and a cap of 128 registers per thread (16 one-warp programs per SM, one full wave of WAVES programs; run 6:
+# mse_k4v3u 526 -> 366 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
+WIDE_MAXNREG = 128
 NUM_STAGES = 1
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
-MERGE_ELEMS = 1024  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP): 2048 cost 3 registers
+MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
 WAVES = 16.0  # programs per SM the split count aims for
 
 
@@ -472,6 +479,8 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
     block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
+    if maxnreg is None:
+        maxnreg = WIDE_MAXNREG if wide and num_warps == WIDE_NUM_WARPS else 0
     plan = _DecodePlan()
     plan.codec, plan.consts = kv.codec, consts
     plan.fuse = fuse_query and fused_query(spec, kv.codec)
@@ -479,7 +488,10 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     plan.qt = workspace("qt_fused" if plan.fuse else "qt", (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
                         torch.float32, q.device)
     g = hq // hkv
-    capacity = kv.block_table.shape[1] * spec.BS
+    rk, rv = kv.recent_k, kv.recent_v
+    plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
+    # splits cut the virtual tokens [0, compressed capacity + ring capacity)
+    capacity = kv.block_table.shape[1] * spec.BS + (0 if plan.rk_fallback else rk.shape[2])
     splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves)
     tokens_per_split = -(-max(capacity, 1) // splits)
     tokens_per_split = -(-tokens_per_split // block_n) * block_n
@@ -494,8 +506,6 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
         plan.po = plan.plse = None
     n_cnt = bsz * hkv * (2 + (splits - 1) // group_size) if plan.fused_reduce else 1
     plan.cnt = counters(n_cnt, q.device)
-    rk, rv = kv.recent_k, kv.recent_v
-    plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
     if plan.rk_fallback:
         rk = rv = q.unsqueeze(2)
     vsub, vsc = value_subchunks(spec)
@@ -513,7 +523,7 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
                    BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce,
                    SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), INTERP=INTERPRET)
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
-    plan.num_warps, plan.num_stages, plan.maxnreg = num_warps, num_stages, maxnreg
+    plan.num_warps, plan.num_stages, plan.maxnreg = num_warps, num_stages, maxnreg or None
     plan.key = (id(plan),)
     return plan
 
@@ -527,7 +537,7 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``block_r`` = recent-buffer tokens
-    per step, ``maxnreg`` = register cap per thread) default to the best of the H200 sweep for the format
+    per step, ``maxnreg`` = register cap per thread, 0 for none) default to the best of the H200 sweep for the format
     (benchmarks/sweep_decode.py); ``fused_reduce=False`` merges the splits in a second launch instead of in
     the decode launch;
     ``fast_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the folded value
