@@ -100,7 +100,7 @@ def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
     centroid lookup (``fast_keys``), the query rotated in the launch or by ``query_transform``
     (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 64 buffer tokens, the
-    split merge in the decode launch (two counter levels at 64 splits) or in a second one (``fused_reduce``),
+    split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits),
     a register cap. Every arrival counter is back at zero after each call (the next launch counts from it)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -109,7 +109,8 @@ def test_decode_variants_agree(name, d):
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
     for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 64},
-                  {"fast_keys": False}, {"fuse_query": False}, {"num_splits": 64}, {"fused_reduce": False},
+                  {"fast_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
+                  {"fused_reduce": True},
                   {"maxnreg": 128}):
         got = hybrid_decode(q, kv, **knobs)
         assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {knobs}"

@@ -14,9 +14,9 @@ bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup 
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
 tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
-softmax. With several splits each program writes a partial (output, log-sum-exp) and the last program of
-its (sequence, KV head) to finish merges them (``_reduce_on_arrival``: arrival counters, two levels), so a decode
-call is one launch (``fused_reduce=False``: ``_decode_reduce_kernel`` in a second launch). No host sync and no allocation after the first call of a
+softmax. With several splits each program writes a partial (output, log-sum-exp) and ``_decode_reduce_kernel``
+merges them in a second launch; with ``fused_reduce=True`` the last program of each (sequence, KV head) to finish
+merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one launch per call. No host sync and no allocation after the first call of a
 shape (workspaces are cached), so the launcher can be captured in a CUDA graph.
 """
 
@@ -398,7 +398,7 @@ WIDE_MAXNREG = 128
 NUM_STAGES = 1
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
 MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
-WAVES = 16.0  # programs per SM the split count aims for
+WAVES = 16.0  # programs per SM the split count aims for: one full wave of 1-warp programs at 128 registers
 
 
 _SPECS: dict = {}
@@ -422,9 +422,12 @@ def value_subchunks(spec: PageSpec) -> tuple[int, int]:
 
 def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N,
                   waves: float = WAVES) -> int:
-    """Splits per sequence so that B * Hkv * splits programs give every SM about ``waves`` programs (host-side only)."""
+    """Splits per sequence so that B * Hkv * splits programs give every SM at most ``waves`` programs (host-side only).
+
+    Rounded down: with ``waves`` = programs resident per SM, a few programs past one full wave make a second, almost
+    empty wave that the whole launch waits for (H200 run 6: 1600 programs on 1584 slots, 944 vs 740 us)."""
     tiles = max(1, -(-capacity // block_n))
-    want = max(1, -(-int(waves * num_sms) // max(1, batch * num_kv_heads)))
+    want = max(1, int(waves * num_sms) // max(1, batch * num_kv_heads))
     return max(1, min(tiles, want, 256))
 
 
@@ -532,14 +535,15 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
                   fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
-                  waves: float = WAVES, block_r: int = BLOCK_R, fused_reduce: bool = True,
+                  waves: float = WAVES, block_r: int = BLOCK_R, fused_reduce: bool = False,
                   maxnreg: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``block_r`` = recent-buffer tokens
     per step, ``maxnreg`` = register cap per thread, 0 for none) default to the best of the H200 sweep for the format
-    (benchmarks/sweep_decode.py); ``fused_reduce=False`` merges the splits in a second launch instead of in
-    the decode launch;
+    (benchmarks/sweep_decode.py); ``fused_reduce=True`` merges the splits inside the decode launch (one launch
+    per call: ~25 us less host time per eager call, but 2-38 % more device time in H200 run 6, so not the
+    default);
     ``fast_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the folded value
     path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
 
