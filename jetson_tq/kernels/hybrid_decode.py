@@ -392,8 +392,8 @@ BLOCK_N = 32
 NUM_WARPS = 2
 WIDE_BLOCK_N = 16
 WIDE_NUM_WARPS = 1
-# and a cap of 128 registers per thread (16 one-warp programs per SM, one full wave of WAVES programs; run 6:
-# mse_k4v3u 526 -> 366 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
+# and a cap of 128 registers per thread (16 one-warp programs per SM, one full wave of WAVES programs; run 6b:
+# mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
 WIDE_MAXNREG = 128
 NUM_STAGES = 1
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
