@@ -109,7 +109,8 @@ def main(argv=None) -> int:
         fmt = fmt_for(name, d)
         kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen)
         q = torch.randn(2, hkv * g, d).half()
-        for knobs in ({}, {"num_splits": 1}, {"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2}):
+        for knobs in ({}, {"num_splits": 1}, {"fused_reduce": True}, {"block_r": 64}, {"block_n": 32, "num_warps": 2},
+                      {"maxnreg": 0}):
             n0 = len(COMPILED)
             hybrid_decode(q, kv, **knobs)
             for kname, k in COMPILED[n0:]:

@@ -2,7 +2,8 @@
 # Run 6 on the H200 (issue 12): register cap, recent buffer spread over the splits, split reduce inside the decode
 # launch; sweeps around the new defaults, the decode tables, the public API and every kernel test file.
 # Usage on the device: bash benchmarks/gpu_run6.sh "$OUT"   (each step has its own time limit)
-# (Run 6a, the first call, swept block_r / fused_reduce / maxnreg against the run-5 configuration: results/.../run6a.)
+# (Run 6a, the first call, swept block_r / fused_reduce / maxnreg against the run-5 configuration with the script
+# of commit 4d85a29: results/h200_2026-12-01/run6a.)
 set -o pipefail
 OUT=${1:-/tmp/run6}
 mkdir -p "$OUT"
@@ -13,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 log "decode sweep, long contexts ({} = the defaults)"
 timeout 90 python3 benchmarks/sweep_decode.py --formats mse_k4v3,mse_k4v3u --out "$OUT/sweep_long" \
-  --variants '[{}, {"fused_reduce": false}, {"maxnreg": 0}, {"waves": 32}, {"block_r": 64}]' 2>&1 | tail -24
+  --variants '[{}, {"fused_reduce": false}, {"maxnreg": 0}, {"maxnreg": 0, "waves": 12}, {"waves": 32}]' 2>&1 | tail -24
 log "decode sweep, short contexts"
 timeout 40 python3 benchmarks/sweep_decode.py --formats mse_k4v3,mse_k4v3u --out "$OUT/sweep_short" \
   --shapes '[[1,32,8,1024],[8,32,8,16384]]' --variants '[{}, {"fused_reduce": false}, {"maxnreg": 0}]' 2>&1 | tail -16

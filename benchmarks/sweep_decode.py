@@ -1,6 +1,6 @@
 """Launch-configuration sweep of the fused hybrid decode at the two headline shapes, per format.
 
-    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] [--variants JSON]
+    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] [--variants JSON] [--shapes JSON]
 
 For each format and shape (B=8 32/8 64k, B=1 32/8 128k) the inputs are built once, the fp16
 flash baseline is timed in the same process, then every variant (programs per SM = ``waves``,
@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="blog_k3v2,mse_k4v3")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", type=json.loads, help='JSON list of [B, Hq, Hkv, ctx] (default: B=8 32/8 64k, B=1 32/8 128k)')
     ap.add_argument("--variants", type=json.loads, help="a JSON list of hybrid_decode keyword dicts (replaces the grid)")
     args = ap.parse_args(argv)
     t0 = time.time()
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
     for fmt_name in args.formats.split(","):
-        for shape in SHAPES:
+        for shape in [tuple(x) for x in args.shapes] if args.shapes else SHAPES:
             rows += sweep(fmt_name, shape, args.variants or variants(args.quick), bw)
             if args.out:
                 args.out.mkdir(parents=True, exist_ok=True)

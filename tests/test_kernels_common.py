@@ -71,3 +71,40 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
     with pytest.raises(OutOfResources):
         cw.compress_write(k, k, torch.arange(4), pages, layout, codec, block_t=64)
     assert tried == [64, 32, 16]
+
+
+def test_fast_launcher_compiles_once_per_argument_dtypes(monkeypatch):
+    """The compiled kernel is reused only for the same argument dtypes: the H200 test run 6 found an fp32 query fed
+    to the kernel compiled for an fp16 one (same plan key, so no recompile) returning NaN."""
+    from jetson_tq.kernels import _launch
+
+    compiles, runs = [], []
+
+    class Compiled:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            runs.append(args)
+
+    class FakeKernel:
+        arg_names = ["a", "x", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                compiles.append(tuple(t.dtype for t in args if isinstance(t, torch.Tensor)))
+                return Compiled()
+            return launch
+
+    class CudaLike:  # the first argument only has to say it is on CUDA
+        is_cuda = True
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(_launch, "INTERPRET", False)
+    monkeypatch.setattr(_launch, "_launch_hooked", lambda: False)
+    monkeypatch.setattr(_launch.torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    launcher = _launch.FastLauncher(FakeKernel())
+    for dtype in (torch.float16, torch.float16, torch.float32, torch.float16, torch.float32):
+        launcher((1,), (CudaLike(), torch.zeros(4, dtype=dtype), 4), {"BLOCK": 16}, ("plan",), num_warps=1,
+                 aligned=True)
+    assert compiles == [(torch.float16,), (torch.float32,)]
+    assert len(runs) == 3  # every later call of a compiled dtype launches directly

@@ -14,6 +14,7 @@ import torch
 
 from kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, poison_workspaces, rel_err
 from jetson_tq.attention.reference import paged_attention_decode
+from jetson_tq.kernels import _common
 from jetson_tq.kernels.hybrid_decode import hybrid_decode
 
 pytestmark = pytest.mark.kernel
@@ -98,17 +99,24 @@ def test_decode_one_token_and_no_buffer_storage():
 def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
     centroid lookup (``fast_keys``), the query rotated in the launch or by ``query_transform``
-    (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 16 buffer tokens."""
+    (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 64 buffer tokens, the
+    split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits),
+    a register cap. Every arrival counter is back at zero after each call (the next launch counts from it)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     n = 900 if GPU else 70
     kv = build_paged_kv(fmt_for(name, d), 2, d, [n, 9], [3, 0], torch.float16, gen)
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
-    for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 16},
-                  {"fast_keys": False}, {"fuse_query": False}):
+    for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 64},
+                  {"fast_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
+                  {"fused_reduce": True},
+                  {"maxnreg": 128}):
         got = hybrid_decode(q, kv, **knobs)
         assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {knobs}"
+        for key, buf in _common._WORKSPACES.items():
+            if key[0] == "counters":
+                assert int(buf.abs().sum()) == 0, f"seed={seed} {name} {knobs}: arrival counters left non-zero"
 
 
 def test_splits_follow_each_sequence_length_not_the_table_width():

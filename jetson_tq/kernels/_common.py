@@ -126,6 +126,16 @@ def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: tor
     return buf
 
 
+def counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 arrival counters for in-launch reductions, cached by (size, device). A kernel that counts on
+    them sets each back to 0 once its last program arrived, so every launch (graph replays too) finds zeros."""
+    key = ("counters", (n,), torch.int32, str(device))
+    buf = _WORKSPACES.get(key)
+    if buf is None:
+        buf = _WORKSPACES[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
+
+
 def cuda_or_interpreter(t: torch.Tensor) -> None:
     """Raise UnsupportedPlatformError unless ``t`` is on CUDA or the interpreter is on."""
     if t.device.type != "cuda" and not INTERPRET:

@@ -4,8 +4,10 @@ the compiled kernel's C launcher directly.
 
 The first launch of a (plan key, runtime specialization) pair goes through ``kernel[grid](...)``, which compiles
 and returns the ``CompiledKernel``; later ones reuse it. The runtime specialization is what Triton itself
-specializes on and may change between calls of one plan: whether each tensor's data pointer is 16-byte
-aligned, and for each int argument whether it is 1 or a multiple of 16 (and whether it fits int32). The
+specializes on and may change between calls of one plan: every tensor's dtype (always part of the key: the H200
+test run 6 found an fp32 query read through the kernel compiled for fp16 when plan keys left dtypes out), whether
+each tensor's data pointer is 16-byte aligned, and for each int argument whether it is 1 or a multiple of 16 (and
+whether it fits int32). The
 caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
 hook is installed (profilers), the plain JIT path runs.
 """
@@ -31,24 +33,27 @@ def _runtime_key(args: tuple) -> tuple:
 
 
 class FastLauncher:
-    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=)`` for one ``@triton.jit`` kernel."""
+    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=, maxnreg=)`` for one ``@triton.jit`` kernel."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple, tuple] = {}
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, plan_key: tuple, *,
-                 num_warps: int, num_stages: int = 1, aligned: bool | None = None) -> None:
+                 num_warps: int, num_stages: int = 1, maxnreg: int | None = None, aligned: bool | None = None) -> None:
         """``aligned=True``: the caller vouches that ``plan_key`` fixes every int argument and that every tensor's data
         pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built; None: the
         generic per-argument key."""
+        opts = dict(num_warps=num_warps, num_stages=num_stages) if maxnreg is None else \
+            dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self.kernel[grid](*args, **constexprs, **opts)
             return
-        key = (plan_key, num_warps, num_stages, _runtime_key(args) if aligned is None else aligned)
+        dtypes = tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
+        key = (plan_key, dtypes, num_warps, num_stages, maxnreg, _runtime_key(args) if aligned is None else aligned)
         entry = self._compiled.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            compiled = self.kernel[grid](*args, **constexprs, **opts)
             names = self.kernel.arg_names
             template = [constexprs.get(n) for n in names]
             slots = [i for i, n in enumerate(names) if n not in constexprs]

@@ -12,10 +12,11 @@ keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in re
 ``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
 bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
-a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The program holding the last split
-also attends to the uncompressed recent buffer, so compressed and recent tokens share one online
-softmax. With several splits each program writes a partial (output, log-sum-exp) and
-``_decode_reduce_kernel`` merges them. No host sync and no allocation after the first call of a
+a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
+tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
+softmax. With several splits each program writes a partial (output, log-sum-exp) and ``_decode_reduce_kernel``
+merges them in a second launch; with ``fused_reduce=True`` the last program of each (sequence, KV head) to finish
+merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one launch per call. No host sync and no allocation after the first call of a
 shape (workspaces are cached), so the launcher can be captured in a CUDA graph.
 """
 
@@ -29,8 +30,8 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, cuda_or_interpreter,
-                      next_pow2, workspace)
+from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, counters,
+                      cuda_or_interpreter, next_pow2, workspace)
 from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows, mma,
                      online_softmax, subnormal16)
 from ._launch import FastLauncher
@@ -42,10 +43,10 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _hybrid_decode_kernel(
         qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr, hs_ptr,
-        out_ptr, po_ptr, plse_ptr,
+        out_ptr, po_ptr, plse_ptr, cnt_ptr,
         stride_qb, stride_qh, stride_bt, page_bytes,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, tokens_per_split, n_splits, scale_log2, qt_scale, qjl_scale, k_alpha, k_beta, k_gamma,
+        stride_ob, stride_oh, tokens_per_split, n_splits, group_size, scale_log2, qt_scale, qjl_scale, k_alpha, k_beta, k_gamma,
         zero_rt,
         HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
@@ -59,7 +60,8 @@ def _hybrid_decode_kernel(
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
         NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
         FUSE_Q: tl.constexpr, LOG2D: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, INTERP: tl.constexpr):
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
+        SPB: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
     # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
@@ -123,11 +125,12 @@ def _hybrid_decode_kernel(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
 
-    # ---- compressed tokens [start, end) of this split, BLOCK_N per tile
-    # the split size follows this sequence's own length (at least tokens_per_split, a BLOCK_N multiple), not
-    # the block table's capacity: under vLLM the table spans max_model_len, and capacity-sized splits left
-    # most programs of an 8k sequence idle in a 128k table
-    tps = tl.maximum(tokens_per_split, tl.cdiv(clen, n_splits * BLOCK_N) * BLOCK_N)
+    # ---- this split's share of the sequence's tokens, compressed ones first, then the recent buffer's:
+    # virtual tokens [start, start + tps) of [0, clen + rlen); compressed [start, end), BLOCK_N per tile.
+    # The split size follows this sequence's own length (at least tokens_per_split, a BLOCK_N multiple), not the
+    # block table's capacity: under vLLM the table spans max_model_len, and capacity-sized splits left most
+    # programs of an 8k sequence idle in a 128k table
+    tps = tl.maximum(tokens_per_split, tl.cdiv(clen + rlen, n_splits * BLOCK_N) * BLOCK_N)
     start = split * tps
     end = tl.minimum(start + tps, clen)
     head_off = h.to(tl.int64) * page_bytes
@@ -234,17 +237,20 @@ def _hybrid_decode_kernel(
                 zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
                 zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([NGP, GP], tl.float32) + zero_rt, INTERP)
 
-    # ---- the recent (uncompressed) buffer, on the last split only
-    if split == n_splits - 1:
+    # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
+    # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
+    r0 = tl.maximum(start - clen, 0)
+    r1 = tl.minimum(start + tps - clen, rlen)
+    if r1 > r0:
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
         d = tl.arange(0, DP)
         qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
                      mask=gmask[None, :] & (d[:, None] < D), other=0.0).to(tl.float32) * scale_log2
         rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
         rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
-        for t0 in range(0, rlen, BLOCK_R):
+        for t0 in range(r0, r1, BLOCK_R):
             t = t0 + tl.arange(0, BLOCK_R)
-            tmask = t < rlen
+            tmask = t < r1
             k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
                         mask=tmask[:, None] & (d[None, :] < D), other=0.0)
             s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
@@ -283,6 +289,81 @@ def _hybrid_decode_kernel(
     if not SINGLE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(plse_ptr + qrow.to(tl.int64) * n_splits + split, lse, mask=gmask)
+        if FUSED_REDUCE:
+            _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, n_splits, group_size,
+                               qrow, g, gmask, stride_ob, stride_oh, G, GP, D, DP, SPB)
+
+
+@triton.jit
+def _merge_partials(po_ptr, plse_ptr, qrow, gmask, first, step, count, n_splits,
+                    GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPB: tl.constexpr):
+    """Online merge of ``count`` split partials (normalized output, log2-sum-exp) of the GP query rows ``qrow``
+    at split slots first, first + step, ...: (sum of weighted outputs [GP, DP], sum of weights, max log2-sum-exp).
+    Loads bypass L1 (``.cg``): the partials were written by other programs of this launch."""
+    sb = tl.arange(0, SPB)
+    d = tl.arange(0, DP)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    lsum = tl.zeros([GP], tl.float32)
+    o = tl.zeros([GP, DP], tl.float32)
+    for i0 in range(0, count, SPB):
+        smask = (i0 + sb) < count
+        slot = qrow[None, :].to(tl.int64) * n_splits + (first + (i0 + sb) * step)[:, None]  # [SPB, GP]
+        lse = tl.load(plse_ptr + slot, mask=smask[:, None] & gmask[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+        x = tl.load(po_ptr + slot[:, :, None] * D + d[None, None, :],
+                    mask=(lse > float("-inf"))[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe[None, :])
+        o = o * alpha[:, None] + tl.sum(w[:, :, None] * x, 0)
+        lsum = lsum * alpha + tl.sum(w, 0)
+        m = m_new
+    return o, lsum, m
+
+
+@triton.jit
+def _store_heads(out_ptr, b, h, g, gmask, o, stride_ob, stride_oh, G: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Write the [GP, DP] output rows of KV head ``h``'s query heads of sequence ``b``."""
+    d = tl.arange(0, DP)
+    optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[:, None].to(tl.int64) * stride_oh + d[None, :]
+    tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (d[None, :] < D))
+
+
+@triton.jit
+def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, n_splits, group_size, qrow, g, gmask,
+                       stride_ob, stride_oh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                       SPB: tl.constexpr):
+    """The split reduction inside the decode launch, in two levels of arrival counters per (sequence, KV head):
+    the last program of a group of ``group_size`` splits to finish merges the group's partials into the group's
+    first slot; the last group to finish merges the group partials into the output. Each counter is set back to 0
+    by the program that found itself last, so the next launch (or graph replay) starts from zeros."""
+    n_groups = (n_splits + group_size - 1) // group_size
+    grp = split // group_size
+    in_grp = tl.minimum(group_size, n_splits - grp * group_size)
+    cbase = cnt_ptr + pid_bh * (n_groups + 1)
+    tl.debug_barrier()  # every thread's partial stores come before the release below (one arrival per program)
+    arrived = tl.atomic_add(cbase + 1 + grp, 1, sem="acq_rel", scope="gpu")
+    if arrived == in_grp - 1:
+        tl.store(cbase + 1 + grp, 0)
+        o, lsum, m = _merge_partials(po_ptr, plse_ptr, qrow, gmask, grp * group_size, 1, in_grp, n_splits, GP, D,
+                                     DP, SPB)
+        d = tl.arange(0, DP)
+        inv = tl.where(lsum > 0, 1.0 / lsum, 0.0)
+        if n_groups > 1:  # this group's merged partial into its first slot, then the second level
+            first = qrow.to(tl.int64) * n_splits + grp * group_size
+            tl.store(po_ptr + first[:, None] * D + d[None, :], o * inv[:, None], mask=gmask[:, None] & (d[None, :] < D))
+            tl.store(plse_ptr + first, tl.where(lsum > 0, m + tl.log2(lsum), float("-inf")), mask=gmask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cbase, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_groups - 1:
+                tl.store(cbase, 0)
+                o, lsum, m = _merge_partials(po_ptr, plse_ptr, qrow, gmask, 0, group_size, n_groups, n_splits, GP, D,
+                                             DP, SPB)
+                inv = tl.where(lsum > 0, 1.0 / lsum, 0.0)
+                _store_heads(out_ptr, b, h, g, gmask, o * inv[:, None], stride_ob, stride_oh, G, D, DP)
+        else:
+            _store_heads(out_ptr, b, h, g, gmask, o * inv[:, None], stride_ob, stride_oh, G, D, DP)
 
 
 @triton.jit
@@ -315,9 +396,13 @@ BLOCK_N = 32
 NUM_WARPS = 2
 WIDE_BLOCK_N = 16
 WIDE_NUM_WARPS = 1
+# and a cap of 128 registers per thread (16 one-warp programs per SM, one full wave of WAVES programs; run 6b:
+# mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
+WIDE_MAXNREG = 128
 NUM_STAGES = 1
-BLOCK_R = 64
-WAVES = 16.0  # programs per SM the split count aims for
+BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
+MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
+WAVES = 16.0  # programs per SM the split count aims for: one full wave of 1-warp programs at 128 registers
 
 
 _SPECS: dict = {}
@@ -341,9 +426,12 @@ def value_subchunks(spec: PageSpec) -> tuple[int, int]:
 
 def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N,
                   waves: float = WAVES) -> int:
-    """Splits per sequence so that B * Hkv * splits programs give every SM about ``waves`` programs (host-side only)."""
+    """Splits per sequence so that B * Hkv * splits programs give every SM at most ``waves`` programs (host-side only).
+
+    Rounded down: with ``waves`` = programs resident per SM, a few programs past one full wave make a second, almost
+    empty wave that the whole launch waits for (H200 run 6: 1600 programs on 1584 slots, 944 vs 740 us)."""
     tiles = max(1, -(-capacity // block_n))
-    want = max(1, -(-int(waves * num_sms) // max(1, batch * num_kv_heads)))
+    want = max(1, int(waves * num_sms) // max(1, batch * num_kv_heads))
     return max(1, min(tiles, want, 256))
 
 
@@ -371,7 +459,8 @@ class _DecodePlan:
     """Everything a decode launch needs that depends only on shapes, strides, format and knobs: computed once."""
 
     __slots__ = ("codec", "consts", "fuse", "qt", "scale_qt", "grid", "reduce_grid", "splits", "ints", "floats",
-                 "kw", "key", "reduce_kw", "num_warps", "num_stages", "po", "plse", "rk_fallback")
+                 "kw", "key", "reduce_kw", "num_warps", "num_stages", "maxnreg", "po", "plse", "cnt", "fused_reduce",
+                 "rk_fallback")
 
 
 _PLANS: dict = {}
@@ -380,7 +469,7 @@ _REDUCE = FastLauncher(_decode_reduce_kernel)
 
 
 def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query, num_warps, num_stages,
-               waves, block_r) -> _DecodePlan:
+               waves, block_r, fused_reduce, maxnreg) -> _DecodePlan:
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
@@ -397,6 +486,8 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
     block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
+    if maxnreg is None:
+        maxnreg = WIDE_MAXNREG if wide and num_warps == WIDE_NUM_WARPS else 0
     plan = _DecodePlan()
     plan.codec, plan.consts = kv.codec, consts
     plan.fuse = fuse_query and fused_query(spec, kv.codec)
@@ -404,17 +495,22 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     plan.qt = workspace("qt_fused" if plan.fuse else "qt", (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
                         torch.float32, q.device)
     g = hq // hkv
-    capacity = kv.block_table.shape[1] * spec.BS
+    rk, rv = kv.recent_k, kv.recent_v
+    plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
+    # splits cut the virtual tokens [0, compressed capacity + ring capacity)
+    capacity = kv.block_table.shape[1] * spec.BS + (0 if plan.rk_fallback else rk.shape[2])
     splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves)
     tokens_per_split = block_n  # the smallest split; the kernel sizes splits from each sequence's length
     plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
+    plan.fused_reduce = fused_reduce and splits > 1
+    group_size = math.isqrt(splits - 1) + 1 if splits > 1 else 1  # ~sqrt(splits) splits per first-level group
     if splits > 1:
         plan.po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
         plan.plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
     else:
         plan.po = plan.plse = None
-    rk, rv = kv.recent_k, kv.recent_v
-    plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
+    n_cnt = bsz * hkv * (2 + (splits - 1) // group_size) if plan.fused_reduce else 1
+    plan.cnt = counters(n_cnt, q.device)
     if plan.rk_fallback:
         rk = rv = q.unsqueeze(2)
     vsub, vsc = value_subchunks(spec)
@@ -423,15 +519,16 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     ob, oh = (out.stride(0), out.stride(1)) if out is not None else (hq * d, d)
     plan.ints = (q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
                  rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-                 ob, oh, tokens_per_split, splits)
+                 ob, oh, tokens_per_split, splits, group_size)
     plan.floats = (scale * LOG2E, scale * LOG2E / math.sqrt(d), kv.codec.qjl_scale, ka, kb_, kg, 0.0)
     plan.kw = dict(HKV=hkv, G=g, GP=next_pow2(g), QW=plan.qt.shape[1], **spec_kw,
                    KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
                    VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
                    FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, FUSE_Q=plan.fuse, LOG2D=max(d, 1).bit_length() - 1,
-                   BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, INTERP=INTERPRET)
+                   BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce,
+                   SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), INTERP=INTERPRET)
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
-    plan.num_warps, plan.num_stages = num_warps, num_stages
+    plan.num_warps, plan.num_stages, plan.maxnreg = num_warps, num_stages, maxnreg or None
     plan.key = (id(plan),)
     return plan
 
@@ -440,11 +537,15 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
                   fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
-                  waves: float = WAVES, block_r: int = BLOCK_R) -> torch.Tensor:
+                  waves: float = WAVES, block_r: int = BLOCK_R, fused_reduce: bool = False,
+                  maxnreg: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``block_r`` = recent-buffer tokens
-    per step) default to the best of the H200 sweep for the format (benchmarks/sweep_decode.py);
+    per step, ``maxnreg`` = register cap per thread, 0 for none) default to the best of the H200 sweep for the format
+    (benchmarks/sweep_decode.py); ``fused_reduce=True`` merges the splits inside the decode launch (one launch
+    per call: ~25 us less host time per eager call, but 2-38 % more device time in H200 run 6, so not the
+    default);
     ``fast_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the folded value
     path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
 
@@ -460,11 +561,11 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     key = (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
            kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
            None if out is None else out.stride(), scale, num_splits, block_n, fast_keys, fold_values, fuse_query,
-           num_warps, num_stages, waves, block_r)
+           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg)
     plan = _PLANS.get(key)
     if plan is None or plan.codec is not kv.codec:
         plan = _PLANS[key] = _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query,
-                                        num_warps, num_stages, waves, block_r)
+                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not plan.fuse:
@@ -478,10 +579,10 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
                        | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
                        | out.data_ptr()) % 16 == 0 else None
     _DECODE(plan.grid, (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens,
-                        kv.recent_index, consts["codebook"], consts["hsigns"], out, po, plse, *plan.ints,
+                        kv.recent_index, consts["codebook"], consts["hsigns"], out, po, plse, plan.cnt, *plan.ints,
                         *plan.floats), plan.kw, plan.key, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            aligned=aligned)
-    if plan.splits > 1:
+            maxnreg=plan.maxnreg, aligned=aligned)
+    if plan.splits > 1 and not plan.fused_reduce:
         _REDUCE(plan.reduce_grid, (po, plse, out, out.stride(0), out.stride(1), plan.splits), plan.reduce_kw,
                 plan.key, num_warps=4, aligned=aligned)
     return out
