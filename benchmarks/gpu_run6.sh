@@ -28,8 +28,8 @@ timeout 20 python3 benchmarks/bench_decode.py --format blog_k3v2 --json "$OUT/de
 log "public API (default preset)"
 timeout 70 python3 benchmarks/bench_api.py --json "$OUT/api.json" 2>&1 | tail -7
 log "kernel tests (every tests/test_kernels*.py, 14 xdist workers: compile-bound)"
-python3 -c "import xdist" 2>/dev/null && PAR="-n 14" || PAR=""
-timeout 150 python3 -m pytest tests/test_kernels*.py -q $PAR -p no:cacheprovider --durations=10 > "$OUT/tests.log" 2>&1
+PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 14)
+timeout 150 python3 -m pytest tests/test_kernels*.py -q "${PAR[@]}" -p no:cacheprovider --durations=10 > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"
 grep -v PytestBenchmarkWarning "$OUT/tests.log" | grep -v "warner(" | tail -16
-log done
+log "done"

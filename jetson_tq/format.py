@@ -117,8 +117,8 @@ class KVFormat:
     step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
     as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
     The defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from
-    docs/fidelity.md); the preset sets ``window: block``, while the dataclass default stays ``sliding``, the
-    rule every other preset was measured with. Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
+    docs/fidelity.md), ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the
+    other presets name ``window: sliding``, the rule their figures were measured with. Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
     kept exact (a ring, token p in row p % R), and ``window`` says which of them a query at position p reads
     exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its own R-token block
     ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a prefix-cache
@@ -136,7 +136,7 @@ class KVFormat:
     norm_dtype: str = "float16"
     rotation: RotationKind = "auto"
     buffer_tokens: int = 128
-    window: Window = "sliding"
+    window: Window = "block"
     flush_chunk: int = 64
     seed: int = 0
 
