@@ -268,10 +268,10 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.recent_v = torch.zeros(shape, dtype=dtype, device=device)
 
     def warm_up(self, kv_cache: torch.Tensor, lengths: tuple[int, ...] = (16, 17)) -> None:
-        """Run this layer's write and prefill path once per chunk length on vLLM's null block (block 0, never a
-        request's) and the scratch ring row, so Triton compiles at engine start, not in the first request's
-        TTFT (H200 call 6: the first 8k x 8 prompts waited ~12 s more than stock; later 32k prompts 1.35x).
-        Two lengths: Triton specializes integer arguments on divisibility by 16."""
+        """Run this layer's write, prefill and eager decode path once per chunk length on vLLM's null block
+        (block 0, never a request's) and the scratch ring row, so Triton compiles at engine start, not in the
+        first request's TTFT (H200 call 6: the first 8k x 8 prompts waited ~12 s more than stock; later 32k
+        prompts 1.35x). Two lengths: Triton specializes integer arguments on divisibility by 16."""
         if self.layout is None or self.recent_k is None or kv_cache.numel() == 0:
             return
         dev, dtype, bs = kv_cache.device, self.recent_k.dtype, self.layout.block_size
@@ -289,6 +289,13 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 dec_recent_lens=empty32, block_window=self.fmt.block_window)
             self.do_kv_cache_update(None, kv, kv, kv_cache, slots)
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
+            if n < bs:  # and one eager decode step after it (mixed batches run decode rows outside graphs)
+                one = slice(0, 1)
+                md1 = TurboQuantMetadata(**{**md.__dict__, "num_actual_tokens": 1, "num_decodes": 1,
+                                            "query_start_loc": np.array([0, 1]), "seq_lens": np.array([n + 1]),
+                                            "context_lens": np.array([n]), "slot_mapping": slots[one] + n})
+                self.do_kv_cache_update(None, kv[one], kv[one], kv_cache, md1.slot_mapping)
+                self._forward_eager(q[one], kv[one], kv[one], kv_cache, md1, torch.empty_like(q[one]))
 
     # ---------------------------------------------------------------- write path
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
