@@ -7,7 +7,7 @@ import torch
 from jetson_tq import FP16_FORMAT, CompressedKVCache, KVFormat
 from jetson_tq.errors import DTypeError, ShapeError
 
-FMT = KVFormat(buffer_tokens=8, value_group=32)
+FMT = KVFormat(buffer_tokens=8, value_group=32, window="sliding")  # the ring rule these tests spell out
 
 
 def test_ring_keeps_the_last_window_exact_one_token_at_a_time():
@@ -60,7 +60,7 @@ def test_storage_grows_geometrically():
 
 
 def test_nbytes_is_real_storage_and_used_bytes_follow_the_format():
-    fmt = KVFormat(buffer_tokens=16)
+    fmt = KVFormat(buffer_tokens=16, window="sliding")
     cache = CompressedKVCache(fmt, 4, 128, batch_size=2, dtype=torch.float16, initial_capacity=64)
     cache.append(torch.randn(2, 4, 100, 128), torch.randn(2, 4, 100, 128))
     storage = cache.pages.untyped_storage().nbytes() + 2 * cache.ring_k.untyped_storage().nbytes()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jetson_tq import FP16_FORMAT, load_config, preset_names
+from jetson_tq import FP16_FORMAT, KVFormat, load_config, preset_names
 from jetson_tq.config import config_from_dict
 from jetson_tq.errors import ConfigError
 
@@ -27,7 +27,8 @@ def test_uniform_key_preset_has_the_default_presets_bytes():
 
 def test_window_key_and_preset_windows():
     assert config_from_dict({"buffer": {"recent_tokens": 64, "window": "block"}}).default.exact_start(100) == 64
-    assert config_from_dict({}).default.window == "sliding"  # KVFormat's default: the other presets' rule
+    assert config_from_dict({}).default == KVFormat() == load_config("mse_k4v3").default  # one default everywhere
+    assert KVFormat().window == "block"
     assert load_config("mse_k4v3").default.window == "block" and load_config("blog_k3v2").default.window == "sliding"
 
 

@@ -86,7 +86,7 @@ def test_public_api_runs_the_reference_on_cpu(monkeypatch):
 
 def test_append_keeps_the_last_window_exact_and_everything_compressed():
     """Ring semantics: L tokens are read as compressed [0, L - r) + r = min(L, R) exact tokens in a ring."""
-    fmt = KVFormat(buffer_tokens=8)
+    fmt = KVFormat(buffer_tokens=8, window="sliding")
     cache = CompressedKVCache(fmt, 1, 64, 2, dtype=torch.float32)
     k, v = torch.randn(2, 1, 21, 64), torch.randn(2, 1, 21, 64)
     cache.append(k[:, :, :13], v[:, :, :13])

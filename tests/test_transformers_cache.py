@@ -16,7 +16,8 @@ from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedMode
 SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=1024)
 RAW16 = KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=0)
-TIGHT = KVFormat(key_mode="mse", key_bits=4, value_mode="group", value_bits=4, value_group=32, buffer_tokens=8)
+TIGHT = KVFormat(key_mode="mse", key_bits=4, value_mode="group", value_bits=4, value_group=32, buffer_tokens=8,
+                 window="sliding")  # the ring rule the assertions below spell out
 
 
 def _model(kind: str = "llama", **extra):
