@@ -115,25 +115,22 @@ def _linear_codebook_fit(cb: torch.Tensor) -> tuple[float, float, float] | None:
     return None
 
 
-def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              zeroed: bool = False) -> torch.Tensor:
     """A scratch tensor cached by (name, shape, dtype, device): allocated on first use only, so a
-    launch after warm-up allocates nothing (CUDA-graph capturable). Contents are not preserved."""
+    launch after warm-up allocates nothing (CUDA-graph capturable). Contents are not preserved, except
+    that a ``zeroed`` one starts at zero (kernels that need zeros leave it so)."""
     key = (name, tuple(shape), dtype, str(device))
     buf = _WORKSPACES.get(key)
     if buf is None:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        _WORKSPACES[key] = buf
+        buf = _WORKSPACES[key] = (torch.zeros if zeroed else torch.empty)(shape, dtype=dtype, device=device)
     return buf
 
 
 def counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 arrival counters for in-launch reductions, cached by (size, device). A kernel that counts on
-    them sets each back to 0 once its last program arrived, so every launch (graph replays too) finds zeros."""
-    key = ("counters", (n,), torch.int32, str(device))
-    buf = _WORKSPACES.get(key)
-    if buf is None:
-        buf = _WORKSPACES[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return buf
+    """Zeroed int32 arrival counters for in-launch reductions. A kernel that counts on them sets each back to 0
+    once its last program arrived, so every launch (graph replays too) finds zeros."""
+    return workspace("counters", (n,), torch.int32, device, zeroed=True)
 
 
 def cuda_or_interpreter(t: torch.Tensor) -> None:

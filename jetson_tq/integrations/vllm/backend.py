@@ -15,7 +15,7 @@ The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
@@ -291,9 +291,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
             if n < bs:  # and one eager decode step after it (mixed batches run decode rows outside graphs)
                 one = slice(0, 1)
-                md1 = TurboQuantMetadata(**{**md.__dict__, "num_actual_tokens": 1, "num_decodes": 1,
-                                            "query_start_loc": np.array([0, 1]), "seq_lens": np.array([n + 1]),
-                                            "context_lens": np.array([n]), "slot_mapping": slots[one] + n})
+                md1 = replace(md, num_actual_tokens=1, num_decodes=1, query_start_loc=np.array([0, 1]),
+                                          seq_lens=np.array([n + 1]), context_lens=np.array([n]),
+                                          slot_mapping=slots[one] + n)
                 self.do_kv_cache_update(None, kv[one], kv[one], kv_cache, md1.slot_mapping)
                 self._forward_eager(q[one], kv[one], kv[one], kv_cache, md1, torch.empty_like(q[one]))
 
