@@ -87,6 +87,8 @@ assert hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash")
 assert hasattr(torch.ops._C_cuda_utils, "get_max_shared_memory_per_block_device_attribute")
 for name in c_stub.NAMED_ONLY:  # named at import by vLLM's fusion passes: present, and a call says why it fails
     assert hasattr(getattr(torch.ops._C, name), "default"), name
+for name in c_stub.HASATTR_GATED:  # vLLM registers fakes for their overloads when hasattr says yes
+    assert not hasattr(torch.ops._C, name), name
 try:
     torch.ops._C.rotary_embedding(torch.zeros(1))
 except NotImplementedError as e:
