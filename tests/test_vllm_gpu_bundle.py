@@ -122,11 +122,19 @@ def test_admitted_counts_whole_blocks() -> None:
     assert job.admitted(300_000, 16, 32768, 32) == 9
 
 
+def test_resolve_workload_takes_the_most_the_cache_admits() -> None:
+    conc, out = job.resolve_workload(32768, 0, -1, kv=328_464, block_size=16, seqs=48)
+    assert conc == 10 and out == job.steady_outputs(32768, 10)  # stock's 10 at 32k (H200 call 5)
+    assert job.admitted(328_464, 16, 32768, out) >= conc
+    assert job.resolve_workload(32768, 0, -1, kv=10**8, block_size=16, seqs=48)[0] == 48  # capped at max_num_seqs
+    assert job.resolve_workload(8192, 8, 40, kv=10**6, block_size=16, seqs=48) == (8, 40)  # explicit: unchanged
+
+
 def test_plans_are_well_formed() -> None:
-    for kind in ("full", "short", "smoke"):
+    for kind in ("full", "short", "agg", "smoke"):
         jobs = run.plan(kind)
         assert len({j["name"] for j in jobs}) == len(jobs)
-        assert jobs[0]["tq_config"] is None and jobs[0]["backend"] == "TRITON_ATTN"  # the stock baseline first
+        assert jobs[0]["tq_config"] is None and jobs[0]["backend"] == "TRITON_ATTN"  # a stock baseline first
         for j in jobs:
             assert all(ctx + out <= j["max_model_len"] for ctx, _, out in j["workloads"]), j["name"]
             json.dumps(j)  # travels to the job as JSON

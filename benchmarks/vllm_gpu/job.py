@@ -6,7 +6,8 @@ Prints ``RESULT {json}`` lines (the driver collects them). The engine runs in-pr
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the CUDA-graph counters below see the worker. Spec keys:
 name, model (a directory with config.json), tq_config (JETSON_TQ_CONFIG or null), kv_cache_dtype,
 backend (attention backend name or null), gpu_util, max_model_len, max_num_seqs, max_num_batched_tokens,
-eager, workloads ([[context, concurrency, output_tokens], ...]), correctness ({requests, seed,
+eager, workloads ([[context, concurrency, output_tokens], ...]; concurrency 0 = the most the cache admits,
+output_tokens -1 = enough to keep every request decoding together: ``resolve_workload``), correctness ({requests, seed,
 blocks_override} or null), env (extra environment), serve ({port} or null: run `vllm serve` instead), deadline (epoch seconds: workloads that would start later are skipped).
 """
 
@@ -131,6 +132,19 @@ def admitted(kv_tokens: int, block_size: int, ctx: int, out: int) -> int:
     """Requests of ctx + out tokens whose blocks fit in the cache at once."""
     per = math.ceil((ctx + out) / block_size) * block_size
     return kv_tokens // per
+
+
+def steady_outputs(ctx: int, conc: int, batched: int = 16384, decode_steps: int = 32) -> int:
+    """Output tokens per request so that all ``conc`` requests still decode together for ``decode_steps`` steps:
+    a request that finished prefill early emits one token per engine step while the others prefill."""
+    return -(-ctx * conc // batched) + decode_steps
+
+
+def resolve_workload(ctx: int, conc: int, out: int, kv: int, block_size: int, seqs: int) -> tuple[int, int]:
+    """``conc`` 0 = as many requests as the cache admits at once (at most ``seqs``); ``out`` < 0 = steady_outputs."""
+    if conc == 0:
+        conc = next((c for c in range(seqs, 0, -1) if admitted(kv, block_size, ctx, steady_outputs(ctx, c)) >= c), 1)
+    return conc, steady_outputs(ctx, conc) if out < 0 else out
 
 
 def run_workload(llm, ctx: int, conc: int, out: int, seed: int) -> dict:
@@ -286,6 +300,7 @@ def main() -> None:
         return
     kv, bs = cap["kv_tokens"], cap["block_size"]
     for ctx, conc, out in SPEC.get("workloads", []):
+        conc, out = resolve_workload(ctx, conc, out, kv, bs, SPEC["max_num_seqs"])
         fits = admitted(kv, bs, ctx, out)
         left = SPEC.get("deadline", 1e18) - time.time()
         if conc > fits:

@@ -1,6 +1,6 @@
 """All vLLM-on-GPU measurements of issue 10 in one command: one subprocess (one engine) per configuration.
 
-    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|smoke] [--budget S] [--only NAME,...]
+    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|smoke] [--budget S] [--only NAME,...]
 
 Writes DIR/results.jsonl (every ``RESULT`` line of every job), DIR/raw.log (all engine logs, in
 order) and DIR/summary.json (the tables + the greedy comparison). Jobs run in priority order; one
@@ -20,6 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from job import steady_outputs  # noqa: E402
 from models import kv_bytes_per_token, write_model_dir, write_tokenizer  # noqa: E402
 
 QWEN, LLAMA = "qwen2.5-7b", "llama-3.1-8b"
@@ -30,12 +31,6 @@ WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
 #: every engine on vLLM's V1 model runner unless a job says otherwise: jetson-tq pins it (its hooks are
 #: written against V1's GPUModelRunner) and 0.26 would pick V2 for stock dense models on CUDA
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
-
-
-def steady_outputs(ctx: int, conc: int, batched: int = 16384, decode_steps: int = 32) -> int:
-    """Output tokens per request so that all ``conc`` requests still decode together for ``decode_steps`` steps:
-    a request that finished prefill early emits one token per engine step while the others prefill."""
-    return -(-ctx * conc // batched) + decode_steps
 
 
 WORK_STOCK = [[c, n, max(64, steady_outputs(c, n))] for c, n in
@@ -61,6 +56,17 @@ def plan(kind: str) -> list[dict]:
     ]
     if kind == "smoke":
         return smoke
+    if kind == "agg":  # the 32k aggregate at each cache's largest admitted concurrency; warmed first-request TTFT
+        few = dict(capture_sizes=[1, 8, 16, 32, 48])
+        corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
+        return [  # the two small correctness engines first: they fail fast if the GPU path is broken
+            _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
+                    timeout=60),
+            _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
+            _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=[[32768, 0, -1]], seqs=48, timeout=160, **few),
+            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=[[32768, 1, 32], [32768, 0, -1]], seqs=48,
+                    timeout=340, **few),
+        ]
     if kind == "short":  # one call of ~9 device minutes: the headline rows first, each job time-capped
         cap_only = dict(eager=True, seqs=8, timeout=50)
         few = dict(capture_sizes=[1, 8, 32])  # graph sizes of the rows below only (capture time)
@@ -237,7 +243,7 @@ def targets(results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stoc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", default="full", choices=["full", "short", "smoke"])
+    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "smoke"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     ap.add_argument("--stock-backend", default="TRITON_ATTN", choices=["TRITON_ATTN", "FLASH_ATTN"],
