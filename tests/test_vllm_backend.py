@@ -22,6 +22,7 @@ from jetson_tq.cache.compressed import CompressedKVCache  # noqa: E402
 from jetson_tq.paged import allocate_pages  # noqa: E402
 from jetson_tq.codec.rotation import derive_seed  # noqa: E402
 from jetson_tq.format import FP16_FORMAT, KVFormat  # noqa: E402
+import jetson_tq.integrations.vllm.backend as backend_mod  # noqa: E402
 from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots  # noqa: E402
 from jetson_tq.integrations.vllm.spec import UnsupportedModelError  # noqa: E402
@@ -177,11 +178,29 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
     fmt = KVFormat()
     impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
     impl.set_format(fmt, LAYER, BS, torch.float32)
-    impl.allocate_recent(3, torch.device("cpu"), torch.float32)
-    pages = allocate_pages(impl.layout, 8, HKV)
-    pages.random_(0, 0x7C, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # as vLLM allocates them (H200 call 9: the warm-up's writes were refused)
+        impl.allocate_recent(3, torch.device("cpu"), torch.float32)
+        pages = allocate_pages(impl.layout, 8, HKV)
+        pages.random_(0, 0x7C, generator=torch.Generator().manual_seed(0))
     before, ring_before = pages.clone(), impl.recent_k.clone()
-    impl.warm_up(pages)
+    calls = []
+    ops = backend_mod.ops
+    prefill, decode = ops.prefill, ops.decode
+
+    def logged_prefill(q, k, v, kv, scale):
+        calls.append(("prefill", int(kv.compressed_lens[0])))
+        return prefill(q, k, v, kv, scale)
+
+    def logged_decode(q, kv, scale):
+        calls.append(("decode", q.shape[0]))
+        return decode(q, kv, scale)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "prefill", logged_prefill)
+        mp.setattr(ops, "decode", logged_decode)
+        impl.warm_up(pages)
+    assert ("prefill", 0) in calls and any(k == "prefill" and n > 0 for k, n in calls), "with and without history"
+    assert {n for k, n in calls if k == "decode"} == {1, 2, 16}, "decode rows 1, 2 and 16 (Triton's int specializations)"
     assert not torch.equal(pages[0], before[0]), "the warm-up must run the write path (block 0)"
     assert torch.equal(pages[1:], before[1:]), "blocks other than the null block 0 must stay untouched"
     assert torch.equal(impl.recent_k[:-1], ring_before[:-1]), "only the scratch ring row may change"

@@ -61,7 +61,7 @@ def plan(kind: str) -> list[dict]:
         corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
         return [  # the two small correctness engines first: they fail fast if the GPU path is broken
             _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
-                    timeout=60),
+                    timeout=100),  # the first job pays the cold imports (H200 call 9: killed at 60 s)
             _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
             _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=[[32768, 0, -1]], seqs=48, timeout=160, **few),
             _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=[[32768, 1, 32], [32768, 0, -1]], seqs=48,

@@ -15,7 +15,7 @@ The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -267,35 +267,45 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.recent_k = torch.zeros(shape, dtype=dtype, device=device)
         self.recent_v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def warm_up(self, kv_cache: torch.Tensor, lengths: tuple[int, ...] = (16, 17)) -> None:
-        """Run this layer's write, prefill and eager decode path once per chunk length on vLLM's null block
-        (block 0, never a request's) and the scratch ring row, so Triton compiles at engine start, not in the
-        first request's TTFT (H200 call 6: the first 8k x 8 prompts waited ~12 s more than stock; later 32k
-        prompts 1.35x). Two lengths: Triton specializes integer arguments on divisibility by 16."""
+    @torch.inference_mode()  # vLLM allocates its caches as inference tensors (H200 call 9: in-place writes refused)
+    def warm_up(self, kv_cache: torch.Tensor, lengths: tuple[int, ...] = (16, 17), decode_rows=(1, 2, 16)) -> None:
+        """Run this layer's write, prefill and eager decode paths on vLLM's null block (block 0, never a request's)
+        and the scratch ring row, so Triton compiles at engine start, not in the first request's TTFT (H200 call 9:
+        the first 32k prompt waited 12.3 s, later ones ~6 s). Triton specializes integer arguments equal to 1 or
+        divisible by 16, hence two chunk lengths, a chunk with and without compressed history, and 1 / 2 / 16
+        decode rows (mixed batches run decode rows outside graphs)."""
         if self.layout is None or self.recent_k is None or kv_cache.numel() == 0:
             return
         dev, dtype, bs = kv_cache.device, self.recent_k.dtype, self.layout.block_size
+        scratch = self.recent_k.shape[0] - 1
         empty32, empty64 = (torch.zeros(0, dtype=t, device=dev) for t in (torch.int32, torch.int64))
-        for n in sorted({min(n, bs) for n in lengths}):
+
+        def meta(q_lens, ctx_lens, n_dec: int) -> TurboQuantMetadata:
+            q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
+            n = int(q_lens.sum())
+            return TurboQuantMetadata(
+                num_actual_tokens=n, num_reqs=len(q_lens), num_decodes=n_dec, recent_tokens=self.fmt.buffer_tokens,
+                query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]), seq_lens=ctx_lens + q_lens,
+                context_lens=ctx_lens, ring_rows=np.full(len(q_lens), scratch),
+                block_table=torch.zeros(len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32,
+                                        device=dev),
+                slot_mapping=torch.zeros(n, dtype=torch.int64, device=dev) + torch.arange(n, device=dev) % bs,
+                dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32, dec_recent_lens=empty32,
+                block_window=self.fmt.block_window)
+
+        def step(md: TurboQuantMetadata) -> None:
+            n = md.num_actual_tokens
             q = torch.zeros(n, self.num_heads, self.head_size, dtype=dtype, device=dev)
             kv = torch.zeros(n, self.num_kv_heads, self.head_size, dtype=dtype, device=dev)
-            slots = torch.arange(n, dtype=torch.int64, device=dev)
-            md = TurboQuantMetadata(
-                num_actual_tokens=n, num_reqs=1, num_decodes=0, recent_tokens=self.fmt.buffer_tokens,
-                query_start_loc=np.array([0, n]), seq_lens=np.array([n]), context_lens=np.array([0]),
-                ring_rows=np.array([self.recent_k.shape[0] - 1]), block_table=torch.zeros(1, 1, dtype=torch.int32,
-                                                                                          device=dev),
-                slot_mapping=slots, dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32,
-                dec_recent_lens=empty32, block_window=self.fmt.block_window)
-            self.do_kv_cache_update(None, kv, kv, kv_cache, slots)
+            self.do_kv_cache_update(None, kv, kv, kv_cache, md.slot_mapping)
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
-            if n < bs:  # and one eager decode step after it (mixed batches run decode rows outside graphs)
-                one = slice(0, 1)
-                md1 = replace(md, num_actual_tokens=1, num_decodes=1, query_start_loc=np.array([0, 1]),
-                                          seq_lens=np.array([n + 1]), context_lens=np.array([n]),
-                                          slot_mapping=slots[one] + n)
-                self.do_kv_cache_update(None, kv[one], kv[one], kv_cache, md1.slot_mapping)
-                self._forward_eager(q[one], kv[one], kv[one], kv_cache, md1, torch.empty_like(q[one]))
+
+        hist = -(-(bs + self.fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
+        for n in sorted({min(n, bs) for n in lengths}):
+            step(meta([n], [0], 0))  # a first chunk
+            step(meta([n], [hist], 0))  # a later chunk (its pages: block 0 again)
+        for rows in decode_rows:
+            step(meta([1] * rows, [hist + 1] * rows, rows))
 
     # ---------------------------------------------------------------- write path
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
