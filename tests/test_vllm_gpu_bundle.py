@@ -131,7 +131,7 @@ def test_resolve_workload_takes_the_most_the_cache_admits() -> None:
 
 
 def test_plans_are_well_formed() -> None:
-    for kind in ("full", "short", "agg", "smoke"):
+    for kind in ("full", "short", "agg", "corr", "smoke"):
         jobs = run.plan(kind)
         assert len({j["name"] for j in jobs}) == len(jobs)
         assert jobs[0]["tq_config"] is None and jobs[0]["backend"] == "TRITON_ATTN"  # a stock baseline first

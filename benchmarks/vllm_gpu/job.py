@@ -108,6 +108,8 @@ def build_llm():
         kw["attention_config"] = {"backend": SPEC["backend"]}
     if SPEC.get("blocks_override"):
         kw["num_gpu_blocks_override"] = SPEC["blocks_override"]
+    if SPEC.get("correctness"):
+        kw["disable_log_stats"] = False  # vLLM's counters say whether the budget forced preemption
     kw.update(SPEC.get("extra", {}))
     return LLM(**kw)
 
@@ -216,7 +218,10 @@ def correctness(llm, spec: dict) -> dict:
         ids.append(list(c.token_ids))
         lps.append([round(step[tok].logprob, 5) for step, tok in zip(c.logprobs or [], c.token_ids)])
         bad += sum(not math.isfinite(v) for v in lps[-1])
+    from jetson_tq.integrations.vllm.compare import engine_counters
+
     return {"requests": len(res), "prompt_lens": lens, "ids": ids, "logprobs": lps, "nonfinite_logprobs": bad,
+            "preemptions": engine_counters(llm, ("vllm:num_preemptions",))["vllm:num_preemptions"],
             "wall_s": round(wall, 2), "sampled_logprob_mean": float(np.mean([
                 r.outputs[0].logprobs[j][t].logprob for r in res for j, t in enumerate(r.outputs[0].token_ids)]))}
 

@@ -1,6 +1,6 @@
 """All vLLM-on-GPU measurements of issue 10 in one command: one subprocess (one engine) per configuration.
 
-    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|smoke] [--budget S] [--only NAME,...]
+    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke] [--budget S] [--only NAME,...]
 
 Writes DIR/results.jsonl (every ``RESULT`` line of every job), DIR/raw.log (all engine logs, in
 order) and DIR/summary.json (the tables + the greedy comparison). Jobs run in priority order; one
@@ -56,16 +56,23 @@ def plan(kind: str) -> list[dict]:
     ]
     if kind == "smoke":
         return smoke
-    if kind == "agg":  # the 32k aggregate at each cache's largest admitted concurrency; warmed first-request TTFT
+    corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
+    corr_jobs = [  # greedy ids: fp16 passthrough vs stock (eager both); the default preset under forced preemption
+        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
+                timeout=100),  # a first job pays the cold imports (H200 call 9: killed at 60 s)
+        _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
+        # 128 blocks of the default's 128 tokens = 16,384 tokens for 24 requests of ~36k: vLLM must preempt
+        _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, correctness=corr,
+                blocks_override=128, timeout=80),
+    ]
+    if kind == "corr":
+        return corr_jobs
+    if kind == "agg":  # the 32k aggregate at each cache's largest admitted concurrency; 32k TTFT (first workload)
         few = dict(capture_sizes=[1, 8, 16, 32, 48])
-        corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
-        return [  # the two small correctness engines first: they fail fast if the GPU path is broken
-            _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
-                    timeout=100),  # the first job pays the cold imports (H200 call 9: killed at 60 s)
-            _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
-            _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=[[32768, 0, -1]], seqs=48, timeout=160, **few),
-            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=[[32768, 1, 32], [32768, 0, -1]], seqs=48,
-                    timeout=340, **few),
+        work = [[32768, 1, 32], [32768, 0, -1]]
+        return [
+            _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=work, seqs=48, timeout=150, **few),
+            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=work, seqs=48, timeout=340, **few),
         ]
     if kind == "short":  # one call of ~9 device minutes: the headline rows first, each job time-capped
         cap_only = dict(eager=True, seqs=8, timeout=50)
@@ -79,7 +86,6 @@ def plan(kind: str) -> list[dict]:
             _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", **cap_only),
             _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
         ]
-    corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
     cap_only = dict(eager=True, seqs=8, timeout=45)
     return [
         _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=WORK_STOCK, timeout=150),
@@ -91,12 +97,7 @@ def plan(kind: str) -> list[dict]:
         _engine("stock_bf16_runner_v2", QWEN, backend="TRITON_ATTN", work=[[32768, 8, 64], [8192, 8, 64]], env={},
                 timeout=80),
         _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
-        # greedy correctness: fp16 passthrough vs stock (eager both), the default preset under forced preemption
-        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
-                timeout=60),
-        _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
-        _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, correctness=corr,
-                blocks_override=1024, timeout=60),
+        *corr_jobs,
         # Llama-3.1-8B capacity at 32k (131 kB/token stock: 128k does not fit this budget in bf16)
         _engine("llama_stock", LLAMA, backend="TRITON_ATTN", mml=32768, **cap_only),
         _engine("llama_ours_mse_k4v3", LLAMA, tq="mse_k4v3", mml=32768, **cap_only),
@@ -199,6 +200,7 @@ def summarize(results: list[dict]) -> dict:
             summary[f"greedy_{job}_vs_stock"] = {
                 "identical_requests": sum(a == b for a, b in zip(ref["ids"], c["ids"])), "of": len(ref["ids"]),
                 "first_divergence": first_div, "nonfinite_logprobs": c["nonfinite_logprobs"],
+                "preemptions": c.get("preemptions"),
                 "max_abs_logprob_diff_common_prefix": round(max(dlp), 5) if dlp else None}
     return summary
 
@@ -243,7 +245,7 @@ def targets(results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stoc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "smoke"])
+    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     ap.add_argument("--stock-backend", default="TRITON_ATTN", choices=["TRITON_ATTN", "FLASH_ATTN"],

@@ -106,7 +106,7 @@ def run_engine(job: dict) -> dict:
     outs = runs[0]
     cache = llm.llm_engine.vllm_config.cache_config
     model_dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
-    counters = _counters(llm, ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
+    counters = engine_counters(llm, ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
     n_gen = sum(len(o.outputs[0].token_ids) for run in runs for o in run)
     return {
         "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
@@ -129,7 +129,7 @@ def _output(o) -> dict:
             "logprobs": _chosen_logprobs(o.outputs[0]), "num_cached_tokens": o.num_cached_tokens}
 
 
-def _counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
+def engine_counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
     """Totals of vLLM's counters ``names`` (None when its metrics cannot be read: informative only)."""
     try:
         metrics = list(llm.get_metrics())
