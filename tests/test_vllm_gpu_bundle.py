@@ -134,7 +134,7 @@ def test_plans_are_well_formed() -> None:
     for kind in ("full", "short", "agg", "corr", "smoke"):
         jobs = run.plan(kind)
         assert len({j["name"] for j in jobs}) == len(jobs)
-        assert jobs[0]["tq_config"] is None and jobs[0]["backend"] == "TRITON_ATTN"  # a stock baseline first
+        assert any(j["tq_config"] is None and j["backend"] == "TRITON_ATTN" for j in jobs)  # a stock baseline
         for j in jobs:
             assert all(ctx + out <= j["max_model_len"] for ctx, _, out in j["workloads"]), j["name"]
             json.dumps(j)  # travels to the job as JSON

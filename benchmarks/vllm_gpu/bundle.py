@@ -74,6 +74,17 @@ PATCHES = {
         'if resolved_cache_dtype.startswith("turboquant_") and (',
         'if False and resolved_cache_dtype.startswith("turboquant_") and (  # jetson-tq bundle: FA3, not FA2',
     ),
+    # The bundle has no C++ op library (its stand-in raises a named error): engines that do not choose their
+    # custom ops (eager, no Inductor: vLLM picks "all" and vllm_c kernels) get PyTorch's native ops instead,
+    # as run.py's jobs ask explicitly — so the tests' own engines (tests/test_vllm_scheduling.py) run too.
+    "vllm/config/vllm.py": (
+        'self.compilation_config.custom_ops.append("all")',
+        'self.compilation_config.custom_ops.append("none")  # jetson-tq bundle: no C++ op library',
+    ),
+    "vllm/platforms/cuda.py": (
+        'default = ["native"] if using_inductor else ["vllm_c", "native"]',
+        'default = ["native"]  # jetson-tq bundle: no vllm_c op library',
+    ),
 }
 
 

@@ -57,13 +57,13 @@ def plan(kind: str) -> list[dict]:
     if kind == "smoke":
         return smoke
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
-    corr_jobs = [  # greedy ids: fp16 passthrough vs stock (eager both); the default preset under forced preemption
-        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
-                timeout=100),  # a first job pays the cold imports (H200 call 9: killed at 60 s)
-        _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
+    corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 passthrough vs stock (eager)
         # 128 blocks of the default's 128 tokens = 16,384 tokens for 24 requests of ~36k: vLLM must preempt
         _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, correctness=corr,
-                blocks_override=128, timeout=80),
+                blocks_override=128, timeout=110),  # a first job pays the cold imports (H200 call 9: 60 s were short)
+        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
+                timeout=80),
+        _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
     ]
     if kind == "corr":
         return corr_jobs
