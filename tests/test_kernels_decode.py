@@ -98,7 +98,7 @@ def test_decode_one_token_and_no_buffer_storage():
 @pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)])
 def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
-    centroid lookup (``fast_keys``), the query rotated in the launch or by ``query_transform``
+    centroid lookup (``fast_keys``), 4-bit centroids by byte permutes or by a warp-shuffle gather (``prmt_keys``), the query rotated in the launch or by ``query_transform``
     (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 64 buffer tokens, the
     split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits),
     a register cap. Every arrival counter is back at zero after each call (the next launch counts from it)."""
@@ -109,7 +109,7 @@ def test_decode_variants_agree(name, d):
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
     for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 64},
-                  {"fast_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
+                  {"fast_keys": False}, {"prmt_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
                   {"fused_reduce": True},
                   {"maxnreg": 128}):
         got = hybrid_decode(q, kv, **knobs)

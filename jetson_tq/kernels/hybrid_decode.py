@@ -33,7 +33,7 @@ from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, counters,
                       cuda_or_interpreter, next_pow2, workspace)
 from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows, mma,
-                     online_softmax, subnormal16)
+                     nibble_centroids, nibble_lut_asm, online_softmax, subnormal16)
 from ._launch import FastLauncher
 from .query_transform import query_transform
 
@@ -59,7 +59,7 @@ def _hybrid_decode_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
         NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
-        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr,
+        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr, LUT_PRMT: tl.constexpr, KLUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         SPB: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
@@ -151,7 +151,10 @@ def _hybrid_decode_kernel(
             if KW1 == 0:
                 xk = tl.load(kptr, mask=kmask, other=0)
             s = tl.zeros([BLOCK_N, GP], tl.float32)
-            for c in tl.static_range(KCH):
+            if LUT_PRMT:  # 4-bit codes, two per byte: both chunks' centroids from one byte-permute lookup
+                c_lo, c_hi = nibble_centroids(xk, KLUT)
+                s = mma(c_hi, qk[1], mma(c_lo, qk[0], s, INTERP), INTERP)
+            for c in tl.static_range(0 if LUT_PRMT else KCH):
                 if FAST_K:
                     s = mma(subnormal16(xk & (((1 << KB) - 1) << (KB * c))), qk[c], s, INTERP)
                     if K_HIGH:
@@ -469,7 +472,7 @@ _REDUCE = FastLauncher(_decode_reduce_kernel)
 
 
 def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query, num_warps, num_stages,
-               waves, block_r, fused_reduce, maxnreg) -> _DecodePlan:
+               waves, block_r, fused_reduce, maxnreg, prmt_keys) -> _DecodePlan:
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
@@ -483,6 +486,9 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     fast_k, k_high = fast_key_planes(spec, consts, fast_keys)
+    # 4-bit codebook keys, two codes per byte: byte-permute lookup (inline PTX: not under the CPU interpreter)
+    klut = (nibble_lut_asm(consts["codebook"].cpu()) if prmt_keys and not fast_k and not INTERPRET
+            and spec.KEY_MODE != KEY_RAW and spec.KB == 4 and spec.KW1 == 0 else None)
     wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
     block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
@@ -525,6 +531,7 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
                    KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
                    VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
                    FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, FUSE_Q=plan.fuse, LOG2D=max(d, 1).bit_length() - 1,
+                   LUT_PRMT=klut is not None, KLUT=klut or "",
                    BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce,
                    SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), INTERP=INTERPRET)
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
@@ -538,7 +545,7 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
                   block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
                   fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
                   waves: float = WAVES, block_r: int = BLOCK_R, fused_reduce: bool = False,
-                  maxnreg: int | None = None) -> torch.Tensor:
+                  maxnreg: int | None = None, prmt_keys: bool = True) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``block_r`` = recent-buffer tokens
@@ -561,11 +568,11 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     key = (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
            kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
            None if out is None else out.stride(), scale, num_splits, block_n, fast_keys, fold_values, fuse_query,
-           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg)
+           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     plan = _PLANS.get(key)
     if plan is None or plan.codec is not kv.codec:
         plan = _PLANS[key] = _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query,
-                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg)
+                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not plan.fuse:
