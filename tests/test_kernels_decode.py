@@ -141,3 +141,24 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
     lse = next(b for (name, shape, *_), b in _common._WORKSPACES.items() if name == "decode_lse" and shape == (16 * splits,))
     first = lse.view(2, 8, splits)[0]  # every split of the long sequence saw tokens: finite log-sum-exp
     assert bool(torch.isfinite(first).all()), f"seed={seed}: idle splits {first}"
+
+
+@pytest.mark.skipif(not GPU, reason="programs per SM come from the kernel loaded on a GPU")
+def test_split_count_is_one_full_wave():
+    """By default the split count fills every SM with exactly the programs the compiled kernel keeps resident
+    (registers, shared memory): one full wave, not one and a bit; and the result still matches the reference."""
+    from jetson_tq.kernels import hybrid_decode as hd
+    from jetson_tq.kernels._launch import resident_programs
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    bsz, hkv = 8, 8
+    kv = build_paged_kv(fmt_for("mse_k4v3", 128), hkv, 128, [700] * bsz, [3] * bsz, torch.float16, gen)
+    q = (torch.randn(bsz, 4 * hkv, 128, generator=gen) * 3).to(torch.float16).to(DEVICE)
+    got = hybrid_decode(q, kv)
+    assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
+    plan = list(hd._PLANS.values())[-1]
+    compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
+    slots = resident_programs(compiled, plan.num_warps, q.device) * torch.cuda.get_device_properties(0).multi_processor_count
+    rows = bsz * hkv
+    assert rows * plan.splits <= slots < rows * (plan.splits + 1), f"{plan.splits} splits x {rows} rows, {slots} slots"
