@@ -47,7 +47,9 @@ def chunk_codes(ptrs, mask, C: tl.constexpr, CH: tl.constexpr, WMIN: tl.constexp
 def centroid_lookup(code, cb_ptr, KB: tl.constexpr, AXIS: tl.constexpr):
     """Codebook value (fp16) of every ``KB``-bit ``code`` of a 2-D tile: the 2^KB centroids are loaded once
     into registers and gathered along ``AXIS`` (one warp shuffle per code, no memory gather; on the H200
-    this beat a gather from memory and an odd-polynomial codebook, docs/benchmarks.md run 4)."""
+    this beat a gather from memory and an odd-polynomial codebook, docs/benchmarks.md run 4). The 4-bit
+    symmetric codebooks take ``nibble_centroids`` on the GPU instead (run 7: 594 -> 386 us at B=8/64k); this
+    stays for the CPU interpreter, 3-bit codes and asymmetric codebooks."""
     cbv = tl.load(cb_ptr + tl.arange(0, 1 << KB))
     if AXIS == 1:
         src = tl.broadcast_to(cbv[None, :], [code.shape[0], 1 << KB])

@@ -10,7 +10,8 @@ scoring every tile for all G query heads of the KV head at once (GQA: the tile i
 with (Pi q, S q) computed once per query (scaled by softmax_scale*log2 e): inside this launch for mse
 keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in registers), else by
 ``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
-bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup per coordinate.
+bits read as fp16 operand planes; 4-bit Lloyd-Max ones through byte permutes in inline PTX (``nibble_centroids``),
+other codebooks (and the CPU interpreter) through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
 tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
