@@ -108,3 +108,70 @@ def test_fast_launcher_compiles_once_per_argument_dtypes(monkeypatch):
                  aligned=True)
     assert compiles == [(torch.float16,), (torch.float32,)]
     assert len(runs) == 3  # every later call of a compiled dtype launches directly
+
+
+def _run_ptx(asm: str, x: int) -> list[int]:
+    """The four output registers of ``nibble_lut_asm``'s PTX on input word ``x``: a reading of the few PTX
+    instructions it uses (and, shr, shl, sub, lop3, prmt in its default mode), so CI checks the byte logic."""
+    regs = {"$4": x}
+
+    def val(t: str) -> int:
+        return int(t, 16) if t.startswith("0x") else int(t) if t.isdigit() else regs[t]
+
+    def prmt(a: int, b: int, c: int) -> int:
+        src = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+        out = 0
+        for i in range(4):
+            sel = (c >> (4 * i)) & 15
+            byte = src[sel & 7]
+            out |= ((255 if byte & 128 else 0) if sel & 8 else byte) << (8 * i)
+        return out
+
+    def lop3(a: int, b: int, c: int, lut: int) -> int:
+        return sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i
+                   for i in range(32))
+
+    ops = {"and.b32": lambda a, b: a & b, "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
+           "sub.u32": lambda a, b: (a - b) & 0xFFFFFFFF, "prmt.b32": prmt, "lop3.b32": lop3}
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}.":
+            continue
+        op, rest = line.split(None, 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        regs[dst] = ops[op](*[val(t) for t in src])
+    return [regs[f"${i}"] for i in range(4)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 100])
+def test_nibble_lut_asm_is_the_fp16_codebook(d):
+    """The byte-permute lookup's PTX gives exactly fp16(c[code]) for both codes of every byte value (the GPU
+    tests run it; here its instructions are read in Python), and declines an asymmetric codebook."""
+    from jetson_tq.kernels._tiles import nibble_lut_asm
+
+    cb = lloyd_max_codebook(d, 4).float()
+    asm = nibble_lut_asm(cb)
+    want = [int(b) & 0xFFFF for b in cb.half().view(torch.int16)]
+    gen = torch.Generator().manual_seed(d)
+    words = [list(range(4 * i, 4 * i + 4)) for i in range(64)] + torch.randint(0, 256, (64, 4), generator=gen).tolist()
+    for e in words:  # all 256 byte values, then random words
+        r = _run_ptx(asm, sum(v << (8 * i) for i, v in enumerate(e)))
+        lo = [r[0] & 0xFFFF, r[0] >> 16, r[1] & 0xFFFF, r[1] >> 16]
+        hi = [r[2] & 0xFFFF, r[2] >> 16, r[3] & 0xFFFF, r[3] >> 16]
+        assert lo == [want[v & 15] for v in e] and hi == [want[v >> 4] for v in e], f"bytes {e}"
+    skew = cb.clone()
+    skew[0] -= 0.01
+    assert nibble_lut_asm(skew) is None
+
+
+@pytest.mark.parametrize("regs,shared,warps,want", [(128, 5120, 1, 16), (167, 5120, 1, 12), (144, 5120, 1, 12),
+                                                    (128, 5120, 2, 8), (40, 5120, 1, 32), (64, 100_000, 1, 2)])
+def test_resident_programs(regs, shared, warps, want):
+    """Programs per SM from registers (per-warp units of 256 in one of 4 sub-partitions: 144 registers -> 12, the
+    H200 run-7 timing), shared memory (+1 KB per block) and block slots."""
+    from types import SimpleNamespace
+
+    from jetson_tq.kernels._launch import resident_programs
+
+    compiled = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared))
+    assert resident_programs(compiled, warps, torch.device("cpu")) == want

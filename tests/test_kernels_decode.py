@@ -98,7 +98,7 @@ def test_decode_one_token_and_no_buffer_storage():
 @pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)])
 def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
-    centroid lookup (``fast_keys``), the query rotated in the launch or by ``query_transform``
+    centroid lookup (``fast_keys``), 4-bit centroids by byte permutes or by a warp-shuffle gather (``prmt_keys``), the query rotated in the launch or by ``query_transform``
     (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 64 buffer tokens, the
     split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits),
     a register cap. Every arrival counter is back at zero after each call (the next launch counts from it)."""
@@ -109,7 +109,7 @@ def test_decode_variants_agree(name, d):
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
     for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 64},
-                  {"fast_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
+                  {"fast_keys": False}, {"prmt_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
                   {"fused_reduce": True},
                   {"maxnreg": 128}):
         got = hybrid_decode(q, kv, **knobs)
@@ -141,3 +141,24 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
     lse = next(b for (name, shape, *_), b in _common._WORKSPACES.items() if name == "decode_lse" and shape == (16 * splits,))
     first = lse.view(2, 8, splits)[0]  # every split of the long sequence saw tokens: finite log-sum-exp
     assert bool(torch.isfinite(first).all()), f"seed={seed}: idle splits {first}"
+
+
+@pytest.mark.skipif(not GPU, reason="programs per SM come from the kernel loaded on a GPU")
+def test_split_count_is_one_full_wave():
+    """By default the split count fills every SM with exactly the programs the compiled kernel keeps resident
+    (registers, shared memory): one full wave, not one and a bit; and the result still matches the reference."""
+    from jetson_tq.kernels import hybrid_decode as hd
+    from jetson_tq.kernels._launch import resident_programs
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    bsz, hkv = 8, 8
+    kv = build_paged_kv(fmt_for("mse_k4v3", 128), hkv, 128, [700] * bsz, [3] * bsz, torch.float16, gen)
+    q = (torch.randn(bsz, 4 * hkv, 128, generator=gen) * 3).to(torch.float16).to(DEVICE)
+    got = hybrid_decode(q, kv)
+    assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
+    plan = list(hd._PLANS.values())[-1]
+    compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
+    slots = resident_programs(compiled, plan.num_warps, q.device) * torch.cuda.get_device_properties(0).multi_processor_count
+    rows = bsz * hkv
+    assert rows * plan.splits <= slots < rows * (plan.splits + 1), f"{plan.splits} splits x {rows} rows, {slots} slots"

@@ -71,6 +71,35 @@ class FastLauncher:
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
 
+    def compile(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, num_warps: int, num_stages: int = 1,
+                maxnreg: int | None = None):
+        """The ``CompiledKernel`` these arguments launch (compiled now, or taken from Triton's cache; nothing runs);
+        None under the interpreter."""
+        if INTERPRET:
+            return None
+        opts = dict(num_warps=num_warps, num_stages=num_stages) if maxnreg is None else \
+            dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        return self.kernel.warmup(*args, grid=grid, **constexprs, **opts)
+
+
+def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
+    """Programs of ``compiled`` that one SM holds at once: the least of what its registers, shared memory (plus the
+    1 KB the driver reserves per block), warp and block slots allow. Registers are allocated per warp in units of
+    256 from one of the SM's 4 sub-partitions (a quarter of the register file each): at 144 registers 3 warps fit a
+    sub-partition, so 12 per SM, not 65536 // 4608 = 14 (H200 run 7: splits sized for 14 ran 1.17 waves, 646 vs
+    432 us at 12). Without a GPU (offline compiles) the H100/H200 figures: 64k registers, 228 KB, 64 warps."""
+    regs_sm, smem_sm, threads_sm = 65536, 233472, 2048
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        regs_sm = getattr(p, "regs_per_multiprocessor", regs_sm)
+        smem_sm = getattr(p, "shared_memory_per_multiprocessor", smem_sm)
+        threads_sm = getattr(p, "max_threads_per_multi_processor", threads_sm)
+    warp_regs = -(-max(1, compiled.n_regs) * 32 // 256) * 256
+    by_regs = 4 * ((regs_sm // 4) // warp_regs) // num_warps
+    by_smem = smem_sm // (compiled.metadata.shared + 1024)
+    return max(1, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
+
+
 def _launch_hooked() -> bool:
     """True when a profiler installed launch hooks (Triton 3.6 keeps them as ``HookChain`` lists, else None)."""
     return any(getattr(h, "calls", h) for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))

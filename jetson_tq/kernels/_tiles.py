@@ -47,13 +47,23 @@ def chunk_codes(ptrs, mask, C: tl.constexpr, CH: tl.constexpr, WMIN: tl.constexp
 def centroid_lookup(code, cb_ptr, KB: tl.constexpr, AXIS: tl.constexpr):
     """Codebook value (fp16) of every ``KB``-bit ``code`` of a 2-D tile: the 2^KB centroids are loaded once
     into registers and gathered along ``AXIS`` (one warp shuffle per code, no memory gather; on the H200
-    this beat a gather from memory and an odd-polynomial codebook, docs/benchmarks.md run 4)."""
+    this beat a gather from memory and an odd-polynomial codebook, docs/benchmarks.md run 4). The 4-bit
+    symmetric codebooks take ``nibble_centroids`` on the GPU instead (run 7: 594 -> 386 us at B=8/64k); this
+    stays for the CPU interpreter, 3-bit codes and asymmetric codebooks."""
     cbv = tl.load(cb_ptr + tl.arange(0, 1 << KB))
     if AXIS == 1:
         src = tl.broadcast_to(cbv[None, :], [code.shape[0], 1 << KB])
     else:
         src = tl.broadcast_to(cbv[:, None], [1 << KB, code.shape[1]])
     return tl.gather(src, code.to(tl.int32), AXIS).to(tl.float16)
+
+
+@triton.jit
+def nibble_centroids(x, LUT_ASM: tl.constexpr):
+    """(c[low nibble], c[high nibble]) in fp16 of every byte of a uint8 tile (two 4-bit codes per byte), exact:
+    ``LUT_ASM`` (``nibble_lut_asm``) holds the fp16 centroids as immediates and looks up 8 codes with 18 integer
+    instructions (byte permutes, no shuffles, no memory); elementwise, so it runs in the MMA operand layout."""
+    return tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [x], (tl.float16, tl.float16), True, 4)
 
 
 @triton.jit
@@ -89,6 +99,47 @@ def column_chunk(x, C: tl.constexpr, R: tl.constexpr, NCH: tl.constexpr, CW: tl.
     x3 = tl.reshape(x, [R, NCH, CW])
     sel = (tl.arange(0, NCH) == C)[None, :, None]
     return tl.sum(tl.where(sel, x3, 0), 1)
+
+
+def nibble_lut_asm(codebook) -> str | None:
+    """PTX for ``nibble_centroids`` (4 bytes = 8 codes in; fp16 pairs c[lo] of bytes (0,1), (2,3) -> $0, $1 and
+    c[hi] -> $2, $3), or None unless the 16 centroids are odd-symmetric in fp16 (c[15-k] = -c[k], as every
+    Lloyd-Max codebook of a symmetric distribution is), rounded to fp16 as ``.to(tl.float16)`` does.
+
+    Symmetry halves the tables: code k >= 8 reads entry 7 - k & 7 = (k ^ 7) & 7 of c[0..7] and flips the sign bit.
+    ``prmt`` picks 4 bytes out of 8 (a register and an immediate) by 3-bit selectors, so the low and the high
+    bytes of c[0..7] are two tables; a code's bit 3 moves to its byte's top bit for the sign flip, and two more
+    permutes per 4 codes interleave low and high bytes into fp16 pairs: 18 integer instructions per 8 codes."""
+    import torch
+
+    half = torch.as_tensor(codebook, dtype=torch.float32).to(torch.float16)
+    if half.numel() != 16 or not bool((half == -half.flip(0)).all()):
+        return None
+    bits = [int(b) & 0xFFFF for b in half.view(torch.int16)]
+    word = lambda t, k: sum(t[k + i] << (8 * i) for i in range(4))  # noqa: E731  bytes t[k..k+3]
+    lo, hi = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+    la, lb, ha, hb = (f"0x{w:08X}" for w in (word(lo, 0), word(lo, 4), word(hi, 0), word(hi, 4)))
+    return f"""{{
+    .reg .b32 m, f, i0, i1, ms, s0, s1, lo0, hi0, lo1, hi1;
+    and.b32 m, $4, 0x88888888;
+    shr.b32 f, m, 3;
+    sub.u32 f, m, f;
+    lop3.b32 i0, $4, f, 0x77777777, 0x28;
+    shr.b32 i1, i0, 16;
+    prmt.b32 lo0, {la}, {lb}, i0;
+    prmt.b32 hi0, {ha}, {hb}, i0;
+    prmt.b32 lo1, {la}, {lb}, i1;
+    prmt.b32 hi1, {ha}, {hb}, i1;
+    shl.b32 ms, m, 4;
+    prmt.b32 s0, ms, m, 0x5140;
+    prmt.b32 s1, ms, m, 0x7362;
+    lop3.b32 hi0, hi0, s0, 0x80808080, 0x78;
+    lop3.b32 hi1, hi1, s1, 0x80808080, 0x78;
+    prmt.b32 $0, lo0, hi0, 0x6240;
+    prmt.b32 $1, lo1, hi1, 0x6240;
+    prmt.b32 $2, lo0, hi0, 0x7351;
+    prmt.b32 $3, lo1, hi1, 0x7351;
+}}"""
 
 
 TWO24 = tl.constexpr(16777216.0)

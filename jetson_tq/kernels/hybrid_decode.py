@@ -10,7 +10,8 @@ scoring every tile for all G query heads of the KV head at once (GQA: the tile i
 with (Pi q, S q) computed once per query (scaled by softmax_scale*log2 e): inside this launch for mse
 keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in registers), else by
 ``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
-bits read as fp16 operand planes; other codebooks through a warp-shuffle lookup per coordinate.
+bits read as fp16 operand planes; 4-bit Lloyd-Max ones through byte permutes in inline PTX (``nibble_centroids``),
+other codebooks (and the CPU interpreter) through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
 tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
@@ -33,8 +34,8 @@ from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, counters,
                       cuda_or_interpreter, next_pow2, workspace)
 from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows, mma,
-                     online_softmax, subnormal16)
-from ._launch import FastLauncher
+                     nibble_centroids, nibble_lut_asm, online_softmax, subnormal16)
+from ._launch import FastLauncher, resident_programs
 from .query_transform import query_transform
 
 LOG2E = 1.4426950408889634
@@ -59,7 +60,7 @@ def _hybrid_decode_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
         NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
-        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr,
+        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr, LUT_PRMT: tl.constexpr, KLUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         SPB: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
@@ -151,7 +152,10 @@ def _hybrid_decode_kernel(
             if KW1 == 0:
                 xk = tl.load(kptr, mask=kmask, other=0)
             s = tl.zeros([BLOCK_N, GP], tl.float32)
-            for c in tl.static_range(KCH):
+            if LUT_PRMT:  # 4-bit codes, two per byte: both chunks' centroids from one byte-permute lookup
+                c_lo, c_hi = nibble_centroids(xk, KLUT)
+                s = mma(c_hi, qk[1], mma(c_lo, qk[0], s, INTERP), INTERP)
+            for c in tl.static_range(0 if LUT_PRMT else KCH):
                 if FAST_K:
                     s = mma(subnormal16(xk & (((1 << KB) - 1) << (KB * c))), qk[c], s, INTERP)
                     if K_HIGH:
@@ -402,7 +406,8 @@ WIDE_MAXNREG = 128
 NUM_STAGES = 1
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
 MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
-WAVES = 16.0  # programs per SM the split count aims for: one full wave of 1-warp programs at 128 registers
+WAVES = 16.0  # programs per SM when no GPU can tell (offline compiles, interpreter); on CUDA the split count aims
+# at the compiled kernel's resident programs per SM (``_one_wave``): 16 for 1-warp programs at 128 registers
 
 
 _SPECS: dict = {}
@@ -469,7 +474,7 @@ _REDUCE = FastLauncher(_decode_reduce_kernel)
 
 
 def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query, num_warps, num_stages,
-               waves, block_r, fused_reduce, maxnreg) -> _DecodePlan:
+               waves, block_r, fused_reduce, maxnreg, prmt_keys) -> _DecodePlan:
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
@@ -483,6 +488,9 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     spec, spec_kw = _spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     fast_k, k_high = fast_key_planes(spec, consts, fast_keys)
+    # 4-bit codebook keys, two codes per byte: byte-permute lookup (inline PTX: not under the CPU interpreter)
+    klut = (nibble_lut_asm(consts["codebook"].cpu()) if prmt_keys and not fast_k and not INTERPRET
+            and spec.KEY_MODE != KEY_RAW and spec.KB == 4 and spec.KW1 == 0 else None)
     wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
     block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
@@ -499,7 +507,7 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
     # splits cut the virtual tokens [0, compressed capacity + ring capacity)
     capacity = kv.block_table.shape[1] * spec.BS + (0 if plan.rk_fallback else rk.shape[2])
-    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves)
+    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves or WAVES)
     tokens_per_split = block_n  # the smallest split; the kernel sizes splits from each sequence's length
     plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
     plan.fused_reduce = fused_reduce and splits > 1
@@ -525,29 +533,54 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
                    KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
                    VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
                    FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, FUSE_Q=plan.fuse, LOG2D=max(d, 1).bit_length() - 1,
+                   LUT_PRMT=klut is not None, KLUT=klut or "",
                    BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce,
                    SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), INTERP=INTERPRET)
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
     plan.num_warps, plan.num_stages, plan.maxnreg = num_warps, num_stages, maxnreg or None
     plan.key = (id(plan),)
+    if waves is None and num_splits is None and splits > 1:  # one full wave of the compiled kernel's programs
+        fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, _one_wave(plan, q, kv, rk, rv))
+        if fit != splits:
+            return _make_plan(q, kv, scale, out, fit, block_n, fast_keys, fold_values, fuse_query, num_warps,
+                              num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     return plan
+
+
+def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
+    """The decode kernel's runtime arguments (everything but the constexprs) for one call."""
+    po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
+    return (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
+            plan.consts["codebook"], plan.consts["hsigns"], out, po, plse, plan.cnt, *plan.ints, *plan.floats)
+
+
+def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
+    """Programs per SM for the split count: as many as the compiled kernel keeps resident (registers, shared memory),
+    so the grid is one full wave for every format and head dim; WAVES without a GPU to load the kernel on."""
+    if not q.is_cuda or INTERPRET:
+        return WAVES
+    compiled = _DECODE.compile(plan.grid, _decode_args(plan, q, kv, rk, rv, q), plan.kw, num_warps=plan.num_warps,
+                               num_stages=plan.num_stages, maxnreg=plan.maxnreg)
+    compiled.run  # noqa: B018  loads the binary: registers per thread are known from then on
+    return float(resident_programs(compiled, plan.num_warps, q.device))
 
 
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
                   fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
-                  waves: float = WAVES, block_r: int = BLOCK_R, fused_reduce: bool = False,
-                  maxnreg: int | None = None) -> torch.Tensor:
+                  waves: float | None = None, block_r: int = BLOCK_R, fused_reduce: bool = False,
+                  maxnreg: int | None = None, prmt_keys: bool = True) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
-    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``waves``, ``block_r`` = recent-buffer tokens
+    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``block_r`` = recent-buffer tokens
     per step, ``maxnreg`` = register cap per thread, 0 for none) default to the best of the H200 sweep for the format
-    (benchmarks/sweep_decode.py); ``fused_reduce=True`` merges the splits inside the decode launch (one launch
+    (benchmarks/sweep_decode.py); ``waves`` = programs per SM the split count aims for (default: as many as the
+    compiled kernel keeps resident, one full wave); ``fused_reduce=True`` merges the splits inside the decode launch (one launch
     per call: ~25 us less host time per eager call, but 2-38 % more device time in H200 run 6, so not the
     default);
-    ``fast_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the folded value
-    path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
+    ``fast_keys``/``prmt_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the byte-permute
+    4-bit centroid lookup, the folded value path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
 
     Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
     gets zeros instead of an error, so padded CUDA-graph batches are safe). Everything that depends only on
@@ -561,27 +594,24 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     key = (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
            kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
            None if out is None else out.stride(), scale, num_splits, block_n, fast_keys, fold_values, fuse_query,
-           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg)
+           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     plan = _PLANS.get(key)
     if plan is None or plan.codec is not kv.codec:
         plan = _PLANS[key] = _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query,
-                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg)
+                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not plan.fuse:
         query_transform(q, plan.consts["qmat"], plan.scale_qt, out=plan.qt)
     po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
     rk, rv = (q.unsqueeze(2), q.unsqueeze(2)) if plan.rk_fallback else (kv.recent_k, kv.recent_v)
-    consts = plan.consts
     # the plan fixes every int argument; only the data pointers' 16-byte alignment can change between calls
     # (any misaligned pointer: the generic per-argument key)
     aligned = True if (q.data_ptr() | kv.pages.data_ptr() | kv.block_table.data_ptr() | kv.compressed_lens.data_ptr()
                        | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
                        | out.data_ptr()) % 16 == 0 else None
-    _DECODE(plan.grid, (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens,
-                        kv.recent_index, consts["codebook"], consts["hsigns"], out, po, plse, plan.cnt, *plan.ints,
-                        *plan.floats), plan.kw, plan.key, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            maxnreg=plan.maxnreg, aligned=aligned)
+    _DECODE(plan.grid, _decode_args(plan, q, kv, rk, rv, out), plan.kw, plan.key, num_warps=plan.num_warps,
+            num_stages=plan.num_stages, maxnreg=plan.maxnreg, aligned=aligned)
     if plan.splits > 1 and not plan.fused_reduce:
         _REDUCE(plan.reduce_grid, (po, plse, out, out.stride(0), out.stride(1), plan.splits), plan.reduce_kw,
                 plan.key, num_warps=4, aligned=aligned)
