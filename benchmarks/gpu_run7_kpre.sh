@@ -11,8 +11,8 @@ log() { echo "=== $* ($(date -u +%T))"; }
 log env
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-V32=('{"impl": "run6"}' '{}' '{"num_stages": 1}' '{"num_stages": 3}' '{"block_n": 32}')
-V28=('{"impl": "run6"}' '{}' '{"num_stages": 1}')
+V32=('{"impl": "run6"}' '{}' '{"join_tiles": false}' '{"num_stages": 1}' '{"num_stages": 3}')
+V28=('{"impl": "run6"}' '{}' '{"join_tiles": false}')
 join() { local IFS=,; echo "[$*]"; }
 log "kernel tests (-n 8) beside the compile warm-up (one process per shape and variant, Triton's disk cache)"
 PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 8)
