@@ -11,8 +11,8 @@ log() { echo "=== $* ($(date -u +%T))"; }
 log env
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-V32=('{"impl": "run6"}' '{}' '{"join_tiles": false}' '{"num_stages": 1}' '{"num_stages": 3}')
-V28=('{"impl": "run6"}' '{}' '{"join_tiles": false}')
+V32=('{"impl": "run6"}' '{}' '{"lazy_rescale": false}' '{"join_tiles": false}' '{"num_stages": 1}' '{"num_stages": 3}')
+V28=('{"impl": "run6"}' '{}' '{"lazy_rescale": false}' '{"join_tiles": false}')
 join() { local IFS=,; echo "[$*]"; }
 log "kernel tests (-n 8) beside the compile warm-up (one process per shape and variant, Triton's disk cache)"
 PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 8)
@@ -36,7 +36,7 @@ wait $TESTS; echo "tests rc=$?"
 grep -v PytestBenchmarkWarning "$OUT/tests.log" | grep -v "warner(" | tail -14
 log "prefill, chunk 2048 over 32k, mse_k4v3 (run6 = the run-6 kernel; {} = the new defaults)"
 timeout 35 python3 benchmarks/bench_prefill.py --format mse_k4v3 --shapes '[[1,32,8,32768,2048]]' \
-  --variants "$(join "${V32[@]}")" --json "$OUT/prefill_32_8.json" 2>&1 | tail -7
+  --variants "$(join "${V32[@]}")" --json "$OUT/prefill_32_8.json" 2>&1 | tail -8
 timeout 22 python3 benchmarks/bench_prefill.py --format mse_k4v3 --shapes '[[1,28,4,32768,2048]]' \
-  --variants "$(join "${V28[@]}")" --json "$OUT/prefill_28_4.json" 2>&1 | tail -5
+  --variants "$(join "${V28[@]}")" --json "$OUT/prefill_28_4.json" 2>&1 | tail -6
 log "done"

@@ -40,6 +40,24 @@ def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _lazy_softmax(s, m_i, l_i, acc):
+    """Online-softmax step that rescales (acc, l_i) only when some row's maximum grew by more than 2^8: until then
+    the rows keep their old reference maximum and probabilities may reach 256 (exact in fp16 and fp32; the
+    final acc / l is unchanged). Over a long history the maximum settles after a few tiles, so most tiles skip
+    the [BLOCK_M, D] rescale (FlashAttention-4's conditional rescaling). Returns (m_i, p, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    grow = m_new - tl.maximum(m_i, -1e30)  # ~1e30 for a row's first finite score, -inf while all masked, never NaN
+    if tl.max(grow, 0) > 8.0:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    return m_i, p, l_i + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale,
                      HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr,
                      PB: tl.constexpr, KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr,
@@ -50,7 +68,7 @@ def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, hea
                      OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr,
                      OFF_VRAW: tl.constexpr, RAW_BF16: tl.constexpr, KCW: tl.constexpr, KCH: tl.constexpr,
                      VCW: tl.constexpr, VCH: tl.constexpr, VSUB: tl.constexpr, VSC: tl.constexpr, JOIN: tl.constexpr,
-                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+                     LAZY: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """One flash step over compressed tokens [n0, n0 + BLOCK_N): dequantize the key and value tiles once
     ([BLOCK_N, DP], coordinates contiguous), score every row, update (acc, m_i, l_i). ``MASKED``: the tile
     may reach past ``cend`` or past a row's window start ``lo`` (otherwise every row reads all of it)."""
@@ -113,10 +131,14 @@ def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, hea
             s = s + sq * (qjl_scale * rnorm)[None, :]
     if MASKED:
         s = tl.where(nmask[None, :] & (n[None, :] < lo[:, None]), s, float("-inf"))
-    m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
+    if LAZY:
+        m_i, p, l_i, acc = _lazy_softmax(s, m_i, l_i, acc)
+    else:
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
+        acc = acc * alpha[:, None]
     if VAL_MODE == V_RAW:
         vt = tl.load((page + OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
-        acc = mma(p.to(RAW_T), vt, acc * alpha[:, None], INTERP)
+        acc = mma(p.to(RAW_T), vt, acc, INTERP)
     else:
         srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
         zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
@@ -139,9 +161,10 @@ def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, hea
                     else:
                         code = chunk_codes(vrow + sc * VSUB + vu, vmask, c, CH, VCW // CH, VW0, VW1, VW2)
                     grp = (c * VCW + sc * VSUB) // GROUP
-                    vs = tl.load(srow + grp, mask=rmask, other=0.0).to(tl.float32)
-                    vz = tl.load(zrow + grp, mask=rmask, other=0.0).to(tl.float32)
-                    pieces = pieces + ((code.to(tl.float32) * vs + vz).to(tl.float16),)
+                    vs = tl.load(srow + grp, mask=rmask, other=0.0)
+                    vz = tl.load(zrow + grp, mask=rmask, other=0.0)
+                    c16 = (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0  # exact, no I2F
+                    pieces = pieces + (tl.fma(c16, vs, vz),)
             vt = join_pieces(pieces, VCH * VSC)
         else:
             code = field_tile(page + OFF_VCODES + off * (CH * VB), tmask, j, CH, VW0, VW1, VW2)
@@ -152,7 +175,7 @@ def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, hea
                 vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
                 vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
             vt = (code.to(tl.float32) * vs + vz).to(tl.float16)
-        acc = mma(p.to(tl.float16), vt, acc * alpha[:, None], INTERP)
+        acc = mma(p.to(tl.float16), vt, acc, INTERP)
     return acc, m_i, l_i
 
 
@@ -197,7 +220,7 @@ def _prefill_kernel(
         VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
         VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
-        RAW_BF16: tl.constexpr, VSUB: tl.constexpr, VSC: tl.constexpr, JOIN: tl.constexpr,
+        RAW_BF16: tl.constexpr, VSUB: tl.constexpr, VSC: tl.constexpr, JOIN: tl.constexpr, LAZY: tl.constexpr,
         BLOCK_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
@@ -251,13 +274,13 @@ def _prefill_kernel(
             n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale, HKV, D, DP, CH, BS,
             PB, KEY_MODE, KB, KW0, KW1, KW2, OFF_KIDX, OFF_KSGN, OFF_KNORM, OFF_KRNORM, OFF_KRAW, NORM_F32, VAL_MODE,
             VW0, VW1, VW2, VB, GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, OFF_VRAW, RAW_BF16, KCW, KCH,
-            VCW, VCH, VSUB, VSC, JOIN, False, BLOCK_N, INTERP)
+            VCW, VCH, VSUB, VSC, JOIN, LAZY, False, BLOCK_N, INTERP)
     for n0 in range(cfull, cend, BLOCK_N):
         acc, m_i, l_i = _compressed_tile(
             n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale, HKV, D, DP, CH, BS,
             PB, KEY_MODE, KB, KW0, KW1, KW2, OFF_KIDX, OFF_KSGN, OFF_KNORM, OFF_KRNORM, OFF_KRAW, NORM_F32, VAL_MODE,
             VW0, VW1, VW2, VB, GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, OFF_VRAW, RAW_BF16, KCW, KCH,
-            VCW, VCH, VSUB, VSC, JOIN, True, BLOCK_N, INTERP)
+            VCW, VCH, VSUB, VSC, JOIN, LAZY, True, BLOCK_N, INTERP)
 
     # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
     qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
@@ -294,7 +317,8 @@ def default_block_m(head_dim: int) -> int:
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                     softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                    num_stages: int = 2, join_tiles: bool = True) -> torch.Tensor:
+                    num_stages: int = 2, join_tiles: bool = True,
+                    lazy_rescale: bool = True) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
     rule; ``kv.pages`` already hold the chunk's compressed tokens). ``join_tiles``: build the tiles chunk by chunk
     (power-of-two head dims; otherwise every coordinate's bits are located one by one)."""
@@ -337,6 +361,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         v.stride(0), v.stride(1), v.stride(2), kv.block_table.stride(0),
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
         out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ring,
-        HKV=hkv, G=g, QW=qt.shape[1], **spec_kw, VSUB=vsub, VSC=vsc, JOIN=join, BLOCK_WINDOW=kv.layout.fmt.block_window and ring > 0,
+        HKV=hkv, G=g, QW=qt.shape[1], **spec_kw, VSUB=vsub, VSC=vsc, JOIN=join, LAZY=lazy_rescale,
+        BLOCK_WINDOW=kv.layout.fmt.block_window and ring > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
