@@ -2,8 +2,8 @@
 
     python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 1}]'] [--json F]
 
-A variant is a dict of ``chunked_prefill`` knobs; ``{"impl": "run6"}`` times the run-6 kernel
-(``benchmarks/prefill_run6.py``) with its own defaults.
+A variant is a dict of ``chunked_prefill`` knobs (run 7 also timed the run-6 kernel through ``{"impl": "run6"}``,
+``benchmarks/prefill_run6.py`` at commit 98f9fb5; deleted after it lost).
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_bench import prefill_bench, table  # noqa: E402
 
 ISSUE_SHAPES = [(1, 32, 8, 32768, 2048), (1, 28, 4, 32768, 2048)]  # issue 12: chunk 2048 over 32k history
 
 
-def compile_variants(shapes, fmt, variants, impls) -> None:
+def compile_variants(shapes, fmt, variants) -> None:
     """Each variant once per shape (kernels compile; the timed run then loads them from Triton's cache)."""
     import torch
 
@@ -32,8 +31,7 @@ def compile_variants(shapes, fmt, variants, impls) -> None:
         case, k, v = make_prefill_case(b, hq, hkv, hist, t, fmt=resolve_format(fmt))
         q = torch.randn(b, hq, t, k.shape[-1], device=k.device, dtype=torch.float16)
         for var in variants:
-            knobs = {a: x for a, x in var.items() if a != "impl"}
-            impls.get(var.get("impl"), chunked_prefill)(q, k, v, case.kv, **knobs)
+            chunked_prefill(q, k, v, case.kv, **var)
         torch.cuda.synchronize()
 
 
@@ -50,16 +48,11 @@ def main(argv=None) -> int:
     shapes = ISSUE_SHAPES if args.issue_shapes else None
     if args.shapes:
         shapes = [tuple(s) for s in json.loads(args.shapes)]
-    impls = {}
     variants = json.loads(args.variants)
-    if any(v.get("impl") == "run6" for v in variants):
-        from prefill_run6 import chunked_prefill as run6
-
-        impls["run6"] = run6
     if args.compile_only:
-        compile_variants(shapes, args.format, variants, impls)
+        compile_variants(shapes, args.format, variants)
         return 0
-    rows = prefill_bench(shapes, fmt=args.format, variants=variants, impls=impls)
+    rows = prefill_bench(shapes, fmt=args.format, variants=variants)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -178,25 +178,3 @@ def field_tile(ptrs, mask, j, CH: tl.constexpr, W0: tl.constexpr, W1: tl.constex
     if W2 > 0:
         code = code | (run_bits(ptrs + CH * (W0 + W1), mask, j, CH, W2) << (W0 + W1))
     return code
-
-
-@triton.jit
-def join_pieces(t, P: tl.constexpr):
-    """One [R, W*P] tile from a tuple of P (1, 2, 4 or 8) [R, W] tiles, column i*P + p = column i of piece p: the
-    pieces joined in a new minor dimension (registers only; callers index columns with ``piece_order``)."""
-    if P == 1:
-        x = t[0]
-    elif P == 2:
-        x = tl.join(t[0], t[1])
-    elif P == 4:
-        x = tl.join(tl.join(t[0], t[2]), tl.join(t[1], t[3]))
-    else:
-        x = tl.join(tl.join(tl.join(t[0], t[4]), tl.join(t[2], t[6])),
-                    tl.join(tl.join(t[1], t[5]), tl.join(t[3], t[7])))
-    return tl.reshape(x, [t[0].shape[0], t[0].shape[1] * P])
-
-
-@triton.jit
-def piece_order(col, P: tl.constexpr, W: tl.constexpr):
-    """Coordinate held by column ``col`` of a ``join_pieces`` tile whose piece p covers coordinates [p*W, (p+1)*W)."""
-    return (col % P) * W + col // P
