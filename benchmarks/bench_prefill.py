@@ -1,6 +1,6 @@
 """Chunked prefill over a compressed history vs SDPA (flash/efficient) over the same history in fp16.
 
-    python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 1}]'] [--json F]
+    python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 2}]'] [--json F]
 
 A variant is a dict of ``chunked_prefill`` knobs (run 7 also timed the run-6 kernel through ``{"impl": "run6"}``,
 ``benchmarks/prefill_run6.py`` at commit 98f9fb5; deleted after it lost).
