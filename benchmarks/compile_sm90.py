@@ -12,6 +12,7 @@ prints per compiled kernel: registers, stack frame (spills), shared memory and S
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="mse_k4v3,mse_k4v3u,blog_k3v2")
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--ops", default="decode,prefill,compress,append", help="which launches to compile")
+    ap.add_argument("--prefill-knobs", default="[{}]", help='JSON list of chunked_prefill knob sets, e.g. '
+                    '\'[{}, {"block_m": 64, "num_warps": 4}]\'')
     args = ap.parse_args(argv)
     _install()
     from kernel_cases import build_paged_kv, fmt_for
@@ -104,13 +108,15 @@ def main(argv=None) -> int:
     from jetson_tq.kernels.prefill import chunked_prefill
 
     d, hkv, g = args.d, 2, 4
+    ops = set(args.ops.split(","))
+    prefill_knobs = json.loads(args.prefill_knobs)
     for name in args.formats.split(","):
         gen = torch.Generator().manual_seed(0)
         fmt = fmt_for(name, d)
         kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen)
         q = torch.randn(2, hkv * g, d).half()
         for knobs in ({}, {"num_splits": 1}, {"fused_reduce": True}, {"block_r": 64}, {"block_n": 32, "num_warps": 2},
-                      {"maxnreg": 0}):
+                      {"maxnreg": 0}) if "decode" in ops else ():
             n0 = len(COMPILED)
             hybrid_decode(q, kv, **knobs)
             for kname, k in COMPILED[n0:]:
@@ -119,19 +125,20 @@ def main(argv=None) -> int:
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(fmt.with_(buffer_tokens=16, window="block"), hkv, d, [64, 0], [5, 9], torch.float16,
                                   torch.Generator().manual_seed(0), recent_cap=16)
-        for window, view in (("sliding", kv), ("block", kv_block)):
-            n0 = len(COMPILED)
-            chunked_prefill(qp, kp, kp.clone(), view)
-            for kname, k in COMPILED[n0:]:
-                print(f"{name:10s} prefill {window:35s} {kname:24s} {_resources(k)}", flush=True)
+        for window, view in (("sliding", kv), ("block", kv_block)) if "prefill" in ops else ():
+            for knobs in prefill_knobs:
+                n0 = len(COMPILED)
+                chunked_prefill(qp, kp, kp.clone(), view, **knobs)
+                for kname, k in COMPILED[n0:]:
+                    print(f"{name:10s} prefill {window:7s} {str(knobs):27s} {kname:24s} {_resources(k)}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
-        for knobs in ({}, {"fast_rotation": True}):
+        for knobs in ({}, {"fast_rotation": True}) if "compress" in ops else ():
             n0 = len(COMPILED)
             compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, **knobs)
             for kname, k in COMPILED[n0:]:
                 print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {_resources(k)}", flush=True)
-    for block in (False, True):  # the cache's append bookkeeping (format-independent)
+    for block in (False, True) if "append" in ops else ():  # the cache's append bookkeeping (format-independent)
         ring = torch.zeros(2, hkv, 16, d).half()
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)

@@ -209,3 +209,23 @@ def folded_value_tile(x_one, ptrs, mask, w, zero_rt, C: tl.constexpr, CH: tl.con
             tile = fold_run(tile, ptrs, mask, w, zero_rt, J0, CH, CH * (VW0 + VW1), VW0 + VW1, VW2, W_LEFT, INTERP)
     return tile
 
+
+
+@triton.jit
+def run_bits(ptrs, mask, j, CH: tl.constexpr, W: tl.constexpr):
+    """``W``-bit sub-field of coordinates ``j`` (int32, broadcast against ``ptrs``) from one planar run whose bytes
+    start at ``ptrs``: byte j % (CH*W), bits (j // (CH*W)) * W (``format.py``), as int32."""
+    x = tl.load(ptrs + j % (CH * W), mask=mask, other=0).to(tl.int32)
+    return (x >> ((j // (CH * W)) * W)) & ((1 << W) - 1)
+
+
+@triton.jit
+def field_tile(ptrs, mask, j, CH: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+    """Codes (int32) of coordinates ``j`` of a field stored as up to three planar runs (widths W0, W1, W2), in
+    one tile over every coordinate at once (prefill: a whole [tokens, D] tile, dequantized once per program)."""
+    code = run_bits(ptrs, mask, j, CH, W0)
+    if W1 > 0:
+        code = code | (run_bits(ptrs + CH * W0, mask, j, CH, W1) << W0)
+    if W2 > 0:
+        code = code | (run_bits(ptrs + CH * (W0 + W1), mask, j, CH, W2) << (W0 + W1))
+    return code

@@ -5,9 +5,12 @@ p + 1 - R (sliding) or than its own R-token block p - p % R (BLOCK_WINDOW) compr
 alike: the pages already hold the chunk) and the rest exactly.
 
 One program = BLOCK_M query rows of one (sequence, KV head); a row is a (token, query head) pair,
-so the G query heads of a KV head share every loaded tile (GQA). History tiles are expanded from
-their packed bytes into registers chunk by chunk (see ``_tiles``) and multiplied on the tensor
-cores against the transformed query (Pi q, S q); the history is never decompressed into memory.
+so the G query heads of a KV head share every loaded tile (GQA). Each compressed tile of BLOCK_N
+tokens is dequantized once per program into whole fp16 [BLOCK_N, D] key and value tiles in registers
+(codebook values of the rotated key, codes * scale + zero of the value) and multiplied on the tensor
+cores against all BLOCK_M rows at once — one product for the scores and one for the values, as in a
+plain fp16 flash-attention loop; the history is never decompressed into memory. (Decode's bit-plane
+products pay per row; with 128 rows per tile the per-tile dequantization is the cheaper side.)
 Same contract as ``attention.reference.paged_attention_prefill``.
 """
 
@@ -21,20 +24,10 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import INTERPRET, VAL_GROUP, codec_constants, cuda_or_interpreter, next_pow2
-from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, mma,
-                     online_softmax, subnormal16)
-from .hybrid_decode import LOG2E, _spec, fast_key_planes, value_subchunks
+from ._common import INTERPRET, cuda_or_interpreter, codec_constants
+from ._tiles import K_PROD, K_RAW, V_RAW, centroid_lookup, field_tile, mma, online_softmax, run_bits
+from .hybrid_decode import LOG2E, _spec
 from .query_transform import query_transform
-
-
-@triton.jit
-def _qchunk(qt_ptr, qrow, rmask, col0, CW: tl.constexpr, cols, QW: tl.constexpr, LIMIT: tl.constexpr, factor):
-    """factor * transformed-query columns [col0, col0 + CW) (< LIMIT) of rows ``qrow`` -> fp32 [M, CWP]."""
-    col = col0 + cols
-    q = tl.load(qt_ptr + qrow[:, None] * QW + col[None, :],
-                mask=rmask[:, None] & (cols[None, :] < CW) & (col[None, :] < LIMIT), other=0.0)
-    return q * factor
 
 
 @triton.jit
@@ -46,16 +39,82 @@ def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.constexpr, qpos, lo, qraw, acc, zacc,
-                m_i, l_i, rk_ptr, rv_ptr,
-                D: tl.constexpr, DP: tl.constexpr, VCW: tl.constexpr, VCH: tl.constexpr, VSUB: tl.constexpr,
-                VSUBP: tl.constexpr, VSC: tl.constexpr, VB: tl.constexpr, FAST_V: tl.constexpr,
-                ONE_RUN: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """Attend to uncompressed tokens [t_start, n_tok) (k^T tiles loaded [D, tokens]) whose positions lie in each
-    row's exact window [lo, qpos]: ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the
-    chunk itself (position pos0 + t)."""
-    d = tl.arange(0, DP)
-    vu = tl.arange(0, VSUBP)
+def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale,
+                     HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr,
+                     PB: tl.constexpr, KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr,
+                     KW1: tl.constexpr, KW2: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
+                     OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr,
+                     NORM_F32: tl.constexpr, VAL_MODE: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
+                     VW2: tl.constexpr, VB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+                     OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr,
+                     OFF_VRAW: tl.constexpr, RAW_BF16: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     INTERP: tl.constexpr):
+    """One flash step over compressed tokens [n0, n0 + BLOCK_N): dequantize the key and value tiles once
+    ([BLOCK_N, DP], coordinates contiguous), score every row, update (acc, m_i, l_i). ``MASKED``: the tile
+    may reach past ``cend`` or past a row's window start ``lo`` (otherwise every row reads all of it)."""
+    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+    n = n0 + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, DP)[None, :]
+    if MASKED:
+        nmask = n < cend
+    else:
+        nmask = n >= 0
+    blk = tl.load(bt_row + n // BS, mask=nmask, other=0)
+    base = pages_ptr + (blk.to(tl.int64) * (HKV * PB) + head_off)  # [BLOCK_N] page of each token
+    offn = n % BS
+    page = base[:, None]
+    off = offn[:, None]
+    tmask = nmask[:, None] & (j < D)
+    if KEY_MODE == K_RAW:
+        kt = tl.load((page + OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
+    else:
+        code = field_tile(page + OFF_KIDX + off * (CH * KB), tmask, j, CH, KW0, KW1, KW2)
+        kt = centroid_lookup(code, cb_ptr, KB, 1)  # [BLOCK_N, DP] fp16: the rotated unit key
+        s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
+        if NORM_F32:
+            knorm = tl.load((base + OFF_KNORM + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
+        else:
+            knorm = tl.load((base + OFF_KNORM + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask, other=0.0).to(tl.float32)
+        s = s * knorm[None, :]
+        if KEY_MODE == K_PROD:  # + qjl * ||r|| <S q, signs>, signs as a +-1 tile
+            sgn = (2 * run_bits(page + OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float16)
+            sq = mma(qs, tl.trans(sgn), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
+            if NORM_F32:
+                rnorm = tl.load((base + OFF_KRNORM + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
+            else:
+                rnorm = tl.load((base + OFF_KRNORM + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
+                                other=0.0).to(tl.float32)
+            s = s + sq * (qjl_scale * rnorm)[None, :]
+    if MASKED:
+        s = tl.where(nmask[None, :] & (n[None, :] < lo[:, None]), s, float("-inf"))
+    m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
+    if VAL_MODE == V_RAW:
+        vt = tl.load((page + OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        acc = mma(p.to(RAW_T), vt, acc * alpha[:, None], INTERP)
+    else:
+        code = field_tile(page + OFF_VCODES + off * (CH * VB), tmask, j, CH, VW0, VW1, VW2)
+        srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+        zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+        rmask = nmask[:, None]
+        vs = tl.load(srow, mask=rmask, other=0.0).to(tl.float32)
+        vz = tl.load(zrow, mask=rmask, other=0.0).to(tl.float32)
+        for g in tl.static_range(1, NG):  # per-token scale / zero of each coordinate's group
+            sel = (j // GROUP) == g
+            vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
+            vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
+        vt = (code.to(tl.float32) * vs + vz).to(tl.float16)
+        acc = mma(p.to(tl.float16), vt, acc * alpha[:, None], INTERP)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.constexpr, qpos, lo, qraw, acc,
+                m_i, l_i, rk_ptr, rv_ptr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Attend to uncompressed tokens [t_start, n_tok) whose positions lie in each row's exact window [lo, qpos]:
+    ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the chunk itself (position pos0 + t)."""
+    j = tl.arange(0, DP)[None, :]
     for t0 in range(t_start, n_tok, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         if RING:
@@ -63,35 +122,24 @@ def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.c
         else:
             pos = pos0 + t
         tmask = (t >= t_start) & (t < n_tok)
-        kt = tl.load(k_base + t[None, :].to(tl.int64) * skt + d[:, None], mask=tmask[None, :] & (d[:, None] < D),
-                     other=0.0)
-        kt = kt.to(rk_ptr.dtype.element_ty)  # the chunk goes through the buffer dtype, as it will be stored there
-        s = mma(qraw, kt, tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
+        tcol = t[:, None].to(tl.int64)
+        ld = tmask[:, None] & (j < D)
+        kt = tl.load(k_base + tcol * skt + j, mask=ld, other=0.0).to(rk_ptr.dtype.element_ty)  # as stored in the ring
+        s = mma(qraw, tl.trans(kt), tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
         s = tl.where(tmask[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
-        zacc = zacc * alpha[:, None]
-        new_acc = ()
-        for c in tl.static_range(VCH):
-            for j in tl.static_range(VSC):
-                col = c * VCW + j * VSUB + vu
-                v = tl.load(v_base + t[:, None].to(tl.int64) * svt + col[None, :],
-                            mask=tmask[:, None] & (vu[None, :] < VSUB) & (col[None, :] < D), other=0.0)
-                v = v.to(rv_ptr.dtype.element_ty)
-                pv = mma(p.to(v.dtype), v, tl.zeros([qraw.shape[0], VSUBP], tl.float32), INTERP)
-                if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24)
-                    pv = pv * ((1 << (c * VB * ONE_RUN)) / TWO24)
-                new_acc = new_acc + (acc[c * VSC + j] * alpha[:, None] + pv,)
-        acc = new_acc
-    return acc, zacc, m_i, l_i
+        v = tl.load(v_base + tcol * svt + j, mask=ld, other=0.0).to(rv_ptr.dtype.element_ty)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
+    return acc, m_i, l_i
 
 
 @triton.jit
 def _prefill_kernel(
         qt_ptr, q_ptr, k_ptr, v_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr,
         out_ptr, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-        stride_vb, stride_vh, stride_vt, stride_bt, page_bytes,
+        stride_vb, stride_vh, stride_vt, stride_bt,
         stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, k_alpha, k_beta, k_gamma, zero_rt, ring,
+        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, ring,
         HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr,
         D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -100,10 +148,8 @@ def _prefill_kernel(
         VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
         VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
-        RAW_BF16: tl.constexpr,
-        KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
-        NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
-        BLOCK_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        RAW_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        INTERP: tl.constexpr):
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
@@ -123,180 +169,74 @@ def _prefill_kernel(
     lo_first = _window_lo(hist + first_tok, ring, BLOCK_WINDOW)  # lo grows with the token: the tile's bounds
     lo_last = _window_lo(hist + last_tok, ring, BLOCK_WINDOW)
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+    KQ_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
 
-    # ---- constants the fast planes add, per row: alpha * sum(Pi q) and sum(S q). The query chunks
-    # themselves are re-read (L1) and scaled inside the tile loop, so no operand tile stays live in
-    # registers across it (register pressure, not bandwidth, limits this kernel).
-    kc = tl.arange(0, KCWP)
-    sc = tl.arange(0, CHP)
-    kadd = tl.zeros([BLOCK_M], tl.float32)
-    ssub = tl.zeros([BLOCK_M], tl.float32)
-    if FAST_K:
-        for c in tl.static_range(KCH):
-            kadd += k_alpha * tl.sum(_qchunk(qt_ptr, qrow, rmask, c * KCW, KCW, kc, QW, D, 1.0), 1)
+    # the transformed query (Pi q, and S q for prod keys), loaded once as tensor-core operands
+    j = tl.arange(0, DP)[None, :]
+    qmask = rmask[:, None] & (j < D)
+    qk = tl.load(qt_ptr + qrow[:, None] * QW + j, mask=qmask, other=0.0).to(KQ_T)
     if KEY_MODE == K_PROD:
-        for c in tl.static_range(8):
-            ssub += tl.sum(_qchunk(qt_ptr, qrow, rmask, D + c * CH, CH, sc, QW, 2 * D, 1.0), 1)
-
-    vu = tl.arange(0, VSUBP)
-    ng = tl.arange(0, NGP)
-    zacc = tl.zeros([BLOCK_M, NGP], tl.float32)  # fast path: sum_n p * zero[n, group]
-    acc = ()
-    for i in tl.static_range(VCH * VSC):
-        acc = acc + (tl.zeros([BLOCK_M, VSUBP], tl.float32),)
+        qs = tl.load(qt_ptr + qrow[:, None] * QW + D + j, mask=qmask, other=0.0).to(tl.float16)
+    else:
+        qs = qk
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
 
-    # ---- compressed tokens (history and, past the window, the chunk: the pages hold both), BLOCK_N per tile
-    # (tiles are loaded [bytes, tokens]: B operands)
-    head_off = h.to(tl.int64) * page_bytes
+    # ---- compressed tokens (history and, past the window, the chunk: the pages hold both): tiles every row reads
+    # whole, then the tiles at the window edge (masked)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    head_off = h.to(tl.int64) * PB
     cend = tl.maximum(lo_last, 0)
-    for n0 in range(0, cend, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < cend
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
-        page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
-        off = n % BS
-        if KEY_MODE == K_RAW:
-            kraw = tl.load((page + OFF_KRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + kc[:, None],
-                           mask=nmask[None, :] & (kc[:, None] < D), other=0.0)
-            q0 = _qchunk(qt_ptr, qrow, rmask, 0, D, kc, QW, D, 1.0).to(RAW_T)
-            s = mma(q0, kraw, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERP)
-        else:
-            kptr = (page + OFF_KIDX + off * (CH * KB))[None, :] + kc[:, None]
-            kmask = nmask[None, :] & (kc[:, None] < KCW)
-            if KW1 == 0:
-                xk = tl.load(kptr, mask=kmask, other=0)
-            s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for c in tl.static_range(KCH):
-                qc = _qchunk(qt_ptr, qrow, rmask, c * KCW, KCW, kc, QW, D, 1.0)
-                if FAST_K:
-                    s = mma((qc * (k_beta / (1 << (KB * c)))).to(tl.float16),
-                            subnormal16(xk & (((1 << KB) - 1) << (KB * c))), s, INTERP)
-                    if K_HIGH:
-                        s = mma((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16), subnormal16(xk & (2 << (2 * c))),
-                                s, INTERP)
-                else:
-                    if KW1 == 0:
-                        code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
-                    else:
-                        code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
-                    s = mma(qc.to(tl.float16), centroid_lookup(code, cb_ptr, KB, 0), s, INTERP)
-            if FAST_K:
-                s = s * TWO24 + kadd[:, None]
-            if NORM_F32:
-                knorm = tl.load((page + OFF_KNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
-            else:
-                knorm = tl.load((page + OFF_KNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                other=0.0).to(tl.float32)
-            s = s * knorm[None, :]
-            if KEY_MODE == K_PROD:
-                xs = tl.load((page + OFF_KSGN + off * CH)[None, :] + sc[:, None],
-                             mask=nmask[None, :] & (sc[:, None] < CH), other=0)
-                sq = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for c in tl.static_range(8):
-                    qsc = _qchunk(qt_ptr, qrow, rmask, D + c * CH, CH, sc, QW, 2 * D, 2.0 / (1 << c))
-                    sq = mma(qsc.to(tl.float16), subnormal16(xs & (1 << c)), sq, INTERP)
-                if NORM_F32:
-                    rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
-                                    other=0.0)
-                else:
-                    rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                    other=0.0).to(tl.float32)
-                s = s + (sq * TWO24 - ssub[:, None]) * (qjl_scale * rnorm)[None, :]
-        s = tl.where(nmask[None, :] & (n[None, :] < lo[:, None]), s, float("-inf"))
-        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
-        if VAL_MODE == V_RAW:
-            vraw = tl.load((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + vu[None, :],
-                           mask=nmask[:, None] & (vu[None, :] < D), other=0.0)
-            acc = (mma(p.to(RAW_T), vraw, acc[0] * alpha[:, None], INTERP),)
-        else:
-            p16 = p.to(tl.float16)
-            vrow = page + OFF_VCODES + off * (CH * VB)
-            srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-            zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-            xvs = ()
-            if VW1 == 0:
-                for j in tl.static_range(VSC):
-                    xvs = xvs + (tl.load(vrow[:, None] + (j * VSUB + vu)[None, :],
-                                         mask=nmask[:, None] & (vu[None, :] < VSUB), other=0),)
-            else:
-                for j in tl.static_range(VSC):
-                    xvs = xvs + (0,)
-            new_acc = ()
-            for c in tl.static_range(VCH):
-                for j in tl.static_range(VSC):
-                    vptr = vrow[:, None] + (j * VSUB + vu)[None, :]
-                    vmask = nmask[:, None] & (vu[None, :] < VSUB)
-                    if FAST_V:  # per-token scale folded into P, codes as subnormal planes, zeros via zacc
-                        grp = (c * VCW + j * VSUB) // GROUP
-                        vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)
-                        w = (p * vs[None, :]).to(tl.float16)
-                        tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, CH, VCW, VB, VW0, VW1, VW2,
-                                                 False, INTERP)
-                        new_acc = new_acc + (acc[c * VSC + j] * alpha[:, None] + tile,)
-                    else:
-                        if VW1 == 0:
-                            code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
-                        else:
-                            code = chunk_codes(vptr, vmask, c, CH, VCW // CH, VW0, VW1, VW2)
-                        if GROUP % VSUB == 0:
-                            grp = (c * VCW + j * VSUB) // GROUP
-                            vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                            vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[:, None]
-                        else:
-                            grp = tl.minimum((c * VCW + j * VSUB + vu) // GROUP, NG - 1)
-                            vs = tl.load(srow[:, None] + grp[None, :], mask=vmask, other=0.0).to(tl.float32)
-                            vz = tl.load(zrow[:, None] + grp[None, :], mask=vmask, other=0.0).to(tl.float32)
-                        v = (code.to(tl.float32) * vs + vz).to(tl.float16)
-                        new_acc = new_acc + (mma(p16, v, acc[c * VSC + j] * alpha[:, None], INTERP),)
-            acc = new_acc
-            if FAST_V:
-                zt = tl.load(zrow[:, None] + ng[None, :], mask=nmask[:, None] & (ng[None, :] < NG), other=0.0)
-                zacc = zacc * alpha[:, None] + mma(p16, zt, tl.zeros([BLOCK_M, NGP], tl.float32) + zero_rt, INTERP)
+    cfull = tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(0, cfull, BLOCK_N):
+        acc, m_i, l_i = _compressed_tile(
+            n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale, HKV, D, DP, CH, BS,
+            PB, KEY_MODE, KB, KW0, KW1, KW2, OFF_KIDX, OFF_KSGN, OFF_KNORM, OFF_KRNORM, OFF_KRAW, NORM_F32, VAL_MODE,
+            VW0, VW1, VW2, VB, GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, OFF_VRAW, RAW_BF16, False, BLOCK_N, INTERP)
+    for n0 in range(cfull, cend, BLOCK_N):
+        acc, m_i, l_i = _compressed_tile(
+            n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale, HKV, D, DP, CH, BS,
+            PB, KEY_MODE, KB, KW0, KW1, KW2, OFF_KIDX, OFF_KSGN, OFF_KNORM, OFF_KRNORM, OFF_KRAW, NORM_F32, VAL_MODE,
+            VW0, VW1, VW2, VB, GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, OFF_VRAW, RAW_BF16, True, BLOCK_N, INTERP)
 
     # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
-    d = tl.arange(0, DP)
     qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
-                    + tok[:, None].to(tl.int64) * stride_qt + d[None, :],
-                    mask=rmask[:, None] & (d[None, :] < D), other=0.0).to(tl.float32) * scale_log2
+                    + tok[:, None].to(tl.int64) * stride_qt + j, mask=qmask, other=0.0).to(tl.float32) * scale_log2
             ).to(rk_ptr.dtype.element_ty)
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
     ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
-    acc, zacc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
-                                      rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                                      stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
-                                      qraw, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
-                                      D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
+    acc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+                                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+                                stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
+                                qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
     t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
-    acc, zacc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                                      v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                                      stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
-                                      qraw, acc, zacc, m_i, l_i, rk_ptr, rv_ptr,
-                                      D, DP, VCW, VCH, VSUB, VSUBP, VSC, VB, FAST_V, VW1 == 0, BLOCK_N, INTERP)
+    acc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+                                v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+                                stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
+                                qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    for c in tl.static_range(VCH):
-        for j in tl.static_range(VSC):
-            col = c * VCW + j * VSUB + vu
-            optr = (out_ptr + b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
-                    + tok[:, None].to(tl.int64) * stride_ot + col[None, :])
-            o = acc[c * VSC + j]
-            if FAST_V:
-                grp = (c * VCW + j * VSUB) // GROUP
-                o = o * (TWO24 / (1 << (c * VB * (VW1 == 0)))) + tl.sum(tl.where(ng[None, :] == grp, zacc, 0.0), 1)[:, None]
-            tl.store(optr, (o * inv[:, None]).to(out_ptr.dtype.element_ty),
-                     mask=rmask[:, None] & (vu[None, :] < VSUB) & (col[None, :] < D))
+    optr = (out_ptr + b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
+            + tok[:, None].to(tl.int64) * stride_ot + j)
+    tl.store(optr, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
 
-BLOCK_M = 32  # M < 64 keeps Triton on mma.sync (wgmma + heavy register use miscomputed on the H200, run 1)
-BLOCK_N = 64
+BLOCK_N = 64  # H200 run 7: 32 was 20 % slower (11.5 vs 9.5 ms, chunk 2048 over 32k, 32/8)
+NUM_WARPS = 8  # 64-row warp groups: Triton emits wgmma on sm_90
+NUM_STAGES = 1  # H200 run 7: 8.0 / 8.4 ms vs 9.5 / 9.5 ms with 2 stages (32/8, 28/4); 3 stages 9.6 ms
+
+
+def default_block_m(head_dim: int) -> int:
+    """Rows per program: 128 (two 64-row warp groups) up to head_dim 128, 64 beyond (the fp32 accumulator
+    [BLOCK_M, D] must stay in registers)."""
+    return 128 if head_dim <= 128 else 64
 
 
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                     softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
-                    block_m: int = BLOCK_M, block_n: int = BLOCK_N, num_warps: int = 4,
-                    num_stages: int = 2, fold_values: bool = True) -> torch.Tensor:
+                    block_m: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
+                    num_stages: int = NUM_STAGES) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
     rule; ``kv.pages`` already hold the chunk's compressed tokens)."""
     cuda_or_interpreter(q)
@@ -328,21 +268,14 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     ring = rk.shape[2]  # the window R: positions older than exact_start(p) are read compressed
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
-    vsub, vsc = value_subchunks(spec)
-    fast_k, k_high = fast_key_planes(spec, consts)
-    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0
-    ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
+    block_m = block_m or default_block_m(d)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
     _prefill_kernel[grid](
         qt, q, k, v, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
         consts["codebook"], out, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), kv.block_table.stride(0), spec.PB,
+        v.stride(0), v.stride(1), v.stride(2), kv.block_table.stride(0),
         rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ka, kb_, kg, 0.0, ring,
-        HKV=hkv, G=g, QW=qt.shape[1], **spec_kw,
-        KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
-        VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-        FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, BLOCK_WINDOW=kv.layout.fmt.block_window and ring > 0,
+        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ring,
+        HKV=hkv, G=g, QW=qt.shape[1], **spec_kw, BLOCK_WINDOW=kv.layout.fmt.block_window and ring > 0,
         BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
-
