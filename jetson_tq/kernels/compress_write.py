@@ -27,6 +27,7 @@ from ._common import INTERPRET, KEY_RAW, PageSpec, codec_constants, cuda_or_inte
 from ._tiles import K_PROD, K_RAW, V_RAW, column_chunk, fwht_rows, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
+ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
 
 
 @triton.jit
@@ -56,10 +57,28 @@ def _dot3(a_hi, a_lo, m_hi_ptr, m_lo_ptr, rows, d, mask, D: tl.constexpr, acc, I
 
 
 @triton.jit
-def _round_half_even(x):
-    r = tl.floor(x + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+def _count_symmetric(acc, rs, bnd_ptr, KB: tl.constexpr):
+    """torch.bucketize(acc / rs, bounds) for a codebook symmetric about 0 (bounds[m] = 0, bounds[m + j] = -bounds[m - j]):
+    count the 2^(KB-1) - 1 positive bounds (times rs, per row) below |acc| and mirror by the sign. Differs from the
+    division only where acc / rs is within rounding of a bound (ties, which the tests allow)."""
+    HALF: tl.constexpr = (1 << (KB - 1)) - 1
+    mag = tl.abs(acc)
+    cnt = tl.zeros(acc.shape, tl.int32)
+    for j in tl.static_range(HALF):
+        cnt += (mag > (tl.load(bnd_ptr + HALF + 1 + j) * rs)[:, None]).to(tl.int32)
+    return tl.where(acc > 0, HALF + 1 + cnt, HALF - cnt)
+
+
+@triton.constexpr_function
+def _whole_chunk(c, gi, CW, CWP, GROUP, D):
+    """Value chunk c lies inside group gi with no padding columns (no masks needed); compile-time."""
+    return CW == CWP and gi * GROUP <= c * CW and (c + 1) * CW <= min((gi + 1) * GROUP, D)
+
+
+@triton.constexpr_function
+def _overlaps(c, gi, CW, GROUP):
+    """Value chunk c has columns of group gi; compile-time."""
+    return c * CW < (gi + 1) * GROUP and (c + 1) * CW > gi * GROUP
 
 
 @triton.jit
@@ -90,7 +109,7 @@ def _store_packed(codes, ptrs, mask, CH: tl.constexpr, CW: tl.constexpr, NCH: tl
 @triton.jit
 def _compress_write_kernel(
         k_ptr, v_ptr, slot_ptr, pages_ptr, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
-        cb_ptr, bnd_ptr, hs_ptr, sqrt_d,
+        cb_ptr, bnd_ptr, hs_ptr, mt_ptr, sqrt_d,
         n_tokens, stride_kt, stride_kh, stride_vt, stride_vh, page_bytes,
         HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -101,8 +120,8 @@ def _compress_write_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
-        SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, BLOCK_T: tl.constexpr,
-        INTERP: tl.constexpr):
+        SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, SIGN_MMA: tl.constexpr,
+        SYM_COUNT: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
@@ -118,23 +137,29 @@ def _compress_write_kernel(
     NB: tl.constexpr = 4 if NORM_F32 else 2
 
     # ---------------------------------------------------------------- keys
-    k = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0).to(tl.float32)
+    kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
+    k = kin.to(tl.float32)
     if KEY_MODE == K_RAW:
         tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], k.to(RAW_T),
                  mask=dmask)
     else:
         nrm = tl.sqrt_rn(tl.sum(k * k, 1))
-        if HADAMARD:
-            unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
-            # Pi u = H (s * u) / sqrt(D): butterflies in registers, in the reference's order and rounding
-            rot = tl.math.div_rn(fwht_rows(unit * tl.load(hs_ptr + d)[None, :], BLOCK_T, DP, LOG2D),
-                                 tl.zeros([BLOCK_T, DP], tl.float32) + sqrt_d)
-        else:
-            unit = k / tl.maximum(nrm, TINY)[:, None]
-        u_hi = unit.to(tl.float16)
-        u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
-        # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
-        r2 = tl.sum(unit * unit, 1)
+        if SIGN_MMA != 1 or KEY_MODE == K_PROD:
+            if HADAMARD:
+                unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
+                # Pi u = H (s * u) / sqrt(D): butterflies in registers, in the reference's order and rounding
+                rot = tl.math.div_rn(fwht_rows(unit * tl.load(hs_ptr + d)[None, :], BLOCK_T, DP, LOG2D),
+                                     tl.zeros([BLOCK_T, DP], tl.float32) + sqrt_d)
+            else:
+                unit = k / tl.maximum(nrm, TINY)[:, None]
+            u_hi = unit.to(tl.float16)
+            u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
+            # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
+            r2 = tl.sum(unit * unit, 1)
+        if SIGN_MMA == 1:
+            rs = nrm * sqrt_d  # (k . M_i) / rs = (Pi u)_i, M = sqrt(D) Pi = H diag(s) (entries +-1, exact in k's dtype)
+        elif SIGN_MMA == 2:
+            rs = tl.zeros_like(nrm) + sqrt_d  # fp32 input: the unit vector split hi + lo, each product exact
         kc = tl.arange(0, KCWP)
         codes = ()
         cents = ()
@@ -143,20 +168,35 @@ def _compress_write_kernel(
         for c in tl.static_range(KCH):
             row = c * KCW + kc  # rows of Pi that give this chunk's rotated coordinates (planar chunk c)
             inside = (kc[None, :] < KCW) & (row[None, :] < D)
-            if HADAMARD:
-                y = column_chunk(rot, c, BLOCK_T, KCH, KCW)
+            if SIGN_MMA > 0:
+                m = tl.load(mt_ptr + d[:, None] * D + row[None, :], mask=(kc[None, :] < KCW) & (row[None, :] < D),
+                            other=0.0)
+                if SIGN_MMA == 1:
+                    acc = mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+                else:
+                    acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP), INTERP)
+                if SYM_COUNT:
+                    code = _count_symmetric(acc, rs, bnd_ptr, KB)
+                else:
+                    code = _bucketize(acc * (1.0 / tl.maximum(rs, TINY))[:, None], bnd_ptr, KB)
+                if KEY_MODE == K_PROD:
+                    y = acc * (1.0 / tl.maximum(rs, TINY))[:, None]
             else:
-                y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
-                          (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
-                          tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
-            code = tl.where(inside, _bucketize(y, bnd_ptr, KB), 0)  # padding coordinates pack as 0
-            cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
-            r2 += tl.sum(cent * (cent - 2.0 * y), 1)
+                if HADAMARD:
+                    y = column_chunk(rot, c, BLOCK_T, KCH, KCW)
+                else:
+                    y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
+                              (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
+                              tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+                code = _bucketize(y, bnd_ptr, KB)
+            code = tl.where(inside, code, 0)  # padding coordinates pack as 0
             if KW1 == 0:
                 kbyte |= code << (c * KW0)
             else:
                 codes = codes + (code,)
             if KEY_MODE == K_PROD:
+                cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
+                r2 += tl.sum(cent * (cent - 2.0 * y), 1)
                 c_hi = cent.to(tl.float16)
                 cents = cents + (c_hi,)
                 if SPLIT_SKETCH:
@@ -200,44 +240,58 @@ def _compress_write_kernel(
             tl.store((page + OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
 
     # ---------------------------------------------------------------- values
-    v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0).to(tl.float32)
     if VAL_MODE == V_RAW:
+        v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0)
         tl.store((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], v.to(RAW_T),
                  mask=dmask)
     else:
         LEVELS: tl.constexpr = (1 << VB) - 1
-        grp_of = d // GROUP
-        scales = ()
-        zeros = ()
+        vc = tl.arange(0, VCWP)
+        vt = ()  # the value tile as VCH chunk tiles [T, VCWP] (the packing's chunks: no re-layout)
+        for c in tl.static_range(VCH):
+            col = c * VCW + vc
+            vt = vt + (tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :],
+                               mask=valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D), other=0.0).to(tl.float32),)
+        inv = ()
+        zinv = ()
         srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
         zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
         for gi in tl.static_range(NG):
-            ing = (grp_of[None, :] == gi) & (d[None, :] < D)
-            lo = tl.min(tl.where(ing, v, float("inf")), 1)
-            hi = tl.max(tl.where(ing, v, float("-inf")), 1)
-            zero = lo.to(tl.float16)
-            scale = tl.math.div_rn(hi - zero.to(tl.float32), tl.zeros_like(hi) + LEVELS).to(tl.float16)
+            lo2 = tl.full([BLOCK_T, VCWP], float("inf"), tl.float32)
+            hi2 = tl.full([BLOCK_T, VCWP], float("-inf"), tl.float32)
+            for c in tl.static_range(VCH):
+                if _whole_chunk(c, gi, VCW, VCWP, GROUP, D):
+                    lo2 = tl.minimum(lo2, vt[c])
+                    hi2 = tl.maximum(hi2, vt[c])
+                elif _overlaps(c, gi, VCW, GROUP):
+                    col = c * VCW + vc
+                    ing = ((col // GROUP == gi) & (vc < VCW) & (col < D))[None, :]
+                    lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")))
+                    hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")))
+            zero = tl.min(lo2, 1).to(tl.float16)
+            scale = tl.math.div_rn(tl.max(hi2, 1) - zero.to(tl.float32), tl.zeros([BLOCK_T], tl.float32) + LEVELS)
+            scale = scale.to(tl.float16)
             tl.store(srow + gi, scale, mask=valid)
             tl.store(zrow + gi, zero, mask=valid)
-            scales = scales + (scale.to(tl.float32),)
-            zeros = zeros + (zero.to(tl.float32),)
-        vc = tl.arange(0, VCWP)
+            r = 1.0 / tl.where(scale > 0, scale.to(tl.float32), 1.0)  # the reference divides by the scale (1 if 0)
+            inv = inv + (r,)
+            zinv = zinv + (zero.to(tl.float32) * r,)
         vcodes = ()
         for c in tl.static_range(VCH):
             col = c * VCW + vc
-            cmask = valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D)
-            vv = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask,
-                         other=0.0).to(tl.float32)
-            cg = col // GROUP
-            sc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
-            zc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
-            for gi in tl.static_range(NG):
-                sc2 = tl.where(cg[None, :] == gi, scales[gi][:, None], sc2)
-                zc2 = tl.where(cg[None, :] == gi, zeros[gi][:, None], zc2)
-            safe = tl.where(sc2 > 0, sc2, 1.0)
-            qv = _round_half_even(tl.math.div_rn(vv - zc2, safe))
-            qv = tl.minimum(tl.maximum(qv, 0.0), LEVELS)
-            vcodes = vcodes + (tl.where(cmask, qv, 0.0).to(tl.int32),)
+            if _whole_chunk(c, (c * VCW) // GROUP, VCW, VCWP, GROUP, D):
+                pos = vt[c] * inv[(c * VCW) // GROUP][:, None] - zinv[(c * VCW) // GROUP][:, None]
+            else:
+                cg = (col // GROUP)[None, :]
+                r2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
+                z2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
+                for gi in tl.static_range(NG):
+                    r2d = tl.where(cg == gi, inv[gi][:, None], r2d)
+                    z2d = tl.where(cg == gi, zinv[gi][:, None], z2d)
+                pos = vt[c] * r2d - z2d
+            pos = tl.minimum(tl.maximum(pos, 0.0), LEVELS)
+            q = (pos + ROUND_MAGIC).to(tl.int32, bitcast=True) & LEVELS  # + 1.5 * 2^23 rounds half to even
+            vcodes = vcodes + (tl.where(((vc < VCW) & (col < D))[None, :], q, 0),)
         _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
                       valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
 
@@ -254,17 +308,19 @@ def default_block_t(head_dim: int) -> int:
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                    layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True, fast_rotation: bool = False) -> None:
+                   exact_signs: bool = True, fast_rotation: bool = False, sign_mma: bool = True) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
     ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
     faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
     ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory.
+    ``sign_mma`` (Hadamard rotations): rotate with one tensor-core product of k in its own dtype and the +-1
+    matrix sqrt(D) Pi (exact products, fp32 sums) and compare against the boundaries times sqrt(D) ||k||;
+    ``sign_mma=False`` is the dense hi+lo split products of the unit vector (what every other rotation uses).
     ``fast_rotation=True`` rotates a Hadamard rotation in registers with a fast Walsh-Hadamard transform
-    (bit-identical to the codec's rotation) instead of the dense split products; on the H200 it was slower
-    (597 vs 333 us for 16k tokens of mse_k4v3u, run 5: Triton moves the tile through shared memory at every
-    butterfly stage), so the dense products stay the default (docs/benchmarks.md).
+    (bit-identical to the codec's rotation); on the H200 it was slower (597 vs 333 us for 16k tokens of
+    mse_k4v3u, run 5: Triton moves the tile through shared memory at every butterfly stage).
     """
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
@@ -284,17 +340,19 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    setup = _SETUPS.get((id(codec), layout.block_size, k.device, exact_signs, num_warps, fast_rotation))
+    opts = (id(codec), layout.block_size, k.device, k.dtype, exact_signs, num_warps, fast_rotation, sign_mma)
+    setup = _SETUPS.get(opts)
     if setup is None or setup[0] is not codec:
-        setup = _setup(codec, layout, k.device, exact_signs, num_warps, fast_rotation)
-    _, consts, kw, sqrt_d, key = setup
+        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, exact_signs, num_warps, fast_rotation,
+                                       sign_mma)
+    _, consts, signs, kw, sqrt_d, key = setup
     chosen = block_t is None
     block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
     while True:
         try:
             _LAUNCH((triton.cdiv(n, block_t), pages.shape[1]),
                     (k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"], consts["hsigns"],
-                     sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
+                     signs, sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
                     {**kw, "HKV": pages.shape[1], "BLOCK_T": block_t}, key + (pages.shape[1], block_t),
                     num_warps=num_warps)
             break
@@ -310,27 +368,45 @@ _LAUNCH = FastLauncher(_compress_write_kernel)
 _SETUPS: dict = {}
 
 
-def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, exact_signs: bool, num_warps: int,
-           fast_rotation: bool) -> tuple:
-    """(codec, device constants, constexprs, sqrt(D) as fp32, fitted-tile key) of one write configuration, cached."""
+def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, exact_signs: bool,
+           num_warps: int, fast_rotation: bool, sign_mma: bool) -> tuple:
+    """(codec, device constants, sign matrix, constexprs, sqrt(D) as fp32, fitted-tile key) of one write
+    configuration (cached by the caller)."""
     spec = PageSpec.of(layout, codec.raw_dtype)
     consts = codec_constants(codec, device)
-    hadamard = hadamard_rotation(spec, codec) and fast_rotation
+    hadamard = hadamard_rotation(spec, codec)
+    fwht = hadamard and fast_rotation
+    sign_mode = 0 if fwht or not sign_mma or not hadamard else 1 if dtype != torch.float32 else 2
+    signs = _sign_matrix_t(codec, device, torch.float16 if dtype == torch.float32 else dtype) if sign_mode else \
+        consts["hsigns"]
     sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
     kw = spec.constexprs()
     kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
-              SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=hadamard, LOG2D=spec.DP.bit_length() - 1,
-              INTERP=INTERPRET)
-    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, hadamard)
-    setup = (codec, consts, kw, sqrt_d, key)
-    _SETUPS[(id(codec), layout.block_size, device, exact_signs, num_warps, fast_rotation)] = setup
-    return setup
+              SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=fwht, LOG2D=spec.DP.bit_length() - 1,
+              SIGN_MMA=sign_mode, SYM_COUNT=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), INTERP=INTERPRET)
+    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode)
+    return codec, consts, signs, kw, sqrt_d, key
 
+
+def _sign_matrix_t(codec: KVCodec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(sqrt(D) Pi)^T = (H diag(s))^T of a Hadamard rotation: entries +-1, exact in fp16 and bf16."""
+    d = codec.head_dim
+    m = (codec.key_rotation.matrix64() * math.sqrt(d)).round()
+    if not bool((m.abs() == 1).all()):
+        raise AssertionError("a Hadamard rotation times sqrt(D) has +-1 entries")
+    return m.T.contiguous().to(device=device, dtype=dtype)
+
+
+def _symmetric(bounds: torch.Tensor) -> bool:
+    """True when the decision boundaries mirror about an exact 0 (every Lloyd-Max and uniform codebook)."""
+    b = bounds.cpu()
+    return b.numel() % 2 == 1 and bool(b[b.numel() // 2] == 0) and torch.equal(b, -b.flip(0))
 
 
 def hadamard_rotation(spec: PageSpec, codec: KVCodec) -> bool:
-    """True when keys are rotated in registers (randomized Hadamard, D a power of two whose key chunks are
-    whole power-of-two tiles); otherwise the kernel rotates with the dense hi+lo split products."""
+    """True when keys are rotated by a randomized Hadamard matrix (D a power of two whose key chunks are whole
+    power-of-two tiles): the sign-matrix product or the in-register FWHT apply; otherwise the kernel rotates
+    with the dense hi+lo split products."""
     rot = codec.key_rotation
     return (spec.KEY_MODE != KEY_RAW and rot is not None and rot.kind == "hadamard" and spec.D == spec.DP
             and spec.KCW == next_pow2(spec.KCW) and spec.KCW >= 16)
