@@ -57,16 +57,18 @@ def _dot3(a_hi, a_lo, m_hi_ptr, m_lo_ptr, rows, d, mask, D: tl.constexpr, acc, I
 
 
 @triton.jit
-def _count_symmetric(acc, rs, bnd_ptr, KB: tl.constexpr):
-    """torch.bucketize(acc / rs, bounds) for a codebook symmetric about 0 (bounds[m] = 0, bounds[m + j] = -bounds[m - j]):
-    count the 2^(KB-1) - 1 positive bounds (times rs, per row) below |acc| and mirror by the sign. Differs from the
-    division only where acc / rs is within rounding of a bound (ties, which the tests allow)."""
+def _search_symmetric(acc, rs, bnd_ptr, KB: tl.constexpr):
+    """torch.bucketize(acc / rs, bounds) for a codebook symmetric about 0 (bounds[m] = 0, bounds[m + j] =
+    -bounds[m - j]): count the 2^(KB-1) - 1 positive bounds times rs (per row) below |acc| and mirror by the sign.
+    Differs from the division only where acc / rs is within rounding of a bound (ties, which the tests allow).
+    The count is a float sum of 1.0/0.0 compares (FSET.BF + FADD per bound on sm_90; integer counts and a binary
+    search compiled to predicate moves, 3 or more instructions per bound)."""
     HALF: tl.constexpr = (1 << (KB - 1)) - 1
     mag = tl.abs(acc)
-    cnt = tl.zeros(acc.shape, tl.int32)
+    cf = tl.zeros(acc.shape, tl.float32)
     for j in tl.static_range(HALF):
-        cnt += (mag > (tl.load(bnd_ptr + HALF + 1 + j) * rs)[:, None]).to(tl.int32)
-    return tl.where(acc > 0, HALF + 1 + cnt, HALF - cnt)
+        cf += tl.where(mag > (tl.load(bnd_ptr + HALF + 1 + j) * rs)[:, None], 1.0, 0.0)
+    return cf.to(tl.int32) ^ tl.where(acc > 0, HALF + 1, HALF)  # HALF - count below 0, HALF + 1 + count above
 
 
 @triton.constexpr_function
@@ -121,7 +123,7 @@ def _compress_write_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
         SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, SIGN_MMA: tl.constexpr,
-        SYM_COUNT: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        SYM_SEARCH: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
@@ -135,6 +137,7 @@ def _compress_write_kernel(
     RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
     NORM_T: tl.constexpr = tl.float32 if NORM_F32 else tl.float16
     NB: tl.constexpr = 4 if NORM_F32 else 2
+    KFULL: tl.constexpr = KCW == KCWP and KCH * KCW == D  # every key chunk column is a coordinate (no padding)
 
     # ---------------------------------------------------------------- keys
     kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
@@ -175,8 +178,8 @@ def _compress_write_kernel(
                     acc = mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
                 else:
                     acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP), INTERP)
-                if SYM_COUNT:
-                    code = _count_symmetric(acc, rs, bnd_ptr, KB)
+                if SYM_SEARCH:
+                    code = _search_symmetric(acc, rs, bnd_ptr, KB)
                 else:
                     code = _bucketize(acc * (1.0 / tl.maximum(rs, TINY))[:, None], bnd_ptr, KB)
                 if KEY_MODE == K_PROD:
@@ -189,7 +192,8 @@ def _compress_write_kernel(
                               (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
                               tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
                 code = _bucketize(y, bnd_ptr, KB)
-            code = tl.where(inside, code, 0)  # padding coordinates pack as 0
+            if not KFULL:
+                code = tl.where(inside, code, 0)  # padding coordinates pack as 0
             if KW1 == 0:
                 kbyte |= code << (c * KW0)
             else:
@@ -383,7 +387,7 @@ def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: tor
     kw = spec.constexprs()
     kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
               SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=fwht, LOG2D=spec.DP.bit_length() - 1,
-              SIGN_MMA=sign_mode, SYM_COUNT=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), INTERP=INTERPRET)
+              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), INTERP=INTERPRET)
     key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode)
     return codec, consts, signs, kw, sqrt_d, key
 
