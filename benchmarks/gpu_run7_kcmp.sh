@@ -13,14 +13,14 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 BASE=(); [ -f baseline/compress_write_9fdc709.py ] && BASE=(--baseline baseline/compress_write_9fdc709.py)
 log "compress-on-write, mse_k4v3 (default preset), D=128, 8 KV heads"
-timeout 40 python3 benchmarks/bench_compress.py --format mse_k4v3 --tokens 16384,2048 --slots random,blocks \
+timeout 50 python3 benchmarks/bench_compress.py --format mse_k4v3 --tokens 16384,2048 --slots random,blocks \
   "${BASE[@]}" --json "$OUT/compress_mse_k4v3.json" > "$OUT/compress_mse_k4v3.log" 2>&1
 echo "bench rc=$?"
 grep -E "^\| (variant|copy|baseline|default|sign|block|ref)|copy bandwidth|Error|error" "$OUT/compress_mse_k4v3.log" | \
   cut -d'|' -f2-7,9 | head -40
 log "kernel tests: compress + append (8 xdist workers)"
 PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 8)
-timeout 42 python3 -m pytest tests/test_kernels_compress.py tests/test_kernels_append.py -q "${PAR[@]}" \
+timeout 30 python3 -m pytest tests/test_kernels_compress.py tests/test_kernels_append.py -q "${PAR[@]}" \
   -p no:cacheprovider --durations=8 > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"
 grep -v PytestBenchmarkWarning "$OUT/tests.log" | grep -v "warner(" | tail -14
