@@ -312,13 +312,15 @@ def default_block_t(head_dim: int) -> int:
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                    layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True, fast_rotation: bool = False, sign_mma: bool = True) -> None:
+                   exact_signs: bool = True, fast_rotation: bool = False, sign_mma: bool = True,
+                   maxnreg: int | None = None) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
     ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
     faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
-    ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory.
+    ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory;
+    ``maxnreg`` caps the registers per thread (128: two 8-warp programs per SM).
     ``sign_mma`` (Hadamard rotations): rotate with one tensor-core product of k in its own dtype and the +-1
     matrix sqrt(D) Pi (exact products, fp32 sums) and compare against the boundaries times sqrt(D) ||k||;
     ``sign_mma=False`` is the dense hi+lo split products of the unit vector (what every other rotation uses).
@@ -344,7 +346,7 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    opts = (id(codec), layout.block_size, k.device, k.dtype, exact_signs, num_warps, fast_rotation, sign_mma)
+    opts = (id(codec), layout.block_size, k.device, k.dtype, exact_signs, num_warps, fast_rotation, sign_mma, maxnreg)
     setup = _SETUPS.get(opts)
     if setup is None or setup[0] is not codec:
         setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, exact_signs, num_warps, fast_rotation,
@@ -358,7 +360,7 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
                     (k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"], consts["hsigns"],
                      signs, sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
                     {**kw, "HKV": pages.shape[1], "BLOCK_T": block_t}, key + (pages.shape[1], block_t),
-                    num_warps=num_warps)
+                    num_warps=num_warps, maxnreg=maxnreg)
             break
         except OutOfResources:  # raised at compile time, before anything is written
             if block_t <= 16:
