@@ -24,7 +24,7 @@ from ..errors import DTypeError, ShapeError, expect_same_device
 from ..format import PagedLayout
 from ._launch import FastLauncher
 from ._common import INTERPRET, KEY_RAW, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
-from ._tiles import K_PROD, K_RAW, V_RAW, column_chunk, fwht_rows, mma
+from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, column_chunk, fwht_rows, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
@@ -141,12 +141,26 @@ def _compress_write_kernel(
 
     # ---------------------------------------------------------------- keys
     kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
-    k = kin.to(tl.float32)
+    kc = tl.arange(0, KCWP)
     if KEY_MODE == K_RAW:
-        tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], k.to(RAW_T),
+        tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], kin.to(RAW_T),
                  mask=dmask)
     else:
-        nrm = tl.sqrt_rn(tl.sum(k * k, 1))
+        if SIGN_MMA == 1 and KEY_MODE == K_MSE:
+            # every chunk's k . M_i first: ||M k||^2 = D ||k||^2 gives the norm with no fp32 copy of k
+            accs = ()
+            for c in tl.static_range(KCH):
+                row = c * KCW + kc
+                m = tl.load(mt_ptr + d[:, None] * D + row[None, :], mask=(kc[None, :] < KCW) & (row[None, :] < D),
+                            other=0.0)
+                accs = accs + (mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP),)
+            sq = tl.sum(accs[0] * accs[0], 1)
+            for c in tl.static_range(1, KCH):
+                sq += tl.sum(accs[c] * accs[c], 1)
+            nrm = tl.sqrt_rn(sq * (1.0 / D))
+        else:
+            k = kin.to(tl.float32)
+            nrm = tl.sqrt_rn(tl.sum(k * k, 1))
         if SIGN_MMA != 1 or KEY_MODE == K_PROD:
             if HADAMARD:
                 unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
@@ -163,7 +177,6 @@ def _compress_write_kernel(
             rs = nrm * sqrt_d  # (k . M_i) / rs = (Pi u)_i, M = sqrt(D) Pi = H diag(s) (entries +-1, exact in k's dtype)
         elif SIGN_MMA == 2:
             rs = tl.zeros_like(nrm) + sqrt_d  # fp32 input: the unit vector split hi + lo, each product exact
-        kc = tl.arange(0, KCWP)
         codes = ()
         cents = ()
         cents_lo = ()
@@ -172,11 +185,14 @@ def _compress_write_kernel(
             row = c * KCW + kc  # rows of Pi that give this chunk's rotated coordinates (planar chunk c)
             inside = (kc[None, :] < KCW) & (row[None, :] < D)
             if SIGN_MMA > 0:
-                m = tl.load(mt_ptr + d[:, None] * D + row[None, :], mask=(kc[None, :] < KCW) & (row[None, :] < D),
-                            other=0.0)
-                if SIGN_MMA == 1:
-                    acc = mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+                if SIGN_MMA == 1 and KEY_MODE == K_MSE:
+                    acc = accs[c]
                 else:
+                    m = tl.load(mt_ptr + d[:, None] * D + row[None, :], mask=(kc[None, :] < KCW) & (row[None, :] < D),
+                                other=0.0)
+                if SIGN_MMA == 1 and KEY_MODE == K_PROD:
+                    acc = mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+                elif SIGN_MMA == 2:
                     acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP), INTERP)
                 if SYM_SEARCH:
                     code = _search_symmetric(acc, rs, bnd_ptr, KB)
