@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_bench import compress_bench, copy_bandwidth, table  # noqa: E402
 
-VARIANTS = [{}, {"maxnreg": 128}, {"sign_mma": False}, {"block_t": 64, "num_warps": 4},
-            {"block_t": 64, "num_warps": 4, "maxnreg": 96}]
+VARIANTS = [{}, {"sign_mma": False}, {"block_t": 64, "num_warps": 4}, {"block_t": 64, "num_warps": 4, "maxnreg": 96}]
 
 
 def load_baseline(path: str):
