@@ -123,7 +123,7 @@ def _compress_write_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
         SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, SIGN_MMA: tl.constexpr,
-        SYM_SEARCH: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        SYM_SEARCH: tl.constexpr, V_FP16: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
@@ -309,7 +309,9 @@ def _compress_write_kernel(
                     r2d = tl.where(cg == gi, inv[gi][:, None], r2d)
                     z2d = tl.where(cg == gi, zinv[gi][:, None], z2d)
                 pos = vt[c] * r2d - z2d
-            pos = tl.minimum(tl.maximum(pos, 0.0), LEVELS)
+            if not V_FP16:  # fp16 values: zero is their exact minimum, so v - zero >= 0 (no lower clamp)
+                pos = tl.maximum(pos, 0.0)
+            pos = tl.minimum(pos, LEVELS)
             q = (pos + ROUND_MAGIC).to(tl.int32, bitcast=True) & LEVELS  # + 1.5 * 2^23 rounds half to even
             vcodes = vcodes + (tl.where(((vc < VCW) & (col < D))[None, :], q, 0),)
         _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
@@ -362,11 +364,12 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    opts = (id(codec), layout.block_size, k.device, k.dtype, exact_signs, num_warps, fast_rotation, sign_mma, maxnreg)
+    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, exact_signs, num_warps, fast_rotation, sign_mma,
+            maxnreg)
     setup = _SETUPS.get(opts)
     if setup is None or setup[0] is not codec:
-        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, exact_signs, num_warps, fast_rotation,
-                                       sign_mma)
+        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, exact_signs, num_warps,
+                                       fast_rotation, sign_mma)
     _, consts, signs, kw, sqrt_d, key = setup
     chosen = block_t is None
     block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
@@ -390,8 +393,8 @@ _LAUNCH = FastLauncher(_compress_write_kernel)
 _SETUPS: dict = {}
 
 
-def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, exact_signs: bool,
-           num_warps: int, fast_rotation: bool, sign_mma: bool) -> tuple:
+def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, v_dtype: torch.dtype,
+           exact_signs: bool, num_warps: int, fast_rotation: bool, sign_mma: bool) -> tuple:
     """(codec, device constants, sign matrix, constexprs, sqrt(D) as fp32, fitted-tile key) of one write
     configuration (cached by the caller)."""
     spec = PageSpec.of(layout, codec.raw_dtype)
@@ -405,8 +408,9 @@ def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: tor
     kw = spec.constexprs()
     kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
               SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=fwht, LOG2D=spec.DP.bit_length() - 1,
-              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), INTERP=INTERPRET)
-    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode)
+              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FP16=v_dtype == torch.float16,
+              INTERP=INTERPRET)
+    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode, v_dtype == torch.float16)
     return codec, consts, signs, kw, sqrt_d, key
 
 
