@@ -2,16 +2,12 @@
 device copy of the same bytes timed in the same run (% of copy bandwidth).
 
     python benchmarks/bench_compress.py [--format mse_k4v3] [--tokens 16384,2048] [--slots random,blocks]
-        [--baseline path/to/older/compress_write.py] [--variants JSON] [--json out.json]
-
-``--baseline`` loads an older ``compress_write.py`` (e.g. ``git show <commit>:jetson_tq/kernels/compress_write.py``)
-into the package's kernel namespace and times it on the same inputs (old vs new side by side).
+        [--variants JSON] [--no-reference] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -20,20 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_bench import compress_bench, copy_bandwidth, table  # noqa: E402
 
-VARIANTS = [{}, {"sign_mma": False}, {"block_t": 64, "num_warps": 4}, {"block_t": 64, "num_warps": 4, "maxnreg": 96}]
-
-
-def load_baseline(path: str):
-    """``compress_write`` of an older kernel file, loaded as a sibling module of ``jetson_tq.kernels``."""
-    import jetson_tq.kernels  # noqa: F401 (the parent package its relative imports resolve against)
-
-    spec = importlib.util.spec_from_file_location("jetson_tq.kernels._baseline_compress_write", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    mod.compress_write.__module__ = Path(path).stem
-    return mod.compress_write
-
+VARIANTS = [{}, {"fast_write": True}, {"fast_write": True, "block_t": 64, "num_warps": 4}]
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,18 +24,16 @@ if __name__ == "__main__":
     ap.add_argument("--variants", type=json.loads, help="a JSON list of compress_write keyword dicts")
     ap.add_argument("--tokens", default="16384", help="comma-separated tokens per launch")
     ap.add_argument("--slots", default="random", help="comma-separated slot patterns: random, blocks")
-    ap.add_argument("--baseline", help="an older compress_write.py to time beside the current one")
     ap.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference rows")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
-    base = load_baseline(args.baseline) if args.baseline else None
     bw = copy_bandwidth()
     print(f"copy bandwidth (2 GiB device copy, read + write): {bw:.0f} GB/s", flush=True)
     rows = []
     for n in (int(x) for x in args.tokens.split(",")):
         for pattern in args.slots.split(","):
             part = compress_bench(tokens=n, variants=args.variants or VARIANTS, copy_gbps=bw, fmt=args.format,
-                                  slots=pattern, baseline=base, reference=not args.no_reference)
+                                  slots=pattern, reference=not args.no_reference)
             print(table(part), flush=True)
             rows += part
     if args.json:

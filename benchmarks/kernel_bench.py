@@ -249,11 +249,10 @@ def _compress_reference(k, v, slots, pages, layout, codec) -> None:
 
 def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, variants: list[dict] | None = None,
                    copy_gbps: float | None = None, fmt: KVFormat | str | None = None, slots: str = "random",
-                   baseline=None, reference: bool = True) -> list[dict]:
+                   reference: bool = True) -> list[dict]:
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch, next to a device copy of the same
     bytes timed in the same process. ``slots``: ``random`` (every token in a random slot, the run 3-6 setting) or
-    ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes). ``baseline``: another
-    ``compress_write`` function (an older kernel) timed on the same inputs."""
+    ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes)."""
     from jetson_tq.kernels.compress_write import compress_write
 
     dev = _require_cuda()
@@ -285,14 +284,11 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
             for _ in range(_n_sets(io_bytes, cap=8))]
     rows = [row("copy of the same bytes (torch, same run)", _bench([lambda b=b: b[1].copy_(b[0]) for b in bufs]), None)]
     del bufs
-    kernels = [(",".join(f"{a}={b}" for a, b in var.items()) or "default", compress_write, var) for var in variants or [{}]]
-    if baseline is not None:
-        kernels.insert(0, ("baseline (" + getattr(baseline, "__module__", "old") + ")", baseline, {}))
-    for name, fn, var in kernels:
-        fn(k, v, sl, pages, layout, codec, **var)
+    for var in variants or [{}]:
+        compress_write(k, v, sl, pages, layout, codec, **var)
         same = (pages != ref_pages).float().mean().item()
-        fns = [lambda s=s: fn(s[0], s[1], s[2], s[3], layout, codec, **var) for s in sets]
-        rows.append(row(name, _bench(fns), same))
+        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, **var) for s in sets]
+        rows.append(row(",".join(f"{a}={b}" for a, b in var.items()) or "default", _bench(fns), same))
     if reference:
         ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
         rows.append(row("reference (encode + write_slots)", ref_t, 0.0))

@@ -56,12 +56,15 @@ def test_compress_write_fast_rotation(name, d):
     _check(name, d, [200 if GPU else 12], torch.float16, exact_signs=True, fast_rotation=True)
 
 
-@pytest.mark.parametrize("name,d,dtype,sign_mma", [("mse_k4v3", 128, torch.float32, True), ("blog_k3v2", 64, torch.float32, True),
-                                                  ("mse_k4v3", 128, torch.float16, False), ("mse_k3v2", 64, torch.bfloat16, False)])
-def test_compress_write_rotation_paths(name, d, dtype, sign_mma):
-    """Hadamard keys: the sign-matrix product with fp32 input (unit vector split hi + lo), and the dense split
-    products (``sign_mma=False``), against the same reference."""
-    _check(name, d, [300 if GPU else 12], dtype, exact_signs=True, sign_mma=sign_mma)
+FAST = [(*c, dt) for c in (LARGE if GPU else SMALL) for dt in (torch.float16, torch.bfloat16)] + \
+    [(*c, torch.float32) for c in (LARGE if GPU else SMALL) if c[:2] in (("mse_k4v3", 128), ("blog_k3v2", 64))]
+
+
+@pytest.mark.parametrize("name,d,lens,dtype", FAST, ids=[f"{c[0]}-D{c[1]}-{str(c[3])[6:]}" for c in FAST])
+def test_compress_write_fast_write(name, d, lens, dtype):
+    """The opt-in ``fast_write`` path (sign-matrix keys, chunk-tile values) against the same reference; fp32 input
+    (two formats) rotates the unit vector split hi + lo."""
+    _check(name, d, lens, dtype, exact_signs=True, fast_write=True)
 
 
 @pytest.mark.parametrize("d", [64, 128])

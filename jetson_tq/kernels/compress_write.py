@@ -57,6 +57,13 @@ def _dot3(a_hi, a_lo, m_hi_ptr, m_lo_ptr, rows, d, mask, D: tl.constexpr, acc, I
 
 
 @triton.jit
+def _round_half_even(x):
+    r = tl.floor(x + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
 def _search_symmetric(acc, rs, bnd_ptr, KB: tl.constexpr):
     """torch.bucketize(acc / rs, bounds) for a codebook symmetric about 0 (bounds[m] = 0, bounds[m + j] =
     -bounds[m - j]): count the 2^(KB-1) - 1 positive bounds times rs (per row) below |acc| and mirror by the sign.
@@ -132,7 +139,7 @@ def _compress_write_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
         SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, SIGN_MMA: tl.constexpr,
-        SYM_SEARCH: tl.constexpr, V_FP16: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        SYM_SEARCH: tl.constexpr, V_FAST: tl.constexpr, V_FP16: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
@@ -152,8 +159,8 @@ def _compress_write_kernel(
     kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
     kc = tl.arange(0, KCWP)
     if KEY_MODE == K_RAW:
-        tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], kin.to(RAW_T),
-                 mask=dmask)
+        tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
+                 kin.to(tl.float32).to(RAW_T), mask=dmask)
     else:
         if SIGN_MMA == 1 and KEY_MODE == K_MSE:
             # every chunk's k . M_i first: ||M k||^2 = D ||k||^2 gives the norm with no fp32 copy of k
@@ -271,60 +278,124 @@ def _compress_write_kernel(
     # ---------------------------------------------------------------- values
     if VAL_MODE == V_RAW:
         v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0)
-        tl.store((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :], v.to(RAW_T),
-                 mask=dmask)
+        tl.store((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
+                 v.to(tl.float32).to(RAW_T), mask=dmask)
+    elif V_FAST:
+        _values_fast(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D, CH, VB, VW0, VW1, VW2, VCW, VCH,
+                     GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, VCWP, V_FP16, BLOCK_T)
     else:
-        LEVELS: tl.constexpr = (1 << VB) - 1
-        vc = tl.arange(0, VCWP)
-        vt = ()  # the value tile as VCH chunk tiles [T, VCWP] (the packing's chunks: no re-layout)
-        for c in tl.static_range(VCH):
-            col = c * VCW + vc
-            vt = vt + (tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :],
-                               mask=valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D), other=0.0).to(tl.float32),)
-        inv = ()
-        zinv = ()
-        srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-        zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+        _values_exact(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D, DP, CH, VB, VW0, VW1, VW2, VCW, VCH,
+                      GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, VCWP, BLOCK_T)
+
+
+@triton.jit
+def _values_exact(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: tl.constexpr, DP: tl.constexpr,
+                  CH: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
+                  VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+                  OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, VCWP: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    """Group-quantize and store a [BLOCK_T, D] value tile as the reference does it: correctly rounded divisions
+    (the GPU-tested default; ``_values_fast`` is the opt-in rewrite)."""
+    LEVELS: tl.constexpr = (1 << VB) - 1
+    d = tl.arange(0, DP)
+    v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=valid[:, None] & (d[None, :] < D),
+                other=0.0).to(tl.float32)
+    grp_of = d // GROUP
+    scales = ()
+    zeros = ()
+    srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+    zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+    for gi in tl.static_range(NG):
+        ing = (grp_of[None, :] == gi) & (d[None, :] < D)
+        lo = tl.min(tl.where(ing, v, float("inf")), 1)
+        hi = tl.max(tl.where(ing, v, float("-inf")), 1)
+        zero = lo.to(tl.float16)
+        scale = tl.math.div_rn(hi - zero.to(tl.float32), tl.zeros_like(hi) + LEVELS).to(tl.float16)
+        tl.store(srow + gi, scale, mask=valid)
+        tl.store(zrow + gi, zero, mask=valid)
+        scales = scales + (scale.to(tl.float32),)
+        zeros = zeros + (zero.to(tl.float32),)
+    vc = tl.arange(0, VCWP)
+    vcodes = ()
+    for c in tl.static_range(VCH):
+        col = c * VCW + vc
+        cmask = valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D)
+        vv = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask,
+                     other=0.0).to(tl.float32)
+        cg = col // GROUP
+        sc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
+        zc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
         for gi in tl.static_range(NG):
-            lo2 = tl.full([BLOCK_T, VCWP], float("inf"), tl.float32)
-            hi2 = tl.full([BLOCK_T, VCWP], float("-inf"), tl.float32)
-            for c in tl.static_range(VCH):
-                if _whole_chunk(c, gi, VCW, VCWP, GROUP, D):
-                    lo2 = tl.minimum(lo2, vt[c])
-                    hi2 = tl.maximum(hi2, vt[c])
-                elif _overlaps(c, gi, VCW, GROUP):
-                    col = c * VCW + vc
-                    ing = ((col // GROUP == gi) & (vc < VCW) & (col < D))[None, :]
-                    lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")))
-                    hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")))
-            zero = tl.min(lo2, 1).to(tl.float16)
-            scale = tl.math.div_rn(tl.max(hi2, 1) - zero.to(tl.float32), tl.zeros([BLOCK_T], tl.float32) + LEVELS)
-            scale = scale.to(tl.float16)
-            tl.store(srow + gi, scale, mask=valid)
-            tl.store(zrow + gi, zero, mask=valid)
-            r = 1.0 / tl.where(scale > 0, scale.to(tl.float32), 1.0)  # the reference divides by the scale (1 if 0)
-            inv = inv + (r,)
-            zinv = zinv + (zero.to(tl.float32) * r,)
-        vcodes = ()
+            sc2 = tl.where(cg[None, :] == gi, scales[gi][:, None], sc2)
+            zc2 = tl.where(cg[None, :] == gi, zeros[gi][:, None], zc2)
+        safe = tl.where(sc2 > 0, sc2, 1.0)
+        qv = _round_half_even(tl.math.div_rn(vv - zc2, safe))
+        qv = tl.minimum(tl.maximum(qv, 0.0), LEVELS)
+        vcodes = vcodes + (tl.where(cmask, qv, 0.0).to(tl.int32),)
+    _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
+                  valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
+
+
+@triton.jit
+def _values_fast(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: tl.constexpr, CH: tl.constexpr,
+                 VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr, VCW: tl.constexpr,
+                 VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, OFF_VCODES: tl.constexpr,
+                 OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, VCWP: tl.constexpr, V_FP16: tl.constexpr,
+                 BLOCK_T: tl.constexpr):
+    """Group-quantize and store values from the packing's chunk tiles [BLOCK_T, VCWP] (loaded once, no re-layout):
+    min/max across whole chunks, one reciprocal per row and group instead of a division per element, and
+    round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties)."""
+    LEVELS: tl.constexpr = (1 << VB) - 1
+    vc = tl.arange(0, VCWP)
+    vt = ()
+    for c in tl.static_range(VCH):
+        col = c * VCW + vc
+        vt = vt + (tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :],
+                           mask=valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D), other=0.0).to(tl.float32),)
+    inv = ()
+    zinv = ()
+    srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+    zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+    for gi in tl.static_range(NG):
+        lo2 = tl.full([BLOCK_T, VCWP], float("inf"), tl.float32)
+        hi2 = tl.full([BLOCK_T, VCWP], float("-inf"), tl.float32)
         for c in tl.static_range(VCH):
-            col = c * VCW + vc
-            if _whole_chunk(c, (c * VCW) // GROUP, VCW, VCWP, GROUP, D):
-                pos = vt[c] * inv[(c * VCW) // GROUP][:, None] - zinv[(c * VCW) // GROUP][:, None]
-            else:
-                cg = (col // GROUP)[None, :]
-                r2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
-                z2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
-                for gi in tl.static_range(NG):
-                    r2d = tl.where(cg == gi, inv[gi][:, None], r2d)
-                    z2d = tl.where(cg == gi, zinv[gi][:, None], z2d)
-                pos = vt[c] * r2d - z2d
-            if not V_FP16:  # fp16 values: zero is their exact minimum, so v - zero >= 0 (no lower clamp)
-                pos = tl.maximum(pos, 0.0)
-            pos = tl.minimum(pos, LEVELS)
-            q = (pos + ROUND_MAGIC).to(tl.int32, bitcast=True) & LEVELS  # + 1.5 * 2^23 rounds half to even
-            vcodes = vcodes + (tl.where(((vc < VCW) & (col < D))[None, :], q, 0),)
-        _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
-                      valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
+            if _whole_chunk(c, gi, VCW, VCWP, GROUP, D):
+                lo2 = tl.minimum(lo2, vt[c])
+                hi2 = tl.maximum(hi2, vt[c])
+            elif _overlaps(c, gi, VCW, GROUP):
+                col = c * VCW + vc
+                ing = ((col // GROUP == gi) & (vc < VCW) & (col < D))[None, :]
+                lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")))
+                hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")))
+        zero = tl.min(lo2, 1).to(tl.float16)
+        scale = tl.math.div_rn(tl.max(hi2, 1) - zero.to(tl.float32), tl.zeros([BLOCK_T], tl.float32) + LEVELS)
+        scale = scale.to(tl.float16)
+        tl.store(srow + gi, scale, mask=valid)
+        tl.store(zrow + gi, zero, mask=valid)
+        r = 1.0 / tl.where(scale > 0, scale.to(tl.float32), 1.0)  # the reference divides by the scale (1 if 0)
+        inv = inv + (r,)
+        zinv = zinv + (zero.to(tl.float32) * r,)
+    vcodes = ()
+    for c in tl.static_range(VCH):
+        col = c * VCW + vc
+        if _whole_chunk(c, (c * VCW) // GROUP, VCW, VCWP, GROUP, D):
+            pos = vt[c] * inv[(c * VCW) // GROUP][:, None] - zinv[(c * VCW) // GROUP][:, None]
+        else:
+            cg = (col // GROUP)[None, :]
+            r2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
+            z2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
+            for gi in tl.static_range(NG):
+                r2d = tl.where(cg == gi, inv[gi][:, None], r2d)
+                z2d = tl.where(cg == gi, zinv[gi][:, None], z2d)
+            pos = vt[c] * r2d - z2d
+        if not V_FP16:  # fp16 values: zero is their exact minimum, so v - zero >= 0 (no lower clamp)
+            pos = tl.maximum(pos, 0.0)
+        pos = tl.minimum(pos, LEVELS)
+        q = (pos + ROUND_MAGIC).to(tl.int32, bitcast=True) & LEVELS  # + 1.5 * 2^23 rounds half to even
+        vcodes = vcodes + (tl.where(((vc < VCW) & (col < D))[None, :], q, 0),)
+    _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
+                  valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
 
 
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
@@ -339,7 +410,7 @@ def default_block_t(head_dim: int) -> int:
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                    layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True, fast_rotation: bool = False, sign_mma: bool = True,
+                   exact_signs: bool = True, fast_rotation: bool = False, fast_write: bool = False,
                    maxnreg: int | None = None) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
@@ -348,9 +419,12 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
     ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory;
     ``maxnreg`` caps the registers per thread (128: two 8-warp programs per SM).
-    ``sign_mma`` (Hadamard rotations): rotate with one tensor-core product of k in its own dtype and the +-1
-    matrix sqrt(D) Pi (exact products, fp32 sums) and compare against the boundaries times sqrt(D) ||k||;
-    ``sign_mma=False`` is the dense hi+lo split products of the unit vector (what every other rotation uses).
+    ``fast_write=True`` (opt-in: compiled for sm_90 offline, not yet timed or tested on a GPU, docs/benchmarks.md
+    run 7): Hadamard keys are rotated by one tensor-core product of k in its own dtype with the +-1 matrix
+    sqrt(D) Pi (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against
+    the boundaries times sqrt(D) ||k||; values are quantized from the packing's chunk tiles with one reciprocal
+    per group. Codes then differ from the reference only at ties, as the tests allow. The default rotates the
+    unit vector with dense hi+lo split products and divides per value, as GPU-tested in runs 4-6.
     ``fast_rotation=True`` rotates a Hadamard rotation in registers with a fast Walsh-Hadamard transform
     (bit-identical to the codec's rotation); on the H200 it was slower (597 vs 333 us for 16k tokens of
     mse_k4v3u, run 5: Triton moves the tile through shared memory at every butterfly stage).
@@ -373,12 +447,12 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, exact_signs, num_warps, fast_rotation, sign_mma,
-            maxnreg)
+    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, exact_signs, num_warps, fast_rotation,
+            fast_write, maxnreg)
     setup = _SETUPS.get(opts)
     if setup is None or setup[0] is not codec:
         setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, exact_signs, num_warps,
-                                       fast_rotation, sign_mma)
+                                       fast_rotation, fast_write)
     _, consts, signs, kw, sqrt_d, key = setup
     chosen = block_t is None
     block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
@@ -403,23 +477,24 @@ _SETUPS: dict = {}
 
 
 def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, v_dtype: torch.dtype,
-           exact_signs: bool, num_warps: int, fast_rotation: bool, sign_mma: bool) -> tuple:
+           exact_signs: bool, num_warps: int, fast_rotation: bool, fast_write: bool) -> tuple:
     """(codec, device constants, sign matrix, constexprs, sqrt(D) as fp32, fitted-tile key) of one write
     configuration (cached by the caller)."""
     spec = PageSpec.of(layout, codec.raw_dtype)
     consts = codec_constants(codec, device)
     hadamard = hadamard_rotation(spec, codec)
     fwht = hadamard and fast_rotation
-    sign_mode = 0 if fwht or not sign_mma or not hadamard else 1 if dtype != torch.float32 else 2
+    sign_mode = 0 if fwht or not fast_write or not hadamard else 1 if dtype != torch.float32 else 2
     signs = _sign_matrix_t(codec, device, torch.float16 if dtype == torch.float32 else dtype) if sign_mode else \
         consts["hsigns"]
     sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
     kw = spec.constexprs()
     kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
               SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=fwht, LOG2D=spec.DP.bit_length() - 1,
-              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FP16=v_dtype == torch.float16,
-              INTERP=INTERPRET)
-    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode, v_dtype == torch.float16)
+              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FAST=fast_write,
+              V_FP16=v_dtype == torch.float16, INTERP=INTERPRET)
+    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode, fast_write,
+           v_dtype == torch.float16)
     return codec, consts, signs, kw, sqrt_d, key
 
 
