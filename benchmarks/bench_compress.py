@@ -1,6 +1,8 @@
-"""Compress-on-write: 16k new tokens x 8 KV heads (D=128, blog_k3v2) per launch, vs the copy-bandwidth floor.
+"""Compress-on-write: new tokens x 8 KV heads (D=128, default preset unless --format) per launch, next to a
+device copy of the same bytes timed in the same run (% of copy bandwidth).
 
-    python benchmarks/bench_compress.py [--format mse_k4v3]
+    python benchmarks/bench_compress.py [--format mse_k4v3] [--tokens 16384,2048] [--slots random,blocks]
+        [--variants JSON] [--no-reference] [--json out.json]
 """
 
 from __future__ import annotations
@@ -12,14 +14,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_bench import compress_bench, table  # noqa: E402
+from kernel_bench import compress_bench, copy_bandwidth, table  # noqa: E402
 
-VARIANTS = [{}, {"fast_rotation": False}, {"block_t": 64, "num_warps": 4}, {"block_t": 32, "num_warps": 4},
-            {"block_t": 64, "num_warps": 8}]
+VARIANTS = [{}, {"fast_write": True}, {"fast_write": True, "block_t": 64, "num_warps": 4}]
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--format", default=None, help="cache format preset (default: blog_k3v2's layout)")
+    ap.add_argument("--format", default=None, help="cache format preset (default: the default preset, mse_k4v3)")
     ap.add_argument("--variants", type=json.loads, help="a JSON list of compress_write keyword dicts")
+    ap.add_argument("--tokens", default="16384", help="comma-separated tokens per launch")
+    ap.add_argument("--slots", default="random", help="comma-separated slot patterns: random, blocks")
+    ap.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference rows")
+    ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
-    print(table(compress_bench(variants=args.variants or VARIANTS, fmt=args.format)))
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (2 GiB device copy, read + write): {bw:.0f} GB/s", flush=True)
+    rows = []
+    for n in (int(x) for x in args.tokens.split(",")):
+        for pattern in args.slots.split(","):
+            part = compress_bench(tokens=n, variants=args.variants or VARIANTS, copy_gbps=bw, fmt=args.format,
+                                  slots=pattern, reference=not args.no_reference)
+            print(table(part), flush=True)
+            rows += part
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_gbps": bw, "rows": rows}, indent=1))

@@ -248,8 +248,11 @@ def _compress_reference(k, v, slots, pages, layout, codec) -> None:
 
 
 def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, variants: list[dict] | None = None,
-                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None) -> list[dict]:
-    """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch (vLLM slot mapping)."""
+                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None, slots: str = "random",
+                   reference: bool = True) -> list[dict]:
+    """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch, next to a device copy of the same
+    bytes timed in the same process. ``slots``: ``random`` (every token in a random slot, the run 3-6 setting) or
+    ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes)."""
     from jetson_tq.kernels.compress_write import compress_write
 
     dev = _require_cuda()
@@ -262,24 +265,33 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     for i in range(_n_sets(io_bytes, cap=8)):
         k = torch.randn(tokens, hkv, head_dim, device=dev, dtype=torch.float16)
         v = torch.randn(tokens, hkv, head_dim, device=dev, dtype=torch.float16)
-        slots = torch.randperm(nblocks * 16, device=dev)[:tokens]
-        sets.append((k, v, slots, allocate_pages(layout, nblocks, hkv, dev)))
-    k, v, slots, pages = sets[0]
+        if slots == "random":
+            sl = torch.randperm(nblocks * 16, device=dev)[:tokens]
+        else:
+            sl = (torch.randperm(nblocks, device=dev)[:, None] * 16 + torch.arange(16, device=dev)).flatten()[:tokens]
+        sets.append((k, v, sl, allocate_pages(layout, nblocks, hkv, dev)))
+    k, v, sl, pages = sets[0]
     ref_pages = pages.clone()
-    _compress_reference(k, v, slots, ref_pages, layout, codec)
-    rows = []
+    _compress_reference(k, v, sl, ref_pages, layout, codec)
+
+    def row(name: str, t: float, same: float | None) -> dict:
+        return {"variant": name, "tokens": tokens, "heads": hkv, "slots": slots, "us": t, "MB_moved": io_bytes / 1e6,
+                "floor_us": io_bytes / (bw * 1e3), "pct_copy_bw": 100 * io_bytes / (t * 1e-6) / (bw * 1e9),
+                "bytes_differing": "" if same is None else same}
+
+    half = io_bytes // 2  # a copy reading and writing io_bytes in all
+    bufs = [(torch.empty(half, dtype=torch.uint8, device=dev), torch.empty(half, dtype=torch.uint8, device=dev))
+            for _ in range(_n_sets(io_bytes, cap=8))]
+    rows = [row("copy of the same bytes (torch, same run)", _bench([lambda b=b: b[1].copy_(b[0]) for b in bufs]), None)]
+    del bufs
     for var in variants or [{}]:
-        compress_write(k, v, slots, pages, layout, codec, **var)
+        compress_write(k, v, sl, pages, layout, codec, **var)
         same = (pages != ref_pages).float().mean().item()
         fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, **var) for s in sets]
-        t = _bench(fns)
-        rows.append({"variant": ",".join(f"{a}={b}" for a, b in var.items()) or "default", "tokens": tokens,
-                     "heads": hkv, "us": t, "MB_moved": io_bytes / 1e6, "floor_us": io_bytes / (bw * 1e3),
-                     "pct_copy_bw": 100 * io_bytes / (t * 1e-6) / (bw * 1e9), "bytes_differing": same})
-    ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
-    rows.append({"variant": "reference (encode + write_slots)", "tokens": tokens, "heads": hkv, "us": ref_t,
-                 "MB_moved": io_bytes / 1e6, "floor_us": io_bytes / (bw * 1e3),
-                 "pct_copy_bw": 100 * io_bytes / (ref_t * 1e-6) / (bw * 1e9), "bytes_differing": 0.0})
+        rows.append(row(",".join(f"{a}={b}" for a, b in var.items()) or "default", _bench(fns), same))
+    if reference:
+        ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
+        rows.append(row("reference (encode + write_slots)", ref_t, 0.0))
     return rows
 
 
