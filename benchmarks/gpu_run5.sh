@@ -3,14 +3,7 @@
 # compress-on-write, prefill at the shapes, then kernel tests (in parallel: compile-bound).
 # Usage on the device: bash benchmarks/gpu_run5.sh "$OUT"   (TEST_FILES="tests/a.py tests/b.py": those files whole;
 # default: the decode and compress test files, each split in two processes)
-set -o pipefail
-OUT=${1:-/tmp/run5}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD
-log() { echo "=== $* ($(date -u +%T))"; }
-log env
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
 log "decode sweep mse_k4v3u"
 timeout 90 python3 benchmarks/sweep_decode.py --formats mse_k4v3u --out "$OUT/sweep" \
   --variants '[{}, {"block_n": 16, "num_warps": 1}, {"block_r": 16}]' 2>&1 | tail -12

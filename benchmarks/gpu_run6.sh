@@ -4,14 +4,7 @@
 # Usage on the device: bash benchmarks/gpu_run6.sh "$OUT"   (each step has its own time limit)
 # (Run 6a, the first call, swept block_r / fused_reduce / maxnreg against the run-5 configuration with the script
 # of commit 4d85a29: results/h200_2026-12-01/run6a.)
-set -o pipefail
-OUT=${1:-/tmp/run6}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-log() { echo "=== $* ($(date -u +%T))"; }
-log env
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
 log "decode sweep, long contexts ({} = the defaults)"
 timeout 90 python3 benchmarks/sweep_decode.py --formats mse_k4v3,mse_k4v3u --out "$OUT/sweep_long" \
   --variants '[{}, {"fused_reduce": false}, {"maxnreg": 0}, {"maxnreg": 0, "waves": 12}, {"waves": 32}]' 2>&1 | tail -24

@@ -3,14 +3,7 @@
 # fast_write path included), then the default path beside fast_write and a device copy of the same bytes, at 16k and
 # 2k tokens per launch (random slots).
 # Usage on the device: bash benchmarks/gpu_run7_kcmp.sh "$OUT"   (each step has its own time limit)
-set -o pipefail
-OUT=${1:-/tmp/run7_kcmp}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-log() { echo "=== $* ($(date -u +%T))"; }
-log env
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
 log "kernel tests: compress + append (8 xdist workers)"
 PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 8)
 timeout 35 python3 -m pytest tests/test_kernels_compress.py tests/test_kernels_append.py -q "${PAR[@]}" \

@@ -5,14 +5,7 @@
 # the default register cap (128) and at 144 / none (14 / 12 resident programs, fewer spills), side by side with SDPA
 # flash on fp16 KV; then the decode kernel tests (PTX path on the GPU).
 # Usage on the device: bash benchmarks/gpu_run7_kdec.sh "$OUT"   (150 s in all; each step has its own limit)
-set -o pipefail
-OUT=${1:-/tmp/run7_kdec}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-log() { echo "=== $* ($(date -u +%T))"; }
-log env
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
 log "decode: prmt lookup vs shuffle gather vs flash"
 S='[[1,32,8,1024],[8,32,8,16384],[1,32,8,131072],[8,32,8,65536],[8,28,4,65536]]'
 timeout 70 python3 benchmarks/sweep_decode.py --formats mse_k4v3 --out "$OUT/sweep" --shapes "$S" \

@@ -6,14 +6,7 @@
 # As run (call A, 2026-12-01, commit 98f9fb5: raw output results/h200_2026-12-01/run7_kpre/): the variants were
 # {"impl": "run6"} (the run-6 kernel, benchmarks/prefill_run6.py, deleted after), {} (then num_stages 2),
 # num_stages 1 / 3 and block_n 32; num_stages 1 won and is now the default, so {} below is that run's num_stages 1.
-set -o pipefail
-OUT=${1:-/tmp/run7_kpre}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-log() { echo "=== $* ($(date -u +%T))"; }
-log env
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
 V32=('{}' '{"num_stages": 2}' '{"num_stages": 3}' '{"block_n": 32}')
 V28=('{}' '{"num_stages": 2}')
 join() { local IFS=,; echo "[$*]"; }
