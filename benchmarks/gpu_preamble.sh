@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # Sourced by every benchmarks/gpu_run*.sh (repo root as cwd): OUT (the script's first argument, else /tmp/<script>),
 # the tree on PYTHONPATH, log(), and the machine and versions as the first lines of the output.
 set -o pipefail

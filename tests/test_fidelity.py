@@ -76,9 +76,9 @@ def test_generation_agreement_slice(setup):
     model, _, ids = setup
     prompts = F.token_windows(ids[20000:], 2, 256)
     variants = [F.Variant("mse_k3v2", "keys", load_config("mse_k3v2"), backend="reference")]
-    res = F.generation(model, prompts, variants, new_tokens=32, chunk=16, free_running=("mse_k3v2",))
+    res = F.generation(model, prompts, variants, new_tokens=16, chunk=16, free_running=("mse_k3v2",))
     got = res["mse_k3v2"]
-    assert got["tokens"] == 64
+    assert got["tokens"] == 32
     assert got["greedy_agreement"] >= 0.85, got
     assert got["first_divergence"] >= 2, got
 

@@ -95,7 +95,12 @@ def test_decode_one_token_and_no_buffer_storage():
     _check("blog_k3v2", 64, 4, [40, 17], [0, 0], torch.float16, 2, seed, recent_cap=0)  # buffer of width 0
 
 
-@pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)])
+# CPU CI (Triton's interpreter, ~50 s per format) keeps two formats; the GPU runs all four
+VARIANT_FORMATS = [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)] if GPU else [
+    ("mse_k4v3", 128), ("k4v4", 64)]
+
+
+@pytest.mark.parametrize("name,d", VARIANT_FORMATS)
 def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
     centroid lookup (``fast_keys``), 4-bit centroids by byte permutes or by a warp-shuffle gather (``prmt_keys``), the query rotated in the launch or by ``query_transform``
@@ -112,6 +117,8 @@ def test_decode_variants_agree(name, d):
                   {"fast_keys": False}, {"prmt_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
                   {"fused_reduce": True},
                   {"maxnreg": 128}):
+        if not GPU and ("prmt_keys" in knobs or "maxnreg" in knobs):
+            continue  # the interpreter always gathers and has no registers: the same run as the default
         got = hybrid_decode(q, kv, **knobs)
         assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {knobs}"
         for key, buf in _common._WORKSPACES.items():
