@@ -44,8 +44,7 @@ class FastLauncher:
         """``aligned=True``: the caller vouches that ``plan_key`` fixes every int argument and that every tensor's data
         pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built; None: the
         generic per-argument key."""
-        opts = dict(num_warps=num_warps, num_stages=num_stages) if maxnreg is None else \
-            dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        opts = _options(num_warps, num_stages, maxnreg)
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
             self.kernel[grid](*args, **constexprs, **opts)
             return
@@ -70,16 +69,13 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
-
     def compile(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, num_warps: int, num_stages: int = 1,
                 maxnreg: int | None = None):
         """The ``CompiledKernel`` these arguments launch (compiled now, or taken from Triton's cache; nothing runs);
         None under the interpreter."""
         if INTERPRET:
             return None
-        opts = dict(num_warps=num_warps, num_stages=num_stages) if maxnreg is None else \
-            dict(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-        return self.kernel.warmup(*args, grid=grid, **constexprs, **opts)
+        return self.kernel.warmup(*args, grid=grid, **constexprs, **_options(num_warps, num_stages, maxnreg))
 
 
 def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
@@ -98,6 +94,12 @@ def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
     by_regs = 4 * ((regs_sm // 4) // warp_regs) // num_warps
     by_smem = smem_sm // (compiled.metadata.shared + 1024)
     return max(1, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
+
+
+def _options(num_warps: int, num_stages: int, maxnreg: int | None) -> dict:
+    """Triton launch options; ``maxnreg`` only when a register cap is asked for."""
+    opts = dict(num_warps=num_warps, num_stages=num_stages)
+    return opts if maxnreg is None else dict(opts, maxnreg=maxnreg)
 
 
 def _launch_hooked() -> bool:

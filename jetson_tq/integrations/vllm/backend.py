@@ -289,7 +289,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 context_lens=ctx_lens, ring_rows=np.full(len(q_lens), scratch),
                 block_table=torch.zeros(len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32,
                                         device=dev),
-                slot_mapping=torch.zeros(n, dtype=torch.int64, device=dev) + torch.arange(n, device=dev) % bs,
+                slot_mapping=torch.arange(n, dtype=torch.int64, device=dev) % bs,
                 dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32, dec_recent_lens=empty32,
                 block_window=self.fmt.block_window)
 
