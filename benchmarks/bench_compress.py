@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernel_bench import compress_bench, copy_bandwidth, table  # noqa: E402
 
-VARIANTS = [{}, {"fast_write": True}, {"fast_write": True, "block_t": 64, "num_warps": 4}]
+VARIANTS = [{}, {"block_t": 64, "num_warps": 4}]
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
                     print(f"{name:10s} prefill {window:7s} {str(knobs):27s} {kname:24s} {_resources(k)}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
-        for knobs in ({}, {"fast_rotation": True}, {"fast_write": True}) if "compress" in ops else ():
+        for knobs in ({}, {"block_t": 64, "num_warps": 4}) if "compress" in ops else ():
             n0 = len(COMPILED)
             compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, **knobs)
             for kname, k in COMPILED[n0:]:

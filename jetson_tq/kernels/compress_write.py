@@ -1,12 +1,12 @@
 """Compress-on-write: new K/V tokens -> packed TurboQuant fields, stored straight into their pages.
 
 One launch does everything ``KVCodec.encode`` + ``paged.write_slots`` do: per token and KV
-head it normalizes the key, rotates it (tensor cores, fp16 hi+lo split: ~fp32 accurate; or, with
-``fast_rotation``, a Walsh-Hadamard transform in registers, bit-identical to the reference), picks
+head it normalizes the key, rotates it (tensor cores: one exact product with the +-1 matrix of a Hadamard
+rotation, else fp16 hi+lo split products, ~fp32 accurate), picks
 the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
 combined matrices, so the residual is never formed), packs
 indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
-zero, round-half-even), and writes every field at ``slot = block * block_size + offset`` (vLLM's
+zero, one reciprocal per group, round-half-even), and writes every field at ``slot = block * block_size + offset`` (vLLM's
 ``slot_mapping``; slots < 0 are skipped). Each program handles BLOCK_T tokens of one KV head.
 """
 
@@ -24,7 +24,7 @@ from ..errors import DTypeError, ShapeError, expect_same_device
 from ..format import PagedLayout
 from ._launch import FastLauncher
 from ._common import INTERPRET, KEY_RAW, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
-from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, column_chunk, fwht_rows, mma
+from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
@@ -54,13 +54,6 @@ def _dot3(a_hi, a_lo, m_hi_ptr, m_lo_ptr, rows, d, mask, D: tl.constexpr, acc, I
     acc = mma(a_hi, m_hi, acc, INTERP)
     acc = mma(a_hi, m_lo, acc, INTERP)
     return mma(a_lo, m_hi, acc, INTERP)
-
-
-@triton.jit
-def _round_half_even(x):
-    r = tl.floor(x + 0.5)
-    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(((r - x) == 0.5) & odd, r - 1.0, r)
 
 
 @triton.jit
@@ -127,7 +120,7 @@ def _store_packed(codes, ptrs, mask, CH: tl.constexpr, CW: tl.constexpr, NCH: tl
 @triton.jit
 def _compress_write_kernel(
         k_ptr, v_ptr, slot_ptr, pages_ptr, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
-        cb_ptr, bnd_ptr, hs_ptr, mt_ptr, sqrt_d,
+        cb_ptr, bnd_ptr, mt_ptr, sqrt_d,
         n_tokens, stride_kt, stride_kh, stride_vt, stride_vh, page_bytes,
         HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
         KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
@@ -138,8 +131,8 @@ def _compress_write_kernel(
         OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
-        SPLIT_SKETCH: tl.constexpr, HADAMARD: tl.constexpr, LOG2D: tl.constexpr, SIGN_MMA: tl.constexpr,
-        SYM_SEARCH: tl.constexpr, V_FAST: tl.constexpr, V_FP16: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        SPLIT_SKETCH: tl.constexpr, SIGN_MMA: tl.constexpr,
+        SYM_SEARCH: tl.constexpr, V_FP16: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
@@ -178,13 +171,7 @@ def _compress_write_kernel(
             k = kin.to(tl.float32)
             nrm = tl.sqrt_rn(tl.sum(k * k, 1))
         if SIGN_MMA != 1 or KEY_MODE == K_PROD:
-            if HADAMARD:
-                unit = tl.math.div_rn(k, tl.maximum(nrm, TINY)[:, None])  # rounded as the reference's division
-                # Pi u = H (s * u) / sqrt(D): butterflies in registers, in the reference's order and rounding
-                rot = tl.math.div_rn(fwht_rows(unit * tl.load(hs_ptr + d)[None, :], BLOCK_T, DP, LOG2D),
-                                     tl.zeros([BLOCK_T, DP], tl.float32) + sqrt_d)
-            else:
-                unit = k / tl.maximum(nrm, TINY)[:, None]
+            unit = k / tl.maximum(nrm, TINY)[:, None]
             u_hi = unit.to(tl.float16)
             u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
             # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
@@ -217,12 +204,9 @@ def _compress_write_kernel(
                 if KEY_MODE == K_PROD:
                     y = acc * (1.0 / tl.maximum(rs, TINY))[:, None]
             else:
-                if HADAMARD:
-                    y = column_chunk(rot, c, BLOCK_T, KCH, KCW)
-                else:
-                    y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
-                              (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
-                              tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
+                y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
+                          (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
+                          tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
                 code = _bucketize(y, bnd_ptr, KB)
             if not KFULL:
                 code = tl.where(inside, code, 0)  # padding coordinates pack as 0
@@ -280,64 +264,13 @@ def _compress_write_kernel(
         v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0)
         tl.store((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
                  v.to(tl.float32).to(RAW_T), mask=dmask)
-    elif V_FAST:
-        _values_fast(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D, CH, VB, VW0, VW1, VW2, VCW, VCH,
-                     GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, VCWP, V_FP16, BLOCK_T)
     else:
-        _values_exact(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D, DP, CH, VB, VW0, VW1, VW2, VCW, VCH,
-                      GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, VCWP, BLOCK_T)
+        _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D, CH, VB, VW0, VW1, VW2, VCW, VCH,
+                     GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, VCWP, V_FP16, BLOCK_T)
 
 
 @triton.jit
-def _values_exact(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: tl.constexpr, DP: tl.constexpr,
-                  CH: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
-                  VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-                  OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, VCWP: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
-    """Group-quantize and store a [BLOCK_T, D] value tile as the reference does it: correctly rounded divisions
-    (the GPU-tested default; ``_values_fast`` is the opt-in rewrite)."""
-    LEVELS: tl.constexpr = (1 << VB) - 1
-    d = tl.arange(0, DP)
-    v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=valid[:, None] & (d[None, :] < D),
-                other=0.0).to(tl.float32)
-    grp_of = d // GROUP
-    scales = ()
-    zeros = ()
-    srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-    zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-    for gi in tl.static_range(NG):
-        ing = (grp_of[None, :] == gi) & (d[None, :] < D)
-        lo = tl.min(tl.where(ing, v, float("inf")), 1)
-        hi = tl.max(tl.where(ing, v, float("-inf")), 1)
-        zero = lo.to(tl.float16)
-        scale = tl.math.div_rn(hi - zero.to(tl.float32), tl.zeros_like(hi) + LEVELS).to(tl.float16)
-        tl.store(srow + gi, scale, mask=valid)
-        tl.store(zrow + gi, zero, mask=valid)
-        scales = scales + (scale.to(tl.float32),)
-        zeros = zeros + (zero.to(tl.float32),)
-    vc = tl.arange(0, VCWP)
-    vcodes = ()
-    for c in tl.static_range(VCH):
-        col = c * VCW + vc
-        cmask = valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D)
-        vv = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask,
-                     other=0.0).to(tl.float32)
-        cg = col // GROUP
-        sc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
-        zc2 = tl.zeros([BLOCK_T, VCWP], tl.float32)
-        for gi in tl.static_range(NG):
-            sc2 = tl.where(cg[None, :] == gi, scales[gi][:, None], sc2)
-            zc2 = tl.where(cg[None, :] == gi, zeros[gi][:, None], zc2)
-        safe = tl.where(sc2 > 0, sc2, 1.0)
-        qv = _round_half_even(tl.math.div_rn(vv - zc2, safe))
-        qv = tl.minimum(tl.maximum(qv, 0.0), LEVELS)
-        vcodes = vcodes + (tl.where(cmask, qv, 0.0).to(tl.int32),)
-    _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
-                  valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
-
-
-@triton.jit
-def _values_fast(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: tl.constexpr, CH: tl.constexpr,
+def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: tl.constexpr, CH: tl.constexpr,
                  VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr, VCW: tl.constexpr,
                  VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, OFF_VCODES: tl.constexpr,
                  OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, VCWP: tl.constexpr, V_FP16: tl.constexpr,
@@ -410,8 +343,7 @@ def default_block_t(head_dim: int) -> int:
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                    layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True, fast_rotation: bool = False, fast_write: bool = False,
-                   maxnreg: int | None = None) -> None:
+                   exact_signs: bool = True, maxnreg: int | None = None) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
 
     ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
@@ -419,15 +351,11 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
     fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
     ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory;
     ``maxnreg`` caps the registers per thread (128: two 8-warp programs per SM).
-    ``fast_write=True`` (opt-in: compiled for sm_90 offline, not yet timed or tested on a GPU, docs/benchmarks.md
-    run 7): Hadamard keys are rotated by one tensor-core product of k in its own dtype with the +-1 matrix
-    sqrt(D) Pi (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against
-    the boundaries times sqrt(D) ||k||; values are quantized from the packing's chunk tiles with one reciprocal
-    per group. Codes then differ from the reference only at ties, as the tests allow. The default rotates the
-    unit vector with dense hi+lo split products and divides per value, as GPU-tested in runs 4-6.
-    ``fast_rotation=True`` rotates a Hadamard rotation in registers with a fast Walsh-Hadamard transform
-    (bit-identical to the codec's rotation); on the H200 it was slower (597 vs 333 us for 16k tokens of
-    mse_k4v3u, run 5: Triton moves the tile through shared memory at every butterfly stage).
+    Hadamard keys are rotated by one tensor-core product of k in its own dtype with the +-1 matrix sqrt(D) Pi
+    (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against the
+    boundaries times sqrt(D) ||k||; other rotations use dense hi+lo split products (~fp32 accurate). Values are
+    quantized from the packing's chunk tiles with one reciprocal per group. Codes differ from the reference
+    only at ties (H200, run 7: 57.6 us for 16k tokens of mse_k4v3, 33.8 % of copy bandwidth).
     """
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
@@ -447,20 +375,17 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, exact_signs, num_warps, fast_rotation,
-            fast_write, maxnreg)
+    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, exact_signs, num_warps, maxnreg)
     setup = _SETUPS.get(opts)
     if setup is None or setup[0] is not codec:
-        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, exact_signs, num_warps,
-                                       fast_rotation, fast_write)
+        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, exact_signs, num_warps)
     _, consts, signs, kw, sqrt_d, key = setup
     chosen = block_t is None
     block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
     while True:
         try:
             _LAUNCH((triton.cdiv(n, block_t), pages.shape[1]),
-                    (k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"], consts["hsigns"],
-                     signs, sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
+                    (k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"], signs, sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
                     {**kw, "HKV": pages.shape[1], "BLOCK_T": block_t}, key + (pages.shape[1], block_t),
                     num_warps=num_warps, maxnreg=maxnreg)
             break
@@ -477,24 +402,22 @@ _SETUPS: dict = {}
 
 
 def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, v_dtype: torch.dtype,
-           exact_signs: bool, num_warps: int, fast_rotation: bool, fast_write: bool) -> tuple:
+           exact_signs: bool, num_warps: int) -> tuple:
     """(codec, device constants, sign matrix, constexprs, sqrt(D) as fp32, fitted-tile key) of one write
     configuration (cached by the caller)."""
     spec = PageSpec.of(layout, codec.raw_dtype)
     consts = codec_constants(codec, device)
-    hadamard = hadamard_rotation(spec, codec)
-    fwht = hadamard and fast_rotation
-    sign_mode = 0 if fwht or not fast_write or not hadamard else 1 if dtype != torch.float32 else 2
+    # 1: one exact product of k with sqrt(D) Pi; 2: fp32 keys, the unit vector split hi + lo; 0: dense split products
+    sign_mode = (1 if dtype != torch.float32 else 2) if hadamard_rotation(spec, codec) else 0
     signs = _sign_matrix_t(codec, device, torch.float16 if dtype == torch.float32 else dtype) if sign_mode else \
         consts["hsigns"]
     sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
     kw = spec.constexprs()
     kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
-              SPLIT_SKETCH=exact_signs or spec.KB > 2, HADAMARD=fwht, LOG2D=spec.DP.bit_length() - 1,
-              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FAST=fast_write,
+              SPLIT_SKETCH=exact_signs or spec.KB > 2,
+              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]),
               V_FP16=v_dtype == torch.float16, INTERP=INTERPRET)
-    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, fwht, sign_mode, fast_write,
-           v_dtype == torch.float16)
+    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, sign_mode, v_dtype == torch.float16)
     return codec, consts, signs, kw, sqrt_d, key
 
 
@@ -515,8 +438,8 @@ def _symmetric(bounds: torch.Tensor) -> bool:
 
 def hadamard_rotation(spec: PageSpec, codec: KVCodec) -> bool:
     """True when keys are rotated by a randomized Hadamard matrix (D a power of two whose key chunks are whole
-    power-of-two tiles): the sign-matrix product or the in-register FWHT apply; otherwise the kernel rotates
-    with the dense hi+lo split products."""
+    power-of-two tiles): the sign-matrix product applies; otherwise the kernel rotates with the dense hi+lo
+    split products."""
     rot = codec.key_rotation
     return (spec.KEY_MODE != KEY_RAW and rot is not None and rot.kind == "hadamard" and spec.D == spec.DP
             and spec.KCW == next_pow2(spec.KCW) and spec.KCW >= 16)
