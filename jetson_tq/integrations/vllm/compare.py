@@ -82,6 +82,14 @@ def _chosen_logprobs(completion) -> list[float] | None:
     return [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)]
 
 
+def _margins(completion) -> list[float] | None:
+    """Per step, the chosen token's log-probability minus the best other token's (how near a greedy tie it was)."""
+    if not completion.logprobs:
+        return None
+    return [float(step[tok].logprob) - max((float(x.logprob) for t, x in step.items() if t != tok), default=0.0)
+            for tok, step in zip(completion.token_ids, completion.logprobs)]
+
+
 def run_engine(job: dict) -> dict:
     """Run one vLLM engine in THIS process (env already set) and return its numbers."""
     from vllm import LLM, SamplingParams
@@ -95,7 +103,7 @@ def run_engine(job: dict) -> dict:
               **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}))
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                            logprobs=0 if job.get("logprobs") else None)
+                            logprobs=2 if job.get("logprobs") else None)  # the top two: greedy margins
     prompts = list(job["prompts"])
     # prompt_groups: generate() calls in order, each on a subset (batch composition; later calls may hit the
     # prefix cache filled by earlier ones); "outputs" is the first call's
@@ -124,9 +132,10 @@ def run_engine(job: dict) -> dict:
 
 
 def _output(o) -> dict:
-    """One request's prompt, greedy text, token ids, chosen log-probabilities and prefix-cache hit tokens."""
+    """One request's prompt, greedy text, token ids, chosen log-probabilities, greedy margins, prefix-cache hits."""
     return {"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
-            "logprobs": _chosen_logprobs(o.outputs[0]), "num_cached_tokens": o.num_cached_tokens}
+            "logprobs": _chosen_logprobs(o.outputs[0]), "margins": _margins(o.outputs[0]),
+            "num_cached_tokens": o.num_cached_tokens}
 
 
 def engine_counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
