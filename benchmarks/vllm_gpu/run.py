@@ -58,9 +58,12 @@ def plan(kind: str) -> list[dict]:
         return smoke
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
     corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 passthrough vs stock (eager)
-        # 128 blocks of the default's 128 tokens = 16,384 tokens for 24 requests of ~36k: vLLM must preempt
-        _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, correctness=corr, eager=True,
-                blocks_override=128, timeout=200),  # cold imports + warm-up compiles: > 110 s in H200 calls 10, 11
+        # 48 blocks of the default's 128 tokens = 6,144 tokens for 10 requests of 2-4k prompt tokens decoding up to
+        # 200 each: about two fit, and a running request that crosses into a new block must preempt the newest
+        # (call A, 2026-12-01: 128 blocks for 24 requests of 20-3,000 tokens decoding <= 48 never preempted)
+        _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, eager=True, blocks_override=48,
+                correctness=dict(corr, requests=10, min_len=2000, max_len=3900, max_out=200),
+                timeout=200),  # cold imports + warm-up compiles: > 110 s in H200 calls 10, 11
         _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
                 timeout=80),
         _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
