@@ -27,10 +27,11 @@ for stage in "$@"; do
         -p no:cacheprovider --durations=15 -rfE > "$R/kernel_tests.log" 2>&1
       echo "rc=$?" >> "$R/kernel_tests.log"; summary "$R/kernel_tests.log" ;;
     sched)
-      (VLLM_ENABLE_V1_MULTIPROCESSING=1 JETSON_TQ_SCHED_JSON="$R/sched_ours.json" timeout 230 python3 -m pytest \
+      LIM=$(( $(left) < 230 ? $(left) : 230 ))
+      (VLLM_ENABLE_V1_MULTIPROCESSING=1 JETSON_TQ_SCHED_JSON="$R/sched_ours.json" timeout "$LIM" python3 -m pytest \
         tests/test_vllm_scheduling.py -v -p no:cacheprovider --durations=5 > "$R/sched.log" 2>&1
        echo "rc=$?" >> "$R/sched.log") &
-      timeout 230 python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" > "$R/sched_stock.log" 2>&1
+      timeout "$LIM" python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" > "$R/sched_stock.log" 2>&1
       wait
       python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" --stock "$R/sched_stock.json" --ours "$R/sched_ours.json" \
         2>&1 | tail -30
