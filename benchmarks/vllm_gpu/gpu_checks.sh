@@ -4,7 +4,8 @@
 #   compress  the compress-on-write and append kernel tests (issue 12)
 #   kernels   every kernel test file (issue 12)
 #   sched     tests/test_vllm_scheduling.py (scheduling invariance, prefix caching, preemption; issue 14), its
-#             outputs dumped, beside stock vLLM on the same engines (benchmarks/vllm_gpu/sched_compare.py)
+#             outputs dumped, beside stock vLLM (and the presets in SCHED_CONFIGS) on the same engines
+#             (benchmarks/vllm_gpu/sched_compare.py)
 #   preempt   the default preset's forced-preemption greedy run (issue 10)
 # Everything lands in OUT/results.tgz (a device call returns few files).
 #   bash benchmarks/vllm_gpu/gpu_checks.sh OUT TOTAL_SECONDS STAGE...   (repo root = the vllmgpu snapshot)
@@ -28,13 +29,13 @@ for stage in "$@"; do
       echo "rc=$?" >> "$R/kernel_tests.log"; summary "$R/kernel_tests.log" ;;
     sched)
       LIM=$(( $(left) < 230 ? $(left) : 230 ))
-      (VLLM_ENABLE_V1_MULTIPROCESSING=1 JETSON_TQ_SCHED_JSON="$R/sched_ours.json" timeout "$LIM" python3 -m pytest \
+      (VLLM_ENABLE_V1_MULTIPROCESSING=1 JETSON_TQ_SCHED_JSON="$R/sched_mse_k4v3.json" timeout "$LIM" python3 -m pytest \
         tests/test_vllm_scheduling.py -v -p no:cacheprovider --durations=5 > "$R/sched.log" 2>&1
        echo "rc=$?" >> "$R/sched.log") &
-      timeout "$LIM" python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" > "$R/sched_stock.log" 2>&1
+      timeout "$LIM" python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" --configs "${SCHED_CONFIGS:-stock}" \
+        > "$R/sched_others.log" 2>&1
       wait
-      python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" --stock "$R/sched_stock.json" --ours "$R/sched_ours.json" \
-        2>&1 | tail -30
+      python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" --reuse "$R"/sched_*.json 2>&1 | tail -30
       summary "$R/sched.log" 8 ;;
     preempt)
       python3 benchmarks/vllm_gpu/run.py --out "$R/corr" --plan corr --only corr_ours_k4v3_preempt --budget "$(left)" \

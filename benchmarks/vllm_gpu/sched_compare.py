@@ -1,10 +1,12 @@
-"""tests/test_vllm_scheduling.py's two engines, run with stock vLLM (same model, prompts and schedules; KV budgets
-of 64 and 4 stock blocks) and compared the way the test compares ours: per output, the first step where the tokens
-differ from the roomy batch, both runs' greedy margins there and the largest log-probability gap before it.
+"""tests/test_vllm_scheduling.py's two engines, run with stock vLLM (KV budgets of 64 and 4 stock blocks) and/or other
+jetson-tq presets (same model, prompts and schedules), side by side, and compared the way the test compares the
+default preset's: per output, the first step where the tokens differ from the roomy batch, both runs' greedy margins
+there and the largest log-probability gap before it.
 
-    python3 benchmarks/vllm_gpu/sched_compare.py --out OUT [--ours OURS.json] [--stock OUT/sched_stock.json]
-(OURS.json: the test's JETSON_TQ_SCHED_JSON dump, compared the same way; the test's own assertions decide
-pass/fail; --stock reuses an earlier stock run)
+    python3 benchmarks/vllm_gpu/sched_compare.py --out OUT --configs stock,fp16
+    python3 benchmarks/vllm_gpu/sched_compare.py --out OUT --reuse OUT/sched_stock.json OUT/sched_mse_k4v3.json
+(--reuse compares earlier dumps only: the test's JETSON_TQ_SCHED_JSON dump named sched_<preset>.json; the test's own
+assertions decide pass/fail)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,27 +48,36 @@ def comparisons(runs: dict) -> list[dict]:
     return rows
 
 
+def run_config(config: str, model: Path) -> dict:
+    """Both engines with ``config``: "stock" (no plugin, 64 and 4 stock fp32 blocks) or a jetson-tq preset."""
+    if config == "stock":
+        jobs = sched.scheduling_jobs(model)
+        jobs["roomy"]["kv_bytes"] = 64 * stock_block_bytes()
+        jobs["tight"]["kv_bytes"] = 4 * stock_block_bytes()
+        return {name: run_engine_subprocess(j, None, dict(sched.ENV, VLLM_PLUGINS=""), timeout=600)
+                for name, j in jobs.items()}
+    return {name: run_engine_subprocess(j, config, sched.ENV, timeout=600)
+            for name, j in sched.scheduling_jobs(model, config).items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--ours", type=Path, help="the scheduling test's JSON dump (JETSON_TQ_SCHED_JSON)")
-    ap.add_argument("--stock", type=Path, help="an earlier run's sched_stock.json instead of running the engines")
+    ap.add_argument("--configs", default="stock", help="comma-separated: stock and/or jetson-tq presets, run side by side")
+    ap.add_argument("--reuse", nargs="*", type=Path, default=[],
+                    help="earlier dumps (sched_<config>.json, or the test's JETSON_TQ_SCHED_JSON) to compare instead")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    env = dict(sched.ENV, VLLM_PLUGINS="")  # stock: no plugin loaded at all
-    if args.stock:
-        stock = json.loads(args.stock.read_text())
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            jobs = sched.scheduling_jobs(sched.make_model(Path(tmp)))
-            jobs["roomy"]["kv_bytes"] = 64 * stock_block_bytes()
-            jobs["tight"]["kv_bytes"] = 4 * stock_block_bytes()
-            stock = {name: run_engine_subprocess(j, None, env, timeout=600) for name, j in jobs.items()}
-        (args.out / "sched_stock.json").write_text(json.dumps(stock, indent=1))
-    report = {"stock": {"preemptions": stock["tight"]["preemptions"], "rows": comparisons(stock)}}
-    if args.ours and args.ours.exists():
-        ours = json.loads(args.ours.read_text())
-        report["ours"] = {"preemptions": ours["tight"]["preemptions"], "rows": comparisons(ours)}
+    runs = {p.stem.removeprefix("sched_"): json.loads(p.read_text()) for p in args.reuse if p.exists()}
+    runs = {name: r for name, r in runs.items() if "roomy" in r}  # a glob may also match sched_compare.json
+    todo = [c for c in args.configs.split(",") if c and c not in runs] if not args.reuse else []
+    if todo:
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(todo)) as pool:
+            model = sched.make_model(Path(tmp))
+            for config, result in zip(todo, pool.map(lambda c: run_config(c, model), todo)):
+                runs[config] = result
+                (args.out / f"sched_{config}.json").write_text(json.dumps(result, indent=1))
+    report = {name: {"preemptions": r["tight"]["preemptions"], "rows": comparisons(r)} for name, r in runs.items()}
     (args.out / "sched_compare.json").write_text(json.dumps(report, indent=1))
     for name, r in report.items():
         diffs = [row for row in r["rows"] if row["first_difference"] is not None]
