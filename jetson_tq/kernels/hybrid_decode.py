@@ -138,9 +138,20 @@ def _hybrid_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
-        page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
-        off = n % BS
+        if BS % BLOCK_N == 0:  # the tile lies in one page (n0 is a BLOCK_N multiple): one block id, one base pointer
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS)
+            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
+            off = n0 % BS + tl.arange(0, BLOCK_N)
+        elif BLOCK_N == 2 * BS:  # two pages: two block ids, the base pointer picked per token
+            b0 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS)
+            b1 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS + 1, mask=n0 + BS < end, other=0)
+            blk = tl.where(tl.arange(0, BLOCK_N) < BS, b0, b1)
+            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
+            off = tl.arange(0, BLOCK_N) % BS
+        else:
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
+            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
+            off = n % BS
         # scores of this tile, [N, GP]
         if KEY_MODE == K_RAW:
             kraw = tl.load((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
