@@ -11,7 +11,7 @@ V='[{}, {"chain_values": false}, {"block_n": 32, "num_warps": 1}, {"num_stages":
 timeout 68 python3 benchmarks/sweep_decode.py --formats mse_k4v3 --out "$OUT/sweep" --shapes "$S" --variants "$V" \
   2>&1 | tee "$OUT/sweep.log" | tail -27
 log "decode kernel tests (test_kernels_decode.py, the decode cases of test_kernels_head_dims.py)"
-PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 8)
+PAR=(); python3 -c "import xdist" 2>/dev/null && PAR=(-n 12)
 timeout 66 python3 -m pytest tests/test_kernels_decode.py tests/test_kernels_head_dims.py -k "decode" -q "${PAR[@]}" \
   -p no:cacheprovider --durations=5 > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"
