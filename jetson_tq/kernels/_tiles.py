@@ -67,10 +67,11 @@ def nibble_centroids(x, LUT_ASM: tl.constexpr):
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i, AXIS: tl.constexpr):
+def online_softmax(s, m_i, l_i, AXIS: tl.constexpr, REDUCE: tl.constexpr = True):
     """One flash-attention step on log2-domain scores ``s`` reduced over ``AXIS`` (the token axis):
     (new running max, rescale factor of the old sums, probabilities, new running sum). A row whose
-    scores are all -inf keeps max -inf and gets zero probabilities."""
+    scores are all -inf keeps max -inf and gets zero probabilities. ``REDUCE=False``: the running sum ``l_i`` is
+    a tile shaped like ``s`` (summed over ``AXIS`` by the caller once, after the last step)."""
     m_new = tl.maximum(m_i, tl.max(s, AXIS))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -78,7 +79,11 @@ def online_softmax(s, m_i, l_i, AXIS: tl.constexpr):
         p = tl.exp2(s - m_safe[:, None])
     else:
         p = tl.exp2(s - m_safe[None, :])
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, AXIS)
+    if not REDUCE:
+        l_new = l_i * (alpha[:, None] if AXIS == 1 else alpha[None, :]) + p
+    else:
+        l_new = l_i * alpha + tl.sum(p, AXIS)
+    return m_new, alpha, p, l_new
 
 
 @triton.jit

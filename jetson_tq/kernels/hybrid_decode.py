@@ -124,7 +124,7 @@ def _hybrid_decode_kernel(
     for i in tl.static_range(VCH * VSC):
         acc = acc + (tl.zeros([VSUBP, GP], tl.float32),)
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
+    l_t = tl.zeros([BLOCK_N, GP], tl.float32)
 
     # ---- this split's share of the sequence's tokens, compressed ones first, then the recent buffer's:
     # virtual tokens [start, start + tps) of [0, clen + rlen); compressed [start, end), BLOCK_N per tile.
@@ -199,7 +199,9 @@ def _hybrid_decode_kernel(
                                     other=0.0).to(tl.float32)
                 s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
         s = tl.where(nmask[:, None], s, float("-inf"))
-        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0)
+        # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
+        # the loop, instead of a shuffle reduction per tile
+        m_i, alpha, p, l_t = online_softmax(s, m_i, l_t, 0, False)
         # values: v^T tiles [coords, N] (loaded transposed: bytes of one token are a column)
         if VAL_MODE == V_RAW:
             vraw = tl.load((page + OFF_VRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
@@ -252,6 +254,7 @@ def _hybrid_decode_kernel(
                 zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
                 zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([NGP, GP], tl.float32) + zero_rt, INTERP)
 
+    l_i = tl.sum(l_t, 0)
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
     # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
     r0 = tl.maximum(start - clen, 0)
@@ -270,7 +273,7 @@ def _hybrid_decode_kernel(
                         mask=tmask[:, None] & (d[None, :] < D), other=0.0)
             s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
             s = tl.where(tmask[:, None], s, float("-inf"))
-            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0)
+            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
             zacc = zacc * alpha[None, :]
             new_acc = ()
             for c in tl.static_range(VCH):
