@@ -94,7 +94,7 @@ def test_decode_block_sizes(block_size):
     """Tile addressing by page: 16-token tiles over 8-token pages (two block ids per tile), 16- and 32-token tiles
     inside 32-token pages (one block id per tile), and (GPU) 2-warp 32-token tiles over 8-token pages (per-token ids)."""
     seed = fresh_seed()
-    _check("mse_k4v3", 64, 4, [40, 21], [3, 0], torch.float16, 2, seed, block_size=block_size)
+    _check("mse_k4v3", 64, 4, [40], [3], torch.float16, 1, seed, block_size=block_size)
     if block_size == 8 and GPU:  # the per-token path, unchanged from before (CI time)
         _check("blog_k3v2", 64, 4, [20], [2], torch.float16, 1, seed, block_size=block_size)
 
