@@ -60,7 +60,7 @@ def _hybrid_decode_kernel(
         RAW_BF16: tl.constexpr,
         KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
         NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
-        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr, LUT_PRMT: tl.constexpr, KLUT: tl.constexpr, CHAIN_V: tl.constexpr,
+        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr, LUT_PRMT: tl.constexpr, KLUT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
         SPB: tl.constexpr, INTERP: tl.constexpr):
     # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
@@ -232,7 +232,7 @@ def _hybrid_decode_kernel(
                         vs = tl.load(srow + grp, mask=nmask, other=0.0)
                         w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
                         tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, CH, VCW, VB, VW0, VW1, VW2,
-                                                 True, CHAIN_V, INTERP)
+                                                 INTERP)
                         new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + tile,)
                     else:
                         if VW1 == 0:
@@ -283,7 +283,7 @@ def _hybrid_decode_kernel(
                                 mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
                     pv = mma(v, p.to(v.dtype), tl.zeros([VSUBP, GP], tl.float32), INTERP)
                     if FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
-                        pv = pv * (value_unit(c, CH, VCW, VB, VW0, VW1, VW2, CHAIN_V) / TWO24)
+                        pv = pv * (value_unit(c, CH, VCW, VB, VW0, VW1, VW2) / TWO24)
                     new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + pv,)
             acc = new_acc
 
@@ -296,7 +296,7 @@ def _hybrid_decode_kernel(
             o = acc[c * VSC + j]
             if FAST_V:
                 grp = (c * VCW + j * VSUB) // GROUP
-                o = o * (TWO24 / value_unit(c, CH, VCW, VB, VW0, VW1, VW2, CHAIN_V)) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
+                o = o * (TWO24 / value_unit(c, CH, VCW, VB, VW0, VW1, VW2)) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
             o = o * inv[None, :]
             if SINGLE:
                 optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
@@ -418,6 +418,9 @@ WIDE_NUM_WARPS = 1
 # mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
 WIDE_MAXNREG = 128
 NUM_STAGES = 1
+# one-warp programs of 3/4-bit keys pipeline their tile loads (num_stages=2: the next tile's key and value bytes go
+# to shared memory by cp.async while this one is scored; run 8: 345 -> 308 us at B=8/64k, 109 -> 90.5 at B=1/128k)
+WIDE_NUM_STAGES = 2
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
 MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
 WAVES = 16.0  # programs per SM when no GPU can tell (offline compiles, interpreter); on CUDA the split count aims
@@ -488,7 +491,7 @@ _REDUCE = FastLauncher(_decode_reduce_kernel)
 
 
 def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query, num_warps, num_stages,
-               waves, block_r, fused_reduce, maxnreg, prmt_keys, chain_values) -> _DecodePlan:
+               waves, block_r, fused_reduce, maxnreg, prmt_keys) -> _DecodePlan:
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
@@ -510,6 +513,8 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
     if maxnreg is None:
         maxnreg = WIDE_MAXNREG if wide and num_warps == WIDE_NUM_WARPS else 0
+    if num_stages is None:
+        num_stages = WIDE_NUM_STAGES if wide and num_warps == WIDE_NUM_WARPS else NUM_STAGES
     plan = _DecodePlan()
     plan.codec, plan.consts = kv.codec, consts
     plan.fuse = fuse_query and fused_query(spec, kv.codec)
@@ -547,7 +552,7 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
                    KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
                    VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
                    FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, FUSE_Q=plan.fuse, LOG2D=max(d, 1).bit_length() - 1,
-                   LUT_PRMT=klut is not None, KLUT=klut or "", CHAIN_V=chain_values,
+                   LUT_PRMT=klut is not None, KLUT=klut or "",
                    BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce,
                    SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), INTERP=INTERPRET)
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
@@ -557,7 +562,7 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
         fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, _one_wave(plan, q, kv, rk, rv))
         if fit != splits:
             return _make_plan(q, kv, scale, out, fit, block_n, fast_keys, fold_values, fuse_query, num_warps,
-                              num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys, chain_values)
+                              num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     return plan
 
 
@@ -582,9 +587,9 @@ def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
-                  fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
+                  fuse_query: bool = True, num_warps: int | None = None, num_stages: int | None = None,
                   waves: float | None = None, block_r: int = BLOCK_R, fused_reduce: bool = False,
-                  maxnreg: int | None = None, prmt_keys: bool = True, chain_values: bool = True) -> torch.Tensor:
+                  maxnreg: int | None = None, prmt_keys: bool = True) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``block_r`` = recent-buffer tokens
@@ -593,9 +598,8 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     compiled kernel keeps resident, one full wave); ``fused_reduce=True`` merges the splits inside the decode launch (one launch
     per call: ~25 us less host time per eager call, but 2-38 % more device time in H200 run 6, so not the
     default);
-    ``fast_keys``/``prmt_keys``/``fold_values``/``chain_values``/``fuse_query`` switch the bit-plane key scores, the
-    byte-permute 4-bit centroid lookup, the folded value path, its runs chained in one accumulator per chunk and the
-    in-launch query rotation off (for tests and measurements). Results do not depend on them.
+    ``fast_keys``/``prmt_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the byte-permute
+    4-bit centroid lookup, the folded value path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
 
     Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
     gets zeros instead of an error, so padded CUDA-graph batches are safe). Everything that depends only on
@@ -609,12 +613,11 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     key = (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
            kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
            None if out is None else out.stride(), scale, num_splits, block_n, fast_keys, fold_values, fuse_query,
-           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys, chain_values)
+           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     plan = _PLANS.get(key)
     if plan is None or plan.codec is not kv.codec:
         plan = _PLANS[key] = _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query,
-                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys,
-                                        chain_values)
+                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not plan.fuse:
