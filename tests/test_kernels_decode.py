@@ -92,7 +92,8 @@ def test_decode_dtypes(dtype):
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_decode_block_sizes(block_size):
     """Tile addressing by page: 16-token tiles over 8-token pages (two block ids per tile), 16- and 32-token tiles
-    inside 32-token pages (one block id per tile), and (GPU) 2-warp 32-token tiles over 8-token pages (per-token ids)."""
+    inside 32-token pages (one block id per tile), and (GPU) 2-warp 32-token tiles over 8-token pages (per-token
+    ids)."""
     seed = fresh_seed()
     _check("mse_k4v3", 64, 4, [40], [3], torch.float16, 1, seed, block_size=block_size)
     if block_size == 8 and GPU:  # the per-token path, unchanged from before (CI time)
@@ -128,7 +129,8 @@ def test_decode_variants_agree(name, d):
     for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 64},
                   {"fast_keys": False}, {"prmt_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
                   {"fused_reduce": True}, {"maxnreg": 128}, {"num_stages": 1}, {"block_n": 32, "num_warps": 1}):
-        if not GPU and ({"prmt_keys", "maxnreg", "num_stages"} & knobs.keys() or knobs == {"block_n": 32, "num_warps": 1}):
+        one_warp_32 = knobs == {"block_n": 32, "num_warps": 1}
+        if not GPU and ({"prmt_keys", "maxnreg", "num_stages"} & knobs.keys() or one_warp_32):
             # the interpreter always gathers, has no registers and no pipelining (the same run as the default);
             # 32-token one-warp tiles (two pages per tile) are checked on the GPU only (CI time)
             continue

@@ -296,7 +296,8 @@ def _hybrid_decode_kernel(
             o = acc[c * VSC + j]
             if FAST_V:
                 grp = (c * VCW + j * VSUB) // GROUP
-                o = o * (TWO24 / value_unit(c, CH, VCW, VB, VW0, VW1, VW2)) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
+                zsum = tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)
+                o = o * (TWO24 / value_unit(c, CH, VCW, VB, VW0, VW1, VW2)) + zsum[None, :]
             o = o * inv[None, :]
             if SINGLE:
                 optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
