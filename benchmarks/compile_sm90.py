@@ -64,7 +64,7 @@ def _install() -> None:
         mod.cuda_or_interpreter = lambda t: None
 
 
-def _resources(kernel) -> dict:
+def _resources(kernel, sass_dir: Path | None = None, tag: str = "") -> dict:
     """Registers, stack bytes, shared bytes and SASS instruction count of a compiled kernel."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -73,6 +73,9 @@ def _resources(kernel) -> dict:
                            text=True).stdout
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
+    if sass_dir is not None:
+        sass_dir.mkdir(parents=True, exist_ok=True)
+        (sass_dir / f"{tag}_{kernel.name}.sass").write_text(sass)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else -1  # noqa: E731
     return {"regs": get("REG"), "stack": get("STACK"), "shared": kernel.metadata.shared,
             "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "loops": _loops(sass)}
@@ -96,6 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="mse_k4v3,mse_k4v3u,blog_k3v2")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--ops", default="decode,prefill,compress,append", help="which launches to compile")
+    ap.add_argument("--decode-knobs", help='JSON list of hybrid_decode knob sets (default: the standard six), e.g. '
+                    '\'[{}, {"block_n": 32}]\'')
+    ap.add_argument("--sass-dir", type=Path, help="also write each compiled decode kernel's SASS here")
     ap.add_argument("--prefill-knobs", default="[{}]", help='JSON list of chunked_prefill knob sets, e.g. '
                     '\'[{}, {"block_m": 64, "num_warps": 4}]\'')
     args = ap.parse_args(argv)
@@ -110,17 +116,19 @@ def main(argv=None) -> int:
     d, hkv, g = args.d, 2, 4
     ops = set(args.ops.split(","))
     prefill_knobs = json.loads(args.prefill_knobs)
+    decode_knobs = json.loads(args.decode_knobs) if args.decode_knobs else [
+        {}, {"num_splits": 1}, {"fused_reduce": True}, {"block_r": 64}, {"block_n": 32, "num_warps": 2}, {"maxnreg": 0}]
     for name in args.formats.split(","):
         gen = torch.Generator().manual_seed(0)
         fmt = fmt_for(name, d)
         kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen)
         q = torch.randn(2, hkv * g, d).half()
-        for knobs in ({}, {"num_splits": 1}, {"fused_reduce": True}, {"block_r": 64}, {"block_n": 32, "num_warps": 2},
-                      {"maxnreg": 0}) if "decode" in ops else ():
+        for i, knobs in enumerate(decode_knobs if "decode" in ops else ()):
             n0 = len(COMPILED)
             hybrid_decode(q, kv, **knobs)
             for kname, k in COMPILED[n0:]:
-                print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {_resources(k)}", flush=True)
+                print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {_resources(k, args.sass_dir, f'{name}_{i}')}",
+                      flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(fmt.with_(buffer_tokens=16, window="block"), hkv, d, [64, 0], [5, 9], torch.float16,

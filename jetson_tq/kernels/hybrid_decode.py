@@ -34,7 +34,7 @@ from ..errors import DTypeError, ShapeError, expect_same_device
 from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, counters,
                       cuda_or_interpreter, next_pow2, workspace)
 from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows, mma,
-                     nibble_centroids, nibble_lut_asm, online_softmax, subnormal16)
+                     nibble_centroids, nibble_lut_asm, online_softmax, subnormal16, value_unit)
 from ._launch import FastLauncher, resident_programs
 from .query_transform import query_transform
 
@@ -124,7 +124,7 @@ def _hybrid_decode_kernel(
     for i in tl.static_range(VCH * VSC):
         acc = acc + (tl.zeros([VSUBP, GP], tl.float32),)
     m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
+    l_t = tl.zeros([BLOCK_N, GP], tl.float32)
 
     # ---- this split's share of the sequence's tokens, compressed ones first, then the recent buffer's:
     # virtual tokens [start, start + tps) of [0, clen + rlen); compressed [start, end), BLOCK_N per tile.
@@ -138,9 +138,20 @@ def _hybrid_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < end
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
-        page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
-        off = n % BS
+        if BS % BLOCK_N == 0:  # the tile lies in one page (n0 is a BLOCK_N multiple): one block id, one base pointer
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS)
+            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
+            off = n0 % BS + tl.arange(0, BLOCK_N)
+        elif BLOCK_N == 2 * BS:  # two pages: two block ids, the base pointer picked per token
+            b0 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS)
+            b1 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS + 1, mask=n0 + BS < end, other=0)
+            blk = tl.where(tl.arange(0, BLOCK_N) < BS, b0, b1)
+            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
+            off = tl.arange(0, BLOCK_N) % BS
+        else:
+            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
+            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
+            off = n % BS
         # scores of this tile, [N, GP]
         if KEY_MODE == K_RAW:
             kraw = tl.load((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
@@ -188,7 +199,9 @@ def _hybrid_decode_kernel(
                                     other=0.0).to(tl.float32)
                 s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
         s = tl.where(nmask[:, None], s, float("-inf"))
-        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0)
+        # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
+        # the loop, instead of a shuffle reduction per tile
+        m_i, alpha, p, l_t = online_softmax(s, m_i, l_t, 0, False)
         # values: v^T tiles [coords, N] (loaded transposed: bytes of one token are a column)
         if VAL_MODE == V_RAW:
             vraw = tl.load((page + OFF_VRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
@@ -219,7 +232,7 @@ def _hybrid_decode_kernel(
                         vs = tl.load(srow + grp, mask=nmask, other=0.0)
                         w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
                         tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, CH, VCW, VB, VW0, VW1, VW2,
-                                                 True, INTERP)
+                                                 INTERP)
                         new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + tile,)
                     else:
                         if VW1 == 0:
@@ -241,6 +254,7 @@ def _hybrid_decode_kernel(
                 zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
                 zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([NGP, GP], tl.float32) + zero_rt, INTERP)
 
+    l_i = tl.sum(l_t, 0)
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
     # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
     r0 = tl.maximum(start - clen, 0)
@@ -259,7 +273,7 @@ def _hybrid_decode_kernel(
                         mask=tmask[:, None] & (d[None, :] < D), other=0.0)
             s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
             s = tl.where(tmask[:, None], s, float("-inf"))
-            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0)
+            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
             zacc = zacc * alpha[None, :]
             new_acc = ()
             for c in tl.static_range(VCH):
@@ -268,8 +282,8 @@ def _hybrid_decode_kernel(
                     v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
                                 mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
                     pv = mma(v, p.to(v.dtype), tl.zeros([VSUBP, GP], tl.float32), INTERP)
-                    if FAST_V:  # the fast-path accumulators hold values * 2^(c*VB - 24) (one run) or * 2^-24
-                        pv = pv * ((1 << (c * VB * (VW1 == 0))) / TWO24)
+                    if FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
+                        pv = pv * (value_unit(c, CH, VCW, VB, VW0, VW1, VW2) / TWO24)
                     new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + pv,)
             acc = new_acc
 
@@ -282,7 +296,8 @@ def _hybrid_decode_kernel(
             o = acc[c * VSC + j]
             if FAST_V:
                 grp = (c * VCW + j * VSUB) // GROUP
-                o = o * (TWO24 / (1 << (c * VB * (VW1 == 0)))) + tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)[None, :]
+                zsum = tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)
+                o = o * (TWO24 / value_unit(c, CH, VCW, VB, VW0, VW1, VW2)) + zsum[None, :]
             o = o * inv[None, :]
             if SINGLE:
                 optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
@@ -404,6 +419,9 @@ WIDE_NUM_WARPS = 1
 # mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
 WIDE_MAXNREG = 128
 NUM_STAGES = 1
+# one-warp programs of 3/4-bit keys pipeline their tile loads (num_stages=2: the next tile's key and value bytes go
+# to shared memory by cp.async while this one is scored; run 8: 345 -> 308 us at B=8/64k, 109 -> 90.5 at B=1/128k)
+WIDE_NUM_STAGES = 2
 BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
 MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
 WAVES = 16.0  # programs per SM when no GPU can tell (offline compiles, interpreter); on CUDA the split count aims
@@ -496,6 +514,8 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
     if maxnreg is None:
         maxnreg = WIDE_MAXNREG if wide and num_warps == WIDE_NUM_WARPS else 0
+    if num_stages is None:
+        num_stages = WIDE_NUM_STAGES if wide and num_warps == WIDE_NUM_WARPS else NUM_STAGES
     plan = _DecodePlan()
     plan.codec, plan.consts = kv.codec, consts
     plan.fuse = fuse_query and fused_query(spec, kv.codec)
@@ -568,7 +588,7 @@ def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
                   out: torch.Tensor | None = None, num_splits: int | None = None,
                   block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
-                  fuse_query: bool = True, num_warps: int | None = None, num_stages: int = NUM_STAGES,
+                  fuse_query: bool = True, num_warps: int | None = None, num_stages: int | None = None,
                   waves: float | None = None, block_r: int = BLOCK_R, fused_reduce: bool = False,
                   maxnreg: int | None = None, prmt_keys: bool = True) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
