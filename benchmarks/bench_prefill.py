@@ -2,8 +2,9 @@
 
     python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 2}]'] [--json F]
 
-A variant is a dict of ``chunked_prefill`` knobs (run 7 also timed the run-6 kernel through ``{"impl": "run6"}``,
-``benchmarks/prefill_run6.py`` at commit 98f9fb5; deleted after it lost).
+A variant is a dict of ``chunked_prefill`` knobs; ``{"impl": "run7"}`` times the run-7 kernel (in-loop
+dequantization, ``benchmarks/prefill_run7.py``) with its own defaults. ``--profile`` prints each CUDA kernel's time
+in one call of every variant (dequantization vs flash launches).
 """
 
 from __future__ import annotations
@@ -14,25 +15,67 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_bench import prefill_bench, table  # noqa: E402
 
 ISSUE_SHAPES = [(1, 32, 8, 32768, 2048), (1, 28, 4, 32768, 2048)]  # issue 12: chunk 2048 over 32k history
 
 
-def compile_variants(shapes, fmt, variants) -> None:
-    """Each variant once per shape (kernels compile; the timed run then loads them from Triton's cache)."""
+def _impls(variants) -> dict:
+    if any(v.get("impl") == "run7" for v in variants):
+        from prefill_run7 import chunked_prefill as run7
+
+        return {"run7": run7}
+    return {}
+
+
+def _cases(shapes, fmt):
     import torch
 
-    from jetson_tq.kernels.prefill import chunked_prefill
     from kernel_bench import make_prefill_case, resolve_format
 
     for b, hq, hkv, hist, t in shapes:
         case, k, v = make_prefill_case(b, hq, hkv, hist, t, fmt=resolve_format(fmt))
         q = torch.randn(b, hq, t, k.shape[-1], device=k.device, dtype=torch.float16)
+        yield (b, hq, hkv, hist, t), case, q, k, v
+
+
+def compile_variants(shapes, fmt, variants, impls) -> None:
+    """Each variant once per shape (kernels compile; the timed run then loads them from Triton's cache)."""
+    import torch
+
+    from jetson_tq.kernels.prefill import chunked_prefill
+
+    for _, case, q, k, v in _cases(shapes, fmt):
         for var in variants:
-            chunked_prefill(q, k, v, case.kv, **var)
+            knobs = {a: x for a, x in var.items() if a != "impl"}
+            impls.get(var.get("impl"), chunked_prefill)(q, k, v, case.kv, **knobs)
         torch.cuda.synchronize()
+
+
+def profile_variants(shapes, fmt, variants, impls) -> None:
+    """CUDA time of every kernel in one call of each variant (after a warm call), from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jetson_tq.kernels.prefill import chunked_prefill
+
+    for shape, case, q, k, v in _cases(shapes, fmt):
+        for var in variants:
+            knobs = {a: x for a, x in var.items() if a != "impl"}
+            fn = impls.get(var.get("impl"), chunked_prefill)
+            fn(q, k, v, case.kv, **knobs)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn(q, k, v, case.kv, **knobs)
+                torch.cuda.synchronize()
+            for ev in prof.key_averages():
+                us = getattr(ev, "device_time_total", None)
+                us = getattr(ev, "cuda_time_total", 0) if us is None else us
+                if us > 0:
+                    print(f"profile {list(shape)} {var} {ev.key[:40]:40s} n={ev.count} {us / max(ev.count, 1):9.1f} us",
+                          flush=True)
 
 
 def main(argv=None) -> int:
@@ -44,15 +87,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--compile-only", action="store_true",
                     help="run each variant once per shape, no timing (fills Triton's disk cache; run several at once)")
+    ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one call per variant, no timing")
     args = ap.parse_args(argv)
     shapes = ISSUE_SHAPES if args.issue_shapes else None
     if args.shapes:
         shapes = [tuple(s) for s in json.loads(args.shapes)]
     variants = json.loads(args.variants)
+    impls = _impls(variants)
     if args.compile_only:
-        compile_variants(shapes, args.format, variants)
+        compile_variants(shapes, args.format, variants, impls)
         return 0
-    rows = prefill_bench(shapes, fmt=args.format, variants=variants)
+    if args.profile:
+        profile_variants(shapes, args.format, variants, impls)
+        return 0
+    rows = prefill_bench(shapes, fmt=args.format, variants=variants, impls=impls)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

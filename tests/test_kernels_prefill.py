@@ -51,7 +51,7 @@ LARGE = [
 CASES = LARGE if GPU else SMALL
 
 
-def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=None):
+def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=None, **knobs):
     gen = torch.Generator().manual_seed(seed)
     hkv = 2
     # The ring has R = max(rec) rows and, as in vLLM and CompressedKVCache, holds min(s, R) of the s history
@@ -69,7 +69,7 @@ def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=No
     k = (torch.randn(b, hkv, t, d, generator=gen) * 2).to(dtype).to(DEVICE)
     v = torch.randn(b, hkv, t, d, generator=gen).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    chunked_prefill(q, k, v, kv, out=out)
+    chunked_prefill(q, k, v, kv, out=out, **knobs)
     ref = paged_attention_prefill(q, k, v, kv)
     err = rel_err(out, ref)
     assert err <= TOL[dtype], f"seed={seed} {name} {window} D={d} G={g} lens={comp}+{rec} T={t}: rel err {err:.2e}"
@@ -99,3 +99,17 @@ def test_block_window_prefill_matches_reference(name, d, g, comp, rec, t, rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_dtypes(dtype):
     _check("blog_k3v2", 128, 4, [200 if GPU else 40], [6], 40 if GPU else 7, dtype, fresh_seed())
+
+
+# history longer than one workspace segment: the flash state is carried between segments (64 tokens each here; at
+# least 2 segments, one of them past a sequence's compressed range), sliding and block windows
+SEGMENT_CASES = [
+    ("mse_k4v3", 64, 4, [150, 20], [7, 3], 9, "sliding", None),
+    ("blog_k3v2", 64, 2, [100], [16], 30, "block", RING_ROWS["vllm"]),
+]
+
+
+@pytest.mark.parametrize("name,d,g,comp,rec,t,window,rows", SEGMENT_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-{c[6]}" for c in SEGMENT_CASES])
+def test_prefill_workspace_segments(name, d, g, comp, rec, t, window, rows):
+    _check(name, d, g, comp, rec, t, torch.float16, fresh_seed(), window=window, ring_rows=rows, workspace_tokens=64)
