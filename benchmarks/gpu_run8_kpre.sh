@@ -6,8 +6,8 @@
 # and the prefill cases of test_kernels_head_dims.py) beside the compile warm-up. Allowance 130 s wall.
 # Usage on the device: bash benchmarks/gpu_run8_kpre.sh "$OUT"   (each step has its own time limit; few files)
 source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
-V32=('{}' '{"num_stages": 2}' '{"num_stages": 4}' '{"block_m": 64, "num_warps": 4}' '{"impl": "run7"}')
-V28=('{}' '{"num_stages": 2}' '{"block_m": 64, "num_warps": 4}')
+V32=('{}' '{"num_stages": 2}' '{"num_stages": 4}' '{"tma": true}' '{"block_m": 64, "num_warps": 4}' '{"impl": "run7"}')
+V28=('{}' '{"tma": true}' '{"block_m": 64, "num_warps": 4}')
 VSHORT=('{}' '{"impl": "run7"}')
 join() { local IFS=,; echo "[$*]"; }
 log "kernel tests (-n 8) beside the compile warm-up (one process per shape and variant, Triton's disk cache)"
