@@ -46,6 +46,16 @@ def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
 
 
 @triton.jit
+def _norm(region, offn, nmask, NORM_F32: tl.constexpr):
+    """Per-token norms (fp32) at token offsets ``offn`` of a page region of fp32 or fp16 values."""
+    if NORM_F32:
+        x = tl.load((region + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
+    else:
+        x = tl.load((region + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _dequant_kernel(
         pages_ptr, bt_ptr, clen_ptr, rlen_ptr, cb_ptr, wk_ptr, wv_ptr, s0, seg, T, ring, stride_bt, qjl_scale,
         HKV: tl.constexpr, KW: tl.constexpr,
@@ -82,20 +92,11 @@ def _dequant_kernel(
             kt = tl.load((page + OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
         else:
             code = field_tile(page + OFF_KIDX + off * (CH * KB), tmask, j, CH, KW0, KW1, KW2)
-            if NORM_F32:
-                knorm = tl.load((base + OFF_KNORM + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
-            else:
-                knorm = tl.load((base + OFF_KNORM + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                other=0.0).to(tl.float32)
+            knorm = _norm(base + OFF_KNORM, offn, nmask, NORM_F32)
             cent = centroid_lookup(code, cb_ptr, KB, 1).to(tl.float32)  # the rotated unit key
             kt = tl.where(j < D, cent * knorm[:, None], 0.0).to(tl.float16)
             if KEY_MODE == K_PROD:  # qjl * ||r|| * signs as +-1, scored against S q
-                if NORM_F32:
-                    rnorm = tl.load((base + OFF_KRNORM + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
-                                    other=0.0)
-                else:
-                    rnorm = tl.load((base + OFF_KRNORM + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                    other=0.0).to(tl.float32)
+                rnorm = _norm(base + OFF_KRNORM, offn, nmask, NORM_F32)
                 sgn = (2 * run_bits(page + OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float32)
                 ks = tl.where(j < D, sgn * (qjl_scale * rnorm)[:, None], 0.0)
                 tl.store(kdst + DP, ks.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
@@ -118,6 +119,19 @@ def _dequant_kernel(
 
 
 @triton.jit
+def _ws_load(base, desc, row0, rows, ld, j, COL: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr,
+             TMA: tl.constexpr):
+    """Columns [COL, COL + DP) of workspace ``rows`` (row width W): masked by ``ld``, by TMA (row ``row0`` on), or plain."""
+    if MASKED:
+        x = tl.load(base + rows * W + COL + j, mask=ld, other=0.0)
+    elif TMA:
+        x = desc.load([row0, COL])
+    else:
+        x = tl.load(base + rows * W + COL + j)
+    return x
+
+
+@triton.jit
 def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, wk_desc, wv_desc, desc_row0,
                     KW: tl.constexpr, DP: tl.constexpr, PROD: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
                     BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
@@ -128,30 +142,15 @@ def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, w
     j = tl.arange(0, DP)[None, :]
     rows = (n - s0)[:, None]
     ld = (n < cend)[:, None]
-    if MASKED:
-        kt = tl.load(wk_base + rows * KW + j, mask=ld, other=0.0)
-    elif TMA:
-        kt = wk_desc.load([desc_row0 + n0 - s0, 0])
-    else:
-        kt = tl.load(wk_base + rows * KW + j)
+    row0 = desc_row0 + n0 - s0
+    kt = _ws_load(wk_base, wk_desc, row0, rows, ld, j, 0, KW, MASKED, TMA)
     s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
     if PROD:
-        if MASKED:
-            ks = tl.load(wk_base + rows * KW + DP + j, mask=ld, other=0.0)
-        elif TMA:
-            ks = wk_desc.load([desc_row0 + n0 - s0, DP])
-        else:
-            ks = tl.load(wk_base + rows * KW + DP + j)
-        s = mma(qs, tl.trans(ks), s, INTERP)
+        s = mma(qs, tl.trans(_ws_load(wk_base, wk_desc, row0, rows, ld, j, DP, KW, MASKED, TMA)), s, INTERP)
     if MASKED:
         s = tl.where((n[None, :] < cend) & (n[None, :] < lo[:, None]), s, float("-inf"))
     m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
-    if MASKED:
-        vt = tl.load(wv_base + rows * DP + j, mask=ld, other=0.0)
-    elif TMA:
-        vt = wv_desc.load([desc_row0 + n0 - s0, 0])
-    else:
-        vt = tl.load(wv_base + rows * DP + j)
+    vt = _ws_load(wv_base, wv_desc, row0, rows, ld, j, 0, DP, MASKED, TMA)
     acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], INTERP)
     return acc, m_i, l_i
 
