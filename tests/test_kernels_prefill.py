@@ -13,7 +13,7 @@ import torch
 from kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.format import exact_count
-from jetson_tq.kernels.prefill import chunked_prefill
+from jetson_tq.kernels.prefill import SHARED_BYTES, WORKSPACE_BYTES, chunked_prefill, fit_stages, workspace_segment
 
 pytestmark = pytest.mark.kernel
 
@@ -113,3 +113,18 @@ SEGMENT_CASES = [
                          ids=[f"{c[0]}-D{c[1]}-{c[6]}" for c in SEGMENT_CASES])
 def test_prefill_workspace_segments(name, d, g, comp, rec, t, window, rows):
     _check(name, d, g, comp, rec, t, torch.float16, fresh_seed(), window=window, ring_rows=rows, workspace_tokens=64)
+
+
+def test_workspace_and_stages_are_bounded():
+    """The workspace never exceeds its byte budget (one block at the least) and covers a history that fits; the
+    pipeline stages fit in sm_90 shared memory (the compiled sizes match the formula, benchmarks/NOTES.md run 8)."""
+    row = 2 * (128 + 128)  # fp16 key + value per (token, KV head) at D=128, mse keys
+    assert workspace_segment(1, 8, row, 34816, 64) == 34816
+    for cap in (1, 1000, 10**6):
+        seg = workspace_segment(4, 8, row, cap, 64)
+        assert seg % 64 == 0 and 4 * 8 * row * seg <= max(WORKSPACE_BYTES, 4 * 8 * row * 64) and seg >= min(cap, 64)
+    assert fit_stages(128, 64, 128, 128) == 3  # 3 x 32 KB + 32 KB: the compiled 131072 bytes
+    assert fit_stages(64, 64, 512, 256) == 1  # prod keys at D=256
+    for bm, kw, dp in ((128, 128, 128), (64, 256, 256), (64, 512, 256), (128, 256, 128)):
+        st = fit_stages(bm, 64, kw, dp)
+        assert st * 64 * (kw + dp) * 2 + bm * kw * 2 <= SHARED_BYTES
