@@ -2,9 +2,9 @@
 
     python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 2}]'] [--json F]
 
-A variant is a dict of ``chunked_prefill`` knobs; ``{"impl": "run7"}`` times the run-7 kernel (in-loop
-dequantization, ``benchmarks/prefill_run7.py``) with its own defaults. ``--profile`` prints each CUDA kernel's time
-in one call of every variant (dequantization vs flash launches).
+A variant is a dict of ``chunked_prefill`` knobs (run 8 also timed the run-7 kernel, in-loop dequantization,
+through ``{"impl": "run7"}``: ``benchmarks/prefill_run7.py`` at commit 85808f9, deleted after it lost).
+``--profile`` prints each CUDA kernel's time in one call of every variant (query transform, dequantization, flash).
 """
 
 from __future__ import annotations
@@ -15,19 +15,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_bench import prefill_bench, table  # noqa: E402
 
 ISSUE_SHAPES = [(1, 32, 8, 32768, 2048), (1, 28, 4, 32768, 2048)]  # issue 12: chunk 2048 over 32k history
-
-
-def _impls(variants) -> dict:
-    if any(v.get("impl") == "run7" for v in variants):
-        from prefill_run7 import chunked_prefill as run7
-
-        return {"run7": run7}
-    return {}
 
 
 def _cases(shapes, fmt):
@@ -41,7 +32,7 @@ def _cases(shapes, fmt):
         yield (b, hq, hkv, hist, t), case, q, k, v
 
 
-def compile_variants(shapes, fmt, variants, impls) -> None:
+def compile_variants(shapes, fmt, variants) -> None:
     """Each variant once per shape (kernels compile; the timed run then loads them from Triton's cache)."""
     import torch
 
@@ -49,12 +40,11 @@ def compile_variants(shapes, fmt, variants, impls) -> None:
 
     for _, case, q, k, v in _cases(shapes, fmt):
         for var in variants:
-            knobs = {a: x for a, x in var.items() if a != "impl"}
-            impls.get(var.get("impl"), chunked_prefill)(q, k, v, case.kv, **knobs)
+            chunked_prefill(q, k, v, case.kv, **var)
         torch.cuda.synchronize()
 
 
-def profile_variants(shapes, fmt, variants, impls) -> None:
+def profile_variants(shapes, fmt, variants) -> None:
     """CUDA time of every kernel in one call of each variant (after a warm call), from torch.profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -63,12 +53,10 @@ def profile_variants(shapes, fmt, variants, impls) -> None:
 
     for shape, case, q, k, v in _cases(shapes, fmt):
         for var in variants:
-            knobs = {a: x for a, x in var.items() if a != "impl"}
-            fn = impls.get(var.get("impl"), chunked_prefill)
-            fn(q, k, v, case.kv, **knobs)
+            chunked_prefill(q, k, v, case.kv, **var)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn(q, k, v, case.kv, **knobs)
+                chunked_prefill(q, k, v, case.kv, **var)
                 torch.cuda.synchronize()
             for ev in prof.key_averages():
                 us = getattr(ev, "device_time_total", None)
@@ -93,14 +81,13 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(s) for s in json.loads(args.shapes)]
     variants = json.loads(args.variants)
-    impls = _impls(variants)
     if args.compile_only:
-        compile_variants(shapes, args.format, variants, impls)
+        compile_variants(shapes, args.format, variants)
         return 0
     if args.profile:
-        profile_variants(shapes, args.format, variants, impls)
+        profile_variants(shapes, args.format, variants)
         return 0
-    rows = prefill_bench(shapes, fmt=args.format, variants=variants, impls=impls)
+    rows = prefill_bench(shapes, fmt=args.format, variants=variants)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -325,10 +325,9 @@ def make_prefill_case(batch: int, hq: int, hkv: int, hist: int, t: int, head_dim
 
 def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, head_dim: int = 128,
                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None,
-                  variants: list[dict] | None = None, impls: dict | None = None) -> list[dict]:
+                  variants: list[dict] | None = None) -> list[dict]:
     """Chunked prefill (B, Hq, Hkv, history, chunk T) vs SDPA flash over the fp16 history + chunk (causal,
-    lower-right), one row per kernel variant (``variants``: knob dicts; "impl" names a callable in ``impls``,
-    the default is ``kernels.prefill.chunked_prefill``)."""
+    lower-right), one row per kernel variant (``variants``: ``chunked_prefill`` knob dicts)."""
     from torch.nn.attention.bias import causal_lower_right
 
     from jetson_tq.attention.reference import paged_attention_prefill
@@ -337,7 +336,6 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
     shapes = shapes or [(1, 32, 8, 16384, 1024), (1, 32, 8, 65536, 1024), (4, 32, 8, 8192, 512)]
-    impls = {"default": chunked_prefill, **(impls or {})}
     fmt_name, fmt = fmt if isinstance(fmt, str) else "default", resolve_format(fmt)
     rows = []
     for b, hq, hkv, hist, t in shapes:
@@ -362,11 +360,9 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         qc, kc, vc = q[:1, :, :tc].contiguous(), k[:1, :, :tc].contiguous(), v[:1, :, :tc].contiguous()
         ref = paged_attention_prefill(qc, kc, vc, part).float()
         for var in variants or [{}]:
-            knobs = {a: x for a, x in var.items() if a != "impl"}
-            fn = impls[var.get("impl", "default")]
-            got = fn(qc, kc, vc, part, **knobs).float()
+            got = chunked_prefill(qc, kc, vc, part, **var).float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
-            t_ours = _bench([lambda: fn(q, k, v, kv, **knobs)])
+            t_ours = _bench([lambda: chunked_prefill(q, k, v, kv, **var)])
             rows.append({"format": fmt_name, "variant": str(var) if var else "{}",
                          "B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
                          "sdpa_us": t_flash, "vs_sdpa": t_ours / t_flash, "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,

@@ -128,3 +128,17 @@ def test_workspace_and_stages_are_bounded():
     for bm, kw, dp in ((128, 128, 128), (64, 256, 256), (64, 512, 256), (128, 256, 128)):
         st = fit_stages(bm, 64, kw, dp)
         assert st * 64 * (kw + dp) * 2 + bm * kw * 2 <= SHARED_BYTES
+
+
+@pytest.mark.parametrize("rows", [24, 4096])
+def test_query_transform_rows(rows):
+    """The query transform prefill calls first (16-row programs for decode, 64-row ones from PREFILL_ROWS rows on)."""
+    from jetson_tq.kernels.query_transform import PREFILL_ROWS, query_transform
+
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows // 8, 8, 64, generator=gen).half().to(DEVICE)
+    m = torch.randn(128, 64, generator=gen).to(DEVICE)  # prod keys: [Pi; S]
+    got = query_transform(q, m, 0.3).clone()
+    want = 0.3 * q.reshape(rows, 64).float() @ m.T
+    assert (rows >= PREFILL_ROWS) == (rows == 4096)
+    assert rel_err(got, want) <= 1e-5

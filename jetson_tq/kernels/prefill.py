@@ -119,38 +119,32 @@ def _dequant_kernel(
 
 
 @triton.jit
-def _ws_load(base, desc, row0, rows, ld, j, COL: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr,
-             TMA: tl.constexpr):
-    """Columns [COL, COL + DP) of workspace ``rows`` (row width W): masked by ``ld``, by TMA (row ``row0`` on), or plain."""
+def _ws_load(base, rows, ld, j, COL: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr):
+    """Columns [COL, COL + DP) of workspace ``rows`` (row width W), masked by ``ld`` or not at all."""
     if MASKED:
         x = tl.load(base + rows * W + COL + j, mask=ld, other=0.0)
-    elif TMA:
-        x = desc.load([row0, COL])
     else:
         x = tl.load(base + rows * W + COL + j)
     return x
 
 
 @triton.jit
-def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, wk_desc, wv_desc, desc_row0,
-                    KW: tl.constexpr, DP: tl.constexpr, PROD: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
-                    BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW: tl.constexpr, DP: tl.constexpr,
+                    PROD: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """One flash step over the dequantized tokens [n0, n0 + BLOCK_N) (workspace rows n - s0). ``MASKED``: the tile
-    may reach past ``cend`` or past a row's window bound ``lo`` (otherwise every row reads all of it); ``TMA``: whole
-    tiles come through tensor descriptors (row ``desc_row0 + n0 - s0`` of the [B*Hkv*seg, ·] workspace views)."""
+    may reach past ``cend`` or past a row's window bound ``lo`` (otherwise every row reads all of it)."""
     n = n0 + tl.arange(0, BLOCK_N)
     j = tl.arange(0, DP)[None, :]
     rows = (n - s0)[:, None]
     ld = (n < cend)[:, None]
-    row0 = desc_row0 + n0 - s0
-    kt = _ws_load(wk_base, wk_desc, row0, rows, ld, j, 0, KW, MASKED, TMA)
+    kt = _ws_load(wk_base, rows, ld, j, 0, KW, MASKED)
     s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
     if PROD:
-        s = mma(qs, tl.trans(_ws_load(wk_base, wk_desc, row0, rows, ld, j, DP, KW, MASKED, TMA)), s, INTERP)
+        s = mma(qs, tl.trans(_ws_load(wk_base, rows, ld, j, DP, KW, MASKED)), s, INTERP)
     if MASKED:
         s = tl.where((n[None, :] < cend) & (n[None, :] < lo[:, None]), s, float("-inf"))
     m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
-    vt = _ws_load(wv_base, wv_desc, row0, rows, ld, j, 0, DP, MASKED, TMA)
+    vt = _ws_load(wv_base, rows, ld, j, 0, DP, MASKED)
     acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], INTERP)
     return acc, m_i, l_i
 
@@ -182,14 +176,13 @@ def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.c
 
 @triton.jit
 def _prefill_kernel(
-        qt_ptr, q_ptr, k_ptr, v_ptr, wk_ptr, wv_ptr, wk_desc, wv_desc, st_acc_ptr, st_m_ptr, st_l_ptr, clen_ptr, rk_ptr, rv_ptr,
+        qt_ptr, q_ptr, k_ptr, v_ptr, wk_ptr, wv_ptr, st_acc_ptr, st_m_ptr, st_l_ptr, clen_ptr, rk_ptr, rv_ptr,
         rlen_ptr, ridx_ptr, out_ptr, s0, seg, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
         stride_ob, stride_oh, stride_ot, scale_log2, ring,
         HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr, KW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
         PROD: tl.constexpr, KQ_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, LOAD_STATE: tl.constexpr,
-        FINAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        INTERP: tl.constexpr):
+        FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """Flash attention of BLOCK_M rows over workspace segment [s0, s0 + seg); ``FINAL``: then the exact part and the
     output, else the running state is stored; ``LOAD_STATE``: start from the previous segment's state."""
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -238,11 +231,11 @@ def _prefill_kernel(
     cend = tl.minimum(tl.maximum(lo_last, 0), s0 + seg)
     cfull = tl.minimum(tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N, cend)
     for n0 in range(s0, cfull, BLOCK_N):
-        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, wk_desc, wv_desc,
-                                        pid_bh * seg, KW, DP, PROD, False, TMA, BLOCK_N, INTERP)
+        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD,
+                                        False, BLOCK_N, INTERP)
     for n0 in range(tl.maximum(cfull, s0), cend, BLOCK_N):
-        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, wk_desc, wv_desc,
-                                        pid_bh * seg, KW, DP, PROD, True, TMA, BLOCK_N, INTERP)
+        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD,
+                                        True, BLOCK_N, INTERP)
 
     if FINAL:
         # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
@@ -284,10 +277,15 @@ def default_block_m(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
-def fit_stages(block_m: int, block_n: int, key_width: int, dp: int, want: int = NUM_STAGES) -> int:
-    """Pipeline stages (one [BLOCK_N, key + value] fp16 buffer each, beside the query operands) that fit in shared
-    memory: Triton's allocation for this kernel on sm_90 is stages * BLOCK_N * (KW + DP) * 2 + BLOCK_M * KW * 2."""
-    return max(1, min(want, (SHARED_BYTES - block_m * key_width * 2) // (block_n * (key_width + dp) * 2)))
+def fit_stages(block_m: int, block_n: int, key_width: int, dp: int, exact_bytes: int = 2,
+               want: int = NUM_STAGES) -> int:
+    """Pipeline stages that fit in shared memory. Each loop holds one buffer per stage beside its query operand, and
+    Triton's allocation on sm_90 is the larger loop's: the workspace loop stages * BLOCK_N * (KW + DP) * 2 +
+    BLOCK_M * KW * 2 (fp16), the exact loops (ring, chunk) stages * BLOCK_N * 2 DP * e + BLOCK_M * DP * e with e the
+    ring's element size (H200 call B: an fp32 ring at 3 stages asked for 256 KB)."""
+    ws = (SHARED_BYTES - block_m * key_width * 2) // (block_n * (key_width + dp) * 2)
+    exact = (SHARED_BYTES - block_m * dp * exact_bytes) // (block_n * 2 * dp * exact_bytes)
+    return max(1, min(want, ws, exact))
 
 
 def workspace_segment(batch: int, num_kv_heads: int, row_bytes: int, capacity: int, block: int,
@@ -302,13 +300,13 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
                     softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
                     num_stages: int | None = None, workspace_tokens: int | None = None,
-                    max_tokens: int | None = None, tma: bool = False) -> torch.Tensor:
+                    max_tokens: int | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
     rule; ``kv.pages`` already hold the chunk's compressed tokens). ``workspace_tokens``: tokens per (sequence, KV
     head) dequantized at a time (default from ``WORKSPACE_BYTES``; rounded to the tile sizes). ``max_tokens``: a
     host-side bound on every sequence's history + T (vLLM knows it), else the block table's capacity; it sizes the
     workspace and the segment count, so it must not be too small. ``num_stages`` None: as many as fit
-    (``fit_stages``); ``tma``: whole workspace tiles through TMA tensor descriptors."""
+    (``fit_stages``)."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -343,7 +341,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     dp, prod = spec.DP, spec.KEY_MODE == KEY_PROD
     raw_t = torch.bfloat16 if spec.RAW_BF16 else torch.float16
     kw = 2 * dp if prod else dp
-    num_stages = num_stages or fit_stages(block_m, block_n, kw, dp)
+    num_stages = num_stages or fit_stages(block_m, block_n, kw, dp, rk.element_size())
     # workspace segments: the pages hold at most block-table width x block size tokens per sequence (a host-side
     # bound, no sync); programs past a sequence's compressed range exit at once
     capacity = kv.block_table.shape[1] * spec.BS
@@ -359,12 +357,6 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     wv = torch.empty(bsz * hkv, seg, dp, dtype=raw_t if spec.VAL_MODE == VAL_RAW else torch.float16,
                      device=q.device)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
-    wk_desc, wv_desc = wk, wv  # unused unless tma
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        wk_desc = TensorDescriptor.from_tensor(wk.view(-1, kw), [block_n, dp])
-        wv_desc = TensorDescriptor.from_tensor(wv.view(-1, dp), [block_n, dp])
     if nseg > 1:  # the running (acc, max, sum) of every row between the segments' flash launches
         rows = grid[0] * grid[1] * block_m
         st_acc = torch.empty(rows, dp, dtype=torch.float32, device=q.device)
@@ -379,12 +371,12 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
             ring, kv.block_table.stride(0), kv.codec.qjl_scale, HKV=hkv, KW=kw, **spec_kw, BLOCK_WINDOW=block_window,
             BLOCK_T=dq_tokens, num_warps=4, num_stages=1)
         _prefill_kernel[grid](
-            qt, q, k, v, wk, wv, wk_desc, wv_desc, st_acc, st_m, st_l, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
+            qt, q, k, v, wk, wv, st_acc, st_m, st_l, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
             out, s0, seg, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0),
             rv.stride(1), rv.stride(2), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, ring,
             HKV=hkv, G=g, QW=qt.shape[1], KW=kw, D=d, DP=dp, PROD=prod,
             KQ_BF16=spec.KEY_MODE == KEY_RAW and spec.RAW_BF16, BLOCK_WINDOW=block_window,
-            LOAD_STATE=i > 0, FINAL=i == nseg - 1, TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET,
+            LOAD_STATE=i > 0, FINAL=i == nseg - 1, BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET,
             num_warps=num_warps, num_stages=num_stages)
     return out
