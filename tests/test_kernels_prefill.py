@@ -13,7 +13,7 @@ import torch
 from kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.format import exact_count
-from jetson_tq.kernels.prefill import chunked_prefill
+from jetson_tq.kernels.prefill import SHARED_BYTES, WORKSPACE_BYTES, chunked_prefill, fit_stages, workspace_segment
 
 pytestmark = pytest.mark.kernel
 
@@ -51,7 +51,7 @@ LARGE = [
 CASES = LARGE if GPU else SMALL
 
 
-def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=None):
+def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=None, **knobs):
     gen = torch.Generator().manual_seed(seed)
     hkv = 2
     # The ring has R = max(rec) rows and, as in vLLM and CompressedKVCache, holds min(s, R) of the s history
@@ -69,7 +69,7 @@ def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=No
     k = (torch.randn(b, hkv, t, d, generator=gen) * 2).to(dtype).to(DEVICE)
     v = torch.randn(b, hkv, t, d, generator=gen).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    chunked_prefill(q, k, v, kv, out=out)
+    chunked_prefill(q, k, v, kv, out=out, **knobs)
     ref = paged_attention_prefill(q, k, v, kv)
     err = rel_err(out, ref)
     assert err <= TOL[dtype], f"seed={seed} {name} {window} D={d} G={g} lens={comp}+{rec} T={t}: rel err {err:.2e}"
@@ -99,3 +99,46 @@ def test_block_window_prefill_matches_reference(name, d, g, comp, rec, t, rows):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_dtypes(dtype):
     _check("blog_k3v2", 128, 4, [200 if GPU else 40], [6], 40 if GPU else 7, dtype, fresh_seed())
+
+
+# history longer than one workspace segment: the flash state is carried between segments (64 tokens each here; at
+# least 2 segments, one of them past a sequence's compressed range), sliding and block windows
+SEGMENT_CASES = [
+    ("mse_k4v3", 64, 4, [150, 20], [7, 3], 9, "sliding", None),
+    ("blog_k3v2", 64, 2, [100], [16], 30, "block", RING_ROWS["vllm"]),
+]
+
+
+@pytest.mark.parametrize("name,d,g,comp,rec,t,window,rows", SEGMENT_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-{c[6]}" for c in SEGMENT_CASES])
+def test_prefill_workspace_segments(name, d, g, comp, rec, t, window, rows):
+    _check(name, d, g, comp, rec, t, torch.float16, fresh_seed(), window=window, ring_rows=rows, workspace_tokens=64)
+
+
+def test_workspace_and_stages_are_bounded():
+    """The workspace never exceeds its byte budget (one block at the least) and covers a history that fits; the
+    pipeline stages fit in sm_90 shared memory (the compiled sizes match the formula, benchmarks/NOTES.md run 8)."""
+    row = 2 * (128 + 128)  # fp16 key + value per (token, KV head) at D=128, mse keys
+    assert workspace_segment(1, 8, row, 34816, 64) == 34816
+    for cap in (1, 1000, 10**6):
+        seg = workspace_segment(4, 8, row, cap, 64)
+        assert seg % 64 == 0 and 4 * 8 * row * seg <= max(WORKSPACE_BYTES, 4 * 8 * row * 64) and seg >= min(cap, 64)
+    assert fit_stages(128, 64, 128, 128) == 3  # 3 x 32 KB + 32 KB: the compiled 131072 bytes
+    assert fit_stages(64, 64, 512, 256) == 1  # prod keys at D=256
+    for bm, kw, dp in ((128, 128, 128), (64, 256, 256), (64, 512, 256), (128, 256, 128)):
+        st = fit_stages(bm, 64, kw, dp)
+        assert st * 64 * (kw + dp) * 2 + bm * kw * 2 <= SHARED_BYTES
+
+
+@pytest.mark.parametrize("rows", [24, 4096])
+def test_query_transform_rows(rows):
+    """The query transform prefill calls first (16-row programs for decode, 64-row ones from PREFILL_ROWS rows on)."""
+    from jetson_tq.kernels.query_transform import PREFILL_ROWS, query_transform
+
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.randn(rows // 8, 8, 64, generator=gen).half().to(DEVICE)
+    m = torch.randn(128, 64, generator=gen).to(DEVICE)  # prod keys: [Pi; S]
+    got = query_transform(q, m, 0.3).clone()
+    want = 0.3 * q.reshape(rows, 64).float() @ m.T
+    assert (rows >= PREFILL_ROWS) == (rows == 4096)
+    assert rel_err(got, want) <= 1e-5

@@ -187,9 +187,9 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
     ops = backend_mod.ops
     prefill, decode = ops.prefill, ops.decode
 
-    def logged_prefill(q, k, v, kv, scale):
+    def logged_prefill(q, k, v, kv, scale, **kw):
         calls.append(("prefill", int(kv.compressed_lens[0])))
-        return prefill(q, k, v, kv, scale)
+        return prefill(q, k, v, kv, scale, **kw)
 
     def logged_decode(q, kv, scale):
         calls.append(("decode", q.shape[0]))

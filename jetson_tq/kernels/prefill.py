@@ -1,16 +1,23 @@
 """Chunked prefill: a chunk of T query tokens per sequence over the compressed tokens, the recent ring
-and (causally) the chunk's own fp16 keys/values, in one flash-attention pass, under decode's window rule
-(``format.exact_start``, mirrored by ``_window_lo``): a query at position p reads positions older than
-p + 1 - R (sliding) or than its own R-token block p - p % R (BLOCK_WINDOW) compressed (history and chunk
-alike: the pages already hold the chunk) and the rest exactly.
+and (causally) the chunk's own fp16 keys/values, under decode's window rule (``format.exact_start``, mirrored
+by ``_window_lo``): a query at position p reads positions older than p + 1 - R (sliding) or than its own
+R-token block p - p % R (BLOCK_WINDOW) compressed (history and chunk alike: the pages already hold the chunk)
+and the rest exactly.
 
-One program = BLOCK_M query rows of one (sequence, KV head); a row is a (token, query head) pair,
-so the G query heads of a KV head share every loaded tile (GQA). Each compressed tile of BLOCK_N
-tokens is dequantized once per program into whole fp16 [BLOCK_N, D] key and value tiles in registers
-(codebook values of the rotated key, codes * scale + zero of the value) and multiplied on the tensor
-cores against all BLOCK_M rows at once — one product for the scores and one for the values, as in a
-plain fp16 flash-attention loop; the history is never decompressed into memory. (Decode's bit-plane
-products pay per row; with 128 rows per tile the per-tile dequantization is the cheaper side.)
+Two launches per history segment (H200 run 8: the run-7 kernel, which dequantized every tile inside each
+128-row program, was latency-bound at 2.4-2.6x SDPA flash):
+
+1. ``_dequant_kernel`` decompresses the segment's compressed tokens once into an fp16 workspace: keys in the
+   rotated domain with the norm folded in (``||k|| c[idx]``; prod keys also ``qjl ||r|| signs``, scored
+   against S q), values ``code * scale + zero``.
+2. ``_prefill_kernel`` runs a plain fp16 flash-attention loop over it (one program = BLOCK_M rows of one
+   (sequence, KV head); a row is a (token, query head) pair, so the G query heads of a KV head share every
+   tile): tiles every row reads whole without masks, then the tiles at the rows' window bound masked, then
+   (last segment) the exact part — ring rows and the chunk itself — from fp16.
+
+The workspace holds at most ``workspace_tokens`` tokens per (sequence, KV head) (default: what fits in
+``WORKSPACE_BYTES``); a longer history is processed in segments, the running (acc, max, sum) of every row
+carried between the flash launches in an fp32 state buffer, so extra memory stays bounded at any history.
 Same contract as ``attention.reference.paged_attention_prefill``.
 """
 
@@ -24,7 +31,7 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import INTERPRET, cuda_or_interpreter, codec_constants
+from ._common import INTERPRET, KEY_PROD, KEY_RAW, VAL_RAW, codec_constants, cuda_or_interpreter
 from ._tiles import K_PROD, K_RAW, V_RAW, centroid_lookup, field_tile, mma, online_softmax, run_bits
 from .hybrid_decode import LOG2E, _spec
 from .query_transform import query_transform
@@ -39,72 +46,106 @@ def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _compressed_tile(n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale,
-                     HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr,
-                     PB: tl.constexpr, KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr,
-                     KW1: tl.constexpr, KW2: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
-                     OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr,
-                     NORM_F32: tl.constexpr, VAL_MODE: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr,
-                     VW2: tl.constexpr, VB: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-                     OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr,
-                     OFF_VRAW: tl.constexpr, RAW_BF16: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     INTERP: tl.constexpr):
-    """One flash step over compressed tokens [n0, n0 + BLOCK_N): dequantize the key and value tiles once
-    ([BLOCK_N, DP], coordinates contiguous), score every row, update (acc, m_i, l_i). ``MASKED``: the tile
-    may reach past ``cend`` or past a row's window start ``lo`` (otherwise every row reads all of it)."""
-    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+def _norm(region, offn, nmask, NORM_F32: tl.constexpr):
+    """Per-token norms (fp32) at token offsets ``offn`` of a page region of fp32 or fp16 values."""
+    if NORM_F32:
+        x = tl.load((region + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
+    else:
+        x = tl.load((region + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dequant_kernel(
+        pages_ptr, bt_ptr, clen_ptr, rlen_ptr, cb_ptr, wk_ptr, wv_ptr, s0, seg, T, ring, stride_bt, qjl_scale,
+        HKV: tl.constexpr, KW: tl.constexpr,
+        D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
+        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
+        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
+        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
+        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
+        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
+        RAW_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
+    row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP),
+    value [DP] (code * scale + zero); padding columns zero."""
+    pid_bh, pid_t = tl.program_id(0), tl.program_id(1)
+    b = pid_bh // HKV
+    h = pid_bh % HKV
+    hist = tl.load(clen_ptr + b) + tl.load(rlen_ptr + b)
+    cend = tl.minimum(tl.maximum(_window_lo(hist + T - 1, ring, BLOCK_WINDOW), 0), s0 + seg)
+    n = s0 + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    if s0 + pid_t * BLOCK_T < cend:
+        RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+        j = tl.arange(0, DP)[None, :]
+        nmask = n < cend
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
+        base = pages_ptr + (blk.to(tl.int64) * (HKV * PB) + h.to(tl.int64) * PB)  # [BLOCK_T] page of each token
+        offn = n % BS
+        page = base[:, None]
+        off = offn[:, None]
+        tmask = nmask[:, None] & (j < D)
+        row = (pid_bh.to(tl.int64) * seg + (n - s0).to(tl.int64))[:, None]
+        kdst = wk_ptr + row * KW + j
+        if KEY_MODE == K_RAW:
+            kt = tl.load((page + OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        else:
+            code = field_tile(page + OFF_KIDX + off * (CH * KB), tmask, j, CH, KW0, KW1, KW2)
+            knorm = _norm(base + OFF_KNORM, offn, nmask, NORM_F32)
+            cent = centroid_lookup(code, cb_ptr, KB, 1).to(tl.float32)  # the rotated unit key
+            kt = tl.where(j < D, cent * knorm[:, None], 0.0).to(tl.float16)
+            if KEY_MODE == K_PROD:  # qjl * ||r|| * signs as +-1, scored against S q
+                rnorm = _norm(base + OFF_KRNORM, offn, nmask, NORM_F32)
+                sgn = (2 * run_bits(page + OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float32)
+                ks = tl.where(j < D, sgn * (qjl_scale * rnorm)[:, None], 0.0)
+                tl.store(kdst + DP, ks.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
+        tl.store(kdst, kt.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
+        if VAL_MODE == V_RAW:
+            vt = tl.load((page + OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        else:
+            code = field_tile(page + OFF_VCODES + off * (CH * VB), tmask, j, CH, VW0, VW1, VW2)
+            srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            rmask = nmask[:, None]
+            vs = tl.load(srow, mask=rmask, other=0.0).to(tl.float32)
+            vz = tl.load(zrow, mask=rmask, other=0.0).to(tl.float32)
+            for g in tl.static_range(1, NG):  # per-token scale / zero of each coordinate's group
+                sel = (j // GROUP) == g
+                vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
+                vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
+            vt = tl.where(j < D, code.to(tl.float32) * vs + vz, 0.0)
+        tl.store(wv_ptr + row * DP + j, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+@triton.jit
+def _ws_load(base, rows, ld, j, COL: tl.constexpr, W: tl.constexpr, MASKED: tl.constexpr):
+    """Columns [COL, COL + DP) of workspace ``rows`` (row width W), masked by ``ld`` or not at all."""
+    if MASKED:
+        x = tl.load(base + rows * W + COL + j, mask=ld, other=0.0)
+    else:
+        x = tl.load(base + rows * W + COL + j)
+    return x
+
+
+@triton.jit
+def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW: tl.constexpr, DP: tl.constexpr,
+                    PROD: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """One flash step over the dequantized tokens [n0, n0 + BLOCK_N) (workspace rows n - s0). ``MASKED``: the tile
+    may reach past ``cend`` or past a row's window bound ``lo`` (otherwise every row reads all of it)."""
     n = n0 + tl.arange(0, BLOCK_N)
     j = tl.arange(0, DP)[None, :]
+    rows = (n - s0)[:, None]
+    ld = (n < cend)[:, None]
+    kt = _ws_load(wk_base, rows, ld, j, 0, KW, MASKED)
+    s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
+    if PROD:
+        s = mma(qs, tl.trans(_ws_load(wk_base, rows, ld, j, DP, KW, MASKED)), s, INTERP)
     if MASKED:
-        nmask = n < cend
-    else:
-        nmask = n >= 0
-    blk = tl.load(bt_row + n // BS, mask=nmask, other=0)
-    base = pages_ptr + (blk.to(tl.int64) * (HKV * PB) + head_off)  # [BLOCK_N] page of each token
-    offn = n % BS
-    page = base[:, None]
-    off = offn[:, None]
-    tmask = nmask[:, None] & (j < D)
-    if KEY_MODE == K_RAW:
-        kt = tl.load((page + OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
-        s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
-    else:
-        code = field_tile(page + OFF_KIDX + off * (CH * KB), tmask, j, CH, KW0, KW1, KW2)
-        kt = centroid_lookup(code, cb_ptr, KB, 1)  # [BLOCK_N, DP] fp16: the rotated unit key
-        s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
-        if NORM_F32:
-            knorm = tl.load((base + OFF_KNORM + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
-        else:
-            knorm = tl.load((base + OFF_KNORM + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask, other=0.0).to(tl.float32)
-        s = s * knorm[None, :]
-        if KEY_MODE == K_PROD:  # + qjl * ||r|| <S q, signs>, signs as a +-1 tile
-            sgn = (2 * run_bits(page + OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float16)
-            sq = mma(qs, tl.trans(sgn), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
-            if NORM_F32:
-                rnorm = tl.load((base + OFF_KRNORM + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
-            else:
-                rnorm = tl.load((base + OFF_KRNORM + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                other=0.0).to(tl.float32)
-            s = s + sq * (qjl_scale * rnorm)[None, :]
-    if MASKED:
-        s = tl.where(nmask[None, :] & (n[None, :] < lo[:, None]), s, float("-inf"))
+        s = tl.where((n[None, :] < cend) & (n[None, :] < lo[:, None]), s, float("-inf"))
     m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
-    if VAL_MODE == V_RAW:
-        vt = tl.load((page + OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
-        acc = mma(p.to(RAW_T), vt, acc * alpha[:, None], INTERP)
-    else:
-        code = field_tile(page + OFF_VCODES + off * (CH * VB), tmask, j, CH, VW0, VW1, VW2)
-        srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-        zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-        rmask = nmask[:, None]
-        vs = tl.load(srow, mask=rmask, other=0.0).to(tl.float32)
-        vz = tl.load(zrow, mask=rmask, other=0.0).to(tl.float32)
-        for g in tl.static_range(1, NG):  # per-token scale / zero of each coordinate's group
-            sel = (j // GROUP) == g
-            vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
-            vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
-        vt = (code.to(tl.float32) * vs + vz).to(tl.float16)
-        acc = mma(p.to(tl.float16), vt, acc * alpha[:, None], INTERP)
+    vt = _ws_load(wv_base, rows, ld, j, 0, DP, MASKED)
+    acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], INTERP)
     return acc, m_i, l_i
 
 
@@ -135,21 +176,15 @@ def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.c
 
 @triton.jit
 def _prefill_kernel(
-        qt_ptr, q_ptr, k_ptr, v_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr,
-        out_ptr, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-        stride_vb, stride_vh, stride_vt, stride_bt,
-        stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, stride_ot, scale_log2, qjl_scale, ring,
-        HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr,
-        D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
-        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
-        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
-        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
-        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
-        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
-        RAW_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        INTERP: tl.constexpr):
+        qt_ptr, q_ptr, k_ptr, v_ptr, wk_ptr, wv_ptr, st_acc_ptr, st_m_ptr, st_l_ptr, clen_ptr, rk_ptr, rv_ptr,
+        rlen_ptr, ridx_ptr, out_ptr, s0, seg, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
+        stride_ob, stride_oh, stride_ot, scale_log2, ring,
+        HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr, KW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+        PROD: tl.constexpr, KQ_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, LOAD_STATE: tl.constexpr,
+        FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """Flash attention of BLOCK_M rows over workspace segment [s0, s0 + seg); ``FINAL``: then the exact part and the
+    output, else the running state is stored; ``LOAD_STATE``: start from the previous segment's state."""
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
@@ -168,63 +203,72 @@ def _prefill_kernel(
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     lo_first = _window_lo(hist + first_tok, ring, BLOCK_WINDOW)  # lo grows with the token: the tile's bounds
     lo_last = _window_lo(hist + last_tok, ring, BLOCK_WINDOW)
-    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
-    KQ_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
+    KQ_T: tl.constexpr = tl.bfloat16 if KQ_BF16 else tl.float16
 
     # the transformed query (Pi q, and S q for prod keys), loaded once as tensor-core operands
     j = tl.arange(0, DP)[None, :]
     qmask = rmask[:, None] & (j < D)
     qk = tl.load(qt_ptr + qrow[:, None] * QW + j, mask=qmask, other=0.0).to(KQ_T)
-    if KEY_MODE == K_PROD:
+    if PROD:
         qs = tl.load(qt_ptr + qrow[:, None] * QW + D + j, mask=qmask, other=0.0).to(tl.float16)
     else:
         qs = qk
-    acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    st_row = (pid_bh * tl.num_programs(1) + pid_m).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if LOAD_STATE:
+        acc = tl.load(st_acc_ptr + st_row[:, None] * DP + j)
+        m_i = tl.load(st_m_ptr + st_row)
+        l_i = tl.load(st_l_ptr + st_row)
+    else:
+        acc = tl.zeros([BLOCK_M, DP], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
 
-    # ---- compressed tokens (history and, past the window, the chunk: the pages hold both): tiles every row reads
-    # whole, then the tiles at the window edge (masked)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    head_off = h.to(tl.int64) * PB
-    cend = tl.maximum(lo_last, 0)
-    cfull = tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, cfull, BLOCK_N):
-        acc, m_i, l_i = _compressed_tile(
-            n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale, HKV, D, DP, CH, BS,
-            PB, KEY_MODE, KB, KW0, KW1, KW2, OFF_KIDX, OFF_KSGN, OFF_KNORM, OFF_KRNORM, OFF_KRAW, NORM_F32, VAL_MODE,
-            VW0, VW1, VW2, VB, GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, OFF_VRAW, RAW_BF16, False, BLOCK_N, INTERP)
-    for n0 in range(cfull, cend, BLOCK_N):
-        acc, m_i, l_i = _compressed_tile(
-            n0, cend, lo, qk, qs, acc, m_i, l_i, pages_ptr, bt_row, head_off, cb_ptr, qjl_scale, HKV, D, DP, CH, BS,
-            PB, KEY_MODE, KB, KW0, KW1, KW2, OFF_KIDX, OFF_KSGN, OFF_KNORM, OFF_KRNORM, OFF_KRAW, NORM_F32, VAL_MODE,
-            VW0, VW1, VW2, VB, GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, OFF_VRAW, RAW_BF16, True, BLOCK_N, INTERP)
+    # ---- compressed tokens of this segment (history and, past the window, the chunk), dequantized in the
+    # workspace: tiles every row reads whole, then the tiles at the window edge (masked)
+    wbase = pid_bh.to(tl.int64) * seg
+    wk_base = wk_ptr + wbase * KW
+    wv_base = wv_ptr + wbase * DP
+    cend = tl.minimum(tl.maximum(lo_last, 0), s0 + seg)
+    cfull = tl.minimum(tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N, cend)
+    for n0 in range(s0, cfull, BLOCK_N):
+        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD,
+                                        False, BLOCK_N, INTERP)
+    for n0 in range(tl.maximum(cfull, s0), cend, BLOCK_N):
+        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD,
+                                        True, BLOCK_N, INTERP)
 
-    # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
-    qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
-                    + tok[:, None].to(tl.int64) * stride_qt + j, mask=qmask, other=0.0).to(tl.float32) * scale_log2
-            ).to(rk_ptr.dtype.element_ty)
-    ridx = tl.load(ridx_ptr + b).to(tl.int64)
-    ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
-    acc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
-                                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                                stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
-                                qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
-    t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                                v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                                stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
-                                qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
+    if FINAL:
+        # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
+        qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
+                        + tok[:, None].to(tl.int64) * stride_qt + j, mask=qmask, other=0.0).to(tl.float32)
+                * scale_log2).to(rk_ptr.dtype.element_ty)
+        ridx = tl.load(ridx_ptr + b).to(tl.int64)
+        ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
+        acc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+                                    rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+                                    stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
+                                    qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
+        t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+                                    v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+                                    stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
+                                    qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        optr = (out_ptr + b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
+                + tok[:, None].to(tl.int64) * stride_ot + j)
+        tl.store(optr, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
+    else:
+        tl.store(st_acc_ptr + st_row[:, None] * DP + j, acc)
+        tl.store(st_m_ptr + st_row, m_i)
+        tl.store(st_l_ptr + st_row, l_i)
 
-    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    optr = (out_ptr + b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
-            + tok[:, None].to(tl.int64) * stride_ot + j)
-    tl.store(optr, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
 
-
-BLOCK_N = 64  # H200 run 7: 32 was 20 % slower (11.5 vs 9.5 ms, chunk 2048 over 32k, 32/8)
+BLOCK_N = 64
 NUM_WARPS = 8  # 64-row warp groups: Triton emits wgmma on sm_90
-NUM_STAGES = 1  # H200 run 7: 8.0 / 8.4 ms vs 9.5 / 9.5 ms with 2 stages (32/8, 28/4); 3 stages 9.6 ms
+NUM_STAGES = 3
+SHARED_BYTES = 232448  # sm_90 shared memory per block (227 KB)
+DEQUANT_TOKENS = 64  # tokens per dequantization program (4 warps); 32 above head_dim 128 (registers)
+WORKSPACE_BYTES = 256 << 20  # fp16 workspace bound per call: 64k tokens x 8 KV heads at D=128 (mse keys)
 
 
 def default_block_m(head_dim: int) -> int:
@@ -233,12 +277,36 @@ def default_block_m(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
+def fit_stages(block_m: int, block_n: int, key_width: int, dp: int, exact_bytes: int = 2,
+               want: int = NUM_STAGES) -> int:
+    """Pipeline stages that fit in shared memory. Each loop holds one buffer per stage beside its query operand, and
+    Triton's allocation on sm_90 is the larger loop's: the workspace loop stages * BLOCK_N * (KW + DP) * 2 +
+    BLOCK_M * KW * 2 (fp16), the exact loops (ring, chunk) stages * BLOCK_N * 2 DP * e + BLOCK_M * DP * e with e the
+    ring's element size (H200 call B: an fp32 ring at 3 stages asked for 256 KB)."""
+    ws = (SHARED_BYTES - block_m * key_width * 2) // (block_n * (key_width + dp) * 2)
+    exact = (SHARED_BYTES - block_m * dp * exact_bytes) // (block_n * 2 * dp * exact_bytes)
+    return max(1, min(want, ws, exact))
+
+
+def workspace_segment(batch: int, num_kv_heads: int, row_bytes: int, capacity: int, block: int,
+                      budget: int = WORKSPACE_BYTES) -> int:
+    """Tokens per workspace segment: all ``capacity`` tokens if they fit in ``budget`` bytes, else the most that fit
+    (a multiple of ``block``, at least one block)."""
+    fit = budget // max(1, batch * num_kv_heads * row_bytes) // block * block
+    return max(block, min(fit, triton.cdiv(max(capacity, 1), block) * block))
+
+
 def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
                     softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
                     block_m: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                    num_stages: int = NUM_STAGES) -> torch.Tensor:
+                    num_stages: int | None = None, workspace_tokens: int | None = None,
+                    max_tokens: int | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
-    rule; ``kv.pages`` already hold the chunk's compressed tokens)."""
+    rule; ``kv.pages`` already hold the chunk's compressed tokens). ``workspace_tokens``: tokens per (sequence, KV
+    head) dequantized at a time (default from ``WORKSPACE_BYTES``; rounded to the tile sizes). ``max_tokens``: a
+    host-side bound on every sequence's history + T (vLLM knows it), else the block table's capacity; it sizes the
+    workspace and the segment count, so it must not be too small. ``num_stages`` None: as many as fit
+    (``fit_stages``)."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -268,14 +336,47 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     ring = rk.shape[2]  # the window R: positions older than exact_start(p) are read compressed
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
+    block_window = kv.layout.fmt.block_window and ring > 0
     block_m = block_m or default_block_m(d)
+    dp, prod = spec.DP, spec.KEY_MODE == KEY_PROD
+    raw_t = torch.bfloat16 if spec.RAW_BF16 else torch.float16
+    kw = 2 * dp if prod else dp
+    num_stages = num_stages or fit_stages(block_m, block_n, kw, dp, rk.element_size())
+    # workspace segments: the pages hold at most block-table width x block size tokens per sequence (a host-side
+    # bound, no sync); programs past a sequence's compressed range exit at once
+    capacity = kv.block_table.shape[1] * spec.BS
+    if max_tokens is not None:
+        capacity = min(capacity, max(int(max_tokens), 1))
+    dq_tokens = DEQUANT_TOKENS if dp <= 128 else DEQUANT_TOKENS // 2
+    step = max(block_n, dq_tokens)
+    seg = workspace_tokens or workspace_segment(bsz, hkv, 2 * (kw + dp), capacity, step)
+    seg = triton.cdiv(seg, step) * step
+    nseg = max(1, triton.cdiv(capacity, seg))
+    wk = torch.empty(bsz * hkv, seg, kw, dtype=raw_t if spec.KEY_MODE == KEY_RAW else torch.float16,
+                     device=q.device)
+    wv = torch.empty(bsz * hkv, seg, dp, dtype=raw_t if spec.VAL_MODE == VAL_RAW else torch.float16,
+                     device=q.device)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
-    _prefill_kernel[grid](
-        qt, q, k, v, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
-        consts["codebook"], out, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), kv.block_table.stride(0),
-        rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, kv.codec.qjl_scale, ring,
-        HKV=hkv, G=g, QW=qt.shape[1], **spec_kw, BLOCK_WINDOW=kv.layout.fmt.block_window and ring > 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    if nseg > 1:  # the running (acc, max, sum) of every row between the segments' flash launches
+        rows = grid[0] * grid[1] * block_m
+        st_acc = torch.empty(rows, dp, dtype=torch.float32, device=q.device)
+        st_m = torch.empty(rows, dtype=torch.float32, device=q.device)
+        st_l = torch.empty_like(st_m)
+    else:
+        st_acc = st_m = st_l = out  # never read or written (FINAL, no LOAD_STATE)
+    for i in range(nseg):
+        s0 = i * seg
+        _dequant_kernel[(bsz * hkv, seg // dq_tokens)](
+            kv.pages, kv.block_table, kv.compressed_lens, kv.recent_lens, consts["codebook"], wk, wv, s0, seg, t_len,
+            ring, kv.block_table.stride(0), kv.codec.qjl_scale, HKV=hkv, KW=kw, **spec_kw, BLOCK_WINDOW=block_window,
+            BLOCK_T=dq_tokens, num_warps=4, num_stages=1)
+        _prefill_kernel[grid](
+            qt, q, k, v, wk, wv, st_acc, st_m, st_l, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
+            out, s0, seg, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0),
+            rv.stride(1), rv.stride(2), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, ring,
+            HKV=hkv, G=g, QW=qt.shape[1], KW=kw, D=d, DP=dp, PROD=prod,
+            KQ_BF16=spec.KEY_MODE == KEY_RAW and spec.RAW_BF16, BLOCK_WINDOW=block_window,
+            LOAD_STATE=i > 0, FINAL=i == nseg - 1, BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET,
+            num_warps=num_warps, num_stages=num_stages)
     return out

@@ -65,16 +65,18 @@ def decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, bac
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None,
-            backend: str | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+            backend: str | None = None, attn_mask: torch.Tensor | None = None,
+            max_tokens: int | None = None) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus its own k, v [B, Hkv, T, D] (causal,
     window rule of ``attention.reference.paged_attention_prefill``; the pages already hold the chunk).
 
-    An explicit ``attn_mask`` (padding, custom patterns) is served by the reference.
+    An explicit ``attn_mask`` (padding, custom patterns) is served by the reference. ``max_tokens``: a host-side
+    bound on every sequence's history + T, when the caller knows one (sizes the kernel's workspace).
     """
     if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
         from ..kernels.prefill import chunked_prefill
 
-        return chunked_prefill(q, k, v, kv, softmax_scale)
+        return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens)
     return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask)
 
 

@@ -382,7 +382,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
             v = value[qs:qe].transpose(0, 1).unsqueeze(0)
-            output[qs:qe] = ops.prefill(q, k, v, kv, self.scale)[0].transpose(0, 1).to(output.dtype)
+            out = ops.prefill(q, k, v, kv, self.scale, max_tokens=s + qe - qs)  # this request's tokens so far
+            output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
             if R > 0:
                 j0 = max(0, (qe - qs) - R)
                 cols = torch.arange(s + j0, s + qe - qs, device=dev) % R
