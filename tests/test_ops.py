@@ -127,28 +127,34 @@ print(peak - before, stored)
 
 @pytest.mark.kernel
 def test_triton_backend_agrees_through_the_cache(monkeypatch):
-    """Appending through the compress-on-write kernel and decoding / prefilling through the kernels agrees with
-    an all-reference cache fed the same tokens (CPU: the Triton interpreter)."""
+    """Appending through the compress-on-write kernel stores an all-reference cache's bytes (up to codes at exact
+    ties), and decoding / prefilling through the kernels agrees with the reference over those pages (CPU: the
+    Triton interpreter)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     fmt = KVFormat(buffer_tokens=16)
     n = 300 if GPU else 70
     k = torch.randn(2, 2, n, 128, generator=gen).half()
     v = torch.randn(2, 2, n, 128, generator=gen).half()
+    q = torch.randn(2, 8, 128, generator=gen).half().to(DEVICE)
+    qc, kc = (torch.randn(2, h, 9, 128, generator=gen).half().to(DEVICE) for h in (8, 2))
     _setting(monkeypatch, "reference")
     ref_cache = CompressedKVCache(fmt, 2, 128, 2, dtype=torch.float16)
     ref_cache.append(k, v)
-    q = torch.randn(2, 8, 128, generator=gen).half()
-    qc, kc = torch.randn(2, 8, 9, 128, generator=gen).half(), torch.randn(2, 2, 9, 128, generator=gen).half()
-    ref = jt.attention_decode(q, ref_cache)
-    ref_p = jt.attention_prefill(qc, kc, kc, ref_cache)
     _setting(monkeypatch, "triton")
-    cache = CompressedKVCache(fmt, 2, 128, 2, dtype=torch.float16, device=DEVICE)
-    cache.append(k.to(DEVICE), v.to(DEVICE))
-    out = jt.attention_decode(q.to(DEVICE), cache)
-    assert rel_err(out.cpu(), ref) <= 5e-3, f"seed={seed}"  # includes the write kernel's rare sign flips
-    out_p = jt.attention_prefill(qc.to(DEVICE), kc.to(DEVICE), kc.to(DEVICE), cache)
-    assert rel_err(out_p.cpu(), ref_p) <= 5e-3, f"seed={seed}"
+    caches = [CompressedKVCache(fmt, 2, 128, 2, dtype=torch.float16, device=DEVICE) for _ in range(2)]
+    for cache in caches:
+        cache.append(k.to(DEVICE), v.to(DEVICE))
+    # fp16 inputs make (v - zero) / scale exactly half-way between two value codes for ~1e-4 of the values; the
+    # kernel (a product by 1 / scale) may pick the other, equally near code there: a handful of bytes, never more
+    assert torch.equal(caches[0].pages, caches[1].pages)
+    differ = float((caches[0].pages.cpu() != ref_cache.pages).double().mean())
+    assert differ <= 1e-3, f"seed={seed}: {differ:.2e} of the page bytes differ from the reference write"
+    assert torch.equal(caches[0].ring_k.cpu(), ref_cache.ring_k) and torch.equal(caches[0].ring_v.cpu(), ref_cache.ring_v)
+    out, want = (jt.attention_decode(q, caches[0], backend=b) for b in ("triton", "reference"))
+    assert rel_err(out.cpu(), want.cpu()) <= 2e-3, f"seed={seed}"
+    out_p, want_p = (jt.attention_prefill(qc, kc, kc, c, backend=b) for c, b in zip(caches, ("triton", "reference")))
+    assert rel_err(out_p.cpu(), want_p.cpu()) <= 2e-3, f"seed={seed}"
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a CUDA GPU")
