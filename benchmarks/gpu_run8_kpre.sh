@@ -5,7 +5,8 @@
 # one call (query transform, dequantization, flash). The prefill tests run in the lead's kernel-test run. 75 s wall.
 # As run in call B (2026-12-01 19:17 UTC, commit 85808f9; raw output results/h200_2026-12-01/run8_kpre/callB/): the
 # variants were {} num_stages 2/4, tma, block_m 64 with 4 warps and the run-7 kernel ({"impl": "run7"}), plus
-# tests/test_kernels_prefill.py and the prefill cases of test_kernels_head_dims.py beside the warm-up.
+# tests/test_kernels_prefill.py and the prefill cases of test_kernels_head_dims.py beside the warm-up. Call C (19:55 UTC,
+# main 712f508) ran this version: raw output results/h200_2026-12-01/run8_kpre/callC/ (its profile step timed out).
 # Usage on the device: bash benchmarks/gpu_run8_kpre.sh "$OUT"   (each step has its own time limit; few files)
 source benchmarks/gpu_preamble.sh "$@"  # OUT, PYTHONPATH, log(), machine and versions
 log "compile warm-up, one process per head layout (Triton's disk cache)"
