@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,10 @@ def make_model(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     jobs = scheduling_jobs(make_model(tmp_path_factory.mktemp("sched")))
-    out = {name: run_engine_subprocess(j, DEFAULT_PRESET, ENV, timeout=600) for name, j in jobs.items()}
+    with ThreadPoolExecutor(len(jobs)) as pool:  # independent engine processes: start-ups overlap (CI time)
+        futures = {name: pool.submit(run_engine_subprocess, j, DEFAULT_PRESET, ENV, timeout=600)
+                   for name, j in jobs.items()}
+        out = {name: f.result() for name, f in futures.items()}
     if os.environ.get("JETSON_TQ_SCHED_JSON"):  # the figures docs/vllm.md quotes
         Path(os.environ["JETSON_TQ_SCHED_JSON"]).write_text(json.dumps(out, indent=1))
     return out
