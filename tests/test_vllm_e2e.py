@@ -23,6 +23,7 @@ they stay together):
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 import importlib.util
 import os
 import random
@@ -104,14 +105,21 @@ def _fp16_ring_budget(blocks: int, block_size: int = 128) -> int:
                            element_bytes=4)
 
 
+def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900) -> dict[str, dict]:
+    """name -> (job, config) run as independent engine processes at once (their start-ups overlap: CI time)."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: pool.submit(run_engine_subprocess, job, cfg, ENV, timeout=timeout)
+                   for name, (job, cfg) in runs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 @pytest.fixture(scope="module")
 def tiny_fp32_runs(tiny) -> dict:
     job = _job(tiny, "float32", _prompts(), max_model_len=256)
     fp16_ring = str(DATA / "vllm_fp16_r16.yaml")
-    return {"base": run_engine_subprocess(job, None, ENV),
-            "fp16_ring": run_engine_subprocess(job, fp16_ring, ENV),
-            # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
-            "preempted": run_engine_subprocess(dict(job, kv_bytes=_fp16_ring_budget(3)), fp16_ring, ENV)}
+    return _side_by_side({"base": (job, None), "fp16_ring": (job, fp16_ring),
+                          # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
+                          "preempted": (dict(job, kv_bytes=_fp16_ring_budget(3)), fp16_ring)})
 
 
 def test_switch_off_is_stock_vllm(tiny_fp32_runs):
@@ -143,8 +151,8 @@ def test_ring_survives_preemption_and_recompute(tiny_fp32_runs):
 
 def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny):
     job = _job(tiny, "bfloat16", _prompts(1))
-    base = run_engine_subprocess(job, None, ENV)
-    tq = run_engine_subprocess(job, "blog_k3v2", ENV)
+    runs = _side_by_side({"base": (job, None), "tq": (job, "blog_k3v2")})
+    base, tq = runs["base"], runs["tq"]
     for r in (base, tq):
         _check_capacity(r)
         _texts(r)
@@ -194,8 +202,8 @@ def smol_runs() -> dict:
     job = {"model": str(ensure_smollm2_dir()), "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,
            "kv_bytes": 256 * MiB, "eager": True, "max_tokens": 12, "prompts": prompts,
            "max_num_batched_tokens": 256}
-    return {name: run_engine_subprocess(job, cfg, ENV, timeout=600)
-            for name, cfg in (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"))}
+    return _side_by_side({name: (job, cfg) for name, cfg in (("base", None), ("k4v4", "k4v4"),
+                                                              ("blog_k3v2", "blog_k3v2"))}, timeout=600)
 
 
 @needs_smollm2
