@@ -23,7 +23,6 @@ they stay together):
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import importlib.util
 import os
 import random
@@ -36,7 +35,8 @@ pytest.importorskip("vllm")
 
 from jetson_tq.config import load_config  # noqa: E402
 from jetson_tq.format import PagedLayout  # noqa: E402
-from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_subprocess, token_agreement  # noqa: E402
+from jetson_tq.integrations.vllm.compare import (  # noqa: E402
+    first_divergence, run_engine_subprocess, run_engines_side_by_side, token_agreement)
 from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
 from jetson_tq.integrations.vllm.tiny_model import WORDS, make_tiny_llama  # noqa: E402
 
@@ -106,11 +106,7 @@ def _fp16_ring_budget(blocks: int, block_size: int = 128) -> int:
 
 
 def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900) -> dict[str, dict]:
-    """name -> (job, config) run as independent engine processes at once (their start-ups overlap: CI time)."""
-    with ThreadPoolExecutor(len(runs)) as pool:
-        futures = {name: pool.submit(run_engine_subprocess, job, cfg, ENV, timeout=timeout)
-                   for name, (job, cfg) in runs.items()}
-        return {name: f.result() for name, f in futures.items()}
+    return run_engines_side_by_side(runs, ENV, timeout)
 
 
 @pytest.fixture(scope="module")

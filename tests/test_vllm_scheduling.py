@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,7 @@ pytest.importorskip("vllm")
 
 from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
 from jetson_tq.format import PagedLayout  # noqa: E402
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
+from jetson_tq.integrations.vllm.compare import run_engines_side_by_side  # noqa: E402
 from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
 from jetson_tq.integrations.vllm.tiny_model import WORDS, make_tiny_llama  # noqa: E402
 
@@ -105,10 +104,7 @@ def make_model(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     jobs = scheduling_jobs(make_model(tmp_path_factory.mktemp("sched")))
-    with ThreadPoolExecutor(len(jobs)) as pool:  # independent engine processes: start-ups overlap (CI time)
-        futures = {name: pool.submit(run_engine_subprocess, j, DEFAULT_PRESET, ENV, timeout=600)
-                   for name, j in jobs.items()}
-        out = {name: f.result() for name, f in futures.items()}
+    out = run_engines_side_by_side({name: (j, DEFAULT_PRESET) for name, j in jobs.items()}, ENV, timeout=600)
     if os.environ.get("JETSON_TQ_SCHED_JSON"):  # the figures docs/vllm.md quotes
         Path(os.environ["JETSON_TQ_SCHED_JSON"]).write_text(json.dumps(out, indent=1))
     return out

@@ -170,6 +170,16 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     return result
 
 
+def run_engines_side_by_side(runs: dict[str, tuple[dict, str | None]], env: dict | None = None,
+                             timeout: float = 900) -> dict[str, dict]:
+    """name -> (job, config) run by ``run_engine_subprocess`` at once (independent processes: start-ups overlap)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(runs))) as pool:
+        futures = {name: pool.submit(run_engine_subprocess, job, cfg, env, timeout) for name, (job, cfg) in runs.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
 OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")    # e.g. jetson_tq.errors.ConfigError: ...
 ANY_ERROR = re.compile(r"\b([\w.]*(?:Error|Exception)): (.+)")
 
