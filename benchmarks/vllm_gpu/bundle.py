@@ -57,6 +57,8 @@ DEPS = [
     # what `import vllm.entrypoints.openai.api_server` (vllm serve) needs
     "fastapi==0.136.3", "starlette==1.10.0", "uvicorn==0.54.0", "watchfiles==1.3.0", "partial-json-parser==0.2.1.1.post7",
     "model-hosting-container-standards==0.1.16", "jmespath==1.1.0",
+    # the OpenAI server's /metrics route (vllm serve dies at start-up without it; prometheus-client is in the image)
+    "prometheus-fastapi-instrumentator==8.1.0",
 ]
 #: files added to the core tar: (path in the tar, source next to this script)
 STUBS = {"vllm/_C_stable_libtorch.py": "c_stub.py"}
