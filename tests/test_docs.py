@@ -39,8 +39,9 @@ INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.S)
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$", re.M)
 URL = re.compile(r"https?://[^\s)\]>`'\"]+")
-PATH = re.compile(r"(?<![\w./$~-])((?:%s)/[^\s`'\"(),;:|]*)" % "|".join(re.escape(d) for d in SOURCE_DIRS))
-PLACEHOLDER = set("*?{}<>[]$")
+PATH = re.compile(r"(?<![\w./$~-])((?:%s)/(?:[^\s`'\"(),;:|{}]|\{[^{}\s]*\})*)"
+                  % "|".join(re.escape(d) for d in SOURCE_DIRS))
+PLACEHOLDER = set("<>[]$")  # <out>/x, $OUT/x, [a|b]: a placeholder, not a file name
 CAPS_WORD = re.compile(r"(^|/)[A-Z][A-Z0-9_]+(\.|/|$)")  # requirements/GROUP.txt: a placeholder name
 CLIMB = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*)")
 MACHINE_PATH = re.compile(r"(?<![\w./-])(/work/[^\s`'\"(),;]*)")  # where this repository was written
@@ -112,6 +113,14 @@ def link_problems(doc: Path, root: Path = ROOT) -> list[str]:
     return problems
 
 
+def expand_braces(path: str) -> list[str]:
+    """Shell brace expansion of one path: ``f.{md,json}`` -> ``f.md``, ``f.json``."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [p for alt in m.group(1).split(",") for p in expand_braces(path[: m.start()] + alt + path[m.end():])]
+
+
 def path_problems(doc: Path, root: Path = ROOT) -> list[str]:
     """Each repository path written in the doc's code that does not exist, as a message."""
     if doc.name in NO_PATH_CHECK and doc.parent == root:
@@ -122,9 +131,11 @@ def path_problems(doc: Path, root: Path = ROOT) -> list[str]:
         for m in PATH.finditer(piece):
             path = m.group(1).rstrip(".")
             if PLACEHOLDER & set(path) or "..." in path or CAPS_WORD.search(path):
-                continue  # a pattern or a placeholder, not a file name
-            if not (root / path).exists():
-                problems.append(f"path {path}: no such file or folder")
+                continue
+            for one in expand_braces(path):  # a{b,c}: both must exist; a glob must match something
+                found = any(root.glob(one)) if set("*?") & set(one) else (root / one).exists()
+                if not found:
+                    problems.append(f"path {one}: no such file or folder")
     return sorted(set(problems))
 
 
@@ -173,7 +184,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     doc.write_text(
         "# Real heading\n[ok](#real-heading) [bad anchor](#nope) [gone](missing.md) [out](../../elsewhere/x.md)\n"
         "[site](https://example.com/x) [paper](https://arxiv.org/abs/2504.19874) <https://example.org>\n"
-        "run `benchmarks/gpu_run_gone.sh`, `benchmarks/bench_decode.py` and `tests/test_kernels*.py`\n"
+        "run `benchmarks/gpu_run_gone.sh`, `benchmarks/bench_{decode,api}.py`, `benchmarks/bench_*.py`, `tests/x*.py`\n"
         "```\npython benchmarks/bench_decode.py --out $OUT/benchmarks/x  # see requirements/GROUP.txt\n```\n"
         "as ../shared/NOTES.md says; clone /work/wt/x here; docs/../README.md\n", encoding="utf-8")
     links = link_problems(doc, root=tmp_path)
@@ -182,7 +193,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert any("elsewhere/x.md: outside the repository" in p for p in links)
     assert any("example.com" in p for p in links) and any("example.org" in p for p in links)
     assert not any("arxiv" in p or "real-heading" in p for p in links)
-    assert path_problems(doc, root=tmp_path) == ["path benchmarks/gpu_run_gone.sh: no such file or folder"]
+    assert path_problems(doc, root=tmp_path) == ["path benchmarks/bench_api.py: no such file or folder",
+                                                 "path benchmarks/gpu_run_gone.sh: no such file or folder",
+                                                 "path tests/x*.py: no such file or folder"]
     assert outside_problems(doc, root=tmp_path) == ["path ../../elsewhere/x.md: outside the repository",
                                                     "path ../shared/NOTES.md: no such file in the repository",
                                                     "path /work/wt/x: a folder of one machine"]
