@@ -1,4 +1,4 @@
-"""GPU benchmarks of the kernels next to their baselines, measured in the same process (../shared/BENCHMARKING.md).
+"""GPU benchmarks of the kernels next to their baselines, measured in the same process (docs/benchmarks.md).
 
 Every function returns rows (dicts) that ``table`` prints. Inputs are real: K/V are random normal
 fp16, compressed by the compress-on-write kernel into vLLM-style pages; several input sets rotate
