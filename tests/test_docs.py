@@ -3,7 +3,7 @@
 Checked in README.md, CHANGELOG.md, docs/*.md, benchmarks/*.md and requirements/*.md:
 - every Markdown link or image with a relative target names a file or folder inside the repository, and an anchor
   (``file.md#heading``, ``#heading``) names a heading of that file (GitHub's slug rule);
-- every web address (in a link or bare) starts with one of ``ALLOWED_URLS``: the TurboQuant paper on arXiv and the
+- every web address (in a link or bare) is one of ``ALLOWED_URLS`` or below one: the TurboQuant paper on arXiv and the
   vLLM and Triton projects, the two pieces of software this one plugs into. Anything else (a personal machine's
   path, a notes folder beside the repository, another site) is a link a reader of a clone cannot follow;
 - no text points outside the repository: a relative path that climbs out of it (``../shared/notes.md``) or a path
@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC_GLOBS = ("README.md", "CHANGELOG.md", "docs/*.md", "benchmarks/*.md", "requirements/*.md")
 #: web addresses a doc may cite: the paper the format implements, and the projects it plugs into
 ALLOWED_URLS = (
-    "https://arxiv.org/abs/2504.19874",
-    "https://github.com/vllm-project/vllm",
+    "https://arxiv.org/abs/2504.19874/",
+    "https://github.com/vllm-project/vllm/",
     "https://docs.vllm.ai/",
-    "https://github.com/triton-lang/triton",
+    "https://github.com/triton-lang/triton/",
     "https://triton-lang.org/",
 )
 #: the tracked source folders; a path in code that starts with one of them must exist
@@ -45,6 +45,11 @@ PLACEHOLDER = set("<>[]$")  # <out>/x, $OUT/x, [a|b]: a placeholder, not a file 
 CAPS_WORD = re.compile(r"(^|/)[A-Z][A-Z0-9_]+(\.|/|$)")  # requirements/GROUP.txt: a placeholder name
 CLIMB = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*)")
 MACHINE_PATH = re.compile(r"(?<![\w./-])(/work/[^\s`'\"(),;]*)")  # where this repository was written
+
+
+def allowed_url(url: str) -> bool:
+    """True when ``url`` is an allowed address or a page below one (``.../vllm`` yes, ``.../vllm-fork`` no)."""
+    return (url.rstrip("/") + "/").startswith(ALLOWED_URLS)
 
 
 def doc_files() -> list[Path]:
@@ -94,7 +99,7 @@ def link_problems(doc: Path, root: Path = ROOT) -> list[str]:
     problems = []
     for target in targets:
         if re.match(r"[a-z][a-z0-9+.-]*:", target, re.I):
-            if not target.startswith(ALLOWED_URLS):
+            if not allowed_url(target):
                 problems.append(f"link to {target}: not in ALLOWED_URLS")
             continue
         file_part, _, anchor = target.partition("#")
@@ -108,7 +113,7 @@ def link_problems(doc: Path, root: Path = ROOT) -> list[str]:
     linked = set(targets)
     for url in URL.findall(prose):
         url = url.rstrip(".,;:")
-        if url not in linked and not url.startswith(ALLOWED_URLS):
+        if url not in linked and not allowed_url(url):
             problems.append(f"address {url}: not in ALLOWED_URLS")
     return problems
 
@@ -176,7 +181,7 @@ def test_nothing_points_outside_the_repository(doc: Path) -> None:
 
 
 def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
-    """A doc with a missing file, a bad anchor, an outside path, a foreign site and a deleted script fails each check."""
+    """A missing file, a bad anchor, an outside path, a foreign site and a deleted script each fail their check."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "bench_decode.py").write_text("")
@@ -184,6 +189,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     doc.write_text(
         "# Real heading\n[ok](#real-heading) [bad anchor](#nope) [gone](missing.md) [out](../../elsewhere/x.md)\n"
         "[site](https://example.com/x) [paper](https://arxiv.org/abs/2504.19874) <https://example.org>\n"
+        "[vllm](https://github.com/vllm-project/vllm/tree/main) [fork](https://github.com/vllm-project/vllm-fork)\n"
         "run `benchmarks/gpu_run_gone.sh`, `benchmarks/bench_{decode,api}.py`, `benchmarks/bench_*.py`, `tests/x*.py`\n"
         "```\npython benchmarks/bench_decode.py --out $OUT/benchmarks/x  # see requirements/GROUP.txt\n```\n"
         "as ../shared/NOTES.md says; clone /work/wt/x here; docs/../README.md\n", encoding="utf-8")
@@ -192,7 +198,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert any("missing.md: no such file" in p for p in links)
     assert any("elsewhere/x.md: outside the repository" in p for p in links)
     assert any("example.com" in p for p in links) and any("example.org" in p for p in links)
-    assert not any("arxiv" in p or "real-heading" in p for p in links)
+    assert any("vllm-fork" in p for p in links)
+    assert not any("arxiv" in p or "real-heading" in p or "tree/main" in p for p in links)
     assert path_problems(doc, root=tmp_path) == ["path benchmarks/bench_api.py: no such file or folder",
                                                  "path benchmarks/gpu_run_gone.sh: no such file or folder",
                                                  "path tests/x*.py: no such file or folder"]
