@@ -46,7 +46,7 @@ def write_model_dir(name: str, root: str | Path) -> Path:
 
 def write_tokenizer(model_dir: str | Path, vocab_size: int = 32000) -> Path:
     """Add a local WordLevel tokenizer (no hub) so ``vllm serve`` can take and return text."""
-    from jetson_tq.integrations.vllm.tiny_model import write_tokenizer_files
+    from jetson_tq.models.tiny import write_tokenizer_files
 
     model_dir = Path(model_dir)
     write_tokenizer_files(model_dir, vocab_size)

@@ -58,7 +58,7 @@ def default_prompts(count: int = 4, chars: int = 1600) -> list[str]:
 def resolve_model(name: str) -> tuple[str, str]:
     """(path or hub id, dtype) for 'smollm2', 'tiny', a configs/models name, a directory or a hub id."""
     if name == "tiny":
-        from .tiny_model import make_tiny_llama
+        from ...models.tiny import make_tiny_llama
 
         out = Path(os.environ.get("JETSON_TQ_CACHE", Path.home() / ".cache" / "jetson_tq")) / "tiny_llama_6l"
         if not (out / "model.safetensors").exists():
@@ -168,16 +168,6 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
     result["log_tail"] = log[-3000:]
     return result
-
-
-def run_engines_side_by_side(runs: dict[str, tuple[dict, str | None]], env: dict | None = None,
-                             timeout: float = 900) -> dict[str, dict]:
-    """name -> (job, config) run by ``run_engine_subprocess`` at once (independent processes: start-ups overlap)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, len(runs))) as pool:
-        futures = {name: pool.submit(run_engine_subprocess, job, cfg, env, timeout) for name, (job, cfg) in runs.items()}
-        return {name: f.result() for name, f in futures.items()}
 
 
 OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")    # e.g. jetson_tq.errors.ConfigError: ...
