@@ -39,8 +39,8 @@ INLINE_CODE = re.compile(r"(`+)(.+?)\1", re.S)
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s.*)?$", re.M)
 URL = re.compile(r"https?://[^\s)\]>`'\"]+")
-PATH = re.compile(r"(?<![\w./$~-])((?:%s)/(?:[^\s`'\"(),;:|{}]|\{[^{}\s]*\})*)"
-                  % "|".join(re.escape(d) for d in SOURCE_DIRS))
+_DIRS = "|".join(re.escape(d) for d in SOURCE_DIRS)
+PATH = re.compile(r"(?<![\w./$~-])((?:" + _DIRS + r")/(?:[^\s`'\"(),;:|{}]|\{[^{}\s]*\})*)")
 PLACEHOLDER = set("<>[]$")  # <out>/x, $OUT/x, [a|b]: a placeholder, not a file name
 CAPS_WORD = re.compile(r"(^|/)[A-Z][A-Z0-9_]+(\.|/|$)")  # requirements/GROUP.txt: a placeholder name
 CLIMB = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*)")
@@ -123,7 +123,7 @@ def expand_braces(path: str) -> list[str]:
     m = re.search(r"\{([^{}]*)\}", path)
     if not m:
         return [path]
-    return [p for alt in m.group(1).split(",") for p in expand_braces(path[: m.start()] + alt + path[m.end():])]
+    return [p for alt in m.group(1).split(",") for p in expand_braces(path[: m.start()] + alt + path[m.end() :])]
 
 
 def path_problems(doc: Path, root: Path = ROOT) -> list[str]:
@@ -192,7 +192,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
         "[vllm](https://github.com/vllm-project/vllm/tree/main) [fork](https://github.com/vllm-project/vllm-fork)\n"
         "run `benchmarks/gpu_run_gone.sh`, `benchmarks/bench_{decode,api}.py`, `benchmarks/bench_*.py`, `tests/x*.py`\n"
         "```\npython benchmarks/bench_decode.py --out $OUT/benchmarks/x  # see requirements/GROUP.txt\n```\n"
-        "as ../shared/NOTES.md says; clone /work/wt/x here; docs/../README.md\n", encoding="utf-8")
+        "as ../shared/NOTES.md says; clone /work/wt/x here; docs/../README.md\n",
+        encoding="utf-8",
+    )
     links = link_problems(doc, root=tmp_path)
     assert any("#nope" in p for p in links)
     assert any("missing.md: no such file" in p for p in links)
@@ -200,11 +202,15 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path) -> None:
     assert any("example.com" in p for p in links) and any("example.org" in p for p in links)
     assert any("vllm-fork" in p for p in links)
     assert not any("arxiv" in p or "real-heading" in p or "tree/main" in p for p in links)
-    assert path_problems(doc, root=tmp_path) == ["path benchmarks/bench_api.py: no such file or folder",
-                                                 "path benchmarks/gpu_run_gone.sh: no such file or folder",
-                                                 "path tests/x*.py: no such file or folder"]
-    assert outside_problems(doc, root=tmp_path) == ["path ../../elsewhere/x.md: outside the repository",
-                                                    "path ../shared/NOTES.md: no such file in the repository",
-                                                    "path /work/wt/x: a folder of one machine"]
+    assert path_problems(doc, root=tmp_path) == [
+        "path benchmarks/bench_api.py: no such file or folder",
+        "path benchmarks/gpu_run_gone.sh: no such file or folder",
+        "path tests/x*.py: no such file or folder",
+    ]
+    assert outside_problems(doc, root=tmp_path) == [
+        "path ../../elsewhere/x.md: outside the repository",
+        "path ../shared/NOTES.md: no such file in the repository",
+        "path /work/wt/x: a folder of one machine",
+    ]
     heading = "vLLM 0.26.0 on a GPU (H200, 2026-12-01): the product `path`"
     assert slug(heading) == "vllm-0260-on-a-gpu-h200-2026-12-01-the-product-path"
