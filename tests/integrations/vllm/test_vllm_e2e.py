@@ -8,9 +8,12 @@ and the logged "GPU KV cache size: N tokens") and are checked against the formul
 Token-agreement thresholds, per format (agreement = fraction of positions where the greedy outputs hold
 the same token; once one token differs the two texts follow different paths, so it measures how long
 they stay together):
-- fp16 pages + fp16 ring on an fp32 model: 1.0, also when vLLM runs out of blocks and preempts.
-  Storage rounds K/V to fp16 only, attention runs in fp32 like the stock CPU kernel; any miss would
-  be a paging / slot / ring / chunking / preemption bug.
+- fp16 pages + fp16 ring on an fp32 model: the same tokens, also when vLLM runs out of blocks and preempts,
+  except at a greedy near-tie (the scheduling test's rule, ``same_up_to_near_ties``: storage rounds K/V to
+  fp16, which moves log-probabilities by ~2e-3 on these models, so a choice within twice the platform's
+  bound may go either way). Attention runs in fp32 like the stock CPU kernel; any other miss would be a
+  paging / slot / ring / chunking / preemption bug. ``JETSON_TQ_ENGINE_SEED`` picks another random model
+  and prompts.
 - SmolLM2-135M (fp32), ~200-token essay excerpts, 12 new tokens, so ~70 history tokens per request are
   read compressed (128-token ring): k4v4 - every prompt's first 2 tokens equal and mean >= 0.3;
   blog_k3v2 - first token equal on >= 3 of 4 prompts and mean >= 0.2. Measured on this machine:
@@ -39,6 +42,7 @@ from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_sub
 from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
 from jetson_tq.models.tiny import WORDS, make_tiny_llama  # noqa: E402
 from tests.helpers.engines import run_engines_side_by_side  # noqa: E402
+from test_vllm_scheduling import engine_seed, same_up_to_near_ties  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 MiB = 2**20
@@ -47,7 +51,7 @@ TINY = {"layers": 6, "kv_heads": 2, "head_dim": 32}
 
 
 def _prompts(seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
+    rng = random.Random(seed + 1000 * engine_seed())
     return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 110, 170, 230)]
 
 
@@ -96,7 +100,8 @@ def _texts(result: dict) -> None:
 # ------------------------------------------------------------------------------------- tiny Llama
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=6, hidden=128, heads=4, kv_heads=2))
+    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=6, hidden=128, heads=4, kv_heads=2,
+                               seed=engine_seed()))
 
 
 def _fp16_ring_budget(blocks: int, block_size: int = 128) -> int:
@@ -111,7 +116,7 @@ def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900
 
 @pytest.fixture(scope="module")
 def tiny_fp32_runs(tiny) -> dict:
-    job = _job(tiny, "float32", _prompts(), max_model_len=256)
+    job = _job(tiny, "float32", _prompts(), max_model_len=256, logprobs=True)  # logprobs: greedy margins
     fp16_ring = str(DATA / "vllm_fp16_r16.yaml")
     return _side_by_side({"base": (job, None), "fp16_ring": (job, fp16_ring),
                           # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
@@ -133,16 +138,14 @@ def test_fp16_pages_and_ring_are_exact_inside_vllm(tiny_fp32_runs):
     assert tq["num_gpu_blocks"] == expected_tq_blocks(str(DATA / "vllm_fp16_r16.yaml"), **TINY,
                                                       block_size=tq["block_size"], kv_bytes=tq["kv_bytes"],
                                                       rows=4, element_bytes=4)
-    for x, y in zip(base["outputs"], tq["outputs"]):
-        assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
+    same_up_to_near_ties(base["outputs"], tq["outputs"], "fp16 pages and ring vs stock")
 
 
 def test_ring_survives_preemption_and_recompute(tiny_fp32_runs):
     """Requests preempted for lack of blocks restart at position 0 and refill their ring: still exact."""
     base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["preempted"]
     assert tq["num_gpu_blocks"] == 3 and tq["preemptions"] >= 1
-    for x, y in zip(base["outputs"], tq["outputs"]):
-        assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
+    same_up_to_near_ties(base["outputs"], tq["outputs"], "fp16 pages and ring, preempted, vs stock")
 
 
 def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny):

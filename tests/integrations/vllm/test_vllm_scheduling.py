@@ -15,7 +15,8 @@ compressed. Tokens must be equal and log-probabilities may differ by float round
 rounding of a codebook boundary may fall in the neighbouring bin: hence a bound, not equality). The one
 exception is a greedy near-tie: where both runs' top two tokens are within 2 x that bound, rounding may pick
 either (the GPU's fp32 GEMMs round differently with batch shape, stock vLLM's too); the outputs are then
-compared up to that step.
+compared up to that step. The other engine tests whose cache rounds (test_vllm_e2e, test_vllm_tp) compare by
+the same rule (``same_up_to_near_ties``), so no bound rests on one run's lucky margins.
 Marked slow: two multiprocess engines (their start-up is most of the time).
 """
 
@@ -65,7 +66,7 @@ def _tie() -> float:
 
 
 def _prompts() -> list[str]:
-    rng = random.Random(14)
+    rng = random.Random(14 + engine_seed())
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
     shared = words(130)  # one full 128-token block in common
     # 245-252 tokens: two blocks, and the 16 new tokens cross into a third (vLLM admits a request only when its
@@ -98,7 +99,7 @@ def scheduling_jobs(model: Path, preset: str = DEFAULT_PRESET) -> dict[str, dict
 def make_model(folder: Path) -> Path:
     """The seeded fp32 Llama the jobs run."""
     return make_tiny_llama(folder / "llama", layers=LAYERS, hidden=8 * HEAD_DIM, heads=8, kv_heads=KV_HEADS,
-                           intermediate=512)
+                           intermediate=512, seed=engine_seed())
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,13 @@ def first_difference(x: dict, y: dict) -> int:
     return next((i for i, (a, b) in enumerate(zip(x["token_ids"], y["token_ids"])) if a != b), len(x["token_ids"]))
 
 
-def _same(reference: list[dict], outputs: list[dict], what: str) -> float:
+def engine_seed() -> int:
+    """Seed of the engine tests' random model and prompts: 0, or ``JETSON_TQ_ENGINE_SEED`` to try others (a bound
+    must hold for every seed, not for one lucky run)."""
+    return int(os.environ.get("JETSON_TQ_ENGINE_SEED", "0"))
+
+
+def same_up_to_near_ties(reference: list[dict], outputs: list[dict], what: str) -> float:
     """Assert equal tokens output by output (up to a greedy near-tie in both runs); return the largest
     log-probability gap over the steps compared."""
     gaps = []
@@ -127,8 +134,8 @@ def _same(reference: list[dict], outputs: list[dict], what: str) -> float:
             assert max(margins) < _tie(), (what, f"tokens differ at step {n} with greedy margins {margins}",
                                         x["text"], y["text"])
         gaps += [abs(a - b) for a, b in zip(x["logprobs"][:n], y["logprobs"][:n])]
-    assert max(gaps) < _largest_gap(), (what, max(gaps))
-    return max(gaps)
+    assert max(gaps, default=0.0) < _largest_gap(), (what, max(gaps))
+    return max(gaps, default=0.0)
 
 
 @pytest.mark.slow
@@ -137,14 +144,14 @@ def test_batch_composition_does_not_change_outputs(runs):
     assert roomy["tq_config"] == DEFAULT_PRESET and roomy["preemptions"] == 0
     ref = roomy["groups"][0]
     for i, single in enumerate(roomy["groups"][1:]):
-        _same([ref[i]], single, f"prompt {i} alone vs in the batch")
+        same_up_to_near_ties([ref[i]], single, f"prompt {i} alone vs in the batch")
 
 
 @pytest.mark.slow
 def test_chunk_size_and_preemption_do_not_change_outputs(runs):
     ref, tight = runs["roomy"]["groups"][0], runs["tight"]
     assert tight["num_gpu_blocks"] == 4 and tight["preemptions"] >= 1, tight["preemptions"]
-    _same(ref, tight["groups"][0], "128-token chunks, 4 blocks, preempted, prefix caching on")
+    same_up_to_near_ties(ref, tight["groups"][0], "128-token chunks, 4 blocks, preempted, prefix caching on")
 
 
 @pytest.mark.slow
@@ -159,4 +166,4 @@ def test_prefix_cache_hits_do_not_change_outputs(runs):
     cached = [o["num_cached_tokens"] for o in again]
     assert tight["prefix_cache_hits"] >= sum(cached) > 0, (tight["prefix_cache_hits"], cached)
     assert all(c % BLOCK == 0 for c in cached) and sum(c >= BLOCK for c in cached) >= 3, cached
-    _same(roomy["groups"][0][:4], again, "the same prompts again, from the prefix cache")
+    same_up_to_near_ties(roomy["groups"][0][:4], again, "the same prompts again, from the prefix cache")
