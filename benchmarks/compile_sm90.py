@@ -22,7 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
                     '\'[{}, {"block_m": 64, "num_warps": 4}]\'')
     args = ap.parse_args(argv)
     _install()
-    from kernel_cases import build_paged_kv, fmt_for
+    from tests.helpers.kernel_cases import build_paged_kv, fmt_for
     from jetson_tq.paged import allocate_pages
     from jetson_tq.kernels.append import append_rows
     from jetson_tq.kernels.compress_write import compress_write
