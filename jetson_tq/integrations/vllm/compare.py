@@ -100,7 +100,8 @@ def run_engine(job: dict) -> dict:
               seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
               tensor_parallel_size=job.get("tensor_parallel_size", 1),
-              **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}))
+              **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}),
+              **{k: job[k] for k in ("load_format", "hf_overrides", "attention_config") if k in job})
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                             logprobs=2 if job.get("logprobs") else None)  # the top two: greedy margins
@@ -126,9 +127,17 @@ def run_engine(job: dict) -> dict:
         "prefix_cache_queries": counters["vllm:prefix_cache_queries"],
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
+        "layers": _layer_decisions(),
         "outputs": [_output(o) for o in outs],
         "groups": [[_output(o) for o in run] for run in runs],
     }
+
+
+def _layer_decisions() -> dict[str, str | None] | None:
+    """Layer name -> None (compressed) or why stock, when the model was built in this process (in-process mode)."""
+    from .hooks import LAST_DECISIONS
+
+    return dict(LAST_DECISIONS) if LAST_DECISIONS else None
 
 
 def _output(o) -> dict:
