@@ -178,11 +178,15 @@ def test_per_layer_policy_in_multiprocess_mode(tiny):
     assert sum("TurboQuant KV cache 'vllm_policy'" in line for line in tq["jetson_tq_log"]) >= 2
 
 
-def test_unsupported_attention_is_a_named_error_at_startup(tmp_path):
-    model = make_tiny_llama(tmp_path / "swa", layers=2, extra_config={
-        "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64})
-    with pytest.raises(RuntimeError, match="UnsupportedModelError.*sliding_window"):
-        run_engine_subprocess(_job(str(model), "float32", ["the cat"], max_tokens=2), "blog_k3v2", ENV)
+def test_what_cannot_be_served_is_a_named_error_naming_the_layer(tiny):
+    """A layer with a sliding window now runs stock beside compressed ones (tests/integrations/vllm/
+    test_model_families.py); what neither can serve, a KV cache dtype set beside the switch, stops at start-up
+    with the layer's name."""
+    from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=r"layer model\.layers\.0\.self_attn\.attn: kv_cache_dtype 'fp8'"):
+        run_engine_subprocess(_job(tiny, "bfloat16", ["the cat"], max_tokens=2, kv_cache_dtype="fp8"), "blog_k3v2",
+                              ENV)
 
 
 # ------------------------------------------------------------------------------------- SmolLM2-135M
