@@ -98,7 +98,7 @@ def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: i
                      seed: int = 0) -> DecodeCase:
     """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
     buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
-    from jetson_tq.kernels.compress_write import compress_write
+    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
 
     dev = _require_cuda()
     fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
@@ -153,7 +153,7 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[dict], q_scale: float = 1.0) -> list[dict]:
     """Relative error vs the reference of each kernel variant on each (B, Hq, Hkv, ctx) case (first 2 sequences)."""
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
     rows = []
     for b, hq, hkv, ctx in cases:
@@ -166,7 +166,7 @@ def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[di
         for var in variants:
             errs = []
             for _ in range(2):  # twice: a moving error is a race
-                got = hybrid_decode(q, kv, **var)[:sub].float()
+                got = hybrid_decode(q, kv, tuning=DecodeTuning(**var))[:sub].float()
                 errs.append(((got - ref).norm() / ref.norm()).item())
             rows.append({"B": b, "ctx": ctx, "q_scale": q_scale, "variant": ",".join(f"{k}={v}" for k, v in var.items())
                          or "default", "err_run1": errs[0], "err_run2": errs[1]})
@@ -196,9 +196,10 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
     ``fmt``: the cache format (KVFormat or preset name; default KVFormat(), i.e. blog_k3v2's layout).
     """
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
     _require_cuda()
+    tuning = DecodeTuning(**kernel_kwargs)
     bw = copy_gbps or copy_bandwidth()
     shapes = shapes if shapes is not None else [(1, 32, 8, 1024), (8, 32, 8, 65536), (1, 32, 8, 131072)]
     todo = [(b, hq, hkv, [ctx] * b) for b, hq, hkv, ctx in shapes]
@@ -217,9 +218,9 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
             kv = probe.kv
             part = leading_sequences(kv, sub)
             ref = paged_attention_decode(probe.q[:sub], part).float()
-            got = hybrid_decode(probe.q, kv, **kernel_kwargs)[:sub].float()
+            got = hybrid_decode(probe.q, kv, tuning=tuning)[:sub].float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported in the row; > 2e-3 is flagged, not hidden
-        ours = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, **kernel_kwargs) for c, o in zip(sets, outs)]
+        ours = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, tuning=tuning) for c, o in zip(sets, outs)]
         flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
         t_ours, t_flash = _bench(ours), _bench(flash)
         row = {"B": b, "Hq/Hkv": f"{hq}/{hkv}", "ctx": max(lens) if len(set(lens)) == 1 else "ragged:" + "/".join(
@@ -253,7 +254,7 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch, next to a device copy of the same
     bytes timed in the same process. ``slots``: ``random`` (every token in a random slot, the run 3-6 setting) or
     ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes)."""
-    from jetson_tq.kernels.compress_write import compress_write
+    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -285,9 +286,10 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     rows = [row("copy of the same bytes (torch, same run)", _bench([lambda b=b: b[1].copy_(b[0]) for b in bufs]), None)]
     del bufs
     for var in variants or [{}]:
-        compress_write(k, v, sl, pages, layout, codec, **var)
+        compress_write(k, v, sl, pages, layout, codec, tuning=WriteTuning(**var))
         same = (pages != ref_pages).float().mean().item()
-        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, **var) for s in sets]
+        tuning = WriteTuning(**var)
+        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, tuning=tuning) for s in sets]
         rows.append(row(",".join(f"{a}={b}" for a, b in var.items()) or "default", _bench(fns), same))
     if reference:
         ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
@@ -331,7 +333,7 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
     from torch.nn.attention.bias import causal_lower_right
 
     from jetson_tq.attention.reference import paged_attention_prefill
-    from jetson_tq.kernels.prefill import chunked_prefill
+    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -360,9 +362,9 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         qc, kc, vc = q[:1, :, :tc].contiguous(), k[:1, :, :tc].contiguous(), v[:1, :, :tc].contiguous()
         ref = paged_attention_prefill(qc, kc, vc, part).float()
         for var in variants or [{}]:
-            got = chunked_prefill(qc, kc, vc, part, **var).float()
+            got = chunked_prefill(qc, kc, vc, part, tuning=PrefillTuning(**var)).float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
-            t_ours = _bench([lambda: chunked_prefill(q, k, v, kv, **var)])
+            t_ours = _bench([lambda: chunked_prefill(q, k, v, kv, tuning=PrefillTuning(**var))])
             rows.append({"format": fmt_name, "variant": str(var) if var else "{}",
                          "B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
                          "sdpa_us": t_flash, "vs_sdpa": t_ours / t_flash, "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,

@@ -26,7 +26,7 @@ from jetson_tq.paged import read_slots, write_slots
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.codec.packing import unpack_bits
 from jetson_tq.format import PagedLayout
-from jetson_tq.kernels.compress_write import compress_write
+from jetson_tq.kernels.compress_write import WriteTuning, compress_write
 
 pytestmark = pytest.mark.kernel
 
@@ -77,7 +77,8 @@ def _check(name, d, lens, dtype, exact_signs):
     ref_pages = poison.clone()
     write_slots(ref_pages, layout, slots, codec.encode(k, v))
     pages = poison.clone().to(DEVICE)
-    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, exact_signs=exact_signs)
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec,
+                   tuning=WriteTuning(exact_signs=exact_signs))
     pages = pages.cpu()
     written = slots[slots >= 0]
     got, want = read_slots(pages, layout, written, codec.raw_dtype), read_slots(ref_pages, layout, written, codec.raw_dtype)
