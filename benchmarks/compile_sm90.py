@@ -115,6 +115,7 @@ def main(argv=None) -> int:
     from jetson_tq.kernels.compress_write import WriteTuning, compress_write
     from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
     from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.validate import FAULT_NONE, StoreLimits
 
     d, hkv, g = args.d, 2, 4
     ops = set(args.ops.split(","))
@@ -145,9 +146,12 @@ def main(argv=None) -> int:
                     print(f"{name:10s} prefill {window:7s} {str(knobs):27s} {kname:24s} {res}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
-        for i, knobs in enumerate(({}, {"block_t": 64, "num_warps": 4}) if "compress" in ops else ()):
+        limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)
+        for i, knobs in enumerate(({}, {"block_t": 64, "num_warps": 4}, {"checked": True}, {"checked": True, "maxnreg": 128}) if "compress" in ops else ()):
             n0 = len(COMPILED)
-            compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, tuning=WriteTuning(**knobs))
+            check = dict(fault=torch.tensor([FAULT_NONE, 0]), limits=limits) if knobs.get("checked") else {}
+            compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec,
+                           tuning=WriteTuning(**{a: b for a, b in knobs.items() if a != "checked"}), **check)
             for kname, k in COMPILED[n0:]:
                 res = _resources(k, args.sass_dir, f"{name}_compress{i}")
                 print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {res}", flush=True)

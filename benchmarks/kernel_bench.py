@@ -297,6 +297,89 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     return rows
 
 
+def _timed(fn, reset=None, reps: int = 20) -> tuple[float, float]:
+    """(wall µs, device µs) medians of ``fn()`` from an idle GPU: wall = host issue + device work until done (one
+    eager call as a user sees it), device = CUDA events around it. ``reset()`` runs untimed before each call."""
+    import time
+
+    walls, gpus = [], []
+    for _ in range(reps + 2):  # two warm-up calls
+        if reset is not None:
+            reset()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e6)
+        gpus.append(start.elapsed_time(end) * 1e3)
+    walls, gpus = sorted(walls[2:]), sorted(gpus[2:])
+    return walls[len(walls) // 2], gpus[len(gpus) // 2]
+
+
+def _rewind(cache) -> None:
+    """Empty a CompressedKVCache in place (benchmark harness: the same append is timed again into the same pages)."""
+    for t in (cache._lens, cache._comp, cache._rec):
+        t.zero_()
+    cache._host_lens.zero_()
+    cache._host_valid = True
+
+
+def append_bench(batch: int = 8, hkv: int = 8, tokens: int = 16384, head_dim: int = 128,
+                 fmt: KVFormat | str | None = None, dtype: torch.dtype = torch.float16) -> list[dict]:
+    """``CompressedKVCache.append`` of ``tokens`` new tokens per sequence (B x Hkv x T x D, one call) with the
+    default ``validate=True`` — the store checks inside the compress-on-write kernel, the commit guarded on the
+    device, no host sync — next to ``validate=False`` and to ``ops.write`` of the same tokens alone (one
+    compress-on-write launch over B*T tokens, the target's denominator: append with validation <= 1.5x). Capacity is
+    reserved first (growth is timed in its own row); each timed call appends into the same emptied cache. Also one
+    decode-step append (T = 1) per variant. Columns: wall µs (host + device from an idle GPU), device µs (events)."""
+    from jetson_tq import ops
+    from jetson_tq.cache.compressed import CompressedKVCache
+
+    dev = _require_cuda()
+    fmt = resolve_format(fmt)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
+    v = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
+    k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+    caches = {val: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, validate=val)
+              for val in (True, False)}
+    for c in caches.values():
+        c.reserve(tokens + 1)
+    # ops.write alone: the same tokens as one [B*T, H, D] input (made contiguous outside the timing) into the pages
+    c = caches[False]
+    kt = k.permute(0, 2, 1, 3).reshape(batch * tokens, hkv, head_dim).contiguous()
+    vt = v.permute(0, 2, 1, 3).reshape(batch * tokens, hkv, head_dim).contiguous()
+    slots = (torch.arange(batch, device=dev)[:, None] * c.capacity + torch.arange(tokens, device=dev)).flatten()
+    rows = []
+
+    def row(name, t_tokens, wall_dev, base=None):
+        wall, gpu = wall_dev
+        r = {"what": name, "B x Hkv x T": f"{batch} x {hkv} x {t_tokens}", "wall_us": wall, "device_us": gpu}
+        if base is not None:
+            r["x ops.write (wall)"] = wall / base[0]
+            r["x ops.write (device)"] = gpu / base[1]
+        return r
+
+    write = _timed(lambda: ops.write(kt, vt, slots, c.pages, c.layout, c.codec))
+    rows.append(row("ops.write (compress-on-write alone)", tokens, write))
+    for val, name in ((True, "append, validate=True (device-side checks)"), (False, "append, validate=False")):
+        cache = caches[val]
+        timed = _timed(lambda cache=cache: cache.append(k, v), lambda cache=cache: _rewind(cache))
+        rows.append(row(name, tokens, timed, write))
+    fresh = _timed(lambda: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype).append(k, v))
+    rows.append(row("new cache + append, validate=True (pages grow: allocation)", tokens, fresh, write))
+    for val in (True, False):  # one decode step's append (what an eager generate loop pays per layer)
+        cache = caches[val]
+        cache.append(k[:, :, :64], v[:, :, :64])
+        rows.append(row(f"decode-step append (T=1), validate={val}", 1,
+                        _timed(lambda cache=cache: cache.append(k1, v1), reps=50)))
+    caches[True].check()  # nothing was refused
+    return rows
+
+
 # ------------------------------------------------------------------------------------- prefill
 def make_prefill_case(batch: int, hq: int, hkv: int, hist: int, t: int, head_dim: int = 128,
                       fmt: KVFormat | None = None, seed: int = 1) -> tuple[DecodeCase, torch.Tensor, torch.Tensor]:

@@ -22,15 +22,34 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..codec.kv import KVCodec
-from ..errors import DTypeError, ShapeError, expect_same_device
+from ..errors import ArgTypeError, DTypeError, ShapeError, expect_same_device
 from ..format import PagedLayout
-from ._launch import FastLauncher
+from ..validate import (FAULT_CLASS_BOUND, FAULT_COORD_SHIFT, FAULT_HEAD_SHIFT, FAULT_MAX_COORDS, FAULT_MAX_HEADS,
+                        FAULT_NONE, FAULT_RANK_SHIFT, FAULT_SLOT_SHIFT, FP32_MAX, RANK_GROUP_MIN, RANK_GROUP_SCALE,
+                        RANK_K_ABS, RANK_K_FINITE, RANK_KEY_NORM, RANK_V_ABS, RANK_V_FINITE, StoreLimits)
+from ._launch import FastLauncher, resident_programs
 from ._common import (INTERPRET, KEY_RAW, PageSpec, codec_constants, constexpr_bundle, cuda_or_interpreter, next_pow2,
                       page_spec)
 from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
+# the store fault code (``validate``): constants a @triton.jit function may read
+F_NONE = tl.constexpr(FAULT_NONE)
+F_BOUND = tl.constexpr(FAULT_CLASS_BOUND)
+F_RANK = tl.constexpr(FAULT_RANK_SHIFT)
+F_SLOT = tl.constexpr(FAULT_SLOT_SHIFT)
+F_HEAD = tl.constexpr(FAULT_HEAD_SHIFT)
+F_COORD = tl.constexpr(FAULT_COORD_SHIFT)
+NO_COORD = tl.constexpr(1 << 20)  # a coordinate past any head dim: "none" in per-token minimums
+CHECK_COLS = tl.constexpr(16)  # columns per step of the fault code's second look at the tiles
+R_K_FINITE = tl.constexpr(RANK_K_FINITE)
+R_V_FINITE = tl.constexpr(RANK_V_FINITE)
+R_K_ABS = tl.constexpr(RANK_K_ABS)
+R_V_ABS = tl.constexpr(RANK_V_ABS)
+R_KEY_NORM = tl.constexpr(RANK_KEY_NORM)
+R_GROUP_MIN = tl.constexpr(RANK_GROUP_MIN)
+R_GROUP_SCALE = tl.constexpr(RANK_GROUP_SCALE)
 
 
 @triton.jit
@@ -135,6 +154,14 @@ class WriteConstexprs:
     V_FP16: bool  # fp16 values: zero is their exact minimum (no lower clamp)
     BLOCK_T: int  # tokens per program
     INTERP: bool  # Triton's CPU interpreter (``mma`` converts operands to fp32 there)
+    # ---- the store checks (``validate.check_kv_storable`` on the device; bounds: x <= bound, FP32_MAX = finite)
+    CHECK: bool  # record the first store fault of the launch
+    K_ABS: float = FP32_MAX  # bound on |k|
+    K_ELEMS: bool = False  # |k| compared per element (raw keys, or inputs wider than the bound); else the norm
+    # tells a non-finite key
+    V_ABS: float = FP32_MAX  # bound on |v| (group values: from each group's minimum and maximum)
+    KEY_NORM: float = FP32_MAX  # bound on ||k||
+    VALUE_GROUP: float = FP32_MAX  # bound on |group minimum| and group scale
 
 
 @triton.jit
@@ -153,6 +180,7 @@ def _compress_write_kernel(
         cb_ptr,  # fp32: key codebook
         bnd_ptr,  # fp32: its decision boundaries
         mt_ptr,  # [D, D] in k's dtype: (sqrt(D) Pi)^T, entries +-1 (SIGN_MMA > 0)
+        fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
         # ---- sizes, strides, scalars
         sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
         n_tokens,  # N
@@ -178,25 +206,83 @@ def _compress_write_kernel(
     RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
 
     kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
+    bad = tl.zeros([CFG.BLOCK_T], tl.int1)  # CHECK: tokens that fail a cheap sign of trouble
+    if CFG.CHECK and CFG.K_ELEMS:  # raw keys / wide inputs: |k| per element, while the tile is in registers
+        bad = bad | _over(kin, dmask, CFG.K_ABS)
     if PAGE.KEY_MODE == K_RAW:
         tl.store((page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
                  kin.to(tl.float32).to(RAW_T), mask=dmask)
+        nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (nothing to bound)
     else:
-        _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, cb_ptr,
-                     bnd_ptr, mt_ptr, sqrt_d, PAGE, CFG)
+        nrm = _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
+                           cb_ptr, bnd_ptr, mt_ptr, sqrt_d, PAGE, CFG)
+        if CFG.CHECK:  # a non-finite key has a non-finite norm
+            bad = bad | ~(nrm <= CFG.KEY_NORM)
     if PAGE.VAL_MODE == V_RAW:
         v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0)
         tl.store((page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
                  v.to(tl.float32).to(RAW_T), mask=dmask)
+        gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
+        if CFG.CHECK:
+            bad = bad | _over(v, dmask, CFG.V_ABS)
     else:
-        _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE, CFG)
+        gbad = _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE, CFG)
+        bad = bad | (gbad != 0)
+    if CFG.CHECK:
+        if tl.max((valid & bad).to(tl.int32), 0) != 0:  # rare: the exact fault code, from a second load of the tiles
+            _record_fault(k_ptr, v_ptr, fault_ptr, nrm, gbad, slot, valid, t64, h, stride_kt, stride_kh, stride_vt,
+                          stride_vh, PAGE, CFG)
+
+
+@triton.jit
+def _over(x, mask, BOUND: tl.constexpr):
+    """Per token [T] of the tile x [T, DP]: some element fails |x| <= BOUND (compared in fp32; NaN fails)."""
+    return tl.max(tl.where(mask & ~(tl.abs(x.to(tl.float32)) <= BOUND), 1, 0), 1) != 0
+
+
+@triton.jit
+def _record_fault(k_ptr, v_ptr, fault_ptr, nrm, gbad, slot, valid, t64, h, stride_kt, stride_kh, stride_vt, stride_vh,
+                  PAGE: tl.constexpr, CFG: tl.constexpr):
+    """The store checks of ``validate.check_kv_storable`` for this program's tokens, as the smallest fault code: per
+    token the first failing check (lowest rank) and, for non-finite elements, the first such coordinate; the
+    launch's smallest is kept with an atomic min, unless an earlier refused write already closed the record. Works
+    per token ([T] vectors) beside one reloaded tile at a time, so the rare path needs few registers."""
+    base = (slot << F_SLOT) | (h.to(tl.int64) << F_HEAD) | F_BOUND  # [T]: slot and head bits, class "bound"
+    # each failing check lowers the token's code (the rank is its top bits: the smallest code is the first check)
+    code = tl.where((gbad & 2) != 0, (R_GROUP_SCALE << F_RANK) | base, F_NONE)
+    code = tl.where((gbad & 1) != 0, (R_GROUP_MIN << F_RANK) | base, code)
+    if PAGE.KEY_MODE != K_RAW:
+        code = tl.where(~(nrm <= CFG.KEY_NORM), (R_KEY_NORM << F_RANK) | base, code)
+    for c in tl.static_range(PAGE.DP // CHECK_COLS):  # column blocks of the reloaded tiles: few live registers
+        col = c * CHECK_COLS + tl.arange(0, CHECK_COLS)
+        cmask = valid[:, None] & (col[None, :] < PAGE.D)
+        vt = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask, other=0.0)
+        code = tl.where(_over(vt, cmask, CFG.V_ABS), tl.minimum(code, (R_V_ABS << F_RANK) | base), code)
+        code = _first_nonfinite(vt, cmask, col, base ^ F_BOUND, R_V_FINITE, code)
+        kt = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + col[None, :], mask=cmask, other=0.0)
+        code = tl.where(_over(kt, cmask, CFG.K_ABS), tl.minimum(code, (R_K_ABS << F_RANK) | base), code)
+        code = _first_nonfinite(kt, cmask, col, base ^ F_BOUND, R_K_FINITE, code)
+    code = tl.min(tl.where(valid, code, F_NONE), 0)
+    if tl.load(fault_ptr + 1) == 0:
+        tl.atomic_min(fault_ptr, code)
+
+
+@triton.jit
+def _first_nonfinite(x, mask, d, base, RANK: tl.constexpr, code):
+    """``code`` [T], lowered for each token that holds a non-finite element of x [T, DP] to that fault: its first
+    such coordinate and its class (0 NaN, 1 +inf, 2 -inf). x - x == 0 holds exactly for finite x in any float dtype."""
+    first = tl.min(tl.where(mask & ~((x - x) == 0), d[None, :], NO_COORD), 1)  # [T] int32
+    xv = tl.sum(tl.where(d[None, :] == first[:, None], x, 0.0).to(tl.float32), 1)  # that element (NaN/inf kept)
+    cls = tl.where(xv != xv, 0, tl.where(xv > 0, 1, 2)).to(tl.int64)
+    found = (RANK << F_RANK) | base | (first.to(tl.int64) << F_COORD) | cls
+    return tl.where(first < NO_COORD, tl.minimum(code, found), code)
 
 
 @triton.jit
 def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, cb_ptr,
                  bnd_ptr, mt_ptr, sqrt_d, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Keys kin [BLOCK_T, DP] -> norm, codebook indices (packed) and, for prod keys, the QJL signs and residual
-    norm, stored at the tokens' page offsets."""
+    norm, stored at the tokens' page offsets. Returns the norms (fp32, before rounding to the stored dtype)."""
     NORM_T: tl.constexpr = tl.float32 if PAGE.NORM_F32 else tl.float16
     NB: tl.constexpr = 4 if PAGE.NORM_F32 else 2
     KFULL: tl.constexpr = PAGE.KCW == CFG.KCWP and PAGE.KCH * PAGE.KCW == PAGE.D  # no padding key chunk columns
@@ -281,6 +367,7 @@ def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_
                    CFG)
         rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
         tl.store((page + PAGE.OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
+    return nrm
 
 
 @triton.jit
@@ -322,7 +409,9 @@ def _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_
 def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Group-quantize and store values from the packing's chunk tiles [BLOCK_T, VCWP] (loaded once, no re-layout):
     min/max across whole chunks, one reciprocal per row and group instead of a division per element, and
-    round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties)."""
+    round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties). Returns per token (CHECK)
+    bit 0: a group's |minimum| or, with a V_ABS bound, |maximum| past its bound, bit 1: a group scale past VALUE_GROUP;
+    under CHECK the minimum and maximum carry NaN, so a non-finite value sets one of them (0 without CHECK)."""
     LEVELS: tl.constexpr = (1 << PAGE.VB) - 1
     vc = tl.arange(0, CFG.VCWP)
     vt = ()
@@ -335,20 +424,32 @@ def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE
     zinv = ()
     srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
     zrow = (page + PAGE.OFF_VZERO + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
+    gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
+    NAN: tl.constexpr = tl.PropagateNan.ALL if CFG.CHECK else tl.PropagateNan.NONE
     for gi in tl.static_range(PAGE.NG):
         lo2 = tl.full([CFG.BLOCK_T, CFG.VCWP], float("inf"), tl.float32)
         hi2 = tl.full([CFG.BLOCK_T, CFG.VCWP], float("-inf"), tl.float32)
         for c in tl.static_range(PAGE.VCH):
             if _whole_chunk(c, gi, PAGE.VCW, CFG.VCWP, PAGE.GROUP, PAGE.D):
-                lo2 = tl.minimum(lo2, vt[c])
-                hi2 = tl.maximum(hi2, vt[c])
+                lo2 = tl.minimum(lo2, vt[c], propagate_nan=NAN)
+                hi2 = tl.maximum(hi2, vt[c], propagate_nan=NAN)
             elif _overlaps(c, gi, PAGE.VCW, PAGE.GROUP):
                 col = c * PAGE.VCW + vc
                 ing = ((col // PAGE.GROUP == gi) & (vc < PAGE.VCW) & (col < PAGE.D))[None, :]
-                lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")))
-                hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")))
-        zero = tl.min(lo2, 1).to(tl.float16)
-        scale = tl.math.div_rn(tl.max(hi2, 1) - zero.to(tl.float32), tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS)
+                lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")), propagate_nan=NAN)
+                hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")), propagate_nan=NAN)
+        if CFG.CHECK:
+            lo = tl.reduce(lo2, 1, _min_nan)
+            hi = tl.reduce(hi2, 1, _max_nan)
+            gbad |= tl.where(~(tl.abs(lo) <= CFG.VALUE_GROUP) | ~(tl.abs(lo) <= CFG.V_ABS)
+                             | ~(tl.abs(hi) <= CFG.V_ABS), 1, 0)
+            gbad |= tl.where(~(tl.math.div_rn(hi - lo, tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS)
+                               <= CFG.VALUE_GROUP), 2, 0)
+            zero = lo.to(tl.float16)
+        else:
+            zero = tl.min(lo2, 1).to(tl.float16)
+            hi = tl.max(hi2, 1)
+        scale = tl.math.div_rn(hi - zero.to(tl.float32), tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS)
         scale = scale.to(tl.float16)
         tl.store(srow + gi, scale, mask=valid)
         tl.store(zrow + gi, zero, mask=valid)
@@ -375,6 +476,17 @@ def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE
         vcodes = vcodes + (tl.where(((vc < PAGE.VCW) & (col < PAGE.D))[None, :], q, 0),)
     _store_packed(vcodes, (page + PAGE.OFF_VCODES + off * (PAGE.CH * PAGE.VB))[:, None] + vc[None, :],
                   valid[:, None] & (vc[None, :] < PAGE.VCW), PAGE.CH, PAGE.VCW, PAGE.VCH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+    return gbad
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
@@ -422,8 +534,13 @@ def _check_inputs(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: 
 
 
 def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                   layout: PagedLayout, codec: KVCodec, *, tuning: WriteTuning = DEFAULT_TUNING) -> None:
+                   layout: PagedLayout, codec: KVCodec, *, tuning: WriteTuning = DEFAULT_TUNING,
+                   fault: torch.Tensor | None = None, limits: StoreLimits | None = None) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
+
+    ``fault`` (int64 [2], with ``limits``): the launch also runs ``validate.check_kv_storable``'s checks and keeps the
+    smallest store fault code (``validate.store_fault_code`` is the same in PyTorch) in ``fault[0]`` unless
+    ``fault[1]`` is set (the record was closed by a refused commit); nothing syncs with the host.
 
     Hadamard keys are rotated by one tensor-core product of k in its own dtype with the +-1 matrix sqrt(D) Pi
     (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against the
@@ -441,18 +558,26 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
     if v.stride(-1) != 1:
         v = v.contiguous()
     hkv = pages.shape[1]
-    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, hkv, tuning)
+    if fault is not None:
+        _check_fault_record(fault, k, limits)
+    checked = limits if fault is not None else None
+    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, hkv, tuning, checked)
     setup = _SETUPS.get(opts)
     if setup is None or setup.codec is not codec:
-        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, hkv, tuning)
+        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, hkv, tuning, checked)
     chosen = tuning.block_t is None
     block_t = tuning.block_t or _FITTED_BLOCK_T.get(setup.fit_key, default_block_t(layout.head_dim))
     args = (k, v, slots, pages, *setup.consts["write_mats"], setup.consts["codebook"], setup.consts["bounds"],
-            setup.signs, setup.sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes)
+            setup.signs, slots if fault is None else fault, setup.sqrt_d, n, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), layout.page_bytes)
     while True:
         try:
-            _LAUNCH((triton.cdiv(n, block_t), hkv), args, setup.constexprs(block_t), (setup.serial, block_t),
-                    num_warps=tuning.num_warps, maxnreg=tuning.maxnreg)
+            grid = (triton.cdiv(n, block_t), hkv)
+            maxnreg = tuning.maxnreg
+            if maxnreg is None and checked is not None:
+                maxnreg = setup.check_register_cap(grid, args, block_t, tuning.num_warps)
+            _LAUNCH(grid, args, setup.constexprs(block_t), (setup.serial, block_t), num_warps=tuning.num_warps,
+                    maxnreg=maxnreg)
             break
         except OutOfResources:  # raised at compile time, before anything is written
             if block_t <= 16:
@@ -481,17 +606,60 @@ class _WriteSetup:
     fit_key: tuple  # key of the tile size that fit in shared memory
     serial: int = field(default_factory=lambda: next(_SERIAL))  # the launch key (an id() could be reused)
     bundles: dict = field(default_factory=dict)  # BLOCK_T -> constexpr kwargs
+    caps: dict = field(default_factory=dict)  # BLOCK_T -> register cap of the checked kernel
 
-    def constexprs(self, block_t: int) -> dict:
-        """The launch's constexpr kwargs (PAGE, CFG) at ``block_t`` tokens per program."""
-        kw = self.bundles.get(block_t)
+    def constexprs(self, block_t: int, check: bool | None = None) -> dict:
+        """The launch's constexpr kwargs (PAGE, CFG) at ``block_t`` tokens per program (``check=False``: those of
+        the same write without the store checks)."""
+        key = (block_t, check)
+        kw = self.bundles.get(key)
         if kw is None:
-            kw = self.bundles[block_t] = dict(PAGE=self.page, CFG=constexpr_bundle(replace(self.cfg, BLOCK_T=block_t)))
+            cfg = replace(self.cfg, BLOCK_T=block_t) if check is None else replace(self.cfg, BLOCK_T=block_t,
+                                                                                    CHECK=check)
+            kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg))
         return kw
+
+    def check_register_cap(self, grid: tuple, args: tuple, block_t: int, num_warps: int) -> int | None:
+        """Registers per thread the checked kernel may use and still keep as many programs per SM as the kernel
+        without the checks (compiled and loaded once on CUDA to read its count; None elsewhere): the checks add a
+        few live values and a rare path, and crossing 128 registers at 8 warps would halve the programs per SM
+        (offline sm_90, mse_k4v3: 128 -> 143 uncapped, 128 with the cap and no spills)."""
+        if block_t not in self.caps:
+            cap = None
+            if not INTERPRET and args[0].is_cuda:
+                plain = _LAUNCH.compile(grid, args, self.constexprs(block_t, check=False), num_warps=num_warps)
+                plain.run  # noqa: B018  loads the binary: registers per thread are known from then on
+                cap = _register_cap(resident_programs(plain, num_warps, args[0].device), num_warps)
+            self.caps[block_t] = cap
+        return self.caps[block_t]
+
+
+def _register_cap(programs: int, num_warps: int) -> int:
+    """The most registers per thread (a multiple of 8, <= 255) at which ``programs`` programs of ``num_warps`` warps
+    still fit an SM's register file (the allocation model of ``_launch.resident_programs``)."""
+    for regs in range(255, 7, -1):
+        if regs % 8 and regs != 255:
+            continue
+        warp_regs = -(-regs * 32 // 256) * 256
+        if 4 * (16384 // warp_regs) // num_warps >= programs:
+            return regs
+    return 8
+
+
+def _check_fault_record(fault: torch.Tensor, k: torch.Tensor, limits: StoreLimits | None) -> None:
+    """Named errors for a fault record the kernel cannot write, or one without bounds."""
+    if limits is None:
+        raise ArgTypeError("fault: the store checks need their bounds, got limits=None")
+    if fault.dtype != torch.int64 or fault.shape != (2,) or fault.device != k.device:
+        raise ShapeError(f"fault: expected int64 [2] on {k.device}, got {fault.dtype} {tuple(fault.shape)} on "
+                         f"{fault.device}")
+    if k.shape[1] > FAULT_MAX_HEADS or k.shape[2] > FAULT_MAX_COORDS:
+        raise ShapeError(f"k: the store fault code holds at most {FAULT_MAX_HEADS} KV heads and {FAULT_MAX_COORDS} "
+                         f"coordinates, got {tuple(k.shape)}")
 
 
 def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, v_dtype: torch.dtype,
-           hkv: int, tuning: WriteTuning) -> _WriteSetup:
+           hkv: int, tuning: WriteTuning, limits: StoreLimits | None) -> _WriteSetup:
     spec, page = page_spec(layout, codec)
     consts = codec_constants(codec, device)
     # 1: one exact product of k with sqrt(D) Pi; 2: fp32 keys, the unit vector split hi + lo; 0: dense split products
@@ -503,9 +671,15 @@ def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: tor
         HKV=hkv, KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
         SIGN_MMA=sign_mode, SPLIT_SKETCH=tuning.exact_signs or spec.KB > 2,
         SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FP16=v_dtype == torch.float16,
-        BLOCK_T=default_block_t(layout.head_dim), INTERP=INTERPRET)
+        BLOCK_T=default_block_t(layout.head_dim), INTERP=INTERPRET, CHECK=limits is not None)
+    if limits is not None:
+        # |k| per element only where the norm cannot tell: raw keys, or inputs that can exceed the bound (an fp16
+        # input is within 65504 whenever it is finite)
+        wide = dtype != torch.float16 and limits.k_abs < FP32_MAX
+        cfg = replace(cfg, K_ABS=limits.k_abs, K_ELEMS=spec.KEY_MODE == KEY_RAW or wide, V_ABS=limits.v_abs,
+                      KEY_NORM=limits.key_norm, VALUE_GROUP=limits.value_group)
     fit_key = (layout.fmt, layout.head_dim, str(device), tuning.exact_signs, tuning.num_warps, sign_mode,
-               v_dtype == torch.float16)
+               v_dtype == torch.float16, limits is not None)
     return _WriteSetup(codec, consts, signs, sqrt_d, page, cfg, fit_key)
 
 
