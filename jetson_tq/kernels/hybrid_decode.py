@@ -512,8 +512,17 @@ def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, 
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_splits,
-                          HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+def _decode_reduce_kernel(
+        po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs
+        plse_ptr,  # fp32 [B * Hq * splits]: their log2-sum-exp
+        out_ptr,  # [B, Hq, D]: output
+        stride_ob,
+        stride_oh,
+        n_splits,  # splits per (sequence, KV head)
+        HQ: tl.constexpr,  # query heads
+        D: tl.constexpr,  # head dim
+        DP: tl.constexpr,  # head dim padded to a power of two
+        SP: tl.constexpr):  # splits padded to a power of two
     # One program per (sequence, query head): merge n_splits partial outputs by their log-sum-exp.
     row = tl.program_id(0)
     b = row // HQ
