@@ -5,7 +5,9 @@ Policy (docs/robustness.md):
   K/V whose stored fields would overflow their dtype: the fp16 recent buffer, fp16 key/value norms,
   the fp16 scale/zero of value groups, raw fp16 fields of a float32 cache. The error names the
   sequence, KV head and position. Attention over such a cache rejects a non-finite query.
-  ``validate=False`` skips these data checks (a few reductions and, on CUDA, one device sync per call).
+  On the reference path ``check_kv_storable`` runs before the write; on the kernel path the compress-on-write
+  kernel computes the same checks and records a store fault code (``store_fault_code`` is its PyTorch reference,
+  ``store_fault_error`` its message), with no host sync. ``validate=False`` skips these data checks.
 - Always checked (host-side, free): Python types, ``softmax_scale`` (finite, > 0), seeds.
 Bytes per token are unchanged: values that do not fit the format are refused, never stored wider.
 """
