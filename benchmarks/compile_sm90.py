@@ -147,7 +147,8 @@ def main(argv=None) -> int:
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
         limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)
-        for i, knobs in enumerate(({}, {"block_t": 64, "num_warps": 4}, {"checked": True}, {"checked": True, "maxnreg": 128}) if "compress" in ops else ()):
+        variants = ({}, {"block_t": 64, "num_warps": 4}, {"checked": True}, {"checked": True, "maxnreg": 128})
+        for i, knobs in enumerate(variants if "compress" in ops else ()):
             n0 = len(COMPILED)
             check = dict(fault=torch.tensor([FAULT_NONE, 0]), limits=limits) if knobs.get("checked") else {}
             compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec,
@@ -159,11 +160,20 @@ def main(argv=None) -> int:
         ring = torch.zeros(2, hkv, 16, d).half()
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)
-        append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(), torch.zeros((), dtype=torch.bool),
-                    0, 64, True, True, block)
+        append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(),
+                    torch.zeros((), dtype=torch.bool), 0, 64, True, True, block)
         for kname, k in COMPILED[n0:]:
             res = _resources(k, args.sass_dir, f"append_{'block' if block else 'sliding'}")
             print(f"{'any':10s} append {'block' if block else 'sliding':36s} {kname:24s} {res}", flush=True)
+    if "append" in ops:  # validate=True on the kernel path: slots first, the commit guarded by the fault record
+        ring = torch.zeros(2, hkv, 16, d).half()
+        lens = torch.tensor([3, 20], dtype=torch.int32)
+        n0 = len(COMPILED)
+        for stage, commit, guard in ((True, False, None), (False, True, torch.tensor([FAULT_NONE, 0]))):
+            append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(),
+                        torch.zeros((), dtype=torch.bool), 0, 64, stage, commit, False, guard)
+        for kname, k in COMPILED[n0:]:
+            print(f"{'any':10s} append {'stage / guarded commit':36s} {kname:24s} {_resources(k)}", flush=True)
     return 0
 
 
