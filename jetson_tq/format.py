@@ -404,7 +404,8 @@ def _widths(bits: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class PageSpec:
-    """Compile-time facts of one (block, KV head) page that kernels are specialized on."""
+    """Compile-time facts of one (block, KV head) page that kernels are specialized on. A kernel receives them as
+    one ``tl.constexpr`` bundle with these field names (``kernels._common.constexpr_bundle``) and reads ``PAGE.D``."""
 
     D: int
     DP: int  # head dim padded to a power of two
@@ -444,9 +445,6 @@ class PageSpec:
         """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
         return _page_spec(layout, raw_dtype)
 
-    def constexprs(self) -> dict:
-        """The spec as keyword arguments for a kernel launch."""
-        return asdict(self)
 
 
 @functools.lru_cache(maxsize=256)

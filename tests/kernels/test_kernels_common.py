@@ -49,10 +49,11 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
 
     class FakeKernel:
         def __getitem__(self, grid):
-            def launch(*args, BLOCK_T, **kwargs):
-                tried.append(BLOCK_T)
-                if BLOCK_T > fits[0]:
-                    raise OutOfResources(BLOCK_T * 2304, 232448, "shared memory")
+            def launch(*args, CFG, **kwargs):
+                block_t = getattr(CFG.BLOCK_T, "value", CFG.BLOCK_T)  # the bundle's tile size (plain or constexpr)
+                tried.append(block_t)
+                if block_t > fits[0]:
+                    raise OutOfResources(block_t * 2304, 232448, "shared memory")
             return launch
 
     monkeypatch.setattr(cw, "_LAUNCH", FastLauncher(FakeKernel()))  # CPU tensors: the plain launch path
@@ -69,7 +70,7 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
     tried.clear()
     fits[0] = 0  # nothing fits: the error surfaces after the smallest tile
     with pytest.raises(OutOfResources):
-        cw.compress_write(k, k, torch.arange(4), pages, layout, codec, block_t=64)
+        cw.compress_write(k, k, torch.arange(4), pages, layout, codec, tuning=cw.WriteTuning(block_t=64))
     assert tried == [64, 32, 16]
 
 

@@ -18,6 +18,8 @@ bits (measured 0 in these sizes); with ``exact_signs=False`` (single fp16 produc
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ from jetson_tq.paged import read_slots, write_slots
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.codec.packing import unpack_bits
 from jetson_tq.format import PagedLayout
-from jetson_tq.kernels.compress_write import compress_write
+from jetson_tq.kernels.compress_write import WriteTuning, compress_write
 
 pytestmark = pytest.mark.kernel
 
@@ -77,7 +79,8 @@ def _check(name, d, lens, dtype, exact_signs):
     ref_pages = poison.clone()
     write_slots(ref_pages, layout, slots, codec.encode(k, v))
     pages = poison.clone().to(DEVICE)
-    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, exact_signs=exact_signs)
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec,
+                   tuning=WriteTuning(exact_signs=exact_signs))
     pages = pages.cpu()
     written = slots[slots >= 0]
     got, want = read_slots(pages, layout, written, codec.raw_dtype), read_slots(ref_pages, layout, written, codec.raw_dtype)
@@ -151,3 +154,84 @@ def test_compress_write_empty_and_all_padding():
     compress_write(k[:0], k[:0], torch.empty(0, dtype=torch.int64, device=DEVICE), pages, layout, codec)
     compress_write(k, k, torch.full((4,), -1, dtype=torch.int64, device=DEVICE), pages, layout, codec)
     assert torch.equal(pages, before)
+
+
+# ------------------------------------------------------------------------------ store checks inside the kernel
+# (format, head dim, cache dtype = input dtype, poison): what ``validate.check_kv_storable`` refuses, written into the
+# fault record by the kernel; ``validate.store_fault_code`` (PyTorch) is the reference for the code.
+CHECK_CASES = [
+    ("mse_k4v3", 128, torch.float16, [("k", math.nan)]),  # default preset: a NaN key (norm path)
+    ("mse_k4v3", 128, torch.float16, [("v", -math.inf), ("v", math.nan)]),  # value groups carry NaN and -inf
+    ("mse_k4v3", 64, torch.float32, [("k", 7e4)]),  # fp32 into an fp16 cache: |k| per element, key norm too
+    ("blog_k3v2", 64, torch.float16, [("k", 3e4), ("v", math.inf)]),  # prod: norm bound 32752 (fp16 k of norm > it)
+    ("blog_k3v2", 80, torch.bfloat16, [("v", 2e5)]),  # bf16 cache: group minimum / scale past fp16
+    ("fp16", 64, torch.float32, [("k", math.inf), ("v", 1e5)]),  # raw fields: per element
+    ("k4v4", 128, torch.float16, []),  # clean input: no fault
+]
+
+
+def _store_case(name, d, dtype, poison, seed, n=24, hkv=2):
+    from jetson_tq.validate import StoreLimits
+
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fmt_for(name, d)
+    layout, codec = PagedLayout(fmt, d, 16), KVCodec(fmt, d, raw_dtype=dtype if dtype != torch.float32 else
+                                                     torch.float16)
+    k = (torch.randn(n, hkv, d, generator=gen) * 2).to(dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    for which, value in poison:  # at random (token >= 1, head, coordinate); big values fill a whole token
+        t, h, j = (int(torch.randint(lo, m, (1,), generator=gen)) for lo, m in ((1, n), (0, hkv), (0, d)))
+        x = k if which == "k" else v
+        if math.isfinite(value):
+            x[t, h, :] = value * torch.sign(torch.randn(d, generator=gen)).to(dtype)
+        else:
+            x[t, h, j] = value
+    slots = torch.randperm(4 * 16, generator=gen)[:n]
+    slots[0] = -1  # a padding slot (vLLM): skipped, not checked
+    limits = StoreLimits.of(fmt, dtype, codec.raw_dtype)
+    return fmt, layout, codec, k, v, slots, limits
+
+
+@pytest.mark.parametrize("name,d,dtype,poison", CHECK_CASES, ids=[f"{c[0]}-D{c[1]}-{str(c[2])[6:]}-{len(c[3])}"
+                                                                   for c in CHECK_CASES])
+def test_store_checks_record_the_reference_fault(name, d, dtype, poison):
+    """The kernel's fault code equals ``validate.store_fault_code`` (the first failing check in
+    ``check_kv_storable``'s order, then the first element by slot, head, coordinate), it names a fault whenever the
+    eager check refuses the same tokens, and a closed record is left alone."""
+    from jetson_tq.validate import FAULT_NONE, check_kv_storable, store_fault_code
+
+    seed = fresh_seed()
+    fmt, layout, codec, k, v, slots, limits = _store_case(name, d, dtype, poison, seed)
+    pages = torch.zeros(4, 2, layout.page_bytes, dtype=torch.uint8, device=DEVICE)
+    fault = torch.tensor([FAULT_NONE, 0], dtype=torch.int64, device=DEVICE)
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, fault=fault, limits=limits)
+    want = store_fault_code(k, v, slots, fmt, limits)
+    assert int(fault[0]) == want, f"seed={seed} {name}: kernel {int(fault[0]):#x}, reference {want:#x}"
+    keep = slots >= 0
+    try:
+        check_kv_storable(k[keep].transpose(0, 1), v[keep].transpose(0, 1), fmt, dtype, codec.raw_dtype, [0], [0])
+        refused = False
+    except ValueError:
+        refused = True
+    assert refused == (want != FAULT_NONE), f"seed={seed} {name}: eager refused={refused}, code {want:#x}"
+    assert bool(poison) == refused, f"seed={seed} {name}: poison {poison} refused={refused}"
+    closed = torch.tensor([FAULT_NONE, 1], dtype=torch.int64, device=DEVICE)
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, fault=closed, limits=limits)
+    assert int(closed[0]) == FAULT_NONE, f"seed={seed}: a closed record was written"
+
+
+@pytest.mark.parametrize("name,d,dtype", [("mse_k4v3", 128, torch.float16), ("blog_k3v2", 64, torch.float32),
+                                          ("fp16", 64, torch.bfloat16)])
+def test_store_checks_leave_the_pages_as_without_them(name, d, dtype):
+    """Checking changes nothing that is stored: the same bytes with and without the fault record."""
+    from jetson_tq.validate import FAULT_NONE
+
+    seed = fresh_seed()
+    _, layout, codec, k, v, slots, limits = _store_case(name, d, dtype, [], seed)
+    plain = torch.zeros(4, 2, layout.page_bytes, dtype=torch.uint8, device=DEVICE)
+    checked = plain.clone()
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), plain, layout, codec)
+    fault = torch.tensor([FAULT_NONE, 0], dtype=torch.int64, device=DEVICE)
+    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), checked, layout, codec, fault=fault, limits=limits)
+    assert torch.equal(plain, checked), f"seed={seed} {name}"
+    assert int(fault[0]) == FAULT_NONE, f"seed={seed} {name}: clean input recorded a fault"

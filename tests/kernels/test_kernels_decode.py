@@ -15,7 +15,7 @@ import torch
 from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, poison_workspaces, rel_err
 from jetson_tq.attention.reference import paged_attention_decode
 from jetson_tq.kernels import _common
-from jetson_tq.kernels.hybrid_decode import hybrid_decode
+from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
 pytestmark = pytest.mark.kernel
 
@@ -62,10 +62,11 @@ def _check(name, d, g, comp, rec, dtype, splits, seed, recent_cap=None, block_si
     kv = build_paged_kv(fmt_for(name, d), hkv, d, comp, rec, dtype, gen, recent_cap=recent_cap, block_size=block_size)
     q = (torch.randn(len(comp), hkv * g, d, generator=gen) * 3).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    hybrid_decode(q, kv, out=out, num_splits=splits)  # first call allocates the workspaces
+    tuning = DecodeTuning(num_splits=splits)
+    hybrid_decode(q, kv, out=out, tuning=tuning)  # first call allocates the workspaces
     poison_workspaces()
     out.fill_(float("nan"))
-    hybrid_decode(q, kv, out=out, num_splits=splits)
+    hybrid_decode(q, kv, out=out, tuning=tuning)
     nonempty = [i for i in range(len(comp)) if comp[i] + rec[i] > 0]
     keep = torch.tensor(nonempty, device=DEVICE)
     sub = kv.__class__(kv.pages, kv.block_table[keep], kv.compressed_lens[keep], kv.recent_k, kv.recent_v,
@@ -134,7 +135,7 @@ def test_decode_variants_agree(name, d):
             # the interpreter always gathers, has no registers and no pipelining (the same run as the default);
             # 32-token one-warp tiles (two pages per tile) are checked on the GPU only (CI time)
             continue
-        got = hybrid_decode(q, kv, **knobs)
+        got = hybrid_decode(q, kv, tuning=DecodeTuning(**knobs))
         assert rel_err(got, ref) <= 2e-3, f"seed={seed} {name} {knobs}"
         for key, buf in _common._WORKSPACES.items():
             if key[0] == "counters":
@@ -156,9 +157,10 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
                       kv.layout, kv.codec)
     q = (torch.randn(2, 8, 64, generator=gen) * 3).to(torch.float16).to(DEVICE)
     splits = 5
-    hybrid_decode(q, kv, num_splits=splits, block_n=16, num_warps=1)
+    tuning = DecodeTuning(num_splits=splits, block_n=16, num_warps=1)
+    hybrid_decode(q, kv, tuning=tuning)
     poison_workspaces()
-    got = hybrid_decode(q, kv, num_splits=splits, block_n=16, num_warps=1)
+    got = hybrid_decode(q, kv, tuning=tuning)
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
     lse = next(b for (name, shape, *_), b in _common._WORKSPACES.items() if name == "decode_lse" and shape == (16 * splits,))
     first = lse.view(2, 8, splits)[0]  # every split of the long sequence saw tokens: finite log-sum-exp
@@ -181,6 +183,6 @@ def test_split_count_is_one_full_wave():
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
     plan = list(hd._PLANS.values())[-1]
     compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
-    slots = resident_programs(compiled, plan.num_warps, q.device) * torch.cuda.get_device_properties(0).multi_processor_count
+    slots = resident_programs(compiled, plan.tuning.num_warps, q.device) * torch.cuda.get_device_properties(0).multi_processor_count
     rows = bsz * hkv
     assert rows * plan.splits <= slots < rows * (plan.splits + 1), f"{plan.splits} splits x {rows} rows, {slots} slots"

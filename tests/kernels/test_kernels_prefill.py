@@ -13,7 +13,8 @@ import torch
 from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.format import exact_count
-from jetson_tq.kernels.prefill import SHARED_BYTES, WORKSPACE_BYTES, chunked_prefill, fit_stages, workspace_segment
+from jetson_tq.kernels.prefill import (SHARED_BYTES, WORKSPACE_BYTES, PrefillTuning, chunked_prefill, fit_stages,
+                                      workspace_segment)
 
 pytestmark = pytest.mark.kernel
 
@@ -69,7 +70,7 @@ def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=No
     k = (torch.randn(b, hkv, t, d, generator=gen) * 2).to(dtype).to(DEVICE)
     v = torch.randn(b, hkv, t, d, generator=gen).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    chunked_prefill(q, k, v, kv, out=out, **knobs)
+    chunked_prefill(q, k, v, kv, out=out, tuning=PrefillTuning(**knobs))
     ref = paged_attention_prefill(q, k, v, kv)
     err = rel_err(out, ref)
     assert err <= TOL[dtype], f"seed={seed} {name} {window} D={d} G={g} lens={comp}+{rec} T={t}: rel err {err:.2e}"
