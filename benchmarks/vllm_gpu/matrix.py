@@ -125,7 +125,7 @@ def greedy(llm, vocab: int, mml: int) -> dict:
 def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) -> dict:
     """Build one engine, measure it, shut it down; the record (or the error) of it."""
     import job  # the driver's workload and CUDA-graph counters (benchmarks/vllm_gpu/job.py)
-    from jetson_tq.integrations.vllm.hooks import LAST_DECISIONS
+    from jetson_tq.integrations.vllm.hooks import LAST_CAPACITY, LAST_DECISIONS
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     job.SPEC.update(name=name, vocab=cfg["vocab_size"])
@@ -136,6 +136,7 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
     grab = _Grab()
     logging.getLogger("vllm").addHandler(grab)
     LAST_DECISIONS.clear()
+    LAST_CAPACITY.clear()
     t0 = time.time()
     llm = None
     try:
@@ -143,9 +144,7 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
         rec["init_s"] = round(time.time() - t0, 1)
         cache = llm.llm_engine.vllm_config.cache_config
         rec.update(num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size)
-        logged = [line for line in grab.lines if "GPU KV cache size" in line]
-        if logged:
-            rec["kv_tokens"] = int(logged[-1].split(":")[1].split("tokens")[0].replace(",", "").strip())
+        rec.update(LAST_CAPACITY)  # vLLM's own figures (its log line is printed once per process per value)
         rec["jetson_tq_log"] = [line for line in grab.lines if "jetson-tq" in line]
         if ours:
             rec["compressed"] = [n for n, why in LAST_DECISIONS.items() if why is None]

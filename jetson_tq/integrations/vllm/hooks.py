@@ -151,6 +151,8 @@ _PLANS: dict = {}
 _ANNOUNCED: set = set()
 #: the decisions of the last model this process built (layer name -> None or why stock), for tests and reports
 LAST_DECISIONS: dict[str, str | None] = {}
+#: vLLM's capacity of the last KV cache this process allocated (``capacity``), stock engines too
+LAST_CAPACITY: dict = {}
 
 
 def _plan_key(vllm_config) -> tuple:
@@ -212,21 +214,32 @@ def announce(vllm_config) -> None:
                  sorted({p for _, p in hybrid}))
 
 
-def log_capacity(vllm_config, kv_cache_config) -> None:
-    """The capacity that results, as vLLM counts it (requests of max_model_len that fit at once x that length)."""
+def capacity(vllm_config, kv_cache_config) -> dict:
+    """vLLM's own capacity of a KV cache config: requests of max_model_len that fit at once, and that times the
+    length (the "KV cache size: N tokens" vLLM logs), with the blocks and groups behind it."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    decisions = layer_decisions(vllm_config)
-    n_ours = sum(why is None for why in decisions.values())
-    if not n_ours or getattr(kv_cache_config, "_jetson_tq_logged", False):
-        return
-    kv_cache_config._jetson_tq_logged = True  # the CPU runner's wrap calls the GPU runner's: log once
     concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
     mml = vllm_config.model_config.max_model_len
+    return {"num_blocks": int(kv_cache_config.num_blocks), "groups": len(kv_cache_config.kv_cache_groups),
+            "concurrency": round(float(concurrency), 3), "kv_tokens": int(concurrency * mml), "max_model_len": mml}
+
+
+def log_capacity(vllm_config, kv_cache_config) -> None:
+    """Keep (``LAST_CAPACITY``) and, when layers are compressed, log the capacity that results (once per config)."""
+    if getattr(kv_cache_config, "_jetson_tq_logged", False):
+        return
+    kv_cache_config._jetson_tq_logged = True  # the CPU runner's wrap calls the GPU runner's: once
+    cap = capacity(vllm_config, kv_cache_config)
+    LAST_CAPACITY.clear()
+    LAST_CAPACITY.update(cap)
+    decisions = layer_decisions(vllm_config)
+    n_ours = sum(why is None for why in decisions.values())
+    if not n_ours:
+        return
     logger().info("jetson-tq: KV cache of %d blocks in %d group(s), %d of %d attention layers compressed: "
-                  "%s tokens (%.2f requests of %d tokens at once)", kv_cache_config.num_blocks,
-                  len(kv_cache_config.kv_cache_groups), n_ours, len(decisions), f"{int(concurrency * mml):,}",
-                  concurrency, mml)
+                  "%s tokens (%.2f requests of %d tokens at once)", cap["num_blocks"], cap["groups"], n_ours,
+                  len(decisions), f"{cap['kv_tokens']:,}", cap["concurrency"], cap["max_model_len"])
 
 
 def adopt_final_specs(vllm_config, kv_cache_config) -> None:
