@@ -53,7 +53,8 @@ def model_dir(name: str, root: Path, cpu: bool) -> tuple[Path, dict]:
     config = entry["config"]
     if cpu:
         config = models.shrink(config, m.get("layers"), **CPU_TINY)
-        if config.get("sliding_window") and config["sliding_window"] > 64:
+        window = config.get("sliding_window")
+        if window and 64 < window < config.get("max_position_embeddings", window + 1):
             config["sliding_window"] = 64  # a window that slides within the smoke run's short context
     else:
         config = models.shrink(config, m.get("layers"))
