@@ -147,41 +147,44 @@ def layer_decisions(vllm_config) -> dict[str, str | None]:
     return out
 
 
-_PLANS: dict = {}
-_ANNOUNCED: set = set()
+PLAN_ATTR = "_jetson_tq_plan"  # on each compressed layer: (block size, page bytes per KV head or 0)
+ANNOUNCED_ATTR = "_jetson_tq_announced"  # on each attention layer once its model's decisions were logged
 #: the decisions of the last model this process built (layer name -> None or why stock), for tests and reports
 LAST_DECISIONS: dict[str, str | None] = {}
-
-
-def _plan_key(vllm_config) -> tuple:
-    return (id(vllm_config), tuple(vllm_config.compilation_config.static_forward_context),
-            vllm_config.cache_config.block_size)
+#: vLLM's capacity of the last KV cache this process allocated (``capacity``), stock engines too
+LAST_CAPACITY: dict = {}
 
 
 def model_plan(vllm_config) -> dict[str, tuple[int, int]]:
     """Compressed layer name -> (block size, page bytes per KV head or 0 for packed): vLLM's block size, unless
     stock layers of another kind (sliding window, Mamba, ...) put the model in vLLM's hybrid KV-cache groups,
     which share one page size: then ``spec.hybrid_page`` (a whole multiple of the largest stock page)."""
-    key = _plan_key(vllm_config)
-    if key in _PLANS:
-        return _PLANS[key]
+    ours = our_layers(vllm_config)
+    if ours and all(hasattr(layer, PLAN_ATTR) for layer in ours.values()):  # planned (kept on this model's layers)
+        return {name: getattr(layer, PLAN_ATTR) for name, layer in ours.items()}
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     ctx = vllm_config.compilation_config.static_forward_context
-    ours = our_layers(vllm_config)
     bs = vllm_config.cache_config.block_size
     plan = {name: (bs, 0) for name in ours}
-    _PLANS[key] = plan  # before the stock specs below (their get_kv_cache_spec comes back here)
-    if not ours or vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
-        return plan
+    if ours and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        plan.update(_hybrid_plan(vllm_config, ctx, ours, bs, FullAttentionSpec))
+    for name, layer in ours.items():
+        setattr(layer, PLAN_ATTR, plan[name])
+    return plan
+
+
+def _hybrid_plan(vllm_config, ctx, ours: dict, bs: int, FullAttentionSpec) -> dict[str, tuple[int, int]]:
+    """The compressed layers' pages when stock layers of another kind share vLLM's hybrid groups (else {})."""
     stock = [layer.get_kv_cache_spec(vllm_config) for name, layer in ctx.items()
              if name not in ours and hasattr(layer, "get_kv_cache_spec")
              and not getattr(layer, "kv_sharing_target_layer_name", None)]
     stock = [s for s in stock if s is not None]
     if all(isinstance(s, FullAttentionSpec) for s in stock):
-        return plan  # one group of full-attention layers, each with its own page size
+        return {}  # one group of full-attention layers, each with its own page size
     page = max(stock_page_at(s, bs) for s in stock)
     unit = window_unit(bs, window_block(active_config()))
+    plan = {}
     for name, layer in ours.items():
         fmt, _ = layer.impl.pick_format(name, vllm_config)
         plan[name] = hybrid_page(fmt, layer.impl.head_size, layer.impl.num_kv_heads, page, unit)
@@ -190,10 +193,14 @@ def model_plan(vllm_config) -> dict[str, tuple[int, int]]:
 
 def announce(vllm_config) -> None:
     """Log once per model which layers are compressed and why the others run on stock attention."""
-    key = _plan_key(vllm_config)
-    if key in _ANNOUNCED or not enabled():
+    ctx = vllm_config.compilation_config.static_forward_context
+    if not enabled() or any(getattr(layer, ANNOUNCED_ATTR, False) for layer in ctx.values()):
         return
-    _ANNOUNCED.add(key)
+    for layer in ctx.values():
+        try:
+            setattr(layer, ANNOUNCED_ATTR, True)
+        except AttributeError:  # not every registered object takes attributes; one marked layer suffices
+            pass
     decisions = layer_decisions(vllm_config)
     LAST_DECISIONS.clear()
     LAST_DECISIONS.update(decisions)
@@ -212,21 +219,32 @@ def announce(vllm_config) -> None:
                  sorted({p for _, p in hybrid}))
 
 
-def log_capacity(vllm_config, kv_cache_config) -> None:
-    """The capacity that results, as vLLM counts it (requests of max_model_len that fit at once x that length)."""
+def capacity(vllm_config, kv_cache_config) -> dict:
+    """vLLM's own capacity of a KV cache config: requests of max_model_len that fit at once, and that times the
+    length (the "KV cache size: N tokens" vLLM logs), with the blocks and groups behind it."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
-    decisions = layer_decisions(vllm_config)
-    n_ours = sum(why is None for why in decisions.values())
-    if not n_ours or getattr(kv_cache_config, "_jetson_tq_logged", False):
-        return
-    kv_cache_config._jetson_tq_logged = True  # the CPU runner's wrap calls the GPU runner's: log once
     concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
     mml = vllm_config.model_config.max_model_len
+    return {"num_blocks": int(kv_cache_config.num_blocks), "groups": len(kv_cache_config.kv_cache_groups),
+            "concurrency": round(float(concurrency), 3), "kv_tokens": int(concurrency * mml), "max_model_len": mml}
+
+
+def log_capacity(vllm_config, kv_cache_config) -> None:
+    """Keep (``LAST_CAPACITY``) and, when layers are compressed, log the capacity that results (once per config)."""
+    if getattr(kv_cache_config, "_jetson_tq_logged", False):
+        return
+    kv_cache_config._jetson_tq_logged = True  # the CPU runner's wrap calls the GPU runner's: once
+    cap = capacity(vllm_config, kv_cache_config)
+    LAST_CAPACITY.clear()
+    LAST_CAPACITY.update(cap)
+    decisions = layer_decisions(vllm_config)
+    n_ours = sum(why is None for why in decisions.values())
+    if not n_ours:
+        return
     logger().info("jetson-tq: KV cache of %d blocks in %d group(s), %d of %d attention layers compressed: "
-                  "%s tokens (%.2f requests of %d tokens at once)", kv_cache_config.num_blocks,
-                  len(kv_cache_config.kv_cache_groups), n_ours, len(decisions), f"{int(concurrency * mml):,}",
-                  concurrency, mml)
+                  "%s tokens (%.2f requests of %d tokens at once)", cap["num_blocks"], cap["groups"], n_ours,
+                  len(decisions), f"{cap['kv_tokens']:,}", cap["concurrency"], cap["max_model_len"])
 
 
 def adopt_final_specs(vllm_config, kv_cache_config) -> None:
