@@ -16,6 +16,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from jetson_tq.format import fp16_bytes_per_token  # noqa: E402
 from jetson_tq.integrations.simulated_caches import SimulatedFormat  # noqa: E402
 from jetson_tq.integrations.simulated_vllm import VLLMTurboQuantFormat  # noqa: E402
 from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
-from jetson_tq.models.text import essay_text  # noqa: E402
+from jetson_tq.models.text import TEXTS, text_by_name  # noqa: E402
 from jetson_tq.reports import fidelity as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +107,26 @@ def all_rows(backend: str) -> list[F.Variant]:
     ]
 
 
+#: A row named by its format (``--rows k3v3g128_b128``): mse key bits, value bits, value group (``g64``) or TurboQuant_mse
+#: values (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128).
+SPEC_ROW = re.compile(r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?$")
+
+
+def spec_row(name: str, backend: str) -> F.Variant | None:
+    """The row a ``SPEC_ROW`` name describes (None when the name is not one)."""
+    m = SPEC_ROW.match(name)
+    if m is None:
+        return None
+    values = ("mse", int(m["v"]), 64) if m["m"] else ("group", int(m["v"]), int(m["g"]))
+    window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
+    cfg = _tq(name, ("mse", int(m["k"])), values, buffer=int(m["r"] or 128), window=window)
+    return F.Variant(name, "levers", cfg, "centered K/V (calibrated offsets)" if m["c"] else "", backend,
+                     centers=CENTERS if m["c"] else None)
+
+
+CENTERS: list = []  # filled by main() from --centers before rows are built
+
+
 QUICK_ROWS = ("blog_k3v2", "mse_k3v2", "int2_kivi")
 FREE_RUNNING = ("blog_k3v2", "mse_k3v2", "mse_k4v2", "mse_k3v3", "mse_k3v2_fp16ends")
 
@@ -114,7 +135,7 @@ FREE_RUNNING = ("blog_k3v2", "mse_k3v2", "mse_k4v2", "mse_k3v3", "mse_k3v2_fp16e
 def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: int) -> dict[str, dict]:
     """Bytes per token, compression ratio and description of every row."""
     fp16 = fp16_bytes_per_token(head_dim)
-    out = {"reference": {"family": "reference", "bytes_per_token": float(fp16), "ratio": 1.0,
+    out = {"reference": {"family": "reference", "bytes_per_token": float(fp16), "ratio": 1.0, "bytes_per_token_d128": 512.0,
                          "effective_bytes_per_token": float(fp16), "note": "fp32 DynamicCache (fp16 = 256 B/token/head)"}}
     for v in variants:
         bpt = v.bytes_per_token(n_layers, head_dim)
@@ -126,6 +147,7 @@ def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: 
                     f"buffer {f.buffer_tokens} ({f.window} window)" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
                     + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else ""))
         out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
+                       "bytes_per_token_d128": v.bytes_per_token(n_layers, 128),
                        "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}
     return out
 
@@ -142,9 +164,9 @@ def markdown(result: dict) -> str:
              f"predicted tokens, chunks of {meta['chunk']}); generation: {meta['gen_prompts']} prompts x "
              f"{meta['new_tokens']} tokens after {meta['prompt_len']}-token prompts; needle: depths "
              f"{meta['needle_depths']} at {meta['needle_lengths']} tokens.", "",
-             "| row | family | B/token/head | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
+             "| row | family | B/token/head | B @D=128 | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
              "free-run exact / 1st div. | needle 1k | needle 2k |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, fact in facts.items():
         t, g, n = tf.get(name, {}), gen.get(name, {}), nd.get(name, {})
         ppl = t.get("ppl")
@@ -152,7 +174,8 @@ def markdown(result: dict) -> str:
         free = (f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else "")
         needles = [f"{n[k]['found']}/{n[k]['of']}" if k in n else "" for k in ("1024", "2048")]
         lines.append(
-            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | {fact['ratio']:.2f}x | "
+            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | {fact.get('bytes_per_token_d128', 0):.1f} | "
+            f"{fact['ratio']:.2f}x | "
             f"{fact.get('effective_ratio', 1.0):.2f}x | {_f(ppl, '.3f')} | {dppl} | {_f(t.get('kl'), '.4f')} | "
             f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | {needles[0]} | {needles[1]} |")
     lines += ["", "Rows:", ""] + [f"- `{k}`: {v['note']}" for k, v in facts.items()]
@@ -217,12 +240,33 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def load_centers(path: Path, model, tok) -> list:
+    """Per-layer (key, value) offsets from ``path`` (safetensors); computed first from the essays' last 2 x 1024
+    tokens (the calibration region, never scored) when the file does not exist."""
+    from safetensors.torch import load_file, save_file
+
+    from jetson_tq.reports.smartmix import capture, kv_centers
+
+    if not path.is_file():
+        ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
+        caps = capture(model, ids[-2048:].reshape(2, 1024))
+        centers = kv_centers(caps)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({f"{i}.{kv}": t[j].contiguous() for i, t in enumerate(centers) for j, kv in enumerate("kv")}, path)
+    flat = load_file(path)
+    return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
+
+
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 3 rows (smoke test)")
+    p.add_argument("--text", default="essays", choices=TEXTS, help="held-out text: essays (Paul Graham) or opticks (Newton)")
+    p.add_argument("--centers", default="/tmp/jetson_tq_centers.safetensors",
+                   help="per-layer K/V offsets for the *_c rows (computed from the essays' end if missing)")
+    p.add_argument("--offset", type=int, default=0, help="first token of the text used (all probes start there)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-len", type=int, default=2049, help="tokens per window (context up to len-1)")
     p.add_argument("--chunk", type=int, default=128, help="teacher-forced chunk size")
@@ -269,18 +313,21 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model, tok = load_smollm2()
     n_layers, head_dim = F.model_shape(model)
+    CENTERS[:] = load_centers(Path(args.centers), model, tok)
     variants = all_rows(args.backend)
     extra = [F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
              for x in args.extra_configs.split(",") if x]
     if args.rows:
         wanted = args.rows.split(",")
-        unknown = sorted(set(wanted) - {v.name for v in variants})
+        named = {v.name: v for v in variants}
+        specs = {n: spec_row(n, args.backend) for n in wanted if n not in named}
+        unknown = sorted(n for n, v in specs.items() if v is None)
         if unknown:
-            raise SystemExit(f"unknown rows {unknown}; known: {[v.name for v in variants]}")
-        variants = [v for v in variants if v.name in wanted]
+            raise SystemExit(f"unknown rows {unknown}; known: {list(named)} or a name like k3v3g128_b128")
+        variants = [named.get(n) or specs[n] for n in wanted]
     variants += extra
-    ids = tok(essay_text(), return_tensors="pt").input_ids[0]
-    progress(f"model loaded, {ids.numel()} essay tokens, {len(variants)} rows: {[v.name for v in variants]}")
+    ids = tok(text_by_name(args.text), return_tensors="pt").input_ids[0][args.offset:]
+    progress(f"model loaded, {ids.numel()} {args.text} tokens from offset {args.offset}, {len(variants)} rows: {[v.name for v in variants]}")
 
     import transformers
 
@@ -292,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
                        "tf_tokens": args.windows * (args.window_len - 1), "gen_prompts": args.gen_prompts,
                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       "needle_lengths": args.needle_lengths, "needle_depths": args.needle_depths},
+                       "needle_lengths": args.needle_lengths, "needle_depths": args.needle_depths,
+                       "text": args.text, "offset": args.offset},
               "rows": row_facts(variants, n_layers, head_dim, context=2048)}
 
     def save() -> None:
