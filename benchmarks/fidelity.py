@@ -109,7 +109,7 @@ def all_rows(backend: str) -> list[F.Variant]:
 
 #: A row named by its format (``--rows k3v3g128_b128``): mse key bits, value bits, value group (``g64``) or TurboQuant_mse
 #: values (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128).
-SPEC_ROW = re.compile(r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?$")
+SPEC_ROW = re.compile(r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?$")
 
 
 def spec_row(name: str, backend: str) -> F.Variant | None:
@@ -121,7 +121,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
     cfg = _tq(name, ("mse", int(m["k"])), values, buffer=int(m["r"] or 128), window=window)
     return F.Variant(name, "levers", cfg, "centered K/V (calibrated offsets)" if m["c"] else "", backend,
-                     centers=CENTERS if m["c"] else None)
+                     centers=CENTERS if m["c"] else None, sink_tokens=int(m["e"] or 0))
 
 
 CENTERS: list = []  # filled by main() from --centers before rows are built

@@ -114,12 +114,15 @@ class TurboQuantLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None,
-                 center: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 center: tuple[torch.Tensor, torch.Tensor] | None = None, sink_tokens: int = 0) -> None:
         super().__init__()
         if backend not in BACKENDS:
             raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         self.fmt, self.layer_idx, self.seed, self.backend = fmt, layer_idx, seed, backend
         self.center = center  # (key, value) offsets [H, D] subtracted from every token stored (KVCenters)
+        if sink_tokens and backend != "cpu-decoded":
+            raise ConfigError(f"sink_tokens: only the cpu-decoded backend reads sinks exactly, got backend {backend!r}")
+        self.sink_tokens = sink_tokens
         self.store: CompressedKVCache | None = None
         self.decoded: DecodedHistory | None = None
 
@@ -130,7 +133,7 @@ class TurboQuantLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
-        self.decoded = DecodedHistory(self.store) if self.backend == "cpu-decoded" else None
+        self.decoded = DecodedHistory(self.store, self.sink_tokens) if self.backend == "cpu-decoded" else None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -159,7 +162,10 @@ class TurboQuantLayer(CacheLayerMixin):
         """Store K/V [B, H, T, D] directly (e.g. a prompt prefilled elsewhere), compressing past the buffer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.store.append(*self._centered(key_states, value_states))
+        k, v = self._centered(key_states, value_states)
+        if self.decoded is not None:
+            self.decoded.note_exact(k, v)
+        self.store.append(k, v)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                scaling: float) -> torch.Tensor:
@@ -177,6 +183,8 @@ class TurboQuantLayer(CacheLayerMixin):
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                 scaling: float) -> torch.Tensor:
         store = self.store
+        if self.decoded is not None:
+            self.decoded.note_exact(key, value)
         if mask is None and query.shape[2] == 1:
             store.append(key, value)
             if self.decoded is not None:
@@ -229,7 +237,7 @@ class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
     def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
-                 backend: str | None = None, enable: bool = True, centers=None) -> None:
+                 backend: str | None = None, enable: bool = True, centers=None, sink_tokens: int = 0) -> None:
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
@@ -242,7 +250,8 @@ class TurboQuantCache(Cache):
         for i in range(n_layers):
             fmt = self.tq_config.format_for_layer(i, n_layers)
             center = None if centers is None or fmt.is_passthrough else centers[i]
-            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center))
+            sinks = 0 if fmt.is_passthrough else sink_tokens
+            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center, sinks))
         super().__init__(layers=layers)
         if model is not None and enable:
             enable_turboquant(model)
