@@ -197,7 +197,8 @@ def _f(x, spec: str) -> str:
 
 
 _MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)": "o", "fp8 e4m3 (simulated)": "^",
-            "int per-token / KIVI (simulated)": "v", "vLLM 0.26 TurboQuant (simulated)": "D"}
+            "int per-token / KIVI (simulated)": "v", "vLLM 0.26 TurboQuant (simulated)": "D",
+            "TurboQuant + exact sink (reference path only)": "*"}
 
 
 def plot_family(v: F.Variant) -> str:
@@ -206,6 +207,8 @@ def plot_family(v: F.Variant) -> str:
         return "vLLM 0.26 TurboQuant (simulated)"
     if isinstance(v.spec, SimulatedFormat):
         return "fp8 e4m3 (simulated)" if v.spec.kind == "fp8" else "int per-token / KIVI (simulated)"
+    if v.sink_tokens or v.centers:
+        return "TurboQuant + exact sink (reference path only)"
     return "TurboQuant, prod keys (QJL)" if v.spec.default.key_mode == "prod" else "TurboQuant, mse keys (no QJL)"
 
 
@@ -257,6 +260,50 @@ def load_centers(path: Path, model, tok) -> list:
     return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
 
 
+def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
+    """ΔPPL (%) vs bytes per token per KV head at head dim 128, one panel per run (held-out text), rows in their
+    plot family; the ``marked`` rows ringed and labelled, the +1 % line and the 5x (102 B) line drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.8), squeeze=False)
+    for ax, result in zip(axes[0], runs):
+        tf, facts, meta = result["teacher_forced"], result["rows"], result["meta"]
+        ref = tf["reference"]["ppl"]
+        fams: dict[str, list] = {}
+        for name, fact in facts.items():
+            if name in tf and name != "reference":
+                fams.setdefault(fact.get("plot_family", fact["family"]), []).append(
+                    (fact["bytes_per_token_d128"], 100 * (tf[name]["ppl"] / ref - 1), name))
+        for fam, pts in fams.items():
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=28, marker=_MARKERS.get(fam, "o"))
+            for x, y, name in pts:
+                ring = name in marked
+                if ring:
+                    ax.scatter([x], [y], s=160, facecolors="none", edgecolors="k", lw=1.2)
+                ax.annotate(name, (x, y), fontsize=7 if ring else 5.5, xytext=(3, 3), textcoords="offset points",
+                            weight="bold" if ring else "normal")
+        ax.axhline(1.0, color="k", lw=0.7, ls="--", label="+1 % target")
+        ax.axvline(102, color="grey", lw=0.7, ls=":", label="5x (102 B)")
+        ax.set_yscale("symlog", linthresh=1, linscale=0.6)
+        ax.set_xscale("log")
+        ticks = [0, 0.5, 1, 2, 5, 10, 20, 50, 100]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        xt = [50, 70, 100, 150, 200, 300, 512]
+        ax.set_xticks(xt, [str(t) for t in xt])
+        ax.set_ylim(-0.2, None)
+        ax.set_xlabel("bytes per token per KV head at head dim 128 (fp16 = 512)")
+        ax.set_ylabel("ΔPPL vs uncompressed (%, symlog)")
+        ax.set_title(f"SmolLM2-135M, {meta.get('text', 'essays')} (held out), {meta['tf_tokens']} tokens, "
+                     f"ref PPL {ref:.2f}", fontsize=9)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -282,6 +329,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-configs", default="", help="comma-separated YAML configs added as rows (named by file)")
     p.add_argument("--backend", default="cpu-decoded", choices=("auto", "reference", "cpu-decoded"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    p.add_argument("--frontier", default="", help="only draw the ΔPPL-vs-bytes frontier of these run folders "
+                   "(comma-separated, one panel each) into <out>/fidelity_frontier.png")
+    p.add_argument("--mark", default="", help="rows ringed on the frontier plot (comma-separated)")
     p.add_argument("--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json")
     args = p.parse_args(argv)
     if args.quick:
@@ -297,6 +347,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.frontier:
+        runs = [json.loads((Path(d) / "fidelity.json").read_text()) for d in args.frontier.split(",")]
+        frontier_plot(runs, out / "fidelity_frontier.png", args.mark.split(","))
+        return {"runs": runs}
     if args.replot:
         result = json.loads((out / "fidelity.json").read_text())
         facts = row_facts(all_rows(args.backend), 30, 64, 2048)  # refresh derived columns (plot family)
