@@ -201,6 +201,11 @@ _MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)":
             "TurboQuant + exact sink (reference path only)": "*"}
 
 
+_COLORS = {"TurboQuant, prod keys (QJL)": "tab:brown", "TurboQuant, mse keys (no QJL)": "tab:blue",
+           "fp8 e4m3 (simulated)": "tab:orange", "int per-token / KIVI (simulated)": "tab:green",
+           "vLLM 0.26 TurboQuant (simulated)": "tab:red", "TurboQuant + exact sink (reference path only)": "tab:purple"}
+
+
 def plot_family(v: F.Variant) -> str:
     """The format family a row belongs to in the plot (key coding for ours, the layout for baselines)."""
     if isinstance(v.spec, VLLMTurboQuantFormat):
@@ -264,6 +269,7 @@ def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
     """ΔPPL (%) vs bytes per token per KV head at head dim 128, one panel per run (held-out text), rows in their
     plot family; the ``marked`` rows ringed and labelled, the +1 % line and the 5x (102 B) line drawn."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -278,7 +284,8 @@ def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
                 fams.setdefault(fact.get("plot_family", fact["family"]), []).append(
                     (fact["bytes_per_token_d128"], 100 * (tf[name]["ppl"] / ref - 1), name))
         for fam, pts in fams.items():
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=28, marker=_MARKERS.get(fam, "o"))
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=28, marker=_MARKERS.get(fam, "o"),
+                       color=_COLORS.get(fam))
             for x, y, name in pts:
                 ring = name in marked
                 if ring:
@@ -293,6 +300,7 @@ def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
         ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
         xt = [50, 70, 100, 150, 200, 300, 512]
         ax.set_xticks(xt, [str(t) for t in xt])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_ylim(-0.2, None)
         ax.set_xlabel("bytes per token per KV head at head dim 128 (fp16 = 512)")
         ax.set_ylabel("ΔPPL vs uncompressed (%, symlog)")
