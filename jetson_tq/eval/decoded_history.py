@@ -34,8 +34,10 @@ from ..integrations.transformers import register_history_backend
 class DecodedHistory:
     """Float32 transformed-space keys and decoded values of the compressed tokens of one ``CompressedKVCache``."""
 
-    def __init__(self, store: CompressedKVCache) -> None:
+    def __init__(self, store: CompressedKVCache, sink_tokens: int = 0) -> None:
         self.store, self.codec = store, store.codec
+        self.sink_tokens = sink_tokens  # the first positions, read exactly by every query (attention sinks)
+        self.sink_k = self.sink_v = None
         d = store.head_dim
         self.key_dim = 2 * d if isinstance(self.codec.keys, TurboQuantProd) else d
         shape = (store.batch_size, store.num_kv_heads, 0)
@@ -76,6 +78,16 @@ class DecodedHistory:
         signs = unpack_bits(fields["key_signs"], 1, d).float() * 2 - 1
         return torch.cat([part, signs * (keys.qjl_scale * fields["key_rnorm"].float())], dim=-1)
 
+    def note_exact(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keep exact copies of the sink positions among the next tokens k, v [B, H, T, D] (before they are stored)."""
+        start = 0 if self.sink_k is None else self.sink_k.shape[2]
+        if int(self.store.lengths[0]) != start or start >= self.sink_tokens:
+            return
+        n = min(k.shape[2], self.sink_tokens - start)
+        kk, vv = k[:, :, :n].to(self.store.dtype), v[:, :, :n].to(self.store.dtype)
+        self.sink_k = kk if self.sink_k is None else torch.cat([self.sink_k, kk], 2)
+        self.sink_v = vv if self.sink_v is None else torch.cat([self.sink_v, vv], 2)
+
     # ------------------------------------------------------------------ sync
     def sync(self, upto: int) -> None:
         """Decode the compressed tokens at positions [count, upto) of the pages (equal lengths across the batch)."""
@@ -86,6 +98,11 @@ class DecodedHistory:
         fields = {name: t[:, :, self.count : upto] for name, t in self.store.paged().gather_compressed(upto).items()}
         self.keys = torch.cat([self.keys, self._decode_keys(fields)], dim=2)
         self.values = torch.cat([self.values, self.codec.decode_values(fields)], dim=2)
+        n_sink = 0 if self.sink_k is None else self.sink_k.shape[2]
+        if self.count < n_sink:  # sink positions: their exact keys / values replace the decoded ones
+            a, b = self.count, min(upto, n_sink)
+            self.keys[:, :, a:b] = self.transform_exact_keys(self.sink_k[:, :, a:b])
+            self.values[:, :, a:b] = self.sink_v[:, :, a:b].float()
         self.count = upto
 
     # ------------------------------------------------------------------ attention

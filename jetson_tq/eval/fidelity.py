@@ -47,6 +47,8 @@ class Variant:
     spec: TurboQuantConfig | SimulatedFormat | None  # None: the uncompressed reference
     note: str = ""
     backend: str = "auto"  # TurboQuantCache backend ("cpu-decoded" for long CPU evaluations)
+    centers: list | None = None  # per-layer (key, value) offsets [H, D] of a centered cache (TurboQuantCache)
+    sink_tokens: int = 0  # first positions read exactly (cpu-decoded backend)
 
     def make_cache(self, model):
         """A fresh cache of this variant for ``model`` (a DynamicCache for the reference)."""
@@ -54,7 +56,8 @@ class Variant:
             return DynamicCache(config=model.config)
         if isinstance(self.spec, SimulatedFormat):
             return SimulatedQuantCache(self.spec, model.config.num_hidden_layers)
-        return TurboQuantCache(model, self.spec, backend=self.backend)
+        return TurboQuantCache(model, self.spec, backend=self.backend, centers=self.centers,
+                               sink_tokens=self.sink_tokens)
 
     def layer_bytes(self, num_layers: int, head_dim: int) -> list[float]:
         """Stored bytes per token per KV head (K+V) of each layer, excluding the fp recent buffer."""

@@ -72,6 +72,12 @@ def capture(model, ids: torch.Tensor) -> list[LayerCapture]:
     return [LayerCapture(**records[i]) for i in range(len(model.model.layers))]
 
 
+def kv_centers(caps: list[LayerCapture], skip: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the mean key and mean value [H, D] (float32) over positions >= ``skip`` of the captured text: the
+    offsets a centered cache subtracts (the first position, an attention sink with an atypical key, is left out)."""
+    return [(c.k[:, :, skip:].float().mean((0, 2)), c.v[:, :, skip:].float().mean((0, 2))) for c in caps]
+
+
 def _residual_hook(records: dict, index: int) -> Callable:
     def hook(module, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
