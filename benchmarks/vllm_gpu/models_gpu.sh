@@ -3,7 +3,7 @@
 #   matrix            benchmarks/vllm_gpu/matrix.py, MATRIX_BUDGET seconds (default 420), MATRIX_WORKERS (3)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
 #                     wheel: GGUF_WHEEL=path, carried beside the bundle)
-#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file)
+#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
 # Everything lands in OUT/results.tgz (a device call returns few files).
 #   bash benchmarks/vllm_gpu/models_gpu.sh OUT STAGE [ARG]...     (repo root = the snapshot with bundle/)
@@ -29,7 +29,7 @@ out = Path('$SMOL'); out.mkdir(parents=True, exist_ok=True); convert_gguf(Path(s
         "$GGUF" 2>&1 | tail -3 ;;
     real)
       python3 benchmarks/vllm_gpu/real_weights.py --model "$SMOL" --text "${TEXT:?set TEXT to a UTF-8 file}" \
-        --out "$R/real_weights.json" --budget "${REAL_BUDGET:-300}" > "$R/real_weights.log" 2>&1
+        --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" > "$R/real_weights.log" 2>&1
       grep -E "^\||RESULT" "$R/real_weights.log" | cut -c1-400 ;;
     serve)
       python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 | cut -c1-1500 ;;
