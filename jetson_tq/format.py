@@ -326,18 +326,25 @@ class PagedLayout:
     A page holds ``block_size`` tokens. Each field occupies a contiguous region of
     ``block_size * field.nbytes`` bytes, so a kernel loads a (tokens, field bytes) tile of one
     field in one coalesced sweep. Regions are placed in ``fields()`` order, each start rounded up
-    to 16 bytes; ``page_bytes`` is the sum, also a multiple of 16.
+    to 16 bytes; ``page_bytes`` is the sum, also a multiple of 16. ``page_stride`` (0: none) pads every page to
+    that many bytes, unused at its end: vLLM's hybrid KV-cache groups (compressed layers beside stock
+    sliding-window ones) need every group's page to be the same size (``integrations/vllm/spec.py``).
     """
 
     fmt: KVFormat
     head_dim: int
     block_size: int
+    page_stride: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.fmt, KVFormat):
             raise FormatError(f"fmt: expected a KVFormat, got {type(self.fmt).__name__} {self.fmt!r}")
         _check_int("block_size", self.block_size, 1, 1 << 16)
+        _check_int("page_stride", self.page_stride, 0, 1 << 40)
         self.fmt.check_head_dim(self.head_dim)
+        if self.page_stride and (self.page_stride % 16 or self.page_stride < self.packed_bytes):
+            raise FormatError(f"page_stride: expected 0 or a multiple of 16 >= the packed page's {self.packed_bytes} "
+                              f"bytes, got {self.page_stride}")
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of each field's region inside a page (computed once per layout)."""
@@ -353,12 +360,17 @@ class PagedLayout:
         return out
 
     @functools.cached_property
-    def page_bytes(self) -> int:
-        """Bytes of one page (block_size tokens of one KV head)."""
+    def packed_bytes(self) -> int:
+        """Bytes the fields of one page occupy (block_size tokens of one KV head)."""
         pos = 0
         for f in self.fmt.fields(self.head_dim):
             pos = _round_up(pos + f.nbytes * self.block_size, 16)
         return pos
+
+    @functools.cached_property
+    def page_bytes(self) -> int:
+        """Bytes from one page to the next: the packed page, or ``page_stride`` when set."""
+        return self.page_stride or self.packed_bytes
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -392,7 +404,8 @@ def _widths(bits: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class PageSpec:
-    """Compile-time facts of one (block, KV head) page that kernels are specialized on."""
+    """Compile-time facts of one (block, KV head) page that kernels are specialized on. A kernel receives them as
+    one ``tl.constexpr`` bundle with these field names (``kernels._common.constexpr_bundle``) and reads ``PAGE.D``."""
 
     D: int
     DP: int  # head dim padded to a power of two
@@ -432,9 +445,6 @@ class PageSpec:
         """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
         return _page_spec(layout, raw_dtype)
 
-    def constexprs(self) -> dict:
-        """The spec as keyword arguments for a kernel launch."""
-        return asdict(self)
 
 
 @functools.lru_cache(maxsize=256)

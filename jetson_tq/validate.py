@@ -5,7 +5,9 @@ Policy (docs/robustness.md):
   K/V whose stored fields would overflow their dtype: the fp16 recent buffer, fp16 key/value norms,
   the fp16 scale/zero of value groups, raw fp16 fields of a float32 cache. The error names the
   sequence, KV head and position. Attention over such a cache rejects a non-finite query.
-  ``validate=False`` skips these data checks (a few reductions and, on CUDA, one device sync per call).
+  On the reference path ``check_kv_storable`` runs before the write; on the kernel path the compress-on-write
+  kernel computes the same checks and records a store fault code (``store_fault_code`` is its PyTorch reference,
+  ``store_fault_error`` its message), with no host sync. ``validate=False`` skips these data checks.
 - Always checked (host-side, free): Python types, ``softmax_scale`` (finite, > 0), seeds.
 Bytes per token are unchanged: values that do not fit the format are refused, never stored wider.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +25,7 @@ from .errors import (ArgTypeError, CapacityError, DeviceError, DTypeError, Value
 from .format import KVFormat
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+FP32_MAX = float(torch.finfo(torch.float32).max)  # a bound x <= FP32_MAX means "finite" (NaN and inf fail it)
 #: prod keys also store ||r|| = ||k|| * ||k/||k|| - k_mse||; that factor is <= 1.23 for any input we tried
 #: (one-hot vectors in the rotated basis, D = 64/128, every bit width), so key norms get half the range.
 PROD_RNORM_HEADROOM = 2.0
@@ -155,29 +159,50 @@ def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hin
                               f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}")
 
 
+#: The checks in the order ``check_kv_storable`` reports them (its first failing one names the error); the store
+#: fault code of the compress-on-write kernel carries the same rank.
+RANK_K_FINITE, RANK_V_FINITE, RANK_K_ABS, RANK_V_ABS, RANK_KEY_NORM, RANK_VALUE_NORM, RANK_GROUP_MIN, \
+    RANK_GROUP_SCALE = range(8)
+_NORM_HINT = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
+_GROUP_HINT = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
+
+
+def _limit_checks(fmt: KVFormat, cache_dtype: torch.dtype,
+                  raw_dtype: torch.dtype) -> list[tuple[int, str, str, float, str]]:
+    """(rank, tensor name, quantity, limit, hint) of every fp16-stored quantity, in the order they are checked."""
+    out = []
+    for rank, name, mode in ((RANK_K_ABS, "k", fmt.key_mode), (RANK_V_ABS, "v", fmt.value_mode)):
+        if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
+            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
+                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
+            out.append((rank, name, "|value|", FP16_MAX, hint))
+    if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
+        limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
+        out.append((RANK_KEY_NORM, "k", "key norm", limit, _NORM_HINT))
+    if fmt.value_mode == "mse" and fmt.norm_dtype == "float16":
+        out.append((RANK_VALUE_NORM, "v", "value norm", FP16_MAX, _NORM_HINT))
+    if fmt.value_mode == "group":
+        out.append((RANK_GROUP_MIN, "v", "|group minimum|", FP16_MAX, _GROUP_HINT))
+        out.append((RANK_GROUP_SCALE, "v", "group scale (max - min) / levels", FP16_MAX, _GROUP_HINT))
+    return out
+
+
 def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
                   raw_dtype: torch.dtype) -> list[tuple[str, str, torch.Tensor, float, str]]:
     """(tensor name, quantity, per-token values [B?, H, T], limit, hint) for every fp16-stored quantity."""
     kf, vf = k.float(), v.float()
     out = []
-    for name, t, mode in (("k", kf, fmt.key_mode), ("v", vf, fmt.value_mode)):
-        if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
-            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
-                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
-            out.append((name, "|value|", t.abs().amax(dim=-1), FP16_MAX, hint))
-    norm_hint = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
-    if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
-        limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
-        out.append(("k", "key norm", kf.norm(dim=-1), limit, norm_hint))
-    if fmt.value_mode == "mse" and fmt.norm_dtype == "float16":
-        out.append(("v", "value norm", vf.norm(dim=-1), FP16_MAX, norm_hint))
-    if fmt.value_mode == "group":
-        g = vf.unflatten(-1, (-1, fmt.value_group_for(vf.shape[-1])))
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        hint = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
-        levels = (1 << fmt.value_bits) - 1
-        out.append(("v", "|group minimum|", lo.abs().amax(dim=-1), FP16_MAX, hint))
-        out.append(("v", "group scale (max - min) / levels", ((hi - lo) / levels).amax(dim=-1), FP16_MAX, hint))
+    for rank, name, what, limit, hint in _limit_checks(fmt, cache_dtype, raw_dtype):
+        if rank in (RANK_K_ABS, RANK_V_ABS):
+            values = (kf if name == "k" else vf).abs().amax(dim=-1)
+        elif rank in (RANK_KEY_NORM, RANK_VALUE_NORM):
+            values = (kf if name == "k" else vf).norm(dim=-1)
+        else:
+            g = vf.unflatten(-1, (-1, fmt.value_group_for(vf.shape[-1])))
+            lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+            values = lo.abs().amax(dim=-1) if rank == RANK_GROUP_MIN else \
+                ((hi - lo) / ((1 << fmt.value_bits) - 1)).amax(dim=-1)
+        out.append((name, what, values, limit, hint))
     return out
 
 
@@ -214,6 +239,95 @@ def check_kv_storable(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dty
     check_finite("v", v, *where)
     for name, what, values, limit, hint in _field_limits(k, v, fmt, cache_dtype, raw_dtype):
         _check_at_most(name, what, values, limit, hint, *where)
+
+
+# ------------------------------------------------------------------------ the same checks on the device
+#: A store fault as the compress-on-write kernel records it: one int64, the smallest of a launch kept
+#: (``tl.atomic_min``), FAULT_NONE when there is none: rank << 60 | slot << 23 | KV head << 13 | coordinate << 2 |
+#: class (0 nan, 1 +inf, 2 -inf for the finiteness ranks; 3 for a bound). The smallest code is the first failing
+#: check in ``check_kv_storable``'s order, then the first element in (slot, KV head, coordinate) order.
+FAULT_NONE = 2**63 - 1
+FAULT_RANK_SHIFT, FAULT_SLOT_SHIFT, FAULT_HEAD_SHIFT, FAULT_COORD_SHIFT = 60, 23, 13, 2
+FAULT_MAX_SLOTS, FAULT_MAX_HEADS, FAULT_MAX_COORDS = 1 << 37, 1 << 10, 1 << 11
+FAULT_CLASS_BOUND = 3
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """The bounds ``check_kv_storable`` holds K/V to, as numbers a kernel compares with (x <= bound fails for NaN; a
+    bound of FP32_MAX means only "finite"). Group bounds hold |group minimum| and group scale (max - min) / levels."""
+
+    k_abs: float
+    v_abs: float
+    key_norm: float
+    value_group: float
+    value_levels: int
+
+    @staticmethod
+    def of(fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype) -> "StoreLimits":
+        """The bounds of a ``fmt`` cache in ``cache_dtype`` whose raw fields are ``raw_dtype``."""
+        bound = {rank: limit for rank, _, _, limit, _ in _limit_checks(fmt, cache_dtype, raw_dtype)}
+        return StoreLimits(k_abs=bound.get(RANK_K_ABS, FP32_MAX), v_abs=bound.get(RANK_V_ABS, FP32_MAX),
+                           key_norm=bound.get(RANK_KEY_NORM, FP32_MAX), value_group=bound.get(RANK_GROUP_MIN, FP32_MAX),
+                           value_levels=(1 << fmt.value_bits) - 1)
+
+
+def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt: KVFormat,
+                     limits: StoreLimits) -> int:
+    """The store fault code of writing k, v [N, H, D] at ``slots`` [N] (slot < 0 skipped), computed in PyTorch:
+    the reference of the compress-on-write kernel's device check (``kernels.compress_write``)."""
+    keep = slots >= 0
+    kf, vf, sl = k[keep].float(), v[keep].float(), slots[keep].long()
+    if sl.numel() == 0:
+        return FAULT_NONE
+    n, h, d = kf.shape
+    heads = torch.arange(h, device=k.device)[None, :, None]
+    base = (sl[:, None, None] << FAULT_SLOT_SHIFT) | (heads << FAULT_HEAD_SHIFT)  # [N, H, 1]
+    elem = base | (torch.arange(d, device=k.device) << FAULT_COORD_SHIFT)
+    best = FAULT_NONE
+    for rank, x in ((RANK_K_FINITE, kf), (RANK_V_FINITE, vf)):
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            cls = torch.where(torch.isnan(x), 0, torch.where(x > 0, 1, 2))
+            best = min(best, int(torch.where(bad, (rank << FAULT_RANK_SHIFT) | elem | cls, FAULT_NONE).min()))
+    token_bad = [(RANK_K_ABS, ~(kf.abs() <= limits.k_abs).all(-1)), (RANK_V_ABS, ~(vf.abs() <= limits.v_abs).all(-1))]
+    if fmt.key_mode != "fp16":
+        token_bad.append((RANK_KEY_NORM, ~(kf.norm(dim=-1) <= limits.key_norm)))
+    if fmt.value_mode == "group":
+        g = vf.unflatten(-1, (-1, fmt.value_group_for(d)))
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        token_bad.append((RANK_GROUP_MIN, ~(lo.abs() <= limits.value_group).all(-1)))
+        token_bad.append((RANK_GROUP_SCALE, ~((hi - lo) / limits.value_levels <= limits.value_group).all(-1)))
+    for rank, bad in token_bad:
+        if bool(bad.any()):
+            codes = (rank << FAULT_RANK_SHIFT) | base[..., 0] | FAULT_CLASS_BOUND
+            best = min(best, int(torch.where(bad, codes, FAULT_NONE).min()))
+    return best
+
+
+def store_fault_error(code: int, capacity: int, fmt: KVFormat, cache_dtype: torch.dtype,
+                      raw_dtype: torch.dtype) -> ValueRangeError | None:
+    """The named error of a store fault ``code`` of a cache whose sequence b owns slots [b * capacity, (b + 1) *
+    capacity) (None for FAULT_NONE): what was expected, what was found, and where."""
+    if code == FAULT_NONE:
+        return None
+    rank = code >> FAULT_RANK_SHIFT
+    slot = (code >> FAULT_SLOT_SHIFT) & (FAULT_MAX_SLOTS - 1)
+    head = (code >> FAULT_HEAD_SHIFT) & (FAULT_MAX_HEADS - 1)
+    coord = (code >> FAULT_COORD_SHIFT) & (FAULT_MAX_COORDS - 1)
+    where = f"sequence {slot // capacity}, KV head {head}, position {slot % capacity}"
+    if rank in (RANK_K_FINITE, RANK_V_FINITE):
+        got = ("nan", "inf", "-inf")[code & 3]
+        name = "k" if rank == RANK_K_FINITE else "v"
+        return ValueRangeError(f"{name}: expected finite values, got {got} at {where}, coordinate {coord}")
+    for r, name, what, limit, hint in _limit_checks(fmt, cache_dtype, raw_dtype):
+        if r == rank:
+            return ValueRangeError(f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got more "
+                                   f"at {where}; {hint}")
+    if rank == RANK_KEY_NORM:  # a float32 norm of finite keys past the float32 range
+        return ValueRangeError(f"k: expected key norm <= {FP32_MAX:.6g} (what its float32 storage holds), got more "
+                               f"at {where}; scale the input down")
+    return ValueRangeError(f"k, v: store check {rank} failed at {where}")
 
 
 def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object,

@@ -25,6 +25,7 @@ padding or custom patterns arrive as a boolean [B, 1, T, kv_len] mask.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,16 +39,31 @@ from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError
 from ..format import KVFormat
-from .decoded_history import DecodedHistory
 
 ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
 #: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
 RECOMMENDED_PRESET = "mse_k4v3"
 #: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
-#: the PyTorch reference on CPU; reference / triton: that one; cpu-decoded: the reference's estimator over tokens
-#: decoded once (fast on CPU, fp32 memory per token; for evaluation only).
-BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS, "cpu-decoded")
+#: the PyTorch reference on CPU; reference / triton: that one. Evaluation code may add history backends by name
+#: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
+BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
+
+#: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)`` that
+#: replaces the ops path for one layer (an evaluation shortcut, e.g. tokens decoded once on the CPU).
+HISTORY_BACKENDS: dict[str, Callable[[CompressedKVCache, int], Any]] = {}
+
+
+def register_history_backend(name: str, factory: Callable[[CompressedKVCache, int], Any]) -> None:
+    """Make ``backend=name`` build ``factory(store, sink_tokens)`` per layer and attend through it instead of ``jetson_tq.ops``."""
+    if name in BACKENDS:
+        raise ConfigError(f"history backend {name!r}: the name is taken by an ops backend {BACKENDS}")
+    HISTORY_BACKENDS[name] = factory
+
+
+def backend_names() -> tuple[str | None, ...]:
+    """Every accepted ``backend`` value: the ops backends and the registered history backends."""
+    return (*BACKENDS, *HISTORY_BACKENDS)
 
 
 class UnsupportedModelError(JetsonTQError, ValueError):
@@ -113,13 +129,18 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None) -> None:
+    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None,
+                 center: tuple[torch.Tensor, torch.Tensor] | None = None, sink_tokens: int = 0) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend not in backend_names():
+            raise ConfigError(f"backend: expected one of {backend_names()}, got {backend!r}")
         self.fmt, self.layer_idx, self.seed, self.backend = fmt, layer_idx, seed, backend
+        self.center = center  # (key, value) offsets [H, D] subtracted from every token stored (KVCenters)
+        if sink_tokens and backend != "cpu-decoded":
+            raise ConfigError(f"sink_tokens: only the cpu-decoded backend reads sinks exactly, got backend {backend!r}")
+        self.sink_tokens = sink_tokens
         self.store: CompressedKVCache | None = None
-        self.decoded: DecodedHistory | None = None
+        self.decoded: Any = None
 
     def __repr__(self) -> str:
         return f"TurboQuantLayer({self.layer_idx}, {self.fmt.key_mode}{self.fmt.key_bits}/{self.fmt.value_mode}{self.fmt.value_bits})"
@@ -128,7 +149,8 @@ class TurboQuantLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
-        self.decoded = DecodedHistory(self.store) if self.backend == "cpu-decoded" else None
+        factory = HISTORY_BACKENDS.get(self.backend) if self.backend is not None else None
+        self.decoded = factory(self.store, self.sink_tokens) if factory is not None else None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -142,14 +164,25 @@ class TurboQuantLayer(CacheLayerMixin):
         if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (s.batch_size, s.num_kv_heads, s.head_dim):
             raise ShapeError(f"layer {self.layer_idx}: expected K/V [{s.batch_size}, {s.num_kv_heads}, T, {s.head_dim}] "
                              f"(batch fixed at the first forward), got {tuple(key_states.shape)}")
-        chunk = PendingChunk(self, key_states, value_states)
+        chunk = PendingChunk(self, *self._centered(key_states, value_states))
         return chunk, chunk
+
+    def _centered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [B, H, T, D] minus the layer's offsets: every key the attention reads moves by the same vector per
+        head, so the softmax is unchanged; the value offset is added back to the output (``attend``)."""
+        if self.center is None:
+            return k, v
+        ck, cv = (c.to(k.device, k.dtype)[None, :, None, :] for c in self.center)
+        return k - ck, v - cv
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store K/V [B, H, T, D] directly (e.g. a prompt prefilled elsewhere), compressing past the buffer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.store.append(key_states, value_states)
+        k, v = self._centered(key_states, value_states)
+        if self.decoded is not None:
+            self.decoded.note_exact(k, v)
+        self.store.append(k, v)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                scaling: float) -> torch.Tensor:
@@ -158,7 +191,17 @@ class TurboQuantLayer(CacheLayerMixin):
         Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed, the
         rest exactly (decode and prefill alike).
         """
+        out = self._attend(query, key, value, mask, scaling)
+        if self.center is None:
+            return out
+        cv = self.center[1].to(out.device, out.dtype)
+        return out + cv.repeat_interleave(query.shape[1] // cv.shape[0], 0)[None, :, None, :]
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                scaling: float) -> torch.Tensor:
         store = self.store
+        if self.decoded is not None:
+            self.decoded.note_exact(key, value)
         if mask is None and query.shape[2] == 1:
             store.append(key, value)
             if self.decoded is not None:
@@ -211,7 +254,7 @@ class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
     def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
-                 backend: str | None = None, enable: bool = True) -> None:
+                 backend: str | None = None, enable: bool = True, centers=None, sink_tokens: int = 0) -> None:
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
@@ -223,7 +266,9 @@ class TurboQuantCache(Cache):
         layers = []
         for i in range(n_layers):
             fmt = self.tq_config.format_for_layer(i, n_layers)
-            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend))
+            center = None if centers is None or fmt.is_passthrough else centers[i]
+            sinks = 0 if fmt.is_passthrough else sink_tokens
+            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center, sinks))
         super().__init__(layers=layers)
         if model is not None and enable:
             enable_turboquant(model)

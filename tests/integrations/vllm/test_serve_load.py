@@ -30,7 +30,7 @@ pytest.importorskip("vllm")
 from jetson_tq.config import DEFAULT_PRESET, load_config
 from jetson_tq.format import PagedLayout
 from jetson_tq.integrations.vllm.recent import pool_bytes
-from jetson_tq.integrations.vllm.tiny_model import make_tiny_llama
+from jetson_tq.models.tiny import make_tiny_llama
 
 REPO = next(p for p in Path(__file__).resolve().parents if (p / "benchmarks" / "load_serve.py").is_file())
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, SEQS, MAX_LEN = 6, 2, 32, 128, 8, 512
