@@ -231,7 +231,8 @@ def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
     assert set(matrix.PRIORITY) == set(entries)
     for name, entry in entries.items():
         layers = entry["matrix"]["layers"]
-        cfg = AutoConfig.from_pretrained(models.write_config_dir(models.shrink(entry["config"], layers), tmp_path / name))
+        directory = models.write_config_dir(models.shrink(entry["config"], layers), tmp_path / name)
+        cfg = AutoConfig.from_pretrained(directory)
         assert cfg.num_hidden_layers == layers, name
         types = getattr(cfg, "layer_types", None)
         if name == "gemma-3-4b":  # five local layers, then a global one: kept in the 6 built
@@ -249,7 +250,8 @@ def test_matrix_summary_and_table() -> None:
 
     recs = [
         {"model": "gemma-3-4b", "engine": "ours", "layers_built": 6, "kv_tokens": 3000, "init_s": 9.0,
-         "compressed": ["m.layers.5.a"], "stock_layers": {"sliding_window 1024 < max_model_len 8320": ["m.layers.0.a"] * 5},
+         "compressed": ["m.layers.5.a"],
+         "stock_layers": {"sliding_window 1024 < max_model_len 8320": ["m.layers.0.a"] * 5},
          "greedy": {"ids": [[1, 2], [3]], "nonfinite_logprobs": 0},
          "decode": {"decode_tok_s": 900.0, "tpot_ms": 8.0, "graph_calls": 30, "eager_calls": 0}},
         {"model": "gemma-3-4b", "engine": "stock", "layers_built": 6, "kv_tokens": 2000, "init_s": 5.0,
