@@ -229,7 +229,8 @@ def worker(args) -> None:
             for ours in (True, False):
                 left = args.deadline - time.time()
                 if left < 1.2 * estimate:
-                    rec = {"model": name, "engine": "ours" if ours else "stock", "skipped": f"budget ({left:.0f} s left)"}
+                    rec = {"model": name, "engine": "ours" if ours else "stock",
+                           "skipped": f"budget ({left:.0f} s left)"}
                 else:
                     rec = engine_record(name, m, str(model), args, ours, args.out / "gpu.lock")
                     estimate = max(rec["total_s"], 10.0)
@@ -251,7 +252,8 @@ def summarize(records: list[dict]) -> dict:
         o, s = pair.get("ours", {}), pair.get("stock", {})
         row: dict = {"layers_built": o.get("layers_built") or s.get("layers_built")}
         if "compressed" in o:
-            row["compressed"] = f"{len(o['compressed'])}/{len(o['compressed']) + sum(map(len, o['stock_layers'].values()))}"
+            n_stock = sum(map(len, o["stock_layers"].values()))
+            row["compressed"] = f"{len(o['compressed'])}/{len(o['compressed']) + n_stock}"
             row["stock_why"] = sorted(o["stock_layers"])
         for key in ("error", "skipped"):
             row.update({f"{e}_{key}": pair[e][key] for e in pair if key in pair[e]})
@@ -305,7 +307,8 @@ def driver(args) -> None:
         cmd = [sys.executable, __file__, "--out", str(args.out), "--worker", str(w), "--workers", str(args.workers),
                "--models", args.models, "--deadline", str(deadline), "--context", str(args.context),
                "--concurrency", str(args.concurrency), "--kv-gib", str(args.kv_gib), "--config", args.config,
-               "--gpu-util", str(args.gpu_util), "--batched", str(args.batched)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+               "--gpu-util", str(args.gpu_util), "--batched", str(args.batched)]
+        cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         log = open(args.out / f"worker_{w}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     for p, log in procs:

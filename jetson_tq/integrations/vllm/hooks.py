@@ -96,10 +96,11 @@ def layer_facts(args: dict, vllm_config) -> LayerFacts:
     extra = dict(args.get("extra_impl_args") or {})
     sinks = extra.pop("sinks", None) is not None
     own = args.get("attn_backend")
+    attn_type = args.get("attn_type")
     return LayerFacts(
         name=args.get("prefix", ""), head_size=int(args["head_size"]), num_heads=int(args["num_heads"]),
         num_kv_heads=int(args.get("num_kv_heads") or args["num_heads"]), head_size_v=args.get("head_size_v"),
-        attn_type=str(getattr(args.get("attn_type"), "value", args.get("attn_type")) or "decoder"), sliding_window=window,
+        attn_type=str(getattr(attn_type, "value", attn_type) or "decoder"), sliding_window=window,
         logits_soft_cap=args.get("logits_soft_cap") or None,
         alibi=args.get("alibi_slopes") is not None or bool(args.get("use_alibi_sqrt")), sinks=sinks,
         kv_sharing_target=args.get("kv_sharing_target_layer_name"), kv_cache_dtype=str(kv_dtype),

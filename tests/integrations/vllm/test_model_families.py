@@ -114,7 +114,8 @@ def test_compressed_layers_beside_stock_sliding_window_layers_give_stock_tokens(
         "layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW})
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 110, 170, 230)]
-    job = _job(str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto", max_num_batched_tokens=64)
+    job = _job(str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto",
+               max_num_batched_tokens=64)
     runs = run_engines_side_by_side({"base": (job, None), "tq": (job, config)}, ENV)
     base, tq = runs["base"], runs["tq"]
     assert _layer_numbers(tq["layers"], compressed=True) == {1, 3, 5}

@@ -46,7 +46,8 @@ def _allowed() -> set[str]:
 
 
 def _serve_app_in(site: Path) -> subprocess.CompletedProcess:
-    """Build the server's app in a Python that sees only the standard library and ``site`` (``-S``: no site-packages)."""
+    """Build the server's app in a Python that sees only the standard library and ``site`` (``-S``: no
+    site-packages)."""
     return subprocess.run([sys.executable, "-S", "-c", SERVE_APP, str(site)], capture_output=True, text=True,
                           timeout=300)
 

@@ -219,3 +219,51 @@ def test_targets_verdicts() -> None:
     assert t["ttft_32k_x_stock<=1.5"] == {"value": 2.0, "verdict": "missed"}
     assert t["decode_x_vllm_turboquant>1_every_row"] == {"value": {"32768x8": 2.8}, "verdict": "met"}
     assert run.targets([])["capacity_x_stock>=3.9"]["verdict"] == "not measured"
+
+
+def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
+    """Every matrix model is a config transformers reads; shrinking keeps its attention pattern and features."""
+    from transformers import AutoConfig
+
+    import matrix
+
+    entries = models.matrix_models()
+    assert set(matrix.PRIORITY) == set(entries)
+    for name, entry in entries.items():
+        layers = entry["matrix"]["layers"]
+        directory = models.write_config_dir(models.shrink(entry["config"], layers), tmp_path / name)
+        cfg = AutoConfig.from_pretrained(directory)
+        assert cfg.num_hidden_layers == layers, name
+        types = getattr(cfg, "layer_types", None)
+        if name == "gemma-3-4b":  # five local layers, then a global one: kept in the 6 built
+            assert types == ["sliding_attention"] * 5 + ["full_attention"], types
+        if name == "gemma-2-2b":
+            assert types[:2] == ["sliding_attention", "full_attention"] and cfg.attn_logit_softcapping == 50.0
+    tiny = models.shrink(entries["qwen3-30b-a3b"]["config"], 2, hidden=128, heads=4, kv_heads=2, head_dim=32,
+                         intermediate=256, vocab=512, experts=4)
+    assert (tiny["num_experts"], tiny["num_experts_per_tok"], tiny["moe_intermediate_size"]) == (4, 4, 256)
+    assert tiny["vocab_size"] == 512 and tiny["eos_token_id"] < 512
+
+
+def test_matrix_summary_and_table() -> None:
+    import matrix
+
+    recs = [
+        {"model": "gemma-3-4b", "engine": "ours", "layers_built": 6, "kv_tokens": 3000, "init_s": 9.0,
+         "compressed": ["m.layers.5.a"],
+         "stock_layers": {"sliding_window 1024 < max_model_len 8320": ["m.layers.0.a"] * 5},
+         "greedy": {"ids": [[1, 2], [3]], "nonfinite_logprobs": 0},
+         "decode": {"decode_tok_s": 900.0, "tpot_ms": 8.0, "graph_calls": 30, "eager_calls": 0}},
+        {"model": "gemma-3-4b", "engine": "stock", "layers_built": 6, "kv_tokens": 2000, "init_s": 5.0,
+         "greedy": {"ids": [[1, 2], [4]], "nonfinite_logprobs": 0}, "decode": {"decode_tok_s": 1000.0, "tpot_ms": 7.0}},
+        {"model": "qwen3-30b-a3b", "engine": "ours", "error": "RuntimeError: no _moe_C", "init_s": None},
+        {"model": "qwen3-30b-a3b", "engine": "stock", "skipped": "budget (20 s left)"},
+    ]
+    rows = matrix.summarize(recs)
+    g = rows["gemma-3-4b"]
+    assert g["compressed"] == "1/6" and g["kv_x_stock"] == 1.5 and g["decode_x_stock"] == 0.9
+    assert g["greedy_identical"] == 1 and g["nonfinite"] == [0, 0] and g["graphs_ours"] == {"graph": 30, "eager": 0}
+    assert rows["qwen3-30b-a3b"]["ours_error"].startswith("RuntimeError") and "stock_skipped" in rows["qwen3-30b-a3b"]
+    md = matrix.table(rows).splitlines()
+    assert md[2].startswith("| gemma-3-4b | 6 | 1/6 | sliding_window 1024") and "| 3,000 / 2,000 | 1.5 |" in md[2]
+    assert "ours_error: RuntimeError: no _moe_C" in md[3]
