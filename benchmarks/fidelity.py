@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/fidelity.py                      # full run (~25 min on 2 CPU cores)
     .venv/bin/python benchmarks/fidelity.py --quick              # a 2-minute smoke run
     .venv/bin/python benchmarks/fidelity.py --rows mse_k3v2,fp8  # a subset of rows
-    .venv/bin/python benchmarks/fidelity.py --text opticks --rows mse_k4v3,k3v3g128_b256,k3v3m_b256_e1   # rows by format
+    .venv/bin/python benchmarks/fidelity.py --text opticks --rows mse_k4v3,k3v3g128_b256  # rows by their format
     .venv/bin/python benchmarks/fidelity.py --frontier out/essays,out/opticks --mark mse_k4v3 --out docs  # the plot
 
 ``--text`` picks the held-out text (essays or Newton's Opticks), ``--offset`` its first token; a row named
