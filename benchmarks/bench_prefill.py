@@ -36,11 +36,11 @@ def compile_variants(shapes, fmt, variants) -> None:
     """Each variant once per shape (kernels compile; the timed run then loads them from Triton's cache)."""
     import torch
 
-    from jetson_tq.kernels.prefill import chunked_prefill
+    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     for _, case, q, k, v in _cases(shapes, fmt):
         for var in variants:
-            chunked_prefill(q, k, v, case.kv, **var)
+            chunked_prefill(q, k, v, case.kv, tuning=PrefillTuning(**var))
         torch.cuda.synchronize()
 
 
@@ -49,14 +49,14 @@ def profile_variants(shapes, fmt, variants) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from jetson_tq.kernels.prefill import chunked_prefill
+    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     for shape, case, q, k, v in _cases(shapes, fmt):
         for var in variants:
-            chunked_prefill(q, k, v, case.kv, **var)
+            chunked_prefill(q, k, v, case.kv, tuning=PrefillTuning(**var))
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                chunked_prefill(q, k, v, case.kv, **var)
+                chunked_prefill(q, k, v, case.kv, tuning=PrefillTuning(**var))
                 torch.cuda.synchronize()
             for ev in prof.key_averages():
                 us = getattr(ev, "device_time_total", None)

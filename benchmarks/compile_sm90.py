@@ -22,7 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -30,6 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 COMPILED: list[tuple[str, object]] = []
+_DUMPED: list[str] = []
 
 
 class _StubDriver:
@@ -73,9 +73,10 @@ def _resources(kernel, sass_dir: Path | None = None, tag: str = "") -> dict:
                            text=True).stdout
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
-    if sass_dir is not None:
+    if sass_dir is not None:  # numbered in compile order, so two trees' dumps pair up file by file
         sass_dir.mkdir(parents=True, exist_ok=True)
-        (sass_dir / f"{tag}_{kernel.name}.sass").write_text(sass)
+        _DUMPED.append(tag)
+        (sass_dir / f"{len(_DUMPED):03d}_{tag}_{kernel.name}.sass").write_text(sass)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else -1  # noqa: E731
     return {"regs": get("REG"), "stack": get("STACK"), "shared": kernel.metadata.shared,
             "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "loops": _loops(sass)}
@@ -99,19 +100,21 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="mse_k4v3,mse_k4v3u,blog_k3v2")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--ops", default="decode,prefill,compress,append", help="which launches to compile")
-    ap.add_argument("--decode-knobs", help='JSON list of hybrid_decode knob sets (default: the standard six), e.g. '
+    ap.add_argument("--decode-knobs", help='JSON list of DecodeTuning field sets (default: the standard six), e.g. '
                     '\'[{}, {"block_n": 32}]\'')
-    ap.add_argument("--sass-dir", type=Path, help="also write each compiled decode kernel's SASS here")
-    ap.add_argument("--prefill-knobs", default="[{}]", help='JSON list of chunked_prefill knob sets, e.g. '
+    ap.add_argument("--sass-dir", type=Path, help="also write each compiled kernel's SASS here (numbered in compile "
+                    "order: compare two trees with `diff -r`)")
+    ap.add_argument("--prefill-knobs", default="[{}]", help='JSON list of PrefillTuning field sets, e.g. '
                     '\'[{}, {"block_m": 64, "num_warps": 4}]\'')
     args = ap.parse_args(argv)
     _install()
-    from kernel_cases import build_paged_kv, fmt_for
+    from tests.helpers.kernel_cases import build_paged_kv, fmt_for
     from jetson_tq.paged import allocate_pages
     from jetson_tq.kernels.append import append_rows
-    from jetson_tq.kernels.compress_write import compress_write
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
-    from jetson_tq.kernels.prefill import chunked_prefill
+    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
+    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.validate import FAULT_NONE, StoreLimits
 
     d, hkv, g = args.d, 2, 4
     ops = set(args.ops.split(","))
@@ -125,35 +128,51 @@ def main(argv=None) -> int:
         q = torch.randn(2, hkv * g, d).half()
         for i, knobs in enumerate(decode_knobs if "decode" in ops else ()):
             n0 = len(COMPILED)
-            hybrid_decode(q, kv, **knobs)
+            hybrid_decode(q, kv, tuning=DecodeTuning(**knobs))
             for kname, k in COMPILED[n0:]:
-                print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {_resources(k, args.sass_dir, f'{name}_{i}')}",
-                      flush=True)
+                res = _resources(k, args.sass_dir, f"{name}_decode{i}")
+                print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {res}", flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(fmt.with_(buffer_tokens=16, window="block"), hkv, d, [64, 0], [5, 9], torch.float16,
                                   torch.Generator().manual_seed(0), recent_cap=16)
         for window, view in (("sliding", kv), ("block", kv_block)) if "prefill" in ops else ():
-            for knobs in prefill_knobs:
+            for i, knobs in enumerate(prefill_knobs):
                 n0 = len(COMPILED)
-                chunked_prefill(qp, kp, kp.clone(), view, **knobs)
+                chunked_prefill(qp, kp, kp.clone(), view, tuning=PrefillTuning(**knobs))
                 for kname, k in COMPILED[n0:]:
-                    print(f"{name:10s} prefill {window:7s} {str(knobs):27s} {kname:24s} {_resources(k)}", flush=True)
+                    res = _resources(k, args.sass_dir, f"{name}_prefill_{window}{i}")
+                    print(f"{name:10s} prefill {window:7s} {str(knobs):27s} {kname:24s} {res}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
-        for knobs in ({}, {"block_t": 64, "num_warps": 4}) if "compress" in ops else ():
+        limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)
+        variants = ({}, {"block_t": 64, "num_warps": 4}, {"checked": True}, {"checked": True, "maxnreg": 128})
+        for i, knobs in enumerate(variants if "compress" in ops else ()):
             n0 = len(COMPILED)
-            compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec, **knobs)
+            check = dict(fault=torch.tensor([FAULT_NONE, 0]), limits=limits) if knobs.get("checked") else {}
+            compress_write(kc, kc.clone(), torch.arange(32), pages, kv.layout, kv.codec,
+                           tuning=WriteTuning(**{a: b for a, b in knobs.items() if a != "checked"}), **check)
             for kname, k in COMPILED[n0:]:
-                print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {_resources(k)}", flush=True)
+                res = _resources(k, args.sass_dir, f"{name}_compress{i}")
+                print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {res}", flush=True)
     for block in (False, True) if "append" in ops else ():  # the cache's append bookkeeping (format-independent)
         ring = torch.zeros(2, hkv, 16, d).half()
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)
-        append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(), torch.zeros((), dtype=torch.bool),
-                    0, 64, True, True, block)
+        append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(),
+                    torch.zeros((), dtype=torch.bool), 0, 64, True, True, block)
         for kname, k in COMPILED[n0:]:
-            print(f"{'any':10s} append {'block' if block else 'sliding':36s} {kname:24s} {_resources(k)}", flush=True)
+            res = _resources(k, args.sass_dir, f"append_{'block' if block else 'sliding'}")
+            print(f"{'any':10s} append {'block' if block else 'sliding':36s} {kname:24s} {res}", flush=True)
+    if "append" in ops:  # validate=True on the kernel path: slots first, the commit guarded by the fault record
+        ring = torch.zeros(2, hkv, 16, d).half()
+        lens = torch.tensor([3, 20], dtype=torch.int32)
+        n0 = len(COMPILED)
+        for stage, commit, guard in ((True, False, None), (False, True, torch.tensor([FAULT_NONE, 0]))):
+            append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(),
+                        torch.zeros((), dtype=torch.bool), 0, 64, stage, commit, False, guard)
+        for kname, k in COMPILED[n0:]:
+            print(f"{'any':10s} append {'stage / guarded commit':36s} {kname:24s} {_resources(k)}", flush=True)
     return 0
 
 

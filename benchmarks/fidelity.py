@@ -10,7 +10,7 @@
 ``k<bits>v<bits>g<group>|m[_b|_s<R>][_c][_e<S>]`` is built from its features (``SPEC_ROW``).
 Writes ``<out>/fidelity.json`` (after every phase), ``<out>/fidelity.md`` (tables) and
 ``<out>/fidelity_ppl_vs_bytes.png`` (PPL vs bytes per token, one series per family).
-Rows, probes and sizes are defined here; the probes live in ``jetson_tq.reports.fidelity``.
+Rows, probes and sizes are defined here; the probes live in ``jetson_tq.eval.fidelity``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import torch  # noqa: E402
 
 from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config  # noqa: E402
 from jetson_tq.format import fp16_bytes_per_token  # noqa: E402
-from jetson_tq.integrations.simulated_caches import SimulatedFormat  # noqa: E402
-from jetson_tq.integrations.simulated_vllm import VLLMTurboQuantFormat  # noqa: E402
+from jetson_tq.eval.simulated_caches import SimulatedFormat  # noqa: E402
+from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat  # noqa: E402
 from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
 from jetson_tq.models.text import TEXTS, text_by_name  # noqa: E402
-from jetson_tq.reports import fidelity as F  # noqa: E402
+from jetson_tq.eval import fidelity as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def all_rows(backend: str) -> list[F.Variant]:
         v("int4_kivi", "baselines", SimulatedFormat(kind="int", bits=4, group=32, key_axis="channel"),
           "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128"),
         # our default against vLLM 0.26's built-in TurboQuant presets (simulated from its source, see
-        # jetson_tq/integrations/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
+        # jetson_tq/eval/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
         v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"),
           "preset (default): mse 4-bit keys, 3-bit values g64, own 128-token block exact"),
         v("mse_k4v3_buf0", "ours vs vLLM built-in", _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
@@ -257,7 +257,7 @@ def load_centers(path: Path, model, tok) -> list:
     tokens (the calibration region, never scored) when the file does not exist."""
     from safetensors.torch import load_file, save_file
 
-    from jetson_tq.reports.smartmix import capture, kv_centers
+    from jetson_tq.eval.smartmix import capture, kv_centers
 
     if not path.is_file():
         ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
@@ -319,7 +319,7 @@ def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    p.add_argument("--out", default=str(ROOT / "out" / "fidelity"), help="output folder")
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 3 rows (smoke test)")
     p.add_argument("--text", default="essays", choices=TEXTS, help="held-out text: essays (Paul Graham) or opticks (Newton)")

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))
 STAGES = ["env", "diag", "decode", "tests", "compress", "scores", "prefill", "sweep"]
 # decode variants tried by the diagnostics, in order of preference for the benchmark table
 DIAG_VARIANTS = [{}, {"fold_values": False}, {"fast_keys": False}]
-TEST_FILES = ["tests/test_kernels_decode.py", "tests/test_kernels_prefill.py", "tests/test_kernels_compress.py",
-              "tests/test_kernels_scores.py", "tests/test_ops.py", "tests/test_kernels_layout.py"]
+TEST_FILES = ["tests/kernels/test_kernels_decode.py", "tests/kernels/test_kernels_prefill.py", "tests/kernels/test_kernels_compress.py",
+              "tests/kernels/test_kernels_scores.py", "tests/ops/test_ops.py", "tests/kernels/test_kernels_layout.py"]
 
 
 def _env(out: Path) -> None:
@@ -78,12 +78,6 @@ def main(argv=None) -> int:
                 text = f"### diag (decode; chosen for the table: {chosen or 'default'})\n\n{bench.table(rows)}\n"
                 md.append(text)
                 print(text, flush=True)
-                plog = args.out / "diag_prefill.log"
-                with open(plog, "w") as f:
-                    subprocess.run([sys.executable, "benchmarks/diag_prefill.py"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                   timeout=120)
-                md.append("### diag (prefill)\n\n```\n" + plog.read_text()[-3000:] + "\n```\n")
-                print(plog.read_text()[-3000:], flush=True)
                 continue
             elif stage == "tests":
                 log = args.out / "tests.log"

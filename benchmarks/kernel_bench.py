@@ -1,4 +1,4 @@
-"""GPU benchmarks of the kernels next to their baselines, measured in the same process (../shared/BENCHMARKING.md).
+"""GPU benchmarks of the kernels next to their baselines, measured in the same process (docs/benchmarks.md).
 
 Every function returns rows (dicts) that ``table`` prints. Inputs are real: K/V are random normal
 fp16, compressed by the compress-on-write kernel into vLLM-style pages; several input sets rotate
@@ -98,7 +98,7 @@ def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: i
                      seed: int = 0) -> DecodeCase:
     """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
     buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
-    from jetson_tq.kernels.compress_write import compress_write
+    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
 
     dev = _require_cuda()
     fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
@@ -153,7 +153,7 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[dict], q_scale: float = 1.0) -> list[dict]:
     """Relative error vs the reference of each kernel variant on each (B, Hq, Hkv, ctx) case (first 2 sequences)."""
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
     rows = []
     for b, hq, hkv, ctx in cases:
@@ -166,7 +166,7 @@ def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[di
         for var in variants:
             errs = []
             for _ in range(2):  # twice: a moving error is a race
-                got = hybrid_decode(q, kv, **var)[:sub].float()
+                got = hybrid_decode(q, kv, tuning=DecodeTuning(**var))[:sub].float()
                 errs.append(((got - ref).norm() / ref.norm()).item())
             rows.append({"B": b, "ctx": ctx, "q_scale": q_scale, "variant": ",".join(f"{k}={v}" for k, v in var.items())
                          or "default", "err_run1": errs[0], "err_run2": errs[1]})
@@ -196,9 +196,10 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
     ``fmt``: the cache format (KVFormat or preset name; default KVFormat(), i.e. blog_k3v2's layout).
     """
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
     _require_cuda()
+    tuning = DecodeTuning(**kernel_kwargs)
     bw = copy_gbps or copy_bandwidth()
     shapes = shapes if shapes is not None else [(1, 32, 8, 1024), (8, 32, 8, 65536), (1, 32, 8, 131072)]
     todo = [(b, hq, hkv, [ctx] * b) for b, hq, hkv, ctx in shapes]
@@ -217,9 +218,9 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
             kv = probe.kv
             part = leading_sequences(kv, sub)
             ref = paged_attention_decode(probe.q[:sub], part).float()
-            got = hybrid_decode(probe.q, kv, **kernel_kwargs)[:sub].float()
+            got = hybrid_decode(probe.q, kv, tuning=tuning)[:sub].float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported in the row; > 2e-3 is flagged, not hidden
-        ours = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, **kernel_kwargs) for c, o in zip(sets, outs)]
+        ours = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, tuning=tuning) for c, o in zip(sets, outs)]
         flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
         t_ours, t_flash = _bench(ours), _bench(flash)
         row = {"B": b, "Hq/Hkv": f"{hq}/{hkv}", "ctx": max(lens) if len(set(lens)) == 1 else "ragged:" + "/".join(
@@ -253,7 +254,7 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch, next to a device copy of the same
     bytes timed in the same process. ``slots``: ``random`` (every token in a random slot, the run 3-6 setting) or
     ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes)."""
-    from jetson_tq.kernels.compress_write import compress_write
+    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -285,13 +286,97 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     rows = [row("copy of the same bytes (torch, same run)", _bench([lambda b=b: b[1].copy_(b[0]) for b in bufs]), None)]
     del bufs
     for var in variants or [{}]:
-        compress_write(k, v, sl, pages, layout, codec, **var)
+        compress_write(k, v, sl, pages, layout, codec, tuning=WriteTuning(**var))
         same = (pages != ref_pages).float().mean().item()
-        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, **var) for s in sets]
+        tuning = WriteTuning(**var)
+        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, tuning=tuning) for s in sets]
         rows.append(row(",".join(f"{a}={b}" for a, b in var.items()) or "default", _bench(fns), same))
     if reference:
         ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
         rows.append(row("reference (encode + write_slots)", ref_t, 0.0))
+    return rows
+
+
+def _timed(fn, reset=None, reps: int = 20) -> tuple[float, float]:
+    """(wall µs, device µs) medians of ``fn()`` from an idle GPU: wall = host issue + device work until done (one
+    eager call as a user sees it), device = CUDA events around it. ``reset()`` runs untimed before each call."""
+    import time
+
+    walls, gpus = [], []
+    for _ in range(reps + 2):  # two warm-up calls
+        if reset is not None:
+            reset()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e6)
+        gpus.append(start.elapsed_time(end) * 1e3)
+    walls, gpus = sorted(walls[2:]), sorted(gpus[2:])
+    return walls[len(walls) // 2], gpus[len(gpus) // 2]
+
+
+def _rewind(cache) -> None:
+    """Empty a CompressedKVCache in place (benchmark harness: the same append is timed again into the same pages)."""
+    for t in (cache._lens, cache._comp, cache._rec):
+        t.zero_()
+    cache._host_lens.zero_()
+    cache._host_valid = True
+
+
+def append_bench(batch: int = 8, hkv: int = 8, tokens: int = 16384, head_dim: int = 128,
+                 fmt: KVFormat | str | None = None, dtype: torch.dtype = torch.float16) -> list[dict]:
+    """``CompressedKVCache.append`` of ``tokens`` new tokens per sequence (B x Hkv x T x D, one call) with the
+    default ``validate=True`` — the store checks inside the compress-on-write kernel, the commit guarded on the
+    device, no host sync — next to ``validate=False`` and to ``ops.write`` of the same tokens alone (one
+    compress-on-write launch over B*T tokens, the target's denominator: append with validation <= 1.5x). Capacity is
+    reserved first (growth is timed in its own row); each timed call appends into the same emptied cache. Also one
+    decode-step append (T = 1) per variant. Columns: wall µs (host + device from an idle GPU), device µs (events)."""
+    from jetson_tq import ops
+    from jetson_tq.cache.compressed import CompressedKVCache
+
+    dev = _require_cuda()
+    fmt = resolve_format(fmt)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
+    v = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
+    k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+    caches = {val: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, validate=val)
+              for val in (True, False)}
+    for c in caches.values():
+        c.reserve(tokens + 1)
+    # ops.write alone: the same tokens as one [B*T, H, D] input (made contiguous outside the timing) into the pages
+    c = caches[False]
+    kt = k.permute(0, 2, 1, 3).reshape(batch * tokens, hkv, head_dim).contiguous()
+    vt = v.permute(0, 2, 1, 3).reshape(batch * tokens, hkv, head_dim).contiguous()
+    slots = (torch.arange(batch, device=dev)[:, None] * c.capacity + torch.arange(tokens, device=dev)).flatten()
+    rows = []
+
+    def row(name, t_tokens, wall_dev, base=None):
+        wall, gpu = wall_dev
+        r = {"what": name, "B x Hkv x T": f"{batch} x {hkv} x {t_tokens}", "wall_us": wall, "device_us": gpu}
+        if base is not None:
+            r["x ops.write (wall)"] = wall / base[0]
+            r["x ops.write (device)"] = gpu / base[1]
+        return r
+
+    write = _timed(lambda: ops.write(kt, vt, slots, c.pages, c.layout, c.codec))
+    rows.append(row("ops.write (compress-on-write alone)", tokens, write))
+    for val, name in ((True, "append, validate=True (device-side checks)"), (False, "append, validate=False")):
+        cache = caches[val]
+        timed = _timed(lambda cache=cache: cache.append(k, v), lambda cache=cache: _rewind(cache))
+        rows.append(row(name, tokens, timed, write))
+    fresh = _timed(lambda: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype).append(k, v))
+    rows.append(row("new cache + append, validate=True (pages grow: allocation)", tokens, fresh, write))
+    for val in (True, False):  # one decode step's append (what an eager generate loop pays per layer)
+        cache = caches[val]
+        cache.append(k[:, :, :64], v[:, :, :64])
+        rows.append(row(f"decode-step append (T=1), validate={val}", 1,
+                        _timed(lambda cache=cache: cache.append(k1, v1), reps=50)))
+    caches[True].check()  # nothing was refused
     return rows
 
 
@@ -331,7 +416,7 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
     from torch.nn.attention.bias import causal_lower_right
 
     from jetson_tq.attention.reference import paged_attention_prefill
-    from jetson_tq.kernels.prefill import chunked_prefill
+    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -360,9 +445,9 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         qc, kc, vc = q[:1, :, :tc].contiguous(), k[:1, :, :tc].contiguous(), v[:1, :, :tc].contiguous()
         ref = paged_attention_prefill(qc, kc, vc, part).float()
         for var in variants or [{}]:
-            got = chunked_prefill(qc, kc, vc, part, **var).float()
+            got = chunked_prefill(qc, kc, vc, part, tuning=PrefillTuning(**var)).float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
-            t_ours = _bench([lambda: chunked_prefill(q, k, v, kv, **var)])
+            t_ours = _bench([lambda: chunked_prefill(q, k, v, kv, tuning=PrefillTuning(**var))])
             rows.append({"format": fmt_name, "variant": str(var) if var else "{}",
                          "B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
                          "sdpa_us": t_flash, "vs_sdpa": t_ours / t_flash, "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,

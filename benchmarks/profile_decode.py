@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kernel_bench import make_decode_case, resolve_format  # noqa: E402
-from jetson_tq.kernels.hybrid_decode import hybrid_decode  # noqa: E402
+from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -28,9 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args(argv)
     case = make_decode_case(args.batch, 32, 8, [args.ctx] * args.batch, fmt=resolve_format(args.format))
-    kw = {} if args.waves is None else {"waves": args.waves}
+    tuning = DecodeTuning(waves=args.waves)
     for _ in range(args.launches):
-        hybrid_decode(case.q, case.kv, **kw)
+        hybrid_decode(case.q, case.kv, tuning=tuning)
     torch.cuda.synchronize()
     return 0
 

@@ -1,6 +1,6 @@
 """SmartMix calibration on SmolLM2-135M: per-layer key/value bits at the default preset's average bytes per token.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/smartmix.py --out benchmarks/results   # ~5 min on 2 CPU cores
+    PYTHONPATH=. .venv/bin/python benchmarks/smartmix.py --out out/smartmix   # ~5 min on 2 CPU cores
 
 Calibrates on the *last* essay tokens (the fidelity harness scores the first ones, so its numbers
 for the written config are on text the calibration never saw), writes
@@ -26,7 +26,7 @@ import yaml  # noqa: E402
 from jetson_tq.config import config_from_dict, load_config  # noqa: E402
 from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
 from jetson_tq.models.text import essay_text  # noqa: E402
-from jetson_tq.reports import smartmix as S  # noqa: E402
+from jetson_tq.eval import smartmix as S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # (key bits, value bits, value group): mse keys, group values, the default's buffer and flush chunk
@@ -36,7 +36,7 @@ CANDIDATES = [(2, 3, 64), (3, 2, 32), (3, 3, 64), (4, 2, 64), (3, 3, 32), (4, 3,
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(ROOT / "out" / "smartmix"))
     p.add_argument("--windows", type=int, default=2, help="calibration windows (from the end of the essays)")
     p.add_argument("--window-len", type=int, default=2048)
     p.add_argument("--chunk", type=int, default=128)

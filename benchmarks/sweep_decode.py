@@ -41,7 +41,7 @@ def variants(quick: bool) -> list[dict]:
 def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw: float) -> list[dict]:
     """Rows of one (format, shape): the flash baseline first, then every variant."""
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
     b, hq, hkv, ctx = shape
     fmt = resolve_format(fmt_name)
@@ -59,9 +59,10 @@ def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw:
     outs = [torch.empty_like(c.q) for c in sets]
     for var in todo:
         try:
-            got = hybrid_decode(case.q, kv, **var)[:sub].float()
+            got = hybrid_decode(case.q, kv, tuning=DecodeTuning(**var))[:sub].float()
             err = ((got - ref).norm() / ref.norm()).item()
-            fns = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, **var) for c, o in zip(sets, outs)]
+            tuning = DecodeTuning(**var)
+            fns = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, tuning=tuning) for c, o in zip(sets, outs)]
             eager, graph = _bench(fns), _graph_us(fns)
             rows.append({**base, "variant": ",".join(f"{k}={v}" for k, v in var.items()), "eager_us": eager,
                          "graph_us": graph, "speedup_graph": rows[0]["graph_us"] / graph,
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", type=json.loads, help='JSON list of [B, Hq, Hkv, ctx] (default: B=8 32/8 64k, B=1 32/8 128k)')
-    ap.add_argument("--variants", type=json.loads, help="a JSON list of hybrid_decode keyword dicts (replaces the grid)")
+    ap.add_argument("--variants", type=json.loads, help="a JSON list of DecodeTuning field dicts (replaces the grid)")
     args = ap.parse_args(argv)
     t0 = time.time()
     bw = copy_bandwidth()

@@ -2,7 +2,8 @@
 
 Layers, in the order data flows (nothing lower imports anything higher; tests/test_layering.py checks it):
 format -> codec -> paged (storage) -> attention.reference + kernels -> ops (the one Triton-vs-reference
-choice) -> cache -> api -> integrations (vllm, transformers) -> platform -> reports -> cli.
+choice) -> cache -> api -> integrations (vllm, transformers) -> eval (baselines, fidelity harness) -> platform
+-> reports -> cli.
 """
 
 from .api import attention_decode, attention_prefill, turboquant_scores

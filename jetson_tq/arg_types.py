@@ -24,14 +24,27 @@ def _within(text: str, ok, want: str) -> float:
     return value
 
 
+#: Largest memory size in GB a command line accepts: 1 PB, more than any one machine holds (1e300 is a typo, and
+#: its byte count is not even a finite float).
+MAX_GB = 1e6
+
+
+def _gigabytes(text: str, ok, want: str) -> float:
+    value = _within(text, ok, want)
+    if value > MAX_GB:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_GB:g} GB (1 PB, more than any one machine holds), "
+                                         f"got {text!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
-    """A finite float > 0 (memory sizes in GB)."""
-    return _within(text, lambda x: x > 0, "a number > 0")
+    """A finite float in (0, MAX_GB] (memory sizes in GB)."""
+    return _gigabytes(text, lambda x: x > 0, "a number > 0")
 
 
 def nonnegative_float(text: str) -> float:
-    """A finite float >= 0 (overheads, weight overrides)."""
-    return _within(text, lambda x: x >= 0, "a number >= 0")
+    """A finite float in [0, MAX_GB] (overheads, weight overrides, in GB)."""
+    return _gigabytes(text, lambda x: x >= 0, "a number >= 0")
 
 
 def fraction(text: str) -> float:

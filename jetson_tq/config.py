@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError, FormatError
+from .errors import ConfigError, FormatError, expect_int
 from .format import FP16_FORMAT, KVFormat
 
 CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
@@ -55,6 +55,8 @@ class TurboQuantConfig:
 
     def format_for_layer(self, layer: int, num_layers: int) -> KVFormat:
         """The format of layer ``layer`` (0-based) in a model of ``num_layers`` layers."""
+        expect_int("layer", layer, None)
+        expect_int("num_layers", num_layers, None)
         if not 0 <= layer < num_layers:
             raise ConfigError(f"layer {layer} out of range for a model of {num_layers} layers")
         if layer < self.keep_fp16_first or layer >= num_layers - self.keep_fp16_last:
@@ -63,6 +65,8 @@ class TurboQuantConfig:
 
     def check_model(self, num_layers: int, head_dim: int) -> None:
         """Raise ConfigError unless every layer's format fits this model."""
+        expect_int("num_layers", num_layers, None)
+        expect_int("head_dim", head_dim, None)
         for i in self.overrides:
             if not 0 <= i < num_layers:
                 raise ConfigError(f"layers.overrides: layer {i} out of range for a model of {num_layers} layers")
@@ -132,8 +136,11 @@ def config_from_dict(raw: dict, name: str = "custom") -> TurboQuantConfig:
         _reject_unknown(f"layers.overrides.{layer}", sub, _FORMAT_SECTIONS)
         where = f"layers.overrides.{layer}."
         overrides[layer] = _build_format(default, _format_changes(sub, where), where)
-    return TurboQuantConfig(name=str(raw.get("name", name)), default=default, overrides=overrides,
-                            description=str(raw.get("description", "")), **keep)
+    for key in ("name", "description"):
+        if key in raw and not isinstance(raw[key], str):
+            raise ConfigError(f"{key}: expected a string, got {type(raw[key]).__name__} {raw[key]!r}")
+    return TurboQuantConfig(name=raw.get("name", name), default=default, overrides=overrides,
+                            description=raw.get("description", ""), **keep)
 
 
 def preset_names() -> list[str]:

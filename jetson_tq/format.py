@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import Literal
 
 import torch
@@ -141,18 +142,9 @@ class KVFormat:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.key_mode not in KEY_MODES:
-            raise FormatError(f"key_mode: expected one of {KEY_MODES}, got {self.key_mode!r}")
-        if self.value_mode not in VALUE_MODES:
-            raise FormatError(f"value_mode: expected one of {VALUE_MODES}, got {self.value_mode!r}")
-        if self.key_codebook not in KEY_CODEBOOKS:
-            raise FormatError(f"key_codebook: expected one of {KEY_CODEBOOKS}, got {self.key_codebook!r}")
-        if self.rotation not in ROTATIONS:
-            raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
-        if self.window not in WINDOWS:
-            raise FormatError(f"window: expected one of {WINDOWS}, got {self.window!r}")
-        if self.norm_dtype not in NORM_DTYPES:
-            raise FormatError(f"norm_dtype: expected one of {tuple(NORM_DTYPES)}, got {self.norm_dtype!r}")
+        for name, choices in (("key_mode", KEY_MODES), ("value_mode", VALUE_MODES), ("key_codebook", KEY_CODEBOOKS),
+                              ("rotation", ROTATIONS), ("window", WINDOWS), ("norm_dtype", tuple(NORM_DTYPES))):
+            _check_choice(name, getattr(self, name), choices)
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
         _check_int("value_bits", self.value_bits, 1, MAX_BITS)
         _check_int("value_group", self.value_group, 1, 1 << 16)
@@ -179,6 +171,10 @@ class KVFormat:
 
     def with_(self, **changes) -> "KVFormat":
         """A copy with some fields changed (validated again)."""
+        names = [f.name for f in dataclass_fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise FormatError(f"with_: unknown field(s) {unknown}; expected some of {names}")
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -317,6 +313,7 @@ def exact_count(length, ring: int, block: bool):
 
 def fp16_bytes_per_token(head_dim: int) -> int:
     """Bytes of an uncompressed fp16/bf16 token of one KV head (keys + values)."""
+    _check_int("head_dim", head_dim, 1, 1 << 62)
     return 2 * head_dim * FP16_BYTES_PER_ELEMENT
 
 
@@ -329,16 +326,25 @@ class PagedLayout:
     A page holds ``block_size`` tokens. Each field occupies a contiguous region of
     ``block_size * field.nbytes`` bytes, so a kernel loads a (tokens, field bytes) tile of one
     field in one coalesced sweep. Regions are placed in ``fields()`` order, each start rounded up
-    to 16 bytes; ``page_bytes`` is the sum, also a multiple of 16.
+    to 16 bytes; ``page_bytes`` is the sum, also a multiple of 16. ``page_stride`` (0: none) pads every page to
+    that many bytes, unused at its end: vLLM's hybrid KV-cache groups (compressed layers beside stock
+    sliding-window ones) need every group's page to be the same size (``integrations/vllm/spec.py``).
     """
 
     fmt: KVFormat
     head_dim: int
     block_size: int
+    page_stride: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fmt, KVFormat):
+            raise FormatError(f"fmt: expected a KVFormat, got {type(self.fmt).__name__} {self.fmt!r}")
         _check_int("block_size", self.block_size, 1, 1 << 16)
+        _check_int("page_stride", self.page_stride, 0, 1 << 40)
         self.fmt.check_head_dim(self.head_dim)
+        if self.page_stride and (self.page_stride % 16 or self.page_stride < self.packed_bytes):
+            raise FormatError(f"page_stride: expected 0 or a multiple of 16 >= the packed page's {self.packed_bytes} "
+                              f"bytes, got {self.page_stride}")
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of each field's region inside a page (computed once per layout)."""
@@ -354,16 +360,28 @@ class PagedLayout:
         return out
 
     @functools.cached_property
-    def page_bytes(self) -> int:
-        """Bytes of one page (block_size tokens of one KV head)."""
+    def packed_bytes(self) -> int:
+        """Bytes the fields of one page occupy (block_size tokens of one KV head)."""
         pos = 0
         for f in self.fmt.fields(self.head_dim):
             pos = _round_up(pos + f.nbytes * self.block_size, 16)
         return pos
 
+    @functools.cached_property
+    def page_bytes(self) -> int:
+        """Bytes from one page to the next: the packed page, or ``page_stride`` when set."""
+        return self.page_stride or self.packed_bytes
+
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """One of ``choices`` (a string: a list or other unhashable value is named, not a TypeError from ``in``)."""
+    if not isinstance(value, str) or value not in choices:
+        given = repr(value) if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+        raise FormatError(f"{name}: expected one of {choices}, got {given}")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -386,7 +404,8 @@ def _widths(bits: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class PageSpec:
-    """Compile-time facts of one (block, KV head) page that kernels are specialized on."""
+    """Compile-time facts of one (block, KV head) page that kernels are specialized on. A kernel receives them as
+    one ``tl.constexpr`` bundle with these field names (``kernels._common.constexpr_bundle``) and reads ``PAGE.D``."""
 
     D: int
     DP: int  # head dim padded to a power of two
@@ -426,9 +445,6 @@ class PageSpec:
         """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
         return _page_spec(layout, raw_dtype)
 
-    def constexprs(self) -> dict:
-        """The spec as keyword arguments for a kernel launch."""
-        return asdict(self)
 
 
 @functools.lru_cache(maxsize=256)

@@ -14,6 +14,7 @@ import torch
 from .codec.kv import Fields, KVCodec
 from .errors import ShapeError
 from .format import PagedLayout, exact_count
+from .validate import FAULT_NONE
 
 
 def allocate_pages(layout: PagedLayout, num_blocks: int, num_kv_heads: int, device="cpu") -> torch.Tensor:
@@ -107,12 +108,13 @@ class PagedKV:
 def append_rows_reference(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
                           lens: torch.Tensor, comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int,
                           capacity: int, stage: bool = True, commit: bool = True,
-                          block_window: bool = False) -> torch.Tensor | None:
+                          block_window: bool = False, guard: torch.Tensor | None = None) -> torch.Tensor | None:
     """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of a cache whose sequence b owns slots
     [b * capacity, (b + 1) * capacity): returns the page slots [nb * T] of the new tokens (stage; -1 past the
     capacity, setting ``overflow``), copies the last min(T, R) exactly into ring rows (L + t) % R and advances
     lens / rec = ``format.exact_count(lens)`` (min(lens, R), or (lens - 1) % R + 1 with ``block_window``) /
-    comp = lens - rec (commit). ``kernels.append.append_rows`` is the same in one launch."""
+    comp = lens - rec (commit; with a ``guard`` store fault record holding a fault, nothing is committed and the record
+    is closed: guard[1] = 1). ``kernels.append.append_rows`` is the same in one launch."""
     nb, _, t, _ = k.shape
     rows = slice(row0, row0 + nb)
     pos = lens[rows].long().unsqueeze(1) + torch.arange(t, device=k.device)  # [nb, T]
@@ -122,6 +124,9 @@ def append_rows_reference(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor
         overflow |= ~inside.all()
         base = torch.arange(row0, row0 + nb, device=k.device).unsqueeze(1) * capacity
         slots = torch.where(inside, base + pos, -1).reshape(-1)
+    if commit and guard is not None and int(guard[0]) != FAULT_NONE:
+        guard[1] = 1
+        commit = False
     if commit:
         ring = ring_k.shape[2]
         r = min(t, ring)

@@ -35,10 +35,28 @@ def _delegate() -> bool:
     return CHILD_ENV not in os.environ and os.environ.get("TRITON_INTERPRET") != "1" and not _gpu()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--quick", action="store_true",
+                     help="the edit-loop lane: leave out tests marked slow (under 5 minutes on 2 cores)")
+
+
 def pytest_configure(config):
     if getattr(config.option, "durations", None) is None:  # CI prints its 15 slowest tests (2-core budget)
         config.option.durations = 15
     config.addinivalue_line("markers", "kernel: launches Triton kernels (GPU, or the CPU interpreter in a child)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests skip (with the reason) without a CUDA GPU; ``--quick`` deselects ``slow`` tests."""
+    if config.getoption("--quick"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    if any(item.get_closest_marker("gpu") for item in items) and not _gpu():
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 def pytest_collection_finish(session):

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1] / "jetson_tq"
 #: Rank of each top-level part in the data flow; an import may only go to a rank <= its own.
 LAYERS = {
     "errors": 0, "version": 0, "arg_types": 0, "format": 1, "validate": 2, "config": 2, "codec": 3, "paged": 4, "attention": 5, "kernels": 5, "ops": 6,
-    "cache": 7, "api": 8, "models": 8, "integrations": 9, "platform": 10, "reports": 11, "cli": 12,
-    "__init__": 13, "__main__": 13,
+    "cache": 7, "api": 8, "models": 8, "integrations": 9, "eval": 10, "platform": 11, "reports": 12, "cli": 13,
+    "__init__": 14, "__main__": 14,
 }
 
 

@@ -60,6 +60,60 @@ DEPS = [
     # the OpenAI server's /metrics route (vllm serve dies at start-up without it; prometheus-client is in the image)
     "prometheus-fastapi-instrumentator==8.1.0",
 ]
+#: Python packages of the GPU image ('cuda', /work/.library/device/KINDS.md, read there 2026-11-17): the bundle
+#: carries only what vLLM imports beyond these (checked on CPU: tests/integrations/vllm/test_serve_imports.py)
+GPU_IMAGE = (
+    "absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi "
+    "charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core "
+    "cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock "
+    "flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx "
+    "huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin "
+    "jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax "
+    "llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack "
+    "multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba numba-cuda numpy numpyro "
+    "nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft "
+    "nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse nvidia-cusparselt-cu13 nvidia-ml-py "
+    "nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir onnxruntime onnxscript "
+    "opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging pandas pathspec "
+    "patsy peft pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11 "
+    "py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock "
+    "pytest-timeout pytest-xdist python-dateutil pytorch-lightning pyyaml regex requests rich sacrebleu "
+    "safetensors scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers "
+    "setuptools shellingham simplejson six sortedcontainers statsmodels sympy tabulate tensorboard "
+    "tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio "
+    "torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer "
+    "typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp"
+).split()
+
+
+def dist_name(requirement: str) -> str:
+    """'pydantic-core==2.50.5' -> 'pydantic-core' (PEP 503 normalized: lower case, runs of -_. as one -)."""
+    import re
+
+    return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]).lower()
+
+
+def link_site(allowed: set[str], out: Path, search: list[str] | None = None) -> set[str]:
+    """Link into ``out`` every installed distribution named in ``allowed`` (its top-level modules and dist-info):
+    a site with exactly those packages, for an import check without network. Returns the names linked."""
+    import importlib.metadata as md
+
+    out.mkdir(parents=True, exist_ok=True)
+    linked: set[str] = set()
+    for dist in (md.distributions(path=search) if search is not None else md.distributions()):
+        name = dist_name(dist.metadata["Name"] or "")
+        if name not in allowed or name in linked:
+            continue
+        root = Path(dist.locate_file(""))
+        tops = {Path(str(f)).parts[0] for f in (dist.files or []) if not str(f).startswith("..")}
+        for top in tops:
+            src = root / top
+            if src.exists() and not (out / top).exists():
+                (out / top).symlink_to(src)
+        linked.add(name)
+    return linked
+
+
 #: files added to the core tar: (path in the tar, source next to this script)
 STUBS = {"vllm/_C_stable_libtorch.py": "c_stub.py"}
 #: textual patches of vLLM members: path -> (old, new). Without FA2/FA3 vllm_flash_attn raises at import,
@@ -78,7 +132,7 @@ PATCHES = {
     ),
     # The bundle has no C++ op library (its stand-in raises a named error): engines that do not choose their
     # custom ops (eager, no Inductor: vLLM picks "all" and vllm_c kernels) get PyTorch's native ops instead,
-    # as run.py's jobs ask explicitly — so the tests' own engines (tests/test_vllm_scheduling.py) run too.
+    # as run.py's jobs ask explicitly — so the tests' own engines (tests/integrations/vllm/test_vllm_scheduling.py) run too.
     "vllm/config/vllm.py": (
         'self.compilation_config.custom_ops.append("all")',
         'self.compilation_config.custom_ops.append("none")  # jetson-tq bundle: no C++ op library',

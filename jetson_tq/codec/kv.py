@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ShapeError, expect_float, expect_last_dim
+from ..errors import ArgTypeError, DTypeError, ShapeError, expect_float, expect_last_dim
 from ..format import KVFormat
 from ..validate import check_seed
 from .mse import MSECode, TurboQuantMSE
@@ -26,7 +26,12 @@ class KVCodec:
 
     def __init__(self, fmt: KVFormat, head_dim: int, seed: int | None = None,
                  raw_dtype: torch.dtype = torch.float16) -> None:
+        if not isinstance(fmt, KVFormat):
+            raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__} {fmt!r}")
         fmt.check_head_dim(head_dim)
+        if raw_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise DTypeError(f"raw_dtype: expected torch.float16, torch.bfloat16 or torch.float32 (the dtype fp16-mode "
+                             f"fields are cast to), got {raw_dtype}")
         self.fmt, self.head_dim, self.raw_dtype = fmt, head_dim, raw_dtype
         self.seed = fmt.seed if seed is None else check_seed("seed", seed)
         rot, nd = fmt.rotation_for(head_dim), fmt.norm_torch_dtype

@@ -25,6 +25,7 @@ padding or custom patterns arrive as a boolean [B, 1, T, kv_len] mask.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,16 +39,31 @@ from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError
 from ..format import KVFormat
-from .decoded_history import DecodedHistory
 
 ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
 #: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
 RECOMMENDED_PRESET = "mse_k4v3"
 #: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
-#: the PyTorch reference on CPU; reference / triton: that one; cpu-decoded: the reference's estimator over tokens
-#: decoded once (fast on CPU, fp32 memory per token; for evaluation only).
-BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS, "cpu-decoded")
+#: the PyTorch reference on CPU; reference / triton: that one. Evaluation code may add history backends by name
+#: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
+BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
+
+#: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)`` that
+#: replaces the ops path for one layer (an evaluation shortcut, e.g. tokens decoded once on the CPU).
+HISTORY_BACKENDS: dict[str, Callable[[CompressedKVCache, int], Any]] = {}
+
+
+def register_history_backend(name: str, factory: Callable[[CompressedKVCache, int], Any]) -> None:
+    """Make ``backend=name`` build ``factory(store, sink_tokens)`` per layer and attend through it instead of ``jetson_tq.ops``."""
+    if name in BACKENDS:
+        raise ConfigError(f"history backend {name!r}: the name is taken by an ops backend {BACKENDS}")
+    HISTORY_BACKENDS[name] = factory
+
+
+def backend_names() -> tuple[str | None, ...]:
+    """Every accepted ``backend`` value: the ops backends and the registered history backends."""
+    return (*BACKENDS, *HISTORY_BACKENDS)
 
 
 class UnsupportedModelError(JetsonTQError, ValueError):
@@ -116,15 +132,15 @@ class TurboQuantLayer(CacheLayerMixin):
     def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None,
                  center: tuple[torch.Tensor, torch.Tensor] | None = None, sink_tokens: int = 0) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend not in backend_names():
+            raise ConfigError(f"backend: expected one of {backend_names()}, got {backend!r}")
         self.fmt, self.layer_idx, self.seed, self.backend = fmt, layer_idx, seed, backend
         self.center = center  # (key, value) offsets [H, D] subtracted from every token stored (KVCenters)
         if sink_tokens and backend != "cpu-decoded":
             raise ConfigError(f"sink_tokens: only the cpu-decoded backend reads sinks exactly, got backend {backend!r}")
         self.sink_tokens = sink_tokens
         self.store: CompressedKVCache | None = None
-        self.decoded: DecodedHistory | None = None
+        self.decoded: Any = None
 
     def __repr__(self) -> str:
         return f"TurboQuantLayer({self.layer_idx}, {self.fmt.key_mode}{self.fmt.key_bits}/{self.fmt.value_mode}{self.fmt.value_bits})"
@@ -133,7 +149,8 @@ class TurboQuantLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
-        self.decoded = DecodedHistory(self.store, self.sink_tokens) if self.backend == "cpu-decoded" else None
+        factory = HISTORY_BACKENDS.get(self.backend) if self.backend is not None else None
+        self.decoded = factory(self.store, self.sink_tokens) if factory is not None else None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

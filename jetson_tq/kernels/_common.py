@@ -1,23 +1,31 @@
 """What every kernel launcher shares: the compile-time description of a page, cached device constants,
 cached workspaces, and the Triton interpreter switch.
 
-Kernels take a page's layout as ``tl.constexpr`` values (field offsets, bit widths, modes), so one
-compiled kernel serves one format; ``format.PageSpec`` (the format's own view of a page) gives those
-values — nothing here re-derives a byte count.
+Kernels take a page's layout as one ``tl.constexpr`` bundle (``PAGE``: field offsets, bit widths, modes), so one
+compiled kernel serves one format; ``format.PageSpec`` (the format's own view of a page) gives those values —
+nothing here re-derives a byte count. ``constexpr_bundle`` turns any frozen dataclass of compile-time facts (the
+page spec, a kernel's own tile shapes and code paths) into that form: a named tuple of ``tl.constexpr`` values with
+the dataclass's field names, which a ``@triton.jit`` function reads as ``PAGE.D`` and hands on to its helpers whole.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 
 import torch
+import triton.language as tl
 
 from ..codec.kv import KVCodec
 from ..errors import UnsupportedPlatformError
-from ..format import KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW, PageSpec, kernel_unsupported_reason, next_pow2  # noqa: F401 (re-used by kernels)
+from ..format import (KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW, PagedLayout,  # noqa: F401 (re-used by kernels)
+                      PageSpec, kernel_unsupported_reason, next_pow2)
 
 #: True when kernels run through Triton's CPU interpreter (``TRITON_INTERPRET=1`` before import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: Scores are kept in the log2 domain (``exp2``): the query is scaled by softmax_scale * log2(e) once.
+LOG2E = 1.4426950408889634
 
 
 
@@ -40,6 +48,36 @@ def _patch_interpreter() -> None:
 
 if INTERPRET:
     _patch_interpreter()
+
+
+# ------------------------------------------------------------------ compile-time bundles
+_BUNDLE_TYPES: dict[type, type] = {}
+_PAGE_SPECS: dict = {}
+
+
+def constexpr_bundle(facts) -> tuple:
+    """A frozen dataclass instance as one kernel ``tl.constexpr``: a named tuple of ``tl.constexpr`` values whose
+    field names are the dataclass's (Triton 3.6 takes a named tuple of constexprs as a constexpr argument, reads its
+    fields as constexprs and passes it to ``@triton.jit`` helpers whole; a dataclass it refuses). Under the CPU
+    interpreter the values stay plain Python ones."""
+    cls = type(facts)
+    bundle = _BUNDLE_TYPES.get(cls)
+    if bundle is None:
+        bundle = _BUNDLE_TYPES[cls] = collections.namedtuple(cls.__name__ + "Bundle",
+                                                             [f.name for f in dataclasses.fields(cls)])
+    if INTERPRET:  # the interpreter runs the kernel as Python: plain values (``int << constexpr`` has no operator)
+        return bundle(*(getattr(facts, f) for f in bundle._fields))
+    return bundle(*(tl.constexpr(getattr(facts, f)) for f in bundle._fields))
+
+
+def page_spec(layout: PagedLayout, codec: KVCodec) -> tuple[PageSpec, tuple]:
+    """(PageSpec of ``layout`` with ``codec``'s raw dtype, its constexpr bundle), made once per format: launchers
+    run every decode step."""
+    key = (layout, codec.fmt, codec.head_dim, codec.raw_dtype)
+    if key not in _PAGE_SPECS:
+        spec = PageSpec.of(layout, codec.raw_dtype)
+        _PAGE_SPECS[key] = (spec, constexpr_bundle(spec))
+    return _PAGE_SPECS[key]
 
 
 # ------------------------------------------------------------------ cached device constants / buffers
@@ -89,7 +127,8 @@ def _split16(m: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _write_matrices(codec: KVCodec, device) -> tuple[torch.Tensor, ...]:
-    """(Pi_hi, Pi_lo, S_hi, S_lo, W_hi, W_lo) in fp16 for the write kernel, W = S Pi^T (sketch of the residual = S u - W c)."""
+    """(Pi_hi, Pi_lo, S_hi, S_lo, W_hi, W_lo) in fp16 for the write kernel, W = S Pi^T (sketch of the residual =
+    S u - W c)."""
     d = codec.head_dim
     pi = codec.key_rotation.matrix64() if codec.keys is not None else torch.eye(d, dtype=torch.float64)
     sketch = getattr(codec.keys, "sketch_matrix", None)

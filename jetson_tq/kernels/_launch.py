@@ -10,9 +10,15 @@ each tensor's data pointer is 16-byte aligned, and for each int argument whether
 whether it fits int32). The
 caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
 hook is installed (profilers), the plain JIT path runs.
+
+Compiles run with Triton's JIT hooks off: a hook makes Triton serialize every constexpr to JSON first, which a
+named-tuple constexpr bundle (``_common.constexpr_bundle``) cannot be, and vLLM installs one (its JIT monitor).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from triton import knobs
@@ -46,13 +52,15 @@ class FastLauncher:
         generic per-argument key."""
         opts = _options(num_warps, num_stages, maxnreg)
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
-            self.kernel[grid](*args, **constexprs, **opts)
+            with compile_hooks_off():
+                self.kernel[grid](*args, **constexprs, **opts)
             return
         dtypes = tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
         key = (plan_key, dtypes, num_warps, num_stages, maxnreg, _runtime_key(args) if aligned is None else aligned)
         entry = self._compiled.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **constexprs, **opts)
+            with compile_hooks_off():
+                compiled = self.kernel[grid](*args, **constexprs, **opts)
             names = self.kernel.arg_names
             template = [constexprs.get(n) for n in names]
             slots = [i for i, n in enumerate(names) if n not in constexprs]
@@ -75,7 +83,20 @@ class FastLauncher:
         None under the interpreter."""
         if INTERPRET:
             return None
-        return self.kernel.warmup(*args, grid=grid, **constexprs, **_options(num_warps, num_stages, maxnreg))
+        with compile_hooks_off():
+            return self.kernel.warmup(*args, grid=grid, **constexprs, **_options(num_warps, num_stages, maxnreg))
+
+
+@contextlib.contextmanager
+def compile_hooks_off() -> Iterator[None]:
+    """Triton's JIT cache and post-compile hooks unset while our kernels compile (restored afterwards)."""
+    runtime = knobs.runtime
+    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    runtime.jit_cache_hook = runtime.jit_post_compile_hook = None
+    try:
+        yield
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
 def resident_programs(compiled, num_warps: int, device: torch.device) -> int:

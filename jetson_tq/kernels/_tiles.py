@@ -229,6 +229,17 @@ def folded_value_tile(x_one, ptrs, mask, w, zero_rt, C: tl.constexpr, CH: tl.con
 
 
 @triton.jit
+def load_norms(region, off, mask, NORM_F32: tl.constexpr):
+    """Per-token norms (fp32) at token offsets ``off`` of a page's norm region (byte pointers), stored as fp32 or
+    fp16."""
+    if NORM_F32:
+        x = tl.load((region + off * 4).to(tl.pointer_type(tl.float32)), mask=mask, other=0.0)
+    else:
+        x = tl.load((region + off * 2).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def run_bits(ptrs, mask, j, CH: tl.constexpr, W: tl.constexpr):
     """``W``-bit sub-field of coordinates ``j`` (int32, broadcast against ``ptrs``) from one planar run whose bytes
     start at ``ptrs``: byte j % (CH*W), bits (j // (CH*W)) * W (``format.py``), as int32."""

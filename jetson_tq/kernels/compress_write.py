@@ -6,13 +6,15 @@ rotation, else fp16 hi+lo split products, ~fp32 accurate), picks
 the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
 combined matrices, so the residual is never formed), packs
 indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
-zero, one reciprocal per group, round-half-even), and writes every field at ``slot = block * block_size + offset`` (vLLM's
-``slot_mapping``; slots < 0 are skipped). Each program handles BLOCK_T tokens of one KV head.
+zero, one reciprocal per group, round-half-even), and writes every field at ``slot = block * block_size + offset``
+(vLLM's ``slot_mapping``; slots < 0 are skipped). Each program handles BLOCK_T tokens of one KV head.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
@@ -20,14 +22,34 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from ..codec.kv import KVCodec
-from ..errors import DTypeError, ShapeError, expect_same_device
+from ..errors import ArgTypeError, DTypeError, ShapeError, expect_same_device
 from ..format import PagedLayout
-from ._launch import FastLauncher
-from ._common import INTERPRET, KEY_RAW, PageSpec, codec_constants, cuda_or_interpreter, next_pow2
+from ..validate import (FAULT_CLASS_BOUND, FAULT_COORD_SHIFT, FAULT_HEAD_SHIFT, FAULT_MAX_COORDS, FAULT_MAX_HEADS,
+                        FAULT_NONE, FAULT_RANK_SHIFT, FAULT_SLOT_SHIFT, FP32_MAX, RANK_GROUP_MIN, RANK_GROUP_SCALE,
+                        RANK_K_ABS, RANK_K_FINITE, RANK_KEY_NORM, RANK_V_ABS, RANK_V_FINITE, StoreLimits)
+from ._launch import FastLauncher, resident_programs
+from ._common import (INTERPRET, KEY_RAW, PageSpec, codec_constants, constexpr_bundle, cuda_or_interpreter, next_pow2,
+                      page_spec)
 from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
+# the store fault code (``validate``): constants a @triton.jit function may read
+F_NONE = tl.constexpr(FAULT_NONE)
+F_BOUND = tl.constexpr(FAULT_CLASS_BOUND)
+F_RANK = tl.constexpr(FAULT_RANK_SHIFT)
+F_SLOT = tl.constexpr(FAULT_SLOT_SHIFT)
+F_HEAD = tl.constexpr(FAULT_HEAD_SHIFT)
+F_COORD = tl.constexpr(FAULT_COORD_SHIFT)
+NO_COORD = tl.constexpr(1 << 20)  # a coordinate past any head dim: "none" in per-token minimums
+CHECK_COLS = tl.constexpr(16)  # columns per step of the fault code's second look at the tiles
+R_K_FINITE = tl.constexpr(RANK_K_FINITE)
+R_V_FINITE = tl.constexpr(RANK_V_FINITE)
+R_K_ABS = tl.constexpr(RANK_K_ABS)
+R_V_ABS = tl.constexpr(RANK_V_ABS)
+R_KEY_NORM = tl.constexpr(RANK_KEY_NORM)
+R_GROUP_MIN = tl.constexpr(RANK_GROUP_MIN)
+R_GROUP_SCALE = tl.constexpr(RANK_GROUP_SCALE)
 
 
 @triton.jit
@@ -117,192 +139,317 @@ def _store_packed(codes, ptrs, mask, CH: tl.constexpr, CW: tl.constexpr, NCH: tl
         _store_run(codes, ptrs, mask, CH * (W0 + W1), W0 + W1, W2, CH, CW, NCH)
 
 
+@dataclass(frozen=True)
+class WriteConstexprs:
+    """What one write configuration fixes at compile time besides the page (``PageSpec``): the kernel's ``CFG``."""
+
+    HKV: int  # KV heads
+    KCWP: int  # key chunk width padded to a power of two >= 16
+    CHP: int  # CH (coordinates per 1-bit plane) padded likewise: the QJL sign planes
+    VCWP: int  # value chunk width padded likewise
+    SIGN_MMA: int  # key rotation: 1 one exact product of k with sqrt(D) Pi (Hadamard, fp16/bf16 keys), 2 the same
+    # with the unit vector split hi + lo (fp32 keys), 0 dense hi + lo split products
+    SPLIT_SKETCH: bool  # QJL sketch by hi + lo split products (exact signs); else single fp16 products
+    SYM_SEARCH: bool  # codebook boundaries symmetric about 0: count half of them against |y|
+    V_FP16: bool  # fp16 values: zero is their exact minimum (no lower clamp)
+    BLOCK_T: int  # tokens per program
+    INTERP: bool  # Triton's CPU interpreter (``mma`` converts operands to fp32 there)
+    # ---- the store checks (``validate.check_kv_storable`` on the device; bounds: x <= bound, FP32_MAX = finite)
+    CHECK: bool  # record the first store fault of the launch
+    K_ABS: float = FP32_MAX  # bound on |k|
+    K_ELEMS: bool = False  # |k| compared per element (raw keys, or inputs wider than the bound); else the norm
+    # tells a non-finite key
+    V_ABS: float = FP32_MAX  # bound on |v| (group values: from each group's minimum and maximum)
+    KEY_NORM: float = FP32_MAX  # bound on ||k||
+    VALUE_GROUP: float = FP32_MAX  # bound on |group minimum| and group scale
+
+
 @triton.jit
 def _compress_write_kernel(
-        k_ptr, v_ptr, slot_ptr, pages_ptr, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
-        cb_ptr, bnd_ptr, mt_ptr, sqrt_d,
-        n_tokens, stride_kt, stride_kh, stride_vt, stride_vh, page_bytes,
-        HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
-        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
-        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
-        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
-        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
-        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
-        RAW_BF16: tl.constexpr,
-        KCWP: tl.constexpr, CHP: tl.constexpr, VCWP: tl.constexpr,
-        SPLIT_SKETCH: tl.constexpr, SIGN_MMA: tl.constexpr,
-        SYM_SEARCH: tl.constexpr, V_FP16: tl.constexpr, BLOCK_T: tl.constexpr, INTERP: tl.constexpr):
+        # ---- pointers
+        k_ptr,  # [N, HKV, D]: new keys (last dim contiguous)
+        v_ptr,  # [N, HKV, D]: new values
+        slot_ptr,  # int64 [N]: page slot of each token (block * BS + offset; < 0: skipped)
+        pages_ptr,  # uint8 [blocks, HKV, PB]: the pages written
+        pi_hi_ptr,  # fp16 [D, D]: rotation Pi, high part (dense rotation)
+        pi_lo_ptr,  # fp16 [D, D]: ... and low part (hi + lo = Pi to ~22 bits)
+        s_hi_ptr,  # fp16 [D, D]: QJL sketch S, high part
+        s_lo_ptr,  # fp16 [D, D]: ... low part
+        w_hi_ptr,  # fp16 [D, D]: W = S Pi^T, high part (the sketch of the centroids)
+        w_lo_ptr,  # fp16 [D, D]: ... low part
+        cb_ptr,  # fp32: key codebook
+        bnd_ptr,  # fp32: its decision boundaries
+        mt_ptr,  # [D, D] in k's dtype: (sqrt(D) Pi)^T, entries +-1 (SIGN_MMA > 0)
+        fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
+        # ---- sizes, strides, scalars
+        sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
+        n_tokens,  # N
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        page_bytes,  # PB
+        # ---- compile time
+        PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
+        CFG: tl.constexpr):  # ``WriteConstexprs`` bundle
+    # One program = BLOCK_T tokens of one KV head: keys first (norm, rotation, codes, QJL signs), then values.
     pid_t, h = tl.program_id(0), tl.program_id(1)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = pid_t * CFG.BLOCK_T + tl.arange(0, CFG.BLOCK_T)
     slot = tl.load(slot_ptr + t, mask=t < n_tokens, other=-1).to(tl.int64)
     valid = slot >= 0
     slot = tl.where(valid, slot, 0)
-    page = pages_ptr + ((slot // BS) * (HKV * page_bytes) + h.to(tl.int64) * page_bytes)  # [T] byte pointers
-    off = slot % BS
-    d = tl.arange(0, DP)
-    dmask = valid[:, None] & (d[None, :] < D)
+    page = pages_ptr + ((slot // PAGE.BS) * (CFG.HKV * page_bytes) + h.to(tl.int64) * page_bytes)  # [T] byte ptrs
+    off = slot % PAGE.BS
+    d = tl.arange(0, PAGE.DP)
+    dmask = valid[:, None] & (d[None, :] < PAGE.D)
     t64 = t.to(tl.int64)
-    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
-    NORM_T: tl.constexpr = tl.float32 if NORM_F32 else tl.float16
-    NB: tl.constexpr = 4 if NORM_F32 else 2
-    KFULL: tl.constexpr = KCW == KCWP and KCH * KCW == D  # every key chunk column is a coordinate (no padding)
+    RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
 
-    # ---------------------------------------------------------------- keys
     kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
-    kc = tl.arange(0, KCWP)
-    if KEY_MODE == K_RAW:
-        tl.store((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
+    bad = tl.zeros([CFG.BLOCK_T], tl.int1)  # CHECK: tokens that fail a cheap sign of trouble
+    if CFG.CHECK and CFG.K_ELEMS:  # raw keys / wide inputs: |k| per element, while the tile is in registers
+        bad = bad | _over(kin, dmask, CFG.K_ABS)
+    if PAGE.KEY_MODE == K_RAW:
+        tl.store((page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
                  kin.to(tl.float32).to(RAW_T), mask=dmask)
+        nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (nothing to bound)
     else:
-        if SIGN_MMA == 1 and KEY_MODE == K_MSE:
-            # every chunk's k . M_i first: ||M k||^2 = D ||k||^2 gives the norm with no fp32 copy of k
-            accs = ()
-            for c in tl.static_range(KCH):
-                row = c * KCW + kc
-                m = tl.load(mt_ptr + d[:, None] * D + row[None, :], mask=(kc[None, :] < KCW) & (row[None, :] < D),
-                            other=0.0)
-                accs = accs + (mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP),)
-            sq = tl.sum(accs[0] * accs[0], 1)
-            for c in tl.static_range(1, KCH):
-                sq += tl.sum(accs[c] * accs[c], 1)
-            nrm = tl.sqrt_rn(sq * (1.0 / D))
-        else:
-            k = kin.to(tl.float32)
-            nrm = tl.sqrt_rn(tl.sum(k * k, 1))
-        if SIGN_MMA != 1 or KEY_MODE == K_PROD:
-            unit = k / tl.maximum(nrm, TINY)[:, None]
-            u_hi = unit.to(tl.float16)
-            u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
-            # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
-            r2 = tl.sum(unit * unit, 1)
-        if SIGN_MMA == 1:
-            rs = nrm * sqrt_d  # (k . M_i) / rs = (Pi u)_i, M = sqrt(D) Pi = H diag(s) (entries +-1, exact in k's dtype)
-        elif SIGN_MMA == 2:
-            rs = tl.zeros_like(nrm) + sqrt_d  # fp32 input: the unit vector split hi + lo, each product exact
-        codes = ()
-        cents = ()
-        cents_lo = ()
-        kbyte = tl.zeros([BLOCK_T, KCWP], tl.int32)
-        for c in tl.static_range(KCH):
-            row = c * KCW + kc  # rows of Pi that give this chunk's rotated coordinates (planar chunk c)
-            inside = (kc[None, :] < KCW) & (row[None, :] < D)
-            if SIGN_MMA > 0:
-                if SIGN_MMA == 1 and KEY_MODE == K_MSE:
-                    acc = accs[c]
-                else:
-                    m = tl.load(mt_ptr + d[:, None] * D + row[None, :], mask=(kc[None, :] < KCW) & (row[None, :] < D),
-                                other=0.0)
-                if SIGN_MMA == 1 and KEY_MODE == K_PROD:
-                    acc = mma(kin, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
-                elif SIGN_MMA == 2:
-                    acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP), INTERP)
-                if SYM_SEARCH:
-                    code = _search_symmetric(acc, rs, bnd_ptr, KB)
-                else:
-                    code = _bucketize(acc * (1.0 / tl.maximum(rs, TINY))[:, None], bnd_ptr, KB)
-                if KEY_MODE == K_PROD:
-                    y = acc * (1.0 / tl.maximum(rs, TINY))[:, None]
-            else:
-                y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
-                          (kc[None, :] < KCW) & (row[None, :] < D) & (d[:, None] < D), D,
-                          tl.zeros([BLOCK_T, KCWP], tl.float32), INTERP)
-                code = _bucketize(y, bnd_ptr, KB)
-            if not KFULL:
-                code = tl.where(inside, code, 0)  # padding coordinates pack as 0
-            if KW1 == 0:
-                kbyte |= code << (c * KW0)
-            else:
-                codes = codes + (code,)
-            if KEY_MODE == K_PROD:
-                cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
-                r2 += tl.sum(cent * (cent - 2.0 * y), 1)
-                c_hi = cent.to(tl.float16)
-                cents = cents + (c_hi,)
-                if SPLIT_SKETCH:
-                    cents_lo = cents_lo + ((cent - c_hi.to(tl.float32)).to(tl.float16),)
-        kptrs = (page + OFF_KIDX + off * (CH * KB))[:, None] + kc[None, :]
-        if KB > 0:
-            if KW1 == 0:
-                tl.store(kptrs, kbyte.to(tl.uint8), mask=valid[:, None] & (kc[None, :] < KCW))
-            else:
-                _store_packed(codes, kptrs, valid[:, None] & (kc[None, :] < KCW), CH, KCW, KCH, KW0, KW1, KW2)
-        tl.store((page + OFF_KNORM + off * NB).to(tl.pointer_type(NORM_T)), nrm.to(NORM_T), mask=valid)
-        if KEY_MODE == K_PROD:
-            # sketch chunk c of S r = S unit - (S Pi^T) c, for the 8 one-bit planes of the signs
-            sc = tl.arange(0, CHP)
-            sbyte = tl.zeros([BLOCK_T, CHP], tl.int32)
-            for c in tl.static_range(8):
-                row = c * CH + sc
-                # exact (default): hi+lo split products, ~22 bits, so a sign differs from the fp32 reference
-                # only where (S r)_i is within ~1e-6 of 0. Fast (KB <= 2 only): one fp16 product per term.
-                smask = (sc[None, :] < CH) & (row[None, :] < D) & (d[:, None] < D)
-                if SPLIT_SKETCH:
-                    sk = _dot3(u_hi, u_lo, s_hi_ptr, s_lo_ptr, row, d, smask, D,
-                               tl.zeros([BLOCK_T, CHP], tl.float32), INTERP)
-                else:
-                    s_hi = tl.load(s_hi_ptr + row[None, :] * D + d[:, None], mask=smask, other=0.0)
-                    sk = mma(u_hi, s_hi, tl.zeros([BLOCK_T, CHP], tl.float32), INTERP)
-                for c2 in tl.static_range(KCH):
-                    kr = c2 * KCW + kc  # W^T block: rows = chunk c2 coordinates, cols = sketch rows of chunk c
-                    wmask = (kc[:, None] < KCW) & (kr[:, None] < D) & (sc[None, :] < CH) & (row[None, :] < D)
-                    w_off = row[None, :] * D + kr[:, None]
-                    w_hi = tl.load(w_hi_ptr + w_off, mask=wmask, other=0.0)
-                    sk = mma(cents[c2], -w_hi, sk, INTERP)
-                    if SPLIT_SKETCH:
-                        w_lo = tl.load(w_lo_ptr + w_off, mask=wmask, other=0.0)
-                        sk = mma(cents[c2], -w_lo, sk, INTERP)
-                        sk = mma(cents_lo[c2], -w_hi, sk, INTERP)
-                sbyte |= ((sk >= 0) & (row[None, :] < D)).to(tl.int32) << c
-            tl.store((page + OFF_KSGN + off * CH)[:, None] + sc[None, :], sbyte.to(tl.uint8),
-                     mask=valid[:, None] & (sc[None, :] < CH))
-            rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
-            tl.store((page + OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
-
-    # ---------------------------------------------------------------- values
-    if VAL_MODE == V_RAW:
+        nrm = _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
+                           cb_ptr, bnd_ptr, mt_ptr, sqrt_d, PAGE, CFG)
+        if CFG.CHECK:  # a non-finite key has a non-finite norm
+            bad = bad | ~(nrm <= CFG.KEY_NORM)
+    if PAGE.VAL_MODE == V_RAW:
         v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0)
-        tl.store((page + OFF_VRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
+        tl.store((page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
                  v.to(tl.float32).to(RAW_T), mask=dmask)
+        gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
+        if CFG.CHECK:
+            bad = bad | _over(v, dmask, CFG.V_ABS)
     else:
-        _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D, CH, VB, VW0, VW1, VW2, VCW, VCH,
-                     GROUP, NG, OFF_VCODES, OFF_VSCALE, OFF_VZERO, VCWP, V_FP16, BLOCK_T)
+        gbad = _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE, CFG)
+        bad = bad | (gbad != 0)
+    if CFG.CHECK:
+        if tl.max((valid & bad).to(tl.int32), 0) != 0:  # rare: the exact fault code, from a second load of the tiles
+            _record_fault(k_ptr, v_ptr, fault_ptr, nrm, gbad, slot, valid, t64, h, stride_kt, stride_kh, stride_vt,
+                          stride_vh, PAGE, CFG)
 
 
 @triton.jit
-def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: tl.constexpr, CH: tl.constexpr,
-                 VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr, VCW: tl.constexpr,
-                 VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr, OFF_VCODES: tl.constexpr,
-                 OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, VCWP: tl.constexpr, V_FP16: tl.constexpr,
-                 BLOCK_T: tl.constexpr):
+def _over(x, mask, BOUND: tl.constexpr):
+    """Per token [T] of the tile x [T, DP]: some element fails |x| <= BOUND (compared in fp32; NaN fails)."""
+    return tl.max(tl.where(mask & ~(tl.abs(x.to(tl.float32)) <= BOUND), 1, 0), 1) != 0
+
+
+@triton.jit
+def _record_fault(k_ptr, v_ptr, fault_ptr, nrm, gbad, slot, valid, t64, h, stride_kt, stride_kh, stride_vt, stride_vh,
+                  PAGE: tl.constexpr, CFG: tl.constexpr):
+    """The store checks of ``validate.check_kv_storable`` for this program's tokens, as the smallest fault code: per
+    token the first failing check (lowest rank) and, for non-finite elements, the first such coordinate; the
+    launch's smallest is kept with an atomic min, unless an earlier refused write already closed the record. Works
+    per token ([T] vectors) beside one reloaded tile at a time, so the rare path needs few registers."""
+    base = (slot << F_SLOT) | (h.to(tl.int64) << F_HEAD) | F_BOUND  # [T]: slot and head bits, class "bound"
+    # each failing check lowers the token's code (the rank is its top bits: the smallest code is the first check)
+    code = tl.where((gbad & 2) != 0, (R_GROUP_SCALE << F_RANK) | base, F_NONE)
+    code = tl.where((gbad & 1) != 0, (R_GROUP_MIN << F_RANK) | base, code)
+    if PAGE.KEY_MODE != K_RAW:
+        code = tl.where(~(nrm <= CFG.KEY_NORM), (R_KEY_NORM << F_RANK) | base, code)
+    for c in tl.static_range(PAGE.DP // CHECK_COLS):  # column blocks of the reloaded tiles: few live registers
+        col = c * CHECK_COLS + tl.arange(0, CHECK_COLS)
+        cmask = valid[:, None] & (col[None, :] < PAGE.D)
+        vt = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask, other=0.0)
+        code = tl.where(_over(vt, cmask, CFG.V_ABS), tl.minimum(code, (R_V_ABS << F_RANK) | base), code)
+        code = _first_nonfinite(vt, cmask, col, base ^ F_BOUND, R_V_FINITE, code)
+        kt = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + col[None, :], mask=cmask, other=0.0)
+        code = tl.where(_over(kt, cmask, CFG.K_ABS), tl.minimum(code, (R_K_ABS << F_RANK) | base), code)
+        code = _first_nonfinite(kt, cmask, col, base ^ F_BOUND, R_K_FINITE, code)
+    code = tl.min(tl.where(valid, code, F_NONE), 0)
+    if tl.load(fault_ptr + 1) == 0:
+        tl.atomic_min(fault_ptr, code)
+
+
+@triton.jit
+def _first_nonfinite(x, mask, d, base, RANK: tl.constexpr, code):
+    """``code`` [T], lowered for each token that holds a non-finite element of x [T, DP] to that fault: its first
+    such coordinate and its class (0 NaN, 1 +inf, 2 -inf). x - x == 0 holds exactly for finite x in any float dtype."""
+    first = tl.min(tl.where(mask & ~((x - x) == 0), d[None, :], NO_COORD), 1)  # [T] int32
+    xv = tl.sum(tl.where(d[None, :] == first[:, None], x, 0.0).to(tl.float32), 1)  # that element (NaN/inf kept)
+    cls = tl.where(xv != xv, 0, tl.where(xv > 0, 1, 2)).to(tl.int64)
+    found = (RANK << F_RANK) | base | (first.to(tl.int64) << F_COORD) | cls
+    return tl.where(first < NO_COORD, tl.minimum(code, found), code)
+
+
+@triton.jit
+def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, cb_ptr,
+                 bnd_ptr, mt_ptr, sqrt_d, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """Keys kin [BLOCK_T, DP] -> norm, codebook indices (packed) and, for prod keys, the QJL signs and residual
+    norm, stored at the tokens' page offsets. Returns the norms (fp32, before rounding to the stored dtype)."""
+    NORM_T: tl.constexpr = tl.float32 if PAGE.NORM_F32 else tl.float16
+    NB: tl.constexpr = 4 if PAGE.NORM_F32 else 2
+    KFULL: tl.constexpr = PAGE.KCW == CFG.KCWP and PAGE.KCH * PAGE.KCW == PAGE.D  # no padding key chunk columns
+    kc = tl.arange(0, CFG.KCWP)
+    if CFG.SIGN_MMA == 1 and PAGE.KEY_MODE == K_MSE:
+        # every chunk's k . M_i first: ||M k||^2 = D ||k||^2 gives the norm with no fp32 copy of k
+        accs = ()
+        for c in tl.static_range(PAGE.KCH):
+            row = c * PAGE.KCW + kc
+            m = tl.load(mt_ptr + d[:, None] * PAGE.D + row[None, :],
+                        mask=(kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D), other=0.0)
+            accs = accs + (mma(kin, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP),)
+        sq = tl.sum(accs[0] * accs[0], 1)
+        for c in tl.static_range(1, PAGE.KCH):
+            sq += tl.sum(accs[c] * accs[c], 1)
+        nrm = tl.sqrt_rn(sq * (1.0 / PAGE.D))
+    else:
+        k = kin.to(tl.float32)
+        nrm = tl.sqrt_rn(tl.sum(k * k, 1))
+    if CFG.SIGN_MMA != 1 or PAGE.KEY_MODE == K_PROD:
+        unit = k / tl.maximum(nrm, TINY)[:, None]
+        u_hi = unit.to(tl.float16)
+        u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
+        # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
+        r2 = tl.sum(unit * unit, 1)
+    if CFG.SIGN_MMA == 1:
+        rs = nrm * sqrt_d  # (k . M_i) / rs = (Pi u)_i, M = sqrt(D) Pi = H diag(s) (entries +-1, exact in k's dtype)
+    elif CFG.SIGN_MMA == 2:
+        rs = tl.zeros_like(nrm) + sqrt_d  # fp32 input: the unit vector split hi + lo, each product exact
+    codes = ()
+    cents = ()
+    cents_lo = ()
+    kbyte = tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.int32)
+    for c in tl.static_range(PAGE.KCH):
+        row = c * PAGE.KCW + kc  # rows of Pi that give this chunk's rotated coordinates (planar chunk c)
+        inside = (kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D)
+        if CFG.SIGN_MMA > 0:
+            if CFG.SIGN_MMA == 1 and PAGE.KEY_MODE == K_MSE:
+                acc = accs[c]
+            else:
+                m = tl.load(mt_ptr + d[:, None] * PAGE.D + row[None, :],
+                            mask=(kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D), other=0.0)
+            if CFG.SIGN_MMA == 1 and PAGE.KEY_MODE == K_PROD:
+                acc = mma(kin, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP)
+            elif CFG.SIGN_MMA == 2:
+                acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP),
+                          CFG.INTERP)
+            if CFG.SYM_SEARCH:
+                code = _search_symmetric(acc, rs, bnd_ptr, PAGE.KB)
+            else:
+                code = _bucketize(acc * (1.0 / tl.maximum(rs, TINY))[:, None], bnd_ptr, PAGE.KB)
+            if PAGE.KEY_MODE == K_PROD:
+                y = acc * (1.0 / tl.maximum(rs, TINY))[:, None]
+        else:
+            y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
+                      (kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D), PAGE.D,
+                      tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP)
+            code = _bucketize(y, bnd_ptr, PAGE.KB)
+        if not KFULL:
+            code = tl.where(inside, code, 0)  # padding coordinates pack as 0
+        if PAGE.KW1 == 0:
+            kbyte |= code << (c * PAGE.KW0)
+        else:
+            codes = codes + (code,)
+        if PAGE.KEY_MODE == K_PROD:
+            cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
+            r2 += tl.sum(cent * (cent - 2.0 * y), 1)
+            c_hi = cent.to(tl.float16)
+            cents = cents + (c_hi,)
+            if CFG.SPLIT_SKETCH:
+                cents_lo = cents_lo + ((cent - c_hi.to(tl.float32)).to(tl.float16),)
+    kptrs = (page + PAGE.OFF_KIDX + off * (PAGE.CH * PAGE.KB))[:, None] + kc[None, :]
+    if PAGE.KB > 0:
+        if PAGE.KW1 == 0:
+            tl.store(kptrs, kbyte.to(tl.uint8), mask=valid[:, None] & (kc[None, :] < PAGE.KCW))
+        else:
+            _store_packed(codes, kptrs, valid[:, None] & (kc[None, :] < PAGE.KCW), PAGE.CH, PAGE.KCW, PAGE.KCH,
+                          PAGE.KW0, PAGE.KW1, PAGE.KW2)
+    tl.store((page + PAGE.OFF_KNORM + off * NB).to(tl.pointer_type(NORM_T)), nrm.to(NORM_T), mask=valid)
+    if PAGE.KEY_MODE == K_PROD:
+        _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, PAGE,
+                   CFG)
+        rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
+        tl.store((page + PAGE.OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
+    return nrm
+
+
+@triton.jit
+def _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
+               PAGE: tl.constexpr, CFG: tl.constexpr):
+    """Store the signs of the residual's sketch S r = S unit - (S Pi^T) c, one bit plane per chunk of CH sketch rows
+    (8 planes), from the unit keys (hi + lo) and their centroids (``cents``, + lo parts when SPLIT_SKETCH)."""
+    kc = tl.arange(0, CFG.KCWP)
+    sc = tl.arange(0, CFG.CHP)
+    sbyte = tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.int32)
+    for c in tl.static_range(8):
+        row = c * PAGE.CH + sc
+        # exact (default): hi+lo split products, ~22 bits, so a sign differs from the fp32 reference
+        # only where (S r)_i is within ~1e-6 of 0. Fast (KB <= 2 only): one fp16 product per term.
+        smask = (sc[None, :] < PAGE.CH) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D)
+        if CFG.SPLIT_SKETCH:
+            sk = _dot3(u_hi, u_lo, s_hi_ptr, s_lo_ptr, row, d, smask, PAGE.D,
+                       tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32), CFG.INTERP)
+        else:
+            s_hi = tl.load(s_hi_ptr + row[None, :] * PAGE.D + d[:, None], mask=smask, other=0.0)
+            sk = mma(u_hi, s_hi, tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32), CFG.INTERP)
+        for c2 in tl.static_range(PAGE.KCH):
+            kr = c2 * PAGE.KCW + kc  # W^T block: rows = chunk c2 coordinates, cols = sketch rows of chunk c
+            wmask = ((kc[:, None] < PAGE.KCW) & (kr[:, None] < PAGE.D) & (sc[None, :] < PAGE.CH)
+                     & (row[None, :] < PAGE.D))
+            w_off = row[None, :] * PAGE.D + kr[:, None]
+            w_hi = tl.load(w_hi_ptr + w_off, mask=wmask, other=0.0)
+            sk = mma(cents[c2], -w_hi, sk, CFG.INTERP)
+            if CFG.SPLIT_SKETCH:
+                w_lo = tl.load(w_lo_ptr + w_off, mask=wmask, other=0.0)
+                sk = mma(cents[c2], -w_lo, sk, CFG.INTERP)
+                sk = mma(cents_lo[c2], -w_hi, sk, CFG.INTERP)
+        sbyte |= ((sk >= 0) & (row[None, :] < PAGE.D)).to(tl.int32) << c
+    tl.store((page + PAGE.OFF_KSGN + off * PAGE.CH)[:, None] + sc[None, :], sbyte.to(tl.uint8),
+             mask=valid[:, None] & (sc[None, :] < PAGE.CH))
+
+
+@triton.jit
+def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Group-quantize and store values from the packing's chunk tiles [BLOCK_T, VCWP] (loaded once, no re-layout):
     min/max across whole chunks, one reciprocal per row and group instead of a division per element, and
-    round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties)."""
-    LEVELS: tl.constexpr = (1 << VB) - 1
-    vc = tl.arange(0, VCWP)
+    round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties). Returns per token (CHECK)
+    bit 0: a group's |minimum| or, with a V_ABS bound, |maximum| past its bound, bit 1: a group scale past VALUE_GROUP;
+    under CHECK the minimum and maximum carry NaN, so a non-finite value sets one of them (0 without CHECK)."""
+    LEVELS: tl.constexpr = (1 << PAGE.VB) - 1
+    vc = tl.arange(0, CFG.VCWP)
     vt = ()
-    for c in tl.static_range(VCH):
-        col = c * VCW + vc
+    for c in tl.static_range(PAGE.VCH):
+        col = c * PAGE.VCW + vc
         vt = vt + (tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :],
-                           mask=valid[:, None] & (vc[None, :] < VCW) & (col[None, :] < D), other=0.0).to(tl.float32),)
+                           mask=valid[:, None] & (vc[None, :] < PAGE.VCW) & (col[None, :] < PAGE.D),
+                           other=0.0).to(tl.float32),)
     inv = ()
     zinv = ()
-    srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-    zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-    for gi in tl.static_range(NG):
-        lo2 = tl.full([BLOCK_T, VCWP], float("inf"), tl.float32)
-        hi2 = tl.full([BLOCK_T, VCWP], float("-inf"), tl.float32)
-        for c in tl.static_range(VCH):
-            if _whole_chunk(c, gi, VCW, VCWP, GROUP, D):
-                lo2 = tl.minimum(lo2, vt[c])
-                hi2 = tl.maximum(hi2, vt[c])
-            elif _overlaps(c, gi, VCW, GROUP):
-                col = c * VCW + vc
-                ing = ((col // GROUP == gi) & (vc < VCW) & (col < D))[None, :]
-                lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")))
-                hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")))
-        zero = tl.min(lo2, 1).to(tl.float16)
-        scale = tl.math.div_rn(tl.max(hi2, 1) - zero.to(tl.float32), tl.zeros([BLOCK_T], tl.float32) + LEVELS)
+    srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
+    zrow = (page + PAGE.OFF_VZERO + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
+    gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
+    NAN: tl.constexpr = tl.PropagateNan.ALL if CFG.CHECK else tl.PropagateNan.NONE
+    for gi in tl.static_range(PAGE.NG):
+        lo2 = tl.full([CFG.BLOCK_T, CFG.VCWP], float("inf"), tl.float32)
+        hi2 = tl.full([CFG.BLOCK_T, CFG.VCWP], float("-inf"), tl.float32)
+        for c in tl.static_range(PAGE.VCH):
+            if _whole_chunk(c, gi, PAGE.VCW, CFG.VCWP, PAGE.GROUP, PAGE.D):
+                lo2 = tl.minimum(lo2, vt[c], propagate_nan=NAN)
+                hi2 = tl.maximum(hi2, vt[c], propagate_nan=NAN)
+            elif _overlaps(c, gi, PAGE.VCW, PAGE.GROUP):
+                col = c * PAGE.VCW + vc
+                ing = ((col // PAGE.GROUP == gi) & (vc < PAGE.VCW) & (col < PAGE.D))[None, :]
+                lo2 = tl.minimum(lo2, tl.where(ing, vt[c], float("inf")), propagate_nan=NAN)
+                hi2 = tl.maximum(hi2, tl.where(ing, vt[c], float("-inf")), propagate_nan=NAN)
+        if CFG.CHECK:
+            lo = tl.reduce(lo2, 1, _min_nan)
+            hi = tl.reduce(hi2, 1, _max_nan)
+            gbad |= tl.where(~(tl.abs(lo) <= CFG.VALUE_GROUP) | ~(tl.abs(lo) <= CFG.V_ABS)
+                             | ~(tl.abs(hi) <= CFG.V_ABS), 1, 0)
+            gbad |= tl.where(~(tl.math.div_rn(hi - lo, tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS)
+                               <= CFG.VALUE_GROUP), 2, 0)
+            zero = lo.to(tl.float16)
+        else:
+            zero = tl.min(lo2, 1).to(tl.float16)
+            hi = tl.max(hi2, 1)
+        scale = tl.math.div_rn(hi - zero.to(tl.float32), tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS)
         scale = scale.to(tl.float16)
         tl.store(srow + gi, scale, mask=valid)
         tl.store(zrow + gi, zero, mask=valid)
@@ -310,25 +457,36 @@ def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, D: t
         inv = inv + (r,)
         zinv = zinv + (zero.to(tl.float32) * r,)
     vcodes = ()
-    for c in tl.static_range(VCH):
-        col = c * VCW + vc
-        if _whole_chunk(c, (c * VCW) // GROUP, VCW, VCWP, GROUP, D):
-            pos = vt[c] * inv[(c * VCW) // GROUP][:, None] - zinv[(c * VCW) // GROUP][:, None]
+    for c in tl.static_range(PAGE.VCH):
+        col = c * PAGE.VCW + vc
+        if _whole_chunk(c, (c * PAGE.VCW) // PAGE.GROUP, PAGE.VCW, CFG.VCWP, PAGE.GROUP, PAGE.D):
+            pos = vt[c] * inv[(c * PAGE.VCW) // PAGE.GROUP][:, None] - zinv[(c * PAGE.VCW) // PAGE.GROUP][:, None]
         else:
-            cg = (col // GROUP)[None, :]
-            r2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
-            z2d = tl.zeros([BLOCK_T, VCWP], tl.float32)
-            for gi in tl.static_range(NG):
+            cg = (col // PAGE.GROUP)[None, :]
+            r2d = tl.zeros([CFG.BLOCK_T, CFG.VCWP], tl.float32)
+            z2d = tl.zeros([CFG.BLOCK_T, CFG.VCWP], tl.float32)
+            for gi in tl.static_range(PAGE.NG):
                 r2d = tl.where(cg == gi, inv[gi][:, None], r2d)
                 z2d = tl.where(cg == gi, zinv[gi][:, None], z2d)
             pos = vt[c] * r2d - z2d
-        if not V_FP16:  # fp16 values: zero is their exact minimum, so v - zero >= 0 (no lower clamp)
+        if not CFG.V_FP16:  # fp16 values: zero is their exact minimum, so v - zero >= 0 (no lower clamp)
             pos = tl.maximum(pos, 0.0)
         pos = tl.minimum(pos, LEVELS)
         q = (pos + ROUND_MAGIC).to(tl.int32, bitcast=True) & LEVELS  # + 1.5 * 2^23 rounds half to even
-        vcodes = vcodes + (tl.where(((vc < VCW) & (col < D))[None, :], q, 0),)
-    _store_packed(vcodes, (page + OFF_VCODES + off * (CH * VB))[:, None] + vc[None, :],
-                  valid[:, None] & (vc[None, :] < VCW), CH, VCW, VCH, VW0, VW1, VW2)
+        vcodes = vcodes + (tl.where(((vc < PAGE.VCW) & (col < PAGE.D))[None, :], q, 0),)
+    _store_packed(vcodes, (page + PAGE.OFF_VCODES + off * (PAGE.CH * PAGE.VB))[:, None] + vc[None, :],
+                  valid[:, None] & (vc[None, :] < PAGE.VCW), PAGE.CH, PAGE.VCW, PAGE.VCH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+    return gbad
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
@@ -341,33 +499,57 @@ def default_block_t(head_dim: int) -> int:
     return BLOCK_T if head_dim <= 128 else BLOCK_T // 2 if head_dim <= 256 else BLOCK_T // 4
 
 
-def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                   layout: PagedLayout, codec: KVCodec, *, block_t: int | None = None, num_warps: int = 8,
-                   exact_signs: bool = True, maxnreg: int | None = None) -> None:
-    """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
+@dataclass(frozen=True)
+class WriteTuning:
+    """Launch knobs of ``compress_write``."""
 
-    ``exact_signs=False`` forms the QJL sketch with single fp16 products when indices have <= 2 bits:
-    faster, but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the
-    fp32 reference — harmless for the estimator, visible as ~1 % output differences against it.
-    ``block_t`` (tokens per program) defaults by head dim and halves if a tile does not fit in shared memory;
-    ``maxnreg`` caps the registers per thread (128: two 8-warp programs per SM).
-    Hadamard keys are rotated by one tensor-core product of k in its own dtype with the +-1 matrix sqrt(D) Pi
-    (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against the
-    boundaries times sqrt(D) ||k||; other rotations use dense hi+lo split products (~fp32 accurate). Values are
-    quantized from the packing's chunk tiles with one reciprocal per group. Codes differ from the reference
-    only at ties (H200, run 7: 57.6 us for 16k tokens of mse_k4v3, 33.8 % of copy bandwidth).
-    """
+    block_t: int | None = None  # tokens per program; None: by head dim (``default_block_t``), halved while a tile
+    # does not fit in shared memory (the size that fit is remembered)
+    num_warps: int = 8
+    exact_signs: bool = True  # False: the QJL sketch by single fp16 products when indices have <= 2 bits: faster,
+    # but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the fp32 reference —
+    # harmless for the estimator, visible as ~1 % output differences against it
+    maxnreg: int | None = None  # register cap per thread (128: two 8-warp programs per SM)
+
+
+DEFAULT_TUNING = WriteTuning()
+
+
+def _check_inputs(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                  layout: PagedLayout) -> None:
+    """Named errors for K/V, slots or pages that do not fit ``layout``."""
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
     if k.shape != v.shape or k.dim() != 3 or k.shape[1] != pages.shape[1] or k.shape[2] != layout.head_dim:
-        raise ShapeError(f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ShapeError(f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}], got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     if slots.dim() != 1 or slots.shape[0] != k.shape[0]:
         raise ShapeError(f"slots: expected [{k.shape[0]}], got {tuple(slots.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
     if pages.dtype != torch.uint8 or pages.shape[2] != layout.page_bytes:
-        raise ShapeError(f"pages: expected uint8 [blocks, H, {layout.page_bytes}], got {pages.dtype} {tuple(pages.shape)}")
+        raise ShapeError(f"pages: expected uint8 [blocks, H, {layout.page_bytes}], got {pages.dtype} "
+                         f"{tuple(pages.shape)}")
+
+
+def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
+                   layout: PagedLayout, codec: KVCodec, *, tuning: WriteTuning = DEFAULT_TUNING,
+                   fault: torch.Tensor | None = None, limits: StoreLimits | None = None) -> None:
+    """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
+
+    ``fault`` (int64 [2], with ``limits``): the launch also runs ``validate.check_kv_storable``'s checks and keeps the
+    smallest store fault code (``validate.store_fault_code`` is the same in PyTorch) in ``fault[0]`` unless
+    ``fault[1]`` is set (the record was closed by a refused commit); nothing syncs with the host.
+
+    Hadamard keys are rotated by one tensor-core product of k in its own dtype with the +-1 matrix sqrt(D) Pi
+    (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against the
+    boundaries times sqrt(D) ||k||; other rotations use dense hi+lo split products (~fp32 accurate). Values are
+    quantized from the packing's chunk tiles with one reciprocal per group. Codes differ from the reference
+    only at ties (H200, run 7: 57.6 us for 16k tokens of mse_k4v3, 33.8 % of copy bandwidth). ``tuning``: launch
+    knobs (``WriteTuning``).
+    """
+    _check_inputs(k, v, slots, pages, layout)
     n = k.shape[0]
     if n == 0:
         return
@@ -375,50 +557,130 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, exact_signs, num_warps, maxnreg)
+    hkv = pages.shape[1]
+    if fault is not None:
+        _check_fault_record(fault, k, limits)
+    checked = limits if fault is not None else None
+    opts = (id(codec), layout.block_size, k.device, k.dtype, v.dtype, hkv, tuning, checked)
     setup = _SETUPS.get(opts)
-    if setup is None or setup[0] is not codec:
-        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, exact_signs, num_warps)
-    _, consts, signs, kw, sqrt_d, key = setup
-    chosen = block_t is None
-    block_t = block_t or _FITTED_BLOCK_T.get(key, default_block_t(layout.head_dim))
+    if setup is None or setup.codec is not codec:
+        setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, hkv, tuning, checked)
+    chosen = tuning.block_t is None
+    block_t = tuning.block_t or _FITTED_BLOCK_T.get(setup.fit_key, default_block_t(layout.head_dim))
+    args = (k, v, slots, pages, *setup.consts["write_mats"], setup.consts["codebook"], setup.consts["bounds"],
+            setup.signs, slots if fault is None else fault, setup.sqrt_d, n, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), layout.page_bytes)
     while True:
         try:
-            _LAUNCH((triton.cdiv(n, block_t), pages.shape[1]),
-                    (k, v, slots, pages, *consts["write_mats"], consts["codebook"], consts["bounds"], signs, sqrt_d, n, k.stride(0), k.stride(1), v.stride(0), v.stride(1), layout.page_bytes),
-                    {**kw, "HKV": pages.shape[1], "BLOCK_T": block_t}, key + (pages.shape[1], block_t),
-                    num_warps=num_warps, maxnreg=maxnreg)
+            grid = (triton.cdiv(n, block_t), hkv)
+            maxnreg = tuning.maxnreg
+            if maxnreg is None and checked is not None:
+                maxnreg = setup.check_register_cap(grid, args, block_t, tuning.num_warps)
+            _LAUNCH(grid, args, setup.constexprs(block_t), (setup.serial, block_t), num_warps=tuning.num_warps,
+                    maxnreg=maxnreg)
             break
         except OutOfResources:  # raised at compile time, before anything is written
             if block_t <= 16:
                 raise
             block_t //= 2
     if chosen:
-        _FITTED_BLOCK_T[key] = block_t
+        _FITTED_BLOCK_T[setup.fit_key] = block_t
 
 
 _LAUNCH = FastLauncher(_compress_write_kernel)
 _SETUPS: dict = {}
+_SERIAL = itertools.count()
+
+
+@dataclass
+class _WriteSetup:
+    """One write configuration (codec, device, dtypes, heads, knobs): its device constants and compile-time
+    bundles, made once (cached by ``compress_write``)."""
+
+    codec: KVCodec
+    consts: dict  # ``codec_constants``
+    signs: torch.Tensor  # (sqrt(D) Pi)^T in k's dtype (SIGN_MMA > 0), else a placeholder
+    sqrt_d: float  # sqrt(D) rounded to fp32, as the reference divides by it
+    page: tuple  # the ``PageSpec`` bundle
+    cfg: WriteConstexprs  # with the default tile; ``constexprs`` sets BLOCK_T
+    fit_key: tuple  # key of the tile size that fit in shared memory
+    serial: int = field(default_factory=lambda: next(_SERIAL))  # the launch key (an id() could be reused)
+    bundles: dict = field(default_factory=dict)  # BLOCK_T -> constexpr kwargs
+    caps: dict = field(default_factory=dict)  # BLOCK_T -> register cap of the checked kernel
+
+    def constexprs(self, block_t: int, check: bool | None = None) -> dict:
+        """The launch's constexpr kwargs (PAGE, CFG) at ``block_t`` tokens per program (``check=False``: those of
+        the same write without the store checks)."""
+        key = (block_t, check)
+        kw = self.bundles.get(key)
+        if kw is None:
+            cfg = replace(self.cfg, BLOCK_T=block_t) if check is None else replace(self.cfg, BLOCK_T=block_t,
+                                                                                    CHECK=check)
+            kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg))
+        return kw
+
+    def check_register_cap(self, grid: tuple, args: tuple, block_t: int, num_warps: int) -> int | None:
+        """Registers per thread the checked kernel may use and still keep as many programs per SM as the kernel
+        without the checks (compiled and loaded once on CUDA to read its count; None elsewhere): the checks add a
+        few live values and a rare path, and crossing 128 registers at 8 warps would halve the programs per SM
+        (offline sm_90, mse_k4v3: 128 -> 143 uncapped, 128 with the cap and no spills)."""
+        if block_t not in self.caps:
+            cap = None
+            if not INTERPRET and args[0].is_cuda:
+                plain = _LAUNCH.compile(grid, args, self.constexprs(block_t, check=False), num_warps=num_warps)
+                plain.run  # noqa: B018  loads the binary: registers per thread are known from then on
+                cap = _register_cap(resident_programs(plain, num_warps, args[0].device), num_warps)
+            self.caps[block_t] = cap
+        return self.caps[block_t]
+
+
+def _register_cap(programs: int, num_warps: int) -> int:
+    """The most registers per thread (a multiple of 8, <= 255) at which ``programs`` programs of ``num_warps`` warps
+    still fit an SM's register file (the allocation model of ``_launch.resident_programs``)."""
+    for regs in range(255, 7, -1):
+        if regs % 8 and regs != 255:
+            continue
+        warp_regs = -(-regs * 32 // 256) * 256
+        if 4 * (16384 // warp_regs) // num_warps >= programs:
+            return regs
+    return 8
+
+
+def _check_fault_record(fault: torch.Tensor, k: torch.Tensor, limits: StoreLimits | None) -> None:
+    """Named errors for a fault record the kernel cannot write, or one without bounds."""
+    if limits is None:
+        raise ArgTypeError("fault: the store checks need their bounds, got limits=None")
+    if fault.dtype != torch.int64 or fault.shape != (2,) or fault.device != k.device:
+        raise ShapeError(f"fault: expected int64 [2] on {k.device}, got {fault.dtype} {tuple(fault.shape)} on "
+                         f"{fault.device}")
+    if k.shape[1] > FAULT_MAX_HEADS or k.shape[2] > FAULT_MAX_COORDS:
+        raise ShapeError(f"k: the store fault code holds at most {FAULT_MAX_HEADS} KV heads and {FAULT_MAX_COORDS} "
+                         f"coordinates, got {tuple(k.shape)}")
 
 
 def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, v_dtype: torch.dtype,
-           exact_signs: bool, num_warps: int) -> tuple:
-    """(codec, device constants, sign matrix, constexprs, sqrt(D) as fp32, fitted-tile key) of one write
-    configuration (cached by the caller)."""
-    spec = PageSpec.of(layout, codec.raw_dtype)
+           hkv: int, tuning: WriteTuning, limits: StoreLimits | None) -> _WriteSetup:
+    spec, page = page_spec(layout, codec)
     consts = codec_constants(codec, device)
     # 1: one exact product of k with sqrt(D) Pi; 2: fp32 keys, the unit vector split hi + lo; 0: dense split products
     sign_mode = (1 if dtype != torch.float32 else 2) if hadamard_rotation(spec, codec) else 0
     signs = _sign_matrix_t(codec, device, torch.float16 if dtype == torch.float32 else dtype) if sign_mode else \
         consts["hsigns"]
     sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
-    kw = spec.constexprs()
-    kw.update(KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
-              SPLIT_SKETCH=exact_signs or spec.KB > 2,
-              SIGN_MMA=sign_mode, SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]),
-              V_FP16=v_dtype == torch.float16, INTERP=INTERPRET)
-    key = (layout.fmt, layout.head_dim, str(device), exact_signs, num_warps, sign_mode, v_dtype == torch.float16)
-    return codec, consts, signs, kw, sqrt_d, key
+    cfg = WriteConstexprs(
+        HKV=hkv, KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
+        SIGN_MMA=sign_mode, SPLIT_SKETCH=tuning.exact_signs or spec.KB > 2,
+        SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FP16=v_dtype == torch.float16,
+        BLOCK_T=default_block_t(layout.head_dim), INTERP=INTERPRET, CHECK=limits is not None)
+    if limits is not None:
+        # |k| per element only where the norm cannot tell: raw keys, or inputs that can exceed the bound (an fp16
+        # input is within 65504 whenever it is finite)
+        wide = dtype != torch.float16 and limits.k_abs < FP32_MAX
+        cfg = replace(cfg, K_ABS=limits.k_abs, K_ELEMS=spec.KEY_MODE == KEY_RAW or wide, V_ABS=limits.v_abs,
+                      KEY_NORM=limits.key_norm, VALUE_GROUP=limits.value_group)
+    fit_key = (layout.fmt, layout.head_dim, str(device), tuning.exact_signs, tuning.num_warps, sign_mode,
+               v_dtype == torch.float16, limits is not None)
+    return _WriteSetup(codec, consts, signs, sqrt_d, page, cfg, fit_key)
 
 
 def _sign_matrix_t(codec: KVCodec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

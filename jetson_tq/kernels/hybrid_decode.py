@@ -10,20 +10,28 @@ scoring every tile for all G query heads of the KV head at once (GQA: the tile i
 with (Pi q, S q) computed once per query (scaled by softmax_scale*log2 e): inside this launch for mse
 keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in registers), else by
 ``query_transform``. Affine key codebooks (uniform grids; 1-2 bit Lloyd-Max) are scored from the index
-bits read as fp16 operand planes; 4-bit Lloyd-Max ones through byte permutes in inline PTX (``nibble_centroids``),
-other codebooks (and the CPU interpreter) through a warp-shuffle lookup per coordinate.
+bits read as fp16 operand planes; 4-bit Lloyd-Max ones through byte permutes in inline PTX
+(``nibble_centroids``), other codebooks (and the CPU interpreter) through a warp-shuffle lookup per coordinate.
 Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a shift and a mask of
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
 tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
 softmax. With several splits each program writes a partial (output, log-sum-exp) and ``_decode_reduce_kernel``
 merges them in a second launch; with ``fused_reduce=True`` the last program of each (sequence, KV head) to finish
-merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one launch per call. No host sync and no allocation after the first call of a
-shape (workspaces are cached), so the launcher can be captured in a CUDA graph.
+merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one launch per call. No host sync and
+no allocation after the first call of a shape (workspaces are cached), so the launcher can be captured in a CUDA
+graph.
+
+The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then per tile
+``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_recent_tokens`` and
+``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and ``CFG``
+(``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -31,286 +39,404 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import (INTERPRET, KEY_MSE, KEY_RAW, VAL_GROUP, PageSpec, codec_constants, counters,
-                      cuda_or_interpreter, next_pow2, workspace)
-from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows, mma,
-                     nibble_centroids, nibble_lut_asm, online_softmax, subnormal16, value_unit)
+from ._common import (INTERPRET, KEY_MSE, KEY_RAW, LOG2E, VAL_GROUP, PageSpec, codec_constants, constexpr_bundle,
+                      counters, cuda_or_interpreter, next_pow2, page_spec, workspace)
+from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows,
+                     load_norms, mma, nibble_centroids, nibble_lut_asm, online_softmax, subnormal16, value_unit)
 from ._launch import FastLauncher, resident_programs
 from .query_transform import query_transform
 
-LOG2E = 1.4426950408889634
+
+@dataclass(frozen=True)
+class DecodeConstexprs:
+    """What one decode plan fixes at compile time besides the page (``PageSpec``): the kernel's ``CFG`` bundle."""
+
+    HKV: int  # KV heads
+    G: int  # query heads per KV head
+    GP: int  # G padded to a power of two (the MMA N dimension)
+    QW: int  # row width of the transformed query: D (Pi q) or 2 D (Pi q, S q)
+    KCWP: int  # key chunk width padded to a power of two >= 16
+    CHP: int  # CH (coordinates per 1-bit plane) padded likewise: the QJL sign planes
+    VSUB: int  # coordinates per value sub-chunk (a chunk cut at value-group edges, ``value_subchunks``)
+    VSUBP: int  # VSUB padded to a power of two >= 16
+    VSC: int  # value sub-chunks per chunk
+    NGP: int  # value groups padded to a power of two >= 16
+    LOG2D: int  # log2(D): the Walsh-Hadamard stages of FUSE_Q
+    BLOCK_N: int  # compressed tokens per tile
+    BLOCK_R: int  # recent-buffer tokens per step
+    SPB: int  # split partials merged per step (FUSED_REDUCE)
+    FAST_K: bool  # keys scored from index bit planes (affine codebook, ``fast_key_planes``)
+    K_HIGH: bool  # ... plus the (k >> 1) plane (2-bit Lloyd-Max)
+    LUT_PRMT: bool  # 4-bit centroids by byte permutes in inline PTX (``nibble_centroids``)
+    KLUT: str  # that PTX ("" when unused)
+    FAST_V: bool  # value scale folded into P, codes read as subnormal planes, zero points summed apart
+    FUSE_Q: bool  # the query rotation runs inside this launch (``fused_query``)
+    SINGLE: bool  # one split: the program writes the output itself
+    FUSED_REDUCE: bool  # several splits merged inside this launch (arrival counters)
+    INTERP: bool  # Triton's CPU interpreter (``mma`` converts operands to fp32 there)
 
 
 @triton.jit
 def _hybrid_decode_kernel(
-        qt_ptr, q_ptr, pages_ptr, bt_ptr, clen_ptr, rk_ptr, rv_ptr, rlen_ptr, ridx_ptr, cb_ptr, hs_ptr,
-        out_ptr, po_ptr, plse_ptr, cnt_ptr,
-        stride_qb, stride_qh, stride_bt, page_bytes,
-        stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, tokens_per_split, n_splits, group_size, scale_log2, qt_scale, qjl_scale, k_alpha, k_beta, k_gamma,
-        zero_rt,
-        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, QW: tl.constexpr,
-        D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
-        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
-        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
-        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
-        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
-        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
-        RAW_BF16: tl.constexpr,
-        KCWP: tl.constexpr, CHP: tl.constexpr, VSUB: tl.constexpr, VSUBP: tl.constexpr, VSC: tl.constexpr,
-        NGP: tl.constexpr, FAST_K: tl.constexpr, K_HIGH: tl.constexpr, FAST_V: tl.constexpr,
-        FUSE_Q: tl.constexpr, LOG2D: tl.constexpr, LUT_PRMT: tl.constexpr, KLUT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, SINGLE: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-        SPB: tl.constexpr, INTERP: tl.constexpr):
-    # Tiles are kept transposed: scores sT [tokens, GP query heads] = codes [tokens, chunk] @ q^T,
-    # so packed bytes load as (tokens, bytes) rows and feed the tensor cores without a transpose.
+        # ---- pointers
+        qt_ptr,  # fp32 [B * Hq, QW]: transformed query rows (Pi q, S q) * scale * log2(e); written here if FUSE_Q
+        q_ptr,  # [B, Hq, D]: the query (scores the recent buffer; FUSE_Q rotates it)
+        pages_ptr,  # uint8 [blocks, HKV, PB]: the compressed pages
+        bt_ptr,  # int32 [B, table width]: block table
+        clen_ptr,  # int32 [B]: compressed tokens per sequence
+        rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
+        rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
+        rlen_ptr,  # int32 [B]: recent tokens per sequence
+        ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
+        cb_ptr,  # fp32 [>= 4]: key codebook (the centroid lookup)
+        hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
+        out_ptr,  # [B, Hq, D]: output
+        po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
+        plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
+        cnt_ptr,  # int32: arrival counters (FUSED_REDUCE)
+        # ---- strides (elements; page bytes in bytes)
+        stride_qb,
+        stride_qh,
+        stride_bt,
+        page_bytes,
+        stride_rkn,
+        stride_rkh,
+        stride_rkt,
+        stride_rvn,
+        stride_rvh,
+        stride_rvt,
+        stride_ob,
+        stride_oh,
+        # ---- split sizes
+        tokens_per_split,  # the smallest split (a BLOCK_N multiple)
+        n_splits,  # splits per (sequence, KV head)
+        group_size,  # splits per first-level group of the in-launch merge
+        # ---- scalars
+        scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
+        qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
+        qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
+        k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
+        k_beta,
+        k_gamma,
+        zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
+        # ---- compile time
+        PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
+        CFG: tl.constexpr):  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
+    # One program = one (sequence, KV head, split). Tiles are kept transposed: scores sT [tokens, GP query heads] =
+    # codes [tokens, chunk] @ q^T, so packed bytes load as (tokens, bytes) rows and feed the tensor cores as they are.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
-    b = pid_bh // HKV
-    h = pid_bh % HKV
+    b = pid_bh // CFG.HKV
+    h = pid_bh % CFG.HKV
     clen = tl.load(clen_ptr + b)
     rlen = tl.load(rlen_ptr + b)
-    g = tl.arange(0, GP)
-    gmask = g < G
-    qrow = b * (HKV * G) + h * G + g  # flat query-head rows of this KV head
-    RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
-    KDOT_T: tl.constexpr = RAW_T if KEY_MODE == K_RAW else tl.float16
-
-    if FUSE_Q:
-        # the query transform in this launch (randomized Hadamard rotation, mse keys): every split of this
-        # (sequence, KV head) writes the same Pi q * scale rows, then reads them back chunk by chunk below
-        dq = tl.arange(0, DP)
-        q0 = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
-                     mask=gmask[:, None], other=0.0).to(tl.float32)
-        qr = fwht_rows(q0 * tl.load(hs_ptr + dq)[None, :], GP, DP, LOG2D) * qt_scale
-        tl.store(qt_ptr + qrow[:, None] * QW + dq[None, :], qr, mask=gmask[:, None])
-        tl.debug_barrier()
-
-    # ---- the transformed query as fp16 B operands [chunk, GP], one (or two) per chunk, loaded once.
-    # Fast path (affine codebooks: c[k] = alpha + beta k (+ gamma (k >> 1) for 2-bit Lloyd-Max)):
-    # <q, c[idx]> = alpha sum(q) + beta <q, k> (+ gamma <q, k >> 1>) with k read as an fp16 subnormal
-    # plane (bits * 2^(KB c) * 2^-24); the 2^-(KB c) goes into the query operand.
-    kc = tl.arange(0, KCWP)
-    kadd = tl.zeros([GP], tl.float32)
-    qk = ()
-    qh = ()
-    for c in tl.static_range(KCH):
-        kcol = c * KCW + kc
-        qc = tl.load(qt_ptr + qrow[None, :] * QW + kcol[:, None],
-                     mask=gmask[None, :] & (kc[:, None] < KCW) & (kcol[:, None] < D), other=0.0)
-        if FAST_K:
-            kadd += k_alpha * tl.sum(qc, 0)
-            qk = qk + ((qc * (k_beta / (1 << (KB * c)))).to(tl.float16),)
-            if K_HIGH:
-                qh = qh + ((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16),)
-        else:
-            qk = qk + (qc.to(KDOT_T),)
-    sc = tl.arange(0, CHP)
-    qs = ()
-    ssub = tl.zeros([GP], tl.float32)
-    if KEY_MODE == K_PROD:
-        for c in tl.static_range(8):
-            scol = c * CH + sc
-            qsc = tl.load(qt_ptr + qrow[None, :] * QW + D + scol[:, None],
-                          mask=gmask[None, :] & (sc[:, None] < CH) & (scol[:, None] < D), other=0.0)
-            qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
-            ssub += tl.sum(qsc, 0)  # <q, sign> = 2 <q, bit> - sum(q)
-            qs = qs + (qsa,)
-
-    vu = tl.arange(0, VSUBP)
-    ng = tl.arange(0, NGP)
-    zacc = tl.zeros([NGP, GP], tl.float32)  # fast path: sum_n p * zero[n, group]
-    acc = ()
-    for i in tl.static_range(VCH * VSC):
-        acc = acc + (tl.zeros([VSUBP, GP], tl.float32),)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_t = tl.zeros([BLOCK_N, GP], tl.float32)
+    g = tl.arange(0, CFG.GP)
+    gmask = g < CFG.G
+    qrow = b * (CFG.HKV * CFG.G) + h * CFG.G + g  # flat query-head rows of this KV head
+    if CFG.FUSE_Q:
+        _rotate_query(q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE, CFG)
+    # the transformed query as tensor-core operands, loaded once; index vectors along the tiles' coordinate axes
+    # are made once here too (the steps share them)
+    kc = tl.arange(0, CFG.KCWP)  # columns of a key chunk
+    qk, qh, kadd = _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE, CFG)
+    sc = tl.arange(0, CFG.CHP)  # columns of a sign plane
+    qs, ssub = _sign_operands(qt_ptr, qrow, gmask, sc, PAGE, CFG)
+    vu = tl.arange(0, CFG.VSUBP)  # columns of a value sub-chunk
+    ng = tl.arange(0, CFG.NGP)  # value groups
+    zacc, acc, m_i, l_t = _empty_state(PAGE, CFG)  # (this order: it is the loop-carried values' order)
 
     # ---- this split's share of the sequence's tokens, compressed ones first, then the recent buffer's:
     # virtual tokens [start, start + tps) of [0, clen + rlen); compressed [start, end), BLOCK_N per tile.
     # The split size follows this sequence's own length (at least tokens_per_split, a BLOCK_N multiple), not the
     # block table's capacity: under vLLM the table spans max_model_len, and capacity-sized splits left most
     # programs of an 8k sequence idle in a 128k table
-    tps = tl.maximum(tokens_per_split, tl.cdiv(clen + rlen, n_splits * BLOCK_N) * BLOCK_N)
+    tps = tl.maximum(tokens_per_split, tl.cdiv(clen + rlen, n_splits * CFG.BLOCK_N) * CFG.BLOCK_N)
     start = split * tps
     end = tl.minimum(start + tps, clen)
     head_off = h.to(tl.int64) * page_bytes
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < end
-        if BS % BLOCK_N == 0:  # the tile lies in one page (n0 is a BLOCK_N multiple): one block id, one base pointer
-            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS)
-            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
-            off = n0 % BS + tl.arange(0, BLOCK_N)
-        elif BLOCK_N == 2 * BS:  # two pages: two block ids, the base pointer picked per token
-            b0 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS)
-            b1 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // BS + 1, mask=n0 + BS < end, other=0)
-            blk = tl.where(tl.arange(0, BLOCK_N) < BS, b0, b1)
-            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)
-            off = tl.arange(0, BLOCK_N) % BS
-        else:
-            blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
-            page = pages_ptr + (blk.to(tl.int64) * (HKV * page_bytes) + head_off)  # [N] byte pointers
-            off = n % BS
-        # scores of this tile, [N, GP]
-        if KEY_MODE == K_RAW:
-            kraw = tl.load((page + OFF_KRAW + off * (2 * D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
-                           mask=nmask[:, None] & (kc[None, :] < D), other=0.0)
-            s = mma(kraw, qk[0], tl.zeros([BLOCK_N, GP], tl.float32), INTERP)
-        else:
-            kptr = (page + OFF_KIDX + off * (CH * KB))[:, None] + kc[None, :]
-            kmask = nmask[:, None] & (kc[None, :] < KCW)
-            if KW1 == 0:
-                xk = tl.load(kptr, mask=kmask, other=0)
-            s = tl.zeros([BLOCK_N, GP], tl.float32)
-            if LUT_PRMT:  # 4-bit codes, two per byte: both chunks' centroids from one byte-permute lookup
-                c_lo, c_hi = nibble_centroids(xk, KLUT)
-                s = mma(c_hi, qk[1], mma(c_lo, qk[0], s, INTERP), INTERP)
-            for c in tl.static_range(0 if LUT_PRMT else KCH):
-                if FAST_K:
-                    s = mma(subnormal16(xk & (((1 << KB) - 1) << (KB * c))), qk[c], s, INTERP)
-                    if K_HIGH:
-                        s = mma(subnormal16(xk & (2 << (2 * c))), qh[c], s, INTERP)
-                else:
-                    if KW1 == 0:
-                        code = (xk >> (c * KW0)) & ((1 << KW0) - 1)
-                    else:
-                        code = chunk_codes(kptr, kmask, c, CH, KCW // CH, KW0, KW1, KW2)
-                    s = mma(centroid_lookup(code, cb_ptr, KB, 1), qk[c], s, INTERP)
-            if FAST_K:
-                s = s * TWO24 + kadd[None, :]
-            if NORM_F32:
-                knorm = tl.load((page + OFF_KNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
-            else:
-                knorm = tl.load((page + OFF_KNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                other=0.0).to(tl.float32)
-            s = s * knorm[:, None]
-            if KEY_MODE == K_PROD:
-                xs = tl.load((page + OFF_KSGN + off * CH)[:, None] + sc[None, :],
-                             mask=nmask[:, None] & (sc[None, :] < CH), other=0)
-                sq = tl.zeros([BLOCK_N, GP], tl.float32)
-                for c in tl.static_range(8):
-                    sq = mma(subnormal16(xs & (1 << c)), qs[c], sq, INTERP)
-                if NORM_F32:
-                    rnorm = tl.load((page + OFF_KRNORM + off * 4).to(tl.pointer_type(tl.float32)), mask=nmask,
-                                    other=0.0)
-                else:
-                    rnorm = tl.load((page + OFF_KRNORM + off * 2).to(tl.pointer_type(tl.float16)), mask=nmask,
-                                    other=0.0).to(tl.float32)
-                s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
+    for n0 in range(start, end, CFG.BLOCK_N):
+        page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
+        s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
         s = tl.where(nmask[:, None], s, float("-inf"))
         # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
         # the loop, instead of a shuffle reduction per tile
         m_i, alpha, p, l_t = online_softmax(s, m_i, l_t, 0, False)
-        # values: v^T tiles [coords, N] (loaded transposed: bytes of one token are a column)
-        if VAL_MODE == V_RAW:
-            vraw = tl.load((page + OFF_VRAW + off * (2 * D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
-                           mask=nmask[None, :] & (vu[:, None] < D), other=0.0)
-            acc = (mma(vraw, p.to(RAW_T), acc[0] * alpha[None, :], INTERP),)
-        else:
-            p16 = p.to(tl.float16)
-            vrow = page + OFF_VCODES + off * (CH * VB)
-            srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-            zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-            xvs = ()
-            if VW1 == 0:
-                for j in tl.static_range(VSC):
-                    xvs = xvs + (tl.load(vrow[None, :] + (j * VSUB + vu)[:, None],
-                                         mask=nmask[None, :] & (vu[:, None] < VSUB), other=0),)
-            else:
-                for j in tl.static_range(VSC):
-                    xvs = xvs + (0,)
-            new_acc = ()
-            for c in tl.static_range(VCH):
-                for j in tl.static_range(VSC):
-                    vptr = vrow[None, :] + (j * VSUB + vu)[:, None]
-                    vmask = nmask[None, :] & (vu[:, None] < VSUB)
-                    if FAST_V:
-                        # the sub-chunk lies in one group: fold the per-token scale into P, keep codes as
-                        # subnormal planes; zero points go through zacc
-                        grp = (c * VCW + j * VSUB) // GROUP
-                        vs = tl.load(srow + grp, mask=nmask, other=0.0)
-                        w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
-                        tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, CH, VCW, VB, VW0, VW1, VW2,
-                                                 INTERP)
-                        new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + tile,)
-                    else:
-                        if VW1 == 0:
-                            code = (xvs[j] >> (c * VW0)) & ((1 << VW0) - 1)
-                        else:
-                            code = chunk_codes(vptr, vmask, c, CH, VCW // CH, VW0, VW1, VW2)
-                        if GROUP % VSUB == 0:
-                            grp = (c * VCW + j * VSUB) // GROUP
-                            vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
-                            vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
-                        else:
-                            grp = tl.minimum((c * VCW + j * VSUB + vu) // GROUP, NG - 1)
-                            vs = tl.load(srow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
-                            vz = tl.load(zrow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
-                        v = (code.to(tl.float32) * vs + vz).to(tl.float16)
-                        new_acc = new_acc + (mma(v, p16, acc[c * VSC + j] * alpha[None, :], INTERP),)
-            acc = new_acc
-            if FAST_V:
-                zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < NG), other=0.0)
-                zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([NGP, GP], tl.float32) + zero_rt, INTERP)
-
+        acc, zacc = _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE, CFG)
     l_i = tl.sum(l_t, 0)
+
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
     # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
     r0 = tl.maximum(start - clen, 0)
     r1 = tl.minimum(start + tps - clen, rlen)
     if r1 > r0:
-        ridx = tl.load(ridx_ptr + b).to(tl.int64)
-        d = tl.arange(0, DP)
-        qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
-                     mask=gmask[None, :] & (d[:, None] < D), other=0.0).to(tl.float32) * scale_log2
-        rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
-        rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
-        for t0 in range(r0, r1, BLOCK_R):
-            t = t0 + tl.arange(0, BLOCK_R)
-            tmask = t < r1
-            k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
-                        mask=tmask[:, None] & (d[None, :] < D), other=0.0)
-            s = mma(k, qb.to(k.dtype), tl.zeros([BLOCK_R, GP], tl.float32), INTERP)
-            s = tl.where(tmask[:, None], s, float("-inf"))
-            m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
-            zacc = zacc * alpha[None, :]
-            new_acc = ()
-            for c in tl.static_range(VCH):
-                for j in tl.static_range(VSC):
-                    rcol = c * VCW + j * VSUB + vu
-                    v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
-                                mask=tmask[None, :] & (vu[:, None] < VSUB) & (rcol[:, None] < D), other=0.0)
-                    pv = mma(v, p.to(v.dtype), tl.zeros([VSUBP, GP], tl.float32), INTERP)
-                    if FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
-                        pv = pv * (value_unit(c, CH, VCW, VB, VW0, VW1, VW2) / TWO24)
-                    new_acc = new_acc + (acc[c * VSC + j] * alpha[None, :] + pv,)
-            acc = new_acc
+        m_i, l_i, acc, zacc = _recent_tokens(q_ptr, rk_ptr, rv_ptr, ridx_ptr, b, h, g, gmask, vu, r0, r1, stride_qb,
+                                             stride_qh, stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh,
+                                             stride_rvt, scale_log2, m_i, l_i, acc, zacc, PAGE, CFG)
+    _write_output(out_ptr, po_ptr, plse_ptr, cnt_ptr, acc, zacc, m_i, l_i, pid_bh, b, h, g, gmask, vu, ng, qrow,
+                  split, n_splits, group_size, stride_ob, stride_oh, PAGE, CFG)
 
-    # ---- write the output (one split) or this split's partial (output, log2-sum-exp)
+
+@triton.jit
+def _rotate_query(q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE: tl.constexpr,
+                  CFG: tl.constexpr):
+    """The query transform inside the launch (randomized Hadamard rotation, mse keys): every split of this
+    (sequence, KV head) writes the same Pi q * scale rows, which ``_query_operands`` reads back chunk by chunk."""
+    dq = tl.arange(0, PAGE.DP)
+    q0 = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
+                 mask=gmask[:, None], other=0.0).to(tl.float32)
+    qr = fwht_rows(q0 * tl.load(hs_ptr + dq)[None, :], CFG.GP, PAGE.DP, CFG.LOG2D) * qt_scale
+    tl.store(qt_ptr + qrow[:, None] * CFG.QW + dq[None, :], qr, mask=gmask[:, None])
+    tl.debug_barrier()
+
+
+@triton.jit
+def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """The transformed query Pi q as B operands [key chunk, GP] in fp16 (raw keys: their dtype), one per chunk:
+    (operands, (k >> 1)-plane operands (K_HIGH), alpha sum(q) (FAST_K)).
+
+    Fast path (affine codebooks: c[k] = alpha + beta k (+ gamma (k >> 1) for 2-bit Lloyd-Max)):
+    <q, c[idx]> = alpha sum(q) + beta <q, k> (+ gamma <q, k >> 1>) with k read as an fp16 subnormal plane
+    (bits * 2^(KB c) * 2^-24); the 2^-(KB c) goes into the query operand."""
+    RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
+    KDOT_T: tl.constexpr = RAW_T if PAGE.KEY_MODE == K_RAW else tl.float16
+    kadd = tl.zeros([CFG.GP], tl.float32)
+    qk = ()
+    qh = ()
+    for c in tl.static_range(PAGE.KCH):
+        kcol = c * PAGE.KCW + kc
+        qc = tl.load(qt_ptr + qrow[None, :] * CFG.QW + kcol[:, None],
+                     mask=gmask[None, :] & (kc[:, None] < PAGE.KCW) & (kcol[:, None] < PAGE.D), other=0.0)
+        if CFG.FAST_K:
+            kadd += k_alpha * tl.sum(qc, 0)
+            qk = qk + ((qc * (k_beta / (1 << (PAGE.KB * c)))).to(tl.float16),)
+            if CFG.K_HIGH:
+                qh = qh + ((qc * (k_gamma / (2 << (2 * c)))).to(tl.float16),)
+        else:
+            qk = qk + (qc.to(KDOT_T),)
+    return qk, qh, kadd
+
+
+@triton.jit
+def _sign_operands(qt_ptr, qrow, gmask, sc, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """Prod keys: the sketch S q as fp16 B operands [CH, GP], one per sign bit plane (times 2 / 2^plane), and
+    sum(S q): <q, sign> = 2 <q, bit> - sum(q). Other keys: empty."""
+    qs = ()
+    ssub = tl.zeros([CFG.GP], tl.float32)
+    if PAGE.KEY_MODE == K_PROD:
+        for c in tl.static_range(8):
+            scol = c * PAGE.CH + sc
+            qsc = tl.load(qt_ptr + qrow[None, :] * CFG.QW + PAGE.D + scol[:, None],
+                          mask=gmask[None, :] & (sc[:, None] < PAGE.CH) & (scol[:, None] < PAGE.D), other=0.0)
+            qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
+            ssub += tl.sum(qsc, 0)
+            qs = qs + (qsa,)
+    return qs, ssub
+
+
+@triton.jit
+def _empty_state(PAGE: tl.constexpr, CFG: tl.constexpr):
+    """The online softmax's start: (zero-point sums [NGP, GP] of the FAST_V path, one value accumulator [VSUBP, GP]
+    per value sub-chunk, running max [GP], running sum tile [BLOCK_N, GP])."""
+    zacc = tl.zeros([CFG.NGP, CFG.GP], tl.float32)  # fast path: sum_n p * zero[n, group]
+    acc = ()
+    for i in tl.static_range(PAGE.VCH * CFG.VSC):
+        acc = acc + (tl.zeros([CFG.VSUBP, CFG.GP], tl.float32),)
+    m_i = tl.full([CFG.GP], float("-inf"), tl.float32)
+    l_t = tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32)
+    return zacc, acc, m_i, l_t
+
+
+@triton.jit
+def _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE: tl.constexpr,
+                CFG: tl.constexpr):
+    """(page base pointers, token offsets in their pages, valid-token mask) of compressed tokens
+    [n0, n0 + BLOCK_N) of sequence ``b`` (KV head at ``head_off``) through the block table."""
+    n = n0 + tl.arange(0, CFG.BLOCK_N)
+    nmask = n < end
+    if PAGE.BS % CFG.BLOCK_N == 0:  # the tile lies in one page (n0 is a BLOCK_N multiple): one block id, one pointer
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // PAGE.BS)
+        page = pages_ptr + (blk.to(tl.int64) * (CFG.HKV * page_bytes) + head_off)
+        off = n0 % PAGE.BS + tl.arange(0, CFG.BLOCK_N)
+    elif CFG.BLOCK_N == 2 * PAGE.BS:  # two pages: two block ids, the base pointer picked per token
+        b0 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // PAGE.BS)
+        b1 = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n0 // PAGE.BS + 1, mask=n0 + PAGE.BS < end, other=0)
+        blk = tl.where(tl.arange(0, CFG.BLOCK_N) < PAGE.BS, b0, b1)
+        page = pages_ptr + (blk.to(tl.int64) * (CFG.HKV * page_bytes) + head_off)
+        off = tl.arange(0, CFG.BLOCK_N) % PAGE.BS
+    else:
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // PAGE.BS, mask=nmask, other=0)
+        page = pages_ptr + (blk.to(tl.int64) * (CFG.HKV * page_bytes) + head_off)  # [N] byte pointers
+        off = n % PAGE.BS
+    return page, off, nmask
+
+
+@triton.jit
+def _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE: tl.constexpr,
+                CFG: tl.constexpr):
+    """Log2-domain scores [BLOCK_N, GP] of one tile's keys against the query operands: ||k|| <Pi q, c[idx]>
+    (+ qjl ||r|| <S q, signs> for prod keys), or <q, k> for raw keys."""
+    RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
+    if PAGE.KEY_MODE == K_RAW:
+        kraw = tl.load((page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
+                       mask=nmask[:, None] & (kc[None, :] < PAGE.D), other=0.0)
+        s = mma(kraw, qk[0], tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
+    else:
+        kptr = (page + PAGE.OFF_KIDX + off * (PAGE.CH * PAGE.KB))[:, None] + kc[None, :]
+        kmask = nmask[:, None] & (kc[None, :] < PAGE.KCW)
+        if PAGE.KW1 == 0:
+            xk = tl.load(kptr, mask=kmask, other=0)
+        s = tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32)
+        if CFG.LUT_PRMT:  # 4-bit codes, two per byte: both chunks' centroids from one byte-permute lookup
+            c_lo, c_hi = nibble_centroids(xk, CFG.KLUT)
+            s = mma(c_hi, qk[1], mma(c_lo, qk[0], s, CFG.INTERP), CFG.INTERP)
+        for c in tl.static_range(0 if CFG.LUT_PRMT else PAGE.KCH):
+            if CFG.FAST_K:
+                s = mma(subnormal16(xk & (((1 << PAGE.KB) - 1) << (PAGE.KB * c))), qk[c], s, CFG.INTERP)
+                if CFG.K_HIGH:
+                    s = mma(subnormal16(xk & (2 << (2 * c))), qh[c], s, CFG.INTERP)
+            else:
+                if PAGE.KW1 == 0:
+                    code = (xk >> (c * PAGE.KW0)) & ((1 << PAGE.KW0) - 1)
+                else:
+                    code = chunk_codes(kptr, kmask, c, PAGE.CH, PAGE.KCW // PAGE.CH, PAGE.KW0, PAGE.KW1, PAGE.KW2)
+                s = mma(centroid_lookup(code, cb_ptr, PAGE.KB, 1), qk[c], s, CFG.INTERP)
+        if CFG.FAST_K:
+            s = s * TWO24 + kadd[None, :]
+        knorm = load_norms(page + PAGE.OFF_KNORM, off, nmask, PAGE.NORM_F32)
+        s = s * knorm[:, None]
+        if PAGE.KEY_MODE == K_PROD:
+            xs = tl.load((page + PAGE.OFF_KSGN + off * PAGE.CH)[:, None] + sc[None, :],
+                         mask=nmask[:, None] & (sc[None, :] < PAGE.CH), other=0)
+            sq = tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32)
+            for c in tl.static_range(8):
+                sq = mma(subnormal16(xs & (1 << c)), qs[c], sq, CFG.INTERP)
+            rnorm = load_norms(page + PAGE.OFF_KRNORM, off, nmask, PAGE.NORM_F32)
+            s = s + (sq * TWO24 - ssub[None, :]) * (qjl_scale * rnorm)[:, None]
+    return s
+
+
+@triton.jit
+def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """One tile's values into the accumulators (rescaled by ``alpha``): v^T tiles [coords, N] (loaded transposed: the
+    bytes of one token are a column) times the probabilities p [N, GP]. -> (acc, zacc)."""
+    RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
+    if PAGE.VAL_MODE == V_RAW:
+        vraw = tl.load((page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
+                       mask=nmask[None, :] & (vu[:, None] < PAGE.D), other=0.0)
+        acc = (mma(vraw, p.to(RAW_T), acc[0] * alpha[None, :], CFG.INTERP),)
+    else:
+        p16 = p.to(tl.float16)
+        vrow = page + PAGE.OFF_VCODES + off * (PAGE.CH * PAGE.VB)
+        srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
+        zrow = (page + PAGE.OFF_VZERO + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
+        xvs = ()
+        if PAGE.VW1 == 0:
+            for j in tl.static_range(CFG.VSC):
+                xvs = xvs + (tl.load(vrow[None, :] + (j * CFG.VSUB + vu)[:, None],
+                                     mask=nmask[None, :] & (vu[:, None] < CFG.VSUB), other=0),)
+        else:
+            for j in tl.static_range(CFG.VSC):
+                xvs = xvs + (0,)
+        new_acc = ()
+        for c in tl.static_range(PAGE.VCH):
+            for j in tl.static_range(CFG.VSC):
+                vptr = vrow[None, :] + (j * CFG.VSUB + vu)[:, None]
+                vmask = nmask[None, :] & (vu[:, None] < CFG.VSUB)
+                if CFG.FAST_V:
+                    # the sub-chunk lies in one group: fold the per-token scale into P, keep codes as
+                    # subnormal planes; zero points go through zacc
+                    grp = (c * PAGE.VCW + j * CFG.VSUB) // PAGE.GROUP
+                    vs = tl.load(srow + grp, mask=nmask, other=0.0)
+                    w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
+                    tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0,
+                                             PAGE.VW1, PAGE.VW2, CFG.INTERP)
+                    new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + tile,)
+                else:
+                    if PAGE.VW1 == 0:
+                        code = (xvs[j] >> (c * PAGE.VW0)) & ((1 << PAGE.VW0) - 1)
+                    else:
+                        code = chunk_codes(vptr, vmask, c, PAGE.CH, PAGE.VCW // PAGE.CH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+                    if PAGE.GROUP % CFG.VSUB == 0:
+                        grp = (c * PAGE.VCW + j * CFG.VSUB) // PAGE.GROUP
+                        vs = tl.load(srow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                        vz = tl.load(zrow + grp, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                    else:
+                        grp = tl.minimum((c * PAGE.VCW + j * CFG.VSUB + vu) // PAGE.GROUP, PAGE.NG - 1)
+                        vs = tl.load(srow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
+                        vz = tl.load(zrow[None, :] + grp[:, None], mask=vmask, other=0.0).to(tl.float32)
+                    v = (code.to(tl.float32) * vs + vz).to(tl.float16)
+                    new_acc = new_acc + (mma(v, p16, acc[c * CFG.VSC + j] * alpha[None, :], CFG.INTERP),)
+        acc = new_acc
+        if CFG.FAST_V:
+            zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < PAGE.NG), other=0.0)
+            zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([CFG.NGP, CFG.GP], tl.float32) + zero_rt, CFG.INTERP)
+    return acc, zacc
+
+
+@triton.jit
+def _recent_tokens(q_ptr, rk_ptr, rv_ptr, ridx_ptr, b, h, g, gmask, vu, r0, r1, stride_qb, stride_qh, stride_rkn,
+                   stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt, scale_log2, m_i, l_i, acc, zacc,
+                   PAGE: tl.constexpr, CFG: tl.constexpr):
+    """Recent-buffer tokens [r0, r1) of sequence ``b`` (exact keys and values, scored with the raw query), BLOCK_R
+    per step, into the same online softmax -> (m_i, l_i, acc, zacc)."""
+    ridx = tl.load(ridx_ptr + b).to(tl.int64)
+    d = tl.arange(0, PAGE.DP)
+    qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
+                 mask=gmask[None, :] & (d[:, None] < PAGE.D), other=0.0).to(tl.float32) * scale_log2
+    rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
+    rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
+    for t0 in range(r0, r1, CFG.BLOCK_R):
+        t = t0 + tl.arange(0, CFG.BLOCK_R)
+        tmask = t < r1
+        k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
+                    mask=tmask[:, None] & (d[None, :] < PAGE.D), other=0.0)
+        s = mma(k, qb.to(k.dtype), tl.zeros([CFG.BLOCK_R, CFG.GP], tl.float32), CFG.INTERP)
+        s = tl.where(tmask[:, None], s, float("-inf"))
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
+        zacc = zacc * alpha[None, :]
+        new_acc = ()
+        for c in tl.static_range(PAGE.VCH):
+            for j in tl.static_range(CFG.VSC):
+                rcol = c * PAGE.VCW + j * CFG.VSUB + vu
+                v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
+                            mask=tmask[None, :] & (vu[:, None] < CFG.VSUB) & (rcol[:, None] < PAGE.D), other=0.0)
+                pv = mma(v, p.to(v.dtype), tl.zeros([CFG.VSUBP, CFG.GP], tl.float32), CFG.INTERP)
+                if CFG.FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
+                    pv = pv * (value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2) / TWO24)
+                new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + pv,)
+        acc = new_acc
+    return m_i, l_i, acc, zacc
+
+
+@triton.jit
+def _write_output(out_ptr, po_ptr, plse_ptr, cnt_ptr, acc, zacc, m_i, l_i, pid_bh, b, h, g, gmask, vu, ng, qrow, split,
+                  n_splits, group_size, stride_ob, stride_oh, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """The normalized output (one split) or this split's partial (output, log2-sum-exp), merged in the launch when
+    FUSED_REDUCE."""
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    for c in tl.static_range(VCH):
-        for j in tl.static_range(VSC):
-            col = c * VCW + j * VSUB + vu
-            omask = gmask[None, :] & (vu[:, None] < VSUB) & (col[:, None] < D)
-            o = acc[c * VSC + j]
-            if FAST_V:
-                grp = (c * VCW + j * VSUB) // GROUP
+    for c in tl.static_range(PAGE.VCH):
+        for j in tl.static_range(CFG.VSC):
+            col = c * PAGE.VCW + j * CFG.VSUB + vu
+            omask = gmask[None, :] & (vu[:, None] < CFG.VSUB) & (col[:, None] < PAGE.D)
+            o = acc[c * CFG.VSC + j]
+            if CFG.FAST_V:
+                grp = (c * PAGE.VCW + j * CFG.VSUB) // PAGE.GROUP
                 zsum = tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)
-                o = o * (TWO24 / value_unit(c, CH, VCW, VB, VW0, VW1, VW2)) + zsum[None, :]
+                u = value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+                o = o * (TWO24 / u) + zsum[None, :]
             o = o * inv[None, :]
-            if SINGLE:
-                optr = out_ptr + b.to(tl.int64) * stride_ob + (h * G + g)[None, :].to(tl.int64) * stride_oh + col[:, None]
+            if CFG.SINGLE:
+                optr = (out_ptr + b.to(tl.int64) * stride_ob + (h * CFG.G + g)[None, :].to(tl.int64) * stride_oh
+                        + col[:, None])
                 tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
             else:
                 prow = qrow.to(tl.int64) * n_splits + split
-                tl.store(po_ptr + prow[None, :] * D + col[:, None], o, mask=omask)
-    if not SINGLE:
+                tl.store(po_ptr + prow[None, :] * PAGE.D + col[:, None], o, mask=omask)
+    if not CFG.SINGLE:
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(plse_ptr + qrow.to(tl.int64) * n_splits + split, lse, mask=gmask)
-        if FUSED_REDUCE:
+        if CFG.FUSED_REDUCE:
             _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, n_splits, group_size,
-                               qrow, g, gmask, stride_ob, stride_oh, G, GP, D, DP, SPB)
+                               qrow, g, gmask, stride_ob, stride_oh, CFG.G, CFG.GP, PAGE.D, PAGE.DP, CFG.SPB)
 
 
 @triton.jit
@@ -386,8 +512,17 @@ def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, 
 
 
 @triton.jit
-def _decode_reduce_kernel(po_ptr, plse_ptr, out_ptr, stride_ob, stride_oh, n_splits,
-                          HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+def _decode_reduce_kernel(
+        po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs
+        plse_ptr,  # fp32 [B * Hq * splits]: their log2-sum-exp
+        out_ptr,  # [B, Hq, D]: output
+        stride_ob,
+        stride_oh,
+        n_splits,  # splits per (sequence, KV head)
+        HQ: tl.constexpr,  # query heads
+        D: tl.constexpr,  # head dim
+        DP: tl.constexpr,  # head dim padded to a power of two
+        SP: tl.constexpr):  # splits padded to a power of two
     # One program per (sequence, query head): merge n_splits partial outputs by their log-sum-exp.
     row = tl.program_id(0)
     b = row // HQ
@@ -428,20 +563,42 @@ WAVES = 16.0  # programs per SM when no GPU can tell (offline compiles, interpre
 # at the compiled kernel's resident programs per SM (``_one_wave``): 16 for 1-warp programs at 128 registers
 
 
-_SPECS: dict = {}
+@dataclass(frozen=True)
+class DecodeTuning:
+    """Launch knobs of ``hybrid_decode`` (results do not depend on them). None: the format's default, the best of
+    the H200 sweep (benchmarks/sweep_decode.py); ``for_format`` fills those in."""
+
+    block_n: int | None = None  # compressed tokens per tile: 16 for 3/4-bit keys, else 32
+    num_warps: int | None = None  # 1 for 3/4-bit keys, else 2
+    num_stages: int | None = None  # software pipelining of the tile loads: 2 for one-warp 3/4-bit programs, else 1
+    maxnreg: int | None = None  # register cap per thread, 0 for none: 128 for one-warp 3/4-bit programs
+    block_r: int = BLOCK_R  # recent-buffer tokens per step
+    num_splits: int | None = None  # splits per (sequence, KV head); None: from the SMs, one full wave
+    waves: float | None = None  # programs per SM the split count aims for; None: what the compiled kernel keeps
+    fused_reduce: bool = False  # merge the splits inside the decode launch (one launch per call: ~25 us less host
+    # time per eager call, but 2-38 % more device time in H200 run 6, so not the default)
+    fast_keys: bool = True  # score affine-codebook keys from index bit planes (off: the centroid lookup)
+    prmt_keys: bool = True  # 4-bit symmetric codebooks by byte permutes (off: the warp-shuffle gather)
+    fold_values: bool = True  # fold value scales into P, codes as subnormal planes (off: dequantize per element)
+    fuse_query: bool = True  # rotate the query inside the launch when it can (off: ``query_transform`` first)
+
+    def for_format(self, spec: PageSpec) -> "DecodeTuning":
+        """These knobs with every None that has a per-format default filled in (``num_splits``, ``waves`` stay)."""
+        wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
+        num_warps = self.num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
+        one_warp_wide = wide and num_warps == WIDE_NUM_WARPS
+        return replace(self, block_n=self.block_n or (WIDE_BLOCK_N if wide else BLOCK_N), num_warps=num_warps,
+                       maxnreg=self.maxnreg if self.maxnreg is not None else WIDE_MAXNREG if one_warp_wide else 0,
+                       num_stages=self.num_stages if self.num_stages is not None else
+                       WIDE_NUM_STAGES if one_warp_wide else NUM_STAGES)
 
 
-def _spec(layout, codec) -> tuple[PageSpec, dict]:
-    """PageSpec of (layout, codec) and its constexpr kwargs, computed once (the launcher runs every decode step)."""
-    key = (layout, codec.fmt, codec.head_dim, codec.raw_dtype)
-    if key not in _SPECS:
-        spec = PageSpec.of(layout, codec.raw_dtype)
-        _SPECS[key] = (spec, spec.constexprs())
-    return _SPECS[key]
+DEFAULT_TUNING = DecodeTuning()
 
 
 def value_subchunks(spec: PageSpec) -> tuple[int, int]:
-    """(coordinates per value sub-chunk, sub-chunks per chunk): a chunk is cut at value-group edges when it spans several."""
+    """(coordinates per value sub-chunk, sub-chunks per chunk): a chunk is cut at value-group edges when it spans
+    several."""
     if spec.VAL_MODE == VAL_GROUP and spec.VCW % spec.GROUP == 0 and spec.GROUP < spec.VCW:
         return spec.GROUP, spec.VCW // spec.GROUP
     return spec.VCW, 1
@@ -481,18 +638,22 @@ def fused_query(spec: PageSpec, codec) -> bool:
 class _DecodePlan:
     """Everything a decode launch needs that depends only on shapes, strides, format and knobs: computed once."""
 
-    __slots__ = ("codec", "consts", "fuse", "qt", "scale_qt", "grid", "reduce_grid", "splits", "ints", "floats",
-                 "kw", "key", "reduce_kw", "num_warps", "num_stages", "maxnreg", "po", "plse", "cnt", "fused_reduce",
-                 "rk_fallback")
+    __slots__ = ("codec", "consts", "tuning", "fuse", "qt", "scale_qt", "grid", "reduce_grid", "splits", "ints",
+                 "floats", "kw", "key", "reduce_kw", "po", "plse", "cnt", "fused_reduce", "rk_fallback")
+
+    def __repr__(self) -> str:
+        return (f"_DecodePlan(grid={self.grid}, splits={self.splits}, fused_reduce={self.fused_reduce}, "
+                f"fuse_query={self.fuse}, {self.tuning})")
 
 
 _PLANS: dict = {}
+_SERIAL = itertools.count()
 _DECODE = FastLauncher(_hybrid_decode_kernel)
 _REDUCE = FastLauncher(_decode_reduce_kernel)
 
 
-def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query, num_warps, num_stages,
-               waves, block_r, fused_reduce, maxnreg, prmt_keys) -> _DecodePlan:
+def _check_query(q: torch.Tensor, kv: PagedKV) -> None:
+    """Named errors for a query that does not fit ``kv``."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
     if q.dim() != 3:
@@ -503,22 +664,22 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     hkv = kv.num_kv_heads
     if d != kv.head_dim or bsz != kv.batch_size or hq % hkv:
         raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
-    spec, spec_kw = _spec(kv.layout, kv.codec)
+
+
+def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
+    _check_query(q, kv)
+    bsz, hq, d = q.shape
+    hkv = kv.num_kv_heads
+    spec, page = page_spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
-    fast_k, k_high = fast_key_planes(spec, consts, fast_keys)
+    tuning = tuning.for_format(spec)
+    fast_k, k_high = fast_key_planes(spec, consts, tuning.fast_keys)
     # 4-bit codebook keys, two codes per byte: byte-permute lookup (inline PTX: not under the CPU interpreter)
-    klut = (nibble_lut_asm(consts["codebook"].cpu()) if prmt_keys and not fast_k and not INTERPRET
+    klut = (nibble_lut_asm(consts["codebook"].cpu()) if tuning.prmt_keys and not fast_k and not INTERPRET
             and spec.KEY_MODE != KEY_RAW and spec.KB == 4 and spec.KW1 == 0 else None)
-    wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
-    block_n = block_n or (WIDE_BLOCK_N if wide else BLOCK_N)
-    num_warps = num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
-    if maxnreg is None:
-        maxnreg = WIDE_MAXNREG if wide and num_warps == WIDE_NUM_WARPS else 0
-    if num_stages is None:
-        num_stages = WIDE_NUM_STAGES if wide and num_warps == WIDE_NUM_WARPS else NUM_STAGES
     plan = _DecodePlan()
-    plan.codec, plan.consts = kv.codec, consts
-    plan.fuse = fuse_query and fused_query(spec, kv.codec)
+    plan.codec, plan.consts, plan.tuning = kv.codec, consts, tuning
+    plan.fuse = tuning.fuse_query and fused_query(spec, kv.codec)
     plan.scale_qt = scale * LOG2E
     plan.qt = workspace("qt_fused" if plan.fuse else "qt", (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
                         torch.float32, q.device)
@@ -527,10 +688,11 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
     # splits cut the virtual tokens [0, compressed capacity + ring capacity)
     capacity = kv.block_table.shape[1] * spec.BS + (0 if plan.rk_fallback else rk.shape[2])
-    splits = num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, waves or WAVES)
-    tokens_per_split = block_n  # the smallest split; the kernel sizes splits from each sequence's length
+    splits = tuning.num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n,
+                                                tuning.waves or WAVES)
+    tokens_per_split = tuning.block_n  # the smallest split; the kernel sizes splits from each sequence's length
     plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
-    plan.fused_reduce = fused_reduce and splits > 1
+    plan.fused_reduce = tuning.fused_reduce and splits > 1
     group_size = math.isqrt(splits - 1) + 1 if splits > 1 else 1  # ~sqrt(splits) splits per first-level group
     if splits > 1:
         plan.po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
@@ -542,29 +704,34 @@ def _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, f
     if plan.rk_fallback:
         rk = rv = q.unsqueeze(2)
     vsub, vsc = value_subchunks(spec)
-    fast_v = fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     ob, oh = (out.stride(0), out.stride(1)) if out is not None else (hq * d, d)
     plan.ints = (q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
                  rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
                  ob, oh, tokens_per_split, splits, group_size)
     plan.floats = (scale * LOG2E, scale * LOG2E / math.sqrt(d), kv.codec.qjl_scale, ka, kb_, kg, 0.0)
-    plan.kw = dict(HKV=hkv, G=g, GP=next_pow2(g), QW=plan.qt.shape[1], **spec_kw,
-                   KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VSUB=vsub,
-                   VSUBP=max(16, next_pow2(vsub)), VSC=vsc, NGP=max(16, next_pow2(spec.NG)),
-                   FAST_K=fast_k, K_HIGH=k_high, FAST_V=fast_v, FUSE_Q=plan.fuse, LOG2D=max(d, 1).bit_length() - 1,
-                   LUT_PRMT=klut is not None, KLUT=klut or "",
-                   BLOCK_N=block_n, BLOCK_R=block_r, SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce,
-                   SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), INTERP=INTERPRET)
+    cfg = DecodeConstexprs(
+        HKV=hkv, G=g, GP=next_pow2(g), QW=plan.qt.shape[1], KCWP=max(16, next_pow2(spec.KCW)),
+        CHP=max(16, next_pow2(spec.CH)), VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc,
+        NGP=max(16, next_pow2(spec.NG)), LOG2D=max(d, 1).bit_length() - 1, BLOCK_N=tuning.block_n,
+        BLOCK_R=tuning.block_r, SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), FAST_K=fast_k,
+        K_HIGH=k_high, LUT_PRMT=klut is not None, KLUT=klut or "",
+        FAST_V=tuning.fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0, FUSE_Q=plan.fuse,
+        SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce, INTERP=INTERPRET)
+    plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg))
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
-    plan.num_warps, plan.num_stages, plan.maxnreg = num_warps, num_stages, maxnreg or None
-    plan.key = (id(plan),)
-    if waves is None and num_splits is None and splits > 1:  # one full wave of the compiled kernel's programs
-        fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), block_n, _one_wave(plan, q, kv, rk, rv))
+    plan.key = (next(_SERIAL),)  # unique per plan (an id() could be reused by a later plan)
+    if tuning.waves is None and tuning.num_splits is None and splits > 1:  # one full wave of the compiled kernel
+        fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, _one_wave(plan, q, kv, rk, rv))
         if fit != splits:
-            return _make_plan(q, kv, scale, out, fit, block_n, fast_keys, fold_values, fuse_query, num_warps,
-                              num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
+            return _make_plan(q, kv, scale, out, replace(tuning, num_splits=fit))
     return plan
+
+
+def _launch_options(plan: _DecodePlan) -> dict:
+    """num_warps, num_stages, maxnreg (None: no cap) of the decode launch."""
+    t = plan.tuning
+    return dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg or None)
 
 
 def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
@@ -579,46 +746,36 @@ def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
     so the grid is one full wave for every format and head dim; WAVES without a GPU to load the kernel on."""
     if not q.is_cuda or INTERPRET:
         return WAVES
-    compiled = _DECODE.compile(plan.grid, _decode_args(plan, q, kv, rk, rv, q), plan.kw, num_warps=plan.num_warps,
-                               num_stages=plan.num_stages, maxnreg=plan.maxnreg)
+    compiled = _DECODE.compile(plan.grid, _decode_args(plan, q, kv, rk, rv, q), plan.kw, **_launch_options(plan))
     compiled.run  # noqa: B018  loads the binary: registers per thread are known from then on
-    return float(resident_programs(compiled, plan.num_warps, q.device))
+    return float(resident_programs(compiled, plan.tuning.num_warps, q.device))
+
+
+def _plan_key(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None, scale: float, tuning: DecodeTuning) -> tuple:
+    """What a decode plan depends on: the codec, every shape and stride the launch bakes in, the scale, the knobs."""
+    rk = kv.recent_k
+    return (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
+            kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
+            None if out is None else out.stride(), scale, tuning)
 
 
 def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
-                  out: torch.Tensor | None = None, num_splits: int | None = None,
-                  block_n: int | None = None, fast_keys: bool = True, fold_values: bool = True,
-                  fuse_query: bool = True, num_warps: int | None = None, num_stages: int | None = None,
-                  waves: float | None = None, block_r: int = BLOCK_R, fused_reduce: bool = False,
-                  maxnreg: int | None = None, prmt_keys: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, tuning: DecodeTuning = DEFAULT_TUNING) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
-    Launch knobs (``block_n``, ``num_warps``, ``num_stages``, ``block_r`` = recent-buffer tokens
-    per step, ``maxnreg`` = register cap per thread, 0 for none) default to the best of the H200 sweep for the format
-    (benchmarks/sweep_decode.py); ``waves`` = programs per SM the split count aims for (default: as many as the
-    compiled kernel keeps resident, one full wave); ``fused_reduce=True`` merges the splits inside the decode launch (one launch
-    per call: ~25 us less host time per eager call, but 2-38 % more device time in H200 run 6, so not the
-    default);
-    ``fast_keys``/``prmt_keys``/``fold_values``/``fuse_query`` switch the bit-plane key scores, the byte-permute
-    4-bit centroid lookup, the folded value path and the in-launch query rotation off (for tests and measurements). Results do not depend on them.
-
-    Same contract as ``attention.reference.paged_attention_decode`` (a sequence with nothing cached
-    gets zeros instead of an error, so padded CUDA-graph batches are safe). Everything that depends only on
-    shapes, strides and knobs is computed on the first call of a shape and cached (``_DecodePlan``), and
-    the kernels launch through ``FastLauncher``: an eager call costs a few µs of host time.
+    ``tuning``: launch knobs (``DecodeTuning``; defaults from the H200 sweep per format). Same contract as
+    ``attention.reference.paged_attention_decode`` (a sequence with nothing cached gets zeros instead of an error,
+    so padded CUDA-graph batches are safe). Everything that depends only on shapes, strides and knobs is computed on
+    the first call of a shape and cached (``_DecodePlan``), and the kernels launch through ``FastLauncher``: an eager
+    call costs a few µs of host time.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
-    rk = kv.recent_k
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    key = (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
-           kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
-           None if out is None else out.stride(), scale, num_splits, block_n, fast_keys, fold_values, fuse_query,
-           num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
+    key = _plan_key(q, kv, out, scale, tuning)
     plan = _PLANS.get(key)
     if plan is None or plan.codec is not kv.codec:
-        plan = _PLANS[key] = _make_plan(q, kv, scale, out, num_splits, block_n, fast_keys, fold_values, fuse_query,
-                                        num_warps, num_stages, waves, block_r, fused_reduce, maxnreg, prmt_keys)
+        plan = _PLANS[key] = _make_plan(q, kv, scale, out, tuning)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not plan.fuse:
@@ -630,8 +787,8 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     aligned = True if (q.data_ptr() | kv.pages.data_ptr() | kv.block_table.data_ptr() | kv.compressed_lens.data_ptr()
                        | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
                        | out.data_ptr()) % 16 == 0 else None
-    _DECODE(plan.grid, _decode_args(plan, q, kv, rk, rv, out), plan.kw, plan.key, num_warps=plan.num_warps,
-            num_stages=plan.num_stages, maxnreg=plan.maxnreg, aligned=aligned)
+    _DECODE(plan.grid, _decode_args(plan, q, kv, rk, rv, out), plan.kw, plan.key, aligned=aligned,
+            **_launch_options(plan))
     if plan.splits > 1 and not plan.fused_reduce:
         _REDUCE(plan.reduce_grid, (po, plse, out, out.stride(0), out.stride(1), plan.splits), plan.reduce_kw,
                 plan.key, num_warps=4, aligned=aligned)

@@ -24,6 +24,7 @@ Same contract as ``attention.reference.paged_attention_prefill``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,9 +32,9 @@ import triton.language as tl
 
 from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import INTERPRET, KEY_PROD, KEY_RAW, VAL_RAW, codec_constants, cuda_or_interpreter
-from ._tiles import K_PROD, K_RAW, V_RAW, centroid_lookup, field_tile, mma, online_softmax, run_bits
-from .hybrid_decode import LOG2E, _spec
+from ._common import INTERPRET, KEY_PROD, KEY_RAW, LOG2E, VAL_RAW, codec_constants, cuda_or_interpreter, page_spec
+from ._launch import FastLauncher
+from ._tiles import K_PROD, K_RAW, V_RAW, centroid_lookup, field_tile, load_norms, mma, online_softmax, run_bits
 from .query_transform import query_transform
 
 
@@ -46,30 +47,34 @@ def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
 
 
 @triton.jit
-def _norm(region, offn, nmask, NORM_F32: tl.constexpr):
-    """Per-token norms (fp32) at token offsets ``offn`` of a page region of fp32 or fp16 values."""
-    if NORM_F32:
-        x = tl.load((region + offn * 4).to(tl.pointer_type(tl.float32)), mask=nmask, other=0.0)
-    else:
-        x = tl.load((region + offn * 2).to(tl.pointer_type(tl.float16)), mask=nmask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _dequant_kernel(
-        pages_ptr, bt_ptr, clen_ptr, rlen_ptr, cb_ptr, wk_ptr, wv_ptr, s0, seg, T, ring, stride_bt, qjl_scale,
-        HKV: tl.constexpr, KW: tl.constexpr,
-        D: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, BS: tl.constexpr, PB: tl.constexpr,
-        KEY_MODE: tl.constexpr, KB: tl.constexpr, KW0: tl.constexpr, KW1: tl.constexpr, KW2: tl.constexpr,
-        KCW: tl.constexpr, KCH: tl.constexpr, OFF_KIDX: tl.constexpr, OFF_KSGN: tl.constexpr,
-        OFF_KNORM: tl.constexpr, OFF_KRNORM: tl.constexpr, OFF_KRAW: tl.constexpr, NORM_F32: tl.constexpr,
-        VAL_MODE: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
-        VCW: tl.constexpr, VCH: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
-        OFF_VCODES: tl.constexpr, OFF_VSCALE: tl.constexpr, OFF_VZERO: tl.constexpr, OFF_VRAW: tl.constexpr,
-        RAW_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+        # ---- pointers
+        pages_ptr,  # uint8 [blocks, HKV, PB]: the compressed pages
+        bt_ptr,  # int32 [B, table width]: block table
+        clen_ptr,  # int32 [B]: compressed tokens per sequence
+        rlen_ptr,  # int32 [B]: recent tokens per sequence
+        cb_ptr,  # fp32: key codebook
+        wk_ptr,  # [B * HKV, seg, KW]: key workspace
+        wv_ptr,  # [B * HKV, seg, DP]: value workspace
+        # ---- sizes, strides, scalars
+        s0,  # first token of this segment
+        seg,  # tokens per segment (workspace rows per (sequence, KV head))
+        T,  # chunk tokens
+        ring,  # the recent window R
+        stride_bt,
+        qjl_scale,  # sqrt(pi / 2) / D
+        # ---- compile time
+        HKV: tl.constexpr,  # KV heads
+        KW: tl.constexpr,  # workspace key row width: DP, or 2 DP for prod keys (signs at DP)
+        BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
+        BLOCK_T: tl.constexpr,  # tokens per program
+        PAGE: tl.constexpr):  # ``PageSpec`` bundle
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
     row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP),
     value [DP] (code * scale + zero); padding columns zero."""
+    D: tl.constexpr = PAGE.D
+    DP: tl.constexpr = PAGE.DP
+    CH: tl.constexpr = PAGE.CH
     pid_bh, pid_t = tl.program_id(0), tl.program_id(1)
     b = pid_bh // HKV
     h = pid_bh % HKV
@@ -77,41 +82,42 @@ def _dequant_kernel(
     cend = tl.minimum(tl.maximum(_window_lo(hist + T - 1, ring, BLOCK_WINDOW), 0), s0 + seg)
     n = s0 + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     if s0 + pid_t * BLOCK_T < cend:
-        RAW_T: tl.constexpr = tl.bfloat16 if RAW_BF16 else tl.float16
+        RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
         j = tl.arange(0, DP)[None, :]
         nmask = n < cend
-        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // BS, mask=nmask, other=0)
-        base = pages_ptr + (blk.to(tl.int64) * (HKV * PB) + h.to(tl.int64) * PB)  # [BLOCK_T] page of each token
-        offn = n % BS
+        blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // PAGE.BS, mask=nmask, other=0)
+        base = pages_ptr + (blk.to(tl.int64) * (HKV * PAGE.PB) + h.to(tl.int64) * PAGE.PB)  # [BLOCK_T] token pages
+        offn = n % PAGE.BS
         page = base[:, None]
         off = offn[:, None]
         tmask = nmask[:, None] & (j < D)
         row = (pid_bh.to(tl.int64) * seg + (n - s0).to(tl.int64))[:, None]
         kdst = wk_ptr + row * KW + j
-        if KEY_MODE == K_RAW:
-            kt = tl.load((page + OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        if PAGE.KEY_MODE == K_RAW:
+            kt = tl.load((page + PAGE.OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
         else:
-            code = field_tile(page + OFF_KIDX + off * (CH * KB), tmask, j, CH, KW0, KW1, KW2)
-            knorm = _norm(base + OFF_KNORM, offn, nmask, NORM_F32)
-            cent = centroid_lookup(code, cb_ptr, KB, 1).to(tl.float32)  # the rotated unit key
+            code = field_tile(page + PAGE.OFF_KIDX + off * (CH * PAGE.KB), tmask, j, CH, PAGE.KW0, PAGE.KW1, PAGE.KW2)
+            knorm = load_norms(base + PAGE.OFF_KNORM, offn, nmask, PAGE.NORM_F32)
+            cent = centroid_lookup(code, cb_ptr, PAGE.KB, 1).to(tl.float32)  # the rotated unit key
             kt = tl.where(j < D, cent * knorm[:, None], 0.0).to(tl.float16)
-            if KEY_MODE == K_PROD:  # qjl * ||r|| * signs as +-1, scored against S q
-                rnorm = _norm(base + OFF_KRNORM, offn, nmask, NORM_F32)
-                sgn = (2 * run_bits(page + OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float32)
+            if PAGE.KEY_MODE == K_PROD:  # qjl * ||r|| * signs as +-1, scored against S q
+                rnorm = load_norms(base + PAGE.OFF_KRNORM, offn, nmask, PAGE.NORM_F32)
+                sgn = (2 * run_bits(page + PAGE.OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float32)
                 ks = tl.where(j < D, sgn * (qjl_scale * rnorm)[:, None], 0.0)
                 tl.store(kdst + DP, ks.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
         tl.store(kdst, kt.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
-        if VAL_MODE == V_RAW:
-            vt = tl.load((page + OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        if PAGE.VAL_MODE == V_RAW:
+            vt = tl.load((page + PAGE.OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
         else:
-            code = field_tile(page + OFF_VCODES + off * (CH * VB), tmask, j, CH, VW0, VW1, VW2)
-            srow = (page + OFF_VSCALE + off * (2 * NG)).to(tl.pointer_type(tl.float16))
-            zrow = (page + OFF_VZERO + off * (2 * NG)).to(tl.pointer_type(tl.float16))
+            code = field_tile(page + PAGE.OFF_VCODES + off * (CH * PAGE.VB), tmask, j, CH, PAGE.VW0, PAGE.VW1,
+                              PAGE.VW2)
+            srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
+            zrow = (page + PAGE.OFF_VZERO + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
             rmask = nmask[:, None]
             vs = tl.load(srow, mask=rmask, other=0.0).to(tl.float32)
             vz = tl.load(zrow, mask=rmask, other=0.0).to(tl.float32)
-            for g in tl.static_range(1, NG):  # per-token scale / zero of each coordinate's group
-                sel = (j // GROUP) == g
+            for g in tl.static_range(1, PAGE.NG):  # per-token scale / zero of each coordinate's group
+                sel = (j // PAGE.GROUP) == g
                 vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
                 vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
             vt = tl.where(j < D, code.to(tl.float32) * vs + vz, 0.0)
@@ -176,13 +182,63 @@ def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.c
 
 @triton.jit
 def _prefill_kernel(
-        qt_ptr, q_ptr, k_ptr, v_ptr, wk_ptr, wv_ptr, st_acc_ptr, st_m_ptr, st_l_ptr, clen_ptr, rk_ptr, rv_ptr,
-        rlen_ptr, ridx_ptr, out_ptr, s0, seg, T, stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-        stride_vb, stride_vh, stride_vt, stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt,
-        stride_ob, stride_oh, stride_ot, scale_log2, ring,
-        HKV: tl.constexpr, G: tl.constexpr, QW: tl.constexpr, KW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-        PROD: tl.constexpr, KQ_BF16: tl.constexpr, BLOCK_WINDOW: tl.constexpr, LOAD_STATE: tl.constexpr,
-        FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+        # ---- pointers
+        qt_ptr,  # fp32 [B * Hq * T, QW]: transformed query rows (Pi q, S q) * scale * log2(e)
+        q_ptr,  # [B, Hq, T, D]: the chunk's queries (the exact part scores them raw)
+        k_ptr,  # [B, HKV, T, D]: the chunk's keys
+        v_ptr,  # [B, HKV, T, D]: the chunk's values
+        wk_ptr,  # [B * HKV, seg, KW]: dequantized keys of this segment (``_dequant_kernel``)
+        wv_ptr,  # [B * HKV, seg, DP]: dequantized values
+        st_acc_ptr,  # fp32 [rows, DP]: running output between segments
+        st_m_ptr,  # fp32 [rows]: running max
+        st_l_ptr,  # fp32 [rows]: running sum
+        clen_ptr,  # int32 [B]: compressed tokens per sequence
+        rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
+        rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
+        rlen_ptr,  # int32 [B]: recent tokens per sequence
+        ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
+        out_ptr,  # [B, Hq, T, D]: output
+        # ---- segment and chunk sizes
+        s0,  # first token of this segment
+        seg,  # tokens per segment
+        T,  # chunk tokens
+        # ---- strides (elements)
+        stride_qb,
+        stride_qh,
+        stride_qt,
+        stride_kb,
+        stride_kh,
+        stride_kt,
+        stride_vb,
+        stride_vh,
+        stride_vt,
+        stride_rkn,
+        stride_rkh,
+        stride_rkt,
+        stride_rvn,
+        stride_rvh,
+        stride_rvt,
+        stride_ob,
+        stride_oh,
+        stride_ot,
+        # ---- scalars
+        scale_log2,  # softmax scale * log2(e)
+        ring,  # the recent window R
+        # ---- compile time
+        HKV: tl.constexpr,  # KV heads
+        G: tl.constexpr,  # query heads per KV head
+        QW: tl.constexpr,  # transformed query row width (D, or 2 D with S q)
+        KW: tl.constexpr,  # workspace key row width (DP, or 2 DP for prod keys)
+        D: tl.constexpr,  # head dim
+        DP: tl.constexpr,  # head dim padded to a power of two
+        PROD: tl.constexpr,  # prod keys: a second score product against S q
+        KQ_BF16: tl.constexpr,  # raw bf16 keys: the query operand in bf16
+        BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
+        LOAD_STATE: tl.constexpr,  # start from the previous segment's running state
+        FINAL: tl.constexpr,  # last segment: the exact part and the output (else store the running state)
+        BLOCK_M: tl.constexpr,  # rows (token, query head) per program
+        BLOCK_N: tl.constexpr,  # tokens per tile
+        INTERP: tl.constexpr):  # Triton's CPU interpreter
     """Flash attention of BLOCK_M rows over workspace segment [s0, s0 + seg); ``FINAL``: then the exact part and the
     output, else the running state is stored; ``LOAD_STATE``: start from the previous segment's state."""
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -296,17 +352,25 @@ def workspace_segment(batch: int, num_kv_heads: int, row_bytes: int, capacity: i
     return max(block, min(fit, triton.cdiv(max(capacity, 1), block) * block))
 
 
-def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
-                    softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
-                    block_m: int | None = None, block_n: int = BLOCK_N, num_warps: int = NUM_WARPS,
-                    num_stages: int | None = None, workspace_tokens: int | None = None,
-                    max_tokens: int | None = None) -> torch.Tensor:
-    """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
-    rule; ``kv.pages`` already hold the chunk's compressed tokens). ``workspace_tokens``: tokens per (sequence, KV
-    head) dequantized at a time (default from ``WORKSPACE_BYTES``; rounded to the tile sizes). ``max_tokens``: a
-    host-side bound on every sequence's history + T (vLLM knows it), else the block table's capacity; it sizes the
-    workspace and the segment count, so it must not be too small. ``num_stages`` None: as many as fit
-    (``fit_stages``)."""
+@dataclass(frozen=True)
+class PrefillTuning:
+    """Launch knobs of ``chunked_prefill`` (results do not depend on them)."""
+
+    block_m: int | None = None  # rows (token, query head) per program; None: ``default_block_m``
+    block_n: int = BLOCK_N  # tokens per tile
+    num_warps: int = NUM_WARPS
+    num_stages: int | None = None  # None: as many as fit in shared memory (``fit_stages``)
+    workspace_tokens: int | None = None  # tokens per (sequence, KV head) dequantized at a time; None: from
+    # ``WORKSPACE_BYTES`` (rounded to the tile sizes)
+
+
+DEFAULT_TUNING = PrefillTuning()
+_DEQUANT = FastLauncher(_dequant_kernel)
+_PREFILL = FastLauncher(_prefill_kernel)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV) -> None:
+    """Named errors for a chunk that does not fit ``kv``."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -320,6 +384,19 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, T, {kv.head_dim}], got {tuple(q.shape)}")
     if k.shape != v.shape or k.shape != (bsz, hkv, t_len, d):
         raise ShapeError(f"k, v: expected [{bsz}, {hkv}, {t_len}, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
+
+
+def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
+                    softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
+                    max_tokens: int | None = None, tuning: PrefillTuning = DEFAULT_TUNING) -> torch.Tensor:
+    """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
+    rule; ``kv.pages`` already hold the chunk's compressed tokens). ``max_tokens``: a host-side bound on every
+    sequence's history + T (vLLM knows it), else the block table's capacity; it sizes the workspace and the segment
+    count, so it must not be too small. ``tuning``: launch knobs (``PrefillTuning``). Both kernels launch through
+    ``FastLauncher``."""
+    _check_inputs(q, k, v, kv)
+    bsz, hq, t_len, d = q.shape
+    hkv = kv.num_kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
@@ -327,7 +404,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         out = torch.empty_like(q)
     if t_len == 0:
         return out
-    spec, spec_kw = _spec(kv.layout, kv.codec)
+    spec, page = page_spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E)
@@ -337,11 +414,11 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
     block_window = kv.layout.fmt.block_window and ring > 0
-    block_m = block_m or default_block_m(d)
+    block_m, block_n = tuning.block_m or default_block_m(d), tuning.block_n
     dp, prod = spec.DP, spec.KEY_MODE == KEY_PROD
     raw_t = torch.bfloat16 if spec.RAW_BF16 else torch.float16
     kw = 2 * dp if prod else dp
-    num_stages = num_stages or fit_stages(block_m, block_n, kw, dp, rk.element_size())
+    num_stages = tuning.num_stages or fit_stages(block_m, block_n, kw, dp, rk.element_size())
     # workspace segments: the pages hold at most block-table width x block size tokens per sequence (a host-side
     # bound, no sync); programs past a sequence's compressed range exit at once
     capacity = kv.block_table.shape[1] * spec.BS
@@ -349,7 +426,7 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         capacity = min(capacity, max(int(max_tokens), 1))
     dq_tokens = DEQUANT_TOKENS if dp <= 128 else DEQUANT_TOKENS // 2
     step = max(block_n, dq_tokens)
-    seg = workspace_tokens or workspace_segment(bsz, hkv, 2 * (kw + dp), capacity, step)
+    seg = tuning.workspace_tokens or workspace_segment(bsz, hkv, 2 * (kw + dp), capacity, step)
     seg = triton.cdiv(seg, step) * step
     nseg = max(1, triton.cdiv(capacity, seg))
     wk = torch.empty(bsz * hkv, seg, kw, dtype=raw_t if spec.KEY_MODE == KEY_RAW else torch.float16,
@@ -364,19 +441,24 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         st_l = torch.empty_like(st_m)
     else:
         st_acc = st_m = st_l = out  # never read or written (FINAL, no LOAD_STATE)
+    dq_kw = dict(HKV=hkv, KW=kw, BLOCK_WINDOW=block_window, BLOCK_T=dq_tokens, PAGE=page)
+    dq_key = (spec, hkv, kw, block_window, dq_tokens)
+    kq_bf16 = spec.KEY_MODE == KEY_RAW and spec.RAW_BF16
     for i in range(nseg):
         s0 = i * seg
-        _dequant_kernel[(bsz * hkv, seg // dq_tokens)](
-            kv.pages, kv.block_table, kv.compressed_lens, kv.recent_lens, consts["codebook"], wk, wv, s0, seg, t_len,
-            ring, kv.block_table.stride(0), kv.codec.qjl_scale, HKV=hkv, KW=kw, **spec_kw, BLOCK_WINDOW=block_window,
-            BLOCK_T=dq_tokens, num_warps=4, num_stages=1)
-        _prefill_kernel[grid](
-            qt, q, k, v, wk, wv, st_acc, st_m, st_l, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
-            out, s0, seg, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0),
-            rv.stride(1), rv.stride(2), out.stride(0), out.stride(1), out.stride(2), scale * LOG2E, ring,
-            HKV=hkv, G=g, QW=qt.shape[1], KW=kw, D=d, DP=dp, PROD=prod,
-            KQ_BF16=spec.KEY_MODE == KEY_RAW and spec.RAW_BF16, BLOCK_WINDOW=block_window,
-            LOAD_STATE=i > 0, FINAL=i == nseg - 1, BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET,
-            num_warps=num_warps, num_stages=num_stages)
+        _DEQUANT((bsz * hkv, seg // dq_tokens),
+                 (kv.pages, kv.block_table, kv.compressed_lens, kv.recent_lens, consts["codebook"], wk, wv, s0, seg,
+                  t_len, ring, kv.block_table.stride(0), kv.codec.qjl_scale), dq_kw, dq_key, num_warps=4)
+        flags = (i > 0, i == nseg - 1)  # LOAD_STATE, FINAL
+        _PREFILL(grid,
+                 (qt, q, k, v, wk, wv, st_acc, st_m, st_l, kv.compressed_lens, rk, rv, kv.recent_lens,
+                  kv.recent_index, out, s0, seg, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
+                  k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), rk.stride(0), rk.stride(1),
+                  rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2), out.stride(0), out.stride(1),
+                  out.stride(2), scale * LOG2E, ring),
+                 dict(HKV=hkv, G=g, QW=qt.shape[1], KW=kw, D=d, DP=dp, PROD=prod, KQ_BF16=kq_bf16,
+                      BLOCK_WINDOW=block_window, LOAD_STATE=flags[0], FINAL=flags[1], BLOCK_M=block_m,
+                      BLOCK_N=block_n, INTERP=INTERPRET),
+                 (hkv, g, qt.shape[1], kw, d, dp, prod, kq_bf16, block_window, *flags, block_m, block_n),
+                 num_warps=tuning.num_warps, num_stages=num_stages)
     return out

@@ -18,9 +18,24 @@ from ._launch import FastLauncher
 
 
 @triton.jit
-def _query_transform_kernel(q_ptr, m_ptr, out_ptr, rows, heads, stride_qa, stride_qh, scale,
-                            D: tl.constexpr, DP: tl.constexpr, QW: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, PRECISION: tl.constexpr):
+def _query_transform_kernel(
+        # ---- pointers
+        q_ptr,  # [A, H, D]: queries (last dim contiguous)
+        m_ptr,  # fp32 [QW, D]: M = [Pi; S] (or Pi, or I)
+        out_ptr,  # fp32 [A * H, QW]: scale * q @ M^T
+        # ---- sizes, strides, scalars
+        rows,  # A * H
+        heads,  # H
+        stride_qa,
+        stride_qh,
+        scale,  # softmax scale * log2(e) (1 for raw scores)
+        # ---- compile time
+        D: tl.constexpr,  # head dim
+        DP: tl.constexpr,  # head dim padded to a power of two
+        QW: tl.constexpr,  # output row width
+        BLOCK_R: tl.constexpr,  # query rows per program
+        BLOCK_W: tl.constexpr,  # output columns per program
+        PRECISION: tl.constexpr):  # tl.dot input precision ("tf32x3"; "ieee" in the interpreter)
     # Each program: BLOCK_R query rows (row = a * heads + h) x BLOCK_W output columns.
     pid_r, pid_w = tl.program_id(0), tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)

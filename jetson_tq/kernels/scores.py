@@ -18,14 +18,33 @@ import triton.language as tl
 
 from ..codec.scores import check_scores_inputs
 from ._common import INTERPRET, cuda_or_interpreter, next_pow2
+from ._launch import FastLauncher
 from .query_transform import query_transform
 
 
 @triton.jit
-def _scores_kernel(qt_ptr, idx_ptr, sgn_ptr, gamma_ptr, cb_ptr, out_ptr, n_q, n_keys, n_codes,
-                   stride_is, stride_ss, stride_ob, qjl_scale,
-                   D: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _scores_kernel(
+        # ---- pointers
+        qt_ptr,  # fp32 [B, 2 D]: transformed queries (Pi q, S q)
+        idx_ptr,  # [S, D]: codebook indices (unpacked)
+        sgn_ptr,  # [S, D]: QJL signs (+-1)
+        gamma_ptr,  # [S]: residual norms
+        cb_ptr,  # fp32 [n_codes]: codebook
+        out_ptr,  # fp32 [B, S]: scores
+        # ---- sizes, strides, scalars
+        n_q,  # B
+        n_keys,  # S
+        n_codes,  # codebook entries (ids past it clamp)
+        stride_is,
+        stride_ss,
+        stride_ob,
+        qjl_scale,  # sqrt(pi / 2) / D
+        # ---- compile time
+        D: tl.constexpr,  # head dim
+        DP: tl.constexpr,  # head dim padded to a power of two
+        BLOCK_S: tl.constexpr,  # keys per program
+        BLOCK_B: tl.constexpr,  # queries per program
+        PRECISION: tl.constexpr):  # tl.dot input precision ("tf32x3"; "ieee" in the interpreter)
     # Each program: BLOCK_S keys x BLOCK_B queries; scores are computed transposed, [keys, queries].
     pid_s, pid_b = tl.program_id(0), tl.program_id(1)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -47,6 +66,7 @@ def _scores_kernel(qt_ptr, idx_ptr, sgn_ptr, gamma_ptr, cb_ptr, out_ptr, n_q, n_
 
 
 BLOCK_S = 64
+_LAUNCH = FastLauncher(_scores_kernel)
 
 
 def turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, *, out: torch.Tensor | None = None,
@@ -66,9 +86,10 @@ def turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, *,
     qjl_signs = qjl_signs if qjl_signs.stride(-1) == 1 else qjl_signs.contiguous()
     block_b = min(64, max(16, next_pow2(b)))
     grid = (triton.cdiv(s, block_s), triton.cdiv(b, block_b))
-    _scores_kernel[grid](qt, K_idx, qjl_signs, gamma.contiguous(), codebook.float().contiguous(), out,
-                         b, s, codebook.shape[0], K_idx.stride(0), qjl_signs.stride(0), out.stride(0),
-                         math.sqrt(math.pi / 2) / d, D=d, DP=max(16, next_pow2(d)), BLOCK_S=block_s,
-                         BLOCK_B=block_b, PRECISION="ieee" if INTERPRET else "tf32x3", num_warps=num_warps)
+    precision = "ieee" if INTERPRET else "tf32x3"
+    _LAUNCH(grid, (qt, K_idx, qjl_signs, gamma.contiguous(), codebook.float().contiguous(), out, b, s,
+                   codebook.shape[0], K_idx.stride(0), qjl_signs.stride(0), out.stride(0), math.sqrt(math.pi / 2) / d),
+            dict(D=d, DP=max(16, next_pow2(d)), BLOCK_S=block_s, BLOCK_B=block_b, PRECISION=precision),
+            (d, block_s, block_b, precision), num_warps=num_warps)
     return out
 

@@ -74,6 +74,11 @@ def model_spec_from_dict(raw: dict, where: str = "model") -> ModelSpec:
         value = raw[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}: {key}: expected an integer >= 1, got {value!r}")
+    for key in ("name", *_OPTIONAL):
+        want = bool if isinstance(_OPTIONAL.get(key, ""), bool) else str
+        if key in raw and not isinstance(raw[key], want):
+            raise ConfigError(f"{where}: {key}: expected {'true or false' if want is bool else 'a string'}, got "
+                              f"{type(raw[key]).__name__} {raw[key]!r}")
     if raw["num_attention_heads"] % raw["num_kv_heads"]:
         raise ConfigError(f"{where}: num_attention_heads {raw['num_attention_heads']} is not a multiple of "
                           f"num_kv_heads {raw['num_kv_heads']}")

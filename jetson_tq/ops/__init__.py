@@ -15,6 +15,7 @@ from ..codec.kv import KVCodec
 from ..codec.scores import turboquant_scores_reference
 from ..format import PagedLayout
 from ..paged import PagedKV, append_rows_reference, write_slots
+from ..validate import StoreLimits, store_fault_code
 from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
 __all__ = ["BACKENDS", "ENV_VAR", "configured", "resolve", "graph_safe", "append_rows", "write", "decode", "prefill",
@@ -27,24 +28,33 @@ WRITE_CHUNK_ELEMENTS = 1 << 18
 def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
                 comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
                 stage: bool = True, commit: bool = True, block_window: bool = False,
-                backend: str | None = None) -> torch.Tensor | None:
-    """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``)."""
+                backend: str | None = None, guard: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``);
+    ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit."""
     if resolve(k.device, None, backend) == "triton":
         from ..kernels.append import append_rows as kernel
 
-        return kernel(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window)
+        return kernel(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window,
+                      guard)
     return append_rows_reference(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit,
-                                 block_window)
+                                 block_window, guard)
 
 
 def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout,
-          codec: KVCodec, backend: str | None = None) -> None:
-    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads)."""
+          codec: KVCodec, backend: str | None = None, fault: torch.Tensor | None = None,
+          limits: StoreLimits | None = None) -> None:
+    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads).
+
+    ``fault`` (int64 [2]) with ``limits``: also check the tokens against ``limits`` (``validate.check_kv_storable``'s
+    bounds) and keep the smallest store fault code in fault[0] unless fault[1] (closed) is set — on the device
+    inside the compress-on-write kernel (no host sync), or ``validate.store_fault_code`` on the reference path."""
     if resolve(k.device, layout, backend) == "triton":
         from ..kernels.compress_write import compress_write
 
-        compress_write(k, v, slots, pages, layout, codec)
+        compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits)
         return
+    if fault is not None and int(fault[1]) == 0:
+        fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))
     step = max(1, WRITE_CHUNK_ELEMENTS // max(1, k.shape[1] * k.shape[2]))
     for i in range(0, k.shape[0], step):
         write_slots(pages, layout, slots[i : i + step], codec.encode(k[i : i + step], v[i : i + step]))

@@ -21,7 +21,7 @@ from pathlib import Path
 KINDS = ("thor", "orin", "jetson", "cuda-dgpu", "cpu")
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
-#: L4T release -> JetPack version (../shared/FIELD_NOTES.md; NVIDIA's JetPack archive).
+#: L4T release -> JetPack version (NVIDIA's JetPack archive).
 _JETPACK_EXACT = {"38.2": "7.0", "38.4": "7.1", "36.4.0": "6.1", "36.4.3": "6.2", "36.4.4": "6.2.1",
                   "36.3": "6.0", "36.2": "6.0 DP"}
 #: Compute capability of the Jetson GPUs, used when torch cannot tell (no CUDA build in a venv).

@@ -1,7 +1,7 @@
 """Which container image (and GPU flags) each platform gets, and whether it can run vLLM.
 
 This mirrors the platform pick in ``run_jetson.sh`` (the shell must work on a bare Jetson host
-without our venv); ``tests/test_launcher.py`` checks that both agree on every fixture board.
+without our venv); ``tests/cli/test_launcher.py`` checks that both agree on every fixture board.
 
 - Thor (L4T r38/r39, JetPack 7.x) and Orin on JetPack 7.2 (r39): our CUDA 13 image built from
   ``docker/Dockerfile`` (aarch64: torch 2.11, vllm 0.26.0, TRITON_PTXAS_PATH for sm_110), ``--runtime nvidia``.

@@ -25,6 +25,7 @@ from ..cache.compressed import CompressedKVCache
 from ..config import TurboQuantConfig
 from ..format import FP16_FORMAT, KVFormat
 from ..models.specs import ModelSpec
+from ..validate import check_allocatable
 
 #: Field name -> report category (unknown future fields land in "other").
 CATEGORIES = {"key_idx": "indices", "val_codes": "indices", "val_idx": "indices", "key_signs": "signs",
@@ -166,6 +167,9 @@ def measure_cache(fmt: KVFormat, num_kv_heads: int, head_dim: int, tokens: int, 
     tokens = max(tokens, fmt.buffer_capacity)
     element_bytes = torch.empty((), dtype=dtype).element_size()
     formula = fmt.sequence_bytes(tokens, head_dim, element_bytes) * num_kv_heads
+    inputs = 2 * num_kv_heads * tokens * head_dim * (4 + element_bytes)  # float32 randn K/V and their device copies
+    check_allocatable(f"measuring a cache of {tokens:,} tokens ({num_kv_heads} KV heads, head_dim {head_dim}): random "
+                      f"K/V {human_bytes(inputs)} + the cache {human_bytes(formula)}", inputs + formula, device)
     g = torch.Generator(device="cpu").manual_seed(seed)
     k = torch.randn(num_kv_heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(num_kv_heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype)

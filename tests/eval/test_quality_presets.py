@@ -14,7 +14,7 @@ import torch
 from jetson_tq.config import DEFAULT_PRESET, load_config
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import text_by_name
-from jetson_tq.reports import fidelity as F
+from jetson_tq.eval import fidelity as F
 
 FIVE_X = "mse_k3v3w256"
 pytestmark = pytest.mark.slow

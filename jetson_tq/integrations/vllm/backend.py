@@ -39,13 +39,15 @@ from ...format import KVFormat, PagedLayout, exact_count
 from ... import ops
 from . import hooks
 from .settings import active_config, preferred_block_size
-from .spec import UnsupportedModelError, check_architecture, layer_format, layer_index, layout_for, make_spec
+from .spec import (LayerFacts, UnsupportedModelError, layer_format, layer_index, layout_for, layout_of_spec,
+                   make_spec, stock_reason)
 
 BACKEND_PATH = "jetson_tq.integrations.vllm.backend.TurboQuantAttentionBackend"
 
 
 def registered_name() -> str:
-    """The AttentionBackendEnum member the plugin overrides on this platform (CPU_ATTN on CPU, CUSTOM else)."""
+    """The AttentionBackendEnum name this backend reports (CPU_ATTN on CPU, CUSTOM else): vLLM looks the layer's
+    backend up by name; on CUDA the plugin registers CUSTOM as this class."""
     from vllm.platforms import current_platform
 
     return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
@@ -189,6 +191,17 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             dec_compressed_lens=self._comp[:nd], dec_recent_lens=self._rec[:nd])
 
 
+def _max_model_len() -> int | None:
+    """max_model_len of the engine being built (None outside one: then any sliding window is refused)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        model_config = get_current_vllm_config().model_config
+    except AssertionError:  # vLLM 0.27 asserts when no config is set (a layer built outside an engine)
+        return None
+    return None if model_config is None else int(model_config.max_model_len)
+
+
 class TurboQuantAttentionImpl(AttentionImpl):
     """Writes compressed K/V into vLLM's pages and attends over them (one layer)."""
 
@@ -199,20 +212,17 @@ class TurboQuantAttentionImpl(AttentionImpl):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  **extra) -> None:
-        refused = {
-            "attn_type": attn_type if attn_type != AttentionType.DECODER else None,
-            "alibi_slopes": "set" if alibi_slopes is not None else None,
-            "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap if logits_soft_cap else None,
-            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
-            "kv_cache_dtype": kv_cache_dtype if kv_cache_dtype != "auto" else None,
-            **{k: "set" for k, v in extra.items() if v is not None and v is not False},
-        }
-        refused = {k: v for k, v in refused.items() if v is not None}
-        if refused:
-            raise UnsupportedModelError(
-                f"jetson-tq's vLLM backend supports causal decoder attention with kv_cache_dtype 'auto' and no "
-                f"sliding window / ALiBi / soft cap / sinks / KV sharing; this layer has {refused}")
+        facts = LayerFacts(name="", head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
+                           attn_type=str(getattr(attn_type, "value", attn_type)), sliding_window=sliding_window,
+                           logits_soft_cap=logits_soft_cap or None, alibi=alibi_slopes is not None,
+                           sinks=extra.get("sinks") is not None, kv_sharing_target=kv_sharing_target_layer_name,
+                           kv_cache_dtype=kv_cache_dtype,
+                           extra=tuple(sorted(k for k, v in extra.items() if k != "sinks" and v not in (None, False))))
+        why = stock_reason(facts, _max_model_len() if sliding_window is not None else None)
+        if why is None and kv_cache_dtype != "auto":
+            why = f"kv_cache_dtype {kv_cache_dtype!r} (the TurboQuant pages are the KV cache format)"
+        if why:  # the Attention.__init__ wrap gives such layers stock attention; this backend was forced on one
+            raise UnsupportedModelError(f"jetson-tq's vLLM backend cannot serve this layer: {why}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
@@ -222,6 +232,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.layer_name: str | None = None
         self.fmt: KVFormat | None = None
+        self.index: int | None = None
         self.layout: PagedLayout | None = None
         self.codec: KVCodec | None = None
         self.recent_k: torch.Tensor | None = None
@@ -229,31 +240,43 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self._checked_pages = False
 
     # ---------------------------------------------------------------- startup
-    def configure(self, layer_name: str, vllm_config: VllmConfig, block_size: int) -> None:
-        """Pick this layer's format from the active config (idempotent; named errors for misfits)."""
-        if self.layer_name == layer_name and self.layout is not None and self.layout.block_size == block_size:
-            return
+    def pick_format(self, layer_name: str, vllm_config: VllmConfig) -> tuple[KVFormat, int]:
+        """(format, layer index) of this layer under the active config (named errors for misfits)."""
         model_config = vllm_config.model_config
-        check_architecture(getattr(model_config, "architectures", None))
         if vllm_config.speculative_config is not None:
             raise UnsupportedPlatformError("jetson-tq's vLLM backend does not support speculative decoding yet")
         num_layers = int(model_config.hf_text_config.num_hidden_layers)
         index = layer_index(layer_name)
-        self.set_format(layer_format(active_config(), index, num_layers, self.head_size), index, block_size,
-                        model_config.dtype)
+        return layer_format(active_config(), index, num_layers, self.head_size), index
+
+    def configure(self, layer_name: str, vllm_config: VllmConfig) -> None:
+        """Give this layer its format and page (block size, padding: ``hooks.model_plan``); idempotent."""
+        if self.layer_name == layer_name and self.layout is not None:
+            return
+        fmt, index = self.pick_format(layer_name, vllm_config)
+        block_size, page_stride = hooks.model_plan(vllm_config)[layer_name]
+        self.set_format(fmt, index, block_size, vllm_config.model_config.dtype, page_stride)
         self.layer_name = layer_name
 
-    def set_format(self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype) -> None:
+    def set_format(self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype,
+                   page_stride: int = 0) -> None:
         """Use ``fmt`` for this layer (codec seeded per layer index; raw fields in the model's 16-bit dtype)."""
-        self.layout = layout_for(fmt, self.head_size, block_size)
+        self.layout = layout_for(fmt, self.head_size, block_size, page_stride)
         raw = model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.codec = KVCodec(fmt, self.head_size, seed=derive_seed(fmt.seed, index), raw_dtype=raw)
         self.fmt = fmt
+        self.index = index
         self._checked_pages = False
 
-    def kv_cache_spec(self, block_size: int):
+    def adopt(self, spec) -> None:
+        """Take the page vLLM finally grouped this layer with (it may scale the block size of a spec)."""
+        layout = layout_of_spec(spec, self.head_size)
+        if layout != self.layout:
+            self.set_format(self.fmt, self.index, layout.block_size, self.codec.raw_dtype, layout.page_stride)
+
+    def kv_cache_spec(self):
         """The spec vLLM sizes this layer's cache from."""
-        return make_spec(block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
+        return make_spec(self.layout.block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
 
     def recent_pool_shape(self, rows: int) -> tuple[int, int, int, int]:
         """[rows + 1 scratch, H, R, D]."""

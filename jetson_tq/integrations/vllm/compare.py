@@ -58,7 +58,7 @@ def default_prompts(count: int = 4, chars: int = 1600) -> list[str]:
 def resolve_model(name: str) -> tuple[str, str]:
     """(path or hub id, dtype) for 'smollm2', 'tiny', a configs/models name, a directory or a hub id."""
     if name == "tiny":
-        from .tiny_model import make_tiny_llama
+        from ...models.tiny import make_tiny_llama
 
         out = Path(os.environ.get("JETSON_TQ_CACHE", Path.home() / ".cache" / "jetson_tq")) / "tiny_llama_6l"
         if not (out / "model.safetensors").exists():
@@ -94,13 +94,17 @@ def run_engine(job: dict) -> dict:
     """Run one vLLM engine in THIS process (env already set) and return its numbers."""
     from vllm import LLM, SamplingParams
 
+    from .hooks import LAST_DECISIONS
+
+    LAST_DECISIONS.clear()  # filled again when this engine builds its model (in-process)
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
               max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
               seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
               tensor_parallel_size=job.get("tensor_parallel_size", 1),
-              **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}))
+              **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}),
+              **{k: job[k] for k in ("load_format", "hf_overrides", "attention_config", "kv_cache_dtype") if k in job})
     init_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                             logprobs=2 if job.get("logprobs") else None)  # the top two: greedy margins
@@ -126,9 +130,17 @@ def run_engine(job: dict) -> dict:
         "prefix_cache_queries": counters["vllm:prefix_cache_queries"],
         "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
+        "layers": _layer_decisions(),
         "outputs": [_output(o) for o in outs],
         "groups": [[_output(o) for o in run] for run in runs],
     }
+
+
+def _layer_decisions() -> dict[str, str | None] | None:
+    """Layer name -> None (compressed) or why stock, when the model was built in this process (in-process mode)."""
+    from .hooks import LAST_DECISIONS
+
+    return dict(LAST_DECISIONS) if LAST_DECISIONS else None
 
 
 def _output(o) -> dict:
@@ -145,6 +157,48 @@ def engine_counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
     except Exception:
         return dict.fromkeys(names)
     return {name: sum(int(getattr(m, "value", 0)) for m in metrics if m.name == name) for name in names}
+
+
+def run_engines_here(jobs: dict[str, dict], out: Path) -> None:
+    """Run several engines one after another in THIS process (vLLM imported once, in-process engines); each job's
+    result, or its error as {"error": ...}, is written to ``out`` (JSON, name -> result) as soon as it ends."""
+    import gc
+    import traceback
+
+    results: dict[str, dict] = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = run_engine(job)
+        except Exception as e:  # noqa: BLE001 - one model's failure is that model's result
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()  # the next engine builds its own parallel groups (e.g. expert parallel for MoE)
+        out.write_text(json.dumps(results))
+
+
+def run_engines_in_one_process(jobs: dict[str, dict], tq_config: str | None, env: dict | None = None,
+                               timeout: float = 1800) -> dict[str, dict]:
+    """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs)."""
+    child_env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    child_env.pop("JETSON_TQ_CONFIG", None)
+    if tq_config:
+        child_env["JETSON_TQ_CONFIG"] = tq_config
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
+        jobs_path.write_text(json.dumps(jobs))
+        proc = subprocess.run([sys.executable, "-m", "jetson_tq.integrations.vllm.compare", "--worker-many",
+                               str(jobs_path), str(out_path)], env=child_env, capture_output=True, text=True,
+                              timeout=timeout)
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not out_path.exists():
+            raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
+        results = json.loads(out_path.read_text())
+    for r in results.values():
+        r["log_tail"] = log[-3000:]
+    return results
 
 
 def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
@@ -168,16 +222,6 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
     result["log_tail"] = log[-3000:]
     return result
-
-
-def run_engines_side_by_side(runs: dict[str, tuple[dict, str | None]], env: dict | None = None,
-                             timeout: float = 900) -> dict[str, dict]:
-    """name -> (job, config) run by ``run_engine_subprocess`` at once (independent processes: start-ups overlap)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, len(runs))) as pool:
-        futures = {name: pool.submit(run_engine_subprocess, job, cfg, env, timeout) for name, (job, cfg) in runs.items()}
-        return {name: f.result() for name, f in futures.items()}
 
 
 OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")    # e.g. jetson_tq.errors.ConfigError: ...
@@ -308,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)")
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-many", nargs=2, metavar=("JOBS", "OUT"), help=argparse.SUPPRESS)
     return p
 
 
@@ -350,16 +395,23 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(Path(args.worker[0]).read_text())
         Path(args.worker[1]).write_text(json.dumps(run_engine(job)))
         return 0
+    if args.worker_many:
+        run_engines_here(json.loads(Path(args.worker_many[0]).read_text()), Path(args.worker_many[1]))
+        return 0
     check_args(args)
     import torch
 
     on_gpu = torch.cuda.is_available()
+    from ...validate import check_allocatable
+
+    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
+    check_allocatable(f"--kv-mib {kv_mib} (the KV budget of each engine)", kv_mib * 2**20,
+                      torch.device("cuda" if on_gpu else "cpu"))
     name = args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2")
     model, dtype = resolve_model(name)
     shape = model_shape(model) or model_shape(name)
     if shape is not None:  # the config must fit the model before the baseline engine runs
         load_config(args.config).check_model(*shape)
-    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
     job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
            "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
            "prompts": args.prompt or default_prompts(), "tensor_parallel_size": args.tensor_parallel_size}

@@ -1,0 +1,102 @@
+"""``CompressedKVCache(validate=True)`` on the kernel path: the compress-on-write kernel checks the K/V itself and
+records the first fault on the device; the append's commit is skipped there, so a refused append stores nothing and
+costs no host sync; the named error comes at the next call, at ``check()``, or at once from ``stage``.
+
+On CPU these run the kernels through Triton's interpreter (``JETSON_TQ_BACKEND=triton`` in the interpreter child).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from jetson_tq.api import attention_decode, attention_prefill
+from jetson_tq.cache.compressed import CompressedKVCache
+from jetson_tq.errors import ValueRangeError
+from jetson_tq.format import KVFormat
+
+pytestmark = pytest.mark.kernel
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+D, H, B = 64, 2, 2
+FMT = KVFormat(buffer_tokens=4)  # the default preset's bits (mse_k4v3), a 4-token exact ring
+
+
+@pytest.fixture(autouse=True)
+def _kernel_path(monkeypatch):
+    """The Triton kernels also on CPU tensors (the interpreter), so the device-side checks are what runs."""
+    if not GPU:
+        monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
+
+
+def _kv(t: int, seed: int, dtype=torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, t, D, generator=g).to(dtype).to(DEVICE),
+            torch.randn(B, H, t, D, generator=g).to(dtype).to(DEVICE))
+
+
+def _settle() -> None:
+    """Let the device finish (its fault snapshot is then on the host for the next call to read)."""
+    if GPU:
+        torch.cuda.synchronize()
+
+
+def test_a_refused_append_stores_nothing_and_raises_at_the_next_call():
+    cache = CompressedKVCache(FMT, H, D, B, device=DEVICE)
+    assert cache._device_checks()
+    cache.append(*_kv(6, 0))
+    ring = cache.ring_k.clone()
+    k, v = _kv(3, 1)
+    k[1, 0, 2, 5] = math.nan
+    cache.append(k, v)  # no host sync: the kernel records the fault, the commit is skipped on the device
+    _settle()
+    with pytest.raises(ValueRangeError) as e:
+        cache.append(*_kv(1, 2))  # the next call raises the earlier refusal, before doing anything
+    msg = str(e.value)
+    assert "k: expected finite values, got nan at sequence 1, KV head 0, position 8, coordinate 5" in msg, msg
+    assert "was not stored" in msg, msg
+    assert cache.lengths.tolist() == [6, 6]
+    assert torch.equal(cache.ring_k, ring)  # the ring copy of the refused tokens was skipped too
+    assert bool(torch.isfinite(attention_decode(torch.randn(B, 4, D).to(DEVICE), cache)).all())
+    cache.append(*_kv(1, 3))  # the cache goes on from where it was
+    assert cache.lengths.tolist() == [7, 7]
+
+
+def test_check_raises_now_and_overflow_names_the_bound():
+    cache = CompressedKVCache(FMT, H, D, B, device=DEVICE, dtype=torch.float16)
+    cache.append(*_kv(2, 0))
+    k, v = _kv(2, 4, torch.float32)
+    k[0, 1, 1] = 7e4  # fp32 input into an fp16 cache: the ring would hold inf
+    cache.append(k, v)
+    with pytest.raises(ValueRangeError) as e:
+        cache.check()
+    msg = str(e.value)
+    assert "k: expected |value| <= 65504" in msg and "sequence 0, KV head 1, position 3" in msg, msg
+    cache.check()  # raised once: the record is clear again
+    assert cache.lengths.tolist() == [2, 2]
+
+
+def test_stage_raises_before_prefill_reads_the_chunk():
+    """``stage`` (prefill's write of the chunk) raises before returning: attention never reads a refused chunk."""
+    cache = CompressedKVCache(FMT, H, D, B, device=DEVICE)
+    cache.append(*_kv(5, 0))
+    k, v = _kv(4, 5)
+    v[0, 0, 3, 7] = -math.inf
+    with pytest.raises(ValueRangeError, match="v: expected finite values, got -inf at sequence 0, KV head 0, "
+                                              "position 8, coordinate 7"):
+        cache.stage(k, v)
+    assert cache.lengths.tolist() == [5, 5]
+    out = attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), *_kv(4, 6), cache)  # the cache is usable
+    assert bool(torch.isfinite(out).all()) and cache.lengths.tolist() == [9, 9]
+
+
+def test_validate_false_records_nothing():
+    cache = CompressedKVCache(FMT, H, D, B, device=DEVICE, validate=False)
+    k, v = _kv(3, 6)
+    k[0, 0, 0, 0] = math.nan
+    cache.append(k, v)
+    cache.check()
+    assert cache.lengths.tolist() == [3, 3]
