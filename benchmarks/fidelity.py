@@ -3,7 +3,11 @@
     .venv/bin/python benchmarks/fidelity.py                      # full run (~25 min on 2 CPU cores)
     .venv/bin/python benchmarks/fidelity.py --quick              # a 2-minute smoke run
     .venv/bin/python benchmarks/fidelity.py --rows mse_k3v2,fp8  # a subset of rows
+    .venv/bin/python benchmarks/fidelity.py --text opticks --rows mse_k4v3,k3v3g128_b256  # rows by their format
+    .venv/bin/python benchmarks/fidelity.py --frontier out/essays,out/opticks --mark mse_k4v3 --out docs  # the plot
 
+``--text`` picks the held-out text (essays or Newton's Opticks), ``--offset`` its first token; a row named
+``k<bits>v<bits>g<group>|m[_b|_s<R>][_c][_e<S>]`` is built from its features (``SPEC_ROW``).
 Writes ``<out>/fidelity.json`` (after every phase), ``<out>/fidelity.md`` (tables) and
 ``<out>/fidelity_ppl_vs_bytes.png`` (PPL vs bytes per token, one series per family).
 Rows, probes and sizes are defined here; the probes live in ``jetson_tq.eval.fidelity``.

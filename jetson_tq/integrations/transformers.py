@@ -254,7 +254,11 @@ class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
     def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
-                 backend: str | None = None, enable: bool = True, centers=None, sink_tokens: int = 0) -> None:
+                 backend: str | None = None, enable: bool = True,
+                 centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, sink_tokens: int = 0) -> None:
+        """``centers``: per-layer (key, value) offsets [H, D] subtracted from every stored token (exact under the
+        softmax; the value offset is added back) and ``sink_tokens``: the first positions read exactly (cpu-decoded
+        backend only) are the measurement levers of docs/fidelity.md "Quality at 5x", not served by the kernels."""
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config

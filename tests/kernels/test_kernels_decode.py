@@ -34,6 +34,7 @@ SMALL = [
     ("mse_k3v2", 64, 4, [45], [6]),
     ("mse_k4v3", 128, 4, [60, 8], [5, 0]),  # the default preset: 4-bit indices, 3-bit values (2+1 runs)
     ("mse_k4v3u", 64, 4, [50, 0], [3, 4]),  # uniform 4-bit keys: one index plane per 4*CH coordinates
+    ("mse_k3v3w256", 128, 4, [40, 3], [200, 0]),  # the 5x preset: one value group per token, a 256-row ring
     ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
 ]
 LARGE = [
@@ -51,6 +52,7 @@ LARGE = [
     ("mse_k4v3", 64, 3, [1000], [1]),
     ("mse_k4v3u", 128, 4, [3000, 40], [128, 7]),
     ("mse_k4v3u", 64, 3, [1000], [1]),
+    ("mse_k3v3w256", 128, 4, [3000, 40], [256, 7]),
     ("fp16", 128, 4, [500, 1], [0, 1]),
 ]
 CASES = LARGE if GPU else SMALL
