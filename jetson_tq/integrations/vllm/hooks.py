@@ -128,9 +128,7 @@ def _init_wrap(original):
         model_config = vllm_config.model_config
         why = stock_reason(facts, model_config.max_model_len if model_config is not None else None)
         if why is None:
-            from .backend import TurboQuantAttentionBackend
-
-            bound.arguments["attn_backend"] = TurboQuantAttentionBackend
+            bound.arguments["attn_backend"] = _BACKEND[0]
         original(*bound.args, **bound.kwargs)
         setattr(self, STOCK_ATTR, why)
     return __init__
@@ -383,8 +381,14 @@ def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
     return None
 
 
-def install() -> None:
-    """Install every wrap (idempotent)."""
+#: the attention backend class compressed layers get (given by ``install``: this module does not import the backend,
+#: which imports it)
+_BACKEND: list[type] = []
+
+
+def install(backend: type) -> None:
+    """Install every wrap (idempotent); layers the backend reproduces get ``backend``."""
+    _BACKEND[:] = [backend]
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

@@ -53,12 +53,12 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import hooks
-    from .backend import BACKEND_PATH, registered_name
+    from .backend import BACKEND_PATH, TurboQuantAttentionBackend, registered_name
 
     name = registered_name()
     if name == "CUSTOM":  # vLLM resolves a layer's backend by name; CPU_ATTN stays the stock CPU backend
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
-    hooks.install()
+    hooks.install(TurboQuantAttentionBackend)
     settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
         name, ops.configured())

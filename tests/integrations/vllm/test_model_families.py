@@ -24,7 +24,7 @@ pytest.importorskip("vllm")
 
 from jetson_tq.integrations.vllm.compare import (  # noqa: E402
     run_engines_in_one_process, run_engines_side_by_side, token_agreement)
-from jetson_tq.integrations.vllm.tiny_model import WORDS, make_tiny_llama  # noqa: E402
+from jetson_tq.models.tiny import WORDS, make_tiny_llama  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
 import models  # noqa: E402
