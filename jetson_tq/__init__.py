@@ -16,18 +16,49 @@ from .codec.prod import ProdCode, TurboQuantProd
 from .codec.rotation import Rotation, qjl_matrix
 from .codec.values import GroupCode, GroupQuantizer
 from .config import TurboQuantConfig, load_config, preset_names
-from .errors import (ConfigError, DeviceError, DTypeError, FormatError, JetsonTQError, ShapeError,
-                     UnsupportedPlatformError)
+from .errors import (
+    ConfigError,
+    DeviceError,
+    DTypeError,
+    FormatError,
+    JetsonTQError,
+    ShapeError,
+    UnsupportedPlatformError,
+)
 from .format import FP16_FORMAT, KVFormat, PagedLayout, fp16_bytes_per_token
-
 from .version import __version__
 
 __all__ = [
-    "KVFormat", "PagedLayout", "FP16_FORMAT", "fp16_bytes_per_token",
-    "lloyd_max_codebook", "lloyd_max_mse", "Rotation", "qjl_matrix", "pack_bits", "unpack_bits",
-    "TurboQuantMSE", "TurboQuantProd", "GroupQuantizer", "MSECode", "ProdCode", "GroupCode", "KVCodec",
-    "turboquant_scores", "CompressedKVCache", "attention_decode", "attention_prefill",
-    "TurboQuantConfig", "load_config", "preset_names",
-    "JetsonTQError", "FormatError", "ConfigError", "ShapeError", "DTypeError", "DeviceError",
-    "UnsupportedPlatformError", "__version__",
+    "KVFormat",
+    "PagedLayout",
+    "FP16_FORMAT",
+    "fp16_bytes_per_token",
+    "lloyd_max_codebook",
+    "lloyd_max_mse",
+    "Rotation",
+    "qjl_matrix",
+    "pack_bits",
+    "unpack_bits",
+    "TurboQuantMSE",
+    "TurboQuantProd",
+    "GroupQuantizer",
+    "MSECode",
+    "ProdCode",
+    "GroupCode",
+    "KVCodec",
+    "turboquant_scores",
+    "CompressedKVCache",
+    "attention_decode",
+    "attention_prefill",
+    "TurboQuantConfig",
+    "load_config",
+    "preset_names",
+    "JetsonTQError",
+    "FormatError",
+    "ConfigError",
+    "ShapeError",
+    "DTypeError",
+    "DeviceError",
+    "UnsupportedPlatformError",
+    "__version__",
 ]

@@ -32,25 +32,35 @@ def _check_query(q: torch.Tensor, rank: int, name: str) -> None:
         raise ShapeError(f"{name}: expected q {want} with at least one query head, got {tuple(q.shape)}")
 
 
-def attention_decode(q: torch.Tensor, cache: CompressedKVCache | PagedKV, softmax_scale: float | None = None,
-                     backend: str | None = None) -> torch.Tensor:
+def attention_decode(
+    q: torch.Tensor, cache: CompressedKVCache | PagedKV, softmax_scale: float | None = None, backend: str | None = None
+) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything in ``cache`` -> [B, Hq, D].
 
     A sequence with nothing cached is an error on the host-checked eager path and zeros inside a CUDA graph.
     """
     check_attention_inputs(q, cache, softmax_scale)
     _check_query(q, 3, "attention_decode")
-    if isinstance(cache, CompressedKVCache) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
-            and cache.has_empty_sequence():
+    if (
+        isinstance(cache, CompressedKVCache)
+        and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        and cache.has_empty_sequence()
+    ):
         raise ShapeError("attention_decode: a sequence has an empty cache; append its K/V first")
     out = ops.decode(q, _view(cache, "attention_decode"), softmax_scale, backend)
     check_attention_output("attention_decode", out, q, cache, softmax_scale)
     return out
 
 
-def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CompressedKVCache | PagedKV,
-                      softmax_scale: float | None = None, backend: str | None = None,
-                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: CompressedKVCache | PagedKV,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Prefill a chunk: attention of q [B, Hq, T, D] over the cache history plus the chunk's own k, v [B, Hkv, T, D]
     (causal), and — for a ``CompressedKVCache`` — append the chunk to the cache.
 
@@ -74,7 +84,14 @@ def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
 
 def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
     """Raw TurboQuant_prod scores [B, S] in fp32 (the Triton kernel for CUDA inputs; see ``codec.scores``)."""
-    for name, t in (("Q", Q), ("K_idx", K_idx), ("qjl_signs", qjl_signs), ("gamma", gamma), ("Pi", Pi),
-                    ("S_mat", S_mat), ("codebook", codebook)):
+    for name, t in (
+        ("Q", Q),
+        ("K_idx", K_idx),
+        ("qjl_signs", qjl_signs),
+        ("gamma", gamma),
+        ("Pi", Pi),
+        ("S_mat", S_mat),
+        ("codebook", codebook),
+    ):
         expect_tensor(name, t)  # before ops picks a backend from Q.device
     return ops.scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend)

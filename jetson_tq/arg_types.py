@@ -32,8 +32,9 @@ MAX_GB = 1e6
 def _gigabytes(text: str, ok, want: str) -> float:
     value = _within(text, ok, want)
     if value > MAX_GB:
-        raise argparse.ArgumentTypeError(f"expected at most {MAX_GB:g} GB (1 PB, more than any one machine holds), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_GB:g} GB (1 PB, more than any one machine holds), got {text!r}"
+        )
     return value
 
 

@@ -72,9 +72,11 @@ class TurboQuantConfig:
                 raise ConfigError(f"layers.overrides: layer {i} out of range for a model of {num_layers} layers")
         kept = self.keep_fp16_first + self.keep_fp16_last
         if kept > num_layers or (kept == num_layers and not self.default.is_passthrough):
-            raise ConfigError(f"layers: keep_fp16_first {self.keep_fp16_first} + keep_fp16_last {self.keep_fp16_last} "
-                              f"= {kept}: expected fewer than the model's {num_layers} layers (all layers fp16 "
-                              f"would never use the compressed format; use the fp16 preset for that)")
+            raise ConfigError(
+                f"layers: keep_fp16_first {self.keep_fp16_first} + keep_fp16_last {self.keep_fp16_last} "
+                f"= {kept}: expected fewer than the model's {num_layers} layers (all layers fp16 "
+                f"would never use the compressed format; use the fp16 preset for that)"
+            )
         for i in range(num_layers):
             try:
                 self.format_for_layer(i, num_layers).check_head_dim(head_dim)
@@ -139,8 +141,9 @@ def config_from_dict(raw: dict, name: str = "custom") -> TurboQuantConfig:
     for key in ("name", "description"):
         if key in raw and not isinstance(raw[key], str):
             raise ConfigError(f"{key}: expected a string, got {type(raw[key]).__name__} {raw[key]!r}")
-    return TurboQuantConfig(name=raw.get("name", name), default=default, overrides=overrides,
-                            description=raw.get("description", ""), **keep)
+    return TurboQuantConfig(
+        name=raw.get("name", name), default=default, overrides=overrides, description=raw.get("description", ""), **keep
+    )
 
 
 def preset_names() -> list[str]:
@@ -159,15 +162,18 @@ def resolve_named_yaml(name_or_path: str | os.PathLike, folder: Path, what: str,
     path = Path(text)
     if path.suffix in (".yaml", ".yml"):
         if not path.is_file():
-            state = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
-                     else "does not exist")
+            state = (
+                "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+            )
             raise ConfigError(f"{what} {text!r}: expected a YAML file, but the path {state}")
         return path
     if "/" in text or os.sep in text:
         raise ConfigError(f"{what} {text!r}: expected a path ending in .yaml or .yml, or one of {names}")
     if not _NAME.match(text) or ".." in text:
-        raise ConfigError(f"{what} {text!r}: expected one of {names} (a name: letters, digits, '_', '-', '.'; "
-                          f"no path) or a path to a .yaml file")
+        raise ConfigError(
+            f"{what} {text!r}: expected one of {names} (a name: letters, digits, '_', '-', '.'; "
+            f"no path) or a path to a .yaml file"
+        )
     named = folder / f"{text}.yaml"
     if not named.is_file():
         raise ConfigError(f"no {what} {text!r}: not a YAML file and not one of {names}")
@@ -186,8 +192,10 @@ class _StrictLoader(yaml.SafeLoader):
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
             kind = "alias *" if isinstance(event, yaml.AliasEvent) else "anchor &"
-            raise ConfigError(f"line {event.start_mark.line + 1}: YAML {kind}{event.anchor} is not allowed in "
-                              f"jetson-tq files (expected plain values; write the value out)")
+            raise ConfigError(
+                f"line {event.start_mark.line + 1}: YAML {kind}{event.anchor} is not allowed in "
+                f"jetson-tq files (expected plain values; write the value out)"
+            )
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
@@ -195,11 +203,15 @@ class _StrictLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, (str, int, float, bool)) and key is not None:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: a mapping key must be a plain value, got "
-                                  f"{type(key).__name__} {key!r}")
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: a mapping key must be a plain value, got "
+                    f"{type(key).__name__} {key!r}"
+                )
             if key in seen:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r} (first on line "
-                                  f"{seen[key]}); expected each key once")
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: duplicate key {key!r} (first on line "
+                    f"{seen[key]}); expected each key once"
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -218,7 +230,7 @@ def read_yaml(path: Path) -> dict:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: expected UTF-8 text, got byte 0x{data[e.start]:02x} at offset {e.start}") from e
     try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        raw = yaml.load(text, Loader=_StrictLoader)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from e
     except yaml.YAMLError as e:

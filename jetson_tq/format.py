@@ -142,8 +142,14 @@ class KVFormat:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, choices in (("key_mode", KEY_MODES), ("value_mode", VALUE_MODES), ("key_codebook", KEY_CODEBOOKS),
-                              ("rotation", ROTATIONS), ("window", WINDOWS), ("norm_dtype", tuple(NORM_DTYPES))):
+        for name, choices in (
+            ("key_mode", KEY_MODES),
+            ("value_mode", VALUE_MODES),
+            ("key_codebook", KEY_CODEBOOKS),
+            ("rotation", ROTATIONS),
+            ("window", WINDOWS),
+            ("norm_dtype", tuple(NORM_DTYPES)),
+        ):
             _check_choice(name, getattr(self, name), choices)
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
         _check_int("value_bits", self.value_bits, 1, MAX_BITS)
@@ -169,7 +175,7 @@ class KVFormat:
         """True when nothing is compressed (fp16 keys and values)."""
         return self.key_mode == "fp16" and self.value_mode == "fp16"
 
-    def with_(self, **changes) -> "KVFormat":
+    def with_(self, **changes) -> KVFormat:
         """A copy with some fields changed (validated again)."""
         names = [f.name for f in dataclass_fields(self)]
         unknown = sorted(set(changes) - set(names))
@@ -317,8 +323,6 @@ def fp16_bytes_per_token(head_dim: int) -> int:
     return 2 * head_dim * FP16_BYTES_PER_ELEMENT
 
 
-
-
 @dataclass(frozen=True)
 class PagedLayout:
     """Byte layout of one (block, KV head) page of a paged cache, structure-of-arrays.
@@ -343,8 +347,10 @@ class PagedLayout:
         _check_int("page_stride", self.page_stride, 0, 1 << 40)
         self.fmt.check_head_dim(self.head_dim)
         if self.page_stride and (self.page_stride % 16 or self.page_stride < self.packed_bytes):
-            raise FormatError(f"page_stride: expected 0 or a multiple of 16 >= the packed page's {self.packed_bytes} "
-                              f"bytes, got {self.page_stride}")
+            raise FormatError(
+                f"page_stride: expected 0 or a multiple of 16 >= the packed page's {self.packed_bytes} "
+                f"bytes, got {self.page_stride}"
+            )
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of each field's region inside a page (computed once per layout)."""
@@ -441,14 +447,13 @@ class PageSpec:
     RAW_BF16: bool
 
     @staticmethod
-    def of(layout: "PagedLayout", raw_dtype: torch.dtype = torch.float16) -> "PageSpec":
+    def of(layout: PagedLayout, raw_dtype: torch.dtype = torch.float16) -> PageSpec:
         """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
         return _page_spec(layout, raw_dtype)
 
 
-
 @functools.lru_cache(maxsize=256)
-def _page_spec(layout: "PagedLayout", raw_dtype: torch.dtype) -> PageSpec:
+def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
     fmt, d = layout.fmt, layout.head_dim
     reason = kernel_unsupported_reason(layout)
     if reason:
@@ -465,21 +470,42 @@ def _page_spec(layout: "PagedLayout", raw_dtype: torch.dtype) -> PageSpec:
     vmin = min(w for w in vw if w) if vb else 8
     group = fmt.value_group_for(d) if val_mode == VAL_GROUP else d
     return PageSpec(
-        D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
-        KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],
-        KCW=ch * kmin, KCH=8 // kmin,
-        OFF_KIDX=off.get("key_idx", 0), OFF_KSGN=off.get("key_signs", 0), OFF_KNORM=off.get("key_norm", 0),
-        OFF_KRNORM=off.get("key_rnorm", 0), OFF_KRAW=off.get("key_raw", 0),
+        D=d,
+        DP=max(16, next_pow2(d)),
+        CH=ch,
+        BS=layout.block_size,
+        PB=layout.page_bytes,
+        KEY_MODE=key_mode,
+        KB=kb,
+        KW0=kw[0],
+        KW1=kw[1],
+        KW2=kw[2],
+        KCW=ch * kmin,
+        KCH=8 // kmin,
+        OFF_KIDX=off.get("key_idx", 0),
+        OFF_KSGN=off.get("key_signs", 0),
+        OFF_KNORM=off.get("key_norm", 0),
+        OFF_KRNORM=off.get("key_rnorm", 0),
+        OFF_KRAW=off.get("key_raw", 0),
         NORM_F32=fmt.norm_dtype == "float32",
-        VAL_MODE=val_mode, VB=vb, VW0=vw[0], VW1=vw[1], VW2=vw[2],
-        VCW=ch * vmin, VCH=8 // vmin, GROUP=group, NG=d // group,
-        OFF_VCODES=off.get("val_codes", 0), OFF_VSCALE=off.get("val_scale", 0), OFF_VZERO=off.get("val_zero", 0),
+        VAL_MODE=val_mode,
+        VB=vb,
+        VW0=vw[0],
+        VW1=vw[1],
+        VW2=vw[2],
+        VCW=ch * vmin,
+        VCH=8 // vmin,
+        GROUP=group,
+        NG=d // group,
+        OFF_VCODES=off.get("val_codes", 0),
+        OFF_VSCALE=off.get("val_scale", 0),
+        OFF_VZERO=off.get("val_zero", 0),
         OFF_VRAW=off.get("val_raw", 0),
         RAW_BF16=raw_dtype == torch.bfloat16,
     )
 
 
-def kernel_unsupported_reason(layout: "PagedLayout") -> str | None:
+def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     """Why no kernel handles ``layout`` (None when one does)."""
     if layout.fmt.value_mode == "mse":
         return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"

@@ -20,8 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import (ArgTypeError, CapacityError, DeviceError, DTypeError, ValueRangeError, expect_bool, expect_int,
-                     expect_same_device, expect_tensor)
+from .errors import (
+    ArgTypeError,
+    CapacityError,
+    DeviceError,
+    DTypeError,
+    ValueRangeError,
+    expect_bool,
+    expect_int,
+    expect_same_device,
+    expect_tensor,
+)
 from .format import KVFormat
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
@@ -51,13 +60,27 @@ def check_softmax_scale(scale: object) -> None:
         raise ValueRangeError(f"softmax_scale: expected a finite float > 0 or None, got {scale}")
 
 
-def check_cache_args(fmt: object, num_kv_heads: object, head_dim: object, batch_size: object, device: object,
-                     seed: object, initial_capacity: object, block_size: object, validate: object) -> torch.device:
+def check_cache_args(
+    fmt: object,
+    num_kv_heads: object,
+    head_dim: object,
+    batch_size: object,
+    device: object,
+    seed: object,
+    initial_capacity: object,
+    block_size: object,
+    validate: object,
+) -> torch.device:
     """Python types and ranges of ``CompressedKVCache(...)``'s arguments; returns the torch.device."""
     if not isinstance(fmt, KVFormat):
         raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
-    for name, value, lo in (("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 2), ("batch_size", batch_size, 1),
-                            ("initial_capacity", initial_capacity, 0), ("block_size", block_size, 1)):
+    for name, value, lo in (
+        ("num_kv_heads", num_kv_heads, 1),
+        ("head_dim", head_dim, 2),
+        ("batch_size", batch_size, 1),
+        ("initial_capacity", initial_capacity, 0),
+        ("block_size", block_size, 1),
+    ):
         expect_int(name, value, lo)
     expect_bool("validate", validate)
     if seed is not None:
@@ -74,8 +97,10 @@ def check_device(device: object) -> torch.device:
     except (RuntimeError, ValueError) as e:
         raise DeviceError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from e
     if dev.type not in ("cpu", "cuda"):
-        raise DeviceError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} (a {dev.type} device holds no "
-                          f"data jetson-tq can compute on)")
+        raise DeviceError(
+            f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} (a {dev.type} device holds no "
+            f"data jetson-tq can compute on)"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device: {device!r} asked for, but torch sees no CUDA GPU here")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
@@ -121,8 +146,10 @@ def check_allocatable(what: str, nbytes: int, device: torch.device) -> None:
     size would otherwise fail deep in the allocator, or be granted and then take the machine's memory)."""
     free = free_bytes(device)
     if free is not None and nbytes > free:
-        raise CapacityError(f"{what}: needs {human_bytes(nbytes)} ({nbytes:,} bytes) on {device}, expected at most "
-                            f"the {human_bytes(free)} free there")
+        raise CapacityError(
+            f"{what}: needs {human_bytes(nbytes)} ({nbytes:,} bytes) on {device}, expected at most "
+            f"the {human_bytes(free)} free there"
+        )
 
 
 def _first_index(bad: torch.Tensor) -> tuple[int, ...]:
@@ -146,8 +173,10 @@ def check_finite(name: str, t: torch.Tensor, seqs: list[int], starts: list[int],
     """Raise ValueRangeError naming the first NaN/inf element of ``t`` ([B, H, T, D] or [H, T, D])."""
     idx = _nonfinite_index(t)
     if idx is not None:
-        raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at "
-                              f"{_where(idx, seqs, starts, batched)}, coordinate {idx[-1]}")
+        raise ValueRangeError(
+            f"{name}: expected finite values, got {t[idx].item()} at "
+            f"{_where(idx, seqs, starts, batched)}, coordinate {idx[-1]}"
+        )
 
 
 def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hint: str, seqs, starts, batched) -> None:
@@ -155,26 +184,40 @@ def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hin
     bad = values > limit
     if bool(bad.any()):
         idx = _first_index(bad)
-        raise ValueRangeError(f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got "
-                              f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}")
+        raise ValueRangeError(
+            f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got "
+            f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}"
+        )
 
 
 #: The checks in the order ``check_kv_storable`` reports them (its first failing one names the error); the store
 #: fault code of the compress-on-write kernel carries the same rank.
-RANK_K_FINITE, RANK_V_FINITE, RANK_K_ABS, RANK_V_ABS, RANK_KEY_NORM, RANK_VALUE_NORM, RANK_GROUP_MIN, \
-    RANK_GROUP_SCALE = range(8)
+(
+    RANK_K_FINITE,
+    RANK_V_FINITE,
+    RANK_K_ABS,
+    RANK_V_ABS,
+    RANK_KEY_NORM,
+    RANK_VALUE_NORM,
+    RANK_GROUP_MIN,
+    RANK_GROUP_SCALE,
+) = range(8)
 _NORM_HINT = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
 _GROUP_HINT = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
 
 
-def _limit_checks(fmt: KVFormat, cache_dtype: torch.dtype,
-                  raw_dtype: torch.dtype) -> list[tuple[int, str, str, float, str]]:
+def _limit_checks(
+    fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> list[tuple[int, str, str, float, str]]:
     """(rank, tensor name, quantity, limit, hint) of every fp16-stored quantity, in the order they are checked."""
     out = []
     for rank, name, mode in ((RANK_K_ABS, "k", fmt.key_mode), (RANK_V_ABS, "v", fmt.value_mode)):
         if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
-            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
-                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
+            hint = (
+                "the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
+                if cache_dtype == torch.float16
+                else "a float32 cache stores fp16-mode fields as fp16"
+            )
             out.append((rank, name, "|value|", FP16_MAX, hint))
     if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
         limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
@@ -187,8 +230,9 @@ def _limit_checks(fmt: KVFormat, cache_dtype: torch.dtype,
     return out
 
 
-def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
-                  raw_dtype: torch.dtype) -> list[tuple[str, str, torch.Tensor, float, str]]:
+def _field_limits(
+    k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> list[tuple[str, str, torch.Tensor, float, str]]:
     """(tensor name, quantity, per-token values [B?, H, T], limit, hint) for every fp16-stored quantity."""
     kf, vf = k.float(), v.float()
     out = []
@@ -200,8 +244,11 @@ def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: 
         else:
             g = vf.unflatten(-1, (-1, fmt.value_group_for(vf.shape[-1])))
             lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-            values = lo.abs().amax(dim=-1) if rank == RANK_GROUP_MIN else \
-                ((hi - lo) / ((1 << fmt.value_bits) - 1)).amax(dim=-1)
+            values = (
+                lo.abs().amax(dim=-1)
+                if rank == RANK_GROUP_MIN
+                else ((hi - lo) / ((1 << fmt.value_bits) - 1)).amax(dim=-1)
+            )
         out.append((name, what, values, limit, hint))
     return out
 
@@ -210,8 +257,9 @@ def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: 
 CHECK_CHUNK_ELEMENTS = 1 << 20
 
 
-def _storable_flag(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
-                   raw_dtype: torch.dtype) -> torch.Tensor:
+def _storable_flag(
+    k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> torch.Tensor:
     """One device bool: every element finite and every stored quantity within its limit (token chunks at a time)."""
     t = k.shape[-2]
     step = max(1, CHECK_CHUNK_ELEMENTS // max(1, k[..., :1, :].numel()))
@@ -224,8 +272,15 @@ def _storable_flag(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype:
     return ok
 
 
-def check_kv_storable(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
-                      raw_dtype: torch.dtype, seqs: list[int], starts: list[int]) -> None:
+def check_kv_storable(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: KVFormat,
+    cache_dtype: torch.dtype,
+    raw_dtype: torch.dtype,
+    seqs: list[int],
+    starts: list[int],
+) -> None:
     """Reject K/V [B, H, T, D] or [H, T, D] that are non-finite or overflow a field of ``fmt`` (see module doc).
 
     ``seqs`` / ``starts``: the sequence id and first position of each leading row, for the message.
@@ -264,16 +319,19 @@ class StoreLimits:
     value_levels: int
 
     @staticmethod
-    def of(fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype) -> "StoreLimits":
+    def of(fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype) -> StoreLimits:
         """The bounds of a ``fmt`` cache in ``cache_dtype`` whose raw fields are ``raw_dtype``."""
         bound = {rank: limit for rank, _, _, limit, _ in _limit_checks(fmt, cache_dtype, raw_dtype)}
-        return StoreLimits(k_abs=bound.get(RANK_K_ABS, FP32_MAX), v_abs=bound.get(RANK_V_ABS, FP32_MAX),
-                           key_norm=bound.get(RANK_KEY_NORM, FP32_MAX), value_group=bound.get(RANK_GROUP_MIN, FP32_MAX),
-                           value_levels=(1 << fmt.value_bits) - 1)
+        return StoreLimits(
+            k_abs=bound.get(RANK_K_ABS, FP32_MAX),
+            v_abs=bound.get(RANK_V_ABS, FP32_MAX),
+            key_norm=bound.get(RANK_KEY_NORM, FP32_MAX),
+            value_group=bound.get(RANK_GROUP_MIN, FP32_MAX),
+            value_levels=(1 << fmt.value_bits) - 1,
+        )
 
 
-def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt: KVFormat,
-                     limits: StoreLimits) -> int:
+def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt: KVFormat, limits: StoreLimits) -> int:
     """The store fault code of writing k, v [N, H, D] at ``slots`` [N] (slot < 0 skipped), computed in PyTorch:
     the reference of the compress-on-write kernel's device check (``kernels.compress_write``)."""
     keep = slots >= 0
@@ -305,8 +363,9 @@ def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt:
     return best
 
 
-def store_fault_error(code: int, capacity: int, fmt: KVFormat, cache_dtype: torch.dtype,
-                      raw_dtype: torch.dtype) -> ValueRangeError | None:
+def store_fault_error(
+    code: int, capacity: int, fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> ValueRangeError | None:
     """The named error of a store fault ``code`` of a cache whose sequence b owns slots [b * capacity, (b + 1) *
     capacity) (None for FAULT_NONE): what was expected, what was found, and where."""
     if code == FAULT_NONE:
@@ -322,16 +381,18 @@ def store_fault_error(code: int, capacity: int, fmt: KVFormat, cache_dtype: torc
         return ValueRangeError(f"{name}: expected finite values, got {got} at {where}, coordinate {coord}")
     for r, name, what, limit, hint in _limit_checks(fmt, cache_dtype, raw_dtype):
         if r == rank:
-            return ValueRangeError(f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got more "
-                                   f"at {where}; {hint}")
+            return ValueRangeError(
+                f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got more at {where}; {hint}"
+            )
     if rank == RANK_KEY_NORM:  # a float32 norm of finite keys past the float32 range
-        return ValueRangeError(f"k: expected key norm <= {FP32_MAX:.6g} (what its float32 storage holds), got more "
-                               f"at {where}; scale the input down")
+        return ValueRangeError(
+            f"k: expected key norm <= {FP32_MAX:.6g} (what its float32 storage holds), got more "
+            f"at {where}; scale the input down"
+        )
     return ValueRangeError(f"k, v: store check {rank} failed at {where}")
 
 
-def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object,
-                           *chunk: tuple[str, object]) -> None:
+def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object, *chunk: tuple[str, object]) -> None:
     """Types and scale always; a finite query (and chunk K/V) when the cache was built with ``validate=True`` and the
     query is on the CPU. CUDA queries are not data-checked: that would cost a host sync per call and break CUDA graph
     capture; a NaN query only gives NaN output for that query (the cache is untouched: K/V are checked at append)."""
@@ -367,15 +428,18 @@ def check_attention_mask(mask: object, q: torch.Tensor, cache_or_kv: object) -> 
             raise ValueRangeError(f"attn_mask: expected finite values or -inf, got {mask[idx].item()} at index {idx}")
 
 
-def check_attention_output(name: str, out: torch.Tensor, q: torch.Tensor, cache_or_kv: object,
-                           softmax_scale: object) -> None:
+def check_attention_output(
+    name: str, out: torch.Tensor, q: torch.Tensor, cache_or_kv: object, softmax_scale: object
+) -> None:
     """For validated CPU calls: finite inputs can still overflow float32 in q . k x scale (a query of 3e38, a scale of
     1e300); name that instead of returning NaN/inf."""
     if _data_checked(q, cache_or_kv) and not bool(torch.isfinite(out).all()):
         largest = float(q.detach().abs().max()) if q.numel() else 0.0
-        raise ValueRangeError(f"{name}: expected query . key x softmax_scale to fit float32, but the output is not "
-                              f"finite (largest |q| {largest:.3g}, softmax_scale {softmax_scale}); scale the query or "
-                              f"the softmax_scale down")
+        raise ValueRangeError(
+            f"{name}: expected query . key x softmax_scale to fit float32, but the output is not "
+            f"finite (largest |q| {largest:.3g}, softmax_scale {softmax_scale}); scale the query or "
+            f"the softmax_scale down"
+        )
 
 
 def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: torch.Tensor) -> None:
@@ -408,5 +472,7 @@ def check_rotation(name: str, pi: torch.Tensor) -> None:
     tol = orthogonality_tolerance(pi.dtype)
     if not worst <= tol:
         i, j = _first_index(err == err.max())
-        raise ValueRangeError(f"{name}: expected an orthogonal rotation (Pi @ Pi.T = I within {tol:.1e} for "
-                              f"{pi.dtype}), got |Pi @ Pi.T - I| = {worst:.3g} at row {i}, column {j}")
+        raise ValueRangeError(
+            f"{name}: expected an orthogonal rotation (Pi @ Pi.T = I within {tol:.1e} for "
+            f"{pi.dtype}), got |Pi @ Pi.T - I| = {worst:.3g} at row {i}, column {j}"
+        )

@@ -36,8 +36,11 @@ def _delegate() -> bool:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--quick", action="store_true",
-                     help="the edit-loop lane: leave out tests marked slow (under 5 minutes on 2 cores)")
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the edit-loop lane: leave out tests marked slow (under 5 minutes on 2 cores)",
+    )
 
 
 def pytest_configure(config):
@@ -70,13 +73,14 @@ def pytest_collection_finish(session):
     for mod, nodeids in sorted(by_module.items()):
         report = tempfile.NamedTemporaryFile(prefix="jtq-kernel-", suffix=".json", delete=False).name
         log = report.replace(".json", ".log")
-        env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: report}, OMP_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "pytest", *nodeids, "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               "--tb=short"]
+        env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: report}, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "pytest", *nodeids, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short"]
         with open(log, "w") as out:
-            _children[mod] = (subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT),
-                              report, log)
+            _children[mod] = (
+                subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT),
+                report,
+                log,
+            )
 
 
 def _child_results(mod: str) -> tuple[dict, str]:
@@ -97,8 +101,10 @@ def pytest_pyfunc_call(pyfuncitem):
     results, log = _child_results(str(pyfuncitem.path))
     outcome = results.get(pyfuncitem.nodeid)
     if outcome is None:
-        pytest.fail(f"the TRITON_INTERPRET=1 child produced no result for this test; its log ends:\n{log[-4000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"the TRITON_INTERPRET=1 child produced no result for this test; its log ends:\n{log[-4000:]}",
+            pytrace=False,
+        )
     status, detail = outcome
     if status == "failed":
         pytest.fail(f"failed under TRITON_INTERPRET=1 (child process):\n{detail}", pytrace=False)

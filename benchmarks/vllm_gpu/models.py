@@ -13,21 +13,53 @@ from pathlib import Path
 #: name -> HF config dict (the public configs' shapes; head_dim 128, GQA 28/4 and 32/8)
 CONFIGS: dict[str, dict] = {
     "qwen2.5-7b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645, "use_sliding_window": False,
-        "sliding_window": None, "max_window_layers": 28, "attention_dropout": 0.0,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "attention_dropout": 0.0,
     },
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009, "attention_bias": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128009,
+        "attention_bias": False,
         "mlp_bias": False,
     },
 }
@@ -80,9 +112,18 @@ def _layer_pattern(config: dict, layers: int) -> dict:
     return out
 
 
-def shrink(config: dict, layers: int | None = None, *, hidden: int | None = None, heads: int | None = None,
-           kv_heads: int | None = None, head_dim: int | None = None, intermediate: int | None = None,
-           vocab: int | None = None, experts: int | None = None) -> dict:
+def shrink(
+    config: dict,
+    layers: int | None = None,
+    *,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+    experts: int | None = None,
+) -> dict:
     """A copy of a config with fewer layers and, for CPU tests, smaller widths; every attention feature (window
     pattern, soft cap, head-size ratio, MoE routing) kept. Special token ids move below a smaller vocab."""
     c = _layer_pattern(dict(config), layers or config["num_hidden_layers"])
@@ -119,8 +160,9 @@ def write_config_dir(config: dict, out: str | Path, tokenizer_vocab: int | None 
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     eos = config.get("eos_token_id")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos, "bos_token_id":
-                                                            config.get("bos_token_id")}))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "bos_token_id": config.get("bos_token_id")})
+    )
     if tokenizer_vocab:
         write_tokenizer(out, tokenizer_vocab)
     return out

@@ -54,15 +54,24 @@ def worker(args: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
 
     wins = windows(args.model, args.text, args.windows, args.window_len, args.offset)
-    kw = dict(model=args.model, dtype=args.dtype, max_model_len=args.window_len + 8, enforce_eager=args.eager,
-              gpu_memory_utilization=args.gpu_util, enable_prefix_caching=True, max_num_seqs=args.windows,
-              max_logprobs=TOP)
+    kw = dict(
+        model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.window_len + 8,
+        enforce_eager=args.eager,
+        gpu_memory_utilization=args.gpu_util,
+        enable_prefix_caching=True,
+        max_num_seqs=args.windows,
+        max_logprobs=TOP,
+    )
     if args.config == "stock" and args.stock_backend:
         kw["attention_config"] = {"backend": args.stock_backend}
     t0 = time.time()
     llm = LLM(**kw)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP))
+    outs = llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in wins],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=TOP),
+    )
     rows = []
     for w, o in zip(wins, outs):
         per = []
@@ -83,8 +92,7 @@ def transformers_probe(args: argparse.Namespace, configs: list[str]) -> dict:
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
     model = model.to("cuda" if torch.cuda.is_available() else "cpu")
-    wins = torch.tensor(windows(args.model, args.text, args.windows, args.window_len, args.offset),
-                        device=model.device)
+    wins = torch.tensor(windows(args.model, args.text, args.windows, args.window_len, args.offset), device=model.device)
     variants = [F.Variant(c, "vllm-ppl", load_config(c)) for c in configs if c != "stock"]
     return F.teacher_forced(model, wins, variants, chunk=128, batch=args.windows)
 
@@ -106,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--text", required=True, help="UTF-8 text file to score")
-    p.add_argument("--configs", default="stock,mse_k4v3", help="comma-separated: stock and/or preset names / YAML paths")
+    p.add_argument(
+        "--configs", default="stock,mse_k4v3", help="comma-separated: stock and/or preset names / YAML paths"
+    )
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window-len", type=int, default=1025)
     p.add_argument("--offset", type=int, default=0)
@@ -128,7 +138,15 @@ def main(argv: list[str] | None = None) -> dict:
     raw, result = {}, {"meta": {k: v for k, v in vars(args).items() if k not in ("config", "worker")}, "vllm": {}}
     for c in configs:
         tmp = Path(args.out).with_suffix(f".{Path(c).stem}.tmp.json")
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--config", c, "--worker", str(tmp)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *(argv if argv is not None else sys.argv[1:]),
+            "--config",
+            c,
+            "--worker",
+            str(tmp),
+        ]
         t0 = time.time()
         rc = subprocess.call(cmd)
         if rc != 0:
@@ -152,7 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         t = tf.get(c if c != "stock" else "reference", {})
         tfd = f"{100 * (t['ppl'] / tf['reference']['ppl'] - 1):+.2f} %" if t and "reference" in tf else ""
-        print(f"| {c} | {r['ppl']:.3f} | {100 * (r['ppl'] / ref - 1):+.2f} % | {r['kl_top20']:.4f} | {r['top1']:.4f} | {tfd} |")
+        print(
+            f"| {c} | {r['ppl']:.3f} | {100 * (r['ppl'] / ref - 1):+.2f} % | {r['kl_top20']:.4f} | {r['top1']:.4f} | {tfd} |"
+        )
     Path(args.out).write_text(json.dumps(result, indent=1))
     return result
 

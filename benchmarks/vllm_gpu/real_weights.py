@@ -42,11 +42,13 @@ def pieces(model_dir: str, text: str, windows: int, window_len: int, prompts: in
     ids = AutoTokenizer.from_pretrained(model_dir)(text).input_ids
     need = windows * window_len + prompts * prompt_tokens
     if len(ids) < need:
-        raise SystemExit(f"--text: {need} tokens needed ({windows} x {window_len} + {prompts} x {prompt_tokens}), "
-                         f"the text has {len(ids)}")
-    wins = [ids[i * window_len:(i + 1) * window_len] for i in range(windows)]
+        raise SystemExit(
+            f"--text: {need} tokens needed ({windows} x {window_len} + {prompts} x {prompt_tokens}), "
+            f"the text has {len(ids)}"
+        )
+    wins = [ids[i * window_len : (i + 1) * window_len] for i in range(windows)]
     base = windows * window_len
-    held = [ids[base + i * prompt_tokens: base + (i + 1) * prompt_tokens] for i in range(prompts)]
+    held = [ids[base + i * prompt_tokens : base + (i + 1) * prompt_tokens] for i in range(prompts)]
     return wins, held
 
 
@@ -61,24 +63,35 @@ def run_engine(args, config: str | None, wins: list[list[int]], held: list[list[
     LAST_DECISIONS.clear()
     t0 = time.time()
     mml = max(args.window_len, args.prompt_tokens + args.new_tokens) + 16
-    llm = LLM(model=args.model, max_model_len=mml, seed=0, max_num_seqs=max(args.prompts, args.windows),
-              enable_prefix_caching=False, max_logprobs=1, kv_cache_memory_bytes=int(args.kv_gib * 2**30),
-              **engine_kwargs(args.cpu, [1, 2, 4, 8], args.gpu_util))
+    llm = LLM(
+        model=args.model,
+        max_model_len=mml,
+        seed=0,
+        max_num_seqs=max(args.prompts, args.windows),
+        enable_prefix_caching=False,
+        max_logprobs=1,
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        **engine_kwargs(args.cpu, [1, 2, 4, 8], args.gpu_util),
+    )
     rec: dict = {"config": config or "stock", "init_s": round(time.time() - t0, 1), **LAST_CAPACITY}
     if config:
         rec["compressed_layers"] = sum(why is None for why in LAST_DECISIONS.values())
         rec["layers"] = len(LAST_DECISIONS)
     score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins], score, use_tqdm=False)
-    rec["window_logprobs"] = [[float(o.prompt_logprobs[p][w[p]].logprob) for p in range(1, len(w))]
-                              for w, o in zip(wins, outs)]
-    rec["window_top1"] = [[int(max(o.prompt_logprobs[p].items(), key=lambda kv: kv[1].logprob)[0])
-                           for p in range(1, len(w))] for w, o in zip(wins, outs)]
+    rec["window_logprobs"] = [
+        [float(o.prompt_logprobs[p][w[p]].logprob) for p in range(1, len(w))] for w, o in zip(wins, outs)
+    ]
+    rec["window_top1"] = [
+        [int(max(o.prompt_logprobs[p].items(), key=lambda kv: kv[1].logprob)[0]) for p in range(1, len(w))]
+        for w, o in zip(wins, outs)
+    ]
     gen = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, logprobs=1, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in held], gen, use_tqdm=False)
     rec["greedy_ids"] = [list(o.outputs[0].token_ids) for o in outs]
-    rec["greedy_logprobs"] = [[float(s[t].logprob) for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                              for o in outs]
+    rec["greedy_logprobs"] = [
+        [float(s[t].logprob) for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
+    ]
     flat = [x for rows in (rec["window_logprobs"], rec["greedy_logprobs"]) for row in rows for x in row]
     rec["nonfinite_logprobs"] = sum(not math.isfinite(x) for x in flat)
     nll = [-x for row in rec["window_logprobs"] for x in row if math.isfinite(x)]
@@ -97,16 +110,26 @@ def compare(stock: dict, rec: dict) -> dict:
     top1 = [a == b for ra, rb in zip(stock["window_top1"], rec["window_top1"]) for a, b in zip(ra, rb)]
     agree = [token_agreement(a, b) for a, b in zip(stock["greedy_ids"], rec["greedy_ids"])]
     div = [None if a == b else first_divergence(a, b) for a, b in zip(stock["greedy_ids"], rec["greedy_ids"])]
-    dlp = [abs(x - y) for a, b, la, lb in zip(stock["greedy_ids"], rec["greedy_ids"], stock["greedy_logprobs"],
-                                               rec["greedy_logprobs"])
-           for x, y in zip(la[:first_divergence(a, b)], lb[:first_divergence(a, b)])]
+    dlp = [
+        abs(x - y)
+        for a, b, la, lb in zip(
+            stock["greedy_ids"], rec["greedy_ids"], stock["greedy_logprobs"], rec["greedy_logprobs"]
+        )
+        for x, y in zip(la[: first_divergence(a, b)], lb[: first_divergence(a, b)])
+    ]
     wdl = [abs(x - y) for la, lb in zip(stock["window_logprobs"], rec["window_logprobs"]) for x, y in zip(la, lb)]
-    return {"ppl": rec["ppl"], "ppl_vs_stock": round(rec["ppl"] / stock["ppl"] - 1, 5) if rec["ppl"] else None,
-            "top1_vs_stock": round(sum(top1) / len(top1), 4), "greedy_identical": sum(d is None for d in div),
-            "of": len(div), "mean_token_agreement": round(sum(agree) / len(agree), 4), "first_divergence": div,
-            "max_abs_logprob_diff_greedy_prefix": round(max(dlp), 5) if dlp else None,
-            "max_abs_prompt_logprob_diff": round(max(wdl), 5) if wdl else None,
-            "nonfinite_logprobs": rec["nonfinite_logprobs"]}
+    return {
+        "ppl": rec["ppl"],
+        "ppl_vs_stock": round(rec["ppl"] / stock["ppl"] - 1, 5) if rec["ppl"] else None,
+        "top1_vs_stock": round(sum(top1) / len(top1), 4),
+        "greedy_identical": sum(d is None for d in div),
+        "of": len(div),
+        "mean_token_agreement": round(sum(agree) / len(agree), 4),
+        "first_divergence": div,
+        "max_abs_logprob_diff_greedy_prefix": round(max(dlp), 5) if dlp else None,
+        "max_abs_prompt_logprob_diff": round(max(wdl), 5) if wdl else None,
+        "nonfinite_logprobs": rec["nonfinite_logprobs"],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,8 +154,14 @@ def main(argv: list[str] | None = None) -> dict:
     if configs:
         load_plugin(configs[0])
     t_start = time.time()
-    wins, held = pieces(args.model, Path(args.text).read_text(encoding="utf-8"), args.windows, args.window_len,
-                        args.prompts, args.prompt_tokens)
+    wins, held = pieces(
+        args.model,
+        Path(args.text).read_text(encoding="utf-8"),
+        args.windows,
+        args.window_len,
+        args.prompts,
+        args.prompt_tokens,
+    )
     result: dict = {"meta": {k: str(v) for k, v in vars(args).items()}, "engines": {}, "vs_stock": {}}
     estimate = 90.0
     for config in [None, *configs]:
@@ -142,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         try:
             rec = run_engine(args, config, wins, held)
-        except Exception as e:  # noqa: BLE001 - reported, the next engine still runs
+        except Exception as e:
             import traceback
 
             traceback.print_exc()
@@ -154,8 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
         brief = {k: v for k, v in rec.items() if not k.startswith(("window_", "greedy_"))}
         print("RESULT " + json.dumps({**brief, **result["vs_stock"].get(name, {})}), flush=True)
         Path(args.out).write_text(json.dumps(result))
-    print("| config | compressed layers | PPL | PPL vs stock | top-1 vs stock | greedy identical | token agreement | "
-          "max abs logprob diff (greedy prefix) | non-finite | start s |")
+    print(
+        "| config | compressed layers | PPL | PPL vs stock | top-1 vs stock | greedy identical | token agreement | "
+        "max abs logprob diff (greedy prefix) | non-finite | start s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, rec in result["engines"].items():
         c = result["vs_stock"].get(name, {})
@@ -164,9 +195,11 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         rel = f"{100 * c['ppl_vs_stock']:+.2f} %" if c.get("ppl_vs_stock") is not None else "—"
         layers = f"{rec['compressed_layers']}/{rec['layers']}" if "layers" in rec else "—"
-        print(f"| {name} | {layers} | {rec['ppl']} | {rel} | {c.get('top1_vs_stock', '—')} | "
-              f"{c.get('greedy_identical', '—')}/{c.get('of', '—')} | {c.get('mean_token_agreement', '—')} | "
-              f"{c.get('max_abs_logprob_diff_greedy_prefix', '—')} | {rec['nonfinite_logprobs']} | {rec['init_s']} |")
+        print(
+            f"| {name} | {layers} | {rec['ppl']} | {rel} | {c.get('top1_vs_stock', '—')} | "
+            f"{c.get('greedy_identical', '—')}/{c.get('of', '—')} | {c.get('mean_token_agreement', '—')} | "
+            f"{c.get('max_abs_logprob_diff_greedy_prefix', '—')} | {rec['nonfinite_logprobs']} | {rec['init_s']} |"
+        )
     return result
 
 

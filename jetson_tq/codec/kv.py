@@ -24,14 +24,17 @@ Fields = dict[str, torch.Tensor]
 class KVCodec:
     """Encode/decode one layer's keys and values in ``fmt`` for head dim ``head_dim``."""
 
-    def __init__(self, fmt: KVFormat, head_dim: int, seed: int | None = None,
-                 raw_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self, fmt: KVFormat, head_dim: int, seed: int | None = None, raw_dtype: torch.dtype = torch.float16
+    ) -> None:
         if not isinstance(fmt, KVFormat):
             raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__} {fmt!r}")
         fmt.check_head_dim(head_dim)
         if raw_dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise DTypeError(f"raw_dtype: expected torch.float16, torch.bfloat16 or torch.float32 (the dtype fp16-mode "
-                             f"fields are cast to), got {raw_dtype}")
+            raise DTypeError(
+                f"raw_dtype: expected torch.float16, torch.bfloat16 or torch.float32 (the dtype fp16-mode "
+                f"fields are cast to), got {raw_dtype}"
+            )
         self.fmt, self.head_dim, self.raw_dtype = fmt, head_dim, raw_dtype
         self.seed = fmt.seed if seed is None else check_seed("seed", seed)
         rot, nd = fmt.rotation_for(head_dim), fmt.norm_torch_dtype
@@ -114,8 +117,13 @@ class KVCodec:
         if self.keys is None:
             return fields["key_raw"].float()
         if isinstance(self.keys, TurboQuantProd):
-            code = ProdCode(fields.get("key_idx"), fields["key_signs"], fields["key_norm"][..., 0],
-                            fields["key_rnorm"][..., 0], torch.float32)
+            code = ProdCode(
+                fields.get("key_idx"),
+                fields["key_signs"],
+                fields["key_norm"][..., 0],
+                fields["key_rnorm"][..., 0],
+                torch.float32,
+            )
         else:
             code = MSECode(fields["key_idx"], fields["key_norm"][..., 0], torch.float32)
         return self.keys.dequantize(code)
@@ -125,7 +133,9 @@ class KVCodec:
         if self.values is None:
             return fields["val_raw"].float()
         if isinstance(self.values, GroupQuantizer):
-            return self.values.dequantize(GroupCode(fields["val_codes"], fields["val_scale"], fields["val_zero"], torch.float32))
+            return self.values.dequantize(
+                GroupCode(fields["val_codes"], fields["val_scale"], fields["val_zero"], torch.float32)
+            )
         return self.values.dequantize(MSECode(fields["val_idx"], fields["val_norm"][..., 0], torch.float32))
 
     def transform_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -29,8 +29,10 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if codes.dim() == 0:
         raise ShapeError("codes: expected at least 1 dimension, got a scalar")
     if bits < MAX_BITS and codes.numel() and int(codes.max()) >= 1 << bits:
-        raise ValueRangeError(f"codes: expected values < 2**{bits} = {1 << bits} for {bits}-bit packing, "
-                              f"got {int(codes.max())} (its high bits would be dropped)")
+        raise ValueRangeError(
+            f"codes: expected values < 2**{bits} = {1 << bits} for {bits}-bit packing, "
+            f"got {int(codes.max())} (its high bits would be dropped)"
+        )
     n = codes.shape[-1]
     ch = (n + 7) // 8
     lead = codes.shape[:-1]

@@ -127,7 +127,9 @@ def _gaussian(dim: int, seed: int) -> torch.Tensor:
     return torch.randn(dim, dim, generator=_generator(seed), dtype=torch.float64)
 
 
-def qjl_matrix(dim: int, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def qjl_matrix(
+    dim: int, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The QJL sketch S (dim x dim, i.i.d. N(0, 1)) for ``seed``; the sketch of x is ``x @ S.T``."""
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise FormatError(f"dim: expected a positive integer, got {dim!r}")

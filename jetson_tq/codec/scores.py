@@ -18,8 +18,15 @@ from ..validate import check_rotation, check_scores_values
 
 def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
     """Validate shapes, dtypes and devices of ``turboquant_scores`` inputs (named errors)."""
-    for name, t in (("Q", Q), ("K_idx", K_idx), ("qjl_signs", qjl_signs), ("gamma", gamma), ("Pi", Pi),
-                    ("S_mat", S_mat), ("codebook", codebook)):
+    for name, t in (
+        ("Q", Q),
+        ("K_idx", K_idx),
+        ("qjl_signs", qjl_signs),
+        ("gamma", gamma),
+        ("Pi", Pi),
+        ("S_mat", S_mat),
+        ("codebook", codebook),
+    ):
         expect_tensor(name, t)
     expect_same_device(Q=Q, K_idx=K_idx, qjl_signs=qjl_signs, gamma=gamma, Pi=Pi, S_mat=S_mat, codebook=codebook)
     expect_rank("Q", Q, (2,))
@@ -32,7 +39,9 @@ def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None
     if d < 1:
         raise ShapeError("Q: head dim D must be >= 1")
     if K_idx.shape != (s, d) or qjl_signs.shape != (s, d):
-        raise ShapeError(f"K_idx and qjl_signs: expected [S, {d}], got {tuple(K_idx.shape)} and {tuple(qjl_signs.shape)}")
+        raise ShapeError(
+            f"K_idx and qjl_signs: expected [S, {d}], got {tuple(K_idx.shape)} and {tuple(qjl_signs.shape)}"
+        )
     if gamma.shape != (s,):
         raise ShapeError(f"gamma: expected [{s}], got {tuple(gamma.shape)}")
     if Pi.shape != (d, d) or S_mat.shape != (d, d):

@@ -106,8 +106,14 @@ class DecodedHistory:
         self.count = upto
 
     # ------------------------------------------------------------------ attention
-    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of q [B, Hq, T, D] under the window rule of ``reference.paged_attention_prefill``.
 
         ``k, v`` None: a decode step whose token the store already holds (T = 1). Otherwise the chunk [B, Hkv, T, D]
@@ -128,8 +134,10 @@ class DecodedHistory:
             return self._sdpa(q, kk, vv, None, scale)
         t = q.shape[2]
         self.sync(s + t)
-        kk = torch.cat([self.keys, self.transform_exact_keys(rk.to(store.dtype)),
-                        self.transform_exact_keys(k.to(store.dtype))], dim=2)
+        kk = torch.cat(
+            [self.keys, self.transform_exact_keys(rk.to(store.dtype)), self.transform_exact_keys(k.to(store.dtype))],
+            dim=2,
+        )
         vv = torch.cat([self.values, rv.float(), v.to(store.dtype).float()], dim=2)
         dev = q.device
         qpos = s + torch.arange(t, device=dev)
@@ -147,13 +155,15 @@ class DecodedHistory:
                 allowed = torch.zeros(allowed.shape, device=dev).masked_fill(~allowed, float("-inf")) + picked.float()
         return self._sdpa(q, kk, vv, allowed, scale)
 
-    def _sdpa(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, mask: torch.Tensor | None,
-              scale: float) -> torch.Tensor:
+    def _sdpa(
+        self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, mask: torch.Tensor | None, scale: float
+    ) -> torch.Tensor:
         d = vv.shape[-1]
         if self.key_dim != d:  # SDPA's fast CPU kernels want one head dim for keys and values: pad values with zeros
             vv = F.pad(vv, (0, self.key_dim - d))
-        out = F.scaled_dot_product_attention(self.transform_query(q), kk, vv, attn_mask=mask, scale=scale,
-                                             enable_gqa=q.shape[1] != kk.shape[1])
+        out = F.scaled_dot_product_attention(
+            self.transform_query(q), kk, vv, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != kk.shape[1]
+        )
         return out[..., :d].nan_to_num(0.0).to(q.dtype)  # a fully masked (padding) query row -> zeros
 
 

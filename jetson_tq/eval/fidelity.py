@@ -19,16 +19,16 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
 
 from ..config import TurboQuantConfig
 from ..format import fp16_bytes_per_token
-from .simulated_caches import SimulatedFormat, SimulatedQuantCache
 from ..integrations.transformers import TurboQuantCache, enable_turboquant, model_dims
+from .simulated_caches import SimulatedFormat, SimulatedQuantCache
 
 Progress = Callable[[str], None]
 
@@ -56,8 +56,9 @@ class Variant:
             return DynamicCache(config=model.config)
         if isinstance(self.spec, SimulatedFormat):
             return SimulatedQuantCache(self.spec, model.config.num_hidden_layers)
-        return TurboQuantCache(model, self.spec, backend=self.backend, centers=self.centers,
-                               sink_tokens=self.sink_tokens)
+        return TurboQuantCache(
+            model, self.spec, backend=self.backend, centers=self.centers, sink_tokens=self.sink_tokens
+        )
 
     def layer_bytes(self, num_layers: int, head_dim: int) -> list[float]:
         """Stored bytes per token per KV head (K+V) of each layer, excluding the fp recent buffer."""
@@ -104,13 +105,20 @@ class TokenStats:
 
     def as_dict(self) -> dict:
         n = max(self.tokens, 1)
-        return {"tokens": self.tokens, "nll": self.nll / n, "ppl": math.exp(self.nll / n), "kl": self.kl / n,
-                "kl_max": self.kl_max, "top1": self.top1 / n}
+        return {
+            "tokens": self.tokens,
+            "nll": self.nll / n,
+            "ppl": math.exp(self.nll / n),
+            "kl": self.kl / n,
+            "kl_max": self.kl_max,
+            "top1": self.top1 / n,
+        }
 
 
 @torch.no_grad()
-def teacher_forced(model, windows: torch.Tensor, variants: list[Variant], chunk: int = 64, batch: int = 8,
-                   progress: Progress = _quiet) -> dict[str, dict]:
+def teacher_forced(
+    model, windows: torch.Tensor, variants: list[Variant], chunk: int = 64, batch: int = 8, progress: Progress = _quiet
+) -> dict[str, dict]:
     """PPL / KL / top-1 of each variant vs the exact reference over token windows [N, L] fed ``chunk`` tokens at a time.
 
     Every variant sees exactly the same chunks as the reference, in lockstep, so no reference logits
@@ -134,8 +142,10 @@ def teacher_forced(model, windows: torch.Tensor, variants: list[Variant], chunk:
             for v in variants:
                 logp = torch.log_softmax(model(x, past_key_values=caches[v.name]).logits.float(), dim=-1)
                 _accumulate(stats[v.name], logp, y, ref_p, ref_logp, ref_top)
-            progress(f"[teacher-forced] windows {b0 + 1}-{b0 + w.shape[0]}/{windows.shape[0]} chunk {c + 1}/{n_chunks} "
-                     f"({time.time() - t0:.0f} s)")
+            progress(
+                f"[teacher-forced] windows {b0 + 1}-{b0 + w.shape[0]}/{windows.shape[0]} chunk {c + 1}/{n_chunks} "
+                f"({time.time() - t0:.0f} s)"
+            )
     return {name: s.as_dict() for name, s in stats.items()}
 
 
@@ -181,8 +191,15 @@ def greedy_steps(model, cache, first: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generation(model, prompts: torch.Tensor, variants: list[Variant], new_tokens: int = 256, chunk: int = 16,
-               free_running: tuple[str, ...] = (), progress: Progress = _quiet) -> dict[str, dict]:
+def generation(
+    model,
+    prompts: torch.Tensor,
+    variants: list[Variant],
+    new_tokens: int = 256,
+    chunk: int = 16,
+    free_running: tuple[str, ...] = (),
+    progress: Progress = _quiet,
+) -> dict[str, dict]:
     """Greedy agreement of each variant with the reference over ``new_tokens`` generated tokens per prompt [B, P].
 
     After one exact prefill (shared by all, as a single-chunk prefill is exact) the reference decodes
@@ -201,9 +218,16 @@ def generation(model, prompts: torch.Tensor, variants: list[Variant], new_tokens
     first = logits.argmax(-1)
     ref = greedy_steps(model, _cache_from_prefill(Variant("reference", "", None), model, kv), first, new_tokens + 1)
     progress(f"[generation] reference: {b} x {new_tokens} tokens ({time.time() - t0:.0f} s)")
-    results = {"reference": {"greedy_agreement": 1.0, "tokens": b * new_tokens, "exact_match": 1.0,
-                             "first_divergence": float(new_tokens), "identical_sequences": b,
-                             "reference_tokens": ref.tolist()}}
+    results = {
+        "reference": {
+            "greedy_agreement": 1.0,
+            "tokens": b * new_tokens,
+            "exact_match": 1.0,
+            "first_divergence": float(new_tokens),
+            "identical_sequences": b,
+            "reference_tokens": ref.tolist(),
+        }
+    }
     for v in variants:
         cache = _cache_from_prefill(v, model, kv)
         match = 0
@@ -217,16 +241,21 @@ def generation(model, prompts: torch.Tensor, variants: list[Variant], new_tokens
             same = got[:, 1:] == ref[:, 1:]
             diverged = (~same).float().argmax(-1)
             first_div = torch.where(same.all(-1), torch.full_like(diverged, new_tokens), diverged)
-            row.update(exact_match=float(same.float().mean()), first_divergence=float(first_div.float().mean()),
-                       identical_sequences=int(same.all(-1).sum()))
+            row.update(
+                exact_match=float(same.float().mean()),
+                first_divergence=float(first_div.float().mean()),
+                identical_sequences=int(same.all(-1).sum()),
+            )
         results[v.name] = row
         progress(f"[generation] {v.name}: agreement {row['greedy_agreement']:.3f} ({time.time() - t0:.0f} s)")
     return results
 
 
 # ---------------------------------------------------------------------------------------------- needle
-NEEDLE_HEAD = ("There is an important piece of information hidden inside a lot of irrelevant text. "
-               "Find it and memorize it. I will quiz you about it.\n\n")
+NEEDLE_HEAD = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it.\n\n"
+)
 NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
 NEEDLE_TAIL = "\n\nWhat is the pass key? The pass key is"
 
@@ -241,7 +270,9 @@ class NeedleCase:
     ids: torch.Tensor = field(repr=False)
 
 
-def needle_cases(tok, filler_ids: torch.Tensor, lengths: list[int], depths: list[float], seed: int = 0) -> list[NeedleCase]:
+def needle_cases(
+    tok, filler_ids: torch.Tensor, lengths: list[int], depths: list[float], seed: int = 0
+) -> list[NeedleCase]:
     """Prompts of exactly ``length`` tokens: head + essay filler with the needle at ``depth`` + question."""
     rng = random.Random(seed)
     head = tok(NEEDLE_HEAD).input_ids
@@ -261,8 +292,9 @@ def needle_cases(tok, filler_ids: torch.Tensor, lengths: list[int], depths: list
 
 
 @torch.no_grad()
-def needle(model, tok, cases: list[NeedleCase], variants: list[Variant], answer_tokens: int = 8,
-           progress: Progress = _quiet) -> dict[str, dict]:
+def needle(
+    model, tok, cases: list[NeedleCase], variants: list[Variant], answer_tokens: int = 8, progress: Progress = _quiet
+) -> dict[str, dict]:
     """Pass-key retrieval per length: the answer is decoded greedily from each variant's cache after an exact prefill."""
     enable_turboquant(model)
     by_len: dict[int, list[NeedleCase]] = {}
@@ -278,8 +310,10 @@ def needle(model, tok, cases: list[NeedleCase], variants: list[Variant], answer_
             out = greedy_steps(model, _cache_from_prefill(v, model, kv), first, answer_tokens)
             hits = [c.key in tok.decode(o) for c, o in zip(group, out)]
             results[v.name][str(length)] = {"found": sum(hits), "of": len(hits), "hits": hits}
-        progress(f"[needle] {length} tokens: reference {results['reference'][str(length)]['found']}/{len(group)} "
-                 f"({time.time() - t0:.0f} s)")
+        progress(
+            f"[needle] {length} tokens: reference {results['reference'][str(length)]['found']}/{len(group)} "
+            f"({time.time() - t0:.0f} s)"
+        )
     return results
 
 

@@ -50,8 +50,10 @@ class SimulatedFormat:
         if self.kind == "int" and not 1 <= self.bits <= 8:
             raise FormatError(f"bits: expected 1..8, got {self.bits}")
         if self.kind == "int" and self.key_axis == "channel" and self.flush_chunk % self.group:
-            raise FormatError(f"flush_chunk {self.flush_chunk} must be a multiple of the token group {self.group} "
-                              "for per-channel keys")
+            raise FormatError(
+                f"flush_chunk {self.flush_chunk} must be a multiple of the token group {self.group} "
+                "for per-channel keys"
+            )
 
     def key_bytes_per_token(self, head_dim: int) -> float:
         """Key bytes per token per KV head: codes + fp16 scale and zero per group (amortized over tokens for channel groups)."""
@@ -75,7 +77,9 @@ class SimulatedFormat:
 
     def layer_bytes_per_token(self, layer: int, num_layers: int, head_dim: int) -> float:
         """Stored bytes per token per KV head of one layer (fp16 for layers left uncompressed)."""
-        return float(2 * FP16_BYTES * head_dim) if self.fp16_layer(layer, num_layers) else self.bytes_per_token(head_dim)
+        return (
+            float(2 * FP16_BYTES * head_dim) if self.fp16_layer(layer, num_layers) else self.bytes_per_token(head_dim)
+        )
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) [..., T, D] after being stored in this layout and read back."""
@@ -152,7 +156,7 @@ class SimulatedQuantCache(Cache):
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.layers[layer_idx].append(key_states, value_states)
 
-    def load_from(self, cache: Cache) -> "SimulatedQuantCache":
+    def load_from(self, cache: Cache) -> SimulatedQuantCache:
         """Quantize every layer of another cache (e.g. a DynamicCache after an exact prefill) into this one."""
         if len(cache.layers) != len(self.layers):
             raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")

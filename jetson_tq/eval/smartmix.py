@@ -20,8 +20,8 @@ beats the uniform default is measured separately, on other text, by ``benchmarks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +57,10 @@ def capture(model, ids: torch.Tensor) -> list[LayerCapture]:
         records.setdefault(module.layer_idx, {}).update(q=query.detach(), k=key.detach(), v=value.detach())
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    hooks = [layer.register_forward_pre_hook(_residual_hook(records, i), with_kwargs=True)
-             for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.register_forward_pre_hook(_residual_hook(records, i), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+    ]
     AttentionInterface.register(CAPTURE, attn)
     AttentionMaskInterface.register(CAPTURE, sdpa_mask)
     before = model.config._attn_implementation
@@ -82,6 +84,7 @@ def _residual_hook(records: dict, index: int) -> Callable:
     def hook(module, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
         records.setdefault(index, {})["h"] = h.detach()
+
     return hook
 
 
@@ -121,8 +124,13 @@ def chunked_attention(cap: LayerCapture, fmt: KVFormat | None, chunk: int, scale
 
 
 @torch.no_grad()
-def layer_errors(model, caps: list[LayerCapture], candidates: dict[str, KVFormat], chunk: int = 128,
-                 progress: Callable[[str], None] = lambda _: None) -> list[dict[str, float]]:
+def layer_errors(
+    model,
+    caps: list[LayerCapture],
+    candidates: dict[str, KVFormat],
+    chunk: int = 128,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[dict[str, float]]:
     """Per layer, per candidate: ||o_proj(attn_candidate - attn_exact)||^2 / ||residual input||^2 (summed over tokens)."""
     out = []
     for i, (cap, layer) in enumerate(zip(caps, model.model.layers)):
@@ -140,13 +148,21 @@ def layer_errors(model, caps: list[LayerCapture], candidates: dict[str, KVFormat
 
 
 @torch.no_grad()
-def layer_kl(model, ids: torch.Tensor, low: KVFormat, chunk: int = 128, backend: str = "cpu-decoded",
-             progress: Callable[[str], None] = lambda _: None) -> list[float]:
+def layer_kl(
+    model,
+    ids: torch.Tensor,
+    low: KVFormat,
+    chunk: int = 128,
+    backend: str = "cpu-decoded",
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[float]:
     """Per layer: mean KL(exact || model) per token when only that layer's cache is stored in ``low`` (the rest exact)."""
     enable_turboquant(model)
     ref_cache = DynamicCache(config=model.config)
-    ref = [model(ids[:, s : s + chunk], past_key_values=ref_cache).logits.float().log_softmax(-1)
-           for s in range(0, ids.shape[1], chunk)]
+    ref = [
+        model(ids[:, s : s + chunk], past_key_values=ref_cache).logits.float().log_softmax(-1)
+        for s in range(0, ids.shape[1], chunk)
+    ]
     out = []
     for i in range(model.config.num_hidden_layers):
         cfg = TurboQuantConfig(name=f"only{i}", default=FP16_FORMAT, overrides={i: low})
@@ -194,9 +210,18 @@ def to_config(name: str, description: str, picks: list[str], candidates: dict[st
     """A per-layer YAML mapping: the most common pick as the default, every other layer as an override."""
     common = max(set(picks), key=picks.count)
     base = candidates[common]
-    raw = {"name": name, "description": description, **format_section(base), "norm_dtype": base.norm_dtype,
-           "rotation": base.rotation, "buffer": {"recent_tokens": base.buffer_tokens, "window": base.window,
-                                                     "flush_chunk": base.flush_chunk},
-           "seed": base.seed, "layers": {"keep_fp16_first": 0, "keep_fp16_last": 0, "overrides": {
-               i: format_section(candidates[p]) for i, p in enumerate(picks) if p != common}}}
+    raw = {
+        "name": name,
+        "description": description,
+        **format_section(base),
+        "norm_dtype": base.norm_dtype,
+        "rotation": base.rotation,
+        "buffer": {"recent_tokens": base.buffer_tokens, "window": base.window, "flush_chunk": base.flush_chunk},
+        "seed": base.seed,
+        "layers": {
+            "keep_fp16_first": 0,
+            "keep_fp16_last": 0,
+            "overrides": {i: format_section(candidates[p]) for i, p in enumerate(picks) if p != common},
+        },
+    }
     return raw

@@ -25,7 +25,8 @@ padding or custom patterns arrive as a boolean [B, 1, T, kv_len] mask.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -87,7 +88,9 @@ def check_model_supported(config) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or getattr(config, "use_sliding_window", False):
-        raise UnsupportedModelError(f"only full-attention layers are supported, this model has {other or ['sliding_attention']}")
+        raise UnsupportedModelError(
+            f"only full-attention layers are supported, this model has {other or ['sliding_attention']}"
+        )
     _, heads, kv_heads, head_dim = model_dims(config)
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -103,7 +106,9 @@ def resolve_config(config: str | TurboQuantConfig | KVFormat) -> TurboQuantConfi
         return TurboQuantConfig(name="custom", default=config)
     if isinstance(config, str):
         return load_config(config)
-    raise ConfigError(f"config: expected a preset name, a YAML path, a TurboQuantConfig or a KVFormat, got {type(config).__name__}")
+    raise ConfigError(
+        f"config: expected a preset name, a YAML path, a TurboQuantConfig or a KVFormat, got {type(config).__name__}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- cache layer
@@ -112,14 +117,15 @@ class PendingChunk:
 
     __slots__ = ("layer", "key", "value")
 
-    def __init__(self, layer: "TurboQuantLayer", key: torch.Tensor, value: torch.Tensor) -> None:
+    def __init__(self, layer: TurboQuantLayer, key: torch.Tensor, value: torch.Tensor) -> None:
         self.layer, self.key, self.value = layer, key, value
 
     def __getattr__(self, name: str):
         raise UnsupportedModelError(
             f"TurboQuantCache feeds compressed K/V only to attn_implementation={ATTN_IMPLEMENTATION!r}, but the "
             f"model's attention asked for .{name}; build the cache with the model (TurboQuantCache(model, ...)) "
-            f"or call enable_turboquant(model)")
+            f"or call enable_turboquant(model)"
+        )
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -129,8 +135,15 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None,
-                 center: tuple[torch.Tensor, torch.Tensor] | None = None, sink_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        fmt: KVFormat,
+        layer_idx: int,
+        seed: int,
+        backend: str | None = None,
+        center: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sink_tokens: int = 0,
+    ) -> None:
         super().__init__()
         if backend not in backend_names():
             raise ConfigError(f"backend: expected one of {backend_names()}, got {backend!r}")
@@ -148,7 +161,9 @@ class TurboQuantLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
+        self.store = CompressedKVCache(
+            self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed
+        )
         factory = HISTORY_BACKENDS.get(self.backend) if self.backend is not None else None
         self.decoded = factory(self.store, self.sink_tokens) if factory is not None else None
         self.is_initialized = True
@@ -156,14 +171,22 @@ class TurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the new tokens for the attention call; they are appended after attention reads the history."""
         if key_states.dim() != 4 or key_states.shape != value_states.shape:
-            raise ShapeError(f"key/value states: expected one shape [B, H, T, D], got "
-                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+            raise ShapeError(
+                f"key/value states: expected one shape [B, H, T, D], got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         s = self.store
-        if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (s.batch_size, s.num_kv_heads, s.head_dim):
-            raise ShapeError(f"layer {self.layer_idx}: expected K/V [{s.batch_size}, {s.num_kv_heads}, T, {s.head_dim}] "
-                             f"(batch fixed at the first forward), got {tuple(key_states.shape)}")
+        if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
+            s.batch_size,
+            s.num_kv_heads,
+            s.head_dim,
+        ):
+            raise ShapeError(
+                f"layer {self.layer_idx}: expected K/V [{s.batch_size}, {s.num_kv_heads}, T, {s.head_dim}] "
+                f"(batch fixed at the first forward), got {tuple(key_states.shape)}"
+            )
         chunk = PendingChunk(self, *self._centered(key_states, value_states))
         return chunk, chunk
 
@@ -184,8 +207,9 @@ class TurboQuantLayer(CacheLayerMixin):
             self.decoded.note_exact(k, v)
         self.store.append(k, v)
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         """Attention of query [B, Hq, T, D] over history + chunk, then the chunk is stored -> [B, Hq, T, D].
 
         Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed, the
@@ -197,8 +221,9 @@ class TurboQuantLayer(CacheLayerMixin):
         cv = self.center[1].to(out.device, out.dtype)
         return out + cv.repeat_interleave(query.shape[1] // cv.shape[0], 0)[None, :, None, :]
 
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                scaling: float) -> torch.Tensor:
+    def _attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         store = self.store
         if self.decoded is not None:
             self.decoded.note_exact(key, value)
@@ -253,9 +278,16 @@ class TurboQuantLayer(CacheLayerMixin):
 class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
-    def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
-                 backend: str | None = None, enable: bool = True,
-                 centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None, sink_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        model_or_config,
+        config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET,
+        *,
+        backend: str | None = None,
+        enable: bool = True,
+        centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        sink_tokens: int = 0,
+    ) -> None:
         """``centers``: per-layer (key, value) offsets [H, D] subtracted from every stored token (exact under the
         softmax; the value offset is added back) and ``sink_tokens``: the first positions read exactly (cpu-decoded
         backend only) are the measurement levers of docs/fidelity.md "Quality at 5x", not served by the kernels."""
@@ -286,7 +318,7 @@ class TurboQuantCache(Cache):
         """Store precomputed K/V [B, H, T, D] of one layer (e.g. copied from a DynamicCache after a shared prefill)."""
         self.layers[layer_idx].append(key_states, value_states)
 
-    def load_from(self, cache: Cache) -> "TurboQuantCache":
+    def load_from(self, cache: Cache) -> TurboQuantCache:
         """Compress every layer of another cache (e.g. a ``DynamicCache`` filled by an exact prefill) into this one."""
         if len(cache.layers) != len(self.layers):
             raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
@@ -300,15 +332,28 @@ class TurboQuantCache(Cache):
 
 
 # ---------------------------------------------------------------------------------------------- attention + mask
-def turboquant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
-                                 dropout: float = 0.0, scaling: float | None = None, sliding_window=None, **kwargs):
+def turboquant_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window=None,
+    **kwargs,
+):
     """The ``"turboquant"`` attention: compressed history for a TurboQuantCache, plain SDPA for any other cache."""
     if not isinstance(key, PendingChunk):
         if attention_mask is None and query.shape[2] > 1 and key.shape[2] != query.shape[2]:
             attention_mask = _lower_right_causal(query.shape[2], key.shape[2], query.device)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if sliding_window is not None:
-        raise UnsupportedModelError(f"sliding-window attention (window {sliding_window}) is not supported by TurboQuantCache")
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {sliding_window}) is not supported by TurboQuantCache"
+        )
     if dropout and module.training:
         raise UnsupportedModelError("attention dropout in training mode is not supported by TurboQuantCache")
     if kwargs.get("output_attentions"):
@@ -323,18 +368,40 @@ def _lower_right_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
     return (torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos).view(1, 1, q_len, kv_len)
 
 
-def turboquant_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                    mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
-                    local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
+def turboquant_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
     """``None`` for a plain causal mask without padding (our kernels are causal by contract), else SDPA's bool mask."""
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    plain = (mask_function is causal_mask_function and local_size is None and kv_offset == 0
-             and q_offset + q_length == kv_length)
+    plain = (
+        mask_function is causal_mask_function
+        and local_size is None
+        and kv_offset == 0
+        and q_offset + q_length == kv_length
+    )
     if allow_is_causal_skip and plain and (padding is None or bool(padding[:, :kv_length].all())):
         return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=False, **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        **kwargs,
+    )
 
 
 def register() -> None:
@@ -350,8 +417,10 @@ def enable_turboquant(model) -> None:
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise UnsupportedModelError(f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r} "
-                                    f"(kept {model.config._attn_implementation!r})")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r} "
+            f"(kept {model.config._attn_implementation!r})"
+        )
 
 
 register()

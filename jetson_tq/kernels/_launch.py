@@ -45,8 +45,18 @@ class FastLauncher:
         self.kernel = kernel
         self._compiled: dict[tuple, tuple] = {}
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, plan_key: tuple, *,
-                 num_warps: int, num_stages: int = 1, maxnreg: int | None = None, aligned: bool | None = None) -> None:
+    def __call__(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict,
+        plan_key: tuple,
+        *,
+        num_warps: int,
+        num_stages: int = 1,
+        maxnreg: int | None = None,
+        aligned: bool | None = None,
+    ) -> None:
         """``aligned=True``: the caller vouches that ``plan_key`` fixes every int argument and that every tensor's data
         pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built; None: the
         generic per-argument key."""
@@ -77,8 +87,16 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
-    def compile(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, num_warps: int, num_stages: int = 1,
-                maxnreg: int | None = None):
+    def compile(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict,
+        *,
+        num_warps: int,
+        num_stages: int = 1,
+        maxnreg: int | None = None,
+    ):
         """The ``CompiledKernel`` these arguments launch (compiled now, or taken from Triton's cache; nothing runs);
         None under the interpreter."""
         if INTERPRET:

@@ -15,10 +15,25 @@ from ..errors import ConfigError
 
 MODELS_DIR = Path(os.environ.get("JETSON_TQ_MODELS_DIR", CONFIG_DIR / "models"))
 
-_INT_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
-             "vocab_size", "max_position_embeddings", "weight_bytes")
-_OPTIONAL = {"hf_id": "", "family": "", "tie_word_embeddings": False, "qkv_bias": False, "qk_norm": False,
-             "weight_dtype": "bfloat16"}
+_INT_KEYS = (
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "weight_bytes",
+)
+_OPTIONAL = {
+    "hf_id": "",
+    "family": "",
+    "tie_word_embeddings": False,
+    "qkv_bias": False,
+    "qk_norm": False,
+    "weight_dtype": "bfloat16",
+}
 
 
 @dataclass(frozen=True)
@@ -77,11 +92,15 @@ def model_spec_from_dict(raw: dict, where: str = "model") -> ModelSpec:
     for key in ("name", *_OPTIONAL):
         want = bool if isinstance(_OPTIONAL.get(key, ""), bool) else str
         if key in raw and not isinstance(raw[key], want):
-            raise ConfigError(f"{where}: {key}: expected {'true or false' if want is bool else 'a string'}, got "
-                              f"{type(raw[key]).__name__} {raw[key]!r}")
+            raise ConfigError(
+                f"{where}: {key}: expected {'true or false' if want is bool else 'a string'}, got "
+                f"{type(raw[key]).__name__} {raw[key]!r}"
+            )
     if raw["num_attention_heads"] % raw["num_kv_heads"]:
-        raise ConfigError(f"{where}: num_attention_heads {raw['num_attention_heads']} is not a multiple of "
-                          f"num_kv_heads {raw['num_kv_heads']}")
+        raise ConfigError(
+            f"{where}: num_attention_heads {raw['num_attention_heads']} is not a multiple of "
+            f"num_kv_heads {raw['num_kv_heads']}"
+        )
     return ModelSpec(**{**_OPTIONAL, **raw})
 
 

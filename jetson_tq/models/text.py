@@ -54,7 +54,7 @@ def opticks_text() -> str:
     if not path.is_file():
         raise ModelNotAvailableError(f"expected Newton's Opticks at {path}, not found")
     text = path.read_text(encoding="utf-8")
-    return text[text.index("OPTICKS:"):]
+    return text[text.index("OPTICKS:") :]
 
 
 def text_by_name(name: str) -> str:

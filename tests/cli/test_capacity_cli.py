@@ -14,8 +14,22 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def test_capacity_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "cap.png"
-    rc = main(["capacity", "--kv-budget-gb", "51.6", "--config", "blog_k3v2", "--json", "--plot", str(plot), "--compare", "fp16,k4v4",
-               "--device", "cpu"])
+    rc = main(
+        [
+            "capacity",
+            "--kv-budget-gb",
+            "51.6",
+            "--config",
+            "blog_k3v2",
+            "--json",
+            "--plot",
+            str(plot),
+            "--compare",
+            "fp16,k4v4",
+            "--device",
+            "cpu",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     rep = out["report"]
@@ -27,8 +41,24 @@ def test_capacity_json_and_plot(tmp_path, capsys):
 
 
 def test_capacity_table_for_a_hypothetical_thor(tmp_path, capsys):
-    rc = main(["capacity", "--memory-gb", "128", "--utilization", "0.85", "--model", "llama-3.1-8b-instruct",
-               "--config", "k4v4", "--no-plot", "--measure-tokens", "256", "--context", "8192"])
+    rc = main(
+        [
+            "capacity",
+            "--memory-gb",
+            "128",
+            "--utilization",
+            "0.85",
+            "--model",
+            "llama-3.1-8b-instruct",
+            "--config",
+            "k4v4",
+            "--no-plot",
+            "--measure-tokens",
+            "256",
+            "--context",
+            "8192",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "budget (--memory-gb 128): 128.00 GB x 0.85 = 108.80 GB - weights 16.06 GB" in text
@@ -56,8 +86,14 @@ def test_capacity_usage_errors(capsys):
 
 def test_platform_command_on_a_fake_orin(tmp_path):
     env = sandbox_env(tmp_path, "orin_r36")  # PATH holds only the fake board's tools
-    p = subprocess.run([sys.executable, "-m", "jetson_tq", "platform", "--json"], env=env, capture_output=True,
-                       text=True, timeout=120, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-m", "jetson_tq", "platform", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stderr
     rep = json.loads(p.stdout)
     assert rep["platform"]["kind"] == "orin" and rep["platform"]["jetpack"] == "6.2"

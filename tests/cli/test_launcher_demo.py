@@ -23,8 +23,13 @@ KERNELS_MISSING = "verdict: SKIPPED: kernels not in this build (jetson_tq.api mi
 def demo_run(tmp_path_factory):
     """One full demo run on this (CPU) machine, through the CLI entry point."""
     out = tmp_path_factory.mktemp("demo")
-    p = subprocess.run([sys.executable, "-m", "jetson_tq", "demo", "--out", str(out)], capture_output=True, text=True,
-                       timeout=300, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-m", "jetson_tq", "demo", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     return p, out
 
 
@@ -36,8 +41,18 @@ def test_demo_sections_verdicts_and_plots(demo_run):
     status = {v["section"]: v["status"] for v in summary["verdicts"]}
     for s in ("platform", "theorem1", "theorem2", "theorem3", "capacity"):
         assert status[s] == "PASS", summary["verdicts"]
-    for n, title in enumerate(["Platform", "Theorem 1", "Theorem 2", "Theorem 3", "Kernel vs reference",
-                               "Decode micro-benchmark", "Capacity"], start=1):
+    for n, title in enumerate(
+        [
+            "Platform",
+            "Theorem 1",
+            "Theorem 2",
+            "Theorem 3",
+            "Kernel vs reference",
+            "Decode micro-benchmark",
+            "Capacity",
+        ],
+        start=1,
+    ):
         assert f"== {n}. {title}" in p.stdout
     assert p.stdout.count("\nverdict: ") == len(SECTIONS)
     for name in ("theorem1_mse.png", "theorem2_prod.png", "capacity_thor_reference.png"):
@@ -62,7 +77,9 @@ def test_demo_theorem1_table_and_capacity_numbers(demo_run):
     rows = json.loads((out / "summary.json").read_text())["results"]["theorem1"]
     assert [r["bits"] for r in rows] == [1, 2, 3, 4]
     ref = json.loads((out / "summary.json").read_text())["results"]["capacity_reference"]
-    assert 0.85e6 < ref["fp16"]["pool_tokens"] < 0.95e6 and ref["multiplier_pool"] == pytest.approx(512 / 122)  # mse_k4v3
+    assert 0.85e6 < ref["fp16"]["pool_tokens"] < 0.95e6 and ref["multiplier_pool"] == pytest.approx(
+        512 / 122
+    )  # mse_k4v3
 
 
 @pytest.fixture(scope="module")

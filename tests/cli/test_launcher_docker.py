@@ -18,8 +18,9 @@ DOCKER = REPO / "docker"
 
 def instructions(path):
     """Dockerfile instructions (continuation lines joined, comments dropped)."""
-    text = re.sub(r"\\\n\s*", " ", "\n".join(line for line in path.read_text().splitlines()
-                                                if not line.lstrip().startswith("#")))
+    text = re.sub(
+        r"\\\n\s*", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    )
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
@@ -28,10 +29,14 @@ def test_dockerfile_structure(name):
     ins = instructions(DOCKER / name)
     assert ins[0].startswith("ARG BASE_IMAGE=") and ins[1] == "FROM ${BASE_IMAGE}"
     assert any(i.startswith("RUN") and "pip install --no-deps -e /opt/jetson-tq" in i for i in ins)
-    assert any(i.startswith("ENV PIP_CONSTRAINT=") for i in ins)           # torch/triton never re-resolved
+    assert any(i.startswith("ENV PIP_CONSTRAINT=") for i in ins)  # torch/triton never re-resolved
     assert any(i.startswith("RUN") and "docker/smoke_test.py" in i for i in ins)
     users = [i for i in ins if i.startswith("USER ")]
-    assert users and users[-1] != "USER root" and ins.index(users[-1]) > ins.index(next(i for i in ins if "smoke_test" in i))
+    assert (
+        users
+        and users[-1] != "USER root"
+        and ins.index(users[-1]) > ins.index(next(i for i in ins if "smoke_test" in i))
+    )
     for src in re.findall(r"^COPY (.+) \S+$", "\n".join(ins), re.M):
         for part in src.split():
             assert (REPO / part).exists(), f"COPY source {part} missing"
@@ -54,8 +59,10 @@ def test_build_commands_name_the_tags_the_launcher_uses():
     launcher = (REPO / "run_jetson.sh").read_text()
     for tag in ("jetson-tq:$VERSION-cu130-arm64", "jetson-tq:$VERSION-jp6-arm64", "jetson-tq:$VERSION-cu130-$arch"):
         assert tag in launcher
-    for dockerfile, tags in (("Dockerfile", [image_tag("cu130", "arm64"), image_tag("cu130", "amd64")]),
-                             ("Dockerfile.jp6", [image_tag("jp6", "arm64")])):
+    for dockerfile, tags in (
+        ("Dockerfile", [image_tag("cu130", "arm64"), image_tag("cu130", "amd64")]),
+        ("Dockerfile.jp6", [image_tag("jp6", "arm64")]),
+    ):
         text = (DOCKER / dockerfile).read_text()
         for tag in tags:
             assert tag.startswith(f"jetson-tq:{__version__}-")
@@ -63,15 +70,24 @@ def test_build_commands_name_the_tags_the_launcher_uses():
 
 
 def test_smoke_test_runs_here():
-    p = subprocess.run([sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "2."], capture_output=True,
-                       text=True, timeout=300, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "2."],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "smoke test: ok" in p.stdout
     assert "triton interpreter launch: max |err| 0.0e+00" in p.stdout or "triton launch on" in p.stdout
 
 
 def test_smoke_test_fails_loudly_on_a_wrong_pin():
-    p = subprocess.run([sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "0.0.1", "--imports-only"],
-                       capture_output=True,
-                       text=True, timeout=300, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "0.0.1", "--imports-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert p.returncode == 1 and "SMOKE TEST FAILED: torch: expected 0.0.1" in p.stderr

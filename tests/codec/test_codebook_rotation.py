@@ -7,15 +7,15 @@ import torch
 
 from jetson_tq.codec.codebook import key_codebook, lloyd_max_codebook, lloyd_max_mse, uniform_codebook, uniform_mse
 from jetson_tq.codec.kv import KVCodec
-from jetson_tq.format import KVFormat
 from jetson_tq.codec.rotation import Rotation, derive_seed, fwht, qjl_matrix
 from jetson_tq.errors import FormatError
+from jetson_tq.format import KVFormat
 
 
 def test_known_closed_forms():
     # d=3: a coordinate is uniform on [-1, 1]; the 1-bit Lloyd-Max quantizer is +-1/2 (MSE 3 * 1/12 = 0.25).
     assert lloyd_max_codebook(3, 1).tolist() == pytest.approx([-0.5, 0.5], abs=1e-5)
-    assert lloyd_max_mse(3, 2) == pytest.approx(3 * (0.5 ** 2) / 12, rel=1e-3)
+    assert lloyd_max_mse(3, 2) == pytest.approx(3 * (0.5**2) / 12, rel=1e-3)
     # d=2: x = cos(theta), theta uniform; 1-bit centroids are +-2/pi.
     assert lloyd_max_codebook(2, 1).tolist() == pytest.approx([-2 / math.pi, 2 / math.pi], abs=1e-5)
 

@@ -54,8 +54,16 @@ def test_group_values_error_bounded_by_half_step():
     assert torch.allclose(const, torch.full((2, 64), 1.5))
 
 
-@pytest.mark.parametrize("fmt", [KVFormat(), KVFormat(key_mode="mse", key_bits=3), KVFormat(key_bits=1),
-                                 KVFormat(value_mode="mse", value_bits=3), FP16_FORMAT])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        KVFormat(),
+        KVFormat(key_mode="mse", key_bits=3),
+        KVFormat(key_bits=1),
+        KVFormat(value_mode="mse", value_bits=3),
+        FP16_FORMAT,
+    ],
+)
 def test_key_scores_equal_inner_products_with_reconstructed_keys(fmt):
     """The hot-path score (rotated query, no reconstruction) equals <q, k~> of the dequantized keys."""
     codec = KVCodec(fmt, 64, seed=3)

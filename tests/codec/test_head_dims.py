@@ -18,8 +18,8 @@ from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import config_from_dict, load_config
 from jetson_tq.errors import ConfigError, FormatError
 from jetson_tq.format import KVFormat, PagedLayout, fp16_bytes_per_token, packed_bytes
-from jetson_tq.reports.capacity import KVBudget, capacity_report, format_report, layer_formats, measure_cache
 from jetson_tq.models.specs import load_model_spec, model_spec_from_dict
+from jetson_tq.reports.capacity import KVBudget, capacity_report, format_report, layer_formats, measure_cache
 
 DEFAULT = load_config().default  # mse_k4v3: 4-bit mse keys, 3-bit values in groups of 64
 FITTED = {80: 40, 96: 48, 112: 56, 160: 40}
@@ -64,7 +64,7 @@ def test_codec_round_trip_within_the_group_bound(d):
     vd = codec.decode_values(f)
     g = FITTED[d]
     vg = v.reshape(*v.shape[:-1], d // g, g)
-    half_step = (vg.amax(-1) - vg.amin(-1)) / (2 ** DEFAULT.value_bits - 1) / 2  # per group
+    half_step = (vg.amax(-1) - vg.amin(-1)) / (2**DEFAULT.value_bits - 1) / 2  # per group
     err = (vd - v).abs().reshape_as(vg).amax(-1)
     assert bool((err <= half_step * 1.01 + 1e-3).all())
     kd = codec.decode_keys(f)

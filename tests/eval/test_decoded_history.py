@@ -7,8 +7,8 @@ import torch
 
 from jetson_tq import ops
 from jetson_tq.cache.compressed import CompressedKVCache
-from jetson_tq.format import KVFormat
 from jetson_tq.eval.decoded_history import DecodedHistory
+from jetson_tq.format import KVFormat
 
 FORMATS = [
     KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=8),
@@ -29,7 +29,9 @@ def _filled(fmt: KVFormat, b=2, h=2, d=32, n=45, seed=0):
     return store, g
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.key_mode}{f.key_bits}-{f.value_mode}{f.value_bits}-r{f.buffer_tokens}-{f.window}")
+@pytest.mark.parametrize(
+    "fmt", FORMATS, ids=lambda f: f"{f.key_mode}{f.key_bits}-{f.value_mode}{f.value_bits}-r{f.buffer_tokens}-{f.window}"
+)
 def test_prefill_and_decode_match_reference(fmt):
     store, g = _filled(fmt)
     hist = DecodedHistory(store)

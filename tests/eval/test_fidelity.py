@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from jetson_tq.config import load_config
+from jetson_tq.eval import fidelity as F
 from jetson_tq.eval.simulated_caches import SimulatedFormat
 from jetson_tq.integrations.transformers import TurboQuantCache
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import essay_text
-from jetson_tq.eval import fidelity as F
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,13 @@ def setup():
 @pytest.fixture(scope="module")
 def slice_metrics(setup):
     model, _, ids = setup
-    variants = [F.Variant("fp16", "sanity", load_config("fp16"), backend="reference"),
-                F.Variant("mse_k3v2", "keys", load_config("mse_k3v2"), backend="reference"),
-                F.Variant("mse_k4v3", "recommended", load_config("mse_k4v3"), backend="reference"),
-                F.Variant("blog_k3v2", "keys", load_config("blog_k3v2"), backend="reference"),
-                F.Variant("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1))]
+    variants = [
+        F.Variant("fp16", "sanity", load_config("fp16"), backend="reference"),
+        F.Variant("mse_k3v2", "keys", load_config("mse_k3v2"), backend="reference"),
+        F.Variant("mse_k4v3", "recommended", load_config("mse_k4v3"), backend="reference"),
+        F.Variant("blog_k3v2", "keys", load_config("blog_k3v2"), backend="reference"),
+        F.Variant("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1)),
+    ]
     windows = F.token_windows(ids[4096:], 2, 385)  # 2 x 384 scored tokens, history compressed past 192
     return F.teacher_forced(model, windows, variants, chunk=64, batch=2)
 
@@ -100,8 +102,9 @@ def test_fast_cpu_path_matches_reference_on_the_real_model(setup):
     for backend in ("reference", "cpu-decoded"):
         cache = TurboQuantCache(model, "blog_k3v2", backend=backend)
         with torch.no_grad():
-            logits[backend] = torch.cat([model(x[:, s : s + 64], past_key_values=cache).logits
-                                         for s in range(0, 320, 64)], dim=1)
+            logits[backend] = torch.cat(
+                [model(x[:, s : s + 64], past_key_values=cache).logits for s in range(0, 320, 64)], dim=1
+            )
     ref, fast = logits["reference"].log_softmax(-1), logits["cpu-decoded"].log_softmax(-1)
     # While every key is inside the 128-token exact window (positions < 128) both are float-rounding close...
     assert (ref[:, :128] - fast[:, :128]).abs().max() < 1e-3

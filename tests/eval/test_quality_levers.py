@@ -53,7 +53,11 @@ def test_centering_leaves_attention_unchanged_up_to_quantization(backend):
     q = torch.randn(1, 4, 48, 32)
     offset = (torch.randn(2, 32) * 3, torch.randn(2, 32) * 3)
     fine = FMT.with_(key_bits=8, value_bits=8)
-    centered = _run(TurboQuantLayer(fine, 0, 1, backend, center=offset), q, k + offset[0][None, :, None],
-                    v + offset[1][None, :, None])
+    centered = _run(
+        TurboQuantLayer(fine, 0, 1, backend, center=offset),
+        q,
+        k + offset[0][None, :, None],
+        v + offset[1][None, :, None],
+    )
     exact = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     assert (centered - (exact + offset[1].repeat_interleave(2, 0)[None, :, None])).abs().max() < 0.05

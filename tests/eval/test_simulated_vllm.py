@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from jetson_tq.eval.simulated_caches import SimulatedQuantCache
-from jetson_tq.eval.simulated_vllm import (VLLM_PRESETS, VLLMTurboQuantFormat, gaussian_lloyd_max,
-                                                   sylvester_hadamard, uniform_value_roundtrip)
 from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.simulated_caches import SimulatedQuantCache
+from jetson_tq.eval.simulated_vllm import (
+    VLLM_PRESETS,
+    VLLMTurboQuantFormat,
+    gaussian_lloyd_max,
+    sylvester_hadamard,
+    uniform_value_roundtrip,
+)
 
 PRESETS = list(VLLM_PRESETS)
 
@@ -44,8 +49,9 @@ def test_boundary_layers_and_bytes_per_layer():
     fmt = VLLMTurboQuantFormat(preset="turboquant_3bit_nc")
     assert [i for i in range(30) if fmt.fp16_layer(i, 30)] == [0, 1, 28, 29]
     assert [i for i in range(3) if fmt.fp16_layer(i, 3)] == [0, 2]  # at most half the layers (n = 3 // 2)
-    assert not any(VLLMTurboQuantFormat(preset="turboquant_3bit_nc", boundary_layers=0).fp16_layer(i, 30)
-                   for i in range(30))
+    assert not any(
+        VLLMTurboQuantFormat(preset="turboquant_3bit_nc", boundary_layers=0).fp16_layer(i, 30) for i in range(30)
+    )
     v = F.Variant("v", "", fmt)
     assert v.bytes_per_token(30, 64) == pytest.approx((26 * 54 + 4 * 256) / 30)
     assert v.effective_bytes_per_token(30, 64, 2048) == pytest.approx(v.bytes_per_token(30, 64))  # no buffer
@@ -55,7 +61,7 @@ def test_values_and_keys_round_trip():
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(50, 64, generator=gen)
     for bits in (3, 4):
-        step = (v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)) / (2 ** bits - 1)
+        step = (v.amax(-1, keepdim=True) - v.amin(-1, keepdim=True)) / (2**bits - 1)
         assert bool(((uniform_value_roundtrip(v, bits) - v).abs() <= step / 2 + 2e-3).all())
     k = torch.randn(50, 64, generator=gen) * 3
     h = sylvester_hadamard(64)
@@ -95,10 +101,11 @@ def _load_vllm_kernel_module(name: str) -> types.ModuleType:
         pytest.skip(f"vLLM without {name}")
     src = Path(spec.origin).read_text()
     src = src.replace("from vllm.triton_utils import tl, triton", "import triton\nimport triton.language as tl")
-    src = src.replace("from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15",
-                      "_use_fp8_e4b15 = lambda *_: 0")
+    src = src.replace(
+        "from vllm.v1.attention.ops.triton_turboquant_decode import _use_fp8_e4b15", "_use_fp8_e4b15 = lambda *_: 0"
+    )
     mod = types.ModuleType(name)
-    exec(compile(src, spec.origin, "exec"), mod.__dict__)  # noqa: S102 - the installed vLLM's own source
+    exec(compile(src, spec.origin, "exec"), mod.__dict__)
     return mod
 
 
@@ -112,18 +119,44 @@ def test_simulation_matches_vllms_store_and_dequant_kernels(preset):
     k, v = torch.randn(n, h, d, generator=gen) * 2, torch.randn(n, h, d, generator=gen)
     c = gaussian_lloyd_max(d, cfg.centroid_bits)
     cache = torch.zeros(nb, bs, h, cfg.slot_size_aligned, dtype=torch.uint8)
-    st.triton_turboquant_store(k, v, cache, torch.arange(n, dtype=torch.int32), sylvester_hadamard(d),
-                               (c[1:] + c[:-1]) / 2, cfg.mse_bits, cfg.key_packed_size, cfg.value_quant_bits,
-                               key_fp8=cfg.key_fp8)
+    st.triton_turboquant_store(
+        k,
+        v,
+        cache,
+        torch.arange(n, dtype=torch.int32),
+        sylvester_hadamard(d),
+        (c[1:] + c[:-1]) / 2,
+        cfg.mse_bits,
+        cfg.key_packed_size,
+        cfg.value_quant_bits,
+        key_fp8=cfg.key_fp8,
+    )
     table = torch.arange(nb, dtype=torch.int32).unsqueeze(0)
     ko = torch.zeros(1, h, nb * bs, d, dtype=torch.float16)
     vo = torch.zeros_like(ko)
     dec._tq_full_dequant_kv[(nb * bs, h)](
-        cache, table, c, ko, vo, *ko.stride()[:3], *vo.stride()[:3], *cache.stride()[:3], table.stride(0),
-        HEAD_DIM=d, BLOCK_SIZE=bs, NUM_KV_HEADS=h, MSE_BYTES=math.ceil(d * cfg.key_mse_bits / 8),
-        KPS=cfg.key_packed_size, VQB=cfg.value_quant_bits, VAL_DATA_BYTES=math.ceil(d * cfg.value_quant_bits / 8),
-        MSE_BITS=cfg.key_mse_bits, KEY_FP8=int(cfg.key_fp8), BLOCK_D=d, NORM_CORRECTION=int(cfg.norm_correction),
-        FP8_E4B15=0)
+        cache,
+        table,
+        c,
+        ko,
+        vo,
+        *ko.stride()[:3],
+        *vo.stride()[:3],
+        *cache.stride()[:3],
+        table.stride(0),
+        HEAD_DIM=d,
+        BLOCK_SIZE=bs,
+        NUM_KV_HEADS=h,
+        MSE_BYTES=math.ceil(d * cfg.key_mse_bits / 8),
+        KPS=cfg.key_packed_size,
+        VQB=cfg.value_quant_bits,
+        VAL_DATA_BYTES=math.ceil(d * cfg.value_quant_bits / 8),
+        MSE_BITS=cfg.key_mse_bits,
+        KEY_FP8=int(cfg.key_fp8),
+        BLOCK_D=d,
+        NORM_CORRECTION=int(cfg.norm_correction),
+        FP8_E4B15=0,
+    )
     kv, vv = ko[0, :, :n].transpose(0, 1).float(), vo[0, :, :n].transpose(0, 1).float()
     kq, vq = VLLMTurboQuantFormat(preset=preset).roundtrip(k, v)
     assert (vq - vv).abs().max() <= 2e-3  # identical codes; the kernel writes fp16 (ulp 2e-3 at |v| < 4)

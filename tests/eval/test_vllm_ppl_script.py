@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_gpu"))
 
-import ppl  # noqa: E402
+import ppl
 
 
 def _row(actual: float, top: dict[int, float]) -> list:

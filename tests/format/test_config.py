@@ -9,11 +9,19 @@ from jetson_tq.errors import ConfigError
 
 def test_presets_load_with_expected_bytes():
     assert {"blog_k3v2", "k4v4", "mse_k3v2", "fp16"} <= set(preset_names())
-    bytes_128 = {name: load_config(name).default.bytes_per_token(128) for name in ("blog_k3v2", "k4v4", "mse_k3v2", "fp16")}
+    bytes_128 = {
+        name: load_config(name).default.bytes_per_token(128) for name in ("blog_k3v2", "k4v4", "mse_k3v2", "fp16")
+    }
     assert bytes_128 == {"blog_k3v2": 100, "k4v4": 148, "mse_k3v2": 98, "fp16": 512}
     blog = load_config("blog_k3v2").default
-    assert (blog.key_mode, blog.key_bits, blog.key_mse_bits, blog.value_bits, blog.value_group, blog.buffer_tokens) == \
-        ("prod", 3, 2, 2, 32, 128)
+    assert (blog.key_mode, blog.key_bits, blog.key_mse_bits, blog.value_bits, blog.value_group, blog.buffer_tokens) == (
+        "prod",
+        3,
+        2,
+        2,
+        32,
+        128,
+    )
 
 
 def test_uniform_key_preset_has_the_default_presets_bytes():
@@ -34,7 +42,9 @@ def test_window_key_and_preset_windows():
 
 def test_layer_policy_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("keys: {mode: mse, bits: 4}\nlayers: {keep_fp16_first: 1, keep_fp16_last: 2, overrides: {3: {keys: {bits: 2}}}}\n")
+    path.write_text(
+        "keys: {mode: mse, bits: 4}\nlayers: {keep_fp16_first: 1, keep_fp16_last: 2, overrides: {3: {keys: {bits: 2}}}}\n"
+    )
     cfg = load_config(path)
     assert cfg.format_for_layer(0, 10) == FP16_FORMAT
     assert cfg.format_for_layer(8, 10) == FP16_FORMAT and cfg.format_for_layer(9, 10) == FP16_FORMAT
@@ -44,18 +54,21 @@ def test_layer_policy_and_overrides(tmp_path):
         cfg.format_for_layer(10, 10)
 
 
-@pytest.mark.parametrize("raw,match", [
-    ({"keyz": {}}, "unknown key"),
-    ({"keys": {"mode": "prod", "bitz": 3}}, r"keys: unknown key"),
-    ({"keys": {"bits": 12}}, "key_bits"),
-    ({"values": {"mode": "int3"}}, "value_mode"),
-    ({"buffer": {"recent_tokens": -5}}, "buffer_tokens"),
-    ({"buffer": {"window": "ring"}}, "window"),
-    ({"layers": {"keep_fp16_first": "two"}}, "keep_fp16_first"),
-    ({"layers": {"overrides": {"x": {}}}}, "integers"),
-    ({"layers": {"overrides": {2: {"layers": {}}}}}, "unknown key"),
-    ({"keys": [1, 2]}, "mapping"),
-])
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"keyz": {}}, "unknown key"),
+        ({"keys": {"mode": "prod", "bitz": 3}}, r"keys: unknown key"),
+        ({"keys": {"bits": 12}}, "key_bits"),
+        ({"values": {"mode": "int3"}}, "value_mode"),
+        ({"buffer": {"recent_tokens": -5}}, "buffer_tokens"),
+        ({"buffer": {"window": "ring"}}, "window"),
+        ({"layers": {"keep_fp16_first": "two"}}, "keep_fp16_first"),
+        ({"layers": {"overrides": {"x": {}}}}, "integers"),
+        ({"layers": {"overrides": {2: {"layers": {}}}}}, "unknown key"),
+        ({"keys": [1, 2]}, "mapping"),
+    ],
+)
 def test_bad_configs_name_the_problem(raw, match):
     with pytest.raises(ConfigError, match=match):
         config_from_dict(raw)

@@ -11,8 +11,15 @@ from jetson_tq.errors import FormatError
 def test_reference_setting_bytes():
     fmt = KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32)
     # keys: 2-bit idx 32 B + signs 16 B + norm 2 + rnorm 2; values: 2-bit 32 B + 4 fp16 scales + 4 fp16 zeros
-    assert fmt.breakdown(128) == {"key_idx": 32, "key_signs": 16, "key_norm": 2, "key_rnorm": 2,
-                                  "val_codes": 32, "val_scale": 8, "val_zero": 8}
+    assert fmt.breakdown(128) == {
+        "key_idx": 32,
+        "key_signs": 16,
+        "key_norm": 2,
+        "key_rnorm": 2,
+        "val_codes": 32,
+        "val_scale": 8,
+        "val_zero": 8,
+    }
     assert fmt.bytes_per_token(128) == 100
     assert fmt.compression_ratio(128) == pytest.approx(512 / 100)
     assert fp16_bytes_per_token(128) == 512
@@ -28,9 +35,14 @@ def test_odd_bits_and_dims():
 
 
 def test_bytes_match_what_the_codec_produces():
-    for fmt in (KVFormat(value_group=16), KVFormat(key_mode="mse", key_bits=3, value_group=16),
-                KVFormat(value_mode="mse", value_bits=3), KVFormat(key_bits=5, value_bits=5, value_group=16),
-                KVFormat(key_bits=1, value_group=16, norm_dtype="float32"), FP16_FORMAT):
+    for fmt in (
+        KVFormat(value_group=16),
+        KVFormat(key_mode="mse", key_bits=3, value_group=16),
+        KVFormat(value_mode="mse", value_bits=3),
+        KVFormat(key_bits=5, value_bits=5, value_group=16),
+        KVFormat(key_bits=1, value_group=16, norm_dtype="float32"),
+        FP16_FORMAT,
+    ):
         for d in (64, 80, 128):
             codec = KVCodec(fmt, d)
             enc = codec.encode(torch.randn(7, d), torch.randn(7, d))
@@ -38,17 +50,31 @@ def test_bytes_match_what_the_codec_produces():
             assert list(enc) == [f.name for f in fmt.fields(d)]
 
 
-@pytest.mark.parametrize("kwargs", [dict(key_mode="qjl"), dict(key_bits=0), dict(key_bits=9), dict(value_bits=0),
-                                    dict(value_mode="int"), dict(rotation="random"), dict(norm_dtype="bfloat8"),
-                                    dict(buffer_tokens=-1), dict(flush_chunk=0), dict(key_bits=2.5),
-                                    dict(key_codebook="nf4")])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(key_mode="qjl"),
+        dict(key_bits=0),
+        dict(key_bits=9),
+        dict(value_bits=0),
+        dict(value_mode="int"),
+        dict(rotation="random"),
+        dict(norm_dtype="bfloat8"),
+        dict(buffer_tokens=-1),
+        dict(flush_chunk=0),
+        dict(key_bits=2.5),
+        dict(key_codebook="nf4"),
+    ],
+)
 def test_invalid_formats_raise(kwargs):
     with pytest.raises(FormatError):
         KVFormat(**kwargs)
 
 
 def test_head_dim_checks():
-    assert KVFormat(value_group=32).value_group_for(80) == 20  # 20 divides 80: fitted, not refused (tests/codec/test_head_dims.py)
+    assert (
+        KVFormat(value_group=32).value_group_for(80) == 20
+    )  # 20 divides 80: fitted, not refused (tests/codec/test_head_dims.py)
     with pytest.raises(FormatError, match="not less than fp16"):
         KVFormat(value_group=32).bytes_per_token(37)  # prime: only groups of 1 fit
     with pytest.raises(FormatError, match="power-of-two"):
@@ -88,7 +114,9 @@ def test_window_rule_sliding_and_block():
     assert [exact_count(n, 8, True) for n in lens] == [0, 1, 7, 8, 1, 8, 1]
     assert [exact_count(n, 0, False) for n in lens] == [0] * len(lens)
     for block in (False, True):  # a sequence of L tokens reads L - max(exact_start(L - 1), 0) of them exactly
-        assert [exact_count(n, 8, block) for n in lens[1:]] == [n - max(exact_start(n - 1, 8, block), 0) for n in lens[1:]]
+        assert [exact_count(n, 8, block) for n in lens[1:]] == [
+            n - max(exact_start(n - 1, 8, block), 0) for n in lens[1:]
+        ]
         assert exact_count(np.array(lens), 8, block).tolist() == [exact_count(n, 8, block) for n in lens]
         assert exact_count(torch.tensor(lens), 8, block).tolist() == [exact_count(n, 8, block) for n in lens]
         assert exact_start(torch.tensor(pos), 8, block).tolist() == [exact_start(p, 8, block) for p in pos]

@@ -61,8 +61,12 @@ def test_bad_input():
 
 
 @settings(max_examples=60, deadline=None)
-@given(bits=st.integers(1, 8), n=st.integers(0, 70), lead=st.lists(st.integers(0, 4), max_size=3),
-       seed=st.integers(0, 2**31))
+@given(
+    bits=st.integers(1, 8),
+    n=st.integers(0, 70),
+    lead=st.lists(st.integers(0, 4), max_size=3),
+    seed=st.integers(0, 2**31),
+)
 def test_round_trip_property_any_shape(bits, n, lead, seed):
     """Property: pack/unpack is exact for every width, length (0 included) and leading shape."""
     g = torch.Generator().manual_seed(seed)

@@ -13,10 +13,10 @@ import os
 
 import torch
 
-from jetson_tq.paged import PagedKV, slots_for_positions, write_slots
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import load_config
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
+from jetson_tq.paged import PagedKV, slots_for_positions, write_slots
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
@@ -48,7 +48,9 @@ def vllm_block_table(lens: list[int], block_size: int, pad_blocks: int, gen: tor
     return table
 
 
-def vllm_slot_mapping(table: torch.Tensor, lens: list[int], block_size: int, pad_every: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+def vllm_slot_mapping(
+    table: torch.Tensor, lens: list[int], block_size: int, pad_every: int = 5
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots [N], (seq, pos) [N, 2]) for every token of every sequence, with a -1 padding slot every few tokens."""
     slots, who = [], []
     for b, n in enumerate(lens):
@@ -63,9 +65,19 @@ def vllm_slot_mapping(table: torch.Tensor, lens: list[int], block_size: int, pad
     return torch.tensor(slots, dtype=torch.int64), torch.tensor(who, dtype=torch.int64).reshape(-1, 2)
 
 
-def build_paged_kv(fmt: KVFormat, num_kv_heads: int, head_dim: int, comp_lens: list[int], rec_lens: list[int],
-                   dtype: torch.dtype, gen: torch.Generator, block_size: int = 16, recent_rows: int | None = None,
-                   recent_cap: int | None = None, pages_hold: list[int] | None = None) -> PagedKV:
+def build_paged_kv(
+    fmt: KVFormat,
+    num_kv_heads: int,
+    head_dim: int,
+    comp_lens: list[int],
+    rec_lens: list[int],
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    block_size: int = 16,
+    recent_rows: int | None = None,
+    recent_cap: int | None = None,
+    pages_hold: list[int] | None = None,
+) -> PagedKV:
     """A PagedKV as vLLM would hand it over: compressed tokens written through a shuffled block table and a
     padded slot mapping (reference encoder), pages' unwritten bytes random, recent rows picked by a
     permuted ``recent_index`` from a larger buffer. ``pages_hold``: positions written per sequence (default
@@ -91,9 +103,17 @@ def build_paged_kv(fmt: KVFormat, num_kv_heads: int, head_dim: int, comp_lens: l
     rk = torch.randn(rows, num_kv_heads, cap, head_dim, generator=gen).to(dtype)
     rv = torch.randn(rows, num_kv_heads, cap, head_dim, generator=gen).to(dtype)
     ridx = torch.randperm(rows, generator=gen)[:bsz].to(torch.int32)
-    return PagedKV(pages.to(DEVICE), table.to(DEVICE), torch.tensor(comp_lens, dtype=torch.int32, device=DEVICE),
-                   rk.to(DEVICE), rv.to(DEVICE), torch.tensor(rec_lens, dtype=torch.int32, device=DEVICE),
-                   ridx.to(DEVICE), layout, codec)
+    return PagedKV(
+        pages.to(DEVICE),
+        table.to(DEVICE),
+        torch.tensor(comp_lens, dtype=torch.int32, device=DEVICE),
+        rk.to(DEVICE),
+        rv.to(DEVICE),
+        torch.tensor(rec_lens, dtype=torch.int32, device=DEVICE),
+        ridx.to(DEVICE),
+        layout,
+        codec,
+    )
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -16,8 +16,22 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BOARDS = FIXTURES / "platforms"
 REPO = FIXTURES.parents[1]
 SCRIPT = REPO / "run_jetson.sh"
-TOOLS = ("bash", "env", "tr", "sed", "cut", "head", "uname", "timeout", "cat", "dirname", "sha256sum", "mkdir", "id",
-         "touch")
+TOOLS = (
+    "bash",
+    "env",
+    "tr",
+    "sed",
+    "cut",
+    "head",
+    "uname",
+    "timeout",
+    "cat",
+    "dirname",
+    "sha256sum",
+    "mkdir",
+    "id",
+    "touch",
+)
 
 
 def sandbox_env(tmp_path: Path, board: str, docker: bool = False, **extra: str) -> dict[str, str]:
@@ -36,15 +50,24 @@ def sandbox_env(tmp_path: Path, board: str, docker: bool = False, **extra: str) 
     if docker and not (bin_dir / "docker").exists():
         (bin_dir / "docker").symlink_to(FIXTURES / "bin" / "docker")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JETSON_TQ_", "FAKE_"))}
-    env.update({"PATH": str(bin_dir), "JETSON_TQ_SYSROOT": str(BOARDS / board), "HOME": str(tmp_path / "home"),
-                "JETSON_TQ_VENV": str(tmp_path / "venv-never-created"), "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    env.update(
+        {
+            "PATH": str(bin_dir),
+            "JETSON_TQ_SYSROOT": str(BOARDS / board),
+            "HOME": str(tmp_path / "home"),
+            "JETSON_TQ_VENV": str(tmp_path / "venv-never-created"),
+            "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        }
+    )
     env.pop("HF_HOME", None)
     env.pop("VLLM_CACHE_ROOT", None)
     env.update(extra)
     return env
 
 
-def run_launcher(tmp_path: Path, board: str, *args: str, docker: bool = False, **env: str) -> subprocess.CompletedProcess:
+def run_launcher(
+    tmp_path: Path, board: str, *args: str, docker: bool = False, **env: str
+) -> subprocess.CompletedProcess:
     """run_jetson.sh ARGS on fake board ``board`` (cwd tmp_path, 60 s limit), output captured."""
     e = sandbox_env(tmp_path, board, docker=docker, **env)
     return subprocess.run([str(SCRIPT), *args], env=e, capture_output=True, text=True, timeout=60, cwd=tmp_path)

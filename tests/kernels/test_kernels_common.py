@@ -40,8 +40,8 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
     retried at half the tokens, and the size that fit is remembered for the next call."""
     from triton.runtime.errors import OutOfResources
 
-    from jetson_tq.config import load_config
     from jetson_tq.codec.kv import KVCodec
+    from jetson_tq.config import load_config
     from jetson_tq.format import PagedLayout
     from jetson_tq.kernels._launch import FastLauncher
 
@@ -54,6 +54,7 @@ def test_compress_tile_halves_when_shared_memory_overflows(monkeypatch):
                 tried.append(block_t)
                 if block_t > fits[0]:
                     raise OutOfResources(block_t * 2304, 232448, "shared memory")
+
             return launch
 
     monkeypatch.setattr(cw, "_LAUNCH", FastLauncher(FakeKernel()))  # CPU tensors: the plain launch path
@@ -94,6 +95,7 @@ def test_fast_launcher_compiles_once_per_argument_dtypes(monkeypatch):
             def launch(*args, **kwargs):
                 compiles.append(tuple(t.dtype for t in args if isinstance(t, torch.Tensor)))
                 return Compiled()
+
             return launch
 
     class CudaLike:  # the first argument only has to say it is on CUDA
@@ -105,8 +107,9 @@ def test_fast_launcher_compiles_once_per_argument_dtypes(monkeypatch):
     monkeypatch.setattr(_launch.torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     launcher = _launch.FastLauncher(FakeKernel())
     for dtype in (torch.float16, torch.float16, torch.float32, torch.float16, torch.float32):
-        launcher((1,), (CudaLike(), torch.zeros(4, dtype=dtype), 4), {"BLOCK": 16}, ("plan",), num_warps=1,
-                 aligned=True)
+        launcher(
+            (1,), (CudaLike(), torch.zeros(4, dtype=dtype), 4), {"BLOCK": 16}, ("plan",), num_warps=1, aligned=True
+        )
     assert compiles == [(torch.float16,), (torch.float32,)]
     assert len(runs) == 3  # every later call of a compiled dtype launches directly
 
@@ -129,11 +132,18 @@ def _run_ptx(asm: str, x: int) -> list[int]:
         return out
 
     def lop3(a: int, b: int, c: int, lut: int) -> int:
-        return sum(((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i
-                   for i in range(32))
+        return sum(
+            ((lut >> ((((a >> i) & 1) << 2) | (((b >> i) & 1) << 1) | ((c >> i) & 1))) & 1) << i for i in range(32)
+        )
 
-    ops = {"and.b32": lambda a, b: a & b, "shr.b32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
-           "sub.u32": lambda a, b: (a - b) & 0xFFFFFFFF, "prmt.b32": prmt, "lop3.b32": lop3}
+    ops = {
+        "and.b32": lambda a, b: a & b,
+        "shr.b32": lambda a, b: a >> b,
+        "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
+        "sub.u32": lambda a, b: (a - b) & 0xFFFFFFFF,
+        "prmt.b32": prmt,
+        "lop3.b32": lop3,
+    }
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
         if not line or line[0] in "{}.":
@@ -165,8 +175,17 @@ def test_nibble_lut_asm_is_the_fp16_codebook(d):
     assert nibble_lut_asm(skew) is None
 
 
-@pytest.mark.parametrize("regs,shared,warps,want", [(128, 5120, 1, 16), (167, 5120, 1, 12), (144, 5120, 1, 12),
-                                                    (128, 5120, 2, 8), (40, 5120, 1, 32), (64, 100_000, 1, 2)])
+@pytest.mark.parametrize(
+    "regs,shared,warps,want",
+    [
+        (128, 5120, 1, 16),
+        (167, 5120, 1, 12),
+        (144, 5120, 1, 12),
+        (128, 5120, 2, 8),
+        (40, 5120, 1, 32),
+        (64, 100_000, 1, 2),
+    ],
+)
 def test_resident_programs(regs, shared, warps, want):
     """Programs per SM from registers (per-warp units of 256 in one of 4 sub-partitions: 144 registers -> 12, the
     H200 run-7 timing), shared memory (+1 KB per block) and block slots."""

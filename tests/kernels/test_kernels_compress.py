@@ -23,32 +23,55 @@ import math
 import pytest
 import torch
 
-from tests.helpers.kernel_cases import DEVICE, GPU, fmt_for, fresh_seed, vllm_block_table, vllm_slot_mapping
-from jetson_tq.paged import read_slots, write_slots
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.codec.packing import unpack_bits
 from jetson_tq.format import PagedLayout
 from jetson_tq.kernels.compress_write import WriteTuning, compress_write
+from jetson_tq.paged import read_slots, write_slots
+from tests.helpers.kernel_cases import DEVICE, GPU, fmt_for, fresh_seed, vllm_block_table, vllm_slot_mapping
 
 pytestmark = pytest.mark.kernel
 
-SMALL = [("blog_k3v2", 128, [30, 9]), ("blog_k3v2", 64, [17]), ("blog_k3v2", 80, [12, 3]),
-         ("blog_k3v2", 96, [20]), ("blog_k3v2", 256, [9]), ("blog_k3v2", 50, [14]), ("blog_k3v2", 100, [11]),
-         ("k4v4", 128, [25]), ("mse_k3v2", 64, [19]), ("mse_k4v3", 128, [13]), ("mse_k4v3u", 64, [15]),
-         ("mse_k3v3w256", 128, [11]),
-         ("fp16", 128, [10, 5])]
-LARGE = [("blog_k3v2", 128, [4096, 1000, 7]), ("blog_k3v2", 64, [3000]), ("blog_k3v2", 80, [999]),
-         ("blog_k3v2", 96, [1500, 2]), ("blog_k3v2", 256, [700]), ("blog_k3v2", 50, [555]),
-         ("blog_k3v2", 100, [777]), ("k4v4", 128, [2048]), ("mse_k3v2", 128, [1024]), ("mse_k4v3", 128, [1500]),
-         ("mse_k3v3w256", 128, [1300]), ("mse_k4v3", 64, [2000]), ("mse_k4v3u", 128, [1500]), ("fp16", 128, [300])]
+SMALL = [
+    ("blog_k3v2", 128, [30, 9]),
+    ("blog_k3v2", 64, [17]),
+    ("blog_k3v2", 80, [12, 3]),
+    ("blog_k3v2", 96, [20]),
+    ("blog_k3v2", 256, [9]),
+    ("blog_k3v2", 50, [14]),
+    ("blog_k3v2", 100, [11]),
+    ("k4v4", 128, [25]),
+    ("mse_k3v2", 64, [19]),
+    ("mse_k4v3", 128, [13]),
+    ("mse_k4v3u", 64, [15]),
+    ("mse_k3v3w256", 128, [11]),
+    ("fp16", 128, [10, 5]),
+]
+LARGE = [
+    ("blog_k3v2", 128, [4096, 1000, 7]),
+    ("blog_k3v2", 64, [3000]),
+    ("blog_k3v2", 80, [999]),
+    ("blog_k3v2", 96, [1500, 2]),
+    ("blog_k3v2", 256, [700]),
+    ("blog_k3v2", 50, [555]),
+    ("blog_k3v2", 100, [777]),
+    ("k4v4", 128, [2048]),
+    ("mse_k3v2", 128, [1024]),
+    ("mse_k4v3", 128, [1500]),
+    ("mse_k3v3w256", 128, [1300]),
+    ("mse_k4v3", 64, [2000]),
+    ("mse_k4v3u", 128, [1500]),
+    ("fp16", 128, [300]),
+]
 
 
 def _ulp16(x: torch.Tensor) -> torch.Tensor:
-    return torch.finfo(torch.float16).eps * x.float().abs().clamp_min(2.0 ** -14)
+    return torch.finfo(torch.float16).eps * x.float().abs().clamp_min(2.0**-14)
 
 
-CASES = [(*c, dt) for c in (LARGE if GPU else SMALL) for dt in (torch.float16, torch.bfloat16)] + \
-    [(*c, torch.float32) for c in (LARGE if GPU else SMALL) if c[:2] in (("mse_k4v3", 128), ("blog_k3v2", 64))]
+CASES = [(*c, dt) for c in (LARGE if GPU else SMALL) for dt in (torch.float16, torch.bfloat16)] + [
+    (*c, torch.float32) for c in (LARGE if GPU else SMALL) if c[:2] in (("mse_k4v3", 128), ("blog_k3v2", 64))
+]
 
 
 @pytest.mark.parametrize("name,d,lens,dtype", CASES, ids=[f"{c[0]}-D{c[1]}-{str(c[3])[6:]}" for c in CASES])
@@ -80,11 +103,15 @@ def _check(name, d, lens, dtype, exact_signs):
     ref_pages = poison.clone()
     write_slots(ref_pages, layout, slots, codec.encode(k, v))
     pages = poison.clone().to(DEVICE)
-    compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec,
-                   tuning=WriteTuning(exact_signs=exact_signs))
+    compress_write(
+        k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), pages, layout, codec, tuning=WriteTuning(exact_signs=exact_signs)
+    )
     pages = pages.cpu()
     written = slots[slots >= 0]
-    got, want = read_slots(pages, layout, written, codec.raw_dtype), read_slots(ref_pages, layout, written, codec.raw_dtype)
+    got, want = (
+        read_slots(pages, layout, written, codec.raw_dtype),
+        read_slots(ref_pages, layout, written, codec.raw_dtype),
+    )
     msg = f"seed={seed} {name} D={d} {dtype}"
     order = torch.nonzero(slots >= 0).squeeze(1)  # rows of k/v that were written, in slot order of `written`
     for f in fmt.fields(d):
@@ -97,8 +124,9 @@ def _check(name, d, lens, dtype, exact_signs):
             bits = unpack_bits(g, 1, d) != unpack_bits(w, 1, d)
             flips = bits.float().mean().item()
             # at CPU sizes (~2k bits) one flip is 0.05 %: allow two flipped bits whatever the size
-            assert flips <= (2e-4 if exact_signs else 5e-3) or int(bits.sum()) <= 2, \
+            assert flips <= (2e-4 if exact_signs else 5e-3) or int(bits.sum()) <= 2, (
                 f"{msg}: {flips:.3%} of sign bits differ"
+            )
         elif f.name in ("key_norm", "key_rnorm"):
             assert bool(((g.float() - w.float()).abs() <= _ulp16(w) + 1e-30).all()), f"{msg}: {f.name} off by > 1 ulp"
         else:
@@ -110,7 +138,9 @@ def _check(name, d, lens, dtype, exact_signs):
     offs = layout.offsets()
     for f in fmt.fields(d):
         reg = lambda p: p[:, :, offs[f.name] : offs[f.name] + bs * f.nbytes].reshape(nblocks, hkv, bs, f.nbytes)
-        assert torch.equal(reg(pages)[region_mask], reg(poison)[region_mask]), f"{msg}: wrote outside its slots ({f.name})"
+        assert torch.equal(reg(pages)[region_mask], reg(poison)[region_mask]), (
+            f"{msg}: wrote outside its slots ({f.name})"
+        )
 
 
 def _key_tie_distance(codec: KVCodec, k: torch.Tensor) -> torch.Tensor:
@@ -131,8 +161,9 @@ def _value_tie_distance(codec: KVCodec, v: torch.Tensor) -> torch.Tensor:
     return ((pos - pos.floor()) - 0.5).abs().reshape(v.shape)
 
 
-def _expect_ties_only(got: torch.Tensor, want: torch.Tensor, tie_distance: torch.Tensor, tie: float, bits: int,
-                      d: int, msg: str) -> None:
+def _expect_ties_only(
+    got: torch.Tensor, want: torch.Tensor, tie_distance: torch.Tensor, tie: float, bits: int, d: int, msg: str
+) -> None:
     """Packed codes equal, except off-by-one-level decisions at inputs within ``tie`` of a boundary (<= 0.1 %)."""
     if torch.equal(got, want):
         return
@@ -176,8 +207,10 @@ def _store_case(name, d, dtype, poison, seed, n=24, hkv=2):
 
     gen = torch.Generator().manual_seed(seed)
     fmt = fmt_for(name, d)
-    layout, codec = PagedLayout(fmt, d, 16), KVCodec(fmt, d, raw_dtype=dtype if dtype != torch.float32 else
-                                                     torch.float16)
+    layout, codec = (
+        PagedLayout(fmt, d, 16),
+        KVCodec(fmt, d, raw_dtype=dtype if dtype != torch.float32 else torch.float16),
+    )
     k = (torch.randn(n, hkv, d, generator=gen) * 2).to(dtype)
     v = torch.randn(n, hkv, d, generator=gen).to(dtype)
     for which, value in poison:  # at random (token >= 1, head, coordinate); big values fill a whole token
@@ -193,8 +226,9 @@ def _store_case(name, d, dtype, poison, seed, n=24, hkv=2):
     return fmt, layout, codec, k, v, slots, limits
 
 
-@pytest.mark.parametrize("name,d,dtype,poison", CHECK_CASES, ids=[f"{c[0]}-D{c[1]}-{str(c[2])[6:]}-{len(c[3])}"
-                                                                   for c in CHECK_CASES])
+@pytest.mark.parametrize(
+    "name,d,dtype,poison", CHECK_CASES, ids=[f"{c[0]}-D{c[1]}-{str(c[2])[6:]}-{len(c[3])}" for c in CHECK_CASES]
+)
 def test_store_checks_record_the_reference_fault(name, d, dtype, poison):
     """The kernel's fault code equals ``validate.store_fault_code`` (the first failing check in
     ``check_kv_storable``'s order, then the first element by slot, head, coordinate), it names a fault whenever the
@@ -221,8 +255,9 @@ def test_store_checks_record_the_reference_fault(name, d, dtype, poison):
     assert int(closed[0]) == FAULT_NONE, f"seed={seed}: a closed record was written"
 
 
-@pytest.mark.parametrize("name,d,dtype", [("mse_k4v3", 128, torch.float16), ("blog_k3v2", 64, torch.float32),
-                                          ("fp16", 64, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "name,d,dtype", [("mse_k4v3", 128, torch.float16), ("blog_k3v2", 64, torch.float32), ("fp16", 64, torch.bfloat16)]
+)
 def test_store_checks_leave_the_pages_as_without_them(name, d, dtype):
     """Checking changes nothing that is stored: the same bytes with and without the fault record."""
     from jetson_tq.validate import FAULT_NONE

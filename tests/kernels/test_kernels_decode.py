@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, poison_workspaces, rel_err
 from jetson_tq.attention.reference import paged_attention_decode
 from jetson_tq.kernels import _common
 from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, poison_workspaces, rel_err
 
 pytestmark = pytest.mark.kernel
 
@@ -71,12 +71,22 @@ def _check(name, d, g, comp, rec, dtype, splits, seed, recent_cap=None, block_si
     hybrid_decode(q, kv, out=out, tuning=tuning)
     nonempty = [i for i in range(len(comp)) if comp[i] + rec[i] > 0]
     keep = torch.tensor(nonempty, device=DEVICE)
-    sub = kv.__class__(kv.pages, kv.block_table[keep], kv.compressed_lens[keep], kv.recent_k, kv.recent_v,
-                       kv.recent_lens[keep], kv.recent_index[keep], kv.layout, kv.codec)
+    sub = kv.__class__(
+        kv.pages,
+        kv.block_table[keep],
+        kv.compressed_lens[keep],
+        kv.recent_k,
+        kv.recent_v,
+        kv.recent_lens[keep],
+        kv.recent_index[keep],
+        kv.layout,
+        kv.codec,
+    )
     ref = paged_attention_decode(q[keep], sub)
     err = rel_err(out[keep], ref)
-    assert err <= TOL[dtype], (f"seed={seed} {name} D={d} G={g} lens={comp}+{rec} splits={splits} block={block_size}: "
-                               f"rel err {err:.2e}")
+    assert err <= TOL[dtype], (
+        f"seed={seed} {name} D={d} G={g} lens={comp}+{rec} splits={splits} block={block_size}: rel err {err:.2e}"
+    )
     for i in set(range(len(comp))) - set(nonempty):  # nothing cached: zeros, never NaN (padded graph batches)
         assert bool((out[i] == 0).all()), f"seed={seed}: empty sequence {i} must give zeros"
 
@@ -111,8 +121,11 @@ def test_decode_one_token_and_no_buffer_storage():
 
 
 # CPU CI (Triton's interpreter, ~50 s per format) keeps two formats; the GPU runs all four
-VARIANT_FORMATS = [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)] if GPU else [
-    ("mse_k4v3", 128), ("k4v4", 64)]
+VARIANT_FORMATS = (
+    [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)]
+    if GPU
+    else [("mse_k4v3", 128), ("k4v4", 64)]
+)
 
 
 @pytest.mark.parametrize("name,d", VARIANT_FORMATS)
@@ -129,9 +142,18 @@ def test_decode_variants_agree(name, d):
     kv = build_paged_kv(fmt_for(name, d), 2, d, [n, 9], [3, 0], torch.float16, gen)
     q = (torch.randn(2, 8, d, generator=gen) * 3).to(torch.float16).to(DEVICE)
     ref = paged_attention_decode(q, kv)
-    for knobs in ({"block_n": 16, "num_warps": 1}, {"block_n": 32, "num_warps": 2, "block_r": 64},
-                  {"fast_keys": False}, {"prmt_keys": False}, {"fuse_query": False}, {"num_splits": 64, "fused_reduce": True},
-                  {"fused_reduce": True}, {"maxnreg": 128}, {"num_stages": 1}, {"block_n": 32, "num_warps": 1}):
+    for knobs in (
+        {"block_n": 16, "num_warps": 1},
+        {"block_n": 32, "num_warps": 2, "block_r": 64},
+        {"fast_keys": False},
+        {"prmt_keys": False},
+        {"fuse_query": False},
+        {"num_splits": 64, "fused_reduce": True},
+        {"fused_reduce": True},
+        {"maxnreg": 128},
+        {"num_stages": 1},
+        {"block_n": 32, "num_warps": 1},
+    ):
         one_warp_32 = knobs == {"block_n": 32, "num_warps": 1}
         if not GPU and ({"prmt_keys", "maxnreg", "num_stages"} & knobs.keys() or one_warp_32):
             # the interpreter always gathers, has no registers and no pipelining (the same run as the default);
@@ -155,8 +177,17 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
     kv = build_paged_kv(fmt_for("mse_k4v3", 64), 2, 64, [n, 37], [4, 0], torch.float16, gen)
     wide = torch.zeros(kv.block_table.shape[0], kv.block_table.shape[1] + 64, dtype=kv.block_table.dtype, device=DEVICE)
     wide[:, : kv.block_table.shape[1]] = kv.block_table
-    kv = kv.__class__(kv.pages, wide, kv.compressed_lens, kv.recent_k, kv.recent_v, kv.recent_lens, kv.recent_index,
-                      kv.layout, kv.codec)
+    kv = kv.__class__(
+        kv.pages,
+        wide,
+        kv.compressed_lens,
+        kv.recent_k,
+        kv.recent_v,
+        kv.recent_lens,
+        kv.recent_index,
+        kv.layout,
+        kv.codec,
+    )
     q = (torch.randn(2, 8, 64, generator=gen) * 3).to(torch.float16).to(DEVICE)
     splits = 5
     tuning = DecodeTuning(num_splits=splits, block_n=16, num_warps=1)
@@ -164,7 +195,9 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
     poison_workspaces()
     got = hybrid_decode(q, kv, tuning=tuning)
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
-    lse = next(b for (name, shape, *_), b in _common._WORKSPACES.items() if name == "decode_lse" and shape == (16 * splits,))
+    lse = next(
+        b for (name, shape, *_), b in _common._WORKSPACES.items() if name == "decode_lse" and shape == (16 * splits,)
+    )
     first = lse.view(2, 8, splits)[0]  # every split of the long sequence saw tokens: finite log-sum-exp
     assert bool(torch.isfinite(first).all()), f"seed={seed}: idle splits {first}"
 
@@ -185,6 +218,9 @@ def test_split_count_is_one_full_wave():
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
     plan = list(hd._PLANS.values())[-1]
     compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
-    slots = resident_programs(compiled, plan.tuning.num_warps, q.device) * torch.cuda.get_device_properties(0).multi_processor_count
+    slots = (
+        resident_programs(compiled, plan.tuning.num_warps, q.device)
+        * torch.cuda.get_device_properties(0).multi_processor_count
+    )
     rows = bsz * hkv
     assert rows * plan.splits <= slots < rows * (plan.splits + 1), f"{plan.splits} splits x {rows} rows, {slots} slots"

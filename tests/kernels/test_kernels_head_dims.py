@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.helpers.kernel_cases import fresh_seed
 from test_kernels_compress import _check as check_compress
 from test_kernels_decode import _check as check_decode
 from test_kernels_prefill import _check as check_prefill
+
+from tests.helpers.kernel_cases import fresh_seed
 
 pytestmark = pytest.mark.kernel
 

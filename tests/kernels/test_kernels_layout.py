@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from tests.helpers.kernel_cases import vllm_block_table, vllm_slot_mapping
 from jetson_tq import attention_decode
 from jetson_tq.attention.reference import paged_attention_decode
 from jetson_tq.cache.compressed import CompressedKVCache
-from jetson_tq.paged import PagedKV, write_slots
 from jetson_tq.format import KVFormat
+from jetson_tq.paged import PagedKV, write_slots
+from tests.helpers.kernel_cases import vllm_block_table, vllm_slot_mapping
 
 
 def test_vllm_style_pages_equal_the_contiguous_cache():
@@ -33,8 +33,17 @@ def test_vllm_style_pages_equal_the_contiguous_cache():
         rows = (who[:, 0] == b).nonzero().flatten()
         cache.append(k[rows].transpose(0, 1), v[rows].transpose(0, 1), seq=b)
     assert cache.compressed_lens.tolist() == lens
-    kv = PagedKV(pages, table, torch.tensor(lens, dtype=torch.int32), cache.ring_k, cache.ring_v,
-                 torch.zeros(2, dtype=torch.int32), torch.arange(2, dtype=torch.int32), cache.layout, cache.codec)
+    kv = PagedKV(
+        pages,
+        table,
+        torch.tensor(lens, dtype=torch.int32),
+        cache.ring_k,
+        cache.ring_v,
+        torch.zeros(2, dtype=torch.int32),
+        torch.arange(2, dtype=torch.int32),
+        cache.layout,
+        cache.codec,
+    )
     paged, contiguous = kv.gather_compressed(48), cache.compressed_fields(48)
     for name in paged:
         for b, n in enumerate(lens):

@@ -10,11 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.format import exact_count
-from jetson_tq.kernels.prefill import (SHARED_BYTES, WORKSPACE_BYTES, PrefillTuning, chunked_prefill, fit_stages,
-                                      workspace_segment)
+from jetson_tq.kernels.prefill import (
+    SHARED_BYTES,
+    WORKSPACE_BYTES,
+    PrefillTuning,
+    chunked_prefill,
+    fit_stages,
+    workspace_segment,
+)
+from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 
 pytestmark = pytest.mark.kernel
 
@@ -93,8 +99,9 @@ BLOCK_CASES = [
 RING_ROWS = {"vllm": lambda s, r: s % r, "cache": lambda s, r: exact_count(s, r, True)}
 
 
-@pytest.mark.parametrize("name,d,g,comp,rec,t,rows", BLOCK_CASES,
-                         ids=[f"{c[0]}-D{c[1]}-T{c[5]}-{c[6]}" for c in BLOCK_CASES])
+@pytest.mark.parametrize(
+    "name,d,g,comp,rec,t,rows", BLOCK_CASES, ids=[f"{c[0]}-D{c[1]}-T{c[5]}-{c[6]}" for c in BLOCK_CASES]
+)
 def test_block_window_prefill_matches_reference(name, d, g, comp, rec, t, rows):
     _check(name, d, g, comp, rec, t, torch.float16, fresh_seed(), window="block", ring_rows=RING_ROWS[rows])
 
@@ -112,8 +119,9 @@ SEGMENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,d,g,comp,rec,t,window,rows", SEGMENT_CASES,
-                         ids=[f"{c[0]}-D{c[1]}-{c[6]}" for c in SEGMENT_CASES])
+@pytest.mark.parametrize(
+    "name,d,g,comp,rec,t,window,rows", SEGMENT_CASES, ids=[f"{c[0]}-D{c[1]}-{c[6]}" for c in SEGMENT_CASES]
+)
 def test_prefill_workspace_segments(name, d, g, comp, rec, t, window, rows):
     _check(name, d, g, comp, rec, t, torch.float16, fresh_seed(), window=window, ring_rows=rows, workspace_tokens=64)
 

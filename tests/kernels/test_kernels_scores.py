@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from tests.helpers.kernel_cases import DEVICE, GPU, fresh_seed, rel_err
+from jetson_tq import turboquant_scores
 from jetson_tq.codec.codebook import lloyd_max_codebook
 from jetson_tq.codec.rotation import Rotation, qjl_matrix
-from jetson_tq import turboquant_scores
 from jetson_tq.codec.scores import turboquant_scores_reference
 from jetson_tq.kernels.scores import turboquant_scores_triton
+from tests.helpers.kernel_cases import DEVICE, GPU, fresh_seed, rel_err
 
 pytestmark = pytest.mark.kernel
 

@@ -47,12 +47,13 @@ def test_greedy_continuation_is_sensible(model_and_tok):
     model, tok = model_and_tok
     ids = tok("The capital of France is", return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
-    text = tok.decode(out[0, ids.shape[1]:])
+    text = tok.decode(out[0, ids.shape[1] :])
     assert "Paris" in text, text
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                   add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
     out = model.generate(chat, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, chat.shape[1]:])
+    assert "Paris" in tok.decode(out[0, chat.shape[1] :])
 
 
 def test_perplexity_on_an_essay_slice_is_plausible(model_and_tok):

@@ -23,10 +23,15 @@ def naive_attention(q, k, v, lengths, hkv):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("fmt", [KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=16),
-                                 KVFormat(key_mode="mse", key_bits=4, buffer_tokens=0),
-                                 KVFormat(key_bits=4, value_mode="mse", value_bits=3, buffer_tokens=8),
-                                 FP16_FORMAT])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=16),
+        KVFormat(key_mode="mse", key_bits=4, buffer_tokens=0),
+        KVFormat(key_bits=4, value_mode="mse", value_bits=3, buffer_tokens=8),
+        FP16_FORMAT,
+    ],
+)
 def test_decode_equals_naive_dequantize_then_softmax(fmt):
     torch.manual_seed(0)
     cache = CompressedKVCache(fmt, 2, 64, batch_size=3, dtype=torch.float32)
@@ -51,8 +56,9 @@ def test_results_do_not_depend_on_how_tokens_are_chunked(chunks, window):
     cache = CompressedKVCache(fmt, 2, 64, batch_size=2, dtype=torch.float32)
     got, start = [], 0
     for c in chunks:
-        got.append(attention_prefill(q[:, :, start : start + c], k[:, :, start : start + c],
-                                     v[:, :, start : start + c], cache))
+        got.append(
+            attention_prefill(q[:, :, start : start + c], k[:, :, start : start + c], v[:, :, start : start + c], cache)
+        )
         start += c
     assert cache.lengths.tolist() == [n, n]
     assert torch.allclose(torch.cat(got, dim=2), want, atol=1e-5)
@@ -109,7 +115,9 @@ def test_decode_fidelity_vs_fp32_attention(preset, min_cos):
     q = k[:, :, [3, 500, 900, 1000]].transpose(1, 2).reshape(2, 16, 128) * 0.15 + torch.randn(2, 16, 128) * 0.5
     cache = CompressedKVCache(fmt, 4, 128, batch_size=2, dtype=torch.float32)
     cache.append(k, v)
-    cos = torch.nn.functional.cosine_similarity(attention_decode(q, cache).flatten(1), exact_attention(q, k, v).flatten(1))
+    cos = torch.nn.functional.cosine_similarity(
+        attention_decode(q, cache).flatten(1), exact_attention(q, k, v).flatten(1)
+    )
     assert float(cos.min()) >= min_cos, (preset, cos.tolist())
 
 

@@ -105,6 +105,7 @@ def test_append_memory_is_bounded_at_any_size():
     """One append of N tokens allocates O(chunk) temporaries, not an [N, N/16] index (it was +4.7 GB at 80k)."""
     import subprocess
     import sys
+
     code = r"""
 import resource, torch
 torch.set_num_threads(1)
@@ -150,7 +151,9 @@ def test_triton_backend_agrees_through_the_cache(monkeypatch):
     assert torch.equal(caches[0].pages, caches[1].pages)
     differ = float((caches[0].pages.cpu() != ref_cache.pages).double().mean())
     assert differ <= 1e-3, f"seed={seed}: {differ:.2e} of the page bytes differ from the reference write"
-    assert torch.equal(caches[0].ring_k.cpu(), ref_cache.ring_k) and torch.equal(caches[0].ring_v.cpu(), ref_cache.ring_v)
+    assert torch.equal(caches[0].ring_k.cpu(), ref_cache.ring_k) and torch.equal(
+        caches[0].ring_v.cpu(), ref_cache.ring_v
+    )
     out, want = (jt.attention_decode(q, caches[0], backend=b) for b in ("triton", "reference"))
     assert rel_err(out.cpu(), want.cpu()) <= 2e-3, f"seed={seed}"
     out_p, want_p = (jt.attention_prefill(qc, kc, kc, c, backend=b) for c, b in zip(caches, ("triton", "reference")))
@@ -192,5 +195,7 @@ def test_append_and_decode_capture_in_a_cuda_graph_and_replay_as_the_cache_grows
     too_many = cache.capacity - 330 + 1  # one token more than the reserved pages hold
     with pytest.raises(CaptureError, match="reserve"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            cache.append(torch.zeros(b, hkv, too_many, d, device="cuda", dtype=torch.float16),
-                         torch.zeros(b, hkv, too_many, d, device="cuda", dtype=torch.float16))
+            cache.append(
+                torch.zeros(b, hkv, too_many, d, device="cuda", dtype=torch.float16),
+                torch.zeros(b, hkv, too_many, d, device="cuda", dtype=torch.float16),
+            )

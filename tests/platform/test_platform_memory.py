@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from jetson_tq.platform import jtop_snapshot, memory_budget, probe, read_meminfo
-from jetson_tq.platform import telemetry
+from jetson_tq.platform import jtop_snapshot, memory_budget, probe, read_meminfo, telemetry
 from tests.helpers.sandbox import BOARDS, FIXTURES, sandbox_env
 
 FAKE_JTOP = str(FIXTURES / "fake_jtop")
@@ -70,18 +69,20 @@ def test_jtop_skipped_without_socket(tmp_path, monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", no_child)
     snap = jtop_snapshot(BOARDS / "x86_cpu")
-    assert snap == {"available": False,
-                    "reason": "/run/jtop.sock absent (jtop service not running or not mounted)"}
+    assert snap == {"available": False, "reason": "/run/jtop.sock absent (jtop service not running or not mounted)"}
 
 
 def test_jtop_read_in_a_child_process(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", FAKE_JTOP)
     snap = jtop_snapshot(BOARDS / "thor_r38")
     assert snap["available"], snap
-    assert snap["summary"] == {"power_total_mw": 31250, "temperatures_c": {"cpu": 47.5, "gpu": 45.1, "tj": 49.0},
-                               "ram_used_fraction": 0.31}
-    assert snap["stats"]["pid"] != os.getpid()     # sampled in another process
-    assert "jtop" not in sys.modules                # never imported here (it would force "fork")
+    assert snap["summary"] == {
+        "power_total_mw": 31250,
+        "temperatures_c": {"cpu": 47.5, "gpu": 45.1, "tj": 49.0},
+        "ram_used_fraction": 0.31,
+    }
+    assert snap["stats"]["pid"] != os.getpid()  # sampled in another process
+    assert "jtop" not in sys.modules  # never imported here (it would force "fork")
 
 
 def test_jtop_service_down_is_not_fatal(monkeypatch):
@@ -106,5 +107,8 @@ def test_jtop_child_hang_times_out(tmp_path):
 
 
 def test_summarize_ignores_odd_values():
-    assert telemetry.summarize({"Power TOT": "n/a", "Temp cpu": None, "RAM": 0.5}) == \
-        {"power_total_mw": None, "temperatures_c": {}, "ram_used_fraction": 0.5}
+    assert telemetry.summarize({"Power TOT": "n/a", "Temp cpu": None, "RAM": 0.5}) == {
+        "power_total_mw": None,
+        "temperatures_c": {},
+        "ram_used_fraction": 0.5,
+    }

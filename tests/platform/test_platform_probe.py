@@ -53,19 +53,36 @@ def test_thor_smi_na_memory_is_left_unknown(board_env):
     assert info.gpu_memory_bytes is None and info.sources["l4t"] == "/etc/nv_tegra_release"
 
 
-@pytest.mark.parametrize("line, want", [
-    ("# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64", "38.2.0"),
-    ("# R36 (release), REVISION: 4.4, GCID: 1, BOARD: generic", "36.4.4"),
-    ("# R39 (release), REVISION: 0, GCID: 1", "39.0.0"),
-    ("garbage", None), ("", None),
-])
+@pytest.mark.parametrize(
+    "line, want",
+    [
+        ("# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64", "38.2.0"),
+        ("# R36 (release), REVISION: 4.4, GCID: 1, BOARD: generic", "36.4.4"),
+        ("# R39 (release), REVISION: 0, GCID: 1", "39.0.0"),
+        ("garbage", None),
+        ("", None),
+    ],
+)
 def test_parse_tegra_release(line, want):
     assert parse_tegra_release(line) == want
 
 
-@pytest.mark.parametrize("l4t, jp", [("38.2.0", "7.0"), ("38.4.0", "7.1"), ("39.0.0", "7.2"), ("39.2.1", "7.2"),
-                                     ("36.4.0", "6.1"), ("36.4.3", "6.2"), ("36.4.4", "6.2.1"), ("36.3.0", "6.0"),
-                                     ("35.5.0", "5.1"), ("40.0.0", None), (None, None)])
+@pytest.mark.parametrize(
+    "l4t, jp",
+    [
+        ("38.2.0", "7.0"),
+        ("38.4.0", "7.1"),
+        ("39.0.0", "7.2"),
+        ("39.2.1", "7.2"),
+        ("36.4.0", "6.1"),
+        ("36.4.3", "6.2"),
+        ("36.4.4", "6.2.1"),
+        ("36.3.0", "6.0"),
+        ("35.5.0", "5.1"),
+        ("40.0.0", None),
+        (None, None),
+    ],
+)
 def test_jetpack_for_l4t(l4t, jp):
     assert jetpack_for_l4t(l4t) == jp
 
@@ -79,16 +96,23 @@ def test_model_copy_inside_a_container(tmp_path, monkeypatch):
     (tmp_path / ".dockerenv").write_text("")
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     info = probe(tmp_path, use_torch=False)
-    assert (info.kind, info.jetpack, info.in_container, info.sources["board"]) == ("thor", "7.2", True,
-                                                                                    "/tmp/nv_jetson_model")
+    assert (info.kind, info.jetpack, info.in_container, info.sources["board"]) == (
+        "thor",
+        "7.2",
+        True,
+        "/tmp/nv_jetson_model",
+    )
     assert info.compute_capability == "11.0" and info.sources["compute_capability"] == "known for this board"
 
 
 def test_l4t_alone_decides_when_the_board_name_is_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     (tmp_path / "etc").mkdir()
-    for line, kind in (("# R38 (release), REVISION: 4.0", "thor"), ("# R36 (release), REVISION: 4.3", "orin"),
-                       ("# R39 (release), REVISION: 1.0", "jetson")):
+    for line, kind in (
+        ("# R38 (release), REVISION: 4.0", "thor"),
+        ("# R36 (release), REVISION: 4.3", "orin"),
+        ("# R39 (release), REVISION: 1.0", "jetson"),
+    ):
         (tmp_path / "etc/nv_tegra_release").write_text(line + "\n")
         assert probe(tmp_path, use_torch=False).kind == kind
 
@@ -106,7 +130,7 @@ def test_probe_never_raises_on_bad_inputs(tmp_path, monkeypatch):
     (tmp_path / "etc").mkdir()
     (tmp_path / "etc/nv_tegra_release").write_text("this is not an L4T release line\n")
     (tmp_path / "proc").mkdir()
-    (tmp_path / "proc/device-tree").write_text("")           # a file where a folder should be
+    (tmp_path / "proc/device-tree").write_text("")  # a file where a folder should be
     monkeypatch.setenv("PATH", str(_write_smi(tmp_path, "echo 'NVIDIA-SMI has failed' >&2; exit 9")))
     info = probe(tmp_path, use_torch=False)
     assert info.kind == "jetson" and info.l4t is None
@@ -141,14 +165,17 @@ def test_sysroot_env_var(monkeypatch, tmp_path):
     assert probe(use_torch=False).kind == "orin"
 
 
-@pytest.mark.parametrize("board, image_part, flags, vllm", [
-    ("thor_r38", "cu130-arm64", ("--runtime", "nvidia"), True),
-    ("orin_r39", "cu130-arm64", ("--runtime", "nvidia"), True),
-    ("orin_r36", "jp6-arm64", ("--runtime", "nvidia"), False),
-    ("xavier_r35", None, (), False),
-    ("x86_h200", "cu130-", ("--gpus", "all"), True),
-    ("x86_cpu", None, (), True),
-])
+@pytest.mark.parametrize(
+    "board, image_part, flags, vllm",
+    [
+        ("thor_r38", "cu130-arm64", ("--runtime", "nvidia"), True),
+        ("orin_r39", "cu130-arm64", ("--runtime", "nvidia"), True),
+        ("orin_r36", "jp6-arm64", ("--runtime", "nvidia"), False),
+        ("xavier_r35", None, (), False),
+        ("x86_h200", "cu130-", ("--gpus", "all"), True),
+        ("x86_cpu", None, (), True),
+    ],
+)
 def test_container_target(board_env, board, image_part, flags, vllm):
     info = board_env(board)
     target = container_target(info)

@@ -7,9 +7,18 @@ import pytest
 from jetson_tq.config import config_from_dict, load_config
 from jetson_tq.errors import ConfigError
 from jetson_tq.format import FP16_FORMAT
-from jetson_tq.reports.capacity import (KVBudget, breakdown, buffer_bytes, bytes_per_token, capacity_report,
-                                        layer_formats, measure_cache, measure_model, sequence_bytes)
 from jetson_tq.models.specs import load_model_spec, model_names, model_spec_from_dict
+from jetson_tq.reports.capacity import (
+    KVBudget,
+    breakdown,
+    buffer_bytes,
+    bytes_per_token,
+    capacity_report,
+    layer_formats,
+    measure_cache,
+    measure_model,
+    sequence_bytes,
+)
 
 QWEN = load_model_spec("qwen2.5-7b-instruct")
 SMOL = load_model_spec("smollm2-135m-instruct")
@@ -71,8 +80,14 @@ def test_weights_that_do_not_fit():
 
 
 def test_fp16_kept_layers_count_at_fp16_size():
-    cfg = config_from_dict({"keys": {"mode": "prod", "bits": 3}, "values": {"mode": "group", "bits": 2, "group_size": 32},
-                            "layers": {"keep_fp16_first": 2, "keep_fp16_last": 2}}, name="keep2")
+    cfg = config_from_dict(
+        {
+            "keys": {"mode": "prod", "bits": 3},
+            "values": {"mode": "group", "bits": 2, "group_size": 32},
+            "layers": {"keep_fp16_first": 2, "keep_fp16_last": 2},
+        },
+        name="keep2",
+    )
     formats = layer_formats(cfg, QWEN)
     assert formats[:2] == [FP16_FORMAT] * 2 and formats[-2:] == [FP16_FORMAT] * 2
     assert bytes_per_token(formats, QWEN) == 4 * 512 * 4 + 24 * 100 * 4 == 17_792

@@ -2,7 +2,13 @@
 
 import pytest
 
-from jetson_tq.reports.theorems import PAPER_MSE, PAPER_PROD_TIMES_D, theorem1_mse, theorem2_inner_product, theorem3_bounds
+from jetson_tq.reports.theorems import (
+    PAPER_MSE,
+    PAPER_PROD_TIMES_D,
+    theorem1_mse,
+    theorem2_inner_product,
+    theorem3_bounds,
+)
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,24 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from ...paged import PagedKV
+from ... import ops
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
 from ...errors import ShapeError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count
-from ... import ops
+from ...paged import PagedKV
 from . import hooks
 from .settings import active_config, preferred_block_size
-from .spec import (LayerFacts, UnsupportedModelError, layer_format, layer_index, layout_for, layout_of_spec,
-                   make_spec, stock_reason)
+from .spec import (
+    LayerFacts,
+    UnsupportedModelError,
+    layer_format,
+    layer_index,
+    layout_for,
+    layout_of_spec,
+    make_spec,
+    stock_reason,
+)
 
 BACKEND_PATH = "jetson_tq.integrations.vllm.backend.TurboQuantAttentionBackend"
 
@@ -75,16 +83,17 @@ class TurboQuantAttentionBackend(AttentionBackend):
         return preferred_block_size(default_block_size)
 
     @staticmethod
-    def get_impl_cls() -> type["TurboQuantAttentionImpl"]:
+    def get_impl_cls() -> type[TurboQuantAttentionImpl]:
         return TurboQuantAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type["TurboQuantMetadataBuilder"]:
+    def get_builder_cls() -> type[TurboQuantMetadataBuilder]:
         return TurboQuantMetadataBuilder
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
         # The last dim (page bytes) differs per layer format; vLLM sized the raw tensor from the
         # layer's spec, so it is inferred here and checked against PagedLayout in forward.
         return (num_blocks, num_kv_heads, -1)
@@ -147,7 +156,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         if self.recent_tokens > 0 and hooks.current_runner() is None:
             raise UnsupportedPlatformError(
                 "jetson-tq's recent buffers need vLLM's GPUModelRunner (or CPUModelRunner); another model "
-                "runner is in use (VLLM_USE_V2_MODEL_RUNNER?). Set buffer.recent_tokens: 0 or use the default runner.")
+                "runner is in use (VLLM_USE_V2_MODEL_RUNNER?). Set buffer.recent_tokens: 0 or use the default runner."
+            )
 
     def _request_ids(self, num_reqs: int) -> tuple[list[str | None], object]:
         runner = hooks.current_runner()
@@ -156,8 +166,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         ids = list(runner.input_batch.req_ids)[: min(num_reqs, runner.input_batch.num_reqs)]
         return ids + [None] * (num_reqs - len(ids)), runner.requests
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TurboQuantMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> TurboQuantMetadata:
         cm = common_attn_metadata
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].to(torch.int64).numpy()
@@ -183,12 +194,22 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         for buf, values in ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec)):
             buf[:nd].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
         return TurboQuantMetadata(
-            num_actual_tokens=cm.num_actual_tokens, num_reqs=n, num_decodes=nd, recent_tokens=R,
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=n,
+            num_decodes=nd,
+            recent_tokens=R,
             block_window=self.block_window,
-            query_start_loc=qsl, seq_lens=seq, context_lens=ctx, ring_rows=rows,
-            block_table=cm.block_table_tensor[:n], slot_mapping=cm.slot_mapping,
-            dec_ring_rows=self._rows[:nd], dec_ring_cols=self._cols[:nd],
-            dec_compressed_lens=self._comp[:nd], dec_recent_lens=self._rec[:nd])
+            query_start_loc=qsl,
+            seq_lens=seq,
+            context_lens=ctx,
+            ring_rows=rows,
+            block_table=cm.block_table_tensor[:n],
+            slot_mapping=cm.slot_mapping,
+            dec_ring_rows=self._rows[:nd],
+            dec_ring_cols=self._cols[:nd],
+            dec_compressed_lens=self._comp[:nd],
+            dec_recent_lens=self._rec[:nd],
+        )
 
 
 def _max_model_len() -> int | None:
@@ -207,17 +228,34 @@ class TurboQuantAttentionImpl(AttentionImpl):
 
     is_jetson_tq = True  # the marker hooks.is_ours checks
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
-                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
-                 **extra) -> None:
-        facts = LayerFacts(name="", head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads or num_heads,
-                           attn_type=str(getattr(attn_type, "value", attn_type)), sliding_window=sliding_window,
-                           logits_soft_cap=logits_soft_cap or None, alibi=alibi_slopes is not None,
-                           sinks=extra.get("sinks") is not None, kv_sharing_target=kv_sharing_target_layer_name,
-                           kv_cache_dtype=kv_cache_dtype,
-                           extra=tuple(sorted(k for k, v in extra.items() if k != "sinks" and v not in (None, False))))
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra,
+    ) -> None:
+        facts = LayerFacts(
+            name="",
+            head_size=head_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads or num_heads,
+            attn_type=str(getattr(attn_type, "value", attn_type)),
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap or None,
+            alibi=alibi_slopes is not None,
+            sinks=extra.get("sinks") is not None,
+            kv_sharing_target=kv_sharing_target_layer_name,
+            kv_cache_dtype=kv_cache_dtype,
+            extra=tuple(sorted(k for k, v in extra.items() if k != "sinks" and v not in (None, False))),
+        )
         why = stock_reason(facts, _max_model_len() if sliding_window is not None else None)
         if why is None and kv_cache_dtype != "auto":
             why = f"kv_cache_dtype {kv_cache_dtype!r} (the TurboQuant pages are the KV cache format)"
@@ -258,8 +296,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.set_format(fmt, index, block_size, vllm_config.model_config.dtype, page_stride)
         self.layer_name = layer_name
 
-    def set_format(self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype,
-                   page_stride: int = 0) -> None:
+    def set_format(
+        self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype, page_stride: int = 0
+    ) -> None:
         """Use ``fmt`` for this layer (codec seeded per layer index; raw fields in the model's 16-bit dtype)."""
         self.layout = layout_for(fmt, self.head_size, block_size, page_stride)
         raw = model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
@@ -307,14 +346,24 @@ class TurboQuantAttentionImpl(AttentionImpl):
             q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
             n = int(q_lens.sum())
             return TurboQuantMetadata(
-                num_actual_tokens=n, num_reqs=len(q_lens), num_decodes=n_dec, recent_tokens=self.fmt.buffer_tokens,
-                query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]), seq_lens=ctx_lens + q_lens,
-                context_lens=ctx_lens, ring_rows=np.full(len(q_lens), scratch),
-                block_table=torch.zeros(len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32,
-                                        device=dev),
+                num_actual_tokens=n,
+                num_reqs=len(q_lens),
+                num_decodes=n_dec,
+                recent_tokens=self.fmt.buffer_tokens,
+                query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]),
+                seq_lens=ctx_lens + q_lens,
+                context_lens=ctx_lens,
+                ring_rows=np.full(len(q_lens), scratch),
+                block_table=torch.zeros(
+                    len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32, device=dev
+                ),
                 slot_mapping=torch.arange(n, dtype=torch.int64, device=dev) % bs,
-                dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32, dec_recent_lens=empty32,
-                block_window=self.fmt.block_window)
+                dec_ring_rows=empty64,
+                dec_ring_cols=empty64,
+                dec_compressed_lens=empty32,
+                dec_recent_lens=empty32,
+                block_window=self.fmt.block_window,
+            )
 
         def step(md: TurboQuantMetadata) -> None:
             n = md.num_actual_tokens
@@ -331,8 +380,14 @@ class TurboQuantAttentionImpl(AttentionImpl):
             step(meta([1] * rows, [hist + 1] * rows, rows))
 
     # ---------------------------------------------------------------- write path
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         n = min(key.shape[0], slot_mapping.shape[0])
         ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec)
 
@@ -342,18 +397,34 @@ class TurboQuantAttentionImpl(AttentionImpl):
 
     def _check(self, kv_cache: torch.Tensor, md: TurboQuantMetadata) -> None:
         if kv_cache.dim() != 3 or kv_cache.shape[1:] != (self.num_kv_heads, self.layout.page_bytes):
-            raise ShapeError(f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
-                             f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}")
-        if md.recent_tokens != self.fmt.buffer_tokens or md.block_window != (self.fmt.block_window and md.recent_tokens > 0) \
-                or self.recent_k is None:
-            raise ShapeError(f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens ({self.fmt.window} "
-                             f"window) expected, metadata has {md.recent_tokens} (block window {md.block_window}), "
-                             f"pool {'missing' if self.recent_k is None else 'ok'}")
+            raise ShapeError(
+                f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
+                f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}"
+            )
+        if (
+            md.recent_tokens != self.fmt.buffer_tokens
+            or md.block_window != (self.fmt.block_window and md.recent_tokens > 0)
+            or self.recent_k is None
+        ):
+            raise ShapeError(
+                f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens ({self.fmt.window} "
+                f"window) expected, metadata has {md.recent_tokens} (block window {md.block_window}), "
+                f"pool {'missing' if self.recent_k is None else 'ok'}"
+            )
         self._checked_pages = True
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: TurboQuantMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TurboQuantMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise UnsupportedPlatformError("jetson-tq's vLLM backend does not fuse output quantization")
         if attn_metadata is None:  # profiling / warm-up run without a KV cache
@@ -391,17 +462,26 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
                 self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
             idx = torch.from_numpy(dec).to(dev)
-            kv = self._paged(kv_cache, md.block_table[idx], torch.from_numpy(L - rec).to(dev, torch.int32),
-                             torch.from_numpy(rec).to(dev, torch.int32), ring_rows)
+            kv = self._paged(
+                kv_cache,
+                md.block_table[idx],
+                torch.from_numpy(L - rec).to(dev, torch.int32),
+                torch.from_numpy(rec).to(dev, torch.int32),
+                ring_rows,
+            )
             output[tok] = ops.decode(query[tok], kv, self.scale).to(output.dtype)
         for i in range(md.num_decodes, md.num_reqs):
             qs, qe, s = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
             if qe <= qs:
                 continue
             r, row = (s % R if md.block_window else min(s, R)), int(rows[i])  # history tokens read from the ring
-            kv = self._paged(kv_cache, md.block_table[i : i + 1], torch.tensor([s - r], dtype=torch.int32, device=dev),
-                             torch.tensor([r], dtype=torch.int32, device=dev),
-                             torch.tensor([row], dtype=torch.int64, device=dev))
+            kv = self._paged(
+                kv_cache,
+                md.block_table[i : i + 1],
+                torch.tensor([s - r], dtype=torch.int32, device=dev),
+                torch.tensor([r], dtype=torch.int32, device=dev),
+                torch.tensor([row], dtype=torch.int64, device=dev),
+            )
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
             v = value[qs:qe].transpose(0, 1).unsqueeze(0)

@@ -28,7 +28,7 @@ def split_cores(ranks: int, cores: list[int] | None = None) -> str:
     if ranks < 1 or len(cores) < ranks:
         raise ConfigError(f"tensor parallelism on CPU: expected 1 <= ranks <= {len(cores)} usable cores, got {ranks}")
     share = len(cores) // ranks
-    return "|".join(",".join(str(c) for c in cores[r * share:(r + 1) * share]) for r in range(ranks))
+    return "|".join(",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in range(ranks))
 
 
 def tp_cpu_env(env: dict[str, str], ranks: int) -> dict[str, str]:

@@ -26,8 +26,16 @@ import torch
 from ...errors import ConfigError
 from .recent import RecentSlots, pool_bytes
 from .settings import active_config, enabled, logger, preferred_block_size, sliding_windows, window_block
-from .spec import (LayerFacts, UnsupportedModelError, describe_layers, hybrid_page, refusal, stock_page_at,
-                   stock_reason, window_unit)
+from .spec import (
+    LayerFacts,
+    UnsupportedModelError,
+    describe_layers,
+    hybrid_page,
+    refusal,
+    stock_page_at,
+    stock_reason,
+    window_unit,
+)
 
 _RUNNER: weakref.ReferenceType | None = None
 _SLOTS: RecentSlots | None = None
@@ -98,14 +106,22 @@ def layer_facts(args: dict, vllm_config) -> LayerFacts:
     own = args.get("attn_backend")
     attn_type = args.get("attn_type")
     return LayerFacts(
-        name=args.get("prefix", ""), head_size=int(args["head_size"]), num_heads=int(args["num_heads"]),
-        num_kv_heads=int(args.get("num_kv_heads") or args["num_heads"]), head_size_v=args.get("head_size_v"),
-        attn_type=str(getattr(attn_type, "value", attn_type) or "decoder"), sliding_window=window,
+        name=args.get("prefix", ""),
+        head_size=int(args["head_size"]),
+        num_heads=int(args["num_heads"]),
+        num_kv_heads=int(args.get("num_kv_heads") or args["num_heads"]),
+        head_size_v=args.get("head_size_v"),
+        attn_type=str(getattr(attn_type, "value", attn_type) or "decoder"),
+        sliding_window=window,
         logits_soft_cap=args.get("logits_soft_cap") or None,
-        alibi=args.get("alibi_slopes") is not None or bool(args.get("use_alibi_sqrt")), sinks=sinks,
-        kv_sharing_target=args.get("kv_sharing_target_layer_name"), kv_cache_dtype=str(kv_dtype),
-        non_causal=_non_causal(vllm_config), extra=tuple(sorted(k for k, v in extra.items() if v not in (None, False))),
-        own_backend=own.get_name() if own is not None else None)
+        alibi=args.get("alibi_slopes") is not None or bool(args.get("use_alibi_sqrt")),
+        sinks=sinks,
+        kv_sharing_target=args.get("kv_sharing_target_layer_name"),
+        kv_cache_dtype=str(kv_dtype),
+        non_causal=_non_causal(vllm_config),
+        extra=tuple(sorted(k for k, v in extra.items() if v not in (None, False))),
+        own_backend=own.get_name() if own is not None else None,
+    )
 
 
 def _init_wrap(original):
@@ -131,6 +147,7 @@ def _init_wrap(original):
             bound.arguments["attn_backend"] = _BACKEND[0]
         original(*bound.args, **bound.kwargs)
         setattr(self, STOCK_ATTR, why)
+
     return __init__
 
 
@@ -175,9 +192,13 @@ def model_plan(vllm_config) -> dict[str, tuple[int, int]]:
 
 def _hybrid_plan(vllm_config, ctx, ours: dict, bs: int, FullAttentionSpec) -> dict[str, tuple[int, int]]:
     """The compressed layers' pages when stock layers of another kind share vLLM's hybrid groups (else {})."""
-    stock = [layer.get_kv_cache_spec(vllm_config) for name, layer in ctx.items()
-             if name not in ours and hasattr(layer, "get_kv_cache_spec")
-             and not getattr(layer, "kv_sharing_target_layer_name", None)]
+    stock = [
+        layer.get_kv_cache_spec(vllm_config)
+        for name, layer in ctx.items()
+        if name not in ours
+        and hasattr(layer, "get_kv_cache_spec")
+        and not getattr(layer, "kv_sharing_target_layer_name", None)
+    ]
     stock = [s for s in stock if s is not None]
     if all(isinstance(s, FullAttentionSpec) for s in stock):
         return {}  # one group of full-attention layers, each with its own page size
@@ -206,16 +227,21 @@ def announce(vllm_config) -> None:
     log = logger()
     ours = [n for n, why in decisions.items() if why is None]
     if not ours:
-        log.warning("jetson-tq: no attention layer of this model can be compressed; vLLM runs it on stock "
-                    "attention (%s)", describe_layers(decisions))
+        log.warning(
+            "jetson-tq: no attention layer of this model can be compressed; vLLM runs it on stock attention (%s)",
+            describe_layers(decisions),
+        )
         return
     log.info("jetson-tq: %s", describe_layers(decisions))
     plan = model_plan(vllm_config)
     hybrid = {v for n, v in plan.items() if v[1]}
     if hybrid:
-        log.info("jetson-tq: stock layers of another kind share vLLM's hybrid KV-cache page size: compressed layers "
-                 "use blocks of %s tokens (page per KV head %s B)", sorted({b for b, _ in hybrid}),
-                 sorted({p for _, p in hybrid}))
+        log.info(
+            "jetson-tq: stock layers of another kind share vLLM's hybrid KV-cache page size: compressed layers "
+            "use blocks of %s tokens (page per KV head %s B)",
+            sorted({b for b, _ in hybrid}),
+            sorted({p for _, p in hybrid}),
+        )
 
 
 def capacity(vllm_config, kv_cache_config) -> dict:
@@ -225,8 +251,13 @@ def capacity(vllm_config, kv_cache_config) -> dict:
 
     concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
     mml = vllm_config.model_config.max_model_len
-    return {"num_blocks": int(kv_cache_config.num_blocks), "groups": len(kv_cache_config.kv_cache_groups),
-            "concurrency": round(float(concurrency), 3), "kv_tokens": int(concurrency * mml), "max_model_len": mml}
+    return {
+        "num_blocks": int(kv_cache_config.num_blocks),
+        "groups": len(kv_cache_config.kv_cache_groups),
+        "concurrency": round(float(concurrency), 3),
+        "kv_tokens": int(concurrency * mml),
+        "max_model_len": mml,
+    }
 
 
 def log_capacity(vllm_config, kv_cache_config) -> None:
@@ -241,9 +272,17 @@ def log_capacity(vllm_config, kv_cache_config) -> None:
     n_ours = sum(why is None for why in decisions.values())
     if not n_ours:
         return
-    logger().info("jetson-tq: KV cache of %d blocks in %d group(s), %d of %d attention layers compressed: "
-                  "%s tokens (%.2f requests of %d tokens at once)", cap["num_blocks"], cap["groups"], n_ours,
-                  len(decisions), f"{cap['kv_tokens']:,}", cap["concurrency"], cap["max_model_len"])
+    logger().info(
+        "jetson-tq: KV cache of %d blocks in %d group(s), %d of %d attention layers compressed: "
+        "%s tokens (%.2f requests of %d tokens at once)",
+        cap["num_blocks"],
+        cap["groups"],
+        n_ours,
+        len(decisions),
+        f"{cap['kv_tokens']:,}",
+        cap["concurrency"],
+        cap["max_model_len"],
+    )
 
 
 def adopt_final_specs(vllm_config, kv_cache_config) -> None:
@@ -266,8 +305,9 @@ def recent_pool_bytes(vllm_config) -> int:
     total = 0
     for layer in configure_all(vllm_config).values():
         impl = layer.impl
-        total += pool_bytes(recent_rows(vllm_config) + 1, impl.num_kv_heads, impl.fmt.buffer_tokens,
-                            impl.head_size, elt)
+        total += pool_bytes(
+            recent_rows(vllm_config) + 1, impl.num_kv_heads, impl.fmt.buffer_tokens, impl.head_size, elt
+        )
     return total
 
 
@@ -299,6 +339,7 @@ def _spec_wrap(original):
             return spec
         self.impl.configure(self.layer_name, vllm_config)
         return self.impl.kv_cache_spec()
+
     return get_kv_cache_spec
 
 
@@ -310,11 +351,17 @@ def _memory_wrap(original):
             if reserved >= available:
                 raise ConfigError(
                     f"jetson-tq recent buffers need {reserved / 2**20:.1f} MiB but the KV budget is "
-                    f"{available / 2**20:.1f} MiB; lower max_num_seqs or buffer.recent_tokens")
-            logger().info("jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
-                           "(%d rows + 1 scratch); %.1f MiB left for compressed pages",
-                           reserved / 2**20, recent_rows(self.vllm_config), (available - reserved) / 2**20)
+                    f"{available / 2**20:.1f} MiB; lower max_num_seqs or buffer.recent_tokens"
+                )
+            logger().info(
+                "jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
+                "(%d rows + 1 scratch); %.1f MiB left for compressed pages",
+                reserved / 2**20,
+                recent_rows(self.vllm_config),
+                (available - reserved) / 2**20,
+            )
         return available - reserved
+
     return determine_available_memory
 
 
@@ -328,8 +375,9 @@ def _runner_wrap(original):
         log_capacity(self.vllm_config, kv_cache_config)
         warmed: set = set()
         for layer in our_layers(self.vllm_config).values():
-            layer.impl.allocate_recent(recent_rows(self.vllm_config), torch.device(self.device),
-                                       self.model_config.dtype)
+            layer.impl.allocate_recent(
+                recent_rows(self.vllm_config), torch.device(self.device), self.model_config.dtype
+            )
             key = (layer.impl.fmt, layer.impl.num_heads, layer.impl.num_kv_heads, layer.impl.head_size)
             cache = bound_cache(layer)
             if torch.device(self.device).type == "cuda" and cache is not None and key not in warmed:
@@ -339,6 +387,7 @@ def _runner_wrap(original):
                     logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
                 warmed.add(key)
         return out
+
     return initialize_kv_cache
 
 
@@ -357,6 +406,7 @@ def _config_wrap(original):
         # the attention backend vLLM (or the user) chose stays: it serves the layers kept on stock attention;
         # compressed layers get ours from the Attention.__init__ wrap
         return config
+
     return create_engine_config
 
 
@@ -364,8 +414,10 @@ def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
     """Why prefix caching must be off under ``cfg`` (None when hits are safe): a hit starts a request at a block
     boundary with nothing in its fp16 ring, which only a block window restarting at that boundary expects."""
     if sliding_windows(cfg):
-        return ("a sliding window (buffer.window: sliding) reads the last recent_tokens exactly, and a prefix-cache "
-                "hit would start attention without the cached tokens' exact copies (buffer.window: block allows hits)")
+        return (
+            "a sliding window (buffer.window: sliding) reads the last recent_tokens exactly, and a prefix-cache "
+            "hit would start attention without the cached tokens' exact copies (buffer.window: block allows hits)"
+        )
     from vllm.config.cache import CacheConfig
 
     w = window_block(cfg)
@@ -373,8 +425,10 @@ def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
     final = is_cpu or cache_config.user_specified_block_size
     size = cache_config.block_size if final else preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE, cfg)
     if size and size % w:
-        return (f"block windows restart every {w} tokens but vLLM's block size is {size} (a hit may start inside a "
-                f"window); set --block-size to a multiple of {w}")
+        return (
+            f"block windows restart every {w} tokens but vLLM's block size is {size} (a hit may start inside a "
+            f"window); set --block-size to a multiple of {w}"
+        )
     unit = getattr(cache_config, "prefix_match_unit", None)  # vLLM 0.27: hits at finer boundaries than a block
     if unit and unit % w:
         return f"block windows restart every {w} tokens but prefix_match_unit is {unit}; set it to a multiple of {w}"

@@ -37,7 +37,8 @@ def pin_v1_model_runner() -> bool:
     if value.strip().lower() in ("1", "true", "yes"):
         raise UnsupportedPlatformError(
             f"{ENV_RUNNER}={value}: jetson-tq's vLLM backend runs on vLLM's V1 GPUModelRunner only; "
-            f"unset {ENV_RUNNER} (or set it to 0) or unset {settings.ENV_CONFIG}")
+            f"unset {ENV_RUNNER} (or set it to 0) or unset {settings.ENV_CONFIG}"
+        )
     return False
 
 
@@ -60,7 +61,11 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     hooks.install(TurboQuantAttentionBackend)
     settings.logger().info(
-        "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
-        name, ops.configured())
+        "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)",
+        cfg.name,
+        version,
+        name,
+        ops.configured(),
+    )
     if pinned:
         settings.logger().info("jetson-tq: %s=0 (the plugin runs on vLLM's V1 model runner)", ENV_RUNNER)

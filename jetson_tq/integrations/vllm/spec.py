@@ -85,16 +85,21 @@ def stock_reason(facts: LayerFacts, max_model_len: int | None) -> str | None:
 def refusal(facts: LayerFacts, compressed: set[str] | frozenset[str] = frozenset()) -> str | None:
     """Why this layer can be served neither compressed nor stock (None: it can), given the layers compressed."""
     if facts.kv_cache_dtype != "auto":
-        return (f"kv_cache_dtype {facts.kv_cache_dtype!r} and JETSON_TQ_CONFIG both set a KV cache format; "
-                "unset one of them")
+        return (
+            f"kv_cache_dtype {facts.kv_cache_dtype!r} and JETSON_TQ_CONFIG both set a KV cache format; "
+            "unset one of them"
+        )
     if facts.kv_sharing_target and facts.kv_sharing_target in compressed:
-        return (f"it reads the KV cache of {facts.kv_sharing_target}, which is compressed; cross-layer KV sharing "
-                "onto a compressed layer is not supported (unset JETSON_TQ_CONFIG for this model)")
+        return (
+            f"it reads the KV cache of {facts.kv_sharing_target}, which is compressed; cross-layer KV sharing "
+            "onto a compressed layer is not supported (unset JETSON_TQ_CONFIG for this model)"
+        )
     return None
 
 
 def describe_layers(decisions: dict[str, str | None]) -> str:
     """'compressed: 1-3, 5; stock: 0, 4 (why)' for the startup log (layer numbers when the names carry them)."""
+
     def label(names: list[str]) -> str:
         nums = []
         for n in names:
@@ -164,8 +169,15 @@ def packed_page_bytes(items: tuple, head_dim: int, block_size: int) -> int:
     return PagedLayout(format_of(items), head_dim, block_size).packed_bytes
 
 
-def hybrid_page(fmt: KVFormat, head_dim: int, num_kv_heads: int, stock_page: int, unit: int,
-                max_multiple: int = 4, good_enough: float = 0.1) -> tuple[int, int]:
+def hybrid_page(
+    fmt: KVFormat,
+    head_dim: int,
+    num_kv_heads: int,
+    stock_page: int,
+    unit: int,
+    max_multiple: int = 4,
+    good_enough: float = 0.1,
+) -> tuple[int, int]:
     """(block_size, page bytes per KV head) of a compressed layer whose whole page (all KV heads) must be a
     multiple m <= ``max_multiple`` of ``stock_page`` (the largest page of the stock layers vLLM groups it with).
 
@@ -194,7 +206,8 @@ def hybrid_page(fmt: KVFormat, head_dim: int, num_kv_heads: int, stock_page: int
         raise UnsupportedModelError(
             f"no block size fits a compressed page ({per_unit} B per {unit}-token block and KV head, {num_kv_heads} "
             f"KV heads) into up to {max_multiple} stock pages of {stock_page} B that vLLM's hybrid KV cache groups "
-            "share; start vLLM with --disable-hybrid-kv-cache-manager or unset JETSON_TQ_CONFIG")
+            "share; start vLLM with --disable-hybrid-kv-cache-manager or unset JETSON_TQ_CONFIG"
+        )
     return best[1], best[2]
 
 
@@ -264,24 +277,36 @@ def __getattr__(name: str):
 def make_spec(block_size: int, num_kv_heads: int, head_size: int, fmt: KVFormat, layout: PagedLayout):
     """The spec vLLM sizes this layer's cache from (dtype uint8: the cache is raw packed bytes; a padded layout's
     ``page_stride``, planned by ``hybrid_page``, is the page)."""
-    return spec_cls()(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, head_size_v=head_size,
-                      dtype=torch.uint8, tq_format=format_items(fmt), tq_recent_tokens=fmt.buffer_tokens,
-                      tq_block_window=fmt.block_window, tq_page_stride=layout.page_stride,
-                      tq_stride_block=block_size if layout.page_stride else 0)
+    return spec_cls()(
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        head_size_v=head_size,
+        dtype=torch.uint8,
+        tq_format=format_items(fmt),
+        tq_recent_tokens=fmt.buffer_tokens,
+        tq_block_window=fmt.block_window,
+        tq_page_stride=layout.page_stride,
+        tq_stride_block=block_size if layout.page_stride else 0,
+    )
 
 
 def layout_of_spec(spec, head_dim: int) -> PagedLayout:
     """The page layout a (possibly rescaled or padded by vLLM) TurboQuantPagedSpec describes (ShapeError-like
     UnsupportedModelError when vLLM's padded page is no whole number of 16-byte-aligned pages per KV head)."""
     if spec.page_size_padded is not None:
-        raise UnsupportedModelError(f"vLLM padded a compressed page to {spec.page_size_padded} B (its own padding; "
-                                    "jetson-tq plans its pages to need none)")
+        raise UnsupportedModelError(
+            f"vLLM padded a compressed page to {spec.page_size_padded} B (its own padding; "
+            "jetson-tq plans its pages to need none)"
+        )
     whole, fmt = spec.page_size_bytes, format_of(spec.tq_format)
     if whole == spec.num_kv_heads * packed_page_bytes(spec.tq_format, head_dim, spec.block_size):
         return layout_for(fmt, head_dim, spec.block_size)
     if whole % (16 * spec.num_kv_heads):
-        raise UnsupportedModelError(f"a compressed page of {whole} B does not split into {spec.num_kv_heads} "
-                                    "KV-head pages of a multiple of 16 B")
+        raise UnsupportedModelError(
+            f"a compressed page of {whole} B does not split into {spec.num_kv_heads} "
+            "KV-head pages of a multiple of 16 B"
+        )
     return layout_for(fmt, head_dim, spec.block_size, whole // spec.num_kv_heads)
 
 

@@ -13,11 +13,20 @@ from jetson_tq.format import FP16_FORMAT, KVFormat
 from jetson_tq.integrations import transformers as tqt
 from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
 
-SMALL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=1024)
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=256,
+    max_position_embeddings=1024,
+)
 RAW16 = KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=0)
-TIGHT = KVFormat(key_mode="mse", key_bits=4, value_mode="group", value_bits=4, value_group=32, buffer_tokens=8,
-                 window="sliding")  # the ring rule the assertions below spell out
+TIGHT = KVFormat(
+    key_mode="mse", key_bits=4, value_mode="group", value_bits=4, value_group=32, buffer_tokens=8, window="sliding"
+)  # the ring rule the assertions below spell out
 
 
 def _model(kind: str = "llama", **extra):
@@ -89,8 +98,14 @@ def test_padded_batch_matches_single_rows():
     ids = torch.cat([a, torch.cat([torch.zeros(1, 8, dtype=torch.long), b], 1)])
     mask = torch.ones_like(ids)
     mask[1, :8] = 0
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                         past_key_values=TurboQuantCache(model, cfg))
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        past_key_values=TurboQuantCache(model, cfg),
+    )
     out_a = model.generate(a, max_new_tokens=8, do_sample=False, past_key_values=TurboQuantCache(model, cfg))
     out_b = model.generate(b, max_new_tokens=8, do_sample=False, past_key_values=TurboQuantCache(model, cfg))
     assert torch.equal(out[0, 30:], out_a[0, 30:])
@@ -110,8 +125,9 @@ def test_dynamic_cache_still_exact_after_switching_attention():
 
 def test_per_layer_formats_from_config():
     model = _model()
-    cfg = config_from_dict({"keys": {"mode": "mse", "bits": 3}, "layers": {"keep_fp16_first": 1,
-                            "overrides": {2: {"keys": {"bits": 4}}}}})
+    cfg = config_from_dict(
+        {"keys": {"mode": "mse", "bits": 3}, "layers": {"keep_fp16_first": 1, "overrides": {2: {"keys": {"bits": 4}}}}}
+    )
     cache = TurboQuantCache(model, cfg)
     assert cache.formats[0] == FP16_FORMAT
     assert cache.formats[1].key_bits == 3 and cache.formats[2].key_bits == 4
@@ -134,5 +150,10 @@ def test_named_errors():
     with pytest.raises(UnsupportedModelError, match="turboquant"):
         plain(torch.randint(0, 256, (1, 8)), past_key_values=TurboQuantCache(plain, TIGHT, enable=False))
     with pytest.raises(UnsupportedModelError, match="beam"):
-        model.generate(torch.randint(0, 256, (1, 8)), num_beams=2, max_new_tokens=3, do_sample=False,
-                       past_key_values=TurboQuantCache(model, TIGHT))
+        model.generate(
+            torch.randint(0, 256, (1, 8)),
+            num_beams=2,
+            max_new_tokens=3,
+            do_sample=False,
+            past_key_values=TurboQuantCache(model, TIGHT),
+        )

@@ -11,8 +11,15 @@ from __future__ import annotations
 import pytest
 
 from jetson_tq.format import KVFormat, PagedLayout
-from jetson_tq.integrations.vllm.spec import (LayerFacts, UnsupportedModelError, describe_layers, hybrid_page,
-                                              refusal, stock_reason, window_unit)
+from jetson_tq.integrations.vllm.spec import (
+    LayerFacts,
+    UnsupportedModelError,
+    describe_layers,
+    hybrid_page,
+    refusal,
+    stock_reason,
+    window_unit,
+)
 
 PLAIN = LayerFacts(name="model.layers.3.self_attn.attn", head_size=96, num_heads=32, num_kv_heads=32)
 
@@ -22,19 +29,22 @@ def test_plain_causal_attention_of_any_head_size_is_compressed():
         assert stock_reason(LayerFacts(name="x", head_size=head_size), max_model_len=4096) is None
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"attn_type": "encoder_only"}, "attn_type 'encoder_only'"),
-    ({"attn_type": "encoder_decoder"}, "only decoder self-attention"),
-    ({"non_causal": True}, "bidirectional"),
-    ({"head_size_v": 64}, "value head size 64"),
-    ({"alibi": True}, "alibi_slopes"),
-    ({"sinks": True}, "attention sinks"),
-    ({"logits_soft_cap": 50.0}, "logits_soft_cap 50"),
-    ({"sliding_window": 4096}, "sliding_window 4096 < max_model_len 8192"),
-    ({"extra": ("chunk_lookback",)}, "chunk_lookback"),
-    ({"kv_sharing_target": "model.layers.1.self_attn.attn"}, "reads the KV cache of layer model.layers.1"),
-    ({"own_backend": "FLEX_ATTENTION"}, "its own attention backend (FLEX_ATTENTION)"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"attn_type": "encoder_only"}, "attn_type 'encoder_only'"),
+        ({"attn_type": "encoder_decoder"}, "only decoder self-attention"),
+        ({"non_causal": True}, "bidirectional"),
+        ({"head_size_v": 64}, "value head size 64"),
+        ({"alibi": True}, "alibi_slopes"),
+        ({"sinks": True}, "attention sinks"),
+        ({"logits_soft_cap": 50.0}, "logits_soft_cap 50"),
+        ({"sliding_window": 4096}, "sliding_window 4096 < max_model_len 8192"),
+        ({"extra": ("chunk_lookback",)}, "chunk_lookback"),
+        ({"kv_sharing_target": "model.layers.1.self_attn.attn"}, "reads the KV cache of layer model.layers.1"),
+        ({"own_backend": "FLEX_ATTENTION"}, "its own attention backend (FLEX_ATTENTION)"),
+    ],
+)
 def test_each_feature_our_kernels_do_not_reproduce_keeps_the_layer_stock(change, words):
     why = stock_reason(LayerFacts(**{**PLAIN.__dict__, **change}), max_model_len=8192)
     assert why is not None and words in why, why
@@ -64,8 +74,9 @@ def test_startup_summary_names_layers_and_reasons():
     assert describe_layers({n: None for n in names}) == "compressed 6 of 6 attention layers (0-5)"
 
 
-@pytest.mark.parametrize("head_dim, kv_heads, stock_block, elt", [(256, 4, 128, 2), (128, 8, 16, 2), (64, 3, 128, 4),
-                                                                    (96, 32, 16, 2)])
+@pytest.mark.parametrize(
+    "head_dim, kv_heads, stock_block, elt", [(256, 4, 128, 2), (128, 8, 16, 2), (64, 3, 128, 4), (96, 32, 16, 2)]
+)
 def test_hybrid_page_fills_whole_stock_pages_with_little_padding(head_dim, kv_heads, stock_block, elt):
     """The compressed page equals m stock pages (vLLM's hybrid groups need one page size), its block holds the
     most tokens that fit, a multiple of the unit, and at most 10 % of it is padding when some m <= 4 allows."""

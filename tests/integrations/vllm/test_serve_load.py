@@ -74,21 +74,53 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     model = make_tiny_llama(tmp / "llama", layers=LAYERS, hidden=4 * HEAD_DIM, heads=4, kv_heads=KV_HEADS)
     port, log = _free_port(), tmp / "server.log"
-    env = dict(os.environ, JETSON_TQ_CONFIG=DEFAULT_PRESET, VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(MAX_LEN),
-           "--max-num-seqs", str(SEQS), "--max-num-batched-tokens", "256", "--block-size", str(BLOCK),
-           "--kv-cache-memory-bytes", str(kv_budget(BLOCKS)), "--enforce-eager",
-           "--distributed-executor-backend", "uni"]  # the worker inside the engine core: one process less to start
+    env = dict(
+        os.environ,
+        JETSON_TQ_CONFIG=DEFAULT_PRESET,
+        VLLM_PLUGINS="jetson_tq",
+        OMP_WAIT_POLICY="PASSIVE",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--max-num-seqs",
+        str(SEQS),
+        "--max-num-batched-tokens",
+        "256",
+        "--block-size",
+        str(BLOCK),
+        "--kv-cache-memory-bytes",
+        str(kv_budget(BLOCKS)),
+        "--enforce-eager",
+        "--distributed-executor-backend",
+        "uni",
+    ]  # the worker inside the engine core: one process less to start
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         deadline = time.time() + 300
         while not _healthy(port):
             if proc.poll() is not None or time.time() > deadline:
-                pytest.fail(f"vllm serve did not come up (exit {proc.poll()}); its log ends:\n"
-                            f"{log.read_text(errors='replace')[-4000:]}")
+                pytest.fail(
+                    f"vllm serve did not come up (exit {proc.poll()}); its log ends:\n"
+                    f"{log.read_text(errors='replace')[-4000:]}"
+                )
             time.sleep(1)
         yield port, proc.pid, log
     finally:
@@ -104,10 +136,34 @@ def test_serve_survives_load_faults_and_bad_requests(server, tmp_path):
     port, pid, log = server
     mod = load_serve()
     report = tmp_path / "load.json"
-    argv = ["--port", str(port), "--clients", "8", "--duration", "15", "--min-prompt", "10", "--max-prompt", "400",
-            "--max-tokens", "48", "--bad-frac", "0.5", "--warmup", "5", "--settle", "30", "--request-timeout", "120",
-            "--server-pid",
-            str(pid), "--expect-preemption", "--expect-queueing", "--json", str(report)]
+    argv = [
+        "--port",
+        str(port),
+        "--clients",
+        "8",
+        "--duration",
+        "15",
+        "--min-prompt",
+        "10",
+        "--max-prompt",
+        "400",
+        "--max-tokens",
+        "48",
+        "--bad-frac",
+        "0.5",
+        "--warmup",
+        "5",
+        "--settle",
+        "30",
+        "--request-timeout",
+        "120",
+        "--server-pid",
+        str(pid),
+        "--expect-preemption",
+        "--expect-queueing",
+        "--json",
+        str(report),
+    ]
     rc = mod.main(argv)
     s = json.loads(report.read_text())
     assert rc == 0 and s["ok"], s["failures"]
@@ -130,23 +186,29 @@ def test_serve_survives_load_faults_and_bad_requests(server, tmp_path):
 def test_load_script_refuses_non_loopback_and_unbounded_runs(capsys):
     """No server needed: the script only talks to loopback and refuses limits past its hard caps (exit 2)."""
     mod = load_serve()
-    for argv, words in ((["--host", "10.0.0.1"], "loopback only"), (["--host", "example.com"], "loopback only"),
-                        (["--clients", "100000"], "--clients: expected a number in [1, 256]"),
-                        (["--duration", "1e9"], "--duration: expected a number in [1, 1800]"),
-                        (["--max-requests", "0"], "--max-requests"),
-                        (["--duration", "nan"], "--duration"), (["--bad-frac", "2"], "--bad-frac"),
-                        (["--min-prompt", "500", "--max-prompt", "100"], "--max-prompt 100 < --min-prompt 500"),
-                        (["--port", str(_free_port())], "no server answers on 127.0.0.1:")):
+    for argv, words in (
+        (["--host", "10.0.0.1"], "loopback only"),
+        (["--host", "example.com"], "loopback only"),
+        (["--clients", "100000"], "--clients: expected a number in [1, 256]"),
+        (["--duration", "1e9"], "--duration: expected a number in [1, 1800]"),
+        (["--max-requests", "0"], "--max-requests"),
+        (["--duration", "nan"], "--duration"),
+        (["--bad-frac", "2"], "--bad-frac"),
+        (["--min-prompt", "500", "--max-prompt", "100"], "--max-prompt 100 < --min-prompt 500"),
+        (["--port", str(_free_port())], "no server answers on 127.0.0.1:"),
+    ):
         assert mod.main(argv) == 2, argv
         assert words in capsys.readouterr().err, argv
 
 
 def test_load_script_reads_vllm_metrics():
     mod = load_serve()
-    text = ('# HELP vllm:kv_cache_usage_perc KV-cache usage.\n'
-            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
-            'vllm:num_preemptions_total{engine="0"} 3.0\nvllm:num_preemptions_created{engine="0"} 1.7e9\n'
-            'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_running{engine="1"} 1.0\n')
+    text = (
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage.\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        'vllm:num_preemptions_total{engine="0"} 3.0\nvllm:num_preemptions_created{engine="0"} 1.7e9\n'
+        'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_running{engine="1"} 1.0\n'
+    )
     m = mod.parse_metrics(text)
     assert m["vllm:kv_cache_usage_perc"] == 0.25 and m["vllm:num_preemptions_total"] == 3.0
     assert m["vllm:num_requests_running"] == 3.0 and "vllm:num_preemptions_created" not in m

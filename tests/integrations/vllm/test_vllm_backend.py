@@ -17,15 +17,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from jetson_tq import attention_decode, attention_prefill  # noqa: E402
-from jetson_tq.cache.compressed import CompressedKVCache  # noqa: E402
-from jetson_tq.paged import allocate_pages  # noqa: E402
-from jetson_tq.codec.rotation import derive_seed  # noqa: E402
-from jetson_tq.format import FP16_FORMAT, KVFormat  # noqa: E402
-import jetson_tq.integrations.vllm.backend as backend_mod  # noqa: E402
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402
-from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots  # noqa: E402
-from jetson_tq.integrations.vllm.spec import UnsupportedModelError  # noqa: E402
+import jetson_tq.integrations.vllm.backend as backend_mod
+from jetson_tq import attention_decode, attention_prefill
+from jetson_tq.cache.compressed import CompressedKVCache
+from jetson_tq.codec.rotation import derive_seed
+from jetson_tq.format import FP16_FORMAT, KVFormat
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots
+from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+from jetson_tq.paged import allocate_pages
 
 HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
 
@@ -64,8 +64,9 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False) -
         if hit and "E" in dict(step):  # vLLM hands E A's cached first block: E starts at position BS
             tables["E"], lens["E"] = [tables["A"][0]], BS
             ka, va = (torch.cat(x, dim=1)[:, :BS] for x in zip(*seen["A"]))
-            refs["E"] = CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER),
-                                          block_size=BS)
+            refs["E"] = CompressedKVCache(
+                ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS
+            )
             refs["E"].append(ka.unsqueeze(0), va.unsqueeze(0))
         reqs = [r for r, _ in step]
         q_lens = np.array([n for _, n in step])
@@ -88,22 +89,38 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False) -
         v = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
         live = set(tables)
         block = fmt.block_window
-        rows = slots.assign(reqs, ctx, q_lens, live, fmt.buffer_tokens if block else 0) if fmt.buffer_tokens \
+        rows = (
+            slots.assign(reqs, ctx, q_lens, live, fmt.buffer_tokens if block else 0)
+            if fmt.buffer_tokens
             else np.full(len(reqs), 4)
+        )
         nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
         empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
-        md = TurboQuantMetadata(num_actual_tokens=n_tok, num_reqs=len(reqs), num_decodes=nd,
-                                recent_tokens=fmt.buffer_tokens, block_window=block, query_start_loc=qsl, seq_lens=seq, context_lens=ctx,
-                                ring_rows=rows, block_table=block_table, slot_mapping=slot_mapping,
-                                dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32,
-                                dec_recent_lens=empty32)
+        md = TurboQuantMetadata(
+            num_actual_tokens=n_tok,
+            num_reqs=len(reqs),
+            num_decodes=nd,
+            recent_tokens=fmt.buffer_tokens,
+            block_window=block,
+            query_start_loc=qsl,
+            seq_lens=seq,
+            context_lens=ctx,
+            ring_rows=rows,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            dec_ring_rows=empty64,
+            dec_ring_cols=empty64,
+            dec_compressed_lens=empty32,
+            dec_recent_lens=empty32,
+        )
         out = torch.empty(n_tok, HQ, D, dtype=dtype)
         impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
         impl.forward(None, q, k, v, pages, md, out)
         for i, r in enumerate(reqs):
             a, b = int(qsl[i]), int(qsl[i + 1])
-            cache = refs.setdefault(r, CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype,
-                                                         seed=derive_seed(fmt.seed, LAYER), block_size=BS))
+            cache = refs.setdefault(
+                r, CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS)
+            )
             kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
             seen.setdefault(r, []).append((kk, vv))
             if i < nd:
@@ -111,19 +128,25 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False) -
                 want = attention_decode(qq[:, 0].unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
                 got = out[a]
             else:
-                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
+                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, 1.0 / math.sqrt(D))[
+                    0
+                ]
                 got = out[a:b].transpose(0, 1)
             worst = max(worst, float((got.float() - want.float()).abs().max()))
             lens[r] = int(seq[i])
     return worst
 
 
-@pytest.mark.parametrize("fmt", [
-    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=8),  # blog_k3v2, 8-token ring
-    KVFormat(key_mode="prod", key_bits=4, value_bits=4, value_group=32, buffer_tokens=0),  # no ring at all
-    KVFormat(key_mode="mse", key_bits=3, buffer_tokens=20),
-    FP16_FORMAT,
-], ids=["k3v2-r8", "k4v4-r0", "mse3-r20", "fp16"])
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=8),  # blog_k3v2, 8-token ring
+        KVFormat(key_mode="prod", key_bits=4, value_bits=4, value_group=32, buffer_tokens=0),  # no ring at all
+        KVFormat(key_mode="mse", key_bits=3, buffer_tokens=20),
+        FP16_FORMAT,
+    ],
+    ids=["k3v2-r8", "k4v4-r0", "mse3-r20", "fp16"],
+)
 def test_impl_matches_standalone_reference(fmt):
     assert _run(fmt) < 2e-5
 
@@ -158,13 +181,16 @@ def test_recent_slots_refuse_unvouched_history():
         slots.assign(["e"], np.array([12]), np.array([1]), {"c", "d", "e"}, window_block=8)
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"sliding_window": 128}, "sliding_window"),
-    ({"alibi_slopes": [1.0] * HQ}, "alibi_slopes"),
-    ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
-    ({"attn_type": "encoder_only"}, "attn_type"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"sliding_window": 128}, "sliding_window"),
+        ({"alibi_slopes": [1.0] * HQ}, "alibi_slopes"),
+        ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"attn_type": "encoder_only"}, "attn_type"),
+    ],
+)
 def test_impl_refuses_unsupported_attention(kwargs, word):
     with pytest.raises(UnsupportedModelError, match=word):
         TurboQuantAttentionImpl(HQ, D, 1.0, HKV, **kwargs)
@@ -200,13 +226,16 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
         mp.setattr(ops, "decode", logged_decode)
         impl.warm_up(pages)
     assert ("prefill", 0) in calls and any(k == "prefill" and n > 0 for k, n in calls), "with and without history"
-    assert {n for k, n in calls if k == "decode"} == {1, 2, 16}, "decode rows 1, 2 and 16 (Triton's int specializations)"
+    assert {n for k, n in calls if k == "decode"} == {1, 2, 16}, (
+        "decode rows 1, 2 and 16 (Triton's int specializations)"
+    )
     assert not torch.equal(pages[0], before[0]), "the warm-up must run the write path (block 0)"
     assert torch.equal(pages[1:], before[1:]), "blocks other than the null block 0 must stay untouched"
     assert torch.equal(impl.recent_k[:-1], ring_before[:-1]), "only the scratch ring row may change"
 
     class Layer:
         kv_cache = [pages]
+
     assert bound_cache(Layer()) is pages
     Layer.kv_cache = torch.zeros(0)
     assert bound_cache(Layer()) is None

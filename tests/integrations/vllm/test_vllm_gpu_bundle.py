@@ -26,18 +26,30 @@ import job  # noqa: E402
 import models  # noqa: E402
 import run  # noqa: E402
 
-FA_INIT = ("from x import FA2_AVAILABLE, FA3_AVAILABLE\n"
-           "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(\n        'needs FA')\n")
+FA_INIT = (
+    "from x import FA2_AVAILABLE, FA3_AVAILABLE\n"
+    "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(\n        'needs FA')\n"
+)
 
 
 def test_dropped_members() -> None:
-    gone = ["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
-            "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/_C_stable_libtorch.abi3.so", "vllm/vllm-rs",
-            "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
-            "vllm/third_party/deep_gemm/include/cute/arch/mma_sm90_gmma.hpp",
-            "vllm/third_party/fmha_sm100/cutlass/include/cute/x.hpp"]
-    kept = ["vllm/__init__.py", "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so",
-            "vllm/vllm_flash_attn/__init__.py", "vllm-0.26.0.dist-info/entry_points.txt", "vllm/cumem_allocator.abi3.so"]
+    gone = [
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+        "vllm/_moe_C_stable_libtorch.abi3.so",
+        "vllm/_C_stable_libtorch.abi3.so",
+        "vllm/vllm-rs",
+        "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
+        "vllm/third_party/deep_gemm/include/cute/arch/mma_sm90_gmma.hpp",
+        "vllm/third_party/fmha_sm100/cutlass/include/cute/x.hpp",
+    ]
+    kept = [
+        "vllm/__init__.py",
+        "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so",
+        "vllm/vllm_flash_attn/__init__.py",
+        "vllm-0.26.0.dist-info/entry_points.txt",
+        "vllm/cumem_allocator.abi3.so",
+    ]
     assert all(bundle.dropped(n, set()) for n in gone)
     assert not any(bundle.dropped(n, set()) for n in kept)
     assert not bundle.dropped("vllm/_C_stable_libtorch.abi3.so", {"vllm/_C_stable_libtorch.abi3.so"})
@@ -47,8 +59,14 @@ def test_patch_applies_once_or_refuses() -> None:
     name = "vllm/vllm_flash_attn/__init__.py"
     out = bundle.patched(name, FA_INIT.encode()).decode()
     assert "if False and not (FA2_AVAILABLE or FA3_AVAILABLE)" in out
-    exec(compile(out.replace("from x import FA2_AVAILABLE, FA3_AVAILABLE", "FA2_AVAILABLE = FA3_AVAILABLE = False"),
-                 name, "exec"), {})  # the patched module no longer raises without FA
+    exec(
+        compile(
+            out.replace("from x import FA2_AVAILABLE, FA3_AVAILABLE", "FA2_AVAILABLE = FA3_AVAILABLE = False"),
+            name,
+            "exec",
+        ),
+        {},
+    )  # the patched module no longer raises without FA
     with pytest.raises(ValueError, match="expected exactly one"):
         bundle.patched(name, b"nothing to patch here\n")
     assert bundle.patched("vllm/other.py", b"same") == b"same"
@@ -105,8 +123,10 @@ print("ok")
 def test_model_dirs(tmp_path: Path) -> None:
     from transformers import AutoConfig
 
-    for name, (layers, heads, kv, stock) in {"qwen2.5-7b": (28, 28, 4, 57344),
-                                            "llama-3.1-8b": (32, 32, 8, 131072)}.items():
+    for name, (layers, heads, kv, stock) in {
+        "qwen2.5-7b": (28, 28, 4, 57344),
+        "llama-3.1-8b": (32, 32, 8, 131072),
+    }.items():
         cfg = AutoConfig.from_pretrained(models.write_model_dir(name, tmp_path))
         assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (layers, heads, kv)
         assert cfg.hidden_size // cfg.num_attention_heads == 128
@@ -144,10 +164,20 @@ def test_summary_ratios_and_greedy() -> None:
     results = [
         {"job": "stock_bf16", "kind": "capacity", "kv_tokens": 1000, "num_gpu_blocks": 62},
         {"job": "ours_mse_k4v3", "kind": "capacity", "kv_tokens": 4100, "num_gpu_blocks": 256},
-        {"job": "corr_stock", "kind": "correctness", "ids": [[1, 2, 3], [4, 5]], "nonfinite_logprobs": 0,
-         "logprobs": [[-1.0, -2.0, -3.0], [-0.5, -0.7]]},
-        {"job": "corr_ours_fp16", "kind": "correctness", "ids": [[1, 2, 3], [4, 6]], "nonfinite_logprobs": 0,
-         "logprobs": [[-1.0, -2.25, -3.0], [-0.5, -9.0]]},
+        {
+            "job": "corr_stock",
+            "kind": "correctness",
+            "ids": [[1, 2, 3], [4, 5]],
+            "nonfinite_logprobs": 0,
+            "logprobs": [[-1.0, -2.0, -3.0], [-0.5, -0.7]],
+        },
+        {
+            "job": "corr_ours_fp16",
+            "kind": "correctness",
+            "ids": [[1, 2, 3], [4, 6]],
+            "nonfinite_logprobs": 0,
+            "logprobs": [[-1.0, -2.25, -3.0], [-0.5, -9.0]],
+        },
         {"job": "ours_mse_k4v3", "kind": "error", "error": "x"},
     ]
     s = run.summarize(results)
@@ -162,8 +192,10 @@ def test_engine_config_hook_inert_when_switch_off(monkeypatch) -> None:
     from jetson_tq.integrations.vllm import hooks
 
     monkeypatch.delenv("JETSON_TQ_CONFIG", raising=False)
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
-                          attention_config=SimpleNamespace(backend="TRITON_ATTN"))
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+        attention_config=SimpleNamespace(backend="TRITON_ATTN"),
+    )
     out = hooks._config_wrap(lambda self: cfg)(None)
     assert out is cfg and cfg.attention_config.backend == "TRITON_ATTN" and cfg.cache_config.enable_prefix_caching
 
@@ -175,12 +207,15 @@ def test_unpack_script_registers_plugin(tmp_path: Path) -> None:
     di = tmp_path / "jetson_tq-0.1.0.dist-info"
     di.mkdir()
     (di / "METADATA").write_text("Metadata-Version: 2.1\nName: jetson-tq\nVersion: 0.1.0\n")
-    (di / "entry_points.txt").write_text("[vllm.general_plugins]\njetson_tq = jetson_tq.integrations.vllm.plugin:register\n")
-    code = ("import importlib.metadata as m, sys; sys.path.insert(0, sys.argv[1]); "
-            "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'jetson_tq'])")
+    (di / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\njetson_tq = jetson_tq.integrations.vllm.plugin:register\n"
+    )
+    code = (
+        "import importlib.metadata as m, sys; sys.path.insert(0, sys.argv[1]); "
+        "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'jetson_tq'])"
+    )
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert "jetson_tq.integrations.vllm.plugin:register" in res.stdout, res.stderr
-
 
 
 def test_plugin_pins_v1_model_runner(monkeypatch) -> None:
@@ -200,21 +235,33 @@ def test_plugin_pins_v1_model_runner(monkeypatch) -> None:
 
 def test_targets_verdicts() -> None:
     def w(job, ctx, n, tok_s, tpot, ttft=1.0):
-        return {"job": job, "kind": "workload", "context": ctx, "concurrency": n, "decode_tok_s": tok_s,
-                "tpot_ms": tpot, "ttft_first_s": ttft}
+        return {
+            "job": job,
+            "kind": "workload",
+            "context": ctx,
+            "concurrency": n,
+            "decode_tok_s": tok_s,
+            "tpot_ms": tpot,
+            "ttft_first_s": ttft,
+        }
 
     results = [
         {"job": "stock_bf16", "kind": "capacity", "kv_tokens": 1000},
         {"job": "ours_mse_k4v3", "kind": "capacity", "kv_tokens": 4000},
-        w("stock_bf16", 32768, 1, 50.0, 20.0, 2.0), w("stock_bf16", 32768, 8, 300.0, 26.0),
+        w("stock_bf16", 32768, 1, 50.0, 20.0, 2.0),
+        w("stock_bf16", 32768, 8, 300.0, 26.0),
         {"job": "stock_bf16", "kind": "workload", "context": 32768, "concurrency": 32, "skipped": "not admitted"},
-        w("ours_mse_k4v3", 32768, 1, 45.0, 22.0, 4.0), w("ours_mse_k4v3", 32768, 8, 280.0, 28.0),
+        w("ours_mse_k4v3", 32768, 1, 45.0, 22.0, 4.0),
+        w("ours_mse_k4v3", 32768, 8, 280.0, 28.0),
         w("ours_mse_k4v3", 32768, 32, 700.0, 45.0),
         w("vllm_tq_4bit_nc", 32768, 8, 100.0, 80.0),
     ]
     t = run.targets(results)
     assert t["capacity_x_stock>=3.9"] == {"value": 4.0, "verdict": "met"}
-    assert t["aggregate_32k_x_stock>=2"]["value"] == round(700 / 300, 3) and t["aggregate_32k_x_stock>=2"]["verdict"] == "met"
+    assert (
+        t["aggregate_32k_x_stock>=2"]["value"] == round(700 / 300, 3)
+        and t["aggregate_32k_x_stock>=2"]["verdict"] == "met"
+    )
     assert t["tpot_x_stock<=1.3"]["value"] == {"32768x1": 1.1, "32768x8": round(28 / 26, 3)}
     assert t["ttft_32k_x_stock<=1.5"] == {"value": 2.0, "verdict": "missed"}
     assert t["decode_x_vllm_turboquant>1_every_row"] == {"value": {"32768x8": 2.8}, "verdict": "met"}
@@ -223,9 +270,8 @@ def test_targets_verdicts() -> None:
 
 def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
     """Every matrix model is a config transformers reads; shrinking keeps its attention pattern and features."""
-    from transformers import AutoConfig
-
     import matrix
+    from transformers import AutoConfig
 
     entries = models.matrix_models()
     assert set(matrix.PRIORITY) == set(entries)
@@ -239,8 +285,17 @@ def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
             assert types == ["sliding_attention"] * 5 + ["full_attention"], types
         if name == "gemma-2-2b":
             assert types[:2] == ["sliding_attention", "full_attention"] and cfg.attn_logit_softcapping == 50.0
-    tiny = models.shrink(entries["qwen3-30b-a3b"]["config"], 2, hidden=128, heads=4, kv_heads=2, head_dim=32,
-                         intermediate=256, vocab=512, experts=4)
+    tiny = models.shrink(
+        entries["qwen3-30b-a3b"]["config"],
+        2,
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        intermediate=256,
+        vocab=512,
+        experts=4,
+    )
     assert (tiny["num_experts"], tiny["num_experts_per_tok"], tiny["moe_intermediate_size"]) == (4, 4, 256)
     assert tiny["vocab_size"] == 512 and tiny["eos_token_id"] < 512
 
@@ -249,13 +304,26 @@ def test_matrix_summary_and_table() -> None:
     import matrix
 
     recs = [
-        {"model": "gemma-3-4b", "engine": "ours", "layers_built": 6, "kv_tokens": 3000, "init_s": 9.0,
-         "compressed": ["m.layers.5.a"],
-         "stock_layers": {"sliding_window 1024 < max_model_len 8320": ["m.layers.0.a"] * 5},
-         "greedy": {"ids": [[1, 2], [3]], "nonfinite_logprobs": 0},
-         "decode": {"decode_tok_s": 900.0, "tpot_ms": 8.0, "graph_calls": 30, "eager_calls": 0}},
-        {"model": "gemma-3-4b", "engine": "stock", "layers_built": 6, "kv_tokens": 2000, "init_s": 5.0,
-         "greedy": {"ids": [[1, 2], [4]], "nonfinite_logprobs": 0}, "decode": {"decode_tok_s": 1000.0, "tpot_ms": 7.0}},
+        {
+            "model": "gemma-3-4b",
+            "engine": "ours",
+            "layers_built": 6,
+            "kv_tokens": 3000,
+            "init_s": 9.0,
+            "compressed": ["m.layers.5.a"],
+            "stock_layers": {"sliding_window 1024 < max_model_len 8320": ["m.layers.0.a"] * 5},
+            "greedy": {"ids": [[1, 2], [3]], "nonfinite_logprobs": 0},
+            "decode": {"decode_tok_s": 900.0, "tpot_ms": 8.0, "graph_calls": 30, "eager_calls": 0},
+        },
+        {
+            "model": "gemma-3-4b",
+            "engine": "stock",
+            "layers_built": 6,
+            "kv_tokens": 2000,
+            "init_s": 5.0,
+            "greedy": {"ids": [[1, 2], [4]], "nonfinite_logprobs": 0},
+            "decode": {"decode_tok_s": 1000.0, "tpot_ms": 7.0},
+        },
         {"model": "qwen3-30b-a3b", "engine": "ours", "error": "RuntimeError: no _moe_C", "init_s": None},
         {"model": "qwen3-30b-a3b", "engine": "stock", "skipped": "budget (20 s left)"},
     ]

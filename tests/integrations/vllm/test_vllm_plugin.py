@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from jetson_tq import ops
-
 from jetson_tq.errors import ConfigError, UnsupportedPlatformError
 from jetson_tq.format import KVFormat, PagedLayout
 from jetson_tq.integrations.vllm import plugin, settings, versions
@@ -33,8 +31,9 @@ def test_switch_off_does_nothing_even_on_an_unsupported_vllm(monkeypatch):
 
 def test_switch_on_with_an_unsupported_vllm_names_the_supported_ones(monkeypatch):
     monkeypatch.setenv(settings.ENV_CONFIG, "blog_k3v2")
-    monkeypatch.setattr("jetson_tq.integrations.vllm.plugin.check_vllm_version",
-                        lambda: versions.check_vllm_version("0.20.0"))
+    monkeypatch.setattr(
+        "jetson_tq.integrations.vllm.plugin.check_vllm_version", lambda: versions.check_vllm_version("0.20.0")
+    )
     with pytest.raises(UnsupportedPlatformError, match="supported: 0.26.0"):
         plugin.register()
 

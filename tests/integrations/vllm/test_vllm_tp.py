@@ -37,15 +37,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
-from jetson_tq.errors import ConfigError  # noqa: E402
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata  # noqa: E402
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
-from jetson_tq.integrations.vllm.cpu_binding import split_cores, tp_cpu_env  # noqa: E402
-from jetson_tq.integrations.vllm.recent import pool_bytes  # noqa: E402
-from jetson_tq.models.tiny import WORDS, make_tiny_llama  # noqa: E402
-from test_vllm_e2e import expected_stock_blocks, expected_tq_blocks  # noqa: E402
-from test_vllm_scheduling import engine_seed, same_up_to_near_ties  # noqa: E402
+from test_vllm_e2e import expected_stock_blocks, expected_tq_blocks
+from test_vllm_scheduling import engine_seed, same_up_to_near_ties
+
+from jetson_tq.config import DEFAULT_PRESET, load_config
+from jetson_tq.errors import ConfigError
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.compare import run_engine_subprocess
+from jetson_tq.integrations.vllm.cpu_binding import split_cores, tp_cpu_env
+from jetson_tq.integrations.vllm.recent import pool_bytes
+from jetson_tq.models.tiny import WORDS, make_tiny_llama
 
 HQ, HKV, D, BS, LAYER, TP = 8, 4, 64, 16, 3, 2
 
@@ -66,11 +67,23 @@ def _step(impl, pages, q, k, v, ctx: int) -> torch.Tensor:
     slots = torch.arange(ctx, seq)
     table = torch.arange(-(-seq // BS), dtype=torch.int32).unsqueeze(0)
     e32, e64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
-    md = TurboQuantMetadata(num_actual_tokens=n, num_reqs=1, num_decodes=int(n == 1), recent_tokens=impl.fmt.buffer_tokens,
-                            block_window=impl.fmt.block_window,
-                            query_start_loc=qsl, seq_lens=np.array([seq]), context_lens=np.array([ctx]),
-                            ring_rows=np.array([0]), block_table=table, slot_mapping=slots, dec_ring_rows=e64,
-                            dec_ring_cols=e64, dec_compressed_lens=e32, dec_recent_lens=e32)
+    md = TurboQuantMetadata(
+        num_actual_tokens=n,
+        num_reqs=1,
+        num_decodes=int(n == 1),
+        recent_tokens=impl.fmt.buffer_tokens,
+        block_window=impl.fmt.block_window,
+        query_start_loc=qsl,
+        seq_lens=np.array([seq]),
+        context_lens=np.array([ctx]),
+        ring_rows=np.array([0]),
+        block_table=table,
+        slot_mapping=slots,
+        dec_ring_rows=e64,
+        dec_ring_cols=e64,
+        dec_compressed_lens=e32,
+        dec_recent_lens=e32,
+    )
     out = torch.empty(n, impl.num_heads, D)
     impl.do_kv_cache_update(None, k, v, pages, slots)
     impl.forward(None, q, k, v, pages, md, out)
@@ -92,9 +105,15 @@ def test_head_split_is_invisible():
         want = _step(full, pages_full, q, k, v, ctx)
         qh, kh = HQ // TP, HKV // TP
         for r, impl in enumerate(ranks):
-            got = _step(impl, pages_rank[r], q[:, r * qh:(r + 1) * qh], k[:, r * kh:(r + 1) * kh],
-                        v[:, r * kh:(r + 1) * kh], ctx)
-            torch.testing.assert_close(got, want[:, r * qh:(r + 1) * qh], rtol=0, atol=1e-6)
+            got = _step(
+                impl,
+                pages_rank[r],
+                q[:, r * qh : (r + 1) * qh],
+                k[:, r * kh : (r + 1) * kh],
+                v[:, r * kh : (r + 1) * kh],
+                ctx,
+            )
+            torch.testing.assert_close(got, want[:, r * qh : (r + 1) * qh], rtol=0, atol=1e-6)
         ctx += n
     assert ctx > fmt.buffer_tokens + BS  # some full blocks were read from compressed pages
     assert torch.equal(torch.cat(pages_rank, dim=1), pages_full)
@@ -122,24 +141,46 @@ TINY = {"layers": 6, "kv_heads": HKV // TP, "head_dim": D}  # per rank
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory) -> dict:
-    model = make_tiny_llama(tmp_path_factory.mktemp("tiny_tp") / "llama", layers=6, hidden=HQ * D, heads=HQ,
-                            kv_heads=HKV, seed=engine_seed())
+    model = make_tiny_llama(
+        tmp_path_factory.mktemp("tiny_tp") / "llama",
+        layers=6,
+        hidden=HQ * D,
+        heads=HQ,
+        kv_heads=HKV,
+        seed=engine_seed(),
+    )
     rng = random.Random(engine_seed())
     prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 170, 230)]  # 2 exceed the 128-token ring
-    job = {"model": str(model), "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4, "kv_bytes": 64 * MiB,
-           "eager": True, "max_tokens": 16, "prompts": prompts, "max_num_batched_tokens": 128, "logprobs": True}
+    job = {
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "max_num_seqs": 4,
+        "kv_bytes": 64 * MiB,
+        "eager": True,
+        "max_tokens": 16,
+        "prompts": prompts,
+        "max_num_batched_tokens": 128,
+        "logprobs": True,
+    }
     # the cores split between the two ranks ("auto" binding needs a NUMA node per rank; "0|1" on 2 cores)
-    env = tp_cpu_env(dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq",
-                          OMP_WAIT_POLICY="PASSIVE"), TP)
+    env = tp_cpu_env(
+        dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE"), TP
+    )
     runs = {}
-    for name, cfg, tp in (("stock_tp2", None, 2), ("fp16_tp2", "fp16", 2), ("tq_tp2", DEFAULT_PRESET, 2),
-                          ("tq_tp1", DEFAULT_PRESET, 1)):
+    for name, cfg, tp in (
+        ("stock_tp2", None, 2),
+        ("fp16_tp2", "fp16", 2),
+        ("tq_tp2", DEFAULT_PRESET, 2),
+        ("tq_tp1", DEFAULT_PRESET, 1),
+    ):
         t0 = time.perf_counter()
         runs[name] = run_engine_subprocess(dict(job, tensor_parallel_size=tp), cfg, env, timeout=600)
         runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
     if os.environ.get(REPORT_ENV):  # raw figures for docs/vllm.md
-        Path(os.environ[REPORT_ENV]).write_text(json.dumps(
-            {k: {f: v for f, v in r.items() if f != "log_tail"} for k, r in runs.items()}, indent=1))
+        Path(os.environ[REPORT_ENV]).write_text(
+            json.dumps({k: {f: v for f, v in r.items() if f != "log_tail"} for k, r in runs.items()}, indent=1)
+        )
     return runs
 
 
@@ -160,8 +201,9 @@ def test_tp2_fp16_passthrough_equals_stock_tp2(tp_runs):
     same_up_to_near_ties(stock["outputs"], fp16["outputs"], "fp16 pages at TP=2 vs stock at TP=2")
     bs = stock["block_size"]
     assert stock["num_gpu_blocks"] == expected_stock_blocks(**TINY, block_size=bs, kv_bytes=64 * MiB, element_bytes=4)
-    assert fp16["num_gpu_blocks"] == expected_tq_blocks("fp16", **TINY, block_size=bs, kv_bytes=64 * MiB, rows=4,
-                                                        element_bytes=4)
+    assert fp16["num_gpu_blocks"] == expected_tq_blocks(
+        "fp16", **TINY, block_size=bs, kv_bytes=64 * MiB, rows=4, element_bytes=4
+    )
     assert sum("TurboQuant KV cache 'fp16'" in line for line in fp16["jetson_tq_log"]) >= TP  # both workers
 
 
@@ -175,8 +217,9 @@ def test_tp2_default_preset_equals_its_tp1_run(tp_runs):
     assert _tokens(tp2) != _tokens(stock)
     bs = tp2["block_size"]
     per_rank = expected_tq_blocks(DEFAULT_PRESET, **TINY, block_size=bs, kv_bytes=64 * MiB, rows=4, element_bytes=4)
-    whole = expected_tq_blocks(DEFAULT_PRESET, **dict(TINY, kv_heads=HKV), block_size=bs, kv_bytes=64 * MiB, rows=4,
-                               element_bytes=4)
+    whole = expected_tq_blocks(
+        DEFAULT_PRESET, **dict(TINY, kv_heads=HKV), block_size=bs, kv_bytes=64 * MiB, rows=4, element_bytes=4
+    )
     assert (tp2["num_gpu_blocks"], tp1["num_gpu_blocks"]) == (per_rank, whole)
     assert tp2["num_gpu_blocks"] >= 2 * tp1["num_gpu_blocks"]  # half the heads per rank (pools halve too)
     # each rank reserved its own recent-buffer pools, sized for its 2 KV heads (half the TP=1 reservation)
