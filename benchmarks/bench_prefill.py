@@ -1,6 +1,7 @@
-"""Chunked prefill over a compressed history vs SDPA (flash/efficient) over the same history in fp16.
+r"""Chunked prefill over a compressed history vs SDPA (flash/efficient) over the same history in fp16.
 
-    python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 2}]'] [--json F]
+    python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes \
+        [--variants '[{}, {"num_stages": 2}]'] [--json F]
 
 A variant is a dict of ``chunked_prefill`` knobs (run 8 also timed the run-7 kernel, in-loop dequantization,
 through ``{"impl": "run7"}``: ``benchmarks/prefill_run7.py`` at commit 85808f9, deleted after it lost).

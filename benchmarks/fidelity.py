@@ -180,7 +180,8 @@ def all_rows(backend: str) -> list[F.Variant]:
     ]
 
 
-#: A row named by its format (``--rows k3v3g128_b128``): mse key bits, value bits, value group (``g64``) or TurboQuant_mse
+#: A row named by its format (``--rows k3v3g128_b128``): mse key bits, value bits, value group (``g64``) or
+#: TurboQuant_mse
 #: values (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128).
 SPEC_ROW = re.compile(
     r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?$"
@@ -278,10 +279,12 @@ def markdown(result: dict) -> str:
         free = f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else ""
         needles = [f"{n[k]['found']}/{n[k]['of']}" if k in n else "" for k in ("1024", "2048")]
         lines.append(
-            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | {fact.get('bytes_per_token_d128', 0):.1f} | "
+            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | "
+            f"{fact.get('bytes_per_token_d128', 0):.1f} | "
             f"{fact['ratio']:.2f}x | "
             f"{fact.get('effective_ratio', 1.0):.2f}x | {_f(ppl, '.3f')} | {dppl} | {_f(t.get('kl'), '.4f')} | "
-            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | {needles[0]} | {needles[1]} |"
+            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | "
+            f"{needles[0]} | {needles[1]} |"
         )
     lines += ["", "Rows:", ""] + [f"- `{k}`: {v['note']}" for k, v in facts.items()]
     return "\n".join(lines) + "\n"
@@ -536,7 +539,8 @@ def main(argv: list[str] | None = None) -> dict:
     variants += extra
     ids = tok(text_by_name(args.text), return_tensors="pt").input_ids[0][args.offset :]
     progress(
-        f"model loaded, {ids.numel()} {args.text} tokens from offset {args.offset}, {len(variants)} rows: {[v.name for v in variants]}"
+        f"model loaded, {ids.numel()} {args.text} tokens from offset {args.offset}, "
+        f"{len(variants)} rows: {[v.name for v in variants]}"
     )
 
     import transformers

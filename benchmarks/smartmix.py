@@ -1,4 +1,4 @@
-"""SmartMix calibration on SmolLM2-135M: per-layer key/value bits at the default preset's average bytes per token.
+r"""SmartMix calibration on SmolLM2-135M: per-layer key/value bits at the default preset's average bytes per token.
 
     PYTHONPATH=. .venv/bin/python benchmarks/smartmix.py --out out/smartmix   # ~5 min on 2 CPU cores
 
@@ -7,7 +7,8 @@ for the written config are on text the calibration never saw), writes
 ``<out>/smartmix_smollm2-135m.yaml`` (a per-layer config ``jetson_tq.config`` loads) and
 ``<out>/smartmix.json`` (per-layer errors and picks). Compare it with the default:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/fidelity.py --rows mse_k4v3 --extra-configs <out>/smartmix_smollm2-135m.yaml
+    PYTHONPATH=. .venv/bin/python benchmarks/fidelity.py --rows mse_k4v3 \
+        --extra-configs <out>/smartmix_smollm2-135m.yaml
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.name
     desc = (
         f"SmartMix for SmolLM2-135M (benchmarks/smartmix.py): per-layer mse key / group value bits picked from "
-        f"measured per-layer attention-output error{' scaled to the measured output KL of each layer' if kl else ''} on "
+        f"measured per-layer attention-output error"
+        f"{' scaled to the measured output KL of each layer' if kl else ''} on "
         f"{args.windows} x {args.window_len} calibration tokens "
         f"(the essays' end), mean {mean_bytes:.1f} B/token/head at D={cost_dim}."
     )

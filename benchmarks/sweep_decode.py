@@ -1,6 +1,7 @@
-"""Launch-configuration sweep of the fused hybrid decode at the two headline shapes, per format.
+r"""Launch-configuration sweep of the fused hybrid decode at the two headline shapes, per format.
 
-    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] [--variants JSON] [--shapes JSON]
+    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] \
+        [--variants JSON] [--shapes JSON]
 
 For each format and shape (B=8 32/8 64k, B=1 32/8 128k) the inputs are built once, the fp16
 flash baseline is timed in the same process, then every variant (programs per SM = ``waves``,
@@ -71,7 +72,10 @@ def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw:
             got = hybrid_decode(case.q, kv, tuning=DecodeTuning(**var))[:sub].float()
             err = ((got - ref).norm() / ref.norm()).item()
             tuning = DecodeTuning(**var)
-            fns = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, tuning=tuning) for c, o in zip(sets, outs)]
+            fns = [
+                lambda c=c, o=o, tuning=tuning: hybrid_decode(c.q, c.kv, out=o, tuning=tuning)
+                for c, o in zip(sets, outs)
+            ]
             eager, graph = _bench(fns), _graph_us(fns)
             rows.append(
                 {

@@ -65,7 +65,8 @@ def attention_prefill(
     (causal), and — for a ``CompressedKVCache`` — append the chunk to the cache.
 
     Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed and the
-    rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the chunk in its pages (vLLM's contract).
+    rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the
+    chunk in its pages (vLLM's contract).
     """
     check_attention_inputs(q, cache, softmax_scale, ("k", k), ("v", v))
     _check_query(q, 4, "attention_prefill")

@@ -119,7 +119,8 @@ class KVFormat:
     as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
     The defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from
     docs/fidelity.md), ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the
-    other presets name ``window: sliding``, the rule their figures were measured with. Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
+    other presets name ``window: sliding``, the rule their figures were measured with. Every token is stored compressed;
+    the ``buffer_tokens`` (R) most recent are also
     kept exact (a ring, token p in row p % R), and ``window`` says which of them a query at position p reads
     exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its own R-token block
     ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a prefix-cache
@@ -448,7 +449,8 @@ class PageSpec:
 
     @staticmethod
     def of(layout: PagedLayout, raw_dtype: torch.dtype = torch.float16) -> PageSpec:
-        """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
+        """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel
+        handles it)."""
         return _page_spec(layout, raw_dtype)
 
 

@@ -170,7 +170,8 @@ PATCHES = {
     ),
     # The bundle has no C++ op library (its stand-in raises a named error): engines that do not choose their
     # custom ops (eager, no Inductor: vLLM picks "all" and vllm_c kernels) get PyTorch's native ops instead,
-    # as run.py's jobs ask explicitly — so the tests' own engines (tests/integrations/vllm/test_vllm_scheduling.py) run too.
+    # as run.py's jobs ask explicitly — so the tests' own engines (tests/integrations/vllm/test_vllm_scheduling.py) run
+    # too.
     "vllm/config/vllm.py": (
         'self.compilation_config.custom_ops.append("all")',
         'self.compilation_config.custom_ops.append("none")  # jetson-tq bundle: no C++ op library',

@@ -8,7 +8,8 @@ name, model (a directory with config.json), tq_config (JETSON_TQ_CONFIG or null)
 backend (attention backend name or null), gpu_util, max_model_len, max_num_seqs, max_num_batched_tokens,
 eager, workloads ([[context, concurrency, output_tokens], ...]; concurrency 0 = the most the cache admits,
 output_tokens -1 = enough to keep every request decoding together: ``resolve_workload``), correctness ({requests, seed,
-blocks_override} or null), env (extra environment), serve ({port} or null: run `vllm serve` instead), deadline (epoch seconds: workloads that would start later are skipped).
+blocks_override} or null), env (extra environment), serve ({port} or null: run `vllm serve` instead), deadline (epoch
+seconds: workloads that would start later are skipped).
 """
 
 from __future__ import annotations

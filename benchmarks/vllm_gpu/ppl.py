@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
         t = tf.get(c if c != "stock" else "reference", {})
         tfd = f"{100 * (t['ppl'] / tf['reference']['ppl'] - 1):+.2f} %" if t and "reference" in tf else ""
         print(
-            f"| {c} | {r['ppl']:.3f} | {100 * (r['ppl'] / ref - 1):+.2f} % | {r['kl_top20']:.4f} | {r['top1']:.4f} | {tfd} |"
+            f"| {c} | {r['ppl']:.3f} | {100 * (r['ppl'] / ref - 1):+.2f} % | {r['kl_top20']:.4f} | "
+            f"{r['top1']:.4f} | {tfd} |"
         )
     Path(args.out).write_text(json.dumps(result, indent=1))
     return result

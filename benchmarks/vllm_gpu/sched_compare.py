@@ -1,4 +1,5 @@
-"""tests/integrations/vllm/test_vllm_scheduling.py's two engines, run with stock vLLM (KV budgets of 64 and 4 stock blocks) and/or other
+"""tests/integrations/vllm/test_vllm_scheduling.py's two engines, run with stock vLLM (KV budgets of 64 and 4 stock
+blocks) and/or other
 jetson-tq presets (same model, prompts and schedules), side by side, and compared the way the test compares the
 default preset's: per output, the first step where the tokens differ from the roomy batch, both runs' greedy margins
 there and the largest log-probability gap before it.

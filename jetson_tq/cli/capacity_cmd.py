@@ -47,7 +47,8 @@ def resolve_budget(args: argparse.Namespace, model: ModelSpec) -> KVBudget:
     if budget.kv_bytes <= 0:
         raise ConfigError(
             f"no memory left for the KV cache: {budget.source}: {human_bytes(budget.available_bytes)} x "
-            f"utilization {budget.utilization:g} = {human_bytes(budget.usable_bytes)}, but weights {human_bytes(weights)} "
+            f"utilization {budget.utilization:g} = {human_bytes(budget.usable_bytes)}, "
+            f"but weights {human_bytes(weights)} "
             f"+ overhead {human_bytes(overhead)} need more; expected a larger --memory-gb, a smaller "
             f"--weights-gb/--overhead-gb, or --kv-budget-gb"
         )
@@ -109,7 +110,8 @@ def _run(args: argparse.Namespace) -> int:
     ok = out.get("measured", {}).get("ok", True)
     if not ok:
         print(
-            f"measured bytes disagree with the formula beyond the margin ({human_bytes(out['measured']['margin_bytes'])})"
+            "measured bytes disagree with the formula beyond the margin "
+            f"({human_bytes(out['measured']['margin_bytes'])})"
         )
     return 0 if ok else 1
 

@@ -148,7 +148,8 @@ def _uniform(dim: int, bits: int) -> tuple[tuple[float, ...], float]:
 
 
 def uniform_codebook(dim: int, bits: int) -> torch.Tensor:
-    """Evenly spaced centroids (float32, ascending) with the MSE-optimal step for a coordinate of a random unit vector."""
+    """Evenly spaced centroids (float32, ascending) with the MSE-optimal step for a coordinate of a random unit
+    vector."""
     _check(dim, bits)
     return torch.tensor(_uniform(dim, bits)[0], dtype=torch.float32)
 

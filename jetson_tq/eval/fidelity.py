@@ -181,7 +181,8 @@ def _cache_from_prefill(variant: Variant, model, kv: list[tuple[torch.Tensor, to
 
 @torch.no_grad()
 def greedy_steps(model, cache, first: torch.Tensor, steps: int) -> torch.Tensor:
-    """The real decode loop: ``steps`` greedy tokens one at a time from a filled cache -> [B, steps], token 0 = ``first``."""
+    """The real decode loop: ``steps`` greedy tokens one at a time from a filled cache -> [B, steps], token 0 =
+    ``first``."""
     out = torch.empty(first.shape[0], steps, dtype=torch.long)
     out[:, 0] = nxt = first
     for i in range(1, steps):
@@ -295,7 +296,8 @@ def needle_cases(
 def needle(
     model, tok, cases: list[NeedleCase], variants: list[Variant], answer_tokens: int = 8, progress: Progress = _quiet
 ) -> dict[str, dict]:
-    """Pass-key retrieval per length: the answer is decoded greedily from each variant's cache after an exact prefill."""
+    """Pass-key retrieval per length: the answer is decoded greedily from each variant's cache after an exact
+    prefill."""
     enable_turboquant(model)
     by_len: dict[int, list[NeedleCase]] = {}
     for c in cases:

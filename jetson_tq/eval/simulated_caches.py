@@ -56,7 +56,8 @@ class SimulatedFormat:
             )
 
     def key_bytes_per_token(self, head_dim: int) -> float:
-        """Key bytes per token per KV head: codes + fp16 scale and zero per group (amortized over tokens for channel groups)."""
+        """Key bytes per token per KV head: codes + fp16 scale and zero per group (amortized over tokens for channel
+        groups)."""
         if self.kind == "fp8":
             return float(head_dim)
         codes = head_dim * self.bits / 8
@@ -125,7 +126,8 @@ class SimulatedLayer(DynamicLayer):
         self.n_quantized += n
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """History in its stored (partly quantized) state plus the new chunk (exact, or stored if the format says so)."""
+        """History in its stored (partly quantized) state plus the new chunk (exact, or stored if the format says
+        so)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.keys.numel() and key_states.shape[-2] <= self.fmt.stored_chunk_limit:

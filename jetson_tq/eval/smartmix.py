@@ -40,7 +40,8 @@ CAPTURE = "jetson_tq_capture"
 
 @dataclass
 class LayerCapture:
-    """What one layer saw in the exact forward: q [B, Hq, T, D], k and v [B, Hkv, T, D], residual input h [B, T, hidden]."""
+    """What one layer saw in the exact forward: q [B, Hq, T, D], k and v [B, Hkv, T, D], residual input h [B, T,
+    hidden]."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -131,7 +132,8 @@ def layer_errors(
     chunk: int = 128,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[dict[str, float]]:
-    """Per layer, per candidate: ||o_proj(attn_candidate - attn_exact)||^2 / ||residual input||^2 (summed over tokens)."""
+    """Per layer, per candidate: ||o_proj(attn_candidate - attn_exact)||^2 / ||residual input||^2 (summed over
+    tokens)."""
     out = []
     for i, (cap, layer) in enumerate(zip(caps, model.model.layers)):
         scale = layer.self_attn.scaling
@@ -156,7 +158,8 @@ def layer_kl(
     backend: str = "cpu-decoded",
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[float]:
-    """Per layer: mean KL(exact || model) per token when only that layer's cache is stored in ``low`` (the rest exact)."""
+    """Per layer: mean KL(exact || model) per token when only that layer's cache is stored in ``low`` (the rest
+    exact)."""
     enable_turboquant(model)
     ref_cache = DynamicCache(config=model.config)
     ref = [
@@ -178,7 +181,8 @@ def layer_kl(
 
 
 def weight_errors(errors: list[dict[str, float]], kl: list[float], probe: str) -> list[dict[str, float]]:
-    """Rescale each layer's proxy errors so that its ``probe`` candidate's error equals the measured KL of that layer."""
+    """Rescale each layer's proxy errors so that its ``probe`` candidate's error equals the measured KL of that
+    layer."""
     return [{k: v * w / row[probe] for k, v in row.items()} for row, w in zip(errors, kl)]
 
 

@@ -1,4 +1,5 @@
-"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of Llama and Qwen2 (transformers 5.17).
+"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of Llama and Qwen2 (transformers
+5.17).
 
 How it plugs in (transformers' own extension points, no patching of model code):
 
@@ -50,13 +51,15 @@ RECOMMENDED_PRESET = "mse_k4v3"
 #: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
 BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
 
-#: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)`` that
+#: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)``
+#: that
 #: replaces the ops path for one layer (an evaluation shortcut, e.g. tokens decoded once on the CPU).
 HISTORY_BACKENDS: dict[str, Callable[[CompressedKVCache, int], Any]] = {}
 
 
 def register_history_backend(name: str, factory: Callable[[CompressedKVCache, int], Any]) -> None:
-    """Make ``backend=name`` build ``factory(store, sink_tokens)`` per layer and attend through it instead of ``jetson_tq.ops``."""
+    """Make ``backend=name`` build ``factory(store, sink_tokens)`` per layer and attend through it instead of
+    ``jetson_tq.ops``."""
     if name in BACKENDS:
         raise ConfigError(f"history backend {name!r}: the name is taken by an ops backend {BACKENDS}")
     HISTORY_BACKENDS[name] = factory
@@ -156,7 +159,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self.decoded: Any = None
 
     def __repr__(self) -> str:
-        return f"TurboQuantLayer({self.layer_idx}, {self.fmt.key_mode}{self.fmt.key_bits}/{self.fmt.value_mode}{self.fmt.value_bits})"
+        fmt = self.fmt
+        return f"TurboQuantLayer({self.layer_idx}, {fmt.key_mode}{fmt.key_bits}/{fmt.value_mode}{fmt.value_bits})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape

@@ -39,7 +39,8 @@ def _runtime_key(args: tuple) -> tuple:
 
 
 class FastLauncher:
-    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=, maxnreg=)`` for one ``@triton.jit`` kernel."""
+    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=, maxnreg=)`` for one ``@triton.jit``
+    kernel."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel

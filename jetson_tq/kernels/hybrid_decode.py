@@ -21,7 +21,8 @@ merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one 
 no allocation after the first call of a shape (workspaces are cached), so the launcher can be captured in a CUDA
 graph.
 
-The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then per tile
+The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then
+per tile
 ``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_recent_tokens`` and
 ``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and ``CFG``
 (``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
@@ -325,7 +326,7 @@ def _empty_state(PAGE: tl.constexpr, CFG: tl.constexpr):
     per value sub-chunk, running max [GP], running sum tile [BLOCK_N, GP])."""
     zacc = tl.zeros([CFG.NGP, CFG.GP], tl.float32)  # fast path: sum_n p * zero[n, group]
     acc = ()
-    for i in tl.static_range(PAGE.VCH * CFG.VSC):
+    for _ in tl.static_range(PAGE.VCH * CFG.VSC):
         acc = acc + (tl.zeros([CFG.VSUBP, CFG.GP], tl.float32),)
     m_i = tl.full([CFG.GP], float("-inf"), tl.float32)
     l_t = tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32)
@@ -435,7 +436,7 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
                     ),
                 )
         else:
-            for j in tl.static_range(CFG.VSC):
+            for _ in tl.static_range(CFG.VSC):
                 xvs = xvs + (0,)
         new_acc = ()
         for c in tl.static_range(PAGE.VCH):

@@ -2,7 +2,8 @@
 
 The entry module (``attention_decode(q, cache, backend="auto"|"triton"|"reference")``, the public API by
 default; tests pass stand-ins) is imported lazily: when it is absent, ``load_dispatch`` returns None and
-callers report SKIPPED, never a pass. On a CPU machine the Triton kernel runs through the Triton interpreter: ``TRITON_INTERPRET=1``
+callers report SKIPPED, never a pass. On a CPU machine the Triton kernel runs through the Triton interpreter:
+``TRITON_INTERPRET=1``
 must be set before triton is first imported, so ``agreement_cpu_interpreted`` runs the check in a
 child process with that variable set, on a tiny shape.
 """
@@ -122,7 +123,8 @@ def decode_benchmark(
     head_dim: int = 128,
     progress=None,
 ) -> list[dict]:
-    """Median µs of ``attention_decode(backend="triton")`` vs torch SDPA (flash) on fp16 K/V of the same shape (CUDA)."""
+    """Median µs of ``attention_decode(backend="triton")`` vs torch SDPA (flash) on fp16 K/V of the same shape
+    (CUDA)."""
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
@@ -149,15 +151,17 @@ def decode_benchmark(
         except RuntimeError:
             backend = "default"
 
+        # sdpa and the lambda below run inside this iteration (do_bench), so the loop's current values are meant
         def sdpa():
-            if backend == "flash":
+            if backend == "flash":  # noqa: B023
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-            return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+                    return scaled_dot_product_attention(q4, k, v, enable_gqa=True)  # noqa: B023
+            return scaled_dot_product_attention(q4, k, v, enable_gqa=True)  # noqa: B023
 
         cache.validate = False  # timed: the kernel, not the per-call query check (docs/robustness.md)
         t_tq = triton.testing.do_bench(
-            lambda: dispatch.attention_decode(q, cache, backend="triton"), return_mode="median"
+            lambda: dispatch.attention_decode(q, cache, backend="triton"),  # noqa: B023 (timed in this iteration)
+            return_mode="median",
         )
         t_sdpa = triton.testing.do_bench(sdpa, return_mode="median")
         rows.append(

@@ -520,7 +520,8 @@ def test_any_non_finite_element_is_reported_where_it_is(b, h, t, d, bad, which, 
 # ------------------------------------------------------------------------------------------- YAML loader table
 BOMB = (
     'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\n'
-    "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ndescription: [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n"
+    "c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\nd: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n"
+    "description: [*d,*d,*d,*d,*d,*d,*d,*d,*d]\n"
 )
 YAML_CASES = {
     "duplicate key": (

@@ -31,7 +31,7 @@ def test_ragged_batch_prefill_then_decode_matches_materialized_tokens():
     cache = CompressedKVCache(FMT, 2, 64, batch_size=3, dtype=torch.float16)
     lens = [3, 17, 50]
     ks = [torch.randn(2, n, 64) for n in lens]
-    for b, n in enumerate(lens):
+    for b in range(len(lens)):
         cache.append(ks[b], ks[b] * 0.5, seq=b)
     step = torch.randn(3, 2, 1, 64)
     cache.append(step, step)

@@ -1,4 +1,5 @@
-"""run_jetson.sh: shellcheck-clean, --dry-run command per fake board, exit codes, and agreement with the Python probe."""
+"""run_jetson.sh: shellcheck-clean, --dry-run command per fake board, exit codes, and agreement with the Python
+probe."""
 
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ def test_window_key_and_preset_windows():
 def test_layer_policy_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(
-        "keys: {mode: mse, bits: 4}\nlayers: {keep_fp16_first: 1, keep_fp16_last: 2, overrides: {3: {keys: {bits: 2}}}}\n"
+        "keys: {mode: mse, bits: 4}\n"
+        "layers: {keep_fp16_first: 1, keep_fp16_last: 2, overrides: {3: {keys: {bits: 2}}}}\n"
     )
     cfg = load_config(path)
     assert cfg.format_for_layer(0, 10) == FP16_FORMAT

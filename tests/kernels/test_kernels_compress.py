@@ -7,7 +7,8 @@ only by one level, only where the reference's input lies within rounding of that
 product of k with the exact +-1 matrix sqrt(D) Pi compared against the boundaries times sqrt(D) ||k||, where
 the key norm may differ by an ulp; a dense one
 uses hi+lo fp16 tensor-core products, ~22 bits, in another order; value position (v - zero) / scale (the kernel
-multiplies by 1 / scale) within 1e-3 of a half-integer), and in at most 0.1 % of the entries: at the GPU sizes (~10^6 coordinates)
+multiplies by 1 / scale) within 1e-3 of a half-integer), and in at most 0.1 % of the entries: at the GPU sizes (~10^6
+coordinates)
 a handful of such ties occur (seen on the H200), at CPU sizes none. The key norm and
 residual norm may differ by one fp16 ulp (fp32 sums in another order). QJL sign bits may differ
 only where the sketch ``S r`` of a coordinate is within rounding of 0: the kernel forms it as
@@ -137,7 +138,10 @@ def _check(name, d, lens, dtype, exact_signs):
     region_mask = untouched.view(nblocks, 1, bs).expand(nblocks, hkv, bs)
     offs = layout.offsets()
     for f in fmt.fields(d):
-        reg = lambda p: p[:, :, offs[f.name] : offs[f.name] + bs * f.nbytes].reshape(nblocks, hkv, bs, f.nbytes)
+
+        def reg(p: torch.Tensor, f=f) -> torch.Tensor:
+            return p[:, :, offs[f.name] : offs[f.name] + bs * f.nbytes].reshape(nblocks, hkv, bs, f.nbytes)
+
         assert torch.equal(reg(pages)[region_mask], reg(poison)[region_mask]), (
             f"{msg}: wrote outside its slots ({f.name})"
         )

@@ -131,7 +131,8 @@ VARIANT_FORMATS = (
 @pytest.mark.parametrize("name,d", VARIANT_FORMATS)
 def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
-    centroid lookup (``fast_keys``), 4-bit centroids by byte permutes or by a warp-shuffle gather (``prmt_keys``), the query rotated in the launch or by ``query_transform``
+    centroid lookup (``fast_keys``), 4-bit centroids by byte permutes or by a warp-shuffle gather (``prmt_keys``), the
+    query rotated in the launch or by ``query_transform``
     (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 64 buffer tokens, the
     split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits),
     a register cap, no software pipelining (``num_stages=1``), 32-token one-warp tiles. Every arrival counter is back

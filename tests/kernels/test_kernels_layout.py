@@ -29,7 +29,7 @@ def test_vllm_style_pages_equal_the_contiguous_cache():
     k, v = torch.randn(slots.shape[0], h, d, generator=gen), torch.randn(slots.shape[0], h, d, generator=gen)
     pages = torch.zeros(int(table.max()) + 1, h, cache.layout.page_bytes, dtype=torch.uint8)
     write_slots(pages, cache.layout, slots, cache.codec.encode(k, v))
-    for b, n in enumerate(lens):  # the same tokens, in order, into the contiguous cache
+    for b in range(len(lens)):  # the same tokens, in order, into the contiguous cache
         rows = (who[:, 0] == b).nonzero().flatten()
         cache.append(k[rows].transpose(0, 1), v[rows].transpose(0, 1), seq=b)
     assert cache.compressed_lens.tolist() == lens

@@ -1,4 +1,5 @@
-"""TurboQuantCache in transformers 5.17: drop-in generate/forward for Llama and Qwen2, our attention only, named errors."""
+"""TurboQuantCache in transformers 5.17: drop-in generate/forward for Llama and Qwen2, our attention only, named
+errors."""
 
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def test_generate_drop_in_compresses_history_and_stays_close(kind):
 
 
 def test_keys_are_never_dequantized(monkeypatch):
-    """Scores over compressed tokens use the rotated query; a call to decode_keys would mean stock attention on dequantized keys."""
+    """Scores over compressed tokens use the rotated query; a call to decode_keys would mean stock attention on
+    dequantized keys."""
     model = _model()
 
     def forbidden(self, fields):
