@@ -57,7 +57,7 @@ def fraction(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (tokens, sequences, MiB)."""
-    value = _number(text, int)
+    value = int(_number(text, int))
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value

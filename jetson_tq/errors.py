@@ -66,7 +66,7 @@ def expect_int(name: str, value, lo: int | None = 0, hi: int | None = None) -> i
         raise ArgTypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
     if lo is None:
         return int(value)
-    if value < lo or (hi is not None and value > hi):
+    if int(value) < lo or (hi is not None and int(value) > hi):
         want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueRangeError(f"{name}: expected an integer {want}, got {value}")
     return int(value)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -45,7 +46,7 @@ def check_seed(name: str, seed: object) -> int:
     """An int seed in [0, 2**63 - 1] (no float truncation, no negative seed, as ``KVFormat`` requires)."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ArgTypeError(f"{name}: expected an integer seed in [0, {SEED_MAX}], got {type(seed).__name__} {seed!r}")
-    if not 0 <= seed <= SEED_MAX:
+    if not 0 <= int(seed) <= SEED_MAX:
         raise ValueRangeError(f"{name}: expected an integer seed in [0, {SEED_MAX}], got {seed}")
     return int(seed)
 
@@ -56,7 +57,7 @@ def check_softmax_scale(scale: object) -> None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgTypeError(f"softmax_scale: expected a float > 0 or None, got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
+    if not (math.isfinite(scale) and float(scale) > 0):
         raise ValueRangeError(f"softmax_scale: expected a finite float > 0 or None, got {scale}")
 
 
@@ -402,11 +403,12 @@ def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object
     if not hasattr(cache_or_kv, "pages"):
         raise ArgTypeError(f"cache: expected a CompressedKVCache or PagedKV, got {type(cache_or_kv).__name__}")
     check_softmax_scale(softmax_scale)
-    if getattr(cache_or_kv, "validate", False) and not q.is_cuda:
+    if getattr(cache_or_kv, "validate", False) and not cast(torch.Tensor, q).is_cuda:
         for name, t in (("q", q), *chunk):
-            idx = _nonfinite_index(t)
+            tensor = cast(torch.Tensor, t)  # expect_tensor checked it above
+            idx = _nonfinite_index(tensor)
             if idx is not None:
-                raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
+                raise ValueRangeError(f"{name}: expected finite values, got {tensor[idx].item()} at index {idx}")
 
 
 def _data_checked(q: torch.Tensor, cache_or_kv: object) -> bool:
@@ -418,6 +420,7 @@ def check_attention_mask(mask: object, q: torch.Tensor, cache_or_kv: object) -> 
     """``attn_mask``: a bool tensor (True = attend) or an additive float one (0 / -inf), on q's device; for validated
     CPU calls, no NaN or +inf in a float mask (the reference zeroes fully masked rows, which would hide them)."""
     expect_tensor("attn_mask", mask)
+    mask = cast(torch.Tensor, mask)  # checked just above
     expect_same_device(q=q, attn_mask=mask)
     if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
         raise DTypeError(f"attn_mask: expected a bool mask (True = attend) or an additive float mask, got {mask.dtype}")
@@ -449,9 +452,9 @@ def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: 
         idx = _first_index(bad)
         raise ValueRangeError(f"qjl_signs: expected only +1 or -1, got {int(qjl_signs[idx])} at index {idx}")
     for name, t in {"gamma": gamma, **floats}.items():
-        idx = _nonfinite_index(t)
-        if idx is not None:
-            raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
+        bad_at = _nonfinite_index(t)
+        if bad_at is not None:
+            raise ValueRangeError(f"{name}: expected finite values, got {t[bad_at].item()} at index {bad_at}")
     if bool((gamma < 0).any()):
         idx = _first_index(gamma < 0)
         raise ValueRangeError(f"gamma: expected residual norms >= 0, got {gamma[idx].item()} at index {idx}")

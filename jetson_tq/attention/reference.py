@@ -107,10 +107,10 @@ def paged_attention_prefill(
     ``attn_mask`` (optional, bool or additive, [B|1, 1|Hq, T, s + T] over key positions; equal s across the batch)
     is applied on top (padding, custom patterns); a query row it masks fully gets zeros.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        expect_float(name, t)
-        if t.dim() != 4:
-            raise ShapeError(f"{name}: expected a 4-d tensor [B, H, T, D], got {tuple(t.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        expect_float(name, x)
+        if x.dim() != 4:
+            raise ShapeError(f"{name}: expected a 4-d tensor [B, H, T, D], got {tuple(x.shape)}")
     check_softmax_scale(softmax_scale)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     if k.shape != v.shape or k.shape[1] != kv.num_kv_heads or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0]:

@@ -17,6 +17,7 @@ Pages grow geometrically, eagerly, outside graph capture only.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -98,7 +99,7 @@ class CompressedKVCache:
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         self._lens = torch.zeros(batch_size, **i32)  # tokens per sequence: the truth, on the device
         self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
         self._rec = torch.zeros(batch_size, **i32)  # r = exact_count(L)
@@ -114,7 +115,6 @@ class CompressedKVCache:
         self._rows = torch.arange(batch_size, **i32)
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
-        self._view: PagedKV | None = None
         self._allocate_blocks(blocks)
 
     # ------------------------------------------------------------------ storage
@@ -231,6 +231,7 @@ class CompressedKVCache:
             self._fault_pending = self._fault_blind = False
             return
         err = store_fault_error(code, self.capacity, self.fmt, self.dtype, self.codec.raw_dtype)
+        assert err is not None  # code != FAULT_NONE names an error
         self._fault.copy_(torch.tensor([FAULT_NONE, 0], dtype=torch.int64))  # the cache goes on from before it
         self._fault_pending = self._fault_blind = False
         self._host_lens = self._lens.to("cpu", torch.int64)  # the host had counted the refused tokens
@@ -342,6 +343,7 @@ class CompressedKVCache:
             self.fmt.block_window,
         )
         if stage:
+            assert slots is not None  # append_rows returns the slots when staging
             nb, h, t, d = k.shape
             limits = self._limits if guard is not None else None
             parts = (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from ..arg_types import device_name, fraction, nonnegative_float, positive_float, positive_int
 from ..config import DEFAULT_PRESET, load_config, preset_names
@@ -84,7 +85,7 @@ def run_capacity(args: argparse.Namespace) -> dict:
         names = args.compare.split(",") if args.compare else preset_names()
         configs = [load_config(n) for n in names if n != config.name] + [config]
         path = _plot_path(args, model, config.name)
-    out = {"report": capacity_report(model, config, budget, context)}
+    out: dict[str, Any] = {"report": capacity_report(model, config, budget, context)}
     if device is not None:
         tokens = args.measure_tokens or (GPU_MEASURE_TOKENS if device.startswith("cuda") else CPU_MEASURE_TOKENS)
         out["measured"] = measure_model(config, model, tokens, device)

@@ -19,6 +19,7 @@ def load_demo(path: Path = DEMO_PATH):
             "(the demo is not part of an installed wheel)"
         )
     spec = importlib.util.spec_from_file_location("jetson_tq_demo", path)
+    assert spec is not None and spec.loader is not None  # a .py file path always has a source loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -124,9 +124,8 @@ class KVCodec:
                 fields["key_rnorm"][..., 0],
                 torch.float32,
             )
-        else:
-            code = MSECode(fields["key_idx"], fields["key_norm"][..., 0], torch.float32)
-        return self.keys.dequantize(code)
+            return self.keys.dequantize(code)
+        return self.keys.dequantize(MSECode(fields["key_idx"], fields["key_norm"][..., 0], torch.float32))
 
     def decode_values(self, fields: Fields) -> torch.Tensor:
         """Reconstructed values in float32 [..., D]."""
@@ -161,6 +160,7 @@ class KVCodec:
             centroids = mse.centroids(unpack_bits(fields["key_idx"], mse.bits, self.head_dim))
             scores = (q_rot @ centroids.transpose(-1, -2)) * norm
         if isinstance(self.keys, TurboQuantProd):
+            assert q_sketch is not None  # transform_query gives the sketch for prod keys
             signs = unpack_bits(fields["key_signs"], 1, self.head_dim).float() * 2 - 1
             rnorm = fields["key_rnorm"][..., 0].float().unsqueeze(-2)
             scores = scores + self.keys.qjl_scale * rnorm * (q_sketch @ signs.transpose(-1, -2))

@@ -79,6 +79,7 @@ class TurboQuantProd:
         """x_mse in float32 (zeros when b == 1)."""
         if self.mse is None:
             return torch.zeros(*code.norm.shape, self.dim, device=code.norm.device)
+        assert code.idx is not None  # a prod code carries MSE indices whenever b > 1
         return self.mse.dequantize(MSECode(code.idx, code.norm, torch.float32))
 
     def dequantize(self, code: ProdCode) -> torch.Tensor:

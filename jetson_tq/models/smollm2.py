@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from ..errors import JetsonTQError
 
@@ -159,7 +160,7 @@ def load_smollm2(cache_dir: str | os.PathLike | None = None, dtype=None, attn_im
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     path = ensure_smollm2_dir(cache_dir)
-    kwargs = {"dtype": dtype or torch.float32}
+    kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = LlamaForCausalLM.from_pretrained(path, **kwargs).eval()

@@ -107,6 +107,6 @@ def model_spec_from_dict(raw: dict, where: str = "model") -> ModelSpec:
 def load_model_spec(name_or_path: str | os.PathLike) -> ModelSpec:
     """A shipped model by name (``qwen2.5-7b-instruct``) or a YAML file by path."""
     plain = isinstance(name_or_path, str) and Path(name_or_path).suffix not in (".yaml", ".yml")
-    name = name_or_path.lower() if plain else name_or_path
+    name = name_or_path.lower() if plain and isinstance(name_or_path, str) else name_or_path
     path = resolve_named_yaml(name, MODELS_DIR, "model", model_names())
     return model_spec_from_dict(read_yaml(path), str(path))

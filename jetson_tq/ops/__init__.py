@@ -87,6 +87,7 @@ def write(
         compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits)
         return
     if fault is not None and int(fault[1]) == 0:
+        assert limits is not None  # a fault record always comes with the store's limits
         fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))
     step = max(1, WRITE_CHUNK_ELEMENTS // max(1, k.shape[1] * k.shape[2]))
     for i in range(0, k.shape[0], step):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -143,7 +144,7 @@ def capacity_report(
     tq = layer_formats(config, model)
     fp16 = [FP16_FORMAT] * model.num_layers
     kv = budget.kv_bytes
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for label, formats in (("fp16", fp16), ("turboquant", tq)):
         per_tok = bytes_per_token(formats, model)
         per_seq = sequence_bytes(formats, model, context_tokens, element_bytes)

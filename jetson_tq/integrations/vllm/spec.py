@@ -221,7 +221,7 @@ def _make_spec_cls():
     FullAttentionSpec = _full_attention_spec_cls()
 
     @dataclass(frozen=True, kw_only=True)
-    class TurboQuantPagedSpec(FullAttentionSpec):
+    class TurboQuantPagedSpec(FullAttentionSpec):  # type: ignore[valid-type,misc]  # a base class loaded lazily
         """Full attention whose page is ``num_kv_heads`` packed (block, head) pages of the format ``tq_format``.
 
         The page follows ``block_size`` (vLLM may scale it by a whole ratio to unify page sizes): packed, or padded
