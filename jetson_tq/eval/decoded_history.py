@@ -37,7 +37,8 @@ class DecodedHistory:
     def __init__(self, store: CompressedKVCache, sink_tokens: int = 0) -> None:
         self.store, self.codec = store, store.codec
         self.sink_tokens = sink_tokens  # the first positions, read exactly by every query (attention sinks)
-        self.sink_k = self.sink_v = None
+        self.sink_k: torch.Tensor | None = None
+        self.sink_v: torch.Tensor | None = None
         d = store.head_dim
         self.key_dim = 2 * d if isinstance(self.codec.keys, TurboQuantProd) else d
         shape = (store.batch_size, store.num_kv_heads, 0)
@@ -98,11 +99,13 @@ class DecodedHistory:
         fields = {name: t[:, :, self.count : upto] for name, t in self.store.paged().gather_compressed(upto).items()}
         self.keys = torch.cat([self.keys, self._decode_keys(fields)], dim=2)
         self.values = torch.cat([self.values, self.codec.decode_values(fields)], dim=2)
-        n_sink = 0 if self.sink_k is None else self.sink_k.shape[2]
-        if self.count < n_sink:  # sink positions: their exact keys / values replace the decoded ones
+        sink_k, sink_v = self.sink_k, self.sink_v
+        n_sink = 0 if sink_k is None else sink_k.shape[2]
+        if sink_k is not None and sink_v is not None and self.count < n_sink:
+            # sink positions: their exact keys / values replace the decoded ones
             a, b = self.count, min(upto, n_sink)
-            self.keys[:, :, a:b] = self.transform_exact_keys(self.sink_k[:, :, a:b])
-            self.values[:, :, a:b] = self.sink_v[:, :, a:b].float()
+            self.keys[:, :, a:b] = self.transform_exact_keys(sink_k[:, :, a:b])
+            self.values[:, :, a:b] = sink_v[:, :, a:b].float()
         self.count = upto
 
     # ------------------------------------------------------------------ attention
@@ -133,6 +136,7 @@ class DecodedHistory:
             vv = torch.cat([self.values[:, :, : s - r], rv.float()], dim=2)
             return self._sdpa(q, kk, vv, None, scale)
         t = q.shape[2]
+        assert v is not None  # k and v come together
         self.sync(s + t)
         kk = torch.cat(
             [self.keys, self.transform_exact_keys(rk.to(store.dtype)), self.transform_exact_keys(k.to(store.dtype))],

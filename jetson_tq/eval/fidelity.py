@@ -21,9 +21,11 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from ..config import TurboQuantConfig
 from ..format import fp16_bytes_per_token
@@ -165,7 +167,9 @@ def exact_prefill(model, prompts: torch.Tensor) -> tuple[list[tuple[torch.Tensor
     """One exact forward of prompts [B, P]: per-layer (K, V) [B, H, P, D] and the last position's logits [B, V]."""
     cache = DynamicCache(config=model.config)
     logits = model(prompts, past_key_values=cache, logits_to_keep=1).logits[:, -1].float()
-    return [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers], logits
+    layers = [cast(DynamicLayer, layer) for layer in cache.layers]  # a DynamicCache holds DynamicLayers
+    # after the forward every layer is filled
+    return [(cast(torch.Tensor, la.keys).clone(), cast(torch.Tensor, la.values).clone()) for la in layers], logits
 
 
 def _cache_from_prefill(variant: Variant, model, kv: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -236,7 +240,7 @@ def generation(
             x = ref[:, s : min(s + chunk, new_tokens)]
             pred = model(x, past_key_values=cache).logits.argmax(-1)
             match += int((pred == ref[:, s + 1 : s + 1 + x.shape[1]]).sum())
-        row = {"greedy_agreement": match / (b * new_tokens), "tokens": b * new_tokens}
+        row: dict[str, object] = {"greedy_agreement": match / (b * new_tokens), "tokens": b * new_tokens}
         if v.name in free_running:
             got = greedy_steps(model, _cache_from_prefill(v, model, kv), first, new_tokens + 1)
             same = got[:, 1:] == ref[:, 1:]

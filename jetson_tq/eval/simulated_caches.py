@@ -15,6 +15,7 @@ layers the format keeps uncompressed (``fp16_layer``) are stored exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -116,13 +117,14 @@ class SimulatedLayer(DynamicLayer):
         super().update(k, v)
         if self.exact:
             return
+        keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # filled by the update above
         keep, chunk = self.fmt.buffer_tokens, self.fmt.flush_chunk
-        pending = self.keys.shape[-2] - self.n_quantized
+        pending = keys.shape[-2] - self.n_quantized
         if pending < keep + chunk:
             return
         n = ((pending - keep) // chunk) * chunk
         s = slice(self.n_quantized, self.n_quantized + n)
-        self.keys[..., s, :], self.values[..., s, :] = self.fmt.roundtrip(self.keys[..., s, :], self.values[..., s, :])
+        keys[..., s, :], values[..., s, :] = self.fmt.roundtrip(keys[..., s, :], values[..., s, :])
         self.n_quantized += n
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -130,11 +132,12 @@ class SimulatedLayer(DynamicLayer):
         so)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys.numel() and key_states.shape[-2] <= self.fmt.stored_chunk_limit:
+        stored_k, stored_v = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # initialized above
+        if stored_k.numel() and key_states.shape[-2] <= self.fmt.stored_chunk_limit:
             self._store(key_states, value_states)
             return self.keys, self.values
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
+        keys = torch.cat([stored_k, key_states], dim=-2)
+        values = torch.cat([stored_v, value_states], dim=-2)
         self._store(key_states, value_states)
         return keys, values
 
@@ -156,12 +159,13 @@ class SimulatedQuantCache(Cache):
         self.fmt = fmt
 
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.layers[layer_idx].append(key_states, value_states)
+        cast(SimulatedLayer, self.layers[layer_idx]).append(key_states, value_states)  # built in __init__
 
     def load_from(self, cache: Cache) -> SimulatedQuantCache:
         """Quantize every layer of another cache (e.g. a DynamicCache after an exact prefill) into this one."""
         if len(cache.layers) != len(self.layers):
             raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
         for i, layer in enumerate(cache.layers):
-            self.append(i, layer.keys, layer.values)
+            filled = cast(DynamicLayer, layer)  # a prefilled (Dynamic-layer) cache, as the docstring says
+            self.append(i, cast(torch.Tensor, filled.keys), cast(torch.Tensor, filled.values))
         return self

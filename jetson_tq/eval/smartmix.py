@@ -104,6 +104,7 @@ def chunked_attention(cap: LayerCapture, fmt: KVFormat | None, chunk: int, scale
     group = hq // k.shape[1]
     compressed = fmt is not None and not fmt.is_passthrough
     if compressed:
+        assert fmt is not None  # compressed implies a format
         codec = KVCodec(fmt, d)
         f = codec.encode(k, v)
         kd, vd = codec.decode_keys(f).float(), codec.decode_values(f).float()
@@ -114,6 +115,7 @@ def chunked_attention(cap: LayerCapture, fmt: KVFormat | None, chunk: int, scale
         j = torch.arange(e, device=q.device).unsqueeze(0)
         causal = j <= p
         if compressed:
+            assert fmt is not None
             exact = causal & (j >= fmt.exact_start(p))
             keys = torch.cat([kd[:, :, :e], k[:, :, :e]], 2).repeat_interleave(group, 1)
             vals = torch.cat([vd[:, :, :e], v[:, :, :e]], 2).repeat_interleave(group, 1)
