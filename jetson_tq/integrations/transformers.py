@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -182,6 +182,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         s = self.store
+        assert s is not None  # lazy_initialization built it
         if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
             s.batch_size,
             s.num_kv_heads,
@@ -209,6 +210,7 @@ class TurboQuantLayer(CacheLayerMixin):
         k, v = self._centered(key_states, value_states)
         if self.decoded is not None:
             self.decoded.note_exact(k, v)
+        assert self.store is not None  # lazy_initialization built it
         self.store.append(k, v)
 
     def attend(
@@ -229,6 +231,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
     ) -> torch.Tensor:
         store = self.store
+        assert store is not None  # update() initialized the layer before attention runs
         if self.decoded is not None:
             self.decoded.note_exact(key, value)
         if mask is None and query.shape[2] == 1:
@@ -303,36 +306,42 @@ class TurboQuantCache(Cache):
         self.tq_config = resolve_config(config)
         self.tq_config.check_model(n_layers, head_dim)
         self.head_dim = head_dim
-        layers = []
+        layers: list[TurboQuantLayer] = []
         for i in range(n_layers):
             fmt = self.tq_config.format_for_layer(i, n_layers)
             center = None if centers is None or fmt.is_passthrough else centers[i]
             sinks = 0 if fmt.is_passthrough else sink_tokens
             layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center, sinks))
-        super().__init__(layers=layers)
+        super().__init__(layers=cast(list, layers))  # Cache types its list as the base layer classes
         if model is not None and enable:
             enable_turboquant(model)
 
     @property
     def formats(self) -> list[KVFormat]:
         """The format of each layer."""
-        return [layer.fmt for layer in self.layers]
+        return [layer.fmt for layer in self._tq_layers]
+
+    @property
+    def _tq_layers(self) -> list[TurboQuantLayer]:
+        """The layers, as built in __init__ (typed as such)."""
+        return cast("list[TurboQuantLayer]", self.layers)
 
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store precomputed K/V [B, H, T, D] of one layer (e.g. copied from a DynamicCache after a shared prefill)."""
-        self.layers[layer_idx].append(key_states, value_states)
+        self._tq_layers[layer_idx].append(key_states, value_states)
 
     def load_from(self, cache: Cache) -> TurboQuantCache:
         """Compress every layer of another cache (e.g. a ``DynamicCache`` filled by an exact prefill) into this one."""
         if len(cache.layers) != len(self.layers):
             raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
         for i, layer in enumerate(cache.layers):
-            self.append(i, layer.keys, layer.values)
+            filled = cast(DynamicLayer, layer)  # a prefilled (Dynamic-layer) cache, as the docstring says
+            self.append(i, cast(torch.Tensor, filled.keys), cast(torch.Tensor, filled.values))
         return self
 
     def used_bytes(self) -> int:
         """Bytes the stored tokens occupy (compressed tokens at their format's size + fp buffers)."""
-        return sum(layer.used_bytes() for layer in self.layers)
+        return sum(layer.used_bytes() for layer in self._tq_layers)
 
 
 # ---------------------------------------------------------------------------------------------- attention + mask
