@@ -15,8 +15,9 @@ The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
 import torch
@@ -39,6 +40,10 @@ from ...format import KVFormat, PagedLayout, exact_count
 from ...paged import PagedKV
 from . import hooks
 from .settings import active_config, preferred_block_size
+
+if TYPE_CHECKING:
+    from vllm.config.cache import CacheDType
+
 from .spec import (
     LayerFacts,
     UnsupportedModelError,
@@ -67,7 +72,7 @@ class TurboQuantAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     accept_output_buffer: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -139,7 +144,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
-        device = torch.device(vllm_config.device_config.device)
+        device = torch.device(cast("torch.device | str", vllm_config.device_config.device))  # resolved by vLLM
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
@@ -159,7 +164,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
                 "runner is in use (VLLM_USE_V2_MODEL_RUNNER?). Set buffer.recent_tokens: 0 or use the default runner."
             )
 
-    def _request_ids(self, num_reqs: int) -> tuple[list[str | None], object]:
+    def _request_ids(self, num_reqs: int) -> tuple[list[str | None], Container[str]]:
         runner = hooks.current_runner()
         if runner is None:
             return [None] * num_reqs, ()
@@ -293,7 +298,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
             return
         fmt, index = self.pick_format(layer_name, vllm_config)
         block_size, page_stride = hooks.model_plan(vllm_config)[layer_name]
-        self.set_format(fmt, index, block_size, vllm_config.model_config.dtype, page_stride)
+        dtype = cast(torch.dtype, vllm_config.model_config.dtype)  # a torch.dtype once vLLM resolved the config
+        self.set_format(fmt, index, block_size, dtype, page_stride)
         self.layer_name = layer_name
 
     def set_format(
@@ -311,14 +317,17 @@ class TurboQuantAttentionImpl(AttentionImpl):
         """Take the page vLLM finally grouped this layer with (it may scale the block size of a spec)."""
         layout = layout_of_spec(spec, self.head_size)
         if layout != self.layout:
+            assert self.fmt is not None and self.index is not None and self.codec is not None  # configured first
             self.set_format(self.fmt, self.index, layout.block_size, self.codec.raw_dtype, layout.page_stride)
 
     def kv_cache_spec(self):
         """The spec vLLM sizes this layer's cache from."""
+        assert self.layout is not None and self.fmt is not None  # configure() ran
         return make_spec(self.layout.block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
 
     def recent_pool_shape(self, rows: int) -> tuple[int, int, int, int]:
         """[rows + 1 scratch, H, R, D]."""
+        assert self.fmt is not None  # configure() ran
         return (rows + 1, self.num_kv_heads, self.fmt.buffer_tokens, self.head_size)
 
     def allocate_recent(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -338,6 +347,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
         decode rows (mixed batches run decode rows outside graphs)."""
         if self.layout is None or self.recent_k is None or kv_cache.numel() == 0:
             return
+        fmt = self.fmt
+        assert fmt is not None  # set with the layout
         dev, dtype, bs = kv_cache.device, self.recent_k.dtype, self.layout.block_size
         scratch = self.recent_k.shape[0] - 1
         empty32, empty64 = (torch.zeros(0, dtype=t, device=dev) for t in (torch.int32, torch.int64))
@@ -349,7 +360,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 num_actual_tokens=n,
                 num_reqs=len(q_lens),
                 num_decodes=n_dec,
-                recent_tokens=self.fmt.buffer_tokens,
+                recent_tokens=fmt.buffer_tokens,
                 query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]),
                 seq_lens=ctx_lens + q_lens,
                 context_lens=ctx_lens,
@@ -362,7 +373,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 dec_ring_cols=empty64,
                 dec_compressed_lens=empty32,
                 dec_recent_lens=empty32,
-                block_window=self.fmt.block_window,
+                block_window=fmt.block_window,
             )
 
         def step(md: TurboQuantMetadata) -> None:
@@ -372,7 +383,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             self.do_kv_cache_update(None, kv, kv, kv_cache, md.slot_mapping)
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
 
-        hist = -(-(bs + self.fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
+        hist = -(-(bs + fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
         for n in sorted({min(n, bs) for n in lengths}):
             step(meta([n], [0], 0))  # a first chunk
             step(meta([n], [hist], 0))  # a later chunk (its pages: block 0 again)
@@ -382,20 +393,24 @@ class TurboQuantAttentionImpl(AttentionImpl):
     # ---------------------------------------------------------------- write path
     def do_kv_cache_update(
         self,
-        layer: torch.nn.Module,
+        layer: torch.nn.Module | None,
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
         n = min(key.shape[0], slot_mapping.shape[0])
+        assert self.layout is not None and self.codec is not None  # configure() ran
         ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec)
 
     # ---------------------------------------------------------------- read path
     def _paged(self, pages, block_table, comp, rec, rows) -> PagedKV:
+        assert self.recent_k is not None and self.recent_v is not None  # _check ran (pool allocated)
+        assert self.layout is not None and self.codec is not None
         return PagedKV(pages, block_table, comp, self.recent_k, self.recent_v, rec, rows, self.layout, self.codec)
 
     def _check(self, kv_cache: torch.Tensor, md: TurboQuantMetadata) -> None:
+        assert self.layout is not None and self.fmt is not None  # configure() ran
         if kv_cache.dim() != 3 or kv_cache.shape[1:] != (self.num_kv_heads, self.layout.page_bytes):
             raise ShapeError(
                 f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
@@ -442,6 +457,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         """A decode-only batch with device tensors only (capturable): token i belongs to row i."""
         nd = md.num_decodes
         if md.recent_tokens > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
             self.recent_k[md.dec_ring_rows, :, md.dec_ring_cols] = key[:nd].to(self.recent_k.dtype)
             self.recent_v[md.dec_ring_rows, :, md.dec_ring_cols] = value[:nd].to(self.recent_v.dtype)
         kv = self._paged(kv_cache, md.block_table[:nd], md.dec_compressed_lens, md.dec_recent_lens, md.dec_ring_rows)
@@ -458,6 +474,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             rec = exact_count(L, R, md.block_window)
             ring_rows = torch.from_numpy(rows[dec]).to(dev)
             if R > 0:
+                assert self.recent_k is not None and self.recent_v is not None  # _check ran
                 cols = torch.from_numpy((L - 1) % R).to(dev)
                 self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
                 self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
@@ -488,6 +505,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             out = ops.prefill(q, k, v, kv, self.scale, max_tokens=s + qe - qs)  # this request's tokens so far
             output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
             if R > 0:
+                assert self.recent_k is not None and self.recent_v is not None  # _check ran
                 j0 = max(0, (qe - qs) - R)
                 cols = torch.arange(s + j0, s + qe - qs, device=dev) % R
                 row_idx = torch.full_like(cols, row)  # two index tensors around ':' -> [n, H, D], as key rows are
