@@ -111,22 +111,20 @@ def is_power_of_two(n: int) -> bool:
 class KVFormat:
     """How one layer's keys and values are stored.
 
-    ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit
-    TurboQuant_mse plus the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in
-    ``mse`` mode all bits go to the codebook. ``key_codebook`` picks it: ``lloyd_max`` (the
-    MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly spaced with the MSE-optimal
-    step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
-    as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
-    The defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from
-    docs/fidelity.md), ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the
-    other presets name ``window: sliding``, the rule their figures were measured with. Every token is stored compressed;
-    the ``buffer_tokens`` (R) most recent are also
-    kept exact (a ring, token p in row p % R), and ``window`` says which of them a query at position p reads
-    exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its own R-token block
-    ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a prefix-cache
-    hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
-    ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their
-    buffer (the paged cache does not use it).
+    ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit TurboQuant_mse plus
+    the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in ``mse`` mode all bits go to the codebook.
+    ``key_codebook`` picks it: ``lloyd_max`` (the MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly
+    spaced with the MSE-optimal step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index
+    bits read as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way. The
+    defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from docs/fidelity.md),
+    ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the other presets name
+    ``window: sliding``, the rule their figures were measured with. Every token is stored compressed; the
+    ``buffer_tokens`` (R) most recent are also kept exact (a ring, token p in row p % R), and ``window`` says which of
+    them a query at position p reads exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its
+    own R-token block ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a
+    prefix-cache hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
+    ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their buffer (the
+    paged cache does not use it).
     """
 
     key_mode: KeyMode = "mse"

@@ -52,8 +52,7 @@ RECOMMENDED_PRESET = "mse_k4v3"
 BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
 
 #: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)``
-#: that
-#: replaces the ops path for one layer (an evaluation shortcut, e.g. tokens decoded once on the CPU).
+#: that replaces the ops path for one layer (an evaluation shortcut, e.g. tokens decoded once on the CPU).
 HISTORY_BACKENDS: dict[str, Callable[[CompressedKVCache, int], Any]] = {}
 
 

@@ -1,11 +1,10 @@
 """Kernel vs reference agreement and a decode micro-benchmark vs SDPA, through the public API (``jetson_tq.api``).
 
-The entry module (``attention_decode(q, cache, backend="auto"|"triton"|"reference")``, the public API by
-default; tests pass stand-ins) is imported lazily: when it is absent, ``load_dispatch`` returns None and
-callers report SKIPPED, never a pass. On a CPU machine the Triton kernel runs through the Triton interpreter:
-``TRITON_INTERPRET=1``
-must be set before triton is first imported, so ``agreement_cpu_interpreted`` runs the check in a
-child process with that variable set, on a tiny shape.
+The entry module (``attention_decode(q, cache, backend="auto"|"triton"|"reference")``, the public API by default; tests
+pass stand-ins) is imported lazily: when it is absent, ``load_dispatch`` returns None and callers report SKIPPED, never
+a pass. On a CPU machine the Triton kernel runs through the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
+before triton is first imported, so ``agreement_cpu_interpreted`` runs the check in a child process with that variable
+set, on a tiny shape.
 """
 
 from __future__ import annotations
