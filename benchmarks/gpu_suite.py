@@ -134,7 +134,7 @@ def main(argv=None) -> int:
                 elif stage == "compress":
                     from bench_compress import VARIANTS
 
-                    rows = bench.compress_bench(variants=VARIANTS, copy_gbps=bw)
+                    rows = bench.compress_bench(variants=VARIANTS, copy_gbps=bw) + bench.append_bench()
                 elif stage == "scores":
                     rows = bench.scores_bench(copy_gbps=bw)
                 elif stage == "prefill":

@@ -33,6 +33,7 @@ def demo_run(tmp_path_factory):
     return p, out
 
 
+@pytest.mark.slow  # the whole demo: ~90 s on 2 cores
 def test_demo_sections_verdicts_and_plots(demo_run):
     p, out = demo_run
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -17,6 +17,8 @@ from jetson_tq.integrations.transformers import TurboQuantCache
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import essay_text
 
+pytestmark = pytest.mark.slow  # the real SmolLM2 model on CPU: minutes on 2 cores
+
 
 @pytest.fixture(scope="module")
 def setup():

@@ -22,8 +22,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from jetson_tq.integrations.vllm.compare import run_engines_in_one_process, run_engines_side_by_side, token_agreement
+from jetson_tq.integrations.vllm.compare import run_engines_in_one_process, token_agreement
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from tests.helpers.engines import run_engines_side_by_side
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
 import models

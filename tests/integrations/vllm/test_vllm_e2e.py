@@ -49,6 +49,8 @@ MiB = 2**20
 ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq")
 TINY = {"layers": 6, "kv_heads": 2, "head_dim": 32}
 
+pytestmark = pytest.mark.slow  # vLLM engines: 20-90 s each on 2 cores
+
 
 def _prompts(seed: int = 0) -> list[str]:
     rng = random.Random(seed + 1000 * engine_seed())

@@ -52,6 +52,10 @@ HQ, HKV, D, BS, LAYER, TP = 8, 4, 64, 16, 3, 2
 
 
 # ------------------------------------------------------------------------------------- one layer, no engine
+
+pytestmark = pytest.mark.slow  # TP=2 vLLM engines: minutes on 2 cores
+
+
 def _impl(fmt, q_heads: int, kv_heads: int) -> TurboQuantAttentionImpl:
     impl = TurboQuantAttentionImpl(q_heads, D, 1.0 / math.sqrt(D), kv_heads)
     impl.set_format(fmt, LAYER, BS, torch.float32)
