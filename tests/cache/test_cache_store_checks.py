@@ -46,6 +46,7 @@ def _settle() -> None:
         torch.cuda.synchronize()
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_a_refused_append_stores_nothing_and_raises_at_the_next_call():
     cache = CompressedKVCache(FMT, H, D, B, device=DEVICE)
     assert cache._device_checks()

@@ -6,12 +6,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from jetson_tq.cli.main import main
 from tests.helpers.sandbox import BOARDS, REPO, sandbox_env
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_capacity_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "cap.png"
     rc = main(

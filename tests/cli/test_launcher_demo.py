@@ -61,6 +61,7 @@ def test_demo_sections_verdicts_and_plots(demo_run):
     assert "[####################] 4/4" in p.stderr  # progress bars on the theorem loops
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_demo_kernel_section_passes_or_says_why(demo_run):
     """With the kernels in the build the interpreter agreement section must PASS; without them it says why."""
     p, out = demo_run
@@ -111,6 +112,7 @@ def test_kernel_section_through_the_interpreter_with_a_stand_in_dispatch(demo_mo
     assert "TRITON_INTERPRET=1" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_kernel_section_fails_on_a_mismatch(demo_module, monkeypatch):
     monkeypatch.setenv("FAKE_DISPATCH_OFFSET", "0.05")
     rec = Recorder()

@@ -69,6 +69,7 @@ def test_build_commands_name_the_tags_the_launcher_uses():
             assert f"docker build -f docker/{dockerfile} -t {tag} ." in text
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_smoke_test_runs_here():
     p = subprocess.run(
         [sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "2."],

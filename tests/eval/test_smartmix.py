@@ -105,6 +105,7 @@ def test_config_round_trip():
     assert cfg.default == BASE and [cfg.format_for_layer(i, 4) for i in range(4)] == [cands[p] for p in picks]
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_layer_kl_and_weighting():
     model = _model()
     ids = torch.randint(0, 256, (1, 64))

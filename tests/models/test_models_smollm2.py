@@ -43,6 +43,7 @@ def test_tokenizer_ids_pinned_under_transformers_517(model_and_tok):
     assert tok.decode(tok(" The quick brown fox.").input_ids) == " The quick brown fox."
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_greedy_continuation_is_sensible(model_and_tok):
     model, tok = model_and_tok
     ids = tok("The capital of France is", return_tensors="pt").input_ids

@@ -53,6 +53,7 @@ def _serve_app_in(site: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_server_app_builds_with_the_image_and_the_bundle_wheels_only(tmp_path):
     site = tmp_path / "site"
     linked = bundle.link_site(_allowed(), site)
@@ -64,6 +65,7 @@ def test_server_app_builds_with_the_image_and_the_bundle_wheels_only(tmp_path):
     assert {"/v1/completions", "/v1/chat/completions", "/health", "/metrics"} <= set(routes), routes
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_a_missing_wheel_is_named(tmp_path):
     """Without the wheel issue 21 found missing, building the app fails on its module: the check above can fail."""
     site = tmp_path / "site"
