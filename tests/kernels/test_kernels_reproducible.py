@@ -40,7 +40,7 @@ class _Sequence:
         self.k = (torch.randn(n, HKV, d, generator=gen) * 2).half()
         self.v = torch.randn(n, HKV, d, generator=gen).half()
         slots = slots_for_positions(self.table.long(), torch.arange(n).unsqueeze(0), BS)[0]
-        write_slots(pages, self.layout, slots, self.codec.encode(self.k, self.v))  # vLLM writes a chunk before attending
+        write_slots(pages, self.layout, slots, self.codec.encode(self.k, self.v))  # vLLM writes chunks first
         self.pages = pages.to(DEVICE)
 
     def ring_count(self, s: int) -> int:

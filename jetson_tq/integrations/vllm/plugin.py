@@ -51,6 +51,8 @@ def register() -> None:
     cfg = settings.active_config()
     ops.configured()  # a bad JETSON_TQ_BACKEND fails here, before vLLM builds anything
     pinned = pin_v1_model_runner()
+    repro = settings.reproducible()  # a bad JETSON_TQ_REPRODUCIBLE fails here
+    invariant_set = repro and settings.require_batch_invariant_vllm()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import hooks
@@ -69,3 +71,10 @@ def register() -> None:
     )
     if pinned:
         settings.logger().info("jetson-tq: %s=0 (the plugin runs on vLLM's V1 model runner)", ENV_RUNNER)
+    if repro:
+        settings.logger().info(
+            "jetson-tq: reproducible mode (%s): decode rows run the prefill kernel, position-aligned tiles, no "
+            "attention CUDA graphs%s",
+            settings.ENV_REPRODUCIBLE,
+            f"; {settings.ENV_BATCH_INVARIANT}=1 set" if invariant_set else "",
+        )
