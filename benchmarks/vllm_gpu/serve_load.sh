@@ -2,7 +2,7 @@
 # benchmarks/load_serve.py against `vllm serve` on the GPU machine (issue 25): jetson-tq's plugin with the default
 # preset ("ours") or stock vLLM on TRITON_ATTN ("stock"), the same model, flags, KV budget and load, one engine per
 # device call (~5 min each; both in one call would pass the 10-minute limit):
-#   bash benchmarks/vllm_gpu/serve_load.sh OUT ours|ours-repro|stock [DURATION_S=150] [KV_GIB=2]   (repo root = the snapshot)
+#   bash benchmarks/vllm_gpu/serve_load.sh OUT ours|ours-repro|stock [DURATION_S=150] [KV_GIB=2]  (repo root: snapshot)
 # ours-repro: ours with the reproducible mode (JETSON_TQ_REPRODUCIBLE=1). REQ_TIMEOUT (default 150 s) bounds each
 # request and how long in-flight requests may take after the load; load_serve prints the GPU memory timeline.
 # Model: the Qwen2.5-7B shape with dummy bf16 weights and a local 32k-word tokenizer (benchmarks/vllm_gpu/models.py),
