@@ -335,3 +335,33 @@ def test_matrix_summary_and_table() -> None:
     md = matrix.table(rows).splitlines()
     assert md[2].startswith("| gemma-3-4b | 6 | 1/6 | sliding_window 1024") and "| 3,000 / 2,000 | 1.5 |" in md[2]
     assert "ours_error: RuntimeError: no _moe_C" in md[3]
+
+
+def test_matrix_run_lengths_fit_each_models_positions() -> None:
+    """The decode row's prompt plus its decode tokens fit max_model_len, which fits the model's positions (Gemma-2-2B
+    and SmolLM2 asked 8,320 of 8,192 on the H200); models with room keep the full context and headroom."""
+    import matrix
+
+    conc, batched = 8, 16384
+    for name, entry in models.matrix_models().items():
+        cfg = models.shrink(entry["config"], entry["matrix"]["layers"])
+        ctx, mml = matrix.run_lengths(name, cfg, entry["matrix"], 8192, conc, batched)
+        limit = matrix.position_limit(cfg)
+        assert ctx + job.steady_outputs(ctx, conc, batched) <= mml <= limit, (name, ctx, mml, limit)
+        if limit >= 8192 + matrix.HEADROOM and "context" not in entry["matrix"]:
+            assert (ctx, mml) == (8192, 8192 + matrix.HEADROOM), name
+    for name in ("gemma-2-2b", "smollm2-135m"):  # 8,192 positions: the longest prompt that still decodes 8 together
+        cfg = models.matrix_models()[name]["config"]
+        ctx, mml = matrix.run_lengths(name, cfg, {}, 8192, conc, batched)
+        assert mml == 8192 and ctx == 8192 - job.steady_outputs(8192, conc, batched)
+    assert matrix.run_lengths(
+        "phi", {"max_position_embeddings": 4096}, {"max_model_len": 2047, "context": 1536}, 8192, conc, batched
+    ) == (1536, 2047)  # the yaml's own settings, checked, unchanged
+    assert matrix.position_limit({"max_position_embeddings": 131072, "seq_length": 4096}) == 4096  # smallest key
+    assert matrix.run_lengths("none", {}, {}, 1000, 1, batched) == (1000, 1000 + matrix.HEADROOM)  # no limit named
+    with pytest.raises(ValueError, match="max_model_len 9000 > the model's 8192 positions"):
+        matrix.run_lengths("m", {"max_position_embeddings": 8192}, {"max_model_len": 9000}, 8192, conc, batched)
+    with pytest.raises(ValueError, match="need .* positions; max_model_len is 2047"):
+        matrix.run_lengths(
+            "m", {"max_position_embeddings": 4096}, {"max_model_len": 2047, "context": 2040}, 8192, conc, batched
+        )
