@@ -293,6 +293,19 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
     return rec
 
 
+def op_libraries() -> dict[str, str]:
+    """Which of vLLM's compiled op libraries this process loads: the real ``.so`` (the bundle's optional parts,
+    benchmarks/vllm_gpu/parts.py), the bundle's stand-in (``c_stub.py``) or none."""
+    import importlib.util
+
+    out = {}
+    for name in ("_C_stable_libtorch", "_moe_C_stable_libtorch"):
+        spec = importlib.util.find_spec(f"vllm.{name}")
+        origin = spec.origin if spec and spec.origin else ""
+        out[name] = "real" if origin.endswith(".so") else "stand-in" if origin.endswith(".py") else "absent"
+    return out
+
+
 def worker(args) -> None:
     """Run this worker's share of the models, ours then stock each, appending one line per engine."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -313,7 +326,8 @@ def worker(args) -> None:
     root = args.out / "models"
     estimate = 60.0  # seconds an engine takes until this worker has measured one
     with open(out, "a") as f:
-        f.write(json.dumps({"worker": args.worker, "import_s": round(time.time() - t_import, 1)}) + "\n")
+        head = {"worker": args.worker, "import_s": round(time.time() - t_import, 1), "op_libraries": op_libraries()}
+        f.write(json.dumps(head) + "\n")
         for name in names:
             model, m = model_dir(name, root, args.cpu_smoke)
             for ours in (True, False):
@@ -449,7 +463,8 @@ def driver(args) -> None:
     (args.out / "matrix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = summarize(records)
     (args.out / "matrix_summary.json").write_text(json.dumps(rows, indent=1))
-    md = table(rows)
+    libs = {json.dumps(r["op_libraries"], sort_keys=True) for r in records if "op_libraries" in r}
+    md = table(rows) + "".join(f"\n\nvLLM op libraries: {lib}" for lib in sorted(libs))
     (args.out / "matrix.md").write_text(md + "\n")
     print(md)
     print(f"matrix: {len(rows)} models, {time.time() - start:.0f} s", flush=True)
