@@ -489,3 +489,25 @@ def test_device_calls_stay_under_the_limit(tmp_path: Path) -> None:
     text = (HERE / "unpack.sh").read_text()
     assert 'parts.py extract "$SITE" "$B" "${JTQ_PARTS:-/tmp/jtq_parts}"' in text
     assert str(parts.STAGED) == "/tmp/jtq_parts"
+
+
+def test_real_op_library_wins_over_the_stand_in(tmp_path: Path) -> None:
+    """With the optional part unpacked beside the core's ``_C_stable_libtorch.py``, Python loads the real library (an
+    extension module comes first in a directory), and the matrix reports which one ran."""
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_C_stable_libtorch.py").write_text("")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import json, matrix; "
+        "sys.path.insert(0, sys.argv[2]); print(json.dumps(matrix.op_libraries()))"
+    )
+
+    def run_() -> dict:
+        cmd = [sys.executable, "-c", code, str(HERE), str(tmp_path)]
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout)
+
+    assert run_() == {"_C_stable_libtorch": "stand-in", "_moe_C_stable_libtorch": "absent"}
+    (pkg / "_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")  # found, not loaded: find_spec only
+    (pkg / "_moe_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")
+    assert run_() == {"_C_stable_libtorch": "real", "_moe_C_stable_libtorch": "real"}
