@@ -2,6 +2,7 @@
 
     python3 benchmarks/vllm_gpu/parts.py stage SRC [DEST]          # a staging call: SRC's parts -> DEST (/tmp)
     python3 benchmarks/vllm_gpu/parts.py extract SITE DIR [DIR]...  # unpack.sh: every optional part found
+                                                       (JTQ_REQUIRE_PARTS="moe c": refuse when one is missing)
     python3 benchmarks/vllm_gpu/parts.py plan DIR [DIR]...          # here: each device call's bytes, checked
 
 One device call carries at most 64 MiB (the repository tree included). vLLM's compiled op libraries do not fit
@@ -17,6 +18,7 @@ checksum, or lacks one, is refused, so a stale or half-copied part never reaches
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import sys
@@ -198,7 +200,12 @@ def main(argv: list[str]) -> None:
         free = shutil.disk_usage(argv[2] if len(argv) > 2 else STAGED).free
         print(f"parts: staged {sizes} in {argv[2] if len(argv) > 2 else STAGED} ({free / 2**30:.0f} GiB free there)")
     elif len(argv) >= 3 and argv[0] == "extract":
-        done = extract(Path(argv[1]), [Path(a) for a in argv[2:]])
+        dirs = [Path(a) for a in argv[2:]]
+        need = [k for k in os.environ.get("JTQ_REQUIRE_PARTS", "").replace(",", " ").split() if k]
+        missing = sorted(set(need) - set(find(dirs)))
+        if missing:  # a staging call's /tmp did not survive: stop before a run that cannot use it
+            raise PartError(f"JTQ_REQUIRE_PARTS: no {missing} in {[str(d) for d in dirs]} (stage them again)")
+        done = extract(Path(argv[1]), dirs)
         print("parts: " + (", ".join(f"{k} from {v}" for k, v in done.items()) or "none found"))
     elif len(argv) >= 2 and argv[0] == "plan":
         tree = tree_bytes(Path.cwd())

@@ -2,7 +2,8 @@
 # Unpack the vLLM bundle on the GPU machine and register jetson-tq as a vLLM plugin; then `export` the paths.
 #   source benchmarks/vllm_gpu/unpack.sh [BUNDLE_DIR] [SITE]      (run from the repository root)
 # Wheels go in with pip --no-index --no-deps --target; vllm-core.tar.gz(.partNN) is extracted next to them, then
-# every optional part found (parts.py: in BUNDLE_DIR or JTQ_PARTS, default /tmp/jtq_parts);
+# every optional part found (parts.py: in BUNDLE_DIR or JTQ_PARTS, default /tmp/jtq_parts; JTQ_REQUIRE_PARTS="moe"
+# stops here when a staged part is missing);
 # a jetson_tq dist-info with the `vllm.general_plugins` entry point makes vLLM load our plugin from the
 # tree (PYTHONPATH), so no build step is needed. Prints the seconds each step took.
 B=${1:-.devwork/vllm_bundle}

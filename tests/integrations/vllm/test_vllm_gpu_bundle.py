@@ -511,3 +511,16 @@ def test_real_op_library_wins_over_the_stand_in(tmp_path: Path) -> None:
     (pkg / "_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")  # found, not loaded: find_spec only
     (pkg / "_moe_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")
     assert run_() == {"_C_stable_libtorch": "real", "_moe_C_stable_libtorch": "real"}
+
+
+def test_required_part_missing_stops_the_run(tmp_path: Path) -> None:
+    """JTQ_REQUIRE_PARTS=moe: a run whose staged part did not survive stops at unpack, naming the part."""
+    import os
+
+    cmd = [sys.executable, str(HERE / "parts.py"), "extract", str(tmp_path / "site"), str(tmp_path)]
+    env = {**os.environ, "JTQ_REQUIRE_PARTS": "moe"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode != 0 and "no ['moe']" in res.stderr, res.stdout + res.stderr
+    env.pop("JTQ_REQUIRE_PARTS")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0 and "none found" in res.stdout
