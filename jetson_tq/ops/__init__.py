@@ -43,7 +43,8 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: 
 def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout,
           codec: KVCodec, backend: str | None = None, fault: torch.Tensor | None = None,
           limits: StoreLimits | None = None) -> None:
-    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads).
+    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads); k, v
+    may also be rows [R, T, H, D] (slots [R * T] row by row), which the kernel reads in place in one launch.
 
     ``fault`` (int64 [2]) with ``limits``: also check the tokens against ``limits`` (``validate.check_kv_storable``'s
     bounds) and keep the smallest store fault code in fault[0] unless fault[1] (closed) is set — on the device
@@ -53,6 +54,8 @@ def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Te
 
         compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits)
         return
+    if k.dim() == 4:
+        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if fault is not None and int(fault[1]) == 0:
         fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))
     step = max(1, WRITE_CHUNK_ELEMENTS // max(1, k.shape[1] * k.shape[2]))
