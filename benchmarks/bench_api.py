@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jetson_tq as jt  # noqa: E402
-from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
+import jetson_tq as jt
+from jetson_tq.config import DEFAULT_PRESET, load_config
 
 SHAPES = [(1, 32, 8, 1024), (1, 32, 8, 16384), (1, 32, 8, 131072), (8, 32, 8, 16384), (8, 32, 8, 65536)]
 QUICK = [(1, 32, 8, 1024), (1, 32, 8, 16384), (8, 32, 8, 65536)]
@@ -109,11 +109,24 @@ def row(fmt, b: int, hq: int, hkv: int, ctx: int, d: int = 128) -> dict:
     k1 = torch.randn(b, hkv, 1, d, device="cuda", dtype=torch.float16)
     cache.reserve(ctx + 300)
     e_app, h_app = eager_us(lambda: cache.append(k1, k1), calls=200)
-    return {"B": b, "Hq": hq, "Hkv": hkv, "ctx": ctx, "rel_err_vs_reference": err,
-            "graph_us": g_t, "eager_us": e_t, "host_us": h_t, "eager_minus_graph_us": e_t - g_t,
-            "flash_graph_us": g_f, "flash_eager_us": e_f, "flash_host_us": h_f,
-            "speedup_vs_flash_graph": g_f / g_t, "speedup_vs_flash_eager": e_f / e_t,
-            "append_eager_us": e_app, "append_host_us": h_app}
+    return {
+        "B": b,
+        "Hq": hq,
+        "Hkv": hkv,
+        "ctx": ctx,
+        "rel_err_vs_reference": err,
+        "graph_us": g_t,
+        "eager_us": e_t,
+        "host_us": h_t,
+        "eager_minus_graph_us": e_t - g_t,
+        "flash_graph_us": g_f,
+        "flash_eager_us": e_f,
+        "flash_host_us": h_f,
+        "speedup_vs_flash_graph": g_f / g_t,
+        "speedup_vs_flash_eager": e_f / e_t,
+        "append_eager_us": e_app,
+        "append_host_us": h_app,
+    }
 
 
 def append_memory(fmt, n: int = 80_000, hkv: int = 1, d: int = 128) -> dict:
@@ -146,12 +159,16 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     mem = append_memory(fmt)
     print(json.dumps({"append_memory": mem}), flush=True)
-    hdr = "B Hq/Hkv ctx | ours graph / eager / host us | flash graph / eager us | x flash (graph, eager) | append host us"
+    hdr = (
+        "B Hq/Hkv ctx | ours graph / eager / host us | flash graph / eager us | x flash (graph, eager) | append host us"
+    )
     print(hdr)
     for r in rows:
-        print(f"{r['B']} {r['Hq']}/{r['Hkv']} {r['ctx']} | {r['graph_us']:.1f} / {r['eager_us']:.1f} / "
-              f"{r['host_us']:.1f} | {r['flash_graph_us']:.1f} / {r['flash_eager_us']:.1f} | "
-              f"{r['speedup_vs_flash_graph']:.2f} / {r['speedup_vs_flash_eager']:.2f} | {r['append_host_us']:.1f}")
+        print(
+            f"{r['B']} {r['Hq']}/{r['Hkv']} {r['ctx']} | {r['graph_us']:.1f} / {r['eager_us']:.1f} / "
+            f"{r['host_us']:.1f} | {r['flash_graph_us']:.1f} / {r['flash_eager_us']:.1f} | "
+            f"{r['speedup_vs_flash_graph']:.2f} / {r['speedup_vs_flash_eager']:.2f} | {r['append_host_us']:.1f}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "append_memory": mem}, indent=1))
     return 0

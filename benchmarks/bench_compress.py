@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_bench import append_bench, compress_bench, copy_bandwidth, table  # noqa: E402
+from kernel_bench import append_bench, compress_bench, copy_bandwidth, table
 
 VARIANTS = [{}, {"block_t": 64, "num_warps": 4}]
 
@@ -35,8 +35,14 @@ if __name__ == "__main__":
     rows = []
     for n in (int(x) for x in args.tokens.split(",")):
         for pattern in args.slots.split(","):
-            part = compress_bench(tokens=n, variants=args.variants or VARIANTS, copy_gbps=bw, fmt=args.format,
-                                  slots=pattern, reference=not args.no_reference)
+            part = compress_bench(
+                tokens=n,
+                variants=args.variants or VARIANTS,
+                copy_gbps=bw,
+                fmt=args.format,
+                slots=pattern,
+                reference=not args.no_reference,
+            )
             print(table(part), flush=True)
             rows += part
     if not args.no_append:

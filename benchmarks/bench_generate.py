@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jetson_tq.config import DEFAULT_PRESET  # noqa: E402
+from jetson_tq.config import DEFAULT_PRESET
 
 WARMUP_STEPS = 8
 PREFILL_CHUNK = 4096
@@ -29,9 +29,18 @@ PREFILL_CHUNK = 4096
 def llama8b_shaped(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
-                      max_position_embeddings=131072, torch_dtype=torch.float16)
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        torch_dtype=torch.float16,
+    )
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).half().eval()
@@ -71,8 +80,13 @@ def run(model, cache, prompt: torch.Tensor, new_tokens: int) -> dict:
         torch.cuda.synchronize()
     top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
     print(f"---- one decode step, {type(cache).__name__}, {prompt.shape[1]} tokens\n{top}", flush=True)
-    return {"prefill_s": prefill_s, "ms_per_token": ms, "kv_bytes": kv_bytes(cache),
-            "peak_bytes": torch.cuda.max_memory_allocated(), "first_tokens": tokens[:16]}
+    return {
+        "prefill_s": prefill_s,
+        "ms_per_token": ms,
+        "kv_bytes": kv_bytes(cache),
+        "peak_bytes": torch.cuda.max_memory_allocated(),
+        "first_tokens": tokens[:16],
+    }
 
 
 def main(argv=None) -> int:
@@ -88,8 +102,11 @@ def main(argv=None) -> int:
     from jetson_tq.integrations.transformers import TurboQuantCache
 
     model = llama8b_shaped(args.layers)
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Llama-3.1-8B-shaped x {args.layers} layers, "
-          f"fp16, random weights, cache {args.config}", flush=True)
+    print(
+        f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, Llama-3.1-8B-shaped x {args.layers} layers, "
+        f"fp16, random weights, cache {args.config}",
+        flush=True,
+    )
     rows = []
     for n in (int(x) for x in args.prompts.split(",")):
         prompt = torch.randint(0, 128256, (1, n), device="cuda")
@@ -97,14 +114,21 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         tq = run(model, TurboQuantCache(model, args.config), prompt, args.new_tokens)
         torch.cuda.empty_cache()
-        r = {"prompt": n, "dynamic": dyn, "turboquant": tq, "ms_ratio": tq["ms_per_token"] / dyn["ms_per_token"],
-             "kv_ratio": dyn["kv_bytes"] / tq["kv_bytes"]}
+        r = {
+            "prompt": n,
+            "dynamic": dyn,
+            "turboquant": tq,
+            "ms_ratio": tq["ms_per_token"] / dyn["ms_per_token"],
+            "kv_ratio": dyn["kv_bytes"] / tq["kv_bytes"],
+        }
         rows.append(r)
         print(json.dumps(r), flush=True)
-        print(f"prompt {n}: DynamicCache {dyn['ms_per_token']:.2f} ms/token, TurboQuantCache {tq['ms_per_token']:.2f} "
-              f"ms/token ({r['ms_ratio']:.2f}x), KV {dyn['kv_bytes'] / 2**20:.0f} vs {tq['kv_bytes'] / 2**20:.0f} MiB "
-              f"({r['kv_ratio']:.2f}x less), peak {dyn['peak_bytes'] / 2**30:.1f} vs {tq['peak_bytes'] / 2**30:.1f} GiB",
-              flush=True)
+        print(
+            f"prompt {n}: DynamicCache {dyn['ms_per_token']:.2f} ms/token, TurboQuantCache {tq['ms_per_token']:.2f} "
+            f"ms/token ({r['ms_ratio']:.2f}x), KV {dyn['kv_bytes'] / 2**20:.0f} vs {tq['kv_bytes'] / 2**20:.0f} MiB "
+            f"({r['kv_ratio']:.2f}x less), peak {dyn['peak_bytes'] / 2**30:.1f} vs {tq['peak_bytes'] / 2**30:.1f} GiB",
+            flush=True,
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

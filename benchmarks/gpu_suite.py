@@ -23,20 +23,35 @@ sys.path.insert(0, str(ROOT))
 STAGES = ["env", "diag", "decode", "tests", "compress", "scores", "prefill", "sweep"]
 # decode variants tried by the diagnostics, in order of preference for the benchmark table
 DIAG_VARIANTS = [{}, {"fold_values": False}, {"fast_keys": False}]
-TEST_FILES = ["tests/test_kernels_decode.py", "tests/test_kernels_prefill.py", "tests/test_kernels_compress.py",
-              "tests/test_kernels_scores.py", "tests/test_ops.py", "tests/test_kernels_layout.py"]
+TEST_FILES = [
+    "tests/kernels/test_kernels_decode.py",
+    "tests/kernels/test_kernels_prefill.py",
+    "tests/kernels/test_kernels_compress.py",
+    "tests/kernels/test_kernels_scores.py",
+    "tests/ops/test_ops.py",
+    "tests/kernels/test_kernels_layout.py",
+]
 
 
 def _env(out: Path) -> None:
     import torch
     import triton
 
-    lines = [f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}", f"torch {torch.__version__}, triton {triton.__version__}",
-             f"gpu: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)"]
+    lines = [
+        f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        f"torch {torch.__version__}, triton {triton.__version__}",
+        f"gpu: {torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).multi_processor_count} SMs)",
+    ]
     try:
-        lines.append(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw",
-                                     "--format=csv"], capture_output=True, text=True, timeout=30).stdout)
-    except Exception as e:  # noqa: BLE001 - informational only
+        lines.append(
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw", "--format=csv"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+        )
+    except Exception as e:
         lines.append(f"nvidia-smi: {e}")
     from kernel_bench import copy_bandwidth
 
@@ -69,21 +84,22 @@ def main(argv=None) -> int:
             elif stage == "diag":
                 rows = bench.decode_diagnostics([(8, 32, 8, 65536), (1, 32, 8, 131072)], DIAG_VARIANTS)
                 rows += bench.decode_diagnostics([(8, 32, 8, 65536)], [{}], q_scale=3.0)
-                ok = [v for v in DIAG_VARIANTS if all(max(r["err_run1"], r["err_run2"]) <= 2e-3 for r in rows
-                                                      if r["variant"] == (",".join(f"{a}={b}" for a, b in v.items()) or "default")
-                                                      and r["q_scale"] == 1.0)]
+                ok = [
+                    v
+                    for v in DIAG_VARIANTS
+                    if all(
+                        max(r["err_run1"], r["err_run2"]) <= 2e-3
+                        for r in rows
+                        if r["variant"] == (",".join(f"{a}={b}" for a, b in v.items()) or "default")
+                        and r["q_scale"] == 1.0
+                    )
+                ]
                 chosen = next((v for v in ok if "num_splits" not in v), {})
                 results["decode_variant"] = chosen
                 results["diag"] = rows
                 text = f"### diag (decode; chosen for the table: {chosen or 'default'})\n\n{bench.table(rows)}\n"
                 md.append(text)
                 print(text, flush=True)
-                plog = args.out / "diag_prefill.log"
-                with open(plog, "w") as f:
-                    subprocess.run([sys.executable, "benchmarks/diag_prefill.py"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                   timeout=120)
-                md.append("### diag (prefill)\n\n```\n" + plog.read_text()[-3000:] + "\n```\n")
-                print(plog.read_text()[-3000:], flush=True)
                 continue
             elif stage == "tests":
                 log = args.out / "tests.log"
@@ -91,8 +107,9 @@ def main(argv=None) -> int:
                 cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
                 with open(log, "w") as f:
                     try:
-                        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                            timeout=max(left - 10, 30)).returncode
+                        rc = subprocess.run(
+                            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=max(left - 10, 30)
+                        ).returncode
                     except subprocess.TimeoutExpired:
                         rc = "timeout (budget): see tests.log for the tests that finished"
                 print(log.read_text()[-3000:], flush=True)
@@ -110,8 +127,9 @@ def main(argv=None) -> int:
                     for var in SWEEP:
                         if args.budget - (time.time() - t0) < 30:
                             break
-                        for r in bench.decode_vs_sdpa([(8, 32, 8, 65536), (1, 32, 8, 131072)], graphs=False,
-                                                      copy_gbps=bw, **var):
+                        for r in bench.decode_vs_sdpa(
+                            [(8, 32, 8, 65536), (1, 32, 8, 131072)], graphs=False, copy_gbps=bw, **var
+                        ):
                             rows.append({"variant": ",".join(f"{k}={v}" for k, v in var.items()), **r})
                 elif stage == "compress":
                     from bench_compress import VARIANTS
@@ -125,7 +143,7 @@ def main(argv=None) -> int:
                 text = f"### {stage} (copy bandwidth {bw:.0f} GB/s)\n\n{bench.table(rows)}\n"
                 md.append(text)
                 print(text, flush=True)
-        except Exception:  # noqa: BLE001 - keep going, report at the end
+        except Exception:
             err = traceback.format_exc()
             results[f"{stage}_error"] = err
             print(err, flush=True)

@@ -1,4 +1,4 @@
-"""GPU benchmarks of the kernels next to their baselines, measured in the same process (../shared/BENCHMARKING.md).
+"""GPU benchmarks of the kernels next to their baselines, measured in the same process (docs/benchmarks.md).
 
 Every function returns rows (dicts) that ``table`` prints. Inputs are real: K/V are random normal
 fp16, compressed by the compress-on-write kernel into vLLM-style pages; several input sets rotate
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from jetson_tq.paged import PagedKV, allocate_pages, slots_for_positions
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.errors import UnsupportedPlatformError
 from jetson_tq.format import KVFormat, PagedLayout
+from jetson_tq.paged import PagedKV, allocate_pages, slots_for_positions
 
 L2_BYTES = 60 * 2**20
 
@@ -93,12 +93,20 @@ class DecodeCase:
     buffer_bytes: int
 
 
-def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: int = 128,
-                     fmt: KVFormat | None = None, buffer_tokens: int = 128, block_size: int = 16,
-                     seed: int = 0) -> DecodeCase:
+def make_decode_case(
+    batch: int,
+    hq: int,
+    hkv: int,
+    lens: list[int],
+    head_dim: int = 128,
+    fmt: KVFormat | None = None,
+    buffer_tokens: int = 128,
+    block_size: int = 16,
+    seed: int = 0,
+) -> DecodeCase:
     """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
     buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
-    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
+    from jetson_tq.kernels.compress_write import compress_write
 
     dev = _require_cuda()
     fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
@@ -129,18 +137,34 @@ def make_decode_case(batch: int, hq: int, hkv: int, lens: list[int], head_dim: i
     rv = torch.zeros_like(rk)
     for b, (c, r) in enumerate(zip(comp, rec)):
         rk[b, :, :r], rv[b, :, :r] = k16[b, :, c : c + r], v16[b, :, c : c + r]
-    kv = PagedKV(pages, table, torch.tensor(comp, dtype=torch.int32, device=dev), rk, rv,
-                 torch.tensor(rec, dtype=torch.int32, device=dev), torch.arange(batch, dtype=torch.int32, device=dev),
-                 layout, codec)
+    kv = PagedKV(
+        pages,
+        table,
+        torch.tensor(comp, dtype=torch.int32, device=dev),
+        rk,
+        rv,
+        torch.tensor(rec, dtype=torch.int32, device=dev),
+        torch.arange(batch, dtype=torch.int32, device=dev),
+        layout,
+        codec,
+    )
     q = torch.randn(batch, hq, head_dim, device=dev, generator=gen, dtype=torch.float16)
-    return DecodeCase(kv, q, k16, v16, sum(comp) * hkv * fmt.bytes_per_token(head_dim),
-                      sum(rec) * hkv * 4 * head_dim)
+    return DecodeCase(kv, q, k16, v16, sum(comp) * hkv * fmt.bytes_per_token(head_dim), sum(rec) * hkv * 4 * head_dim)
 
 
 def leading_sequences(kv: PagedKV, n: int) -> PagedKV:
     """The first ``n`` sequences of ``kv`` (same pages and buffers): what the reference checks, bounded."""
-    return PagedKV(kv.pages, kv.block_table[:n], kv.compressed_lens[:n], kv.recent_k, kv.recent_v,
-                   kv.recent_lens[:n], kv.recent_index[:n], kv.layout, kv.codec)
+    return PagedKV(
+        kv.pages,
+        kv.block_table[:n],
+        kv.compressed_lens[:n],
+        kv.recent_k,
+        kv.recent_v,
+        kv.recent_lens[:n],
+        kv.recent_index[:n],
+        kv.layout,
+        kv.codec,
+    )
 
 
 def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,7 +174,9 @@ def _sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
-def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[dict], q_scale: float = 1.0) -> list[dict]:
+def decode_diagnostics(
+    cases: list[tuple[int, int, int, int]], variants: list[dict], q_scale: float = 1.0
+) -> list[dict]:
     """Relative error vs the reference of each kernel variant on each (B, Hq, Hkv, ctx) case (first 2 sequences)."""
     from jetson_tq.attention.reference import paged_attention_decode
     from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
@@ -168,8 +194,16 @@ def decode_diagnostics(cases: list[tuple[int, int, int, int]], variants: list[di
             for _ in range(2):  # twice: a moving error is a race
                 got = hybrid_decode(q, kv, tuning=DecodeTuning(**var))[:sub].float()
                 errs.append(((got - ref).norm() / ref.norm()).item())
-            rows.append({"B": b, "ctx": ctx, "q_scale": q_scale, "variant": ",".join(f"{k}={v}" for k, v in var.items())
-                         or "default", "err_run1": errs[0], "err_run2": errs[1]})
+            rows.append(
+                {
+                    "B": b,
+                    "ctx": ctx,
+                    "q_scale": q_scale,
+                    "variant": ",".join(f"{k}={v}" for k, v in var.items()) or "default",
+                    "err_run1": errs[0],
+                    "err_run2": errs[1],
+                }
+            )
         del case
         torch.cuda.empty_cache()
     return rows
@@ -184,10 +218,17 @@ def resolve_format(fmt: KVFormat | str | None) -> KVFormat:
     return load_config(fmt).default
 
 
-def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, head_dim: int = 128,
-                   ragged: list[int] | None = None, graphs: bool = True, check: bool = True,
-                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None,
-                   **kernel_kwargs) -> list[dict]:
+def decode_vs_sdpa(
+    shapes: list[tuple[int, int, int, int]] | None = None,
+    *,
+    head_dim: int = 128,
+    ragged: list[int] | None = None,
+    graphs: bool = True,
+    check: bool = True,
+    copy_gbps: float | None = None,
+    fmt: KVFormat | str | None = None,
+    **kernel_kwargs,
+) -> list[dict]:
     """Fused hybrid decode vs torch SDPA flash on fp16 KV (same tokens), per shape (B, Hq, Hkv, ctx).
 
     Columns: ours_us / flash_us (medians, eager), speedup, bytes our kernel must read, floor at
@@ -210,8 +251,10 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
         probe = make_decode_case(b, hq, hkv, lens, head_dim, fmt=resolve_format(fmt), seed=0)
         our_bytes = probe.compressed_bytes + probe.buffer_bytes + 2 * probe.q.numel() * 2
         fp16_bytes = 2 * probe.k16.numel() * 2 + 2 * probe.q.numel() * 2
-        sets = [probe] + [make_decode_case(b, hq, hkv, lens, head_dim, fmt=resolve_format(fmt), seed=i)
-                          for i in range(1, _n_sets(fp16_bytes + our_bytes, cap=8))]
+        sets = [probe] + [
+            make_decode_case(b, hq, hkv, lens, head_dim, fmt=resolve_format(fmt), seed=i)
+            for i in range(1, _n_sets(fp16_bytes + our_bytes, cap=8))
+        ]
         outs = [torch.empty_like(c.q) for c in sets]
         if check:  # the reference on a bounded subset (first two sequences) of the first set
             sub = min(b, 2)
@@ -223,11 +266,18 @@ def decode_vs_sdpa(shapes: list[tuple[int, int, int, int]] | None = None, *, hea
         ours = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, tuning=tuning) for c, o in zip(sets, outs)]
         flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
         t_ours, t_flash = _bench(ours), _bench(flash)
-        row = {"B": b, "Hq/Hkv": f"{hq}/{hkv}", "ctx": max(lens) if len(set(lens)) == 1 else "ragged:" + "/".join(
-            str(n // 1024) + "k" for n in lens), "ours_us": t_ours, "flash_us": t_flash,
-            "speedup": t_flash / t_ours, "MB_read": our_bytes / 1e6, "floor_us": our_bytes / (bw * 1e3),
+        row = {
+            "B": b,
+            "Hq/Hkv": f"{hq}/{hkv}",
+            "ctx": max(lens) if len(set(lens)) == 1 else "ragged:" + "/".join(str(n // 1024) + "k" for n in lens),
+            "ours_us": t_ours,
+            "flash_us": t_flash,
+            "speedup": t_flash / t_ours,
+            "MB_read": our_bytes / 1e6,
+            "floor_us": our_bytes / (bw * 1e3),
             "pct_copy_bw": 100 * our_bytes / (t_ours * 1e-6) / (bw * 1e9),
-            "flash_pct_bw": 100 * fp16_bytes / (t_flash * 1e-6) / (bw * 1e9)}
+            "flash_pct_bw": 100 * fp16_bytes / (t_flash * 1e-6) / (bw * 1e9),
+        }
         if graphs:
             row["ours_graph_us"] = _graph_us(ours[:2])
             row["flash_graph_us"] = _graph_us(flash[:2])
@@ -248,9 +298,16 @@ def _compress_reference(k, v, slots, pages, layout, codec) -> None:
     write_slots(pages, layout, slots, codec.encode(k, v))
 
 
-def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, variants: list[dict] | None = None,
-                   copy_gbps: float | None = None, fmt: KVFormat | str | None = None, slots: str = "random",
-                   reference: bool = True) -> list[dict]:
+def compress_bench(
+    tokens: int = 16384,
+    hkv: int = 8,
+    head_dim: int = 128,
+    variants: list[dict] | None = None,
+    copy_gbps: float | None = None,
+    fmt: KVFormat | str | None = None,
+    slots: str = "random",
+    reference: bool = True,
+) -> list[dict]:
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch, next to a device copy of the same
     bytes timed in the same process. ``slots``: ``random`` (every token in a random slot, the run 3-6 setting) or
     ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes)."""
@@ -263,7 +320,7 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     nblocks = tokens // 16 + 1
     io_bytes = tokens * hkv * (4 * head_dim + fmt.bytes_per_token(head_dim)) + tokens * 8
     sets = []
-    for i in range(_n_sets(io_bytes, cap=8)):
+    for _ in range(_n_sets(io_bytes, cap=8)):
         k = torch.randn(tokens, hkv, head_dim, device=dev, dtype=torch.float16)
         v = torch.randn(tokens, hkv, head_dim, device=dev, dtype=torch.float16)
         if slots == "random":
@@ -276,20 +333,33 @@ def compress_bench(tokens: int = 16384, hkv: int = 8, head_dim: int = 128, varia
     _compress_reference(k, v, sl, ref_pages, layout, codec)
 
     def row(name: str, t: float, same: float | None) -> dict:
-        return {"variant": name, "tokens": tokens, "heads": hkv, "slots": slots, "us": t, "MB_moved": io_bytes / 1e6,
-                "floor_us": io_bytes / (bw * 1e3), "pct_copy_bw": 100 * io_bytes / (t * 1e-6) / (bw * 1e9),
-                "bytes_differing": "" if same is None else same}
+        return {
+            "variant": name,
+            "tokens": tokens,
+            "heads": hkv,
+            "slots": slots,
+            "us": t,
+            "MB_moved": io_bytes / 1e6,
+            "floor_us": io_bytes / (bw * 1e3),
+            "pct_copy_bw": 100 * io_bytes / (t * 1e-6) / (bw * 1e9),
+            "bytes_differing": "" if same is None else same,
+        }
 
     half = io_bytes // 2  # a copy reading and writing io_bytes in all
-    bufs = [(torch.empty(half, dtype=torch.uint8, device=dev), torch.empty(half, dtype=torch.uint8, device=dev))
-            for _ in range(_n_sets(io_bytes, cap=8))]
+    bufs = [
+        (torch.empty(half, dtype=torch.uint8, device=dev), torch.empty(half, dtype=torch.uint8, device=dev))
+        for _ in range(_n_sets(io_bytes, cap=8))
+    ]
     rows = [row("copy of the same bytes (torch, same run)", _bench([lambda b=b: b[1].copy_(b[0]) for b in bufs]), None)]
     del bufs
     for var in variants or [{}]:
         compress_write(k, v, sl, pages, layout, codec, tuning=WriteTuning(**var))
         same = (pages != ref_pages).float().mean().item()
         tuning = WriteTuning(**var)
-        fns = [lambda s=s: compress_write(s[0], s[1], s[2], s[3], layout, codec, tuning=tuning) for s in sets]
+        fns = [
+            lambda s=s, tuning=tuning: compress_write(s[0], s[1], s[2], s[3], layout, codec, tuning=tuning)
+            for s in sets
+        ]
         rows.append(row(",".join(f"{a}={b}" for a, b in var.items()) or "default", _bench(fns), same))
     if reference:
         ref_t = _bench([lambda s=s: _compress_reference(s[0], s[1], s[2], s[3], layout, codec) for s in sets[:2]])
@@ -327,8 +397,14 @@ def _rewind(cache) -> None:
     cache._host_valid = True
 
 
-def append_bench(batch: int = 8, hkv: int = 8, tokens: int = 16384, head_dim: int = 128,
-                 fmt: KVFormat | str | None = None, dtype: torch.dtype = torch.float16) -> list[dict]:
+def append_bench(
+    batch: int = 8,
+    hkv: int = 8,
+    tokens: int = 16384,
+    head_dim: int = 128,
+    fmt: KVFormat | str | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> list[dict]:
     """``CompressedKVCache.append`` of ``tokens`` new tokens per sequence (B x Hkv x T x D, one call) with the
     default ``validate=True`` — the store checks inside the compress-on-write kernel, the commit guarded on the
     device, no host sync — next to ``validate=False`` and to ``ops.write`` of the same tokens alone (one
@@ -344,8 +420,10 @@ def append_bench(batch: int = 8, hkv: int = 8, tokens: int = 16384, head_dim: in
     k = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
     v = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
     k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
-    caches = {val: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, validate=val)
-              for val in (True, False)}
+    caches = {
+        val: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, validate=val)
+        for val in (True, False)
+    }
     for c in caches.values():
         c.reserve(tokens + 1)
     # ops.write alone: the same tokens as one [B*T, H, D] input (made contiguous outside the timing) into the pages
@@ -374,15 +452,21 @@ def append_bench(batch: int = 8, hkv: int = 8, tokens: int = 16384, head_dim: in
     for val in (True, False):  # one decode step's append (what an eager generate loop pays per layer)
         cache = caches[val]
         cache.append(k[:, :, :64], v[:, :, :64])
-        rows.append(row(f"decode-step append (T=1), validate={val}", 1,
-                        _timed(lambda cache=cache: cache.append(k1, v1), reps=50)))
+        rows.append(
+            row(
+                f"decode-step append (T=1), validate={val}",
+                1,
+                _timed(lambda cache=cache: cache.append(k1, v1), reps=50),
+            )
+        )
     caches[True].check()  # nothing was refused
     return rows
 
 
 # ------------------------------------------------------------------------------------- prefill
-def make_prefill_case(batch: int, hq: int, hkv: int, hist: int, t: int, head_dim: int = 128,
-                      fmt: KVFormat | None = None, seed: int = 1) -> tuple[DecodeCase, torch.Tensor, torch.Tensor]:
+def make_prefill_case(
+    batch: int, hq: int, hkv: int, hist: int, t: int, head_dim: int = 128, fmt: KVFormat | None = None, seed: int = 1
+) -> tuple[DecodeCase, torch.Tensor, torch.Tensor]:
     """A chunk of ``t`` tokens after ``hist`` history tokens as vLLM presents it: the pages hold all hist + t tokens
     compressed (vLLM writes the chunk before attention), the ring the history's last ``exact_count(hist)`` tokens
     exact (the window rule's rows). Returns (case with k16/v16 over hist + t tokens, chunk k, chunk v)."""
@@ -400,26 +484,39 @@ def make_prefill_case(batch: int, hq: int, hkv: int, hist: int, t: int, head_dim
     rv = torch.zeros_like(rk)
     rk[:, :, :rows], rv[:, :, :rows] = case.k16[:, :, clen:hist], case.v16[:, :, clen:hist]
     old = case.kv
-    case.kv = PagedKV(old.pages, old.block_table, torch.full((batch,), clen, dtype=torch.int32, device=dev), rk, rv,
-                      torch.full((batch,), rows, dtype=torch.int32, device=dev), old.recent_index, old.layout, old.codec)
+    case.kv = PagedKV(
+        old.pages,
+        old.block_table,
+        torch.full((batch,), clen, dtype=torch.int32, device=dev),
+        rk,
+        rv,
+        torch.full((batch,), rows, dtype=torch.int32, device=dev),
+        old.recent_index,
+        old.layout,
+        old.codec,
+    )
     case.compressed_bytes = batch * hkv * hist * fmt.bytes_per_token(head_dim)  # what the chunk's history costs
     case.buffer_bytes = batch * hkv * rows * 4 * head_dim
     k, v = case.k16[:, :, hist:].contiguous(), case.v16[:, :, hist:].contiguous()
     return case, k, v
 
 
-def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, head_dim: int = 128,
-                  copy_gbps: float | None = None, fmt: KVFormat | str | None = None,
-                  variants: list[dict] | None = None) -> list[dict]:
+def prefill_bench(
+    shapes: list[tuple[int, int, int, int, int]] | None = None,
+    head_dim: int = 128,
+    copy_gbps: float | None = None,
+    fmt: KVFormat | str | None = None,
+    variants: list[dict] | None = None,
+) -> list[dict]:
     """Chunked prefill (B, Hq, Hkv, history, chunk T) vs SDPA flash over the fp16 history + chunk (causal,
-    lower-right), one row per kernel variant (``variants``: ``chunked_prefill`` knob dicts)."""
+    lower-right), one row per kernel variant (``variants``: ``chunked_prefill`` knob dicts). ``copy_gbps`` is
+    accepted for the suite's uniform call and unused (the rows report TFLOP/s, not a byte floor)."""
     from torch.nn.attention.bias import causal_lower_right
 
     from jetson_tq.attention.reference import paged_attention_prefill
     from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     dev = _require_cuda()
-    bw = copy_gbps or copy_bandwidth()
     shapes = shapes or [(1, 32, 8, 16384, 1024), (1, 32, 8, 65536, 1024), (4, 32, 8, 8192, 512)]
     fmt_name, fmt = fmt if isinstance(fmt, str) else "default", resolve_format(fmt)
     rows = []
@@ -431,13 +528,16 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         kf, vf = case.k16, case.v16
         bias = causal_lower_right(t, hist + t)
 
-        def flash():
+        # the tensors are bound as defaults so ``del kf, vf`` below frees them (no closure cell left referring to
+        # deleted names)
+        def flash(q=q, kf=kf, vf=vf, bias=bias):
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
                 return torch.nn.functional.scaled_dot_product_attention(q, kf, vf, attn_mask=bias, enable_gqa=True)
 
         t_flash = _bench([flash])
+        del flash
         flops = 4 * b * hq * t * head_dim * (hist + t / 2)
         # the check: the chunk's first 256 tokens of sequence 0 (two 128-token blocks: the second reads the first
         # one compressed); the reference's scores over every position stay ~1 GB
@@ -447,13 +547,27 @@ def prefill_bench(shapes: list[tuple[int, int, int, int, int]] | None = None, he
         for var in variants or [{}]:
             got = chunked_prefill(qc, kc, vc, part, tuning=PrefillTuning(**var)).float()
             err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
-            t_ours = _bench([lambda: chunked_prefill(q, k, v, kv, tuning=PrefillTuning(**var))])
-            rows.append({"format": fmt_name, "variant": str(var) if var else "{}",
-                         "B": b, "Hq/Hkv": f"{hq}/{hkv}", "history": hist, "chunk": t, "ours_us": t_ours,
-                         "sdpa_us": t_flash, "vs_sdpa": t_ours / t_flash, "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,
-                         "sdpa_TFLOPs": flops / (t_flash * 1e-6) / 1e12,
-                         "hist_MB": (case.compressed_bytes + case.buffer_bytes) / 1e6, "check_err": err,
-                         "check": "ok" if err <= 2e-3 else "FAILED"})
+            t_ours = _bench(
+                [lambda q=q, k=k, v=v, kv=kv, var=var: chunked_prefill(q, k, v, kv, tuning=PrefillTuning(**var))]
+            )
+            rows.append(
+                {
+                    "format": fmt_name,
+                    "variant": str(var) if var else "{}",
+                    "B": b,
+                    "Hq/Hkv": f"{hq}/{hkv}",
+                    "history": hist,
+                    "chunk": t,
+                    "ours_us": t_ours,
+                    "sdpa_us": t_flash,
+                    "vs_sdpa": t_ours / t_flash,
+                    "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,
+                    "sdpa_TFLOPs": flops / (t_flash * 1e-6) / 1e12,
+                    "hist_MB": (case.compressed_bytes + case.buffer_bytes) / 1e6,
+                    "check_err": err,
+                    "check": "ok" if err <= 2e-3 else "FAILED",
+                }
+            )
         del case, kf, vf
         torch.cuda.empty_cache()
     return rows
@@ -474,8 +588,14 @@ def scores_bench(b: int = 32, s: int = 32768, d: int = 128, c: int = 16, copy_gb
     nbytes = s * d * 2 + s * 4 + b * d * 4 + 2 * d * d * 4 + b * s * 4
     sets = []
     for _ in range(_n_sets(nbytes)):
-        sets.append((torch.randn(b, d, device=dev), torch.randint(0, c, (s, d), dtype=torch.uint8, device=dev),
-                     (torch.randint(0, 2, (s, d), device=dev) * 2 - 1).to(torch.int8), torch.rand(s, device=dev)))
+        sets.append(
+            (
+                torch.randn(b, d, device=dev),
+                torch.randint(0, c, (s, d), dtype=torch.uint8, device=dev),
+                (torch.randint(0, 2, (s, d), device=dev) * 2 - 1).to(torch.int8),
+                torch.rand(s, device=dev),
+            )
+        )
     q, idx, sg, gamma = sets[0]
     ref = turboquant_scores_reference(q, idx, sg, gamma, pi, sk, cb)
     got = turboquant_scores_triton(q, idx, sg, gamma, pi, sk, cb)
@@ -485,10 +605,30 @@ def scores_bench(b: int = 32, s: int = 32768, d: int = 128, c: int = 16, copy_gb
     t_k = _bench([lambda a=a: turboquant_scores_triton(a[0], a[1], a[2], a[3], pi, sk, cb) for a in sets])
     t_r = _bench([lambda a=a: turboquant_scores_reference(a[0], a[1], a[2], a[3], pi, sk, cb) for a in sets])
     floor = nbytes / (bw * 1e3)
-    return [{"impl": "triton kernel", "B": b, "S": s, "D": d, "C": c, "us": t_k, "floor_us": floor,
-             "pct_copy_bw": 100 * floor / t_k, "check_err": err},
-            {"impl": "reconstruct-then-matmul (torch)", "B": b, "S": s, "D": d, "C": c, "us": t_r, "floor_us": floor,
-             "pct_copy_bw": 100 * floor / t_r, "check_err": 0.0}]
+    return [
+        {
+            "impl": "triton kernel",
+            "B": b,
+            "S": s,
+            "D": d,
+            "C": c,
+            "us": t_k,
+            "floor_us": floor,
+            "pct_copy_bw": 100 * floor / t_k,
+            "check_err": err,
+        },
+        {
+            "impl": "reconstruct-then-matmul (torch)",
+            "B": b,
+            "S": s,
+            "D": d,
+            "C": c,
+            "us": t_r,
+            "floor_us": floor,
+            "pct_copy_bw": 100 * floor / t_r,
+            "check_err": 0.0,
+        },
+    ]
 
 
 def table(rows: list[dict]) -> str:

@@ -20,9 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jetson_tq as jt  # noqa: E402
-from bench_api import wall_us  # noqa: E402
-from jetson_tq.config import DEFAULT_PRESET, load_config  # noqa: E402
+from bench_api import wall_us
+
+import jetson_tq as jt
+from jetson_tq.config import DEFAULT_PRESET, load_config
 
 
 def main(argv=None) -> int:

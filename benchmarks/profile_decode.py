@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
+from kernel_bench import make_decode_case, resolve_format
 
-from kernel_bench import make_decode_case, resolve_format  # noqa: E402
-from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode  # noqa: E402
+from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
-"""Launch-configuration sweep of the fused hybrid decode at the two headline shapes, per format.
+r"""Launch-configuration sweep of the fused hybrid decode at the two headline shapes, per format.
 
-    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] [--variants JSON] [--shapes JSON]
+    python benchmarks/sweep_decode.py [--formats blog_k3v2,mse_k4v3] [--out DIR] [--quick] \
+        [--variants JSON] [--shapes JSON]
 
 For each format and shape (B=8 32/8 64k, B=1 32/8 128k) the inputs are built once, the fp16
 flash baseline is timed in the same process, then every variant (programs per SM = ``waves``,
@@ -19,10 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-
-from kernel_bench import (_bench, _graph_us, _sdpa_flash, copy_bandwidth, leading_sequences,  # noqa: E402
-                                     make_decode_case, resolve_format, table)
+import torch
+from kernel_bench import (
+    _bench,
+    _graph_us,
+    _sdpa_flash,
+    copy_bandwidth,
+    leading_sequences,
+    make_decode_case,
+    resolve_format,
+    table,
+)
 
 SHAPES = [(8, 32, 8, 65536), (1, 32, 8, 131072)]
 TILES = [(64, 4), (32, 2), (128, 8)]  # (block_n, num_warps)
@@ -34,8 +42,10 @@ def variants(quick: bool) -> list[dict]:
     """The launch configurations to time (``quick``: waves only, default tile and stages)."""
     if quick:
         return [dict(waves=w) for w in WAVES]
-    return [dict(block_n=bn, num_warps=nw, num_stages=st, waves=w)
-            for (bn, nw), st, w in itertools.product(TILES, STAGES, WAVES)]
+    return [
+        dict(block_n=bn, num_warps=nw, num_stages=st, waves=w)
+        for (bn, nw), st, w in itertools.product(TILES, STAGES, WAVES)
+    ]
 
 
 def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw: float) -> list[dict]:
@@ -62,12 +72,23 @@ def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw:
             got = hybrid_decode(case.q, kv, tuning=DecodeTuning(**var))[:sub].float()
             err = ((got - ref).norm() / ref.norm()).item()
             tuning = DecodeTuning(**var)
-            fns = [lambda c=c, o=o: hybrid_decode(c.q, c.kv, out=o, tuning=tuning) for c, o in zip(sets, outs)]
+            fns = [
+                lambda c=c, o=o, tuning=tuning: hybrid_decode(c.q, c.kv, out=o, tuning=tuning)
+                for c, o in zip(sets, outs)
+            ]
             eager, graph = _bench(fns), _graph_us(fns)
-            rows.append({**base, "variant": ",".join(f"{k}={v}" for k, v in var.items()), "eager_us": eager,
-                         "graph_us": graph, "speedup_graph": rows[0]["graph_us"] / graph,
-                         "pct_copy_bw": 100 * nbytes / (graph * 1e-6) / (bw * 1e9), "err": err})
-        except Exception as e:  # noqa: BLE001 - a variant that fails to compile or launch is reported, not fatal
+            rows.append(
+                {
+                    **base,
+                    "variant": ",".join(f"{k}={v}" for k, v in var.items()),
+                    "eager_us": eager,
+                    "graph_us": graph,
+                    "speedup_graph": rows[0]["graph_us"] / graph,
+                    "pct_copy_bw": 100 * nbytes / (graph * 1e-6) / (bw * 1e9),
+                    "err": err,
+                }
+            )
+        except Exception as e:
             rows.append({**base, "variant": ",".join(f"{k}={v}" for k, v in var.items()), "error": repr(e)[:200]})
         print(table(rows[-1:]), flush=True)
     del sets, case, outs
@@ -80,7 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="blog_k3v2,mse_k4v3")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--shapes", type=json.loads, help='JSON list of [B, Hq, Hkv, ctx] (default: B=8 32/8 64k, B=1 32/8 128k)')
+    ap.add_argument(
+        "--shapes", type=json.loads, help="JSON list of [B, Hq, Hkv, ctx] (default: B=8 32/8 64k, B=1 32/8 128k)"
+    )
     ap.add_argument("--variants", type=json.loads, help="a JSON list of DecodeTuning field dicts (replaces the grid)")
     args = ap.parse_args(argv)
     t0 = time.time()

@@ -57,8 +57,12 @@ def section_platform(demo: Demo) -> dict:
     p = rep["platform"]
     demo.results["platform"] = rep
     # Probe notes (a slow nvidia-smi, no torch CUDA) are information, not failures: the probe never raises.
-    demo.verdict("platform", "PASS", f"probed {p['kind']} ({p['arch']}), budget from {rep['memory']['source']}"
-                 + (f"; {len(p['errors'])} probe note(s)" if p["errors"] else ""))
+    demo.verdict(
+        "platform",
+        "PASS",
+        f"probed {p['kind']} ({p['arch']}), budget from {rep['memory']['source']}"
+        + (f"; {len(p['errors'])} probe note(s)" if p["errors"] else ""),
+    )
     return rep
 
 
@@ -71,15 +75,27 @@ def section_theorem1(demo: Demo) -> list[dict]:
         demo.progress(i + 1, 4, f"b={b}")
     print(f"{'b':>2} {'measured':>9} {'codebook':>9} {'paper':>7} {'vs paper':>9} {'lower':>7} {'upper':>7}")
     for r in rows:
-        print(f"{r['bits']:>2} {r['measured']:>9.4f} {r['codebook_expected']:>9.4f} {r['paper']:>7.4f} "
-              f"{100 * r['rel_to_paper']:>+8.1f}% {r['lower_bound']:>7.4f} {r['upper_bound']:>7.4f}")
-    bad = [r["bits"] for r in rows if not (abs(r["measured"] / r["codebook_expected"] - 1) < 0.03
-                                           and abs(r["rel_to_paper"]) < 0.05
-                                           and r["lower_bound"] <= r["measured"] <= r["upper_bound"])]
+        print(
+            f"{r['bits']:>2} {r['measured']:>9.4f} {r['codebook_expected']:>9.4f} {r['paper']:>7.4f} "
+            f"{100 * r['rel_to_paper']:>+8.1f}% {r['lower_bound']:>7.4f} {r['upper_bound']:>7.4f}"
+        )
+    bad = [
+        r["bits"]
+        for r in rows
+        if not (
+            abs(r["measured"] / r["codebook_expected"] - 1) < 0.03
+            and abs(r["rel_to_paper"]) < 0.05
+            and r["lower_bound"] <= r["measured"] <= r["upper_bound"]
+        )
+    ]
     demo.results["theorem1"] = rows
-    demo.verdict("theorem1", "FAIL" if bad else "PASS",
-                 f"bits {bad} off" if bad else "all b within 3 % of the exact Lloyd-Max distortion, within 5 % "
-                                                "of the paper, inside the bounds")
+    demo.verdict(
+        "theorem1",
+        "FAIL" if bad else "PASS",
+        f"bits {bad} off"
+        if bad
+        else "all b within 3 % of the exact Lloyd-Max distortion, within 5 % of the paper, inside the bounds",
+    )
     return rows
 
 
@@ -90,18 +106,29 @@ def section_theorem2(demo: Demo) -> list[dict]:
     for i, b in enumerate((1, 2, 3, 4)):
         rows += theorem2_inner_product(dim=128, bits=(b,))
         demo.progress(i + 1, 4, f"b={b}")
-    print(f"{'b':>2} {'bias':>9} {'z':>6} {'mean|err|':>10} {'rel err':>8} {'d*D_prod':>9} {'predicted':>9} {'paper':>7}")
+    print(
+        f"{'b':>2} {'bias':>9} {'z':>6} {'mean|err|':>10} {'rel err':>8} {'d*D_prod':>9} {'predicted':>9} {'paper':>7}"
+    )
     for r in rows:
-        print(f"{r['bits']:>2} {r['bias']:>+9.5f} {r['bias_z']:>+6.2f} {r['mean_abs_error']:>10.4f} "
-              f"{r['relative_error']:>8.3f} {r['distortion_times_d']:>9.4f} {r['predicted_times_d']:>9.4f} "
-              f"{r['paper_times_d']:>7.3f}")
+        print(
+            f"{r['bits']:>2} {r['bias']:>+9.5f} {r['bias_z']:>+6.2f} {r['mean_abs_error']:>10.4f} "
+            f"{r['relative_error']:>8.3f} {r['distortion_times_d']:>9.4f} {r['predicted_times_d']:>9.4f} "
+            f"{r['paper_times_d']:>7.3f}"
+        )
     print("  (rel err = mean |error| / mean |<y,x>|; predicted d*D_prod = pi/2 * D_mse(b-1) of the exact codebook)")
-    bad = [r["bits"] for r in rows if abs(r["bias_z"]) >= 4 or
-           abs(r["distortion_times_d"] / r["predicted_times_d"] - 1) >= 0.05]
+    bad = [
+        r["bits"]
+        for r in rows
+        if abs(r["bias_z"]) >= 4 or abs(r["distortion_times_d"] / r["predicted_times_d"] - 1) >= 0.05
+    ]
     demo.results["theorem2"] = rows
-    demo.verdict("theorem2", "FAIL" if bad else "PASS",
-                 f"bits {bad} biased or off" if bad else "unbiased (|z| < 4 for every b) and distortion within 5 % "
-                                                         "of pi/2 * D_mse(b-1)")
+    demo.verdict(
+        "theorem2",
+        "FAIL" if bad else "PASS",
+        f"bits {bad} biased or off"
+        if bad
+        else "unbiased (|z| < 4 for every b) and distortion within 5 % of pi/2 * D_mse(b-1)",
+    )
     return rows
 
 
@@ -110,8 +137,10 @@ def section_theorem3(demo: Demo, mse_rows: list[dict], prod_rows: list[dict]) ->
 
     rows = theorem3_bounds(mse_rows, prod_rows)
     for r in rows:
-        print(f"{r['quantizer']:<11} b={r['bits']}  {r['lower']:.4f} <= {r['measured']:.4f} <= {r['upper']:.4f}  "
-              f"{'ok' if r['ok'] else 'VIOLATED'}")
+        print(
+            f"{r['quantizer']:<11} b={r['bits']}  {r['lower']:.4f} <= {r['measured']:.4f} <= {r['upper']:.4f}  "
+            f"{'ok' if r['ok'] else 'VIOLATED'}"
+        )
     demo.results["theorem3"] = rows
     bad = [f"{r['quantizer']} b={r['bits']}" for r in rows if not r["ok"]]
     demo.verdict("theorem3", "FAIL" if bad else "PASS", f"violated: {bad}" if bad else f"all {len(rows)} bounds hold")
@@ -128,8 +157,10 @@ def section_kernels(demo: Demo, cuda: bool, dispatch_module: str) -> object:
         res = kc.agreement(dispatch, kc.GPU_SHAPE, "cuda")
         where = "CUDA"
     else:
-        print("  CPU: running the Triton kernel in the Triton interpreter (TRITON_INTERPRET=1, child process), "
-              f"tiny shape {kc.CPU_SHAPE}")
+        print(
+            "  CPU: running the Triton kernel in the Triton interpreter (TRITON_INTERPRET=1, child process), "
+            f"tiny shape {kc.CPU_SHAPE}"
+        )
         t0 = time.time()
         res = kc.agreement_cpu_interpreted(dispatch_module)
         where = f"Triton interpreter, {time.time() - t0:.1f} s"
@@ -137,17 +168,26 @@ def section_kernels(demo: Demo, cuda: bool, dispatch_module: str) -> object:
     if "max_abs" not in res:
         demo.verdict("kernels", "FAIL", f"kernel run failed: {res.get('error')}")
         return dispatch
-    print(f"  max |diff| {res['max_abs']:.2e}, mean |diff| {res['mean_abs']:.2e} (|ref| max {res['ref_max_abs']:.2f};"
-          f" tolerance {res['tol_max_abs']:.0e} / {res['tol_mean_abs']:.0e})")
-    demo.verdict("kernels", "PASS" if res["ok"] else "FAIL",
-                 f"Triton decode vs reference on {where}: max {res['max_abs']:.2e}, mean {res['mean_abs']:.2e}")
+    print(
+        f"  max |diff| {res['max_abs']:.2e}, mean |diff| {res['mean_abs']:.2e} (|ref| max {res['ref_max_abs']:.2f};"
+        f" tolerance {res['tol_max_abs']:.0e} / {res['tol_mean_abs']:.0e})"
+    )
+    demo.verdict(
+        "kernels",
+        "PASS" if res["ok"] else "FAIL",
+        f"Triton decode vs reference on {where}: max {res['max_abs']:.2e}, mean {res['mean_abs']:.2e}",
+    )
     return dispatch
 
 
 def section_benchmark(demo: Demo, cuda: bool, dispatch) -> None:
     if not cuda:
-        demo.verdict("benchmark", "SKIPPED", "no CUDA GPU: Triton on the CPU interpreter and SDPA on CPU cores say "
-                                             "nothing about decode speed on a Jetson/GPU")
+        demo.verdict(
+            "benchmark",
+            "SKIPPED",
+            "no CUDA GPU: Triton on the CPU interpreter and SDPA on CPU cores say "
+            "nothing about decode speed on a Jetson/GPU",
+        )
         return
     if dispatch is None:
         demo.verdict("benchmark", "SKIPPED", "kernels not in this build (jetson_tq.api missing)")
@@ -156,25 +196,37 @@ def section_benchmark(demo: Demo, cuda: bool, dispatch) -> None:
 
     rows = decode_benchmark(dispatch, progress=demo.progress)
     for r in rows:
-        print(f"  B={r['batch']} {r['q_heads']}/{r['kv_heads']} D={r['head_dim']} ctx {r['context']:>6}: triton "
-              f"{r['triton_us']:8.1f} us  sdpa({r['sdpa_backend']}) {r['sdpa_us']:8.1f} us  "
-              f"x{r['speedup_vs_sdpa']:.2f}  (max |diff| vs reference {r['max_abs_vs_reference']:.1e})")
+        print(
+            f"  B={r['batch']} {r['q_heads']}/{r['kv_heads']} D={r['head_dim']} ctx {r['context']:>6}: triton "
+            f"{r['triton_us']:8.1f} us  sdpa({r['sdpa_backend']}) {r['sdpa_us']:8.1f} us  "
+            f"x{r['speedup_vs_sdpa']:.2f}  (max |diff| vs reference {r['max_abs_vs_reference']:.1e})"
+        )
     demo.results["benchmark"] = rows
     wrong = [r["context"] for r in rows if r["max_abs_vs_reference"] > 1e-2]
     if wrong:
         demo.verdict("benchmark", "FAIL", f"kernel output off the reference at ctx {wrong}")
         return
     best = max(rows, key=lambda r: r["context"])
-    demo.verdict("benchmark", "MEASURED", f"on {best['gpu']}: x{best['speedup_vs_sdpa']:.2f} vs SDPA at ctx "
-                                          f"{best['context']} (demo micro-benchmark; benchmarks/ has the method)")
+    demo.verdict(
+        "benchmark",
+        "MEASURED",
+        f"on {best['gpu']}: x{best['speedup_vs_sdpa']:.2f} vs SDPA at ctx "
+        f"{best['context']} (demo micro-benchmark; benchmarks/ has the method)",
+    )
 
 
 def section_capacity(demo: Demo, args, platform_rep: dict, cuda: bool) -> None:
     from jetson_tq.config import load_config, preset_names
     from jetson_tq.format import FP16_FORMAT
-    from jetson_tq.reports.capacity import (KVBudget, bytes_per_token, capacity_report, format_measurement, format_report,
-                                            measure_model)
     from jetson_tq.models.specs import load_model_spec
+    from jetson_tq.reports.capacity import (
+        KVBudget,
+        bytes_per_token,
+        capacity_report,
+        format_measurement,
+        format_report,
+        measure_model,
+    )
     from jetson_tq.reports.plots import plot_capacity
 
     config = load_config(args.config)
@@ -184,37 +236,57 @@ def section_capacity(demo: Demo, args, platform_rep: dict, cuda: bool) -> None:
     mem = platform_rep["memory"]
     plots = []
     if mem["available_bytes"]:
-        budget = KVBudget(mem["available_bytes"], args.utilization, model.weight_bytes, source=f"this {kind}: "
-                                                                                             f"{mem['source']}")
+        budget = KVBudget(
+            mem["available_bytes"], args.utilization, model.weight_bytes, source=f"this {kind}: {mem['source']}"
+        )
         rep = capacity_report(model, config, budget, min(32768, model.max_position_embeddings))
         print(format_report(rep))
         demo.results["capacity_here"] = rep
-        plots.append(plot_capacity(model, compare, budget.kv_bytes, demo.out / f"capacity_{model.name}.png",
-                                   f"{model.name} on this {kind}"))
+        plots.append(
+            plot_capacity(
+                model, compare, budget.kv_bytes, demo.out / f"capacity_{model.name}.png", f"{model.name} on this {kind}"
+            )
+        )
     else:
         print(f"  this machine's memory budget is unknown ({mem['note']}); showing the reference case only")
     # Reference case: Qwen2.5-7B on a 128 GB Thor (the write-up), at the KV budget its fp16 figure implies.
     qwen = load_model_spec("qwen2.5-7b-instruct")
     fp16_bpt = bytes_per_token([FP16_FORMAT] * qwen.num_layers, qwen)
-    ref_budget = KVBudget(int(WRITEUP_FP16_TOKENS * fp16_bpt) + qwen.weight_bytes, 1.0, qwen.weight_bytes,
-                          source="the write-up's ~0.9 M fp16 tokens on a 128 GB Thor")
+    ref_budget = KVBudget(
+        int(WRITEUP_FP16_TOKENS * fp16_bpt) + qwen.weight_bytes,
+        1.0,
+        qwen.weight_bytes,
+        source="the write-up's ~0.9 M fp16 tokens on a 128 GB Thor",
+    )
     ref = capacity_report(qwen, config, ref_budget, 32768)
-    print(f"\n  reference: {qwen.name} on a 128 GB Thor, KV budget {ref_budget.kv_bytes / 1e9:.1f} GB (= 0.9 M fp16 "
-          f"tokens x {fp16_bpt:,} B): fp16 {ref['fp16']['pool_tokens'] / 1e6:.2f} M tokens, {config.name} "
-          f"{ref['turboquant']['pool_tokens'] / 1e6:.2f} M (x{ref['multiplier_pool']:.2f}; the write-up: "
-          f"~x{WRITEUP_MULTIPLIER}; docs/launcher.md explains the difference)")
+    print(
+        f"\n  reference: {qwen.name} on a 128 GB Thor, KV budget {ref_budget.kv_bytes / 1e9:.1f} GB (= 0.9 M fp16 "
+        f"tokens x {fp16_bpt:,} B): fp16 {ref['fp16']['pool_tokens'] / 1e6:.2f} M tokens, {config.name} "
+        f"{ref['turboquant']['pool_tokens'] / 1e6:.2f} M (x{ref['multiplier_pool']:.2f}; the write-up: "
+        f"~x{WRITEUP_MULTIPLIER}; docs/launcher.md explains the difference)"
+    )
     demo.results["capacity_reference"] = ref
-    plots.append(plot_capacity(qwen, compare, ref_budget.kv_bytes, demo.out / "capacity_thor_reference.png",
-                               f"{qwen.name} on a 128 GB Thor (write-up budget)"))
+    plots.append(
+        plot_capacity(
+            qwen,
+            compare,
+            ref_budget.kv_bytes,
+            demo.out / "capacity_thor_reference.png",
+            f"{qwen.name} on a 128 GB Thor (write-up budget)",
+        )
+    )
     device = "cuda" if cuda else "cpu"
     tokens = args.measure_tokens or (32768 if cuda else 1024)
     meas = measure_model(config, model, tokens, device)
     print(format_measurement(meas))
     demo.results["capacity_measured"] = meas
     demo.results.setdefault("plots", []).extend(str(p) for p in plots)
-    demo.verdict("capacity", "PASS" if meas["ok"] else "FAIL",
-                 f"{model.name}/{config.name}: real cache of {meas['tokens']:,} tokens on {device} = formula "
-                 f"{100 * meas['rel_diff']:+.3f} % (margin 1 %)")
+    demo.verdict(
+        "capacity",
+        "PASS" if meas["ok"] else "FAIL",
+        f"{model.name}/{config.name}: real cache of {meas['tokens']:,} tokens on {device} = formula "
+        f"{100 * meas['rel_diff']:+.3f} % (margin 1 %)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -223,11 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="demo_jetson.py", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="out/demo", help="folder for plots and summary.json (default out/demo)")
-    p.add_argument("--model", help="model for the capacity section (default: smollm2-135m-instruct on CPU, "
-                                   "qwen2.5-7b-instruct on Jetson/GPU)")
+    p.add_argument(
+        "--model",
+        help="model for the capacity section (default: smollm2-135m-instruct on CPU, "
+        "qwen2.5-7b-instruct on Jetson/GPU)",
+    )
     p.add_argument("--config", default=DEFAULT_PRESET, help=f"TurboQuant preset or YAML (default {DEFAULT_PRESET})")
     p.add_argument("--utilization", type=fraction, default=0.85, help="fraction of the memory budget to use (0.85)")
-    p.add_argument("--measure-tokens", type=positive_int, help="tokens in the measured cache (1024 on CPU, 32768 on CUDA)")
+    p.add_argument(
+        "--measure-tokens", type=positive_int, help="tokens in the measured cache (1024 on CPU, 32768 on CUDA)"
+    )
     p.add_argument("--dispatch-module", default="jetson_tq.api", help=argparse.SUPPRESS)
     return p
 
@@ -261,8 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     demo, t0 = Demo(out), time.time()
     cuda = torch.cuda.is_available()
-    print(f"jetson-tq demo (torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'CPU'})"
-          f" -> {out}/")
+    print(
+        f"jetson-tq demo (torch {torch.__version__}, {'CUDA ' + torch.cuda.get_device_name(0) if cuda else 'CPU'})"
+        f" -> {out}/"
+    )
     demo.heading(1, "Platform")
     platform_rep = section_platform(demo)
     demo.heading(2, "Theorem 1: TurboQuant_mse distortion (8192 random unit vectors, D=128)")

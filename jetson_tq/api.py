@@ -11,9 +11,9 @@ import torch
 
 from . import ops
 from .cache.compressed import CompressedKVCache
-from .errors import ShapeError
+from .errors import ShapeError, expect_tensor
 from .paged import PagedKV
-from .validate import check_attention_inputs
+from .validate import check_attention_inputs, check_attention_mask, check_attention_output
 
 
 def _view(cache: CompressedKVCache | PagedKV, name: str) -> PagedKV:
@@ -25,44 +25,74 @@ def _view(cache: CompressedKVCache | PagedKV, name: str) -> PagedKV:
 
 
 def _check_query(q: torch.Tensor, rank: int, name: str) -> None:
+    want = "[B, Hq, D]" if rank == 3 else "[B, Hq, T, D]"
     if q.dim() != rank:
-        want = "[B, Hq, D]" if rank == 3 else "[B, Hq, T, D]"
         raise ShapeError(f"{name}: expected q {want}, got {tuple(q.shape)}")
+    if q.shape[1] < 1:
+        raise ShapeError(f"{name}: expected q {want} with at least one query head, got {tuple(q.shape)}")
 
 
-def attention_decode(q: torch.Tensor, cache: CompressedKVCache | PagedKV, softmax_scale: float | None = None,
-                     backend: str | None = None) -> torch.Tensor:
+def attention_decode(
+    q: torch.Tensor, cache: CompressedKVCache | PagedKV, softmax_scale: float | None = None, backend: str | None = None
+) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything in ``cache`` -> [B, Hq, D].
 
     A sequence with nothing cached is an error on the host-checked eager path and zeros inside a CUDA graph.
     """
     check_attention_inputs(q, cache, softmax_scale)
     _check_query(q, 3, "attention_decode")
-    if isinstance(cache, CompressedKVCache) and not (q.is_cuda and torch.cuda.is_current_stream_capturing()) \
-            and cache.has_empty_sequence():
+    if (
+        isinstance(cache, CompressedKVCache)
+        and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        and cache.has_empty_sequence()
+    ):
         raise ShapeError("attention_decode: a sequence has an empty cache; append its K/V first")
-    return ops.decode(q, _view(cache, "attention_decode"), softmax_scale, backend)
+    out = ops.decode(q, _view(cache, "attention_decode"), softmax_scale, backend)
+    check_attention_output("attention_decode", out, q, cache, softmax_scale)
+    return out
 
 
-def attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: CompressedKVCache | PagedKV,
-                      softmax_scale: float | None = None, backend: str | None = None,
-                      attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: CompressedKVCache | PagedKV,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Prefill a chunk: attention of q [B, Hq, T, D] over the cache history plus the chunk's own k, v [B, Hkv, T, D]
     (causal), and — for a ``CompressedKVCache`` — append the chunk to the cache.
 
     Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed and the
-    rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the chunk in its pages (vLLM's contract).
+    rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the
+    chunk in its pages (vLLM's contract).
     """
     check_attention_inputs(q, cache, softmax_scale, ("k", k), ("v", v))
     _check_query(q, 4, "attention_prefill")
+    if attn_mask is not None:
+        check_attention_mask(attn_mask, q, cache)
     if not isinstance(cache, CompressedKVCache):
-        return ops.prefill(q, k, v, _view(cache, "attention_prefill"), softmax_scale, backend, attn_mask)
+        out = ops.prefill(q, k, v, _view(cache, "attention_prefill"), softmax_scale, backend, attn_mask)
+        check_attention_output("attention_prefill", out, q, cache, softmax_scale)
+        return out
     cache.stage(k, v)
     out = ops.prefill(q, k, v, cache.paged(), softmax_scale, backend, attn_mask)
+    check_attention_output("attention_prefill", out, q, cache, softmax_scale)  # before the chunk is kept
     cache.commit(k, v)
     return out
 
 
 def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
     """Raw TurboQuant_prod scores [B, S] in fp32 (the Triton kernel for CUDA inputs; see ``codec.scores``)."""
+    for name, t in (
+        ("Q", Q),
+        ("K_idx", K_idx),
+        ("qjl_signs", qjl_signs),
+        ("gamma", gamma),
+        ("Pi", Pi),
+        ("S_mat", S_mat),
+        ("codebook", codebook),
+    ):
+        expect_tensor(name, t)  # before ops picks a backend from Q.device
     return ops.scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend)

@@ -11,7 +11,9 @@ def _number(text: str, kind: type) -> float | int:
     try:
         value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+        ) from None
     if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
@@ -24,14 +26,28 @@ def _within(text: str, ok, want: str) -> float:
     return value
 
 
+#: Largest memory size in GB a command line accepts: 1 PB, more than any one machine holds (1e300 is a typo, and
+#: its byte count is not even a finite float).
+MAX_GB = 1e6
+
+
+def _gigabytes(text: str, ok, want: str) -> float:
+    value = _within(text, ok, want)
+    if value > MAX_GB:
+        raise argparse.ArgumentTypeError(
+            f"expected at most {MAX_GB:g} GB (1 PB, more than any one machine holds), got {text!r}"
+        )
+    return value
+
+
 def positive_float(text: str) -> float:
-    """A finite float > 0 (memory sizes in GB)."""
-    return _within(text, lambda x: x > 0, "a number > 0")
+    """A finite float in (0, MAX_GB] (memory sizes in GB)."""
+    return _gigabytes(text, lambda x: x > 0, "a number > 0")
 
 
 def nonnegative_float(text: str) -> float:
-    """A finite float >= 0 (overheads, weight overrides)."""
-    return _within(text, lambda x: x >= 0, "a number >= 0")
+    """A finite float in [0, MAX_GB] (overheads, weight overrides, in GB)."""
+    return _gigabytes(text, lambda x: x >= 0, "a number >= 0")
 
 
 def fraction(text: str) -> float:
@@ -41,7 +57,7 @@ def fraction(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """An integer >= 1 (tokens, sequences, MiB)."""
-    value = _number(text, int)
+    value = int(_number(text, int))
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value

@@ -31,6 +31,10 @@ class ValueRangeError(JetsonTQError, ValueError):
     """A tensor holds NaN/inf, or a value its storage dtype cannot hold (it would decode to NaN/inf)."""
 
 
+class CapacityError(JetsonTQError, ValueError):
+    """A size asked for (tokens, batch, heads, a rotation's dim) needs more memory than the device has free."""
+
+
 class ArgTypeError(JetsonTQError, TypeError):
     """An argument has the wrong Python type (a list where a tensor belongs, a float where an int does)."""
 
@@ -44,23 +48,35 @@ class MissingComponentError(JetsonTQError, RuntimeError):
 
 
 def expect_tensor(name: str, value) -> None:
-    """Raise ArgTypeError unless ``value`` is a torch.Tensor."""
+    """Raise ArgTypeError unless ``value`` is a torch.Tensor, DeviceError unless it lives on the CPU or a CUDA GPU."""
     import torch
 
     if not isinstance(value, torch.Tensor):
         raise ArgTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.device.type not in ("cpu", "cuda"):  # a meta tensor has no data: every later step would fail on it
+        raise DeviceError(f"{name}: expected a tensor on the CPU or a CUDA GPU, got one on {value.device}")
 
 
-def expect_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
-    """Raise ArgTypeError unless ``value`` is an int (not a bool), ValueRangeError unless lo <= value <= hi."""
+def expect_int(name: str, value, lo: int | None = 0, hi: int | None = None) -> int:
+    """Raise ArgTypeError unless ``value`` is an int (not a bool), ValueRangeError unless lo <= value <= hi
+    (``lo=None``: the type only)."""
     import numbers
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgTypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
+    if lo is None:
+        return int(value)
+    if int(value) < lo or (hi is not None and int(value) > hi):
         want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueRangeError(f"{name}: expected an integer {want}, got {value}")
     return int(value)
+
+
+def expect_bool(name: str, value) -> bool:
+    """Raise ArgTypeError unless ``value`` is True or False (a string such as "no" would read as True)."""
+    if not isinstance(value, bool):
+        raise ArgTypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+    return value
 
 
 def expect_rank(name: str, tensor, ranks: tuple[int, ...]) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from typing import Literal
 
 import torch
@@ -110,21 +111,20 @@ def is_power_of_two(n: int) -> bool:
 class KVFormat:
     """How one layer's keys and values are stored.
 
-    ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit
-    TurboQuant_mse plus the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in
-    ``mse`` mode all bits go to the codebook. ``key_codebook`` picks it: ``lloyd_max`` (the
-    MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly spaced with the MSE-optimal
-    step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index bits read
-    as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way.
-    The defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from
-    docs/fidelity.md), ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the
-    other presets name ``window: sliding``, the rule their figures were measured with. Every token is stored compressed; the ``buffer_tokens`` (R) most recent are also
-    kept exact (a ring, token p in row p % R), and ``window`` says which of them a query at position p reads
-    exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its own R-token block
-    ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a prefix-cache
-    hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
-    ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their
-    buffer (the paged cache does not use it).
+    ``key_bits`` is the total bits per key coordinate: in ``prod`` mode that is (key_bits - 1)-bit TurboQuant_mse plus
+    the 1-bit QJL sketch of the residual (the paper's TurboQuant_prod), in ``mse`` mode all bits go to the codebook.
+    ``key_codebook`` picks it: ``lloyd_max`` (the MSE-optimal centroids of a rotated coordinate) or ``uniform`` (evenly
+    spaced with the MSE-optimal step, c[k] = (k - (2^b - 1)/2) * step: a kernel then scores <q, c[idx]> with the index
+    bits read as one tensor-core operand plane, no per-coordinate lookup); the bytes are the same either way. The
+    defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from docs/fidelity.md),
+    ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the other presets name
+    ``window: sliding``, the rule their figures were measured with. Every token is stored compressed; the
+    ``buffer_tokens`` (R) most recent are also kept exact (a ring, token p in row p % R), and ``window`` says which of
+    them a query at position p reads exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its
+    own R-token block ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a
+    prefix-cache hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
+    ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their buffer (the
+    paged cache does not use it).
     """
 
     key_mode: KeyMode = "mse"
@@ -141,18 +141,15 @@ class KVFormat:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.key_mode not in KEY_MODES:
-            raise FormatError(f"key_mode: expected one of {KEY_MODES}, got {self.key_mode!r}")
-        if self.value_mode not in VALUE_MODES:
-            raise FormatError(f"value_mode: expected one of {VALUE_MODES}, got {self.value_mode!r}")
-        if self.key_codebook not in KEY_CODEBOOKS:
-            raise FormatError(f"key_codebook: expected one of {KEY_CODEBOOKS}, got {self.key_codebook!r}")
-        if self.rotation not in ROTATIONS:
-            raise FormatError(f"rotation: expected one of {ROTATIONS}, got {self.rotation!r}")
-        if self.window not in WINDOWS:
-            raise FormatError(f"window: expected one of {WINDOWS}, got {self.window!r}")
-        if self.norm_dtype not in NORM_DTYPES:
-            raise FormatError(f"norm_dtype: expected one of {tuple(NORM_DTYPES)}, got {self.norm_dtype!r}")
+        for name, choices in (
+            ("key_mode", KEY_MODES),
+            ("value_mode", VALUE_MODES),
+            ("key_codebook", KEY_CODEBOOKS),
+            ("rotation", ROTATIONS),
+            ("window", WINDOWS),
+            ("norm_dtype", tuple(NORM_DTYPES)),
+        ):
+            _check_choice(name, getattr(self, name), choices)
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
         _check_int("value_bits", self.value_bits, 1, MAX_BITS)
         _check_int("value_group", self.value_group, 1, 1 << 16)
@@ -177,8 +174,12 @@ class KVFormat:
         """True when nothing is compressed (fp16 keys and values)."""
         return self.key_mode == "fp16" and self.value_mode == "fp16"
 
-    def with_(self, **changes) -> "KVFormat":
+    def with_(self, **changes) -> KVFormat:
         """A copy with some fields changed (validated again)."""
+        names = [f.name for f in dataclass_fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise FormatError(f"with_: unknown field(s) {unknown}; expected some of {names}")
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -317,9 +318,8 @@ def exact_count(length, ring: int, block: bool):
 
 def fp16_bytes_per_token(head_dim: int) -> int:
     """Bytes of an uncompressed fp16/bf16 token of one KV head (keys + values)."""
+    _check_int("head_dim", head_dim, 1, 1 << 62)
     return 2 * head_dim * FP16_BYTES_PER_ELEMENT
-
-
 
 
 @dataclass(frozen=True)
@@ -329,16 +329,27 @@ class PagedLayout:
     A page holds ``block_size`` tokens. Each field occupies a contiguous region of
     ``block_size * field.nbytes`` bytes, so a kernel loads a (tokens, field bytes) tile of one
     field in one coalesced sweep. Regions are placed in ``fields()`` order, each start rounded up
-    to 16 bytes; ``page_bytes`` is the sum, also a multiple of 16.
+    to 16 bytes; ``page_bytes`` is the sum, also a multiple of 16. ``page_stride`` (0: none) pads every page to
+    that many bytes, unused at its end: vLLM's hybrid KV-cache groups (compressed layers beside stock
+    sliding-window ones) need every group's page to be the same size (``integrations/vllm/spec.py``).
     """
 
     fmt: KVFormat
     head_dim: int
     block_size: int
+    page_stride: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fmt, KVFormat):
+            raise FormatError(f"fmt: expected a KVFormat, got {type(self.fmt).__name__} {self.fmt!r}")
         _check_int("block_size", self.block_size, 1, 1 << 16)
+        _check_int("page_stride", self.page_stride, 0, 1 << 40)
         self.fmt.check_head_dim(self.head_dim)
+        if self.page_stride and (self.page_stride % 16 or self.page_stride < self.packed_bytes):
+            raise FormatError(
+                f"page_stride: expected 0 or a multiple of 16 >= the packed page's {self.packed_bytes} "
+                f"bytes, got {self.page_stride}"
+            )
 
     def offsets(self) -> dict[str, int]:
         """Byte offset of each field's region inside a page (computed once per layout)."""
@@ -354,16 +365,28 @@ class PagedLayout:
         return out
 
     @functools.cached_property
-    def page_bytes(self) -> int:
-        """Bytes of one page (block_size tokens of one KV head)."""
+    def packed_bytes(self) -> int:
+        """Bytes the fields of one page occupy (block_size tokens of one KV head)."""
         pos = 0
         for f in self.fmt.fields(self.head_dim):
             pos = _round_up(pos + f.nbytes * self.block_size, 16)
         return pos
 
+    @functools.cached_property
+    def page_bytes(self) -> int:
+        """Bytes from one page to the next: the packed page, or ``page_stride`` when set."""
+        return self.page_stride or self.packed_bytes
+
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """One of ``choices`` (a string: a list or other unhashable value is named, not a TypeError from ``in``)."""
+    if not isinstance(value, str) or value not in choices:
+        given = repr(value) if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+        raise FormatError(f"{name}: expected one of {choices}, got {given}")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
@@ -423,14 +446,14 @@ class PageSpec:
     RAW_BF16: bool
 
     @staticmethod
-    def of(layout: "PagedLayout", raw_dtype: torch.dtype = torch.float16) -> "PageSpec":
-        """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel handles it)."""
+    def of(layout: PagedLayout, raw_dtype: torch.dtype = torch.float16) -> PageSpec:
+        """The spec of ``layout`` with raw (fp16-mode) fields in ``raw_dtype`` (UnsupportedPlatformError if no kernel
+        handles it)."""
         return _page_spec(layout, raw_dtype)
 
 
-
 @functools.lru_cache(maxsize=256)
-def _page_spec(layout: "PagedLayout", raw_dtype: torch.dtype) -> PageSpec:
+def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
     fmt, d = layout.fmt, layout.head_dim
     reason = kernel_unsupported_reason(layout)
     if reason:
@@ -447,21 +470,42 @@ def _page_spec(layout: "PagedLayout", raw_dtype: torch.dtype) -> PageSpec:
     vmin = min(w for w in vw if w) if vb else 8
     group = fmt.value_group_for(d) if val_mode == VAL_GROUP else d
     return PageSpec(
-        D=d, DP=max(16, next_pow2(d)), CH=ch, BS=layout.block_size, PB=layout.page_bytes,
-        KEY_MODE=key_mode, KB=kb, KW0=kw[0], KW1=kw[1], KW2=kw[2],
-        KCW=ch * kmin, KCH=8 // kmin,
-        OFF_KIDX=off.get("key_idx", 0), OFF_KSGN=off.get("key_signs", 0), OFF_KNORM=off.get("key_norm", 0),
-        OFF_KRNORM=off.get("key_rnorm", 0), OFF_KRAW=off.get("key_raw", 0),
+        D=d,
+        DP=max(16, next_pow2(d)),
+        CH=ch,
+        BS=layout.block_size,
+        PB=layout.page_bytes,
+        KEY_MODE=key_mode,
+        KB=kb,
+        KW0=kw[0],
+        KW1=kw[1],
+        KW2=kw[2],
+        KCW=ch * kmin,
+        KCH=8 // kmin,
+        OFF_KIDX=off.get("key_idx", 0),
+        OFF_KSGN=off.get("key_signs", 0),
+        OFF_KNORM=off.get("key_norm", 0),
+        OFF_KRNORM=off.get("key_rnorm", 0),
+        OFF_KRAW=off.get("key_raw", 0),
         NORM_F32=fmt.norm_dtype == "float32",
-        VAL_MODE=val_mode, VB=vb, VW0=vw[0], VW1=vw[1], VW2=vw[2],
-        VCW=ch * vmin, VCH=8 // vmin, GROUP=group, NG=d // group,
-        OFF_VCODES=off.get("val_codes", 0), OFF_VSCALE=off.get("val_scale", 0), OFF_VZERO=off.get("val_zero", 0),
+        VAL_MODE=val_mode,
+        VB=vb,
+        VW0=vw[0],
+        VW1=vw[1],
+        VW2=vw[2],
+        VCW=ch * vmin,
+        VCH=8 // vmin,
+        GROUP=group,
+        NG=d // group,
+        OFF_VCODES=off.get("val_codes", 0),
+        OFF_VSCALE=off.get("val_scale", 0),
+        OFF_VZERO=off.get("val_zero", 0),
         OFF_VRAW=off.get("val_raw", 0),
         RAW_BF16=raw_dtype == torch.bfloat16,
     )
 
 
-def kernel_unsupported_reason(layout: "PagedLayout") -> str | None:
+def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     """Why no kernel handles ``layout`` (None when one does)."""
     if layout.fmt.value_mode == "mse":
         return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"

@@ -45,7 +45,9 @@ def write_slots(pages: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, f
         region[blocks, :, offs] = raw
 
 
-def read_slots(pages: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, raw_dtype: torch.dtype = torch.float16) -> Fields:
+def read_slots(
+    pages: torch.Tensor, layout: PagedLayout, slots: torch.Tensor, raw_dtype: torch.dtype = torch.float16
+) -> Fields:
     """Load encoded tokens at ``slots`` (any shape S) -> fields [*S, H, count] in their dtypes."""
     flat = slots.reshape(-1).clamp_min(0)
     blocks, offs = flat // layout.block_size, flat % layout.block_size
@@ -100,15 +102,31 @@ class PagedKV:
         """Fields [B, H, upto, count] of positions [0, upto) of every sequence (garbage past its length)."""
         n = int(self.compressed_lens.max()) if upto is None else upto
         pos = torch.arange(n, device=self.block_table.device).expand(self.batch_size, n)
-        fields = read_slots(self.pages, self.layout, slots_for_positions(self.block_table, pos, self.layout.block_size),
-                            raw_dtype=self.codec.raw_dtype)
+        fields = read_slots(
+            self.pages,
+            self.layout,
+            slots_for_positions(self.block_table, pos, self.layout.block_size),
+            raw_dtype=self.codec.raw_dtype,
+        )
         return {name: t.transpose(1, 2) for name, t in fields.items()}  # [B, n, H, c] -> [B, H, n, c]
 
 
-def append_rows_reference(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor,
-                          lens: torch.Tensor, comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int,
-                          capacity: int, stage: bool = True, commit: bool = True,
-                          block_window: bool = False, guard: torch.Tensor | None = None) -> torch.Tensor | None:
+def append_rows_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    lens: torch.Tensor,
+    comp: torch.Tensor,
+    rec: torch.Tensor,
+    overflow: torch.Tensor,
+    row0: int,
+    capacity: int,
+    stage: bool = True,
+    commit: bool = True,
+    block_window: bool = False,
+    guard: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of a cache whose sequence b owns slots
     [b * capacity, (b + 1) * capacity): returns the page slots [nb * T] of the new tokens (stage; -1 past the
     capacity, setting ``overflow``), copies the last min(T, R) exactly into ring rows (L + t) % R and advances

@@ -17,10 +17,21 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from .errors import ArgTypeError, DeviceError, ValueRangeError, expect_int, expect_tensor
+from .errors import (
+    ArgTypeError,
+    CapacityError,
+    DeviceError,
+    DTypeError,
+    ValueRangeError,
+    expect_bool,
+    expect_int,
+    expect_same_device,
+    expect_tensor,
+)
 from .format import KVFormat
 
 FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
@@ -35,7 +46,7 @@ def check_seed(name: str, seed: object) -> int:
     """An int seed in [0, 2**63 - 1] (no float truncation, no negative seed, as ``KVFormat`` requires)."""
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ArgTypeError(f"{name}: expected an integer seed in [0, {SEED_MAX}], got {type(seed).__name__} {seed!r}")
-    if not 0 <= seed <= SEED_MAX:
+    if not 0 <= int(seed) <= SEED_MAX:
         raise ValueRangeError(f"{name}: expected an integer seed in [0, {SEED_MAX}], got {seed}")
     return int(seed)
 
@@ -46,18 +57,33 @@ def check_softmax_scale(scale: object) -> None:
         return
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise ArgTypeError(f"softmax_scale: expected a float > 0 or None, got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(scale) and scale > 0):
+    if not (math.isfinite(scale) and float(scale) > 0):
         raise ValueRangeError(f"softmax_scale: expected a finite float > 0 or None, got {scale}")
 
 
-def check_cache_args(fmt: object, num_kv_heads: object, head_dim: object, batch_size: object, device: object,
-                     seed: object, initial_capacity: object, block_size: object) -> torch.device:
+def check_cache_args(
+    fmt: object,
+    num_kv_heads: object,
+    head_dim: object,
+    batch_size: object,
+    device: object,
+    seed: object,
+    initial_capacity: object,
+    block_size: object,
+    validate: object,
+) -> torch.device:
     """Python types and ranges of ``CompressedKVCache(...)``'s arguments; returns the torch.device."""
     if not isinstance(fmt, KVFormat):
         raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__}")
-    for name, value, lo in (("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 2), ("batch_size", batch_size, 1),
-                            ("initial_capacity", initial_capacity, 0), ("block_size", block_size, 1)):
+    for name, value, lo in (
+        ("num_kv_heads", num_kv_heads, 1),
+        ("head_dim", head_dim, 2),
+        ("batch_size", batch_size, 1),
+        ("initial_capacity", initial_capacity, 0),
+        ("block_size", block_size, 1),
+    ):
         expect_int(name, value, lo)
+    expect_bool("validate", validate)
     if seed is not None:
         check_seed("seed", seed)
     return check_device(device)
@@ -71,11 +97,60 @@ def check_device(device: object) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as e:
         raise DeviceError(f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} ({e})") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise DeviceError(
+            f"device: expected 'cpu', 'cuda' or 'cuda:N', got {device!r} (a {dev.type} device holds no "
+            f"data jetson-tq can compute on)"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise DeviceError(f"device: {device!r} asked for, but torch sees no CUDA GPU here")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise DeviceError(f"device: expected cuda:0..cuda:{torch.cuda.device_count() - 1}, got {device!r}")
     return dev
+
+
+def _host_free_bytes() -> int | None:
+    """RAM (and swap) that can still be allocated here: psutil's ``available`` plus free swap; None when unknown."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available + psutil.swap_memory().free)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes an allocation on ``device`` can still get (None when unknown): for CUDA the driver's free memory plus
+    what torch's caching allocator holds unused, on an integrated GPU (Jetson) at least the host's available RAM
+    (``mem_get_info`` there leaves out reclaimable page cache)."""
+    if device.type == "cpu":
+        return _host_free_bytes()
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if torch.cuda.get_device_properties(device).is_integrated:
+        free = max(free, _host_free_bytes() or 0)
+    return int(free)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units up to EiB, for messages)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} EiB"
+
+
+def check_allocatable(what: str, nbytes: int, device: torch.device) -> None:
+    """Raise CapacityError before allocating ``nbytes`` on ``device`` when that is more than it has free (a huge
+    size would otherwise fail deep in the allocator, or be granted and then take the machine's memory)."""
+    free = free_bytes(device)
+    if free is not None and nbytes > free:
+        raise CapacityError(
+            f"{what}: needs {human_bytes(nbytes)} ({nbytes:,} bytes) on {device}, expected at most "
+            f"the {human_bytes(free)} free there"
+        )
 
 
 def _first_index(bad: torch.Tensor) -> tuple[int, ...]:
@@ -99,8 +174,10 @@ def check_finite(name: str, t: torch.Tensor, seqs: list[int], starts: list[int],
     """Raise ValueRangeError naming the first NaN/inf element of ``t`` ([B, H, T, D] or [H, T, D])."""
     idx = _nonfinite_index(t)
     if idx is not None:
-        raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at "
-                              f"{_where(idx, seqs, starts, batched)}, coordinate {idx[-1]}")
+        raise ValueRangeError(
+            f"{name}: expected finite values, got {t[idx].item()} at "
+            f"{_where(idx, seqs, starts, batched)}, coordinate {idx[-1]}"
+        )
 
 
 def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hint: str, seqs, starts, batched) -> None:
@@ -108,26 +185,40 @@ def _check_at_most(name: str, what: str, values: torch.Tensor, limit: float, hin
     bad = values > limit
     if bool(bad.any()):
         idx = _first_index(bad)
-        raise ValueRangeError(f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got "
-                              f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}")
+        raise ValueRangeError(
+            f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got "
+            f"{values[idx].item():.6g} at {_where(idx, seqs, starts, batched)}; {hint}"
+        )
 
 
 #: The checks in the order ``check_kv_storable`` reports them (its first failing one names the error); the store
 #: fault code of the compress-on-write kernel carries the same rank.
-RANK_K_FINITE, RANK_V_FINITE, RANK_K_ABS, RANK_V_ABS, RANK_KEY_NORM, RANK_VALUE_NORM, RANK_GROUP_MIN, \
-    RANK_GROUP_SCALE = range(8)
+(
+    RANK_K_FINITE,
+    RANK_V_FINITE,
+    RANK_K_ABS,
+    RANK_V_ABS,
+    RANK_KEY_NORM,
+    RANK_VALUE_NORM,
+    RANK_GROUP_MIN,
+    RANK_GROUP_SCALE,
+) = range(8)
 _NORM_HINT = "use a format with norm_dtype float32 (4 more bytes per token and norm) or scale the input down"
 _GROUP_HINT = "group scale and zero are stored as fp16: scale the values down or use value mode mse/fp16"
 
 
-def _limit_checks(fmt: KVFormat, cache_dtype: torch.dtype,
-                  raw_dtype: torch.dtype) -> list[tuple[int, str, str, float, str]]:
+def _limit_checks(
+    fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> list[tuple[int, str, str, float, str]]:
     """(rank, tensor name, quantity, limit, hint) of every fp16-stored quantity, in the order they are checked."""
     out = []
     for rank, name, mode in ((RANK_K_ABS, "k", fmt.key_mode), (RANK_V_ABS, "v", fmt.value_mode)):
         if cache_dtype == torch.float16 or (mode == "fp16" and raw_dtype == torch.float16):
-            hint = ("the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
-                    if cache_dtype == torch.float16 else "a float32 cache stores fp16-mode fields as fp16")
+            hint = (
+                "the fp16 cache's recent buffer holds them as fp16; use a bfloat16 cache"
+                if cache_dtype == torch.float16
+                else "a float32 cache stores fp16-mode fields as fp16"
+            )
             out.append((rank, name, "|value|", FP16_MAX, hint))
     if fmt.key_mode in ("prod", "mse") and fmt.norm_dtype == "float16":
         limit = FP16_MAX / (PROD_RNORM_HEADROOM if fmt.key_mode == "prod" else 1.0)
@@ -140,8 +231,9 @@ def _limit_checks(fmt: KVFormat, cache_dtype: torch.dtype,
     return out
 
 
-def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
-                  raw_dtype: torch.dtype) -> list[tuple[str, str, torch.Tensor, float, str]]:
+def _field_limits(
+    k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> list[tuple[str, str, torch.Tensor, float, str]]:
     """(tensor name, quantity, per-token values [B?, H, T], limit, hint) for every fp16-stored quantity."""
     kf, vf = k.float(), v.float()
     out = []
@@ -153,8 +245,11 @@ def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: 
         else:
             g = vf.unflatten(-1, (-1, fmt.value_group_for(vf.shape[-1])))
             lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-            values = lo.abs().amax(dim=-1) if rank == RANK_GROUP_MIN else \
-                ((hi - lo) / ((1 << fmt.value_bits) - 1)).amax(dim=-1)
+            values = (
+                lo.abs().amax(dim=-1)
+                if rank == RANK_GROUP_MIN
+                else ((hi - lo) / ((1 << fmt.value_bits) - 1)).amax(dim=-1)
+            )
         out.append((name, what, values, limit, hint))
     return out
 
@@ -163,8 +258,9 @@ def _field_limits(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: 
 CHECK_CHUNK_ELEMENTS = 1 << 20
 
 
-def _storable_flag(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
-                   raw_dtype: torch.dtype) -> torch.Tensor:
+def _storable_flag(
+    k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> torch.Tensor:
     """One device bool: every element finite and every stored quantity within its limit (token chunks at a time)."""
     t = k.shape[-2]
     step = max(1, CHECK_CHUNK_ELEMENTS // max(1, k[..., :1, :].numel()))
@@ -177,8 +273,15 @@ def _storable_flag(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype:
     return ok
 
 
-def check_kv_storable(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, cache_dtype: torch.dtype,
-                      raw_dtype: torch.dtype, seqs: list[int], starts: list[int]) -> None:
+def check_kv_storable(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    fmt: KVFormat,
+    cache_dtype: torch.dtype,
+    raw_dtype: torch.dtype,
+    seqs: list[int],
+    starts: list[int],
+) -> None:
     """Reject K/V [B, H, T, D] or [H, T, D] that are non-finite or overflow a field of ``fmt`` (see module doc).
 
     ``seqs`` / ``starts``: the sequence id and first position of each leading row, for the message.
@@ -217,16 +320,19 @@ class StoreLimits:
     value_levels: int
 
     @staticmethod
-    def of(fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype) -> "StoreLimits":
+    def of(fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype) -> StoreLimits:
         """The bounds of a ``fmt`` cache in ``cache_dtype`` whose raw fields are ``raw_dtype``."""
         bound = {rank: limit for rank, _, _, limit, _ in _limit_checks(fmt, cache_dtype, raw_dtype)}
-        return StoreLimits(k_abs=bound.get(RANK_K_ABS, FP32_MAX), v_abs=bound.get(RANK_V_ABS, FP32_MAX),
-                           key_norm=bound.get(RANK_KEY_NORM, FP32_MAX), value_group=bound.get(RANK_GROUP_MIN, FP32_MAX),
-                           value_levels=(1 << fmt.value_bits) - 1)
+        return StoreLimits(
+            k_abs=bound.get(RANK_K_ABS, FP32_MAX),
+            v_abs=bound.get(RANK_V_ABS, FP32_MAX),
+            key_norm=bound.get(RANK_KEY_NORM, FP32_MAX),
+            value_group=bound.get(RANK_GROUP_MIN, FP32_MAX),
+            value_levels=(1 << fmt.value_bits) - 1,
+        )
 
 
-def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt: KVFormat,
-                     limits: StoreLimits) -> int:
+def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt: KVFormat, limits: StoreLimits) -> int:
     """The store fault code of writing k, v [N, H, D] at ``slots`` [N] (slot < 0 skipped), computed in PyTorch:
     the reference of the compress-on-write kernel's device check (``kernels.compress_write``)."""
     keep = slots >= 0
@@ -258,8 +364,9 @@ def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt:
     return best
 
 
-def store_fault_error(code: int, capacity: int, fmt: KVFormat, cache_dtype: torch.dtype,
-                      raw_dtype: torch.dtype) -> ValueRangeError | None:
+def store_fault_error(
+    code: int, capacity: int, fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype
+) -> ValueRangeError | None:
     """The named error of a store fault ``code`` of a cache whose sequence b owns slots [b * capacity, (b + 1) *
     capacity) (None for FAULT_NONE): what was expected, what was found, and where."""
     if code == FAULT_NONE:
@@ -275,16 +382,18 @@ def store_fault_error(code: int, capacity: int, fmt: KVFormat, cache_dtype: torc
         return ValueRangeError(f"{name}: expected finite values, got {got} at {where}, coordinate {coord}")
     for r, name, what, limit, hint in _limit_checks(fmt, cache_dtype, raw_dtype):
         if r == rank:
-            return ValueRangeError(f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got more "
-                                   f"at {where}; {hint}")
+            return ValueRangeError(
+                f"{name}: expected {what} <= {limit:.6g} (what its fp16 storage holds), got more at {where}; {hint}"
+            )
     if rank == RANK_KEY_NORM:  # a float32 norm of finite keys past the float32 range
-        return ValueRangeError(f"k: expected key norm <= {FP32_MAX:.6g} (what its float32 storage holds), got more "
-                               f"at {where}; scale the input down")
+        return ValueRangeError(
+            f"k: expected key norm <= {FP32_MAX:.6g} (what its float32 storage holds), got more "
+            f"at {where}; scale the input down"
+        )
     return ValueRangeError(f"k, v: store check {rank} failed at {where}")
 
 
-def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object,
-                           *chunk: tuple[str, object]) -> None:
+def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object, *chunk: tuple[str, object]) -> None:
     """Types and scale always; a finite query (and chunk K/V) when the cache was built with ``validate=True`` and the
     query is on the CPU. CUDA queries are not data-checked: that would cost a host sync per call and break CUDA graph
     capture; a NaN query only gives NaN output for that query (the cache is untouched: K/V are checked at append)."""
@@ -294,11 +403,46 @@ def check_attention_inputs(q: object, cache_or_kv: object, softmax_scale: object
     if not hasattr(cache_or_kv, "pages"):
         raise ArgTypeError(f"cache: expected a CompressedKVCache or PagedKV, got {type(cache_or_kv).__name__}")
     check_softmax_scale(softmax_scale)
-    if getattr(cache_or_kv, "validate", False) and not q.is_cuda:
+    if getattr(cache_or_kv, "validate", False) and not cast(torch.Tensor, q).is_cuda:
         for name, t in (("q", q), *chunk):
-            idx = _nonfinite_index(t)
+            tensor = cast(torch.Tensor, t)  # expect_tensor checked it above
+            idx = _nonfinite_index(tensor)
             if idx is not None:
-                raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
+                raise ValueRangeError(f"{name}: expected finite values, got {tensor[idx].item()} at index {idx}")
+
+
+def _data_checked(q: torch.Tensor, cache_or_kv: object) -> bool:
+    """Data checks run for a cache built with ``validate=True`` and a query on the CPU (see check_attention_inputs)."""
+    return bool(getattr(cache_or_kv, "validate", False)) and not q.is_cuda
+
+
+def check_attention_mask(mask: object, q: torch.Tensor, cache_or_kv: object) -> None:
+    """``attn_mask``: a bool tensor (True = attend) or an additive float one (0 / -inf), on q's device; for validated
+    CPU calls, no NaN or +inf in a float mask (the reference zeroes fully masked rows, which would hide them)."""
+    expect_tensor("attn_mask", mask)
+    mask = cast(torch.Tensor, mask)  # checked just above
+    expect_same_device(q=q, attn_mask=mask)
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        raise DTypeError(f"attn_mask: expected a bool mask (True = attend) or an additive float mask, got {mask.dtype}")
+    if mask.dtype.is_floating_point and _data_checked(q, cache_or_kv):
+        bad = torch.isnan(mask) | (mask == math.inf)
+        if bool(bad.any()):
+            idx = _first_index(bad)
+            raise ValueRangeError(f"attn_mask: expected finite values or -inf, got {mask[idx].item()} at index {idx}")
+
+
+def check_attention_output(
+    name: str, out: torch.Tensor, q: torch.Tensor, cache_or_kv: object, softmax_scale: object
+) -> None:
+    """For validated CPU calls: finite inputs can still overflow float32 in q . k x scale (a query of 3e38, a scale of
+    1e300); name that instead of returning NaN/inf."""
+    if _data_checked(q, cache_or_kv) and not bool(torch.isfinite(out).all()):
+        largest = float(q.detach().abs().max()) if q.numel() else 0.0
+        raise ValueRangeError(
+            f"{name}: expected query . key x softmax_scale to fit float32, but the output is not "
+            f"finite (largest |q| {largest:.3g}, softmax_scale {softmax_scale}); scale the query or "
+            f"the softmax_scale down"
+        )
 
 
 def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: torch.Tensor) -> None:
@@ -308,9 +452,30 @@ def check_scores_values(qjl_signs: torch.Tensor, gamma: torch.Tensor, **floats: 
         idx = _first_index(bad)
         raise ValueRangeError(f"qjl_signs: expected only +1 or -1, got {int(qjl_signs[idx])} at index {idx}")
     for name, t in {"gamma": gamma, **floats}.items():
-        idx = _nonfinite_index(t)
-        if idx is not None:
-            raise ValueRangeError(f"{name}: expected finite values, got {t[idx].item()} at index {idx}")
+        bad_at = _nonfinite_index(t)
+        if bad_at is not None:
+            raise ValueRangeError(f"{name}: expected finite values, got {t[bad_at].item()} at index {bad_at}")
     if bool((gamma < 0).any()):
         idx = _first_index(gamma < 0)
         raise ValueRangeError(f"gamma: expected residual norms >= 0, got {gamma[idx].item()} at index {idx}")
+
+
+def orthogonality_tolerance(dtype: torch.dtype) -> float:
+    """Largest |Pi Pi^T - I| entry accepted for a rotation stored in ``dtype``: 16 of its ulps at 1 (an fp16 copy of
+    an exact rotation stays within ~2 ulps), at least 1e-4 for fp32 (a Haar matrix rounded to fp32: ~1e-7)."""
+    return max(1e-4, 16 * torch.finfo(dtype).eps)
+
+
+def check_rotation(name: str, pi: torch.Tensor) -> None:
+    """``pi`` [D, D] must be orthogonal (rows orthonormal): the raw-score formula reads <Pi q, c> as the key's inner
+    product only then, and a scaled or arbitrary matrix gives plausible-looking but wrong scores."""
+    p64 = pi.double()
+    err = (p64 @ p64.T - torch.eye(pi.shape[0], dtype=torch.float64, device=pi.device)).abs()
+    worst = float(err.max()) if err.numel() else 0.0
+    tol = orthogonality_tolerance(pi.dtype)
+    if not worst <= tol:
+        i, j = _first_index(err == err.max())
+        raise ValueRangeError(
+            f"{name}: expected an orthogonal rotation (Pi @ Pi.T = I within {tol:.1e} for "
+            f"{pi.dtype}), got |Pi @ Pi.T - I| = {worst:.3g} at row {i}, column {j}"
+        )

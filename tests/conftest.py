@@ -35,10 +35,31 @@ def _delegate() -> bool:
     return CHILD_ENV not in os.environ and os.environ.get("TRITON_INTERPRET") != "1" and not _gpu()
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick",
+        action="store_true",
+        help="the edit-loop lane: leave out tests marked slow (under 5 minutes on 2 cores)",
+    )
+
+
 def pytest_configure(config):
     if getattr(config.option, "durations", None) is None:  # CI prints its 15 slowest tests (2-core budget)
         config.option.durations = 15
     config.addinivalue_line("markers", "kernel: launches Triton kernels (GPU, or the CPU interpreter in a child)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` tests skip (with the reason) without a CUDA GPU; ``--quick`` deselects ``slow`` tests."""
+    if config.getoption("--quick"):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    if any(item.get_closest_marker("gpu") for item in items) and not _gpu():
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 def pytest_collection_finish(session):
@@ -52,13 +73,14 @@ def pytest_collection_finish(session):
     for mod, nodeids in sorted(by_module.items()):
         report = tempfile.NamedTemporaryFile(prefix="jtq-kernel-", suffix=".json", delete=False).name
         log = report.replace(".json", ".log")
-        env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: report}, OMP_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "pytest", *nodeids, "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               "--tb=short"]
+        env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: report}, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "pytest", *nodeids, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short"]
         with open(log, "w") as out:
-            _children[mod] = (subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT),
-                              report, log)
+            _children[mod] = (
+                subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT),
+                report,
+                log,
+            )
 
 
 def _child_results(mod: str) -> tuple[dict, str]:
@@ -79,8 +101,10 @@ def pytest_pyfunc_call(pyfuncitem):
     results, log = _child_results(str(pyfuncitem.path))
     outcome = results.get(pyfuncitem.nodeid)
     if outcome is None:
-        pytest.fail(f"the TRITON_INTERPRET=1 child produced no result for this test; its log ends:\n{log[-4000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"the TRITON_INTERPRET=1 child produced no result for this test; its log ends:\n{log[-4000:]}",
+            pytrace=False,
+        )
     status, detail = outcome
     if status == "failed":
         pytest.fail(f"failed under TRITON_INTERPRET=1 (child process):\n{detail}", pytrace=False)

@@ -15,9 +15,27 @@ ROOT = Path(__file__).resolve().parents[1] / "jetson_tq"
 
 #: Rank of each top-level part in the data flow; an import may only go to a rank <= its own.
 LAYERS = {
-    "errors": 0, "version": 0, "arg_types": 0, "format": 1, "validate": 2, "config": 2, "codec": 3, "paged": 4, "attention": 5, "kernels": 5, "ops": 6,
-    "cache": 7, "api": 8, "models": 8, "integrations": 9, "platform": 10, "reports": 11, "cli": 12,
-    "__init__": 13, "__main__": 13,
+    "errors": 0,
+    "version": 0,
+    "arg_types": 0,
+    "format": 1,
+    "validate": 2,
+    "config": 2,
+    "codec": 3,
+    "paged": 4,
+    "attention": 5,
+    "kernels": 5,
+    "ops": 6,
+    "cache": 7,
+    "api": 8,
+    "models": 8,
+    "integrations": 9,
+    "eval": 10,
+    "platform": 11,
+    "reports": 12,
+    "cli": 13,
+    "__init__": 14,
+    "__main__": 14,
 }
 
 
@@ -84,7 +102,7 @@ def test_the_import_graph_has_no_cycle():
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                cycle = stack[stack.index(d):] + [d]
+                cycle = stack[stack.index(d) :] + [d]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if d not in state:
                 visit(d)
@@ -109,9 +127,17 @@ def test_nothing_lower_imports_anything_higher():
 
 def test_only_ops_picks_a_backend():
     """JETSON_TQ_BACKEND is read in one module, and no other module imports a kernel launcher directly."""
-    readers = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
-               if any(isinstance(n, ast.Constant) and n.value == "JETSON_TQ_BACKEND" for n in ast.walk(ast.parse(p.read_text())))]
+    readers = [
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if any(
+            isinstance(n, ast.Constant) and n.value == "JETSON_TQ_BACKEND" for n in ast.walk(ast.parse(p.read_text()))
+        )
+    ]
     assert readers == ["ops/backend.py"], readers
-    importers = {m for m, deps in import_graph().items() if any(d.startswith("jetson_tq.kernels.") and d not in (
-        "jetson_tq.kernels._common",) for d in deps)}
+    importers = {
+        m
+        for m, deps in import_graph().items()
+        if any(d.startswith("jetson_tq.kernels.") and d not in ("jetson_tq.kernels._common",) for d in deps)
+    }
     assert importers <= {m for m in importers if m.startswith(("jetson_tq.kernels", "jetson_tq.ops"))}, importers

@@ -45,12 +45,15 @@ def max_shared_memory(device: int) -> int:
     """Opt-in shared memory per block, as cudaDevAttrMaxSharedMemoryPerBlockOptin reports it."""
     return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
 
+
 _LIB = torch.library.Library("_C", "FRAGMENT")  # noqa: TOR901 - kept alive for the process
 _LIB_UTILS = torch.library.Library("_C_cuda_utils", "FRAGMENT")  # noqa: TOR901
 _LIB_CACHE = torch.library.Library("_C_cache_ops", "FRAGMENT")  # noqa: TOR901
 
-def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str, k_scale,
-                            v_scale) -> None:
+
+def reshape_and_cache_flash(
+    key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype: str, k_scale, v_scale
+) -> None:
     """vLLM's Triton cache write (the one TRITON_ATTN uses), same arguments as the CUDA op."""
     from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
 
@@ -81,13 +84,20 @@ for _schema, _fn in _TENSOR_OPS.items():
             _LIB.impl(_name, _fn, _key)
 
 if not hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash"):
-    _LIB_CACHE.define("reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-                      "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()")
+    _LIB_CACHE.define(
+        "reshape_and_cache_flash(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()"
+    )
     _LIB_CACHE.impl("reshape_and_cache_flash", reshape_and_cache_flash, "CUDA")
 
 for _lib, _ns, _schema, _fn in [(_LIB, torch.ops._C, s, f) for s, f in _QUERIES.items()] + [
-        (_LIB_UTILS, torch.ops._C_cuda_utils, "get_max_shared_memory_per_block_device_attribute(int device) -> int",
-         max_shared_memory)]:
+    (
+        _LIB_UTILS,
+        torch.ops._C_cuda_utils,
+        "get_max_shared_memory_per_block_device_attribute(int device) -> int",
+        max_shared_memory,
+    )
+]:
     _name = _schema.split("(", 1)[0]
     if not hasattr(_ns, _name):
         _lib.define(_schema)
@@ -97,20 +107,37 @@ for _lib, _ns, _schema, _fn in [(_LIB, torch.ops._C, s, f) for s, f in _QUERIES.
 #: ``vllm/compilation/passes/fusion/*.py``; found by scanning the wheel's module-level code). The passes are
 #: off (compilation mode 0), so the ops are only named, never called: each is a placeholder whose call raises
 #: a named error (H200 call 4 stopped at ``rotary_embedding``).
-NAMED_ONLY = ("dynamic_per_token_scaled_fp8_quant", "dynamic_scaled_fp8_quant", "fused_add_rms_norm",
-              "fused_add_rms_norm_static_fp8_quant", "fused_qk_norm_rope", "rms_norm_dynamic_per_token_quant",
-              "rms_norm_static_fp8_quant", "rotary_embedding", "silu_and_mul_per_block_quant", "silu_and_mul_quant",
-              "rms_norm", "static_scaled_fp8_quant")
+NAMED_ONLY = (
+    "dynamic_per_token_scaled_fp8_quant",
+    "dynamic_scaled_fp8_quant",
+    "fused_add_rms_norm",
+    "fused_add_rms_norm_static_fp8_quant",
+    "fused_qk_norm_rope",
+    "rms_norm_dynamic_per_token_quant",
+    "rms_norm_static_fp8_quant",
+    "rotary_embedding",
+    "silu_and_mul_per_block_quant",
+    "silu_and_mul_quant",
+    "rms_norm",
+    "static_scaled_fp8_quant",
+)
 #: never defined here: vLLM tests for these with ``hasattr(torch.ops._C, name)`` and then registers fake kernels
 #: for overloads a placeholder lacks (``_custom_ops`` import failed on ``scaled_fp4_quant.out``, CPU scan)
-HASATTR_GATED = ("scaled_fp4_quant", "silu_and_mul_nvfp4_quant", "per_token_group_fp8_quant",
-                 "rms_norm_per_block_quant")
+HASATTR_GATED = (
+    "scaled_fp4_quant",
+    "silu_and_mul_nvfp4_quant",
+    "per_token_group_fp8_quant",
+    "rms_norm_per_block_quant",
+)
 
 
 def _unserved(name: str):
     def call(*args, **kwargs):
-        raise NotImplementedError(f"torch.ops._C.{name}: vLLM's compiled op library is not in the jetson-tq GPU "
-                                  "bundle (benchmarks/vllm_gpu/c_stub.py); run with custom_ops=['none']")
+        raise NotImplementedError(
+            f"torch.ops._C.{name}: vLLM's compiled op library is not in the jetson-tq GPU "
+            "bundle (benchmarks/vllm_gpu/c_stub.py); run with custom_ops=['none']"
+        )
+
     return call
 
 

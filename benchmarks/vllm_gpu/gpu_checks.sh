@@ -3,7 +3,7 @@
 # kernel-test run: the CPU-bound Triton compiles made all three miss their limits). Stages, in the order given:
 #   compress  the compress-on-write and append kernel tests (issue 12)
 #   kernels   every kernel test file (issue 12; at most KERNEL_CAP seconds, default 300)
-#   sched     tests/test_vllm_scheduling.py (scheduling invariance, prefix caching, preemption; issue 14), its
+#   sched     tests/integrations/vllm/test_vllm_scheduling.py (scheduling invariance, prefix caching, preemption; issue 14), its
 #             outputs dumped, beside stock vLLM (and the presets in SCHED_CONFIGS) on the same engines
 #             (benchmarks/vllm_gpu/sched_compare.py)
 #   preempt   the default preset's forced-preemption greedy run (issue 10)
@@ -20,18 +20,18 @@ for stage in "$@"; do
   echo "=== $stage after $(el) s ($(left) s left)"
   case $stage in
     compress)
-      timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 -m pytest tests/test_kernels_compress.py \
-        tests/test_kernels_append.py -q -n 14 -p no:cacheprovider --durations=8 -rfE > "$R/compress_tests.log" 2>&1
+      timeout "$(( $(left) < 120 ? $(left) : 120 ))" python3 -m pytest tests/kernels/test_kernels_compress.py \
+        tests/kernels/test_kernels_append.py -q -n 14 -p no:cacheprovider --durations=8 -rfE > "$R/compress_tests.log" 2>&1
       echo "rc=$?" >> "$R/compress_tests.log"; summary "$R/compress_tests.log" ;;
     kernels)
       CAP=${KERNEL_CAP:-300}
-      timeout "$(( $(left) < CAP ? $(left) : CAP ))" python3 -m pytest tests/test_kernels*.py -q -n 14 \
+      timeout "$(( $(left) < CAP ? $(left) : CAP ))" python3 -m pytest tests/kernels/test_kernels*.py -q -n 14 \
         -p no:cacheprovider --durations=15 -rfE > "$R/kernel_tests.log" 2>&1
       echo "rc=$?" >> "$R/kernel_tests.log"; summary "$R/kernel_tests.log" ;;
     sched)
       LIM=$(( $(left) < 230 ? $(left) : 230 ))
       (VLLM_ENABLE_V1_MULTIPROCESSING=1 JETSON_TQ_SCHED_JSON="$R/sched_mse_k4v3.json" timeout "$LIM" python3 -m pytest \
-        tests/test_vllm_scheduling.py -v -p no:cacheprovider --durations=5 > "$R/sched.log" 2>&1
+        tests/integrations/vllm/test_vllm_scheduling.py -v -p no:cacheprovider --durations=5 > "$R/sched.log" 2>&1
        echo "rc=$?" >> "$R/sched.log") &
       timeout "$LIM" python3 benchmarks/vllm_gpu/sched_compare.py --out "$R" --configs "${SCHED_CONFIGS:-stock}" \
         > "$R/sched_others.log" 2>&1

@@ -8,7 +8,8 @@ name, model (a directory with config.json), tq_config (JETSON_TQ_CONFIG or null)
 backend (attention backend name or null), gpu_util, max_model_len, max_num_seqs, max_num_batched_tokens,
 eager, workloads ([[context, concurrency, output_tokens], ...]; concurrency 0 = the most the cache admits,
 output_tokens -1 = enough to keep every request decoding together: ``resolve_workload``), correctness ({requests, seed,
-blocks_override} or null), env (extra environment), serve ({port} or null: run `vllm serve` instead), deadline (epoch seconds: workloads that would start later are skipped).
+blocks_override} or null), env (extra environment), serve ({port} or null: run `vllm serve` instead), deadline (epoch
+seconds: workloads that would start later are skipped).
 """
 
 from __future__ import annotations
@@ -94,16 +95,29 @@ def build_llm():
     """The engine of this spec (stock, vLLM's TurboQuant or jetson-tq) with the shared settings."""
     from vllm import LLM
 
-    kw = dict(model=SPEC["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=SPEC["max_model_len"], gpu_memory_utilization=SPEC["gpu_util"],
-              max_num_seqs=SPEC["max_num_seqs"], max_num_batched_tokens=SPEC["max_num_batched_tokens"],
-              enable_prefix_caching=False, enforce_eager=bool(SPEC.get("eager")), seed=0,
-              kv_cache_dtype=SPEC.get("kv_cache_dtype") or "auto",
-              # no Inductor (engine start in seconds) but full CUDA graphs for decode batches; native
-              # PyTorch for vLLM's custom ops, whose C++ library is not in the bundle (see docs/vllm.md)
-              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
-                                  "cudagraph_capture_sizes": SPEC.get("capture_sizes", [1, 2, 4, 8, 16, 32])},
-              ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})
+    kw = dict(
+        model=SPEC["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=SPEC["max_model_len"],
+        gpu_memory_utilization=SPEC["gpu_util"],
+        max_num_seqs=SPEC["max_num_seqs"],
+        max_num_batched_tokens=SPEC["max_num_batched_tokens"],
+        enable_prefix_caching=False,
+        enforce_eager=bool(SPEC.get("eager")),
+        seed=0,
+        kv_cache_dtype=SPEC.get("kv_cache_dtype") or "auto",
+        # no Inductor (engine start in seconds) but full CUDA graphs for decode batches; native
+        # PyTorch for vLLM's custom ops, whose C++ library is not in the bundle (see docs/vllm.md)
+        compilation_config={
+            "mode": 0,
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "custom_ops": ["none"],
+            "cudagraph_capture_sizes": SPEC.get("capture_sizes", [1, 2, 4, 8, 16, 32]),
+        },
+        ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
+    )
     if SPEC.get("backend"):
         kw["attention_config"] = {"backend": SPEC["backend"]}
     if SPEC.get("blocks_override"):
@@ -118,9 +132,13 @@ def capacity(llm, grab: _Grab, init_s: float) -> dict:
     """vLLM's own KV capacity figures after init."""
     cc = llm.llm_engine.vllm_config.cache_config
     blocks, bs = cc.num_gpu_blocks, cc.block_size
-    rec = {"num_gpu_blocks": blocks, "block_size": bs, "kv_tokens": (blocks or 0) * bs, "init_s": round(init_s, 1),
-           "log": [line for line in grab.lines if "KV cache size" in line or "concurrency" in line
-                   or "jetson-tq" in line]}
+    rec = {
+        "num_gpu_blocks": blocks,
+        "block_size": bs,
+        "kv_tokens": (blocks or 0) * bs,
+        "init_s": round(init_s, 1),
+        "log": [line for line in grab.lines if "KV cache size" in line or "concurrency" in line or "jetson-tq" in line],
+    }
     for line in grab.lines:
         if "GPU KV cache size" in line:
             rec["logged_kv_tokens"] = int(line.split(":")[1].split("tokens")[0].replace(",", "").strip())
@@ -189,12 +207,22 @@ def run_workload(llm, ctx: int, conc: int, out: int, seed: int) -> dict:
     nsteps = len(window) - 1
     toks = w1[1] - w0[1]
     ttft = sorted(v - t0 for v in first.values())
-    return {"context": ctx, "concurrency": conc, "output_tokens": out, "wall_s": round(t_end - t0, 3),
-            "ttft_first_s": round(ttft[0], 4), "ttft_last_s": round(ttft[-1], 4),
-            "decode_steps": nsteps, "decode_tokens": toks, "rows": round(toks / nsteps, 2) if nsteps else None,
-            "tpot_ms": round(1000 * dt / nsteps, 3) if nsteps else None,
-            "decode_tok_s": round(toks / dt, 1) if dt > 0 else None,
-            "graph_calls": w1[2] - w0[2], "eager_calls": w1[3] - w0[3], "attn_python_calls": w1[4] - w0[4]}
+    return {
+        "context": ctx,
+        "concurrency": conc,
+        "output_tokens": out,
+        "wall_s": round(t_end - t0, 3),
+        "ttft_first_s": round(ttft[0], 4),
+        "ttft_last_s": round(ttft[-1], 4),
+        "decode_steps": nsteps,
+        "decode_tokens": toks,
+        "rows": round(toks / nsteps, 2) if nsteps else None,
+        "tpot_ms": round(1000 * dt / nsteps, 3) if nsteps else None,
+        "decode_tok_s": round(toks / dt, 1) if dt > 0 else None,
+        "graph_calls": w1[2] - w0[2],
+        "eager_calls": w1[3] - w0[3],
+        "attn_python_calls": w1[4] - w0[4],
+    }
 
 
 def correctness(llm, spec: dict) -> dict:
@@ -206,9 +234,12 @@ def correctness(llm, spec: dict) -> dict:
     rng = np.random.default_rng(spec.get("seed", 1))
     lens = rng.integers(spec.get("min_len", 20), spec.get("max_len", 3000), size=spec["requests"]).tolist()
     outs_n = rng.integers(8, spec.get("max_out", 48), size=spec["requests"]).tolist()
-    prompts = [TokensPrompt(prompt_token_ids=rng.integers(100, SPEC.get("vocab", 32000), size=n).tolist()) for n in lens]
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
-              for m in outs_n]
+    prompts = [
+        TokensPrompt(prompt_token_ids=rng.integers(100, SPEC.get("vocab", 32000), size=n).tolist()) for n in lens
+    ]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1) for m in outs_n
+    ]
     t0 = time.perf_counter()
     res = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -220,10 +251,18 @@ def correctness(llm, spec: dict) -> dict:
         bad += sum(not math.isfinite(v) for v in lps[-1])
     from jetson_tq.integrations.vllm.compare import engine_counters
 
-    return {"requests": len(res), "prompt_lens": lens, "ids": ids, "logprobs": lps, "nonfinite_logprobs": bad,
-            "preemptions": engine_counters(llm, ("vllm:num_preemptions",))["vllm:num_preemptions"],
-            "wall_s": round(wall, 2), "sampled_logprob_mean": float(np.mean([
-                r.outputs[0].logprobs[j][t].logprob for r in res for j, t in enumerate(r.outputs[0].token_ids)]))}
+    return {
+        "requests": len(res),
+        "prompt_lens": lens,
+        "ids": ids,
+        "logprobs": lps,
+        "nonfinite_logprobs": bad,
+        "preemptions": engine_counters(llm, ("vllm:num_preemptions",))["vllm:num_preemptions"],
+        "wall_s": round(wall, 2),
+        "sampled_logprob_mean": float(
+            np.mean([r.outputs[0].logprobs[j][t].logprob for r in res for j, t in enumerate(r.outputs[0].token_ids)])
+        ),
+    }
 
 
 def serve(spec: dict) -> dict:
@@ -232,13 +271,39 @@ def serve(spec: dict) -> dict:
     import urllib.request
 
     port = int(spec.get("port", 8123))
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", SPEC["model"], "--port", str(port),
-            "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", str(SPEC["max_model_len"]),
-            "--gpu-memory-utilization", str(SPEC["gpu_util"]), "--max-num-seqs", str(SPEC["max_num_seqs"]),
-            "--no-enable-prefix-caching", "--served-model-name", "m",
-            "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
-                                                "cudagraph_capture_sizes": [1, 2, 4, 8]}),
-            "--ir-op-priority", json.dumps({"rms_norm": ["native"], "fused_add_rms_norm": ["native"]})]
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        SPEC["model"],
+        "--port",
+        str(port),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(SPEC["max_model_len"]),
+        "--gpu-memory-utilization",
+        str(SPEC["gpu_util"]),
+        "--max-num-seqs",
+        str(SPEC["max_num_seqs"]),
+        "--no-enable-prefix-caching",
+        "--served-model-name",
+        "m",
+        "--compilation-config",
+        json.dumps(
+            {
+                "mode": 0,
+                "cudagraph_mode": "FULL_DECODE_ONLY",
+                "custom_ops": ["none"],
+                "cudagraph_capture_sizes": [1, 2, 4, 8],
+            }
+        ),
+        "--ir-op-priority",
+        json.dumps({"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}),
+    ]
     if SPEC.get("backend"):
         args += ["--attention-backend", SPEC["backend"]]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")
@@ -257,10 +322,12 @@ def serve(spec: dict) -> dict:
             except OSError:
                 time.sleep(1)
         up = time.time() - t0
-        body = json.dumps({"model": "m", "prompt": "the cat sat on the mat and", "max_tokens": 16,
-                           "temperature": 0, "stream": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": "m", "prompt": "the cat sat on the mat and", "max_tokens": 16, "temperature": 0, "stream": True}
+        ).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         chunks, text, t1 = 0, "", time.time()
         with urllib.request.urlopen(req, timeout=60) as r:
             for raw in r:
@@ -268,8 +335,13 @@ def serve(spec: dict) -> dict:
                 if line.startswith("data: ") and line != "data: [DONE]":
                     chunks += 1
                     text += json.loads(line[6:])["choices"][0].get("text", "")
-        return {"ok": chunks > 1, "startup_s": round(up, 1), "stream_chunks": chunks, "text": text,
-                "request_s": round(time.time() - t1, 3)}
+        return {
+            "ok": chunks > 1,
+            "startup_s": round(up, 1),
+            "stream_chunks": chunks,
+            "text": text,
+            "request_s": round(time.time() - t1, 3),
+        }
     finally:
         proc.terminate()
         try:
@@ -291,7 +363,7 @@ def main() -> None:
     t = time.time()
     try:
         llm = build_llm()
-    except Exception as e:  # noqa: BLE001 - reported as a result, with the traceback in the log
+    except Exception as e:
         import traceback
 
         traceback.print_exc()
@@ -316,7 +388,7 @@ def main() -> None:
             continue
         try:
             emit("workload", **run_workload(llm, ctx, conc, out, seed=ctx + conc), admitted_at_once=fits)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             import traceback
 
             traceback.print_exc()
@@ -325,7 +397,7 @@ def main() -> None:
     if SPEC.get("correctness"):
         try:
             emit("correctness", **correctness(llm, SPEC["correctness"]))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             import traceback
 
             traceback.print_exc()

@@ -13,21 +13,53 @@ from pathlib import Path
 #: name -> HF config dict (the public configs' shapes; head_dim 128, GQA 28/4 and 32/8)
 CONFIGS: dict[str, dict] = {
     "qwen2.5-7b": {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645, "use_sliding_window": False,
-        "sliding_window": None, "max_window_layers": 28, "attention_dropout": 0.0,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "attention_dropout": 0.0,
     },
     "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009, "attention_bias": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128009,
+        "attention_bias": False,
         "mlp_bias": False,
     },
 }
@@ -46,7 +78,7 @@ def write_model_dir(name: str, root: str | Path) -> Path:
 
 def write_tokenizer(model_dir: str | Path, vocab_size: int = 32000) -> Path:
     """Add a local WordLevel tokenizer (no hub) so ``vllm serve`` can take and return text."""
-    from jetson_tq.integrations.vllm.tiny_model import write_tokenizer_files
+    from jetson_tq.models.tiny import write_tokenizer_files
 
     model_dir = Path(model_dir)
     write_tokenizer_files(model_dir, vocab_size)
@@ -58,3 +90,79 @@ def kv_bytes_per_token(name: str, element_bytes: int = 2) -> int:
     c = CONFIGS[name]
     head_dim = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
     return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * element_bytes
+
+
+# ------------------------------------------------------------------------------------- the model matrix (issue 21)
+MATRIX_YAML = Path(__file__).with_name("model_matrix.yaml")
+
+
+def matrix_models() -> dict[str, dict]:
+    """name -> {hf_id, matrix: {layers, ...}, config: the published config.json keys} (model_matrix.yaml)."""
+    import yaml
+
+    return yaml.safe_load(MATRIX_YAML.read_text())
+
+
+def _layer_pattern(config: dict, layers: int) -> dict:
+    """Per-layer lists (layer_types, no_rope_layers) cut to ``layers`` entries; other keys unchanged."""
+    out = dict(config)
+    for key in ("layer_types", "no_rope_layers"):
+        if isinstance(out.get(key), list):
+            out[key] = out[key][:layers]
+    return out
+
+
+def shrink(
+    config: dict,
+    layers: int | None = None,
+    *,
+    hidden: int | None = None,
+    heads: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+    vocab: int | None = None,
+    experts: int | None = None,
+) -> dict:
+    """A copy of a config with fewer layers and, for CPU tests, smaller widths; every attention feature (window
+    pattern, soft cap, head-size ratio, MoE routing) kept. Special token ids move below a smaller vocab."""
+    c = _layer_pattern(dict(config), layers or config["num_hidden_layers"])
+    c["num_hidden_layers"] = layers or config["num_hidden_layers"]
+    if heads is not None:
+        c["num_attention_heads"] = heads
+        c["num_key_value_heads"] = kv_heads if kv_heads is not None else heads
+    if head_dim is not None:
+        c["head_dim"] = head_dim
+    if hidden is not None:
+        c["hidden_size"] = hidden
+    if intermediate is not None:
+        c["intermediate_size"] = intermediate
+        if "moe_intermediate_size" in c:
+            c["moe_intermediate_size"] = intermediate
+    if experts is not None:
+        for key in ("num_experts", "num_local_experts"):
+            if key in c:
+                c[key] = experts
+        c["num_experts_per_tok"] = min(c.get("num_experts_per_tok", 2), experts)
+    if vocab is not None:
+        c["vocab_size"] = vocab
+        c.update(bos_token_id=1, eos_token_id=2)
+        if "pad_token_id" in c:
+            c["pad_token_id"] = 0
+    if "query_pre_attn_scalar" in c and head_dim is not None:
+        c["query_pre_attn_scalar"] = head_dim  # Gemma scales queries by 1/sqrt(this): the head dim, as published
+    return c
+
+
+def write_config_dir(config: dict, out: str | Path, tokenizer_vocab: int | None = None) -> Path:
+    """A weightless model directory (config.json, generation_config.json; a local tokenizer when asked)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    eos = config.get("eos_token_id")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "bos_token_id": config.get("bos_token_id")})
+    )
+    if tokenizer_vocab:
+        write_tokenizer(out, tokenizer_vocab)
+    return out

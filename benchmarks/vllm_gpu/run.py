@@ -33,18 +33,44 @@ WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
 V1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
-WORK_STOCK = [[c, n, max(64, steady_outputs(c, n))] for c, n in
-              [(8192, 1), (8192, 8), (8192, 32), (32768, 1), (32768, 8), (130944, 1)]]
+WORK_STOCK = [
+    [c, n, max(64, steady_outputs(c, n))]
+    for c, n in [(8192, 1), (8192, 8), (8192, 32), (32768, 1), (32768, 8), (130944, 1)]
+]
 WORK_TQ = WORK_STOCK[:5] + [[32768, 32, steady_outputs(32768, 32)], WORK_STOCK[5]]
 
 
-def _engine(name: str, model: str, *, tq: str | None = None, kv: str = "auto", backend: str | None = None,
-            mml: int = MML, seqs: int = 32, work=(), eager: bool = False, timeout: int = 240, env=None,
-            **extra) -> dict:
-    return {"name": name, "model_name": model, "tq_config": tq, "kv_cache_dtype": kv, "backend": backend,
-            "gpu_util": UTIL, "max_model_len": mml, "max_num_seqs": seqs, "max_num_batched_tokens": 16384,
-            "eager": eager, "workloads": [list(w) for w in work], "timeout": timeout,
-            "env": dict(V1 if env is None else env), **extra}
+def _engine(
+    name: str,
+    model: str,
+    *,
+    tq: str | None = None,
+    kv: str = "auto",
+    backend: str | None = None,
+    mml: int = MML,
+    seqs: int = 32,
+    work=(),
+    eager: bool = False,
+    timeout: int = 240,
+    env=None,
+    **extra,
+) -> dict:
+    return {
+        "name": name,
+        "model_name": model,
+        "tq_config": tq,
+        "kv_cache_dtype": kv,
+        "backend": backend,
+        "gpu_util": UTIL,
+        "max_model_len": mml,
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": 16384,
+        "eager": eager,
+        "workloads": [list(w) for w in work],
+        "timeout": timeout,
+        "env": dict(V1 if env is None else env),
+        **extra,
+    }
 
 
 def plan(kind: str) -> list[dict]:
@@ -61,11 +87,18 @@ def plan(kind: str) -> list[dict]:
         # 48 blocks of the default's 128 tokens = 6,144 tokens for 10 requests of 2-4k prompt tokens decoding up to
         # 200 each: about two fit, and a running request that crosses into a new block must preempt the newest
         # (call A, 2026-12-01: 128 blocks for 24 requests of 20-3,000 tokens decoding <= 48 never preempted)
-        _engine("corr_ours_k4v3_preempt", QWEN, tq="mse_k4v3", mml=4096, seqs=32, eager=True, blocks_override=48,
-                correctness=dict(corr, requests=10, min_len=2000, max_len=3900, max_out=200),
-                timeout=200),  # cold imports + warm-up compiles: > 110 s in H200 calls 10, 11
-        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True,
-                timeout=80),
+        _engine(
+            "corr_ours_k4v3_preempt",
+            QWEN,
+            tq="mse_k4v3",
+            mml=4096,
+            seqs=32,
+            eager=True,
+            blocks_override=48,
+            correctness=dict(corr, requests=10, min_len=2000, max_len=3900, max_out=200),
+            timeout=200,
+        ),  # cold imports + warm-up compiles: > 110 s in H200 calls 10, 11
+        _engine("corr_stock", QWEN, backend="TRITON_ATTN", mml=4096, seqs=32, correctness=corr, eager=True, timeout=80),
         _engine("corr_ours_fp16", QWEN, tq="fp16", mml=4096, seqs=32, correctness=corr, eager=True, timeout=60),
     ]
     if kind == "corr":
@@ -83,9 +116,17 @@ def plan(kind: str) -> list[dict]:
         rows = [[8192, 8, steady_outputs(8192, 8)], [32768, 1, 32], [32768, 8, steady_outputs(32768, 8)]]
         return [
             _engine("stock_bf16", QWEN, backend="TRITON_ATTN", work=rows, timeout=160, **few),
-            _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=rows + [[32768, 32, steady_outputs(32768, 32)]], timeout=230, **few),
-            _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=rows[:1] + rows[2:], timeout=120, env={},
-                    **few),  # vLLM's own runner choice (V2): under V1 its TurboQuant fails in graph-memory profiling
+            _engine(
+                "ours_mse_k4v3",
+                QWEN,
+                tq="mse_k4v3",
+                work=rows + [[32768, 32, steady_outputs(32768, 32)]],
+                timeout=230,
+                **few,
+            ),
+            _engine(
+                "vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=rows[:1] + rows[2:], timeout=120, env={}, **few
+            ),  # vLLM's own runner choice (V2): under V1 its TurboQuant fails in graph-memory profiling
             _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", **cap_only),
             _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", env={}, **cap_only),  # V2, as the 4-bit one
         ]
@@ -95,10 +136,21 @@ def plan(kind: str) -> list[dict]:
         _engine("ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_TQ, timeout=200),
         _engine("vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", work=WORK_TQ, timeout=120),
         _engine("ours_blog_k3v2", QWEN, tq="blog_k3v2", work=[[32768, 8, 64], [32768, 32, 64]], timeout=80),
-        _engine("stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=[[32768, 8, 64], [32768, 1, 64], [8192, 8, 64]],
-                timeout=80),
-        _engine("stock_bf16_runner_v2", QWEN, backend="TRITON_ATTN", work=[[32768, 8, 64], [8192, 8, 64]], env={},
-                timeout=80),
+        _engine(
+            "stock_fa3",
+            QWEN,
+            backend="FLASH_ATTN_FIXED",
+            work=[[32768, 8, 64], [32768, 1, 64], [8192, 8, 64]],
+            timeout=80,
+        ),
+        _engine(
+            "stock_bf16_runner_v2",
+            QWEN,
+            backend="TRITON_ATTN",
+            work=[[32768, 8, 64], [8192, 8, 64]],
+            env={},
+            timeout=80,
+        ),
         _engine("vllm_tq_3bit_nc", QWEN, kv="turboquant_3bit_nc", **cap_only),
         *corr_jobs,
         # Llama-3.1-8B capacity at 32k (131 kB/token stock: 128k does not fit this budget in bf16)
@@ -107,8 +159,16 @@ def plan(kind: str) -> list[dict]:
         _engine("llama_ours_blog_k3v2", LLAMA, tq="blog_k3v2", mml=32768, **cap_only),
         _engine("llama_vllm_tq_4bit_nc", LLAMA, kv="turboquant_4bit_nc", mml=32768, **cap_only),
         _engine("llama_vllm_tq_3bit_nc", LLAMA, kv="turboquant_3bit_nc", mml=32768, **cap_only),
-        _engine("serve_ours_mse_k4v3", QWEN, tq="mse_k4v3", mml=4096, seqs=8, serve={"port": 8123}, tokenizer=True,
-                timeout=170),
+        _engine(
+            "serve_ours_mse_k4v3",
+            QWEN,
+            tq="mse_k4v3",
+            mml=4096,
+            seqs=8,
+            serve={"port": 8123},
+            tokenizer=True,
+            timeout=170,
+        ),
         _engine("eager_stock", QWEN, backend="TRITON_ATTN", work=WORK_EAGER, eager=True, mml=40000, timeout=70),
         _engine("eager_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=WORK_EAGER, eager=True, mml=40000, timeout=70),
     ]
@@ -152,8 +212,13 @@ def run_job(spec: dict, out: Path, deadline: float) -> list[dict]:
     with open(out / "raw.log", "a") as log:
         log.write(f"\n===== job {spec['name']} {json.dumps(spec)}\n")
         log.flush()
-        proc = subprocess.Popen([sys.executable, str(HERE / "job.py"), json.dumps(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "job.py"), json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ.copy(),
+        )
         try:
             deadline_job = t + timeout
             for line in proc.stdout:
@@ -161,8 +226,12 @@ def run_job(spec: dict, out: Path, deadline: float) -> list[dict]:
                 if line.startswith("RESULT "):
                     rec = json.loads(line[7:])
                     results.append(rec)
-                    print(json.dumps({k: v for k, v in rec.items() if k not in ("ids", "prompt_lens", "log", "logprobs")}),
-                          flush=True)
+                    print(
+                        json.dumps(
+                            {k: v for k, v in rec.items() if k not in ("ids", "prompt_lens", "log", "logprobs")}
+                        ),
+                        flush=True,
+                    )
                 if time.time() > deadline_job:
                     proc.kill()
                     results.append({"job": spec["name"], "kind": "error", "error": f"killed after {timeout:.0f} s"})
@@ -183,9 +252,12 @@ def summarize(results: list[dict]) -> dict:
     for job, c in caps.items():
         model = LLAMA if job.startswith("llama") else QWEN
         base = caps.get("llama_stock" if model == LLAMA else "stock_bf16")
-        summary["capacity"][job] = {"kv_tokens": c["kv_tokens"], "num_gpu_blocks": c["num_gpu_blocks"],
-                                    "x_stock": round(c["kv_tokens"] / base["kv_tokens"], 3) if base else None,
-                                    "stock_bytes_per_token": kv_bytes_per_token(model)}
+        summary["capacity"][job] = {
+            "kv_tokens": c["kv_tokens"],
+            "num_gpu_blocks": c["num_gpu_blocks"],
+            "x_stock": round(c["kv_tokens"] / base["kv_tokens"], 3) if base else None,
+            "stock_bytes_per_token": kv_bytes_per_token(model),
+        }
     summary["workloads"] = [r for r in results if r["kind"] == "workload"]
     corr = {r["job"]: r for r in results if r["kind"] == "correctness"}
     if "corr_stock" in corr:
@@ -201,20 +273,27 @@ def summarize(results: list[dict]) -> dict:
                 n = min(len(a), len(b)) if d is None else d
                 dlp += [abs(x - y) for x, y in zip(la[:n], lb[:n])]
             summary[f"greedy_{job}_vs_stock"] = {
-                "identical_requests": sum(a == b for a, b in zip(ref["ids"], c["ids"])), "of": len(ref["ids"]),
-                "first_divergence": first_div, "nonfinite_logprobs": c["nonfinite_logprobs"],
+                "identical_requests": sum(a == b for a, b in zip(ref["ids"], c["ids"])),
+                "of": len(ref["ids"]),
+                "first_divergence": first_div,
+                "nonfinite_logprobs": c["nonfinite_logprobs"],
                 "preemptions": c.get("preemptions"),
-                "max_abs_logprob_diff_common_prefix": round(max(dlp), 5) if dlp else None}
+                "max_abs_logprob_diff_common_prefix": round(max(dlp), 5) if dlp else None,
+            }
     return summary
 
 
 def _rows(results: list[dict], job: str) -> dict[tuple[int, int], dict]:
-    return {(r["context"], r["concurrency"]): r for r in results
-            if r["job"] == job and r["kind"] == "workload" and "skipped" not in r}
+    return {
+        (r["context"], r["concurrency"]): r
+        for r in results
+        if r["job"] == job and r["kind"] == "workload" and "skipped" not in r
+    }
 
 
-def targets(results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stock_bf16",
-            theirs: str = "vllm_tq_4bit_nc") -> dict:
+def targets(
+    results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stock_bf16", theirs: str = "vllm_tq_4bit_nc"
+) -> dict:
     """Issue 10's targets, met / missed / not measured, from the RESULT lines."""
     caps = {r["job"]: r["kv_tokens"] for r in results if r["kind"] == "capacity"}
     o, s, t = _rows(results, ours), _rows(results, stock), _rows(results, theirs)
@@ -233,14 +312,22 @@ def targets(results: list[dict], ours: str = "ours_mse_k4v3", stock: str = "stoc
     bo, bs = best32k(o), best32k(s)
     agg = bo / bs if bo and bs else None
     verdict("aggregate_32k_x_stock>=2", None if agg is None else round(agg, 3), agg is not None and agg >= 2)
-    tpot = {f"{c}x{n}": round(o[k]["tpot_ms"] / s[k]["tpot_ms"], 3) for k in sorted(o.keys() & s.keys())
-            for c, n in [k] if o[k].get("tpot_ms") and s[k].get("tpot_ms")}
+    tpot = {
+        f"{c}x{n}": round(o[k]["tpot_ms"] / s[k]["tpot_ms"], 3)
+        for k in sorted(o.keys() & s.keys())
+        for c, n in [k]
+        if o[k].get("tpot_ms") and s[k].get("tpot_ms")
+    }
     verdict("tpot_x_stock<=1.3", tpot or None, bool(tpot) and max(tpot.values()) <= 1.3)
     k = (32768, 1)
     ttft = o[k]["ttft_first_s"] / s[k]["ttft_first_s"] if k in o and k in s else None
     verdict("ttft_32k_x_stock<=1.5", None if ttft is None else round(ttft, 3), ttft is not None and ttft <= 1.5)
-    vs = {f"{c}x{n}": round(o[k]["decode_tok_s"] / t[k]["decode_tok_s"], 3) for k in sorted(o.keys() & t.keys())
-          for c, n in [k] if o[k].get("decode_tok_s") and t[k].get("decode_tok_s")}
+    vs = {
+        f"{c}x{n}": round(o[k]["decode_tok_s"] / t[k]["decode_tok_s"], 3)
+        for k in sorted(o.keys() & t.keys())
+        for c, n in [k]
+        if o[k].get("decode_tok_s") and t[k].get("decode_tok_s")
+    }
     verdict("decode_x_vllm_turboquant>1_every_row", vs or None, bool(vs) and min(vs.values()) > 1)
     return out
 
@@ -251,8 +338,12 @@ def main() -> None:
     ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
-    ap.add_argument("--stock-backend", default="TRITON_ATTN", choices=["TRITON_ATTN", "FLASH_ATTN"],
-                    help="stock vLLM's attention (FLASH_ATTN = FA3, needs the optional bundle part)")
+    ap.add_argument(
+        "--stock-backend",
+        default="TRITON_ATTN",
+        choices=["TRITON_ATTN", "FLASH_ATTN"],
+        help="stock vLLM's attention (FLASH_ATTN = FA3, needs the optional bundle part)",
+    )
     args = ap.parse_args()
     start = time.time()
     deadline = start + args.budget

@@ -1,4 +1,5 @@
-"""tests/test_vllm_scheduling.py's two engines, run with stock vLLM (KV budgets of 64 and 4 stock blocks) and/or other
+"""tests/integrations/vllm/test_vllm_scheduling.py's two engines, run with stock vLLM (KV budgets of 64 and 4 stock
+blocks) and/or other
 jetson-tq presets (same model, prompts and schedules), side by side, and compared the way the test compares the
 default preset's: per output, the first step where the tokens differ from the roomy batch, both runs' greedy margins
 there and the largest log-probability gap before it.
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_vllm_scheduling as sched  # noqa: E402
+
 from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
 
 
@@ -41,10 +43,16 @@ def comparisons(runs: dict) -> list[dict]:
     rows = []
     for what, x, y in pairs:
         n = sched.first_difference(x, y)
-        rows.append({"what": what, "first_difference": n if n < len(x["token_ids"]) else None,
-                     "margins_there": [x["margins"][n], y["margins"][n]] if n < len(x["token_ids"]) else None,
-                     "max_logprob_gap_before": max([0.0] + [abs(a - b) for a, b in zip(x["logprobs"][:n],
-                                                                                          y["logprobs"][:n])])})
+        rows.append(
+            {
+                "what": what,
+                "first_difference": n if n < len(x["token_ids"]) else None,
+                "margins_there": [x["margins"][n], y["margins"][n]] if n < len(x["token_ids"]) else None,
+                "max_logprob_gap_before": max(
+                    [0.0] + [abs(a - b) for a, b in zip(x["logprobs"][:n], y["logprobs"][:n])]
+                ),
+            }
+        )
     return rows
 
 
@@ -54,18 +62,29 @@ def run_config(config: str, model: Path) -> dict:
         jobs = sched.scheduling_jobs(model)
         jobs["roomy"]["kv_bytes"] = 64 * stock_block_bytes()
         jobs["tight"]["kv_bytes"] = 4 * stock_block_bytes()
-        return {name: run_engine_subprocess(j, None, dict(sched.ENV, VLLM_PLUGINS=""), timeout=600)
-                for name, j in jobs.items()}
-    return {name: run_engine_subprocess(j, config, sched.ENV, timeout=600)
-            for name, j in sched.scheduling_jobs(model, config).items()}
+        return {
+            name: run_engine_subprocess(j, None, dict(sched.ENV, VLLM_PLUGINS=""), timeout=600)
+            for name, j in jobs.items()
+        }
+    return {
+        name: run_engine_subprocess(j, config, sched.ENV, timeout=600)
+        for name, j in sched.scheduling_jobs(model, config).items()
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--configs", default="stock", help="comma-separated: stock and/or jetson-tq presets, run side by side")
-    ap.add_argument("--reuse", nargs="*", type=Path, default=[],
-                    help="earlier dumps (sched_<config>.json, or the test's JETSON_TQ_SCHED_JSON) to compare instead")
+    ap.add_argument(
+        "--configs", default="stock", help="comma-separated: stock and/or jetson-tq presets, run side by side"
+    )
+    ap.add_argument(
+        "--reuse",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="earlier dumps (sched_<config>.json, or the test's JETSON_TQ_SCHED_JSON) to compare instead",
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     runs = {p.stem.removeprefix("sched_"): json.loads(p.read_text()) for p in args.reuse if p.exists()}
@@ -82,8 +101,10 @@ def main() -> None:
     for name, r in report.items():
         diffs = [row for row in r["rows"] if row["first_difference"] is not None]
         worst = max(row["max_logprob_gap_before"] for row in r["rows"])
-        print(f"{name}: preemptions {r['preemptions']}, {len(diffs)} of {len(r['rows'])} outputs differ, "
-              f"largest log-probability gap before a difference {worst:.2e}")
+        print(
+            f"{name}: preemptions {r['preemptions']}, {len(diffs)} of {len(r['rows'])} outputs differ, "
+            f"largest log-probability gap before a difference {worst:.2e}"
+        )
         for row in diffs:
             print(f"  {row['what']}: step {row['first_difference']}, margins {row['margins_there']}")
     sys.stdout.flush()

@@ -64,32 +64,52 @@ def spec_row(model: str, which: str, port: int) -> dict:
 
     base = CONFIGS[model]
     kv = base["num_key_value_heads"]
-    narrow = dict(base, hidden_size=2 * kv * 128, num_attention_heads=2 * kv, head_dim=128, intermediate_size=256,
-                  vocab_size=1000)
+    narrow = dict(
+        base, hidden_size=2 * kv * 128, num_attention_heads=2 * kv, head_dim=128, intermediate_size=256, vocab_size=1000
+    )
     d = Path(os.environ.get("JTQ_MODELS", "/tmp/jtq_models")) / f"{model}-narrow"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(narrow))
-    extra = {"attention_config": {"backend": "TRITON_ATTN"}} if which == "stock" else (
-        {"kv_cache_dtype": which} if which.startswith("turboquant") else {})
-    cfg = EngineArgs(model=str(d), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-                     gpu_memory_utilization=0.25, max_num_seqs=8, enable_prefix_caching=False,
-                     compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]},
-                     ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
-                     **extra).create_engine_config()
+    extra = (
+        {"attention_config": {"backend": "TRITON_ATTN"}}
+        if which == "stock"
+        else ({"kv_cache_dtype": which} if which.startswith("turboquant") else {})
+    )
+    cfg = EngineArgs(
+        model=str(d),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        gpu_memory_utilization=0.25,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]},
+        ir_op_priority={"rms_norm": ["native"], "fused_add_rms_norm": ["native"]},
+        **extra,
+    ).create_engine_config()
     cfg.kernel_config.ir_op_priority.set_default()
     with set_current_vllm_config(cfg):
-        init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                     local_rank=0, backend="gloo")
+        init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo"
+        )
         initialize_model_parallel(1, 1)
         torch.set_default_dtype(torch.bfloat16)
         cls, _ = get_model_architecture(cfg.model_config)
         net = cls(vllm_config=cfg, prefix="")
         attn = [m for m in net.modules() if type(m).__name__ == "Attention"]
         specs = [a.get_kv_cache_spec(cfg) for a in attn]
-    return {"model": model, "config": which, "runner": "V2" if cfg.use_v2_model_runner else "V1",
-            "backend": str(cfg.attention_config.backend), "layers": len(attn), "kv_heads": kv,
-            "block_size": specs[0].block_size, "impls": sorted({type(a.impl).__name__ for a in attn}),
-            "kv_bytes_per_token": sum(s.page_size_bytes for s in specs) / specs[0].block_size}
+    return {
+        "model": model,
+        "config": which,
+        "runner": "V2" if cfg.use_v2_model_runner else "V1",
+        "backend": str(cfg.attention_config.backend),
+        "layers": len(attn),
+        "kv_heads": kv,
+        "block_size": specs[0].block_size,
+        "impls": sorted({type(a.impl).__name__ for a in attn}),
+        "kv_bytes_per_token": sum(s.page_size_bytes for s in specs) / specs[0].block_size,
+    }
 
 
 def main() -> None:
@@ -101,9 +121,13 @@ def main() -> None:
     for which in configs:
         res = subprocess.run([sys.executable, __file__, "--one", model, which], capture_output=True, text=True)
         rows = [line for line in res.stdout.splitlines() if line.startswith("SPECROW ")]
-        print(rows[0] if rows else "FAILED " + json.dumps({"model": model, "config": which,
-                                                             "error": res.stderr.strip().splitlines()[-1:]}),
-              flush=True)
+        print(
+            rows[0]
+            if rows
+            else "FAILED "
+            + json.dumps({"model": model, "config": which, "error": res.stderr.strip().splitlines()[-1:]}),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import math
 
 import torch
 
+from ..errors import ShapeError, expect_float, expect_same_device
 from ..format import exact_start
 from ..paged import PagedKV
-from ..errors import ShapeError, expect_float, expect_same_device
 from ..validate import check_softmax_scale
 
 
@@ -88,8 +88,14 @@ def _ring_positions(kv: PagedKV, device: torch.device) -> torch.Tensor:
     return torch.where(off < rec.unsqueeze(1), base + off, -1)
 
 
-def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
-                            softmax_scale: float | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    softmax_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] at positions [s, s + T) over history and chunk (causal), with the
     window rule of decode: a query at position p reads positions [e, p] exactly and older ones compressed, e =
     ``kv.layout.fmt.exact_start(p)`` with R = the ring size ``kv.recent_k.shape[2]`` (p + 1 - R sliding, p - p % R
@@ -101,15 +107,17 @@ def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     ``attn_mask`` (optional, bool or additive, [B|1, 1|Hq, T, s + T] over key positions; equal s across the batch)
     is applied on top (padding, custom patterns); a query row it masks fully gets zeros.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        expect_float(name, t)
-        if t.dim() != 4:
-            raise ShapeError(f"{name}: expected a 4-d tensor [B, H, T, D], got {tuple(t.shape)}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        expect_float(name, x)
+        if x.dim() != 4:
+            raise ShapeError(f"{name}: expected a 4-d tensor [B, H, T, D], got {tuple(x.shape)}")
     check_softmax_scale(softmax_scale)
     expect_same_device(q=q, k=k, v=v, pages=kv.pages)
     if k.shape != v.shape or k.shape[1] != kv.num_kv_heads or k.shape[2] != q.shape[2] or k.shape[0] != q.shape[0]:
-        raise ShapeError(f"k, v: expected [{q.shape[0]}, {kv.num_kv_heads}, {q.shape[2]}, D], "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ShapeError(
+            f"k, v: expected [{q.shape[0]}, {kv.num_kv_heads}, {q.shape[2]}, D], "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qg = _group_query(q, kv)  # [B, Hkv, G, T, D]
     dev, t, ring = q.device, q.shape[2], kv.recent_k.shape[2]
@@ -132,8 +140,11 @@ def paged_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     epos = torch.cat([rpos, qpos], dim=1)  # [B, R + T]
     ek, ev = torch.cat([rk, kc], dim=2), torch.cat([rv, vc], dim=2)
     s_exact = qg @ ek.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, R + T]
-    ok_exact = (epos[:, None, :] >= 0) & (epos[:, None, :] >= oldest_exact[:, :, None]) \
+    ok_exact = (
+        (epos[:, None, :] >= 0)
+        & (epos[:, None, :] >= oldest_exact[:, :, None])
         & (epos[:, None, :] <= qpos[:, :, None])
+    )
     s_comp = s_comp.masked_fill(~ok_comp[:, None, None], float("-inf")) * scale
     s_exact = s_exact.masked_fill(~ok_exact[:, None, None], float("-inf")) * scale
     if attn_mask is not None:
@@ -150,11 +161,19 @@ def _positional_mask(mask: torch.Tensor, hist: torch.Tensor, t: int, epos: torch
     n = int(hist.max()) + t
     if bool((hist != hist[0]).any()):
         raise ShapeError(f"attn_mask: needs equal history lengths across the batch, got {hist.tolist()}")
-    if mask.dim() != 4 or mask.shape[-1] != n or mask.shape[-2] != t or mask.shape[0] not in (1, b) \
-            or mask.shape[1] not in (1, hkv * g):
+    if (
+        mask.dim() != 4
+        or mask.shape[-1] != n
+        or mask.shape[-2] != t
+        or mask.shape[0] not in (1, b)
+        or mask.shape[1] not in (1, hkv * g)
+    ):
         raise ShapeError(f"attention_mask: expected [{b}, 1 or {hkv * g}, {t}, {n}], got {tuple(mask.shape)}")
-    add = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+    add = (
+        torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        if mask.dtype == torch.bool
         else mask.float()
+    )
     add = add.reshape(add.shape[0], 1, 1, t, n) if add.shape[1] == 1 else add.reshape(add.shape[0], hkv, g, t, n)
     full = add.expand(b, *add.shape[1:])
     idx = epos.clamp_min(0)[:, None, None, None, :].expand(b, add.shape[1], add.shape[2], t, epos.shape[1])

@@ -16,15 +16,26 @@ Pages grow geometrically, eagerly, outside graph capture only.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 from .. import ops
 from ..codec.kv import Fields, KVCodec
-from ..errors import (DTypeError, JetsonTQError, ShapeError, expect_float, expect_int, expect_same_device,
-                      expect_tensor)
+from ..errors import DTypeError, JetsonTQError, ShapeError, expect_float, expect_int, expect_same_device, expect_tensor
 from ..format import KVFormat, PagedLayout, exact_count
 from ..paged import PagedKV, allocate_pages
-from ..validate import FAULT_NONE, StoreLimits, check_cache_args, check_kv_storable, store_fault_error
+from ..validate import (
+    FAULT_NONE,
+    StoreLimits,
+    check_allocatable,
+    check_cache_args,
+    check_kv_storable,
+    free_bytes,
+    human_bytes,
+    store_fault_error,
+)
 
 _MIN_CAPACITY = 64
 DEFAULT_BLOCK_SIZE = 16
@@ -51,22 +62,44 @@ class CompressedKVCache:
     graph replays, ``overflowed``, growing the pages) or by ``check()``; ``stage`` (prefill) checks before returning.
     """
 
-    def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, batch_size: int = 1, *,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float16,
-                 seed: int | None = None, initial_capacity: int = _MIN_CAPACITY,
-                 block_size: int = DEFAULT_BLOCK_SIZE, validate: bool = True) -> None:
-        device = check_cache_args(fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size)
+    def __init__(
+        self,
+        fmt: KVFormat,
+        num_kv_heads: int,
+        head_dim: int,
+        batch_size: int = 1,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float16,
+        seed: int | None = None,
+        initial_capacity: int = _MIN_CAPACITY,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        validate: bool = True,
+    ) -> None:
+        device = check_cache_args(
+            fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size, validate
+        )
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
-        self.device, self.dtype, self.validate = torch.device(device), dtype, bool(validate)
-        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
+        self.device, self.dtype, self.validate = torch.device(device), dtype, validate
         self.layout = PagedLayout(fmt, head_dim, block_size)
         self.recent_window = fmt.buffer_tokens
         ring_shape = (batch_size, num_kv_heads, self.recent_window, head_dim)
+        blocks = -(-max(int(initial_capacity), 1) // block_size)
+        ring_bytes = 2 * math.prod(ring_shape) * dtype.itemsize
+        page_bytes = self._pages_bytes(blocks)
+        check_allocatable(
+            f"CompressedKVCache(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+            f"head_dim={head_dim}, initial_capacity={initial_capacity:,} tokens): pages "
+            f"{human_bytes(page_bytes)} + recent ring {human_bytes(ring_bytes)}",
+            page_bytes + ring_bytes,
+            self.device,
+        )
+        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
         self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         self._lens = torch.zeros(batch_size, **i32)  # tokens per sequence: the truth, on the device
         self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
         self._rec = torch.zeros(batch_size, **i32)  # r = exact_count(L)
@@ -82,8 +115,7 @@ class CompressedKVCache:
         self._rows = torch.arange(batch_size, **i32)
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
-        self._view: PagedKV | None = None
-        self._allocate_blocks(-(-max(int(initial_capacity), 1) // block_size))
+        self._allocate_blocks(blocks)
 
     # ------------------------------------------------------------------ storage
     @property
@@ -91,7 +123,18 @@ class CompressedKVCache:
         """Tokens each sequence can hold before the pages grow."""
         return self.blocks_per_seq * self.layout.block_size
 
+    def _pages_bytes(self, blocks_per_seq: int) -> int:
+        """Bytes of page storage for ``blocks_per_seq`` blocks per sequence."""
+        return self.batch_size * blocks_per_seq * self.num_kv_heads * self.layout.page_bytes
+
     def _allocate_blocks(self, blocks_per_seq: int) -> None:
+        if self.blocks_per_seq:  # growing (the constructor checked its own first allocation, ring included)
+            check_allocatable(
+                f"growing the cache to {blocks_per_seq * self.layout.block_size:,} tokens per sequence "
+                f"(batch {self.batch_size}, {self.num_kv_heads} KV heads)",
+                self._pages_bytes(blocks_per_seq),
+                self.device,
+            )
         new = allocate_pages(self.layout, self.batch_size * blocks_per_seq, self.num_kv_heads, self.device)
         if self.blocks_per_seq:
             old = self.pages.unflatten(0, (self.batch_size, self.blocks_per_seq))
@@ -100,8 +143,9 @@ class CompressedKVCache:
         b = torch.arange(self.batch_size, device=self.device, dtype=torch.int32).unsqueeze(1)
         j = torch.arange(blocks_per_seq, device=self.device, dtype=torch.int32).unsqueeze(0)
         table = b * blocks_per_seq + j
-        self._view = PagedKV(self.pages, table, self._comp, self.ring_k, self.ring_v, self._rec, self._rows,
-                             self.layout, self.codec)
+        self._view = PagedKV(
+            self.pages, table, self._comp, self.ring_k, self.ring_v, self._rec, self._rows, self.layout, self.codec
+        )
 
     def reserve(self, tokens: int) -> None:
         """Make room for ``tokens`` tokens per sequence now (e.g. before capturing a CUDA graph of appends)."""
@@ -109,11 +153,17 @@ class CompressedKVCache:
             raise ShapeError(f"reserve: expected a token count >= 0, got {tokens!r}")
         if tokens > self.capacity:
             if _capturing(self.pages):
-                raise CaptureError(f"the cache must grow to {tokens} tokens per sequence (capacity {self.capacity}) "
-                                   "during CUDA graph capture; call cache.reserve(tokens) before capturing")
+                raise CaptureError(
+                    f"the cache must grow to {tokens} tokens per sequence (capacity {self.capacity}) "
+                    "during CUDA graph capture; call cache.reserve(tokens) before capturing"
+                )
             self._raise_fault(block=True)  # a recorded fault names its slot at the capacity it was written with
             need = -(-tokens // self.layout.block_size)
-            self._allocate_blocks(max(need, 2 * self.blocks_per_seq))
+            grow = max(need, 2 * self.blocks_per_seq)
+            free = free_bytes(self.device)
+            if free is not None and self._pages_bytes(grow) > free:
+                grow = need  # near the device's limit: only what was asked (else the check below names it)
+            self._allocate_blocks(grow)
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -181,12 +231,14 @@ class CompressedKVCache:
             self._fault_pending = self._fault_blind = False
             return
         err = store_fault_error(code, self.capacity, self.fmt, self.dtype, self.codec.raw_dtype)
+        assert err is not None  # code != FAULT_NONE names an error
         self._fault.copy_(torch.tensor([FAULT_NONE, 0], dtype=torch.int64))  # the cache goes on from before it
         self._fault_pending = self._fault_blind = False
         self._host_lens = self._lens.to("cpu", torch.int64)  # the host had counted the refused tokens
         self._host_valid = True
-        raise type(err)(f"{err} (checked on the device: that append, and any issued after it before this error, "
-                        "was not stored)")
+        raise type(err)(
+            f"{err} (checked on the device: that append, and any issued after it before this error, was not stored)"
+        )
 
     def _checked_write_issued(self, block: bool) -> None:
         """Bookkeeping after a device-checked write: ``block`` raises its fault now; on CUDA, eagerly, a snapshot of
@@ -223,8 +275,10 @@ class CompressedKVCache:
         expect_same_device(k=k, v=v, cache=self.ring_k)
         if k.shape != v.shape or k.dim() != rank or k.shape[-3] != self.num_kv_heads or k.shape[-1] != self.head_dim:
             lead = "[B, " if rank == 4 else "["
-            raise ShapeError(f"k, v: expected {lead}{self.num_kv_heads}, T, {self.head_dim}], "
-                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ShapeError(
+                f"k, v: expected {lead}{self.num_kv_heads}, T, {self.head_dim}], "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
 
     def append(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
         """Append T tokens: k, v [B, H, T, D] for every sequence, or [H, T, D] for sequence ``seq``.
@@ -266,25 +320,62 @@ class CompressedKVCache:
         if guard is not None and stage:
             self._checked_write_issued(block=not commit)  # staging feeds prefill attention: its fault raises now
 
-    def _put_rows(self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool,
-                  guard: torch.Tensor | None) -> None:
+    def _put_rows(
+        self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool, guard: torch.Tensor | None
+    ) -> None:
         """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] in one launch and, when staging,
         compress-on-write in one launch that reads the input in place (a flat [nb * T, H, D] view when T == 1 or
         nb == 1, else rows [nb, T, H, D]). With a ``guard`` (device-side checks) the write records its faults there
         and the commit is a launch of its own after it, skipped on the device when the record holds a fault (the
         whole append or nothing)."""
-        slots = ops.append_rows(k, v, self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow,
-                                rows.start, self.capacity, stage, commit and guard is None, self.fmt.block_window)
+        slots = ops.append_rows(
+            k,
+            v,
+            self.ring_k,
+            self.ring_v,
+            self._lens,
+            self._comp,
+            self._rec,
+            self._overflow,
+            rows.start,
+            self.capacity,
+            stage,
+            commit and guard is None,
+            self.fmt.block_window,
+        )
         if stage:
+            assert slots is not None  # append_rows returns the slots when staging
             nb, h, t, d = k.shape
             kt, vt = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [nb, T, H, D] views
             if t == 1 or nb == 1:
                 kt, vt = kt.reshape(nb * t, h, d), vt.reshape(nb * t, h, d)  # still views
-            ops.write(kt, vt, slots, self.pages, self.layout, self.codec, fault=guard,
-                      limits=self._limits if guard is not None else None)
+            ops.write(
+                kt,
+                vt,
+                slots,
+                self.pages,
+                self.layout,
+                self.codec,
+                fault=guard,
+                limits=self._limits if guard is not None else None,
+            )
         if commit and guard is not None:
-            ops.append_rows(k, v, self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow,
-                            rows.start, self.capacity, False, True, self.fmt.block_window, guard=guard)
+            ops.append_rows(
+                k,
+                v,
+                self.ring_k,
+                self.ring_v,
+                self._lens,
+                self._comp,
+                self._rec,
+                self._overflow,
+                rows.start,
+                self.capacity,
+                False,
+                True,
+                self.fmt.block_window,
+                guard=guard,
+            )
 
     def _inputs(self, k: torch.Tensor, v: torch.Tensor, seq: int | None) -> tuple[range, torch.Tensor, torch.Tensor]:
         """Validated (rows, k, v) with k, v as [rows, H, T, D]."""
@@ -302,8 +393,15 @@ class CompressedKVCache:
         """Refuse non-finite or overflowing K/V before anything is stored (``jetson_tq.validate``; the reference path:
         one device sync on CUDA, skipped in graph capture)."""
         if self.validate and not _capturing(k):
-            check_kv_storable(k, v, self.fmt, self.dtype, self.codec.raw_dtype, list(rows),
-                              self.lengths[rows.start : rows.stop].tolist())
+            check_kv_storable(
+                k,
+                v,
+                self.fmt,
+                self.dtype,
+                self.codec.raw_dtype,
+                list(rows),
+                self.lengths[rows.start : rows.stop].tolist(),
+            )
 
     def _make_room(self, rows: range, t: int) -> None:
         """Eagerly: grow the pages for ``t`` more tokens. During capture: check the room (named error if none)."""
@@ -311,8 +409,10 @@ class CompressedKVCache:
             known = self._host_lens  # lengths at capture time: replays beyond capacity are flagged, not written
             need = int(known[rows.start : rows.stop].max()) + t
             if need > self.capacity:
-                raise CaptureError(f"append of {t} tokens during CUDA graph capture needs {need} tokens of capacity, "
-                                   f"the cache has {self.capacity}; call cache.reserve(tokens) before capturing")
+                raise CaptureError(
+                    f"append of {t} tokens during CUDA graph capture needs {need} tokens of capacity, "
+                    f"the cache has {self.capacity}; call cache.reserve(tokens) before capturing"
+                )
             return
         self.reserve(int(self.lengths[rows.start : rows.stop].max()) + t)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
+from ..arg_types import device_name, fraction, nonnegative_float, positive_float, positive_int
 from ..config import DEFAULT_PRESET, load_config, preset_names
 from ..errors import ConfigError
-from ..reports.capacity import (KVBudget, capacity_report, format_measurement, format_report, human_bytes,
-                                measure_model)
 from ..models.specs import ModelSpec, load_model_spec
-from ..arg_types import device_name, fraction, nonnegative_float, positive_float, positive_int
+from ..reports.capacity import KVBudget, capacity_report, format_measurement, format_report, human_bytes, measure_model
 
 DEFAULT_MODEL = "qwen2.5-7b-instruct"
 DEFAULT_UTILIZATION = 0.85  # vLLM --gpu-memory-utilization on unified memory: 0.75-0.85 (FIELD_NOTES)
@@ -32,20 +32,27 @@ def resolve_budget(args: argparse.Namespace, model: ModelSpec) -> KVBudget:
         kv = int(args.kv_budget_gb * 1e9)
         return KVBudget(kv + weights + overhead, 1.0, weights, overhead, "--kv-budget-gb")
     if args.memory_gb is not None:
-        budget = KVBudget(int(args.memory_gb * 1e9), args.utilization, weights, overhead, f"--memory-gb {args.memory_gb:g}")
+        budget = KVBudget(
+            int(args.memory_gb * 1e9), args.utilization, weights, overhead, f"--memory-gb {args.memory_gb:g}"
+        )
     else:
         from ..platform import memory_budget, probe
 
         info = probe()
         mem = memory_budget(info)
         if mem.available_bytes is None:
-            raise ConfigError(f"cannot read this machine's memory budget ({mem.note}); pass --memory-gb or --kv-budget-gb")
+            raise ConfigError(
+                f"cannot read this machine's memory budget ({mem.note}); pass --memory-gb or --kv-budget-gb"
+            )
         budget = KVBudget(mem.available_bytes, args.utilization, weights, overhead, f"this {info.kind}: {mem.source}")
     if budget.kv_bytes <= 0:
-        raise ConfigError(f"no memory left for the KV cache: {budget.source}: {human_bytes(budget.available_bytes)} x "
-                          f"utilization {budget.utilization:g} = {human_bytes(budget.usable_bytes)}, but weights {human_bytes(weights)} "
-                          f"+ overhead {human_bytes(overhead)} need more; expected a larger --memory-gb, a smaller "
-                          f"--weights-gb/--overhead-gb, or --kv-budget-gb")
+        raise ConfigError(
+            f"no memory left for the KV cache: {budget.source}: {human_bytes(budget.available_bytes)} x "
+            f"utilization {budget.utilization:g} = {human_bytes(budget.usable_bytes)}, "
+            f"but weights {human_bytes(weights)} "
+            f"+ overhead {human_bytes(overhead)} need more; expected a larger --memory-gb, a smaller "
+            f"--weights-gb/--overhead-gb, or --kv-budget-gb"
+        )
     return budget
 
 
@@ -78,15 +85,16 @@ def run_capacity(args: argparse.Namespace) -> dict:
         names = args.compare.split(",") if args.compare else preset_names()
         configs = [load_config(n) for n in names if n != config.name] + [config]
         path = _plot_path(args, model, config.name)
-    out = {"report": capacity_report(model, config, budget, context)}
+    out: dict[str, Any] = {"report": capacity_report(model, config, budget, context)}
     if device is not None:
         tokens = args.measure_tokens or (GPU_MEASURE_TOKENS if device.startswith("cuda") else CPU_MEASURE_TOKENS)
         out["measured"] = measure_model(config, model, tokens, device)
     if not args.no_plot:
         from ..reports.plots import plot_capacity
 
-        out["plot"] = str(plot_capacity(model, configs, budget.kv_bytes, path,
-                                        f"{model.name}: KV memory vs tokens ({budget.source})"))
+        out["plot"] = str(
+            plot_capacity(model, configs, budget.kv_bytes, path, f"{model.name}: KV memory vs tokens ({budget.source})")
+        )
     return out
 
 
@@ -102,24 +110,41 @@ def _run(args: argparse.Namespace) -> int:
         print(f"plot: {out['plot']}")
     ok = out.get("measured", {}).get("ok", True)
     if not ok:
-        print(f"measured bytes disagree with the formula beyond the margin ({human_bytes(out['measured']['margin_bytes'])})")
+        print(
+            "measured bytes disagree with the formula beyond the margin "
+            f"({human_bytes(out['measured']['margin_bytes'])})"
+        )
     return 0 if ok else 1
 
 
 def add_capacity_arguments(p: argparse.ArgumentParser) -> None:
     """Model/config/budget options shared by ``capacity`` and the demo."""
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name in configs/models or a YAML path "
-                                                          f"(default {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"model name in configs/models or a YAML path (default {DEFAULT_MODEL})"
+    )
     p.add_argument("--config", default=DEFAULT_PRESET, help=f"TurboQuant preset or YAML (default {DEFAULT_PRESET})")
-    p.add_argument("--memory-gb", type=positive_float, help="memory available to the model, GB (default: this machine's "
-                                                   "budget: MemAvailable on Jetson, free GPU memory, or RAM)")
-    p.add_argument("--utilization", type=fraction, default=DEFAULT_UTILIZATION,
-                   help=f"fraction of that memory the model may use (default {DEFAULT_UTILIZATION})")
+    p.add_argument(
+        "--memory-gb",
+        type=positive_float,
+        help="memory available to the model, GB (default: this machine's "
+        "budget: MemAvailable on Jetson, free GPU memory, or RAM)",
+    )
+    p.add_argument(
+        "--utilization",
+        type=fraction,
+        default=DEFAULT_UTILIZATION,
+        help=f"fraction of that memory the model may use (default {DEFAULT_UTILIZATION})",
+    )
     p.add_argument("--weights-gb", type=nonnegative_float, help="override the model's weight bytes, GB")
-    p.add_argument("--overhead-gb", type=nonnegative_float, default=0.0, help="activations/CUDA context to set aside, GB")
+    p.add_argument(
+        "--overhead-gb", type=nonnegative_float, default=0.0, help="activations/CUDA context to set aside, GB"
+    )
     p.add_argument("--kv-budget-gb", type=positive_float, help="give the KV budget directly, GB (overrides the above)")
-    p.add_argument("--context", type=positive_int, help=f"tokens per sequence for the per-sequence view "
-                                               f"(default min({DEFAULT_CONTEXT}, model max))")
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        help=f"tokens per sequence for the per-sequence view (default min({DEFAULT_CONTEXT}, model max))",
+    )
 
 
 def register(sub) -> None:
@@ -129,8 +154,11 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--plot", help="PNG path (default out/capacity/capacity_<model>_<config>.png)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--measure-tokens", type=positive_int, help=f"tokens in the measured cache (default {CPU_MEASURE_TOKENS} on "
-                                                      f"CPU, {GPU_MEASURE_TOKENS} on CUDA)")
+    p.add_argument(
+        "--measure-tokens",
+        type=positive_int,
+        help=f"tokens in the measured cache (default {CPU_MEASURE_TOKENS} on CPU, {GPU_MEASURE_TOKENS} on CUDA)",
+    )
     p.add_argument("--no-measure", action="store_true", help="skip allocating a real cache")
     p.add_argument("--device", default="auto", type=device_name, help="device of the measured cache: auto, cpu, cuda")
     p.set_defaults(func=_run)

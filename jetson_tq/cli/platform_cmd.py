@@ -11,8 +11,12 @@ from ..platform import container_target, jtop_snapshot, memory_budget, probe
 def platform_report() -> dict:
     """Probe + memory budget + container choice + jtop snapshot, as one JSON-able dict."""
     info = probe()
-    return {"platform": info.to_dict(), "memory": memory_budget(info).to_dict(),
-            "container": container_target(info).to_dict(), "jtop": jtop_snapshot()}
+    return {
+        "platform": info.to_dict(),
+        "memory": memory_budget(info).to_dict(),
+        "container": container_target(info).to_dict(),
+        "jtop": jtop_snapshot(),
+    }
 
 
 def format_platform(rep: dict) -> str:
@@ -22,16 +26,18 @@ def format_platform(rep: dict) -> str:
     def gb(n: int | None) -> str:
         return "?" if n is None else f"{n / 1e9:.2f} GB"
 
-    lines = [f"platform: {p['kind']} ({p['arch']})" + (f", board {p['board']}" if p["board"] else ""),
-             f"  L4T {p['l4t'] or '-'}, JetPack {p['jetpack'] or '-'}, GPU {p['gpu_name'] or '-'}"
-             f" (sm {p['compute_capability'] or '-'}, {'integrated' if p['integrated'] else 'discrete/none'}),"
-             f" torch {p['torch_version'] or '-'} CUDA {'yes' if p['cuda_available'] else 'no'}"
-             + (", in a container" if p["in_container"] else ""),
-             f"  memory budget: {gb(m['available_bytes'])} available of {gb(m['total_bytes'])} ({m['source']}: "
-             f"{m['note']})",
-             f"  container: {c['image'] or 'none (local .venv)'}" + (f" {' '.join(c['gpu_flags'])}" if c["gpu_flags"]
-                                                                     else "") + f"; {c['reason']}",
-             "  jtop: " + (json.dumps(j["summary"]) if j["available"] else j["reason"])]
+    lines = [
+        f"platform: {p['kind']} ({p['arch']})" + (f", board {p['board']}" if p["board"] else ""),
+        f"  L4T {p['l4t'] or '-'}, JetPack {p['jetpack'] or '-'}, GPU {p['gpu_name'] or '-'}"
+        f" (sm {p['compute_capability'] or '-'}, {'integrated' if p['integrated'] else 'discrete/none'}),"
+        f" torch {p['torch_version'] or '-'} CUDA {'yes' if p['cuda_available'] else 'no'}"
+        + (", in a container" if p["in_container"] else ""),
+        f"  memory budget: {gb(m['available_bytes'])} available of {gb(m['total_bytes'])} ({m['source']}: {m['note']})",
+        f"  container: {c['image'] or 'none (local .venv)'}"
+        + (f" {' '.join(c['gpu_flags'])}" if c["gpu_flags"] else "")
+        + f"; {c['reason']}",
+        "  jtop: " + (json.dumps(j["summary"]) if j["available"] else j["reason"]),
+    ]
     lines += [f"  probe note: {e}" for e in p["errors"]]
     return "\n".join(lines)
 

@@ -25,8 +25,9 @@ def _run(args: argparse.Namespace) -> int:
         module = importlib.import_module(ENTRY_MODULE)
     except ModuleNotFoundError as e:
         if e.name and (ENTRY_MODULE.startswith(e.name) or e.name.startswith("jetson_tq.integrations")):
-            raise MissingComponentError(f"vLLM integration not installed: {ENTRY_MODULE} is not in this build "
-                                        f"(missing module {e.name!r})") from e
+            raise MissingComponentError(
+                f"vLLM integration not installed: {ENTRY_MODULE} is not in this build (missing module {e.name!r})"
+            ) from e
         raise
     return int(module.main(args.vllm_args) or 0)
 

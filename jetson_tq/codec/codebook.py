@@ -14,7 +14,7 @@ At 4 bits and d = 128 its MSE is 0.0112 against Lloyd-Max's 0.0093 (+20 %).
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ def _check(dim: int, bits: int) -> None:
         raise FormatError(f"bits: expected an integer in [1, {MAX_BITS}], got {bits!r}")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _grid(dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Sorted sample points x and their probability weights for the coordinate density."""
     half_width = min(1.0, 14.0 / np.sqrt(dim))  # beyond 14 sigma the mass is < 1e-40
@@ -48,7 +48,7 @@ def _grid(dim: int) -> tuple[np.ndarray, np.ndarray]:
     return x, w[::-1].copy()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _lloyd_max(dim: int, bits: int) -> tuple[tuple[float, ...], float]:
     x, w = _grid(dim)
     cw = np.concatenate([[0.0], np.cumsum(w)])
@@ -104,13 +104,17 @@ def _uniform_levels(bits: int) -> np.ndarray:
     return np.arange(n, dtype=np.float64) - (n - 1) / 2
 
 
-@lru_cache(maxsize=None)
+@cache
 def _prefix_moments(dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The grid's x and prefix sums of w, w x, w x^2 (so a cell's error costs two lookups)."""
     x, w = _grid(dim)
     zero = np.zeros(1)
-    return x, np.concatenate([zero, np.cumsum(w)]), np.concatenate([zero, np.cumsum(w * x)]), \
-        np.concatenate([zero, np.cumsum(w * x * x)])
+    return (
+        x,
+        np.concatenate([zero, np.cumsum(w)]),
+        np.concatenate([zero, np.cumsum(w * x)]),
+        np.concatenate([zero, np.cumsum(w * x * x)]),
+    )
 
 
 def _grid_mse(dim: int, centroids: np.ndarray) -> float:
@@ -118,10 +122,10 @@ def _grid_mse(dim: int, centroids: np.ndarray) -> float:
     x, cw, cwx, cwx2 = _prefix_moments(dim)
     idx = np.concatenate([[0], np.searchsorted(x, 0.5 * (centroids[1:] + centroids[:-1])), [len(x)]])
     m0, m1, m2 = (np.diff(c[idx]) for c in (cw, cwx, cwx2))
-    return float(dim * np.sum(m2 - 2 * centroids * m1 + centroids ** 2 * m0))
+    return float(dim * np.sum(m2 - 2 * centroids * m1 + centroids**2 * m0))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _uniform(dim: int, bits: int) -> tuple[tuple[float, ...], float]:
     levels = _uniform_levels(bits)
     sigma = 1.0 / np.sqrt(dim)  # a coordinate's standard deviation
@@ -144,7 +148,8 @@ def _uniform(dim: int, bits: int) -> tuple[tuple[float, ...], float]:
 
 
 def uniform_codebook(dim: int, bits: int) -> torch.Tensor:
-    """Evenly spaced centroids (float32, ascending) with the MSE-optimal step for a coordinate of a random unit vector."""
+    """Evenly spaced centroids (float32, ascending) with the MSE-optimal step for a coordinate of a random unit
+    vector."""
     _check(dim, bits)
     return torch.tensor(_uniform(dim, bits)[0], dtype=torch.float32)
 

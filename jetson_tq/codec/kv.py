@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ShapeError, expect_float, expect_last_dim
+from ..errors import ArgTypeError, DTypeError, ShapeError, expect_float, expect_last_dim
 from ..format import KVFormat
 from ..validate import check_seed
 from .mse import MSECode, TurboQuantMSE
@@ -24,9 +24,17 @@ Fields = dict[str, torch.Tensor]
 class KVCodec:
     """Encode/decode one layer's keys and values in ``fmt`` for head dim ``head_dim``."""
 
-    def __init__(self, fmt: KVFormat, head_dim: int, seed: int | None = None,
-                 raw_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self, fmt: KVFormat, head_dim: int, seed: int | None = None, raw_dtype: torch.dtype = torch.float16
+    ) -> None:
+        if not isinstance(fmt, KVFormat):
+            raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__} {fmt!r}")
         fmt.check_head_dim(head_dim)
+        if raw_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise DTypeError(
+                f"raw_dtype: expected torch.float16, torch.bfloat16 or torch.float32 (the dtype fp16-mode "
+                f"fields are cast to), got {raw_dtype}"
+            )
         self.fmt, self.head_dim, self.raw_dtype = fmt, head_dim, raw_dtype
         self.seed = fmt.seed if seed is None else check_seed("seed", seed)
         rot, nd = fmt.rotation_for(head_dim), fmt.norm_torch_dtype
@@ -109,18 +117,24 @@ class KVCodec:
         if self.keys is None:
             return fields["key_raw"].float()
         if isinstance(self.keys, TurboQuantProd):
-            code = ProdCode(fields.get("key_idx"), fields["key_signs"], fields["key_norm"][..., 0],
-                            fields["key_rnorm"][..., 0], torch.float32)
-        else:
-            code = MSECode(fields["key_idx"], fields["key_norm"][..., 0], torch.float32)
-        return self.keys.dequantize(code)
+            code = ProdCode(
+                fields.get("key_idx"),
+                fields["key_signs"],
+                fields["key_norm"][..., 0],
+                fields["key_rnorm"][..., 0],
+                torch.float32,
+            )
+            return self.keys.dequantize(code)
+        return self.keys.dequantize(MSECode(fields["key_idx"], fields["key_norm"][..., 0], torch.float32))
 
     def decode_values(self, fields: Fields) -> torch.Tensor:
         """Reconstructed values in float32 [..., D]."""
         if self.values is None:
             return fields["val_raw"].float()
         if isinstance(self.values, GroupQuantizer):
-            return self.values.dequantize(GroupCode(fields["val_codes"], fields["val_scale"], fields["val_zero"], torch.float32))
+            return self.values.dequantize(
+                GroupCode(fields["val_codes"], fields["val_scale"], fields["val_zero"], torch.float32)
+            )
         return self.values.dequantize(MSECode(fields["val_idx"], fields["val_norm"][..., 0], torch.float32))
 
     def transform_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -146,6 +160,7 @@ class KVCodec:
             centroids = mse.centroids(unpack_bits(fields["key_idx"], mse.bits, self.head_dim))
             scores = (q_rot @ centroids.transpose(-1, -2)) * norm
         if isinstance(self.keys, TurboQuantProd):
+            assert q_sketch is not None  # transform_query gives the sketch for prod keys
             signs = unpack_bits(fields["key_signs"], 1, self.head_dim).float() * 2 - 1
             rnorm = fields["key_rnorm"][..., 0].float().unsqueeze(-2)
             scores = scores + self.keys.qjl_scale * rnorm * (q_sketch @ signs.transpose(-1, -2))

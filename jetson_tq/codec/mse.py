@@ -31,8 +31,15 @@ class TurboQuantMSE:
     ``codebook``: ``lloyd_max`` (the paper's) or ``uniform`` (an evenly spaced grid, see ``codebook``).
     """
 
-    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto",
-                 norm_dtype: torch.dtype = torch.float32, codebook: str = "lloyd_max") -> None:
+    def __init__(
+        self,
+        dim: int,
+        bits: int,
+        seed: int = 0,
+        rotation: str = "auto",
+        norm_dtype: torch.dtype = torch.float32,
+        codebook: str = "lloyd_max",
+    ) -> None:
         self.dim, self.bits, self.norm_dtype = dim, bits, norm_dtype
         self.codebook = key_codebook(codebook, dim, bits)
         self.boundaries = codebook_boundaries(self.codebook)
@@ -64,6 +71,8 @@ class TurboQuantMSE:
 
     def dequantize(self, code: MSECode) -> torch.Tensor:
         if code.idx.shape[:-1] != code.norm.shape:
-            raise ShapeError(f"code: idx leading shape {tuple(code.idx.shape[:-1])} != norm shape {tuple(code.norm.shape)}")
+            raise ShapeError(
+                f"code: idx leading shape {tuple(code.idx.shape[:-1])} != norm shape {tuple(code.norm.shape)}"
+            )
         unit = self.rotation.invert(self.centroids(self.unpack(code)))
         return (unit * code.norm.float().unsqueeze(-1)).to(code.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DTypeError, FormatError, ShapeError, ValueRangeError
+from ..errors import DTypeError, FormatError, ShapeError, ValueRangeError, expect_int, expect_tensor
 from ..format import MAX_BITS, packed_bytes, subfield_widths
 
 
@@ -23,13 +23,16 @@ def _check_bits(bits: int) -> None:
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``codes`` (uint8, values < 2**bits) along the last dim into ``ceil(n/8) * bits`` bytes."""
     _check_bits(bits)
+    expect_tensor("codes", codes)
     if codes.dtype != torch.uint8:
         raise DTypeError(f"codes: expected uint8, got {codes.dtype}")
     if codes.dim() == 0:
         raise ShapeError("codes: expected at least 1 dimension, got a scalar")
     if bits < MAX_BITS and codes.numel() and int(codes.max()) >= 1 << bits:
-        raise ValueRangeError(f"codes: expected values < 2**{bits} = {1 << bits} for {bits}-bit packing, "
-                              f"got {int(codes.max())} (its high bits would be dropped)")
+        raise ValueRangeError(
+            f"codes: expected values < 2**{bits} = {1 << bits} for {bits}-bit packing, "
+            f"got {int(codes.max())} (its high bits would be dropped)"
+        )
     n = codes.shape[-1]
     ch = (n + 7) // 8
     lead = codes.shape[:-1]
@@ -47,6 +50,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: ``n`` codes of ``bits`` bits from each packed row (uint8 out)."""
     _check_bits(bits)
+    expect_tensor("packed", packed)
+    expect_int("n", n)
     if packed.dtype != torch.uint8:
         raise DTypeError(f"packed: expected uint8, got {packed.dtype}")
     if packed.dim() == 0 or packed.shape[-1] != packed_bytes(n, bits):

@@ -31,8 +31,15 @@ class TurboQuantProd:
     is an unbiased estimate of <q, x>; ``dequantize`` returns the x~ that gives it.
     """
 
-    def __init__(self, dim: int, bits: int, seed: int = 0, rotation: str = "auto",
-                 norm_dtype: torch.dtype = torch.float32, codebook: str = "lloyd_max") -> None:
+    def __init__(
+        self,
+        dim: int,
+        bits: int,
+        seed: int = 0,
+        rotation: str = "auto",
+        norm_dtype: torch.dtype = torch.float32,
+        codebook: str = "lloyd_max",
+    ) -> None:
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
             raise FormatError(f"bits: expected an integer in [1, 8] (1 QJL bit + b-1 MSE bits), got {bits!r}")
         self.dim, self.bits, self.norm_dtype = dim, bits, norm_dtype
@@ -60,8 +67,9 @@ class TurboQuantProd:
         sketch = residual @ self.sketch_matrix(x.device).T
         signs = pack_bits((sketch >= 0).to(torch.uint8), 1)
         rnorm = norm * residual.norm(dim=-1)
-        return ProdCode(idx=packed_idx, signs=signs, norm=norm.to(self.norm_dtype),
-                        rnorm=rnorm.to(self.norm_dtype), dtype=x.dtype)
+        return ProdCode(
+            idx=packed_idx, signs=signs, norm=norm.to(self.norm_dtype), rnorm=rnorm.to(self.norm_dtype), dtype=x.dtype
+        )
 
     def unpack_signs(self, code: ProdCode) -> torch.Tensor:
         """QJL signs as float32 +-1 [..., dim]."""
@@ -71,6 +79,7 @@ class TurboQuantProd:
         """x_mse in float32 (zeros when b == 1)."""
         if self.mse is None:
             return torch.zeros(*code.norm.shape, self.dim, device=code.norm.device)
+        assert code.idx is not None  # a prod code carries MSE indices whenever b > 1
         return self.mse.dequantize(MSECode(code.idx, code.norm, torch.float32))
 
     def dequantize(self, code: ProdCode) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import FormatError
 from ..format import is_power_of_two
-from ..validate import check_seed
+from ..validate import check_allocatable, check_seed
 
 _QJL_SEED_SALT = 0x51A7_C0DE
 _VALUE_SEED_SALT = 0x0BAD_5EED
@@ -81,6 +81,8 @@ class Rotation:
             raise FormatError(f"rotation kind: expected 'auto', 'hadamard' or 'dense', got {kind!r}")
         if kind == "hadamard" and not is_power_of_two(dim):
             raise FormatError(f"rotation 'hadamard' needs a power-of-two dim, got {dim}; use 'dense'")
+        # Pi is built as a dim x dim float64 matrix on the CPU (QR of a Gaussian: ~3 of them at once)
+        check_allocatable(f"a {kind} rotation of dim {dim}", 3 * dim * dim * 8, torch.device("cpu"))
         self.dim, self.kind, self.seed = dim, kind, check_seed("seed", seed)
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -125,8 +127,14 @@ def _gaussian(dim: int, seed: int) -> torch.Tensor:
     return torch.randn(dim, dim, generator=_generator(seed), dtype=torch.float64)
 
 
-def qjl_matrix(dim: int, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def qjl_matrix(
+    dim: int, seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The QJL sketch S (dim x dim, i.i.d. N(0, 1)) for ``seed``; the sketch of x is ``x @ S.T``."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise FormatError(f"dim: expected a positive integer, got {dim!r}")
+    check_seed("seed", seed)
+    check_allocatable(f"a QJL sketch matrix of dim {dim}", 2 * dim * dim * 8, torch.device("cpu"))
     return _gaussian(dim, derive_seed(seed, salt=_QJL_SEED_SALT)).to(device=device, dtype=dtype)
 
 

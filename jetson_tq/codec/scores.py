@@ -12,12 +12,22 @@ import math
 
 import torch
 
-from ..errors import DTypeError, ShapeError, expect_rank, expect_same_device
-from ..validate import check_scores_values
+from ..errors import DTypeError, ShapeError, expect_rank, expect_same_device, expect_tensor
+from ..validate import check_rotation, check_scores_values
 
 
 def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
     """Validate shapes, dtypes and devices of ``turboquant_scores`` inputs (named errors)."""
+    for name, t in (
+        ("Q", Q),
+        ("K_idx", K_idx),
+        ("qjl_signs", qjl_signs),
+        ("gamma", gamma),
+        ("Pi", Pi),
+        ("S_mat", S_mat),
+        ("codebook", codebook),
+    ):
+        expect_tensor(name, t)
     expect_same_device(Q=Q, K_idx=K_idx, qjl_signs=qjl_signs, gamma=gamma, Pi=Pi, S_mat=S_mat, codebook=codebook)
     expect_rank("Q", Q, (2,))
     expect_rank("K_idx", K_idx, (2,))
@@ -29,7 +39,9 @@ def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None
     if d < 1:
         raise ShapeError("Q: head dim D must be >= 1")
     if K_idx.shape != (s, d) or qjl_signs.shape != (s, d):
-        raise ShapeError(f"K_idx and qjl_signs: expected [S, {d}], got {tuple(K_idx.shape)} and {tuple(qjl_signs.shape)}")
+        raise ShapeError(
+            f"K_idx and qjl_signs: expected [S, {d}], got {tuple(K_idx.shape)} and {tuple(qjl_signs.shape)}"
+        )
     if gamma.shape != (s,):
         raise ShapeError(f"gamma: expected [{s}], got {tuple(gamma.shape)}")
     if Pi.shape != (d, d) or S_mat.shape != (d, d):
@@ -44,6 +56,7 @@ def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None
         if not t.is_floating_point():
             raise DTypeError(f"{name}: expected a floating tensor, got {t.dtype}")
     check_scores_values(qjl_signs, gamma, Q=Q, Pi=Pi, S_mat=S_mat, codebook=codebook)
+    check_rotation("Pi", Pi)
 
 
 def turboquant_scores_reference(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> torch.Tensor:

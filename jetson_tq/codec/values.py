@@ -45,8 +45,10 @@ class GroupQuantizer:
 
     def dequantize(self, code: GroupCode) -> torch.Tensor:
         if code.scale.shape != code.zero.shape or code.scale.shape[-1] != self.dim // self.group:
-            raise ShapeError(f"code: scale {tuple(code.scale.shape)} / zero {tuple(code.zero.shape)} do not fit "
-                             f"dim {self.dim} in groups of {self.group}")
+            raise ShapeError(
+                f"code: scale {tuple(code.scale.shape)} / zero {tuple(code.zero.shape)} do not fit "
+                f"dim {self.dim} in groups of {self.group}"
+            )
         q = unpack_bits(code.codes, self.bits, self.dim).float()
         g = q.reshape(*q.shape[:-1], self.dim // self.group, self.group)
         x = g * code.scale.float().unsqueeze(-1) + code.zero.float().unsqueeze(-1)

@@ -1,4 +1,5 @@
-"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of Llama and Qwen2 (transformers 5.17).
+"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of Llama and Qwen2 (transformers
+5.17).
 
 How it plugs in (transformers' own extension points, no patching of model code):
 
@@ -25,9 +26,11 @@ padding or custom patterns arrive as a boolean [B, 1, T, kv_len] mask.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, prepare_padding_mask, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -38,16 +41,32 @@ from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError
 from ..format import KVFormat
-from .decoded_history import DecodedHistory
 
 ATTN_IMPLEMENTATION = "turboquant"
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
 #: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
 RECOMMENDED_PRESET = "mse_k4v3"
 #: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
-#: the PyTorch reference on CPU; reference / triton: that one; cpu-decoded: the reference's estimator over tokens
-#: decoded once (fast on CPU, fp32 memory per token; for evaluation only).
-BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS, "cpu-decoded")
+#: the PyTorch reference on CPU; reference / triton: that one. Evaluation code may add history backends by name
+#: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
+BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
+
+#: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)``
+#: that replaces the ops path for one layer (an evaluation shortcut, e.g. tokens decoded once on the CPU).
+HISTORY_BACKENDS: dict[str, Callable[[CompressedKVCache, int], Any]] = {}
+
+
+def register_history_backend(name: str, factory: Callable[[CompressedKVCache, int], Any]) -> None:
+    """Make ``backend=name`` build ``factory(store, sink_tokens)`` per layer and attend through it instead of
+    ``jetson_tq.ops``."""
+    if name in BACKENDS:
+        raise ConfigError(f"history backend {name!r}: the name is taken by an ops backend {BACKENDS}")
+    HISTORY_BACKENDS[name] = factory
+
+
+def backend_names() -> tuple[str | None, ...]:
+    """Every accepted ``backend`` value: the ops backends and the registered history backends."""
+    return (*BACKENDS, *HISTORY_BACKENDS)
 
 
 class UnsupportedModelError(JetsonTQError, ValueError):
@@ -71,7 +90,9 @@ def check_model_supported(config) -> None:
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or getattr(config, "use_sliding_window", False):
-        raise UnsupportedModelError(f"only full-attention layers are supported, this model has {other or ['sliding_attention']}")
+        raise UnsupportedModelError(
+            f"only full-attention layers are supported, this model has {other or ['sliding_attention']}"
+        )
     _, heads, kv_heads, head_dim = model_dims(config)
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -87,7 +108,9 @@ def resolve_config(config: str | TurboQuantConfig | KVFormat) -> TurboQuantConfi
         return TurboQuantConfig(name="custom", default=config)
     if isinstance(config, str):
         return load_config(config)
-    raise ConfigError(f"config: expected a preset name, a YAML path, a TurboQuantConfig or a KVFormat, got {type(config).__name__}")
+    raise ConfigError(
+        f"config: expected a preset name, a YAML path, a TurboQuantConfig or a KVFormat, got {type(config).__name__}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- cache layer
@@ -96,14 +119,15 @@ class PendingChunk:
 
     __slots__ = ("layer", "key", "value")
 
-    def __init__(self, layer: "TurboQuantLayer", key: torch.Tensor, value: torch.Tensor) -> None:
+    def __init__(self, layer: TurboQuantLayer, key: torch.Tensor, value: torch.Tensor) -> None:
         self.layer, self.key, self.value = layer, key, value
 
     def __getattr__(self, name: str):
         raise UnsupportedModelError(
             f"TurboQuantCache feeds compressed K/V only to attn_implementation={ATTN_IMPLEMENTATION!r}, but the "
             f"model's attention asked for .{name}; build the cache with the model (TurboQuantCache(model, ...)) "
-            f"or call enable_turboquant(model)")
+            f"or call enable_turboquant(model)"
+        )
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -113,52 +137,102 @@ class TurboQuantLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, fmt: KVFormat, layer_idx: int, seed: int, backend: str | None = None) -> None:
+    def __init__(
+        self,
+        fmt: KVFormat,
+        layer_idx: int,
+        seed: int,
+        backend: str | None = None,
+        center: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sink_tokens: int = 0,
+    ) -> None:
         super().__init__()
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend not in backend_names():
+            raise ConfigError(f"backend: expected one of {backend_names()}, got {backend!r}")
         self.fmt, self.layer_idx, self.seed, self.backend = fmt, layer_idx, seed, backend
+        self.center = center  # (key, value) offsets [H, D] subtracted from every token stored (KVCenters)
+        if sink_tokens and backend != "cpu-decoded":
+            raise ConfigError(f"sink_tokens: only the cpu-decoded backend reads sinks exactly, got backend {backend!r}")
+        self.sink_tokens = sink_tokens
         self.store: CompressedKVCache | None = None
-        self.decoded: DecodedHistory | None = None
+        self.decoded: Any = None
 
     def __repr__(self) -> str:
-        return f"TurboQuantLayer({self.layer_idx}, {self.fmt.key_mode}{self.fmt.key_bits}/{self.fmt.value_mode}{self.fmt.value_bits})"
+        fmt = self.fmt
+        return f"TurboQuantLayer({self.layer_idx}, {fmt.key_mode}{fmt.key_bits}/{fmt.value_mode}{fmt.value_bits})"
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.store = CompressedKVCache(self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed)
-        self.decoded = DecodedHistory(self.store) if self.backend == "cpu-decoded" else None
+        self.store = CompressedKVCache(
+            self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed
+        )
+        factory = HISTORY_BACKENDS.get(self.backend) if self.backend is not None else None
+        self.decoded = factory(self.store, self.sink_tokens) if factory is not None else None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hold the new tokens for the attention call; they are appended after attention reads the history."""
         if key_states.dim() != 4 or key_states.shape != value_states.shape:
-            raise ShapeError(f"key/value states: expected one shape [B, H, T, D], got "
-                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+            raise ShapeError(
+                f"key/value states: expected one shape [B, H, T, D], got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         s = self.store
-        if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (s.batch_size, s.num_kv_heads, s.head_dim):
-            raise ShapeError(f"layer {self.layer_idx}: expected K/V [{s.batch_size}, {s.num_kv_heads}, T, {s.head_dim}] "
-                             f"(batch fixed at the first forward), got {tuple(key_states.shape)}")
-        chunk = PendingChunk(self, key_states, value_states)
+        assert s is not None  # lazy_initialization built it
+        if (key_states.shape[0], key_states.shape[1], key_states.shape[3]) != (
+            s.batch_size,
+            s.num_kv_heads,
+            s.head_dim,
+        ):
+            raise ShapeError(
+                f"layer {self.layer_idx}: expected K/V [{s.batch_size}, {s.num_kv_heads}, T, {s.head_dim}] "
+                f"(batch fixed at the first forward), got {tuple(key_states.shape)}"
+            )
+        chunk = PendingChunk(self, *self._centered(key_states, value_states))
         return chunk, chunk
+
+    def _centered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [B, H, T, D] minus the layer's offsets: every key the attention reads moves by the same vector per
+        head, so the softmax is unchanged; the value offset is added back to the output (``attend``)."""
+        if self.center is None:
+            return k, v
+        ck, cv = (c.to(k.device, k.dtype)[None, :, None, :] for c in self.center)
+        return k - ck, v - cv
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store K/V [B, H, T, D] directly (e.g. a prompt prefilled elsewhere), compressing past the buffer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.store.append(key_states, value_states)
+        k, v = self._centered(key_states, value_states)
+        if self.decoded is not None:
+            self.decoded.note_exact(k, v)
+        assert self.store is not None  # lazy_initialization built it
+        self.store.append(k, v)
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-               scaling: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         """Attention of query [B, Hq, T, D] over history + chunk, then the chunk is stored -> [B, Hq, T, D].
 
         Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed, the
         rest exactly (decode and prefill alike).
         """
+        out = self._attend(query, key, value, mask, scaling)
+        if self.center is None:
+            return out
+        cv = self.center[1].to(out.device, out.dtype)
+        return out + cv.repeat_interleave(query.shape[1] // cv.shape[0], 0)[None, :, None, :]
+
+    def _attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
         store = self.store
+        assert store is not None  # update() initialized the layer before attention runs
+        if self.decoded is not None:
+            self.decoded.note_exact(key, value)
         if mask is None and query.shape[2] == 1:
             store.append(key, value)
             if self.decoded is not None:
@@ -210,8 +284,19 @@ class TurboQuantLayer(CacheLayerMixin):
 class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
-    def __init__(self, model_or_config, config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET, *,
-                 backend: str | None = None, enable: bool = True) -> None:
+    def __init__(
+        self,
+        model_or_config,
+        config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET,
+        *,
+        backend: str | None = None,
+        enable: bool = True,
+        centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        sink_tokens: int = 0,
+    ) -> None:
+        """``centers``: per-layer (key, value) offsets [H, D] subtracted from every stored token (exact under the
+        softmax; the value offset is added back) and ``sink_tokens``: the first positions read exactly (cpu-decoded
+        backend only) are the measurement levers of docs/fidelity.md "Quality at 5x", not served by the kernels."""
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
@@ -220,46 +305,67 @@ class TurboQuantCache(Cache):
         self.tq_config = resolve_config(config)
         self.tq_config.check_model(n_layers, head_dim)
         self.head_dim = head_dim
-        layers = []
+        layers: list[TurboQuantLayer] = []
         for i in range(n_layers):
             fmt = self.tq_config.format_for_layer(i, n_layers)
-            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend))
-        super().__init__(layers=layers)
+            center = None if centers is None or fmt.is_passthrough else centers[i]
+            sinks = 0 if fmt.is_passthrough else sink_tokens
+            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center, sinks))
+        super().__init__(layers=cast(list, layers))  # Cache types its list as the base layer classes
         if model is not None and enable:
             enable_turboquant(model)
 
     @property
     def formats(self) -> list[KVFormat]:
         """The format of each layer."""
-        return [layer.fmt for layer in self.layers]
+        return [layer.fmt for layer in self._tq_layers]
+
+    @property
+    def _tq_layers(self) -> list[TurboQuantLayer]:
+        """The layers, as built in __init__ (typed as such)."""
+        return cast("list[TurboQuantLayer]", self.layers)
 
     def append(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store precomputed K/V [B, H, T, D] of one layer (e.g. copied from a DynamicCache after a shared prefill)."""
-        self.layers[layer_idx].append(key_states, value_states)
+        self._tq_layers[layer_idx].append(key_states, value_states)
 
-    def load_from(self, cache: Cache) -> "TurboQuantCache":
+    def load_from(self, cache: Cache) -> TurboQuantCache:
         """Compress every layer of another cache (e.g. a ``DynamicCache`` filled by an exact prefill) into this one."""
         if len(cache.layers) != len(self.layers):
             raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
         for i, layer in enumerate(cache.layers):
-            self.append(i, layer.keys, layer.values)
+            filled = cast(DynamicLayer, layer)  # a prefilled (Dynamic-layer) cache, as the docstring says
+            self.append(i, cast(torch.Tensor, filled.keys), cast(torch.Tensor, filled.values))
         return self
 
     def used_bytes(self) -> int:
         """Bytes the stored tokens occupy (compressed tokens at their format's size + fp buffers)."""
-        return sum(layer.used_bytes() for layer in self.layers)
+        return sum(layer.used_bytes() for layer in self._tq_layers)
 
 
 # ---------------------------------------------------------------------------------------------- attention + mask
-def turboquant_attention_forward(module: torch.nn.Module, query: torch.Tensor, key, value, attention_mask,
-                                 dropout: float = 0.0, scaling: float | None = None, sliding_window=None, **kwargs):
+def turboquant_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window=None,
+    **kwargs,
+):
     """The ``"turboquant"`` attention: compressed history for a TurboQuantCache, plain SDPA for any other cache."""
     if not isinstance(key, PendingChunk):
         if attention_mask is None and query.shape[2] > 1 and key.shape[2] != query.shape[2]:
             attention_mask = _lower_right_causal(query.shape[2], key.shape[2], query.device)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if sliding_window is not None:
-        raise UnsupportedModelError(f"sliding-window attention (window {sliding_window}) is not supported by TurboQuantCache")
+        raise UnsupportedModelError(
+            f"sliding-window attention (window {sliding_window}) is not supported by TurboQuantCache"
+        )
     if dropout and module.training:
         raise UnsupportedModelError("attention dropout in training mode is not supported by TurboQuantCache")
     if kwargs.get("output_attentions"):
@@ -274,18 +380,40 @@ def _lower_right_causal(q_len: int, kv_len: int, device) -> torch.Tensor:
     return (torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos).view(1, 1, q_len, kv_len)
 
 
-def turboquant_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                    mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None,
-                    local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs):
+def turboquant_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+):
     """``None`` for a plain causal mask without padding (our kernels are causal by contract), else SDPA's bool mask."""
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    plain = (mask_function is causal_mask_function and local_size is None and kv_offset == 0
-             and q_offset + q_length == kv_length)
+    plain = (
+        mask_function is causal_mask_function
+        and local_size is None
+        and kv_offset == 0
+        and q_offset + q_length == kv_length
+    )
     if allow_is_causal_skip and plain and (padding is None or bool(padding[:, :kv_length].all())):
         return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                     local_size=local_size, allow_is_causal_skip=False, **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=False,
+        **kwargs,
+    )
 
 
 def register() -> None:
@@ -301,8 +429,10 @@ def enable_turboquant(model) -> None:
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise UnsupportedModelError(f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r} "
-                                    f"(kept {model.config._attn_implementation!r})")
+        raise UnsupportedModelError(
+            f"{type(model).__name__} refused attn_implementation={ATTN_IMPLEMENTATION!r} "
+            f"(kept {model.config._attn_implementation!r})"
+        )
 
 
 register()

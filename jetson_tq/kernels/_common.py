@@ -19,14 +19,22 @@ import triton.language as tl
 
 from ..codec.kv import KVCodec
 from ..errors import UnsupportedPlatformError
-from ..format import (KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW, PagedLayout,  # noqa: F401 (re-used by kernels)
-                      PageSpec, kernel_unsupported_reason, next_pow2)
+from ..format import (  # noqa: F401 (re-used by kernels)
+    KEY_MSE,
+    KEY_PROD,
+    KEY_RAW,
+    VAL_GROUP,
+    VAL_RAW,
+    PagedLayout,
+    PageSpec,
+    kernel_unsupported_reason,
+    next_pow2,
+)
 
 #: True when kernels run through Triton's CPU interpreter (``TRITON_INTERPRET=1`` before import).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 #: Scores are kept in the log2 domain (``exp2``): the query is scaled by softmax_scale * log2(e) once.
 LOG2E = 1.4426950408889634
-
 
 
 def _patch_interpreter() -> None:
@@ -63,8 +71,9 @@ def constexpr_bundle(facts) -> tuple:
     cls = type(facts)
     bundle = _BUNDLE_TYPES.get(cls)
     if bundle is None:
-        bundle = _BUNDLE_TYPES[cls] = collections.namedtuple(cls.__name__ + "Bundle",
-                                                             [f.name for f in dataclasses.fields(cls)])
+        bundle = _BUNDLE_TYPES[cls] = collections.namedtuple(
+            cls.__name__ + "Bundle", [f.name for f in dataclasses.fields(cls)]
+        )
     if INTERPRET:  # the interpreter runs the kernel as Python: plain values (``int << constexpr`` has no operator)
         return bundle(*(getattr(facts, f) for f in bundle._fields))
     return bundle(*(tl.constexpr(getattr(facts, f)) for f in bundle._fields))
@@ -154,8 +163,9 @@ def _linear_codebook_fit(cb: torch.Tensor) -> tuple[float, float, float] | None:
     return None
 
 
-def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-              zeroed: bool = False) -> torch.Tensor:
+def workspace(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, zeroed: bool = False
+) -> torch.Tensor:
     """A scratch tensor cached by (name, shape, dtype, device): allocated on first use only, so a
     launch after warm-up allocates nothing (CUDA-graph capturable). Contents are not preserved, except
     that a ``zeroed`` one starts at zero (kernels that need zeros leave it so)."""
@@ -177,4 +187,5 @@ def cuda_or_interpreter(t: torch.Tensor) -> None:
     if t.device.type != "cuda" and not INTERPRET:
         raise UnsupportedPlatformError(
             f"Triton kernels need CUDA tensors (got {t.device}); set TRITON_INTERPRET=1 before importing "
-            "triton to run them on the CPU interpreter, or use backend='reference'")
+            "triton to run them on the CPU interpreter, or use backend='reference'"
+        )

@@ -10,9 +10,15 @@ each tensor's data pointer is 16-byte aligned, and for each int argument whether
 whether it fits int32). The
 caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
 hook is installed (profilers), the plain JIT path runs.
+
+Compiles run with Triton's JIT hooks off: a hook makes Triton serialize every constexpr to JSON first, which a
+named-tuple constexpr bundle (``_common.constexpr_bundle``) cannot be, and vLLM installs one (its JIT monitor).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 from triton import knobs
@@ -33,26 +39,39 @@ def _runtime_key(args: tuple) -> tuple:
 
 
 class FastLauncher:
-    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=, maxnreg=)`` for one ``@triton.jit`` kernel."""
+    """``launch(grid, args, constexprs, plan_key, num_warps=, num_stages=, maxnreg=)`` for one ``@triton.jit``
+    kernel."""
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
         self._compiled: dict[tuple, tuple] = {}
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, plan_key: tuple, *,
-                 num_warps: int, num_stages: int = 1, maxnreg: int | None = None, aligned: bool | None = None) -> None:
+    def __call__(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict,
+        plan_key: tuple,
+        *,
+        num_warps: int,
+        num_stages: int = 1,
+        maxnreg: int | None = None,
+        aligned: bool | None = None,
+    ) -> None:
         """``aligned=True``: the caller vouches that ``plan_key`` fixes every int argument and that every tensor's data
         pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built; None: the
         generic per-argument key."""
         opts = _options(num_warps, num_stages, maxnreg)
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
-            self.kernel[grid](*args, **constexprs, **opts)
+            with compile_hooks_off():
+                self.kernel[grid](*args, **constexprs, **opts)
             return
         dtypes = tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
         key = (plan_key, dtypes, num_warps, num_stages, maxnreg, _runtime_key(args) if aligned is None else aligned)
         entry = self._compiled.get(key)
         if entry is None:
-            compiled = self.kernel[grid](*args, **constexprs, **opts)
+            with compile_hooks_off():
+                compiled = self.kernel[grid](*args, **constexprs, **opts)
             names = self.kernel.arg_names
             template = [constexprs.get(n) for n in names]
             slots = [i for i, n in enumerate(names) if n not in constexprs]
@@ -69,13 +88,34 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
         compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, None, None, None, *full)
 
-    def compile(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *, num_warps: int, num_stages: int = 1,
-                maxnreg: int | None = None):
+    def compile(
+        self,
+        grid: tuple[int, ...],
+        args: tuple,
+        constexprs: dict,
+        *,
+        num_warps: int,
+        num_stages: int = 1,
+        maxnreg: int | None = None,
+    ):
         """The ``CompiledKernel`` these arguments launch (compiled now, or taken from Triton's cache; nothing runs);
         None under the interpreter."""
         if INTERPRET:
             return None
-        return self.kernel.warmup(*args, grid=grid, **constexprs, **_options(num_warps, num_stages, maxnreg))
+        with compile_hooks_off():
+            return self.kernel.warmup(*args, grid=grid, **constexprs, **_options(num_warps, num_stages, maxnreg))
+
+
+@contextlib.contextmanager
+def compile_hooks_off() -> Iterator[None]:
+    """Triton's JIT cache and post-compile hooks unset while our kernels compile (restored afterwards)."""
+    runtime = knobs.runtime
+    saved = runtime.jit_cache_hook, runtime.jit_post_compile_hook
+    runtime.jit_cache_hook = runtime.jit_post_compile_hook = None
+    try:
+        yield
+    finally:
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = saved
 
 
 def resident_programs(compiled, num_warps: int, device: torch.device) -> int:

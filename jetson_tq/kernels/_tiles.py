@@ -32,8 +32,16 @@ def plane_bits(run_ptrs, mask, J0: tl.constexpr, CH: tl.constexpr, W: tl.constex
 
 
 @triton.jit
-def chunk_codes(ptrs, mask, C: tl.constexpr, CH: tl.constexpr, WMIN: tl.constexpr,
-                W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+def chunk_codes(
+    ptrs,
+    mask,
+    C: tl.constexpr,
+    CH: tl.constexpr,
+    WMIN: tl.constexpr,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    W2: tl.constexpr,
+):
     """Codes (uint8) of chunk ``C`` of a field stored as up to three planar runs (widths W0, W1, W2)."""
     code = plane_bits(ptrs, mask, C * WMIN, CH, W0)
     if W1 > 0:
@@ -175,8 +183,15 @@ def run_exponent(J0: tl.constexpr, LOW: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def value_unit(C: tl.constexpr, CH: tl.constexpr, VCW: tl.constexpr, VB: tl.constexpr, VW0: tl.constexpr,
-               VW1: tl.constexpr, VW2: tl.constexpr):
+def value_unit(
+    C: tl.constexpr,
+    CH: tl.constexpr,
+    VCW: tl.constexpr,
+    VB: tl.constexpr,
+    VW0: tl.constexpr,
+    VW1: tl.constexpr,
+    VW2: tl.constexpr,
+):
     """u such that ``folded_value_tile``'s chunk ``C`` is in code units * u * 2^-24 (constant-folded): 2^(C*VB) for
     one run, else the last run's 2^-exponent (exponent in [-7, 6])."""
     if VW1 == 0:
@@ -189,8 +204,19 @@ def value_unit(C: tl.constexpr, CH: tl.constexpr, VCW: tl.constexpr, VB: tl.cons
 
 
 @triton.jit
-def chain_run(tile, ptrs, mask, w, J0: tl.constexpr, CH: tl.constexpr, RUN_OFF: tl.constexpr, LOW: tl.constexpr,
-              W: tl.constexpr, PREV: tl.constexpr, INTERP: tl.constexpr):
+def chain_run(
+    tile,
+    ptrs,
+    mask,
+    w,
+    J0: tl.constexpr,
+    CH: tl.constexpr,
+    RUN_OFF: tl.constexpr,
+    LOW: tl.constexpr,
+    W: tl.constexpr,
+    PREV: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     """plane . w + tile * 2^(PREV - exponent) (plane on the left): the previous run's sum ``tile`` (in its own plane
     units, log2 factor ``PREV`` to code units) brought to this run's plane units and chained into this run's
     product, one accumulator per chunk instead of one per run."""
@@ -201,9 +227,21 @@ def chain_run(tile, ptrs, mask, w, J0: tl.constexpr, CH: tl.constexpr, RUN_OFF: 
 
 
 @triton.jit
-def folded_value_tile(x_one, ptrs, mask, w, zero_rt, C: tl.constexpr, CH: tl.constexpr, VCW: tl.constexpr,
-                      VB: tl.constexpr, VW0: tl.constexpr, VW1: tl.constexpr, VW2: tl.constexpr,
-                      INTERP: tl.constexpr):
+def folded_value_tile(
+    x_one,
+    ptrs,
+    mask,
+    w,
+    zero_rt,
+    C: tl.constexpr,
+    CH: tl.constexpr,
+    VCW: tl.constexpr,
+    VB: tl.constexpr,
+    VW0: tl.constexpr,
+    VW1: tl.constexpr,
+    VW2: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     """(value codes of chunk ``C``)^T . w on the tensor cores ([coords, tokens] planes on the left), codes read as fp16
     subnormal planes, in a fresh accumulator (added to the running sum in fp32 by the caller: the folded sums cancel,
     and the tensor cores' truncating accumulation over thousands of tokens biased them, 1.6e-2 at 64k on the H200),
@@ -219,12 +257,17 @@ def folded_value_tile(x_one, ptrs, mask, w, zero_rt, C: tl.constexpr, CH: tl.con
     else:  # a plain zero start: the chained product is never ``x + dot(a, b, 0)``, which Triton would fold
         J0: tl.constexpr = C * (VCW // CH)
         x = tl.load(ptrs + (J0 % VW0) * CH, mask=mask, other=0)
-        tile = mma(subnormal16(x & (((1 << VW0) - 1) << ((J0 // VW0) * VW0))), w,
-                   tl.zeros([ptrs.shape[0], w.shape[1]], tl.float32), INTERP)
+        tile = mma(
+            subnormal16(x & (((1 << VW0) - 1) << ((J0 // VW0) * VW0))),
+            w,
+            tl.zeros([ptrs.shape[0], w.shape[1]], tl.float32),
+            INTERP,
+        )
         tile = chain_run(tile, ptrs, mask, w, J0, CH, CH * VW0, VW0, VW1, -((J0 // VW0) * VW0), INTERP)
         if VW2 > 0:
-            tile = chain_run(tile, ptrs, mask, w, J0, CH, CH * (VW0 + VW1), VW0 + VW1, VW2,
-                             VW0 - (J0 // VW1) * VW1, INTERP)
+            tile = chain_run(
+                tile, ptrs, mask, w, J0, CH, CH * (VW0 + VW1), VW0 + VW1, VW2, VW0 - (J0 // VW1) * VW1, INTERP
+            )
     return tile
 
 

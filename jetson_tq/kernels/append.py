@@ -28,45 +28,46 @@ FAULT_NONE_C = tl.constexpr(FAULT_NONE)
 
 @triton.jit
 def _append_kernel(
-        # ---- pointers
-        k_ptr,  # [nb, H, T, D]: new keys
-        v_ptr,  # [nb, H, T, D]: new values
-        rk_ptr,  # [B, H, R, D]: the exact ring of keys
-        rv_ptr,  # [B, H, R, D]: ... of values
-        lens_ptr,  # int32 [B]: tokens per sequence
-        comp_ptr,  # int32 [B]: compressed tokens read per sequence
-        rec_ptr,  # int32 [B]: exact tokens read per sequence
-        slots_ptr,  # int64 [nb * T]: page slots of the new tokens (STAGE)
-        overflow_ptr,  # bool: set when a token lies past the capacity (STAGE)
-        guard_ptr,  # int64 [2]: store fault record that must be empty for the commit (GUARD)
-        # ---- sizes
-        row0,  # first appended row
-        T,  # new tokens per row
-        capacity,  # tokens a sequence holds
-        ring,  # R
-        # ---- strides (elements)
-        skb,
-        skh,
-        skt,
-        svb,
-        svh,
-        svt,
-        srkb,
-        srkh,
-        srkt,
-        srvb,
-        srvh,
-        srvt,
-        # ---- compile time
-        H: tl.constexpr,  # KV heads
-        D: tl.constexpr,  # head dim
-        DP: tl.constexpr,  # head dim padded to a power of two
-        STAGE: tl.constexpr,  # compute the slots
-        COMMIT: tl.constexpr,  # copy into the ring and advance the lengths
-        GUARD: tl.constexpr,  # ... only while ``guard_ptr`` holds no fault
-        BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
-        BLOCK_T: tl.constexpr,  # tokens per step of the ring copy
-        STAGE_T: tl.constexpr):  # tokens per step of the slots (up to 1024: a 16k-token prefill row in 16 steps)
+    # ---- pointers
+    k_ptr,  # [nb, H, T, D]: new keys
+    v_ptr,  # [nb, H, T, D]: new values
+    rk_ptr,  # [B, H, R, D]: the exact ring of keys
+    rv_ptr,  # [B, H, R, D]: ... of values
+    lens_ptr,  # int32 [B]: tokens per sequence
+    comp_ptr,  # int32 [B]: compressed tokens read per sequence
+    rec_ptr,  # int32 [B]: exact tokens read per sequence
+    slots_ptr,  # int64 [nb * T]: page slots of the new tokens (STAGE)
+    overflow_ptr,  # bool: set when a token lies past the capacity (STAGE)
+    guard_ptr,  # int64 [2]: store fault record that must be empty for the commit (GUARD)
+    # ---- sizes
+    row0,  # first appended row
+    T,  # new tokens per row
+    capacity,  # tokens a sequence holds
+    ring,  # R
+    # ---- strides (elements)
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    srkb,
+    srkh,
+    srkt,
+    srvb,
+    srvh,
+    srvt,
+    # ---- compile time
+    H: tl.constexpr,  # KV heads
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # head dim padded to a power of two
+    STAGE: tl.constexpr,  # compute the slots
+    COMMIT: tl.constexpr,  # copy into the ring and advance the lengths
+    GUARD: tl.constexpr,  # ... only while ``guard_ptr`` holds no fault
+    BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
+    BLOCK_T: tl.constexpr,  # tokens per step of the ring copy
+    STAGE_T: tl.constexpr,
+):  # tokens per step of the slots (up to 1024: a 16k-token prefill row in 16 steps)
     i = tl.program_id(0)
     b = row0 + i
     length = tl.load(lens_ptr + b)
@@ -85,17 +86,103 @@ def _append_kernel(
             if tl.load(guard_ptr) != FAULT_NONE_C:
                 tl.store(guard_ptr + 1, 1)  # refused: nothing committed, and later writes leave the record alone
             else:
-                _commit(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, i, b, length, T, ring, skb, skh, skt,
-                        svb, svh, svt, srkb, srkh, srkt, srvb, srvh, srvt, H, D, DP, BLOCK_WINDOW, BLOCK_T)
+                _commit(
+                    k_ptr,
+                    v_ptr,
+                    rk_ptr,
+                    rv_ptr,
+                    lens_ptr,
+                    comp_ptr,
+                    rec_ptr,
+                    i,
+                    b,
+                    length,
+                    T,
+                    ring,
+                    skb,
+                    skh,
+                    skt,
+                    svb,
+                    svh,
+                    svt,
+                    srkb,
+                    srkh,
+                    srkt,
+                    srvb,
+                    srvh,
+                    srvt,
+                    H,
+                    D,
+                    DP,
+                    BLOCK_WINDOW,
+                    BLOCK_T,
+                )
         else:
-            _commit(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, i, b, length, T, ring, skb, skh, skt,
-                    svb, svh, svt, srkb, srkh, srkt, srvb, srvh, srvt, H, D, DP, BLOCK_WINDOW, BLOCK_T)
+            _commit(
+                k_ptr,
+                v_ptr,
+                rk_ptr,
+                rv_ptr,
+                lens_ptr,
+                comp_ptr,
+                rec_ptr,
+                i,
+                b,
+                length,
+                T,
+                ring,
+                skb,
+                skh,
+                skt,
+                svb,
+                svh,
+                svt,
+                srkb,
+                srkh,
+                srkt,
+                srvb,
+                srvh,
+                srvt,
+                H,
+                D,
+                DP,
+                BLOCK_WINDOW,
+                BLOCK_T,
+            )
 
 
 @triton.jit
-def _commit(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, i, b, length, T, ring, skb, skh, skt, svb, svh,
-            svt, srkb, srkh, srkt, srvb, srvh, srvt, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-            BLOCK_WINDOW: tl.constexpr, BLOCK_T: tl.constexpr):
+def _commit(
+    k_ptr,
+    v_ptr,
+    rk_ptr,
+    rv_ptr,
+    lens_ptr,
+    comp_ptr,
+    rec_ptr,
+    i,
+    b,
+    length,
+    T,
+    ring,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    srkb,
+    srkh,
+    srkt,
+    srvb,
+    srvh,
+    srvt,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_WINDOW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     """Row b: the last min(T, R) new tokens of appended row i into the ring, then its lengths."""
     if ring > 0:
         r = tl.minimum(T, ring)
@@ -105,14 +192,22 @@ def _commit(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, i, b, len
                 t = t0 + tl.arange(0, BLOCK_T)
                 m = (t < T)[:, None] & (d < D)[None, :]
                 col = ((length + t) % ring).to(tl.int64)
-                kk = tl.load(k_ptr + i.to(tl.int64) * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :],
-                             mask=m)
-                vv = tl.load(v_ptr + i.to(tl.int64) * svb + h * svh + t[:, None].to(tl.int64) * svt + d[None, :],
-                             mask=m)
-                tl.store(rk_ptr + b.to(tl.int64) * srkb + h * srkh + col[:, None] * srkt + d[None, :],
-                         kk.to(rk_ptr.dtype.element_ty), mask=m)
-                tl.store(rv_ptr + b.to(tl.int64) * srvb + h * srvh + col[:, None] * srvt + d[None, :],
-                         vv.to(rv_ptr.dtype.element_ty), mask=m)
+                kk = tl.load(
+                    k_ptr + i.to(tl.int64) * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :], mask=m
+                )
+                vv = tl.load(
+                    v_ptr + i.to(tl.int64) * svb + h * svh + t[:, None].to(tl.int64) * svt + d[None, :], mask=m
+                )
+                tl.store(
+                    rk_ptr + b.to(tl.int64) * srkb + h * srkh + col[:, None] * srkt + d[None, :],
+                    kk.to(rk_ptr.dtype.element_ty),
+                    mask=m,
+                )
+                tl.store(
+                    rv_ptr + b.to(tl.int64) * srvb + h * srvh + col[:, None] * srvt + d[None, :],
+                    vv.to(rv_ptr.dtype.element_ty),
+                    mask=m,
+                )
     new = length + T
     if BLOCK_WINDOW:  # the own block: (new - 1) % ring + 1 tokens (ring >= 1 in this mode; new >= 1 here)
         rec = (new - 1) % ring + 1
@@ -126,10 +221,22 @@ def _commit(k_ptr, v_ptr, rk_ptr, rv_ptr, lens_ptr, comp_ptr, rec_ptr, i, b, len
 _LAUNCH = FastLauncher(_append_kernel)
 
 
-def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
-                comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
-                stage: bool = True, commit: bool = True, block_window: bool = False,
-                guard: torch.Tensor | None = None) -> torch.Tensor | None:
+def append_rows(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    lens: torch.Tensor,
+    comp: torch.Tensor,
+    rec: torch.Tensor,
+    overflow: torch.Tensor,
+    row0: int,
+    capacity: int,
+    stage: bool = True,
+    commit: bool = True,
+    block_window: bool = False,
+    guard: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb): returns the slots [nb * T] (stage).
     ``guard``: commit only while this store fault record (int64 [2]) holds no fault, else close it."""
     nb, h, t, d = k.shape
@@ -138,13 +245,48 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: 
     rk, rv = (ring_k, ring_v) if ring_k.numel() else (k, v)  # no ring storage: never written (ring == 0)
     block_t = min(64, max(16, next_pow2(min(t, 64))))
     stage_t = min(1024, max(16, next_pow2(t)))
-    args = (k, v, rk, rv, lens, comp, rec, slots, overflow, slots if guard is None else guard, row0, t, capacity, ring,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2))
+    args = (
+        k,
+        v,
+        rk,
+        rv,
+        lens,
+        comp,
+        rec,
+        slots,
+        overflow,
+        slots if guard is None else guard,
+        row0,
+        t,
+        capacity,
+        ring,
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        rk.stride(0),
+        rk.stride(1),
+        rk.stride(2),
+        rv.stride(0),
+        rv.stride(1),
+        rv.stride(2),
+    )
     block_window = bool(block_window and ring > 0)
     gated = guard is not None and commit
-    kw = dict(H=h, D=d, DP=max(16, next_pow2(d)), STAGE=stage, COMMIT=commit, GUARD=gated, BLOCK_WINDOW=block_window,
-              BLOCK_T=block_t, STAGE_T=stage_t)
-    _LAUNCH((nb,), args, kw, (h, d, stage, commit, gated, block_window, block_t, stage_t),
-            num_warps=1 if INTERPRET else 4)
+    kw = dict(
+        H=h,
+        D=d,
+        DP=max(16, next_pow2(d)),
+        STAGE=stage,
+        COMMIT=commit,
+        GUARD=gated,
+        BLOCK_WINDOW=block_window,
+        BLOCK_T=block_t,
+        STAGE_T=stage_t,
+    )
+    _LAUNCH(
+        (nb,), args, kw, (h, d, stage, commit, gated, block_window, block_t, stage_t), num_warps=1 if INTERPRET else 4
+    )
     return slots if stage else None

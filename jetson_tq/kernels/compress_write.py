@@ -24,12 +24,36 @@ from triton.runtime.errors import OutOfResources
 from ..codec.kv import KVCodec
 from ..errors import ArgTypeError, DTypeError, ShapeError, expect_same_device
 from ..format import PagedLayout
-from ..validate import (FAULT_CLASS_BOUND, FAULT_COORD_SHIFT, FAULT_HEAD_SHIFT, FAULT_MAX_COORDS, FAULT_MAX_HEADS,
-                        FAULT_NONE, FAULT_RANK_SHIFT, FAULT_SLOT_SHIFT, FP32_MAX, RANK_GROUP_MIN, RANK_GROUP_SCALE,
-                        RANK_K_ABS, RANK_K_FINITE, RANK_KEY_NORM, RANK_V_ABS, RANK_V_FINITE, StoreLimits)
+from ..validate import (
+    FAULT_CLASS_BOUND,
+    FAULT_COORD_SHIFT,
+    FAULT_HEAD_SHIFT,
+    FAULT_MAX_COORDS,
+    FAULT_MAX_HEADS,
+    FAULT_NONE,
+    FAULT_RANK_SHIFT,
+    FAULT_SLOT_SHIFT,
+    FP32_MAX,
+    RANK_GROUP_MIN,
+    RANK_GROUP_SCALE,
+    RANK_K_ABS,
+    RANK_K_FINITE,
+    RANK_KEY_NORM,
+    RANK_V_ABS,
+    RANK_V_FINITE,
+    StoreLimits,
+)
+from ._common import (
+    INTERPRET,
+    KEY_RAW,
+    PageSpec,
+    codec_constants,
+    constexpr_bundle,
+    cuda_or_interpreter,
+    next_pow2,
+    page_spec,
+)
 from ._launch import FastLauncher, resident_programs
-from ._common import (INTERPRET, KEY_RAW, PageSpec, codec_constants, constexpr_bundle, cuda_or_interpreter, next_pow2,
-                      page_spec)
 from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
@@ -115,8 +139,17 @@ def _overlaps(c, gi, CW, GROUP):
 
 
 @triton.jit
-def _store_run(codes, ptrs, mask, RUN_OFF: tl.constexpr, LOW: tl.constexpr, W: tl.constexpr,
-               CH: tl.constexpr, CW: tl.constexpr, NCH: tl.constexpr):
+def _store_run(
+    codes,
+    ptrs,
+    mask,
+    RUN_OFF: tl.constexpr,
+    LOW: tl.constexpr,
+    W: tl.constexpr,
+    CH: tl.constexpr,
+    CW: tl.constexpr,
+    NCH: tl.constexpr,
+):
     """Store one planar run (bits [LOW, LOW+W) of every code) at byte offset RUN_OFF of the field."""
     WMIN: tl.constexpr = CW // CH
     for k in tl.static_range(W // WMIN):  # piece k of the run = bytes [k*CW, (k+1)*CW)
@@ -128,8 +161,17 @@ def _store_run(codes, ptrs, mask, RUN_OFF: tl.constexpr, LOW: tl.constexpr, W: t
 
 
 @triton.jit
-def _store_packed(codes, ptrs, mask, CH: tl.constexpr, CW: tl.constexpr, NCH: tl.constexpr,
-                  W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+def _store_packed(
+    codes,
+    ptrs,
+    mask,
+    CH: tl.constexpr,
+    CW: tl.constexpr,
+    NCH: tl.constexpr,
+    W0: tl.constexpr,
+    W1: tl.constexpr,
+    W2: tl.constexpr,
+):
     """Pack per-chunk codes (a tuple of NCH [T, CWP] int32 tiles) into planar runs and store them."""
     if W0 > 0:
         _store_run(codes, ptrs, mask, 0, 0, W0, CH, CW, NCH)
@@ -167,36 +209,37 @@ class WriteConstexprs:
 
 @triton.jit
 def _compress_write_kernel(
-        # ---- pointers
-        k_ptr,  # [N, HKV, D] or rows [R, T, HKV, D] (ROWS): new keys (last dim contiguous)
-        v_ptr,  # the same for the new values
-        slot_ptr,  # int64 [N]: page slot of each token (block * BS + offset; < 0: skipped)
-        pages_ptr,  # uint8 [blocks, HKV, PB]: the pages written
-        pi_hi_ptr,  # fp16 [D, D]: rotation Pi, high part (dense rotation)
-        pi_lo_ptr,  # fp16 [D, D]: ... and low part (hi + lo = Pi to ~22 bits)
-        s_hi_ptr,  # fp16 [D, D]: QJL sketch S, high part
-        s_lo_ptr,  # fp16 [D, D]: ... low part
-        w_hi_ptr,  # fp16 [D, D]: W = S Pi^T, high part (the sketch of the centroids)
-        w_lo_ptr,  # fp16 [D, D]: ... low part
-        cb_ptr,  # fp32: key codebook
-        bnd_ptr,  # fp32: its decision boundaries
-        mt_ptr,  # [D, D] in k's dtype: (sqrt(D) Pi)^T, entries +-1 (SIGN_MMA > 0)
-        fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
-        # ---- sizes, strides, scalars
-        sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
-        n_tokens,  # N (= R * T)
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        page_bytes,  # PB
-        # ---- rows (ROWS; last, so the flat launch's parameters keep their places)
-        row_tokens,  # T
-        stride_kb,
-        stride_vb,
-        # ---- compile time
-        PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
-        CFG: tl.constexpr):  # ``WriteConstexprs`` bundle
+    # ---- pointers
+    k_ptr,  # [N, HKV, D] or rows [R, T, HKV, D] (ROWS): new keys (last dim contiguous)
+    v_ptr,  # the same for the new values
+    slot_ptr,  # int64 [N]: page slot of each token (block * BS + offset; < 0: skipped)
+    pages_ptr,  # uint8 [blocks, HKV, PB]: the pages written
+    pi_hi_ptr,  # fp16 [D, D]: rotation Pi, high part (dense rotation)
+    pi_lo_ptr,  # fp16 [D, D]: ... and low part (hi + lo = Pi to ~22 bits)
+    s_hi_ptr,  # fp16 [D, D]: QJL sketch S, high part
+    s_lo_ptr,  # fp16 [D, D]: ... low part
+    w_hi_ptr,  # fp16 [D, D]: W = S Pi^T, high part (the sketch of the centroids)
+    w_lo_ptr,  # fp16 [D, D]: ... low part
+    cb_ptr,  # fp32: key codebook
+    bnd_ptr,  # fp32: its decision boundaries
+    mt_ptr,  # [D, D] in k's dtype: (sqrt(D) Pi)^T, entries +-1 (SIGN_MMA > 0)
+    fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
+    # ---- sizes, strides, scalars
+    sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
+    n_tokens,  # N (= R * T)
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    page_bytes,  # PB
+    # ---- rows (ROWS; last, so the flat launch's parameters keep their places)
+    row_tokens,  # T
+    stride_kb,
+    stride_vb,
+    # ---- compile time
+    PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
+    CFG: tl.constexpr,
+):  # ``WriteConstexprs`` bundle
     # One program = BLOCK_T tokens of one KV head: keys first (norm, rotation, codes, QJL signs), then values.
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * CFG.BLOCK_T + tl.arange(0, CFG.BLOCK_T)
@@ -216,19 +259,42 @@ def _compress_write_kernel(
     if CFG.CHECK and CFG.K_ELEMS:  # raw keys / wide inputs: |k| per element, while the tile is in registers
         bad = bad | _over(kin, dmask, CFG.K_ABS)
     if PAGE.KEY_MODE == K_RAW:
-        tl.store((page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
-                 kin.to(tl.float32).to(RAW_T), mask=dmask)
+        tl.store(
+            (page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
+            kin.to(tl.float32).to(RAW_T),
+            mask=dmask,
+        )
         nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (nothing to bound)
     else:
-        nrm = _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
-                           cb_ptr, bnd_ptr, mt_ptr, sqrt_d, PAGE, CFG)
+        nrm = _encode_keys(
+            kin,
+            page,
+            off,
+            valid,
+            d,
+            pi_hi_ptr,
+            pi_lo_ptr,
+            s_hi_ptr,
+            s_lo_ptr,
+            w_hi_ptr,
+            w_lo_ptr,
+            cb_ptr,
+            bnd_ptr,
+            mt_ptr,
+            sqrt_d,
+            PAGE,
+            CFG,
+        )
         if CFG.CHECK:  # a non-finite key has a non-finite norm
             bad = bad | ~(nrm <= CFG.KEY_NORM)
     voff = _token_offsets(t, t64, row_tokens, stride_vb, stride_vt, CFG.ROWS)
     if PAGE.VAL_MODE == V_RAW:
         v = tl.load(v_ptr + voff + h * stride_vh + d[None, :], mask=dmask, other=0.0)
-        tl.store((page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
-                 v.to(tl.float32).to(RAW_T), mask=dmask)
+        tl.store(
+            (page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
+            v.to(tl.float32).to(RAW_T),
+            mask=dmask,
+        )
         gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
         if CFG.CHECK:
             bad = bad | _over(v, dmask, CFG.V_ABS)
@@ -237,8 +303,22 @@ def _compress_write_kernel(
         bad = bad | (gbad != 0)
     if CFG.CHECK:
         if tl.max((valid & bad).to(tl.int32), 0) != 0:  # rare: the exact fault code, from a second load of the tiles
-            _record_fault(k_ptr, v_ptr, fault_ptr, nrm, gbad, slot, valid, koff, voff, h, stride_kh, stride_vh, PAGE,
-                          CFG)
+            _record_fault(
+                k_ptr,
+                v_ptr,
+                fault_ptr,
+                nrm,
+                gbad,
+                slot,
+                valid,
+                koff,
+                voff,
+                h,
+                stride_kh,
+                stride_vh,
+                PAGE,
+                CFG,
+            )
 
 
 @triton.jit
@@ -261,8 +341,22 @@ def _over(x, mask, BOUND: tl.constexpr):
 
 
 @triton.jit
-def _record_fault(k_ptr, v_ptr, fault_ptr, nrm, gbad, slot, valid, koff, voff, h, stride_kh, stride_vh,
-                  PAGE: tl.constexpr, CFG: tl.constexpr):
+def _record_fault(
+    k_ptr,
+    v_ptr,
+    fault_ptr,
+    nrm,
+    gbad,
+    slot,
+    valid,
+    koff,
+    voff,
+    h,
+    stride_kh,
+    stride_vh,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+):
     """The store checks of ``validate.check_kv_storable`` for this program's tokens, as the smallest fault code: per
     token the first failing check (lowest rank) and, for non-finite elements, the first such coordinate; the
     launch's smallest is kept with an atomic min, unless an earlier refused write already closed the record. Works
@@ -299,8 +393,25 @@ def _first_nonfinite(x, mask, d, base, RANK: tl.constexpr, code):
 
 
 @triton.jit
-def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, cb_ptr,
-                 bnd_ptr, mt_ptr, sqrt_d, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _encode_keys(
+    kin,
+    page,
+    off,
+    valid,
+    d,
+    pi_hi_ptr,
+    pi_lo_ptr,
+    s_hi_ptr,
+    s_lo_ptr,
+    w_hi_ptr,
+    w_lo_ptr,
+    cb_ptr,
+    bnd_ptr,
+    mt_ptr,
+    sqrt_d,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+):
     """Keys kin [BLOCK_T, DP] -> norm, codebook indices (packed) and, for prod keys, the QJL signs and residual
     norm, stored at the tokens' page offsets. Returns the norms (fp32, before rounding to the stored dtype)."""
     NORM_T: tl.constexpr = tl.float32 if PAGE.NORM_F32 else tl.float16
@@ -312,8 +423,11 @@ def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_
         accs = ()
         for c in tl.static_range(PAGE.KCH):
             row = c * PAGE.KCW + kc
-            m = tl.load(mt_ptr + d[:, None] * PAGE.D + row[None, :],
-                        mask=(kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D), other=0.0)
+            m = tl.load(
+                mt_ptr + d[:, None] * PAGE.D + row[None, :],
+                mask=(kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D),
+                other=0.0,
+            )
             accs = accs + (mma(kin, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP),)
         sq = tl.sum(accs[0] * accs[0], 1)
         for c in tl.static_range(1, PAGE.KCH):
@@ -343,13 +457,15 @@ def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_
             if CFG.SIGN_MMA == 1 and PAGE.KEY_MODE == K_MSE:
                 acc = accs[c]
             else:
-                m = tl.load(mt_ptr + d[:, None] * PAGE.D + row[None, :],
-                            mask=(kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D), other=0.0)
+                m = tl.load(
+                    mt_ptr + d[:, None] * PAGE.D + row[None, :],
+                    mask=(kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D),
+                    other=0.0,
+                )
             if CFG.SIGN_MMA == 1 and PAGE.KEY_MODE == K_PROD:
                 acc = mma(kin, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP)
             elif CFG.SIGN_MMA == 2:
-                acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP),
-                          CFG.INTERP)
+                acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP), CFG.INTERP)
             if CFG.SYM_SEARCH:
                 code = _search_symmetric(acc, rs, bnd_ptr, PAGE.KB)
             else:
@@ -357,9 +473,18 @@ def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_
             if PAGE.KEY_MODE == K_PROD:
                 y = acc * (1.0 / tl.maximum(rs, TINY))[:, None]
         else:
-            y = _dot3(u_hi, u_lo, pi_hi_ptr, pi_lo_ptr, row, d,
-                      (kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D), PAGE.D,
-                      tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP)
+            y = _dot3(
+                u_hi,
+                u_lo,
+                pi_hi_ptr,
+                pi_lo_ptr,
+                row,
+                d,
+                (kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D),
+                PAGE.D,
+                tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32),
+                CFG.INTERP,
+            )
             code = _bucketize(y, bnd_ptr, PAGE.KB)
         if not KFULL:
             code = tl.where(inside, code, 0)  # padding coordinates pack as 0
@@ -379,20 +504,42 @@ def _encode_keys(kin, page, off, valid, d, pi_hi_ptr, pi_lo_ptr, s_hi_ptr, s_lo_
         if PAGE.KW1 == 0:
             tl.store(kptrs, kbyte.to(tl.uint8), mask=valid[:, None] & (kc[None, :] < PAGE.KCW))
         else:
-            _store_packed(codes, kptrs, valid[:, None] & (kc[None, :] < PAGE.KCW), PAGE.CH, PAGE.KCW, PAGE.KCH,
-                          PAGE.KW0, PAGE.KW1, PAGE.KW2)
+            _store_packed(
+                codes,
+                kptrs,
+                valid[:, None] & (kc[None, :] < PAGE.KCW),
+                PAGE.CH,
+                PAGE.KCW,
+                PAGE.KCH,
+                PAGE.KW0,
+                PAGE.KW1,
+                PAGE.KW2,
+            )
     tl.store((page + PAGE.OFF_KNORM + off * NB).to(tl.pointer_type(NORM_T)), nrm.to(NORM_T), mask=valid)
     if PAGE.KEY_MODE == K_PROD:
-        _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, PAGE,
-                   CFG)
+        _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, PAGE, CFG)
         rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
         tl.store((page + PAGE.OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
     return nrm
 
 
 @triton.jit
-def _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr,
-               PAGE: tl.constexpr, CFG: tl.constexpr):
+def _qjl_signs(
+    u_hi,
+    u_lo,
+    cents,
+    cents_lo,
+    page,
+    off,
+    valid,
+    d,
+    s_hi_ptr,
+    s_lo_ptr,
+    w_hi_ptr,
+    w_lo_ptr,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+):
     """Store the signs of the residual's sketch S r = S unit - (S Pi^T) c, one bit plane per chunk of CH sketch rows
     (8 planes), from the unit keys (hi + lo) and their centroids (``cents``, + lo parts when SPLIT_SKETCH)."""
     kc = tl.arange(0, CFG.KCWP)
@@ -404,15 +551,26 @@ def _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_
         # only where (S r)_i is within ~1e-6 of 0. Fast (KB <= 2 only): one fp16 product per term.
         smask = (sc[None, :] < PAGE.CH) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D)
         if CFG.SPLIT_SKETCH:
-            sk = _dot3(u_hi, u_lo, s_hi_ptr, s_lo_ptr, row, d, smask, PAGE.D,
-                       tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32), CFG.INTERP)
+            sk = _dot3(
+                u_hi,
+                u_lo,
+                s_hi_ptr,
+                s_lo_ptr,
+                row,
+                d,
+                smask,
+                PAGE.D,
+                tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32),
+                CFG.INTERP,
+            )
         else:
             s_hi = tl.load(s_hi_ptr + row[None, :] * PAGE.D + d[:, None], mask=smask, other=0.0)
             sk = mma(u_hi, s_hi, tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32), CFG.INTERP)
         for c2 in tl.static_range(PAGE.KCH):
             kr = c2 * PAGE.KCW + kc  # W^T block: rows = chunk c2 coordinates, cols = sketch rows of chunk c
-            wmask = ((kc[:, None] < PAGE.KCW) & (kr[:, None] < PAGE.D) & (sc[None, :] < PAGE.CH)
-                     & (row[None, :] < PAGE.D))
+            wmask = (
+                (kc[:, None] < PAGE.KCW) & (kr[:, None] < PAGE.D) & (sc[None, :] < PAGE.CH) & (row[None, :] < PAGE.D)
+            )
             w_off = row[None, :] * PAGE.D + kr[:, None]
             w_hi = tl.load(w_hi_ptr + w_off, mask=wmask, other=0.0)
             sk = mma(cents[c2], -w_hi, sk, CFG.INTERP)
@@ -421,8 +579,11 @@ def _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_
                 sk = mma(cents[c2], -w_lo, sk, CFG.INTERP)
                 sk = mma(cents_lo[c2], -w_hi, sk, CFG.INTERP)
         sbyte |= ((sk >= 0) & (row[None, :] < PAGE.D)).to(tl.int32) << c
-    tl.store((page + PAGE.OFF_KSGN + off * PAGE.CH)[:, None] + sc[None, :], sbyte.to(tl.uint8),
-             mask=valid[:, None] & (sc[None, :] < PAGE.CH))
+    tl.store(
+        (page + PAGE.OFF_KSGN + off * PAGE.CH)[:, None] + sc[None, :],
+        sbyte.to(tl.uint8),
+        mask=valid[:, None] & (sc[None, :] < PAGE.CH),
+    )
 
 
 @triton.jit
@@ -437,9 +598,13 @@ def _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE: tl.const
     vt = ()
     for c in tl.static_range(PAGE.VCH):
         col = c * PAGE.VCW + vc
-        vt = vt + (tl.load(v_ptr + voff + h * stride_vh + col[None, :],
-                           mask=valid[:, None] & (vc[None, :] < PAGE.VCW) & (col[None, :] < PAGE.D),
-                           other=0.0).to(tl.float32),)
+        vt = vt + (
+            tl.load(
+                v_ptr + voff + h * stride_vh + col[None, :],
+                mask=valid[:, None] & (vc[None, :] < PAGE.VCW) & (col[None, :] < PAGE.D),
+                other=0.0,
+            ).to(tl.float32),
+        )
     inv = ()
     zinv = ()
     srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
@@ -461,10 +626,12 @@ def _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE: tl.const
         if CFG.CHECK:
             lo = tl.reduce(lo2, 1, _min_nan)
             hi = tl.reduce(hi2, 1, _max_nan)
-            gbad |= tl.where(~(tl.abs(lo) <= CFG.VALUE_GROUP) | ~(tl.abs(lo) <= CFG.V_ABS)
-                             | ~(tl.abs(hi) <= CFG.V_ABS), 1, 0)
-            gbad |= tl.where(~(tl.math.div_rn(hi - lo, tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS)
-                               <= CFG.VALUE_GROUP), 2, 0)
+            gbad |= tl.where(
+                ~(tl.abs(lo) <= CFG.VALUE_GROUP) | ~(tl.abs(lo) <= CFG.V_ABS) | ~(tl.abs(hi) <= CFG.V_ABS), 1, 0
+            )
+            gbad |= tl.where(
+                ~(tl.math.div_rn(hi - lo, tl.zeros([CFG.BLOCK_T], tl.float32) + LEVELS) <= CFG.VALUE_GROUP), 2, 0
+            )
             zero = lo.to(tl.float16)
         else:
             zero = tl.min(lo2, 1).to(tl.float16)
@@ -494,8 +661,17 @@ def _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE: tl.const
         pos = tl.minimum(pos, LEVELS)
         q = (pos + ROUND_MAGIC).to(tl.int32, bitcast=True) & LEVELS  # + 1.5 * 2^23 rounds half to even
         vcodes = vcodes + (tl.where(((vc < PAGE.VCW) & (col < PAGE.D))[None, :], q, 0),)
-    _store_packed(vcodes, (page + PAGE.OFF_VCODES + off * (PAGE.CH * PAGE.VB))[:, None] + vc[None, :],
-                  valid[:, None] & (vc[None, :] < PAGE.VCW), PAGE.CH, PAGE.VCW, PAGE.VCH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+    _store_packed(
+        vcodes,
+        (page + PAGE.OFF_VCODES + off * (PAGE.CH * PAGE.VB))[:, None] + vc[None, :],
+        valid[:, None] & (vc[None, :] < PAGE.VCW),
+        PAGE.CH,
+        PAGE.VCW,
+        PAGE.VCH,
+        PAGE.VW0,
+        PAGE.VW1,
+        PAGE.VW2,
+    )
     return gbad
 
 
@@ -535,15 +711,17 @@ class WriteTuning:
 DEFAULT_TUNING = WriteTuning()
 
 
-def _check_inputs(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                  layout: PagedLayout) -> None:
+def _check_inputs(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout
+) -> None:
     """Named errors for K/V, slots or pages that do not fit ``layout``."""
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
-    if (k.shape != v.shape or k.dim() not in (3, 4) or k.shape[-2] != pages.shape[1]
-            or k.shape[-1] != layout.head_dim):
-        raise ShapeError(f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}] or [R, T, {pages.shape[1]}, "
-                         f"{layout.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape != v.shape or k.dim() not in (3, 4) or k.shape[-2] != pages.shape[1] or k.shape[-1] != layout.head_dim:
+        raise ShapeError(
+            f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}] or [R, T, {pages.shape[1]}, {layout.head_dim}],"
+            f" got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     n = k.shape[0] if k.dim() == 3 else k.shape[0] * k.shape[1]
     if slots.dim() != 1 or slots.shape[0] != n:
         raise ShapeError(f"slots: expected [{n}], got {tuple(slots.shape)}")
@@ -551,13 +729,23 @@ def _check_inputs(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: 
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
     if pages.dtype != torch.uint8 or pages.shape[2] != layout.page_bytes:
-        raise ShapeError(f"pages: expected uint8 [blocks, H, {layout.page_bytes}], got {pages.dtype} "
-                         f"{tuple(pages.shape)}")
+        raise ShapeError(
+            f"pages: expected uint8 [blocks, H, {layout.page_bytes}], got {pages.dtype} {tuple(pages.shape)}"
+        )
 
 
-def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
-                   layout: PagedLayout, codec: KVCodec, *, tuning: WriteTuning = DEFAULT_TUNING,
-                   fault: torch.Tensor | None = None, limits: StoreLimits | None = None) -> None:
+def compress_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PagedLayout,
+    codec: KVCodec,
+    *,
+    tuning: WriteTuning = DEFAULT_TUNING,
+    fault: torch.Tensor | None = None,
+    limits: StoreLimits | None = None,
+) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
     k, v may also be rows [R, T, H, D] of T tokens each (any strides, last dim contiguous; slots [R * T] row by row):
     one launch reads them in place (a cache append of several sequences, ``CompressedKVCache``).
@@ -592,18 +780,41 @@ def compress_write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages:
         setup = _SETUPS[opts] = _setup(codec, layout, k.device, k.dtype, v.dtype, hkv, tuning, checked)
     chosen = tuning.block_t is None
     block_t = tuning.block_t or _FITTED_BLOCK_T.get(setup.fit_key, default_block_t(layout.head_dim))
-    kb, vb = (k.stride(0), v.stride(0)) if rows else (0, 0)
-    args = (k, v, slots, pages, *setup.consts["write_mats"], setup.consts["codebook"], setup.consts["bounds"],
-            setup.signs, slots if fault is None else fault, setup.sqrt_d, n, k.stride(-3), k.stride(-2),
-            v.stride(-3), v.stride(-2), layout.page_bytes, k.shape[1] if rows else n, kb, vb)
+    args = (
+        k,
+        v,
+        slots,
+        pages,
+        *setup.consts["write_mats"],
+        setup.consts["codebook"],
+        setup.consts["bounds"],
+        setup.signs,
+        slots if fault is None else fault,
+        setup.sqrt_d,
+        n,
+        k.stride(-3),
+        k.stride(-2),
+        v.stride(-3),
+        v.stride(-2),
+        layout.page_bytes,
+        k.shape[1] if rows else n,  # rows: tokens per row and the row strides
+        k.stride(0) if rows else 0,
+        v.stride(0) if rows else 0,
+    )
     while True:
         try:
             grid = (triton.cdiv(n, block_t), hkv)
             maxnreg = tuning.maxnreg
             if maxnreg is None and checked is not None:
                 maxnreg = setup.check_register_cap(grid, args, block_t, rows, tuning.num_warps)
-            _LAUNCH(grid, args, setup.constexprs(block_t, rows), (setup.serial, block_t, rows),
-                    num_warps=tuning.num_warps, maxnreg=maxnreg)
+            _LAUNCH(
+                grid,
+                args,
+                setup.constexprs(block_t, rows),
+                (setup.serial, block_t, rows),
+                num_warps=tuning.num_warps,
+                maxnreg=maxnreg,
+            )
             break
         except OutOfResources:  # raised at compile time, before anything is written
             if block_t <= 16:
@@ -641,8 +852,8 @@ class _WriteSetup:
         kw = self.bundles.get(key)
         if kw is None:
             cfg = replace(self.cfg, BLOCK_T=block_t, ROWS=rows)
-            kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg if check is None else
-                                                                              replace(cfg, CHECK=check)))
+            cfg = cfg if check is None else replace(cfg, CHECK=check)
+            kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg))
         return kw
 
     def check_register_cap(self, grid: tuple, args: tuple, block_t: int, rows: bool, num_warps: int) -> int | None:
@@ -678,35 +889,71 @@ def _check_fault_record(fault: torch.Tensor, k: torch.Tensor, limits: StoreLimit
     if limits is None:
         raise ArgTypeError("fault: the store checks need their bounds, got limits=None")
     if fault.dtype != torch.int64 or fault.shape != (2,) or fault.device != k.device:
-        raise ShapeError(f"fault: expected int64 [2] on {k.device}, got {fault.dtype} {tuple(fault.shape)} on "
-                         f"{fault.device}")
+        raise ShapeError(
+            f"fault: expected int64 [2] on {k.device}, got {fault.dtype} {tuple(fault.shape)} on {fault.device}"
+        )
     if k.shape[-2] > FAULT_MAX_HEADS or k.shape[-1] > FAULT_MAX_COORDS:
-        raise ShapeError(f"k: the store fault code holds at most {FAULT_MAX_HEADS} KV heads and {FAULT_MAX_COORDS} "
-                         f"coordinates, got {tuple(k.shape)}")
+        raise ShapeError(
+            f"k: the store fault code holds at most {FAULT_MAX_HEADS} KV heads and {FAULT_MAX_COORDS} "
+            f"coordinates, got {tuple(k.shape)}"
+        )
 
 
-def _setup(codec: KVCodec, layout: PagedLayout, device: torch.device, dtype: torch.dtype, v_dtype: torch.dtype,
-           hkv: int, tuning: WriteTuning, limits: StoreLimits | None) -> _WriteSetup:
+def _setup(
+    codec: KVCodec,
+    layout: PagedLayout,
+    device: torch.device,
+    dtype: torch.dtype,
+    v_dtype: torch.dtype,
+    hkv: int,
+    tuning: WriteTuning,
+    limits: StoreLimits | None,
+) -> _WriteSetup:
     spec, page = page_spec(layout, codec)
     consts = codec_constants(codec, device)
     # 1: one exact product of k with sqrt(D) Pi; 2: fp32 keys, the unit vector split hi + lo; 0: dense split products
     sign_mode = (1 if dtype != torch.float32 else 2) if hadamard_rotation(spec, codec) else 0
-    signs = _sign_matrix_t(codec, device, torch.float16 if dtype == torch.float32 else dtype) if sign_mode else \
-        consts["hsigns"]
+    signs = (
+        _sign_matrix_t(codec, device, torch.float16 if dtype == torch.float32 else dtype)
+        if sign_mode
+        else consts["hsigns"]
+    )
     sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
     cfg = WriteConstexprs(
-        HKV=hkv, KCWP=max(16, next_pow2(spec.KCW)), CHP=max(16, next_pow2(spec.CH)), VCWP=max(16, next_pow2(spec.VCW)),
-        SIGN_MMA=sign_mode, SPLIT_SKETCH=tuning.exact_signs or spec.KB > 2,
-        SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]), V_FP16=v_dtype == torch.float16,
-        BLOCK_T=default_block_t(layout.head_dim), INTERP=INTERPRET, CHECK=limits is not None)
+        HKV=hkv,
+        KCWP=max(16, next_pow2(spec.KCW)),
+        CHP=max(16, next_pow2(spec.CH)),
+        VCWP=max(16, next_pow2(spec.VCW)),
+        SIGN_MMA=sign_mode,
+        SPLIT_SKETCH=tuning.exact_signs or spec.KB > 2,
+        SYM_SEARCH=1 <= spec.KB <= 4 and _symmetric(consts["bounds"]),
+        V_FP16=v_dtype == torch.float16,
+        BLOCK_T=default_block_t(layout.head_dim),
+        INTERP=INTERPRET,
+        CHECK=limits is not None,
+    )
     if limits is not None:
         # |k| per element only where the norm cannot tell: raw keys, or inputs that can exceed the bound (an fp16
         # input is within 65504 whenever it is finite)
         wide = dtype != torch.float16 and limits.k_abs < FP32_MAX
-        cfg = replace(cfg, K_ABS=limits.k_abs, K_ELEMS=spec.KEY_MODE == KEY_RAW or wide, V_ABS=limits.v_abs,
-                      KEY_NORM=limits.key_norm, VALUE_GROUP=limits.value_group)
-    fit_key = (layout.fmt, layout.head_dim, str(device), tuning.exact_signs, tuning.num_warps, sign_mode,
-               v_dtype == torch.float16, limits is not None)
+        cfg = replace(
+            cfg,
+            K_ABS=limits.k_abs,
+            K_ELEMS=spec.KEY_MODE == KEY_RAW or wide,
+            V_ABS=limits.v_abs,
+            KEY_NORM=limits.key_norm,
+            VALUE_GROUP=limits.value_group,
+        )
+    fit_key = (
+        layout.fmt,
+        layout.head_dim,
+        str(device),
+        tuning.exact_signs,
+        tuning.num_warps,
+        sign_mode,
+        v_dtype == torch.float16,
+        limits is not None,
+    )
     return _WriteSetup(codec, consts, signs, sqrt_d, page, cfg, fit_key)
 
 
@@ -730,5 +977,11 @@ def hadamard_rotation(spec: PageSpec, codec: KVCodec) -> bool:
     power-of-two tiles): the sign-matrix product applies; otherwise the kernel rotates with the dense hi+lo
     split products."""
     rot = codec.key_rotation
-    return (spec.KEY_MODE != KEY_RAW and rot is not None and rot.kind == "hadamard" and spec.D == spec.DP
-            and spec.KCW == next_pow2(spec.KCW) and spec.KCW >= 16)
+    return (
+        spec.KEY_MODE != KEY_RAW
+        and rot is not None
+        and rot.kind == "hadamard"
+        and spec.D == spec.DP
+        and spec.KCW == next_pow2(spec.KCW)
+        and spec.KCW >= 16
+    )

@@ -21,7 +21,8 @@ merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one 
 no allocation after the first call of a shape (workspaces are cached), so the launcher can be captured in a CUDA
 graph.
 
-The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then per tile
+The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then
+per tile
 ``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_recent_tokens`` and
 ``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and ``CFG``
 (``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
@@ -37,13 +38,41 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
-from ._common import (INTERPRET, KEY_MSE, KEY_RAW, LOG2E, VAL_GROUP, PageSpec, codec_constants, constexpr_bundle,
-                      counters, cuda_or_interpreter, next_pow2, page_spec, workspace)
-from ._tiles import (K_PROD, K_RAW, TWO24, V_RAW, centroid_lookup, chunk_codes, folded_value_tile, fwht_rows,
-                     load_norms, mma, nibble_centroids, nibble_lut_asm, online_softmax, subnormal16, value_unit)
+from ..paged import PagedKV
+from ._common import (
+    INTERPRET,
+    KEY_MSE,
+    KEY_RAW,
+    LOG2E,
+    VAL_GROUP,
+    PageSpec,
+    codec_constants,
+    constexpr_bundle,
+    counters,
+    cuda_or_interpreter,
+    next_pow2,
+    page_spec,
+    workspace,
+)
 from ._launch import FastLauncher, resident_programs
+from ._tiles import (
+    K_PROD,
+    K_RAW,
+    TWO24,
+    V_RAW,
+    centroid_lookup,
+    chunk_codes,
+    folded_value_tile,
+    fwht_rows,
+    load_norms,
+    mma,
+    nibble_centroids,
+    nibble_lut_asm,
+    online_softmax,
+    subnormal16,
+    value_unit,
+)
 from .query_transform import query_transform
 
 
@@ -78,50 +107,51 @@ class DecodeConstexprs:
 
 @triton.jit
 def _hybrid_decode_kernel(
-        # ---- pointers
-        qt_ptr,  # fp32 [B * Hq, QW]: transformed query rows (Pi q, S q) * scale * log2(e); written here if FUSE_Q
-        q_ptr,  # [B, Hq, D]: the query (scores the recent buffer; FUSE_Q rotates it)
-        pages_ptr,  # uint8 [blocks, HKV, PB]: the compressed pages
-        bt_ptr,  # int32 [B, table width]: block table
-        clen_ptr,  # int32 [B]: compressed tokens per sequence
-        rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
-        rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
-        rlen_ptr,  # int32 [B]: recent tokens per sequence
-        ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
-        cb_ptr,  # fp32 [>= 4]: key codebook (the centroid lookup)
-        hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
-        out_ptr,  # [B, Hq, D]: output
-        po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
-        plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
-        cnt_ptr,  # int32: arrival counters (FUSED_REDUCE)
-        # ---- strides (elements; page bytes in bytes)
-        stride_qb,
-        stride_qh,
-        stride_bt,
-        page_bytes,
-        stride_rkn,
-        stride_rkh,
-        stride_rkt,
-        stride_rvn,
-        stride_rvh,
-        stride_rvt,
-        stride_ob,
-        stride_oh,
-        # ---- split sizes
-        tokens_per_split,  # the smallest split (a BLOCK_N multiple)
-        n_splits,  # splits per (sequence, KV head)
-        group_size,  # splits per first-level group of the in-launch merge
-        # ---- scalars
-        scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
-        qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
-        qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
-        k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
-        k_beta,
-        k_gamma,
-        zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
-        # ---- compile time
-        PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
-        CFG: tl.constexpr):  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
+    # ---- pointers
+    qt_ptr,  # fp32 [B * Hq, QW]: transformed query rows (Pi q, S q) * scale * log2(e); written here if FUSE_Q
+    q_ptr,  # [B, Hq, D]: the query (scores the recent buffer; FUSE_Q rotates it)
+    pages_ptr,  # uint8 [blocks, HKV, PB]: the compressed pages
+    bt_ptr,  # int32 [B, table width]: block table
+    clen_ptr,  # int32 [B]: compressed tokens per sequence
+    rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
+    rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
+    rlen_ptr,  # int32 [B]: recent tokens per sequence
+    ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
+    cb_ptr,  # fp32 [>= 4]: key codebook (the centroid lookup)
+    hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
+    out_ptr,  # [B, Hq, D]: output
+    po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
+    plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
+    cnt_ptr,  # int32: arrival counters (FUSED_REDUCE)
+    # ---- strides (elements; page bytes in bytes)
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    page_bytes,
+    stride_rkn,
+    stride_rkh,
+    stride_rkt,
+    stride_rvn,
+    stride_rvh,
+    stride_rvt,
+    stride_ob,
+    stride_oh,
+    # ---- split sizes
+    tokens_per_split,  # the smallest split (a BLOCK_N multiple)
+    n_splits,  # splits per (sequence, KV head)
+    group_size,  # splits per first-level group of the in-launch merge
+    # ---- scalars
+    scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
+    qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
+    qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
+    k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
+    k_beta,
+    k_gamma,
+    zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
+    # ---- compile time
+    PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
+    CFG: tl.constexpr,
+):  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
     # One program = one (sequence, KV head, split). Tiles are kept transposed: scores sT [tokens, GP query heads] =
     # codes [tokens, chunk] @ q^T, so packed bytes load as (tokens, bytes) rows and feed the tensor cores as they are.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
@@ -168,21 +198,73 @@ def _hybrid_decode_kernel(
     r0 = tl.maximum(start - clen, 0)
     r1 = tl.minimum(start + tps - clen, rlen)
     if r1 > r0:
-        m_i, l_i, acc, zacc = _recent_tokens(q_ptr, rk_ptr, rv_ptr, ridx_ptr, b, h, g, gmask, vu, r0, r1, stride_qb,
-                                             stride_qh, stride_rkn, stride_rkh, stride_rkt, stride_rvn, stride_rvh,
-                                             stride_rvt, scale_log2, m_i, l_i, acc, zacc, PAGE, CFG)
-    _write_output(out_ptr, po_ptr, plse_ptr, cnt_ptr, acc, zacc, m_i, l_i, pid_bh, b, h, g, gmask, vu, ng, qrow,
-                  split, n_splits, group_size, stride_ob, stride_oh, PAGE, CFG)
+        m_i, l_i, acc, zacc = _recent_tokens(
+            q_ptr,
+            rk_ptr,
+            rv_ptr,
+            ridx_ptr,
+            b,
+            h,
+            g,
+            gmask,
+            vu,
+            r0,
+            r1,
+            stride_qb,
+            stride_qh,
+            stride_rkn,
+            stride_rkh,
+            stride_rkt,
+            stride_rvn,
+            stride_rvh,
+            stride_rvt,
+            scale_log2,
+            m_i,
+            l_i,
+            acc,
+            zacc,
+            PAGE,
+            CFG,
+        )
+    _write_output(
+        out_ptr,
+        po_ptr,
+        plse_ptr,
+        cnt_ptr,
+        acc,
+        zacc,
+        m_i,
+        l_i,
+        pid_bh,
+        b,
+        h,
+        g,
+        gmask,
+        vu,
+        ng,
+        qrow,
+        split,
+        n_splits,
+        group_size,
+        stride_ob,
+        stride_oh,
+        PAGE,
+        CFG,
+    )
 
 
 @triton.jit
-def _rotate_query(q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE: tl.constexpr,
-                  CFG: tl.constexpr):
+def _rotate_query(
+    q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE: tl.constexpr, CFG: tl.constexpr
+):
     """The query transform inside the launch (randomized Hadamard rotation, mse keys): every split of this
     (sequence, KV head) writes the same Pi q * scale rows, which ``_query_operands`` reads back chunk by chunk."""
     dq = tl.arange(0, PAGE.DP)
-    q0 = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
-                 mask=gmask[:, None], other=0.0).to(tl.float32)
+    q0 = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
+        mask=gmask[:, None],
+        other=0.0,
+    ).to(tl.float32)
     qr = fwht_rows(q0 * tl.load(hs_ptr + dq)[None, :], CFG.GP, PAGE.DP, CFG.LOG2D) * qt_scale
     tl.store(qt_ptr + qrow[:, None] * CFG.QW + dq[None, :], qr, mask=gmask[:, None])
     tl.debug_barrier()
@@ -203,8 +285,11 @@ def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.co
     qh = ()
     for c in tl.static_range(PAGE.KCH):
         kcol = c * PAGE.KCW + kc
-        qc = tl.load(qt_ptr + qrow[None, :] * CFG.QW + kcol[:, None],
-                     mask=gmask[None, :] & (kc[:, None] < PAGE.KCW) & (kcol[:, None] < PAGE.D), other=0.0)
+        qc = tl.load(
+            qt_ptr + qrow[None, :] * CFG.QW + kcol[:, None],
+            mask=gmask[None, :] & (kc[:, None] < PAGE.KCW) & (kcol[:, None] < PAGE.D),
+            other=0.0,
+        )
         if CFG.FAST_K:
             kadd += k_alpha * tl.sum(qc, 0)
             qk = qk + ((qc * (k_beta / (1 << (PAGE.KB * c)))).to(tl.float16),)
@@ -224,8 +309,11 @@ def _sign_operands(qt_ptr, qrow, gmask, sc, PAGE: tl.constexpr, CFG: tl.constexp
     if PAGE.KEY_MODE == K_PROD:
         for c in tl.static_range(8):
             scol = c * PAGE.CH + sc
-            qsc = tl.load(qt_ptr + qrow[None, :] * CFG.QW + PAGE.D + scol[:, None],
-                          mask=gmask[None, :] & (sc[:, None] < PAGE.CH) & (scol[:, None] < PAGE.D), other=0.0)
+            qsc = tl.load(
+                qt_ptr + qrow[None, :] * CFG.QW + PAGE.D + scol[:, None],
+                mask=gmask[None, :] & (sc[:, None] < PAGE.CH) & (scol[:, None] < PAGE.D),
+                other=0.0,
+            )
             qsa = (qsc * (2.0 / (1 << c))).to(tl.float16)
             ssub += tl.sum(qsc, 0)
             qs = qs + (qsa,)
@@ -238,7 +326,7 @@ def _empty_state(PAGE: tl.constexpr, CFG: tl.constexpr):
     per value sub-chunk, running max [GP], running sum tile [BLOCK_N, GP])."""
     zacc = tl.zeros([CFG.NGP, CFG.GP], tl.float32)  # fast path: sum_n p * zero[n, group]
     acc = ()
-    for i in tl.static_range(PAGE.VCH * CFG.VSC):
+    for _ in tl.static_range(PAGE.VCH * CFG.VSC):
         acc = acc + (tl.zeros([CFG.VSUBP, CFG.GP], tl.float32),)
     m_i = tl.full([CFG.GP], float("-inf"), tl.float32)
     l_t = tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32)
@@ -246,8 +334,7 @@ def _empty_state(PAGE: tl.constexpr, CFG: tl.constexpr):
 
 
 @triton.jit
-def _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE: tl.constexpr,
-                CFG: tl.constexpr):
+def _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE: tl.constexpr, CFG: tl.constexpr):
     """(page base pointers, token offsets in their pages, valid-token mask) of compressed tokens
     [n0, n0 + BLOCK_N) of sequence ``b`` (KV head at ``head_off``) through the block table."""
     n = n0 + tl.arange(0, CFG.BLOCK_N)
@@ -270,14 +357,18 @@ def _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, 
 
 
 @triton.jit
-def _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE: tl.constexpr,
-                CFG: tl.constexpr):
+def _key_scores(
+    page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE: tl.constexpr, CFG: tl.constexpr
+):
     """Log2-domain scores [BLOCK_N, GP] of one tile's keys against the query operands: ||k|| <Pi q, c[idx]>
     (+ qjl ||r|| <S q, signs> for prod keys), or <q, k> for raw keys."""
     RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
     if PAGE.KEY_MODE == K_RAW:
-        kraw = tl.load((page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
-                       mask=nmask[:, None] & (kc[None, :] < PAGE.D), other=0.0)
+        kraw = tl.load(
+            (page + PAGE.OFF_KRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + kc[None, :],
+            mask=nmask[:, None] & (kc[None, :] < PAGE.D),
+            other=0.0,
+        )
         s = mma(kraw, qk[0], tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
     else:
         kptr = (page + PAGE.OFF_KIDX + off * (PAGE.CH * PAGE.KB))[:, None] + kc[None, :]
@@ -304,8 +395,11 @@ def _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_sc
         knorm = load_norms(page + PAGE.OFF_KNORM, off, nmask, PAGE.NORM_F32)
         s = s * knorm[:, None]
         if PAGE.KEY_MODE == K_PROD:
-            xs = tl.load((page + PAGE.OFF_KSGN + off * PAGE.CH)[:, None] + sc[None, :],
-                         mask=nmask[:, None] & (sc[None, :] < PAGE.CH), other=0)
+            xs = tl.load(
+                (page + PAGE.OFF_KSGN + off * PAGE.CH)[:, None] + sc[None, :],
+                mask=nmask[:, None] & (sc[None, :] < PAGE.CH),
+                other=0,
+            )
             sq = tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32)
             for c in tl.static_range(8):
                 sq = mma(subnormal16(xs & (1 << c)), qs[c], sq, CFG.INTERP)
@@ -320,8 +414,11 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
     bytes of one token are a column) times the probabilities p [N, GP]. -> (acc, zacc)."""
     RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
     if PAGE.VAL_MODE == V_RAW:
-        vraw = tl.load((page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
-                       mask=nmask[None, :] & (vu[:, None] < PAGE.D), other=0.0)
+        vraw = tl.load(
+            (page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[None, :].to(tl.pointer_type(RAW_T)) + vu[:, None],
+            mask=nmask[None, :] & (vu[:, None] < PAGE.D),
+            other=0.0,
+        )
         acc = (mma(vraw, p.to(RAW_T), acc[0] * alpha[None, :], CFG.INTERP),)
     else:
         p16 = p.to(tl.float16)
@@ -331,10 +428,15 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
         xvs = ()
         if PAGE.VW1 == 0:
             for j in tl.static_range(CFG.VSC):
-                xvs = xvs + (tl.load(vrow[None, :] + (j * CFG.VSUB + vu)[:, None],
-                                     mask=nmask[None, :] & (vu[:, None] < CFG.VSUB), other=0),)
+                xvs = xvs + (
+                    tl.load(
+                        vrow[None, :] + (j * CFG.VSUB + vu)[:, None],
+                        mask=nmask[None, :] & (vu[:, None] < CFG.VSUB),
+                        other=0,
+                    ),
+                )
         else:
-            for j in tl.static_range(CFG.VSC):
+            for _ in tl.static_range(CFG.VSC):
                 xvs = xvs + (0,)
         new_acc = ()
         for c in tl.static_range(PAGE.VCH):
@@ -347,8 +449,21 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
                     grp = (c * PAGE.VCW + j * CFG.VSUB) // PAGE.GROUP
                     vs = tl.load(srow + grp, mask=nmask, other=0.0)
                     w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
-                    tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0,
-                                             PAGE.VW1, PAGE.VW2, CFG.INTERP)
+                    tile = folded_value_tile(
+                        xvs[j],
+                        vptr,
+                        vmask,
+                        w,
+                        zero_rt,
+                        c,
+                        PAGE.CH,
+                        PAGE.VCW,
+                        PAGE.VB,
+                        PAGE.VW0,
+                        PAGE.VW1,
+                        PAGE.VW2,
+                        CFG.INTERP,
+                    )
                     new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + tile,)
                 else:
                     if PAGE.VW1 == 0:
@@ -373,22 +488,56 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
 
 
 @triton.jit
-def _recent_tokens(q_ptr, rk_ptr, rv_ptr, ridx_ptr, b, h, g, gmask, vu, r0, r1, stride_qb, stride_qh, stride_rkn,
-                   stride_rkh, stride_rkt, stride_rvn, stride_rvh, stride_rvt, scale_log2, m_i, l_i, acc, zacc,
-                   PAGE: tl.constexpr, CFG: tl.constexpr):
+def _recent_tokens(
+    q_ptr,
+    rk_ptr,
+    rv_ptr,
+    ridx_ptr,
+    b,
+    h,
+    g,
+    gmask,
+    vu,
+    r0,
+    r1,
+    stride_qb,
+    stride_qh,
+    stride_rkn,
+    stride_rkh,
+    stride_rkt,
+    stride_rvn,
+    stride_rvh,
+    stride_rvt,
+    scale_log2,
+    m_i,
+    l_i,
+    acc,
+    zacc,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+):
     """Recent-buffer tokens [r0, r1) of sequence ``b`` (exact keys and values, scored with the raw query), BLOCK_R
     per step, into the same online softmax -> (m_i, l_i, acc, zacc)."""
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
     d = tl.arange(0, PAGE.DP)
-    qb = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
-                 mask=gmask[None, :] & (d[:, None] < PAGE.D), other=0.0).to(tl.float32) * scale_log2
+    qb = (
+        tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[None, :].to(tl.int64) * stride_qh + d[:, None],
+            mask=gmask[None, :] & (d[:, None] < PAGE.D),
+            other=0.0,
+        ).to(tl.float32)
+        * scale_log2
+    )
     rk_base = rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh
     rv_base = rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh
     for t0 in range(r0, r1, CFG.BLOCK_R):
         t = t0 + tl.arange(0, CFG.BLOCK_R)
         tmask = t < r1
-        k = tl.load(rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
-                    mask=tmask[:, None] & (d[None, :] < PAGE.D), other=0.0)
+        k = tl.load(
+            rk_base + t[:, None].to(tl.int64) * stride_rkt + d[None, :],
+            mask=tmask[:, None] & (d[None, :] < PAGE.D),
+            other=0.0,
+        )
         s = mma(k, qb.to(k.dtype), tl.zeros([CFG.BLOCK_R, CFG.GP], tl.float32), CFG.INTERP)
         s = tl.where(tmask[:, None], s, float("-inf"))
         m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
@@ -397,8 +546,11 @@ def _recent_tokens(q_ptr, rk_ptr, rv_ptr, ridx_ptr, b, h, g, gmask, vu, r0, r1, 
         for c in tl.static_range(PAGE.VCH):
             for j in tl.static_range(CFG.VSC):
                 rcol = c * PAGE.VCW + j * CFG.VSUB + vu
-                v = tl.load(rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
-                            mask=tmask[None, :] & (vu[:, None] < CFG.VSUB) & (rcol[:, None] < PAGE.D), other=0.0)
+                v = tl.load(
+                    rv_base + t[None, :].to(tl.int64) * stride_rvt + rcol[:, None],
+                    mask=tmask[None, :] & (vu[:, None] < CFG.VSUB) & (rcol[:, None] < PAGE.D),
+                    other=0.0,
+                )
                 pv = mma(v, p.to(v.dtype), tl.zeros([CFG.VSUBP, CFG.GP], tl.float32), CFG.INTERP)
                 if CFG.FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
                     pv = pv * (value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2) / TWO24)
@@ -408,8 +560,31 @@ def _recent_tokens(q_ptr, rk_ptr, rv_ptr, ridx_ptr, b, h, g, gmask, vu, r0, r1, 
 
 
 @triton.jit
-def _write_output(out_ptr, po_ptr, plse_ptr, cnt_ptr, acc, zacc, m_i, l_i, pid_bh, b, h, g, gmask, vu, ng, qrow, split,
-                  n_splits, group_size, stride_ob, stride_oh, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _write_output(
+    out_ptr,
+    po_ptr,
+    plse_ptr,
+    cnt_ptr,
+    acc,
+    zacc,
+    m_i,
+    l_i,
+    pid_bh,
+    b,
+    h,
+    g,
+    gmask,
+    vu,
+    ng,
+    qrow,
+    split,
+    n_splits,
+    group_size,
+    stride_ob,
+    stride_oh,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+):
     """The normalized output (one split) or this split's partial (output, log2-sum-exp), merged in the launch when
     FUSED_REDUCE."""
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
@@ -425,8 +600,12 @@ def _write_output(out_ptr, po_ptr, plse_ptr, cnt_ptr, acc, zacc, m_i, l_i, pid_b
                 o = o * (TWO24 / u) + zsum[None, :]
             o = o * inv[None, :]
             if CFG.SINGLE:
-                optr = (out_ptr + b.to(tl.int64) * stride_ob + (h * CFG.G + g)[None, :].to(tl.int64) * stride_oh
-                        + col[:, None])
+                optr = (
+                    out_ptr
+                    + b.to(tl.int64) * stride_ob
+                    + (h * CFG.G + g)[None, :].to(tl.int64) * stride_oh
+                    + col[:, None]
+                )
                 tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
             else:
                 prow = qrow.to(tl.int64) * n_splits + split
@@ -435,13 +614,45 @@ def _write_output(out_ptr, po_ptr, plse_ptr, cnt_ptr, acc, zacc, m_i, l_i, pid_b
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(plse_ptr + qrow.to(tl.int64) * n_splits + split, lse, mask=gmask)
         if CFG.FUSED_REDUCE:
-            _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, n_splits, group_size,
-                               qrow, g, gmask, stride_ob, stride_oh, CFG.G, CFG.GP, PAGE.D, PAGE.DP, CFG.SPB)
+            _reduce_on_arrival(
+                po_ptr,
+                plse_ptr,
+                cnt_ptr,
+                out_ptr,
+                pid_bh,
+                b,
+                h,
+                split,
+                n_splits,
+                group_size,
+                qrow,
+                g,
+                gmask,
+                stride_ob,
+                stride_oh,
+                CFG.G,
+                CFG.GP,
+                PAGE.D,
+                PAGE.DP,
+                CFG.SPB,
+            )
 
 
 @triton.jit
-def _merge_partials(po_ptr, plse_ptr, qrow, gmask, first, step, count, n_splits,
-                    GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPB: tl.constexpr):
+def _merge_partials(
+    po_ptr,
+    plse_ptr,
+    qrow,
+    gmask,
+    first,
+    step,
+    count,
+    n_splits,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    SPB: tl.constexpr,
+):
     """Online merge of ``count`` split partials (normalized output, log2-sum-exp) of the GP query rows ``qrow``
     at split slots first, first + step, ...: (sum of weighted outputs [GP, DP], sum of weights, max log2-sum-exp).
     Loads bypass L1 (``.cg``): the partials were written by other programs of this launch."""
@@ -453,10 +664,13 @@ def _merge_partials(po_ptr, plse_ptr, qrow, gmask, first, step, count, n_splits,
     for i0 in range(0, count, SPB):
         smask = (i0 + sb) < count
         slot = qrow[None, :].to(tl.int64) * n_splits + (first + (i0 + sb) * step)[:, None]  # [SPB, GP]
-        lse = tl.load(plse_ptr + slot, mask=smask[:, None] & gmask[None, :], other=float("-inf"),
-                      cache_modifier=".cg")
-        x = tl.load(po_ptr + slot[:, :, None] * D + d[None, None, :],
-                    mask=(lse > float("-inf"))[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")
+        lse = tl.load(plse_ptr + slot, mask=smask[:, None] & gmask[None, :], other=float("-inf"), cache_modifier=".cg")
+        x = tl.load(
+            po_ptr + slot[:, :, None] * D + d[None, None, :],
+            mask=(lse > float("-inf"))[:, :, None] & (d < D)[None, None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
@@ -476,9 +690,28 @@ def _store_heads(out_ptr, b, h, g, gmask, o, stride_ob, stride_oh, G: tl.constex
 
 
 @triton.jit
-def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, n_splits, group_size, qrow, g, gmask,
-                       stride_ob, stride_oh, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                       SPB: tl.constexpr):
+def _reduce_on_arrival(
+    po_ptr,
+    plse_ptr,
+    cnt_ptr,
+    out_ptr,
+    pid_bh,
+    b,
+    h,
+    split,
+    n_splits,
+    group_size,
+    qrow,
+    g,
+    gmask,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    SPB: tl.constexpr,
+):
     """The split reduction inside the decode launch, in two levels of arrival counters per (sequence, KV head):
     the last program of a group of ``group_size`` splits to finish merges the group's partials into the group's
     first slot; the last group to finish merges the group partials into the output. Each counter is set back to 0
@@ -491,8 +724,9 @@ def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, 
     arrived = tl.atomic_add(cbase + 1 + grp, 1, sem="acq_rel", scope="gpu")
     if arrived == in_grp - 1:
         tl.store(cbase + 1 + grp, 0)
-        o, lsum, m = _merge_partials(po_ptr, plse_ptr, qrow, gmask, grp * group_size, 1, in_grp, n_splits, GP, D,
-                                     DP, SPB)
+        o, lsum, m = _merge_partials(
+            po_ptr, plse_ptr, qrow, gmask, grp * group_size, 1, in_grp, n_splits, GP, D, DP, SPB
+        )
         d = tl.arange(0, DP)
         inv = tl.where(lsum > 0, 1.0 / lsum, 0.0)
         if n_groups > 1:  # this group's merged partial into its first slot, then the second level
@@ -503,8 +737,9 @@ def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, 
             arrived = tl.atomic_add(cbase, 1, sem="acq_rel", scope="gpu")
             if arrived == n_groups - 1:
                 tl.store(cbase, 0)
-                o, lsum, m = _merge_partials(po_ptr, plse_ptr, qrow, gmask, 0, group_size, n_groups, n_splits, GP, D,
-                                             DP, SPB)
+                o, lsum, m = _merge_partials(
+                    po_ptr, plse_ptr, qrow, gmask, 0, group_size, n_groups, n_splits, GP, D, DP, SPB
+                )
                 inv = tl.where(lsum > 0, 1.0 / lsum, 0.0)
                 _store_heads(out_ptr, b, h, g, gmask, o * inv[:, None], stride_ob, stride_oh, G, D, DP)
         else:
@@ -513,16 +748,17 @@ def _reduce_on_arrival(po_ptr, plse_ptr, cnt_ptr, out_ptr, pid_bh, b, h, split, 
 
 @triton.jit
 def _decode_reduce_kernel(
-        po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs
-        plse_ptr,  # fp32 [B * Hq * splits]: their log2-sum-exp
-        out_ptr,  # [B, Hq, D]: output
-        stride_ob,
-        stride_oh,
-        n_splits,  # splits per (sequence, KV head)
-        HQ: tl.constexpr,  # query heads
-        D: tl.constexpr,  # head dim
-        DP: tl.constexpr,  # head dim padded to a power of two
-        SP: tl.constexpr):  # splits padded to a power of two
+    po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs
+    plse_ptr,  # fp32 [B * Hq * splits]: their log2-sum-exp
+    out_ptr,  # [B, Hq, D]: output
+    stride_ob,
+    stride_oh,
+    n_splits,  # splits per (sequence, KV head)
+    HQ: tl.constexpr,  # query heads
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # head dim padded to a power of two
+    SP: tl.constexpr,
+):  # splits padded to a power of two
     # One program per (sequence, query head): merge n_splits partial outputs by their log-sum-exp.
     row = tl.program_id(0)
     b = row // HQ
@@ -532,12 +768,18 @@ def _decode_reduce_kernel(
     lse = tl.load(plse_ptr + row.to(tl.int64) * n_splits + s, mask=s < n_splits, other=float("-inf"))
     mx = tl.max(lse, 0)
     w = tl.where(lse > float("-inf"), tl.exp2(lse - mx), 0.0)
-    o = tl.load(po_ptr + (row.to(tl.int64) * n_splits + s)[:, None] * D + d[None, :],
-                mask=(s[:, None] < n_splits) & (d[None, :] < D) & (lse[:, None] > float("-inf")), other=0.0)
+    o = tl.load(
+        po_ptr + (row.to(tl.int64) * n_splits + s)[:, None] * D + d[None, :],
+        mask=(s[:, None] < n_splits) & (d[None, :] < D) & (lse[:, None] > float("-inf")),
+        other=0.0,
+    )
     tot = tl.sum(w, 0)
     res = tl.sum(o * w[:, None], 0) / tl.where(tot > 0, tot, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + d,
-             res.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + hq.to(tl.int64) * stride_oh + d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d < D,
+    )
 
 
 # ------------------------------------------------------------------------------------ launcher
@@ -582,15 +824,22 @@ class DecodeTuning:
     fold_values: bool = True  # fold value scales into P, codes as subnormal planes (off: dequantize per element)
     fuse_query: bool = True  # rotate the query inside the launch when it can (off: ``query_transform`` first)
 
-    def for_format(self, spec: PageSpec) -> "DecodeTuning":
+    def for_format(self, spec: PageSpec) -> DecodeTuning:
         """These knobs with every None that has a per-format default filled in (``num_splits``, ``waves`` stay)."""
         wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
         num_warps = self.num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
         one_warp_wide = wide and num_warps == WIDE_NUM_WARPS
-        return replace(self, block_n=self.block_n or (WIDE_BLOCK_N if wide else BLOCK_N), num_warps=num_warps,
-                       maxnreg=self.maxnreg if self.maxnreg is not None else WIDE_MAXNREG if one_warp_wide else 0,
-                       num_stages=self.num_stages if self.num_stages is not None else
-                       WIDE_NUM_STAGES if one_warp_wide else NUM_STAGES)
+        return replace(
+            self,
+            block_n=self.block_n or (WIDE_BLOCK_N if wide else BLOCK_N),
+            num_warps=num_warps,
+            maxnreg=self.maxnreg if self.maxnreg is not None else WIDE_MAXNREG if one_warp_wide else 0,
+            num_stages=self.num_stages
+            if self.num_stages is not None
+            else WIDE_NUM_STAGES
+            if one_warp_wide
+            else NUM_STAGES,
+        )
 
 
 DEFAULT_TUNING = DecodeTuning()
@@ -604,8 +853,9 @@ def value_subchunks(spec: PageSpec) -> tuple[int, int]:
     return spec.VCW, 1
 
 
-def choose_splits(batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N,
-                  waves: float = WAVES) -> int:
+def choose_splits(
+    batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N, waves: float = WAVES
+) -> int:
     """Splits per sequence so that B * Hkv * splits programs give every SM at most ``waves`` programs (host-side only).
 
     Rounded down: with ``waves`` = programs resident per SM, a few programs past one full wave make a second, almost
@@ -638,12 +888,33 @@ def fused_query(spec: PageSpec, codec) -> bool:
 class _DecodePlan:
     """Everything a decode launch needs that depends only on shapes, strides, format and knobs: computed once."""
 
-    __slots__ = ("codec", "consts", "tuning", "fuse", "qt", "scale_qt", "grid", "reduce_grid", "splits", "ints",
-                 "floats", "kw", "key", "reduce_kw", "po", "plse", "cnt", "fused_reduce", "rk_fallback")
+    __slots__ = (
+        "codec",
+        "consts",
+        "tuning",
+        "fuse",
+        "qt",
+        "scale_qt",
+        "grid",
+        "reduce_grid",
+        "splits",
+        "ints",
+        "floats",
+        "kw",
+        "key",
+        "reduce_kw",
+        "po",
+        "plse",
+        "cnt",
+        "fused_reduce",
+        "rk_fallback",
+    )
 
     def __repr__(self) -> str:
-        return (f"_DecodePlan(grid={self.grid}, splits={self.splits}, fused_reduce={self.fused_reduce}, "
-                f"fuse_query={self.fuse}, {self.tuning})")
+        return (
+            f"_DecodePlan(grid={self.grid}, splits={self.splits}, fused_reduce={self.fused_reduce}, "
+            f"fuse_query={self.fuse}, {self.tuning})"
+        )
 
 
 _PLANS: dict = {}
@@ -675,21 +946,34 @@ def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
     tuning = tuning.for_format(spec)
     fast_k, k_high = fast_key_planes(spec, consts, tuning.fast_keys)
     # 4-bit codebook keys, two codes per byte: byte-permute lookup (inline PTX: not under the CPU interpreter)
-    klut = (nibble_lut_asm(consts["codebook"].cpu()) if tuning.prmt_keys and not fast_k and not INTERPRET
-            and spec.KEY_MODE != KEY_RAW and spec.KB == 4 and spec.KW1 == 0 else None)
+    klut = (
+        nibble_lut_asm(consts["codebook"].cpu())
+        if tuning.prmt_keys
+        and not fast_k
+        and not INTERPRET
+        and spec.KEY_MODE != KEY_RAW
+        and spec.KB == 4
+        and spec.KW1 == 0
+        else None
+    )
     plan = _DecodePlan()
     plan.codec, plan.consts, plan.tuning = kv.codec, consts, tuning
     plan.fuse = tuning.fuse_query and fused_query(spec, kv.codec)
     plan.scale_qt = scale * LOG2E
-    plan.qt = workspace("qt_fused" if plan.fuse else "qt", (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
-                        torch.float32, q.device)
+    plan.qt = workspace(
+        "qt_fused" if plan.fuse else "qt",
+        (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
+        torch.float32,
+        q.device,
+    )
     g = hq // hkv
     rk, rv = kv.recent_k, kv.recent_v
     plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
     # splits cut the virtual tokens [0, compressed capacity + ring capacity)
     capacity = kv.block_table.shape[1] * spec.BS + (0 if plan.rk_fallback else rk.shape[2])
-    splits = tuning.num_splits or choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n,
-                                                tuning.waves or WAVES)
+    splits = tuning.num_splits or choose_splits(
+        bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, tuning.waves or WAVES
+    )
     tokens_per_split = tuning.block_n  # the smallest split; the kernel sizes splits from each sequence's length
     plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
     plan.fused_reduce = tuning.fused_reduce and splits > 1
@@ -706,18 +990,49 @@ def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
     vsub, vsc = value_subchunks(spec)
     ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
     ob, oh = (out.stride(0), out.stride(1)) if out is not None else (hq * d, d)
-    plan.ints = (q.stride(0), q.stride(1), kv.block_table.stride(0), spec.PB,
-                 rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2),
-                 ob, oh, tokens_per_split, splits, group_size)
+    plan.ints = (
+        q.stride(0),
+        q.stride(1),
+        kv.block_table.stride(0),
+        spec.PB,
+        rk.stride(0),
+        rk.stride(1),
+        rk.stride(2),
+        rv.stride(0),
+        rv.stride(1),
+        rv.stride(2),
+        ob,
+        oh,
+        tokens_per_split,
+        splits,
+        group_size,
+    )
     plan.floats = (scale * LOG2E, scale * LOG2E / math.sqrt(d), kv.codec.qjl_scale, ka, kb_, kg, 0.0)
     cfg = DecodeConstexprs(
-        HKV=hkv, G=g, GP=next_pow2(g), QW=plan.qt.shape[1], KCWP=max(16, next_pow2(spec.KCW)),
-        CHP=max(16, next_pow2(spec.CH)), VSUB=vsub, VSUBP=max(16, next_pow2(vsub)), VSC=vsc,
-        NGP=max(16, next_pow2(spec.NG)), LOG2D=max(d, 1).bit_length() - 1, BLOCK_N=tuning.block_n,
-        BLOCK_R=tuning.block_r, SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))), FAST_K=fast_k,
-        K_HIGH=k_high, LUT_PRMT=klut is not None, KLUT=klut or "",
-        FAST_V=tuning.fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0, FUSE_Q=plan.fuse,
-        SINGLE=splits == 1, FUSED_REDUCE=plan.fused_reduce, INTERP=INTERPRET)
+        HKV=hkv,
+        G=g,
+        GP=next_pow2(g),
+        QW=plan.qt.shape[1],
+        KCWP=max(16, next_pow2(spec.KCW)),
+        CHP=max(16, next_pow2(spec.CH)),
+        VSUB=vsub,
+        VSUBP=max(16, next_pow2(vsub)),
+        VSC=vsc,
+        NGP=max(16, next_pow2(spec.NG)),
+        LOG2D=max(d, 1).bit_length() - 1,
+        BLOCK_N=tuning.block_n,
+        BLOCK_R=tuning.block_r,
+        SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))),
+        FAST_K=fast_k,
+        K_HIGH=k_high,
+        LUT_PRMT=klut is not None,
+        KLUT=klut or "",
+        FAST_V=tuning.fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0,
+        FUSE_Q=plan.fuse,
+        SINGLE=splits == 1,
+        FUSED_REDUCE=plan.fused_reduce,
+        INTERP=INTERPRET,
+    )
     plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg))
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
     plan.key = (next(_SERIAL),)  # unique per plan (an id() could be reused by a later plan)
@@ -737,8 +1052,25 @@ def _launch_options(plan: _DecodePlan) -> dict:
 def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
     """The decode kernel's runtime arguments (everything but the constexprs) for one call."""
     po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
-    return (plan.qt, q, kv.pages, kv.block_table, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index,
-            plan.consts["codebook"], plan.consts["hsigns"], out, po, plse, plan.cnt, *plan.ints, *plan.floats)
+    return (
+        plan.qt,
+        q,
+        kv.pages,
+        kv.block_table,
+        kv.compressed_lens,
+        rk,
+        rv,
+        kv.recent_lens,
+        kv.recent_index,
+        plan.consts["codebook"],
+        plan.consts["hsigns"],
+        out,
+        po,
+        plse,
+        plan.cnt,
+        *plan.ints,
+        *plan.floats,
+    )
 
 
 def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
@@ -754,13 +1086,33 @@ def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
 def _plan_key(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None, scale: float, tuning: DecodeTuning) -> tuple:
     """What a decode plan depends on: the codec, every shape and stride the launch bakes in, the scale, the knobs."""
     rk = kv.recent_k
-    return (id(kv.codec), kv.layout.block_size, q.shape, q.dtype, q.stride(), q.device, kv.pages.device,
-            kv.block_table.shape[1], kv.block_table.stride(0), rk.shape, rk.stride(), kv.recent_v.stride(),
-            None if out is None else out.stride(), scale, tuning)
+    return (
+        id(kv.codec),
+        kv.layout.block_size,
+        q.shape,
+        q.dtype,
+        q.stride(),
+        q.device,
+        kv.pages.device,
+        kv.block_table.shape[1],
+        kv.block_table.stride(0),
+        rk.shape,
+        rk.stride(),
+        kv.recent_v.stride(),
+        None if out is None else out.stride(),
+        scale,
+        tuning,
+    )
 
 
-def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, *,
-                  out: torch.Tensor | None = None, tuning: DecodeTuning = DEFAULT_TUNING) -> torch.Tensor:
+def hybrid_decode(
+    q: torch.Tensor,
+    kv: PagedKV,
+    softmax_scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    tuning: DecodeTuning = DEFAULT_TUNING,
+) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
 
     ``tuning``: launch knobs (``DecodeTuning``; defaults from the H200 sweep per format). Same contract as
@@ -784,12 +1136,33 @@ def hybrid_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = No
     rk, rv = (q.unsqueeze(2), q.unsqueeze(2)) if plan.rk_fallback else (kv.recent_k, kv.recent_v)
     # the plan fixes every int argument; only the data pointers' 16-byte alignment can change between calls
     # (any misaligned pointer: the generic per-argument key)
-    aligned = True if (q.data_ptr() | kv.pages.data_ptr() | kv.block_table.data_ptr() | kv.compressed_lens.data_ptr()
-                       | rk.data_ptr() | rv.data_ptr() | kv.recent_lens.data_ptr() | kv.recent_index.data_ptr()
-                       | out.data_ptr()) % 16 == 0 else None
-    _DECODE(plan.grid, _decode_args(plan, q, kv, rk, rv, out), plan.kw, plan.key, aligned=aligned,
-            **_launch_options(plan))
+    aligned = (
+        True
+        if (
+            q.data_ptr()
+            | kv.pages.data_ptr()
+            | kv.block_table.data_ptr()
+            | kv.compressed_lens.data_ptr()
+            | rk.data_ptr()
+            | rv.data_ptr()
+            | kv.recent_lens.data_ptr()
+            | kv.recent_index.data_ptr()
+            | out.data_ptr()
+        )
+        % 16
+        == 0
+        else None
+    )
+    _DECODE(
+        plan.grid, _decode_args(plan, q, kv, rk, rv, out), plan.kw, plan.key, aligned=aligned, **_launch_options(plan)
+    )
     if plan.splits > 1 and not plan.fused_reduce:
-        _REDUCE(plan.reduce_grid, (po, plse, out, out.stride(0), out.stride(1), plan.splits), plan.reduce_kw,
-                plan.key, num_warps=4, aligned=aligned)
+        _REDUCE(
+            plan.reduce_grid,
+            (po, plse, out, out.stride(0), out.stride(1), plan.splits),
+            plan.reduce_kw,
+            plan.key,
+            num_warps=4,
+            aligned=aligned,
+        )
     return out

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..paged import PagedKV
 from ..errors import DTypeError, ShapeError, expect_same_device
+from ..paged import PagedKV
 from ._common import INTERPRET, KEY_PROD, KEY_RAW, LOG2E, VAL_RAW, codec_constants, cuda_or_interpreter, page_spec
 from ._launch import FastLauncher
 from ._tiles import K_PROD, K_RAW, V_RAW, centroid_lookup, field_tile, load_norms, mma, online_softmax, run_bits
@@ -48,27 +48,28 @@ def _window_lo(pos, ring, BLOCK_WINDOW: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(
-        # ---- pointers
-        pages_ptr,  # uint8 [blocks, HKV, PB]: the compressed pages
-        bt_ptr,  # int32 [B, table width]: block table
-        clen_ptr,  # int32 [B]: compressed tokens per sequence
-        rlen_ptr,  # int32 [B]: recent tokens per sequence
-        cb_ptr,  # fp32: key codebook
-        wk_ptr,  # [B * HKV, seg, KW]: key workspace
-        wv_ptr,  # [B * HKV, seg, DP]: value workspace
-        # ---- sizes, strides, scalars
-        s0,  # first token of this segment
-        seg,  # tokens per segment (workspace rows per (sequence, KV head))
-        T,  # chunk tokens
-        ring,  # the recent window R
-        stride_bt,
-        qjl_scale,  # sqrt(pi / 2) / D
-        # ---- compile time
-        HKV: tl.constexpr,  # KV heads
-        KW: tl.constexpr,  # workspace key row width: DP, or 2 DP for prod keys (signs at DP)
-        BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
-        BLOCK_T: tl.constexpr,  # tokens per program
-        PAGE: tl.constexpr):  # ``PageSpec`` bundle
+    # ---- pointers
+    pages_ptr,  # uint8 [blocks, HKV, PB]: the compressed pages
+    bt_ptr,  # int32 [B, table width]: block table
+    clen_ptr,  # int32 [B]: compressed tokens per sequence
+    rlen_ptr,  # int32 [B]: recent tokens per sequence
+    cb_ptr,  # fp32: key codebook
+    wk_ptr,  # [B * HKV, seg, KW]: key workspace
+    wv_ptr,  # [B * HKV, seg, DP]: value workspace
+    # ---- sizes, strides, scalars
+    s0,  # first token of this segment
+    seg,  # tokens per segment (workspace rows per (sequence, KV head))
+    T,  # chunk tokens
+    ring,  # the recent window R
+    stride_bt,
+    qjl_scale,  # sqrt(pi / 2) / D
+    # ---- compile time
+    HKV: tl.constexpr,  # KV heads
+    KW: tl.constexpr,  # workspace key row width: DP, or 2 DP for prod keys (signs at DP)
+    BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
+    BLOCK_T: tl.constexpr,  # tokens per program
+    PAGE: tl.constexpr,
+):  # ``PageSpec`` bundle
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
     row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP),
     value [DP] (code * scale + zero); padding columns zero."""
@@ -109,8 +110,7 @@ def _dequant_kernel(
         if PAGE.VAL_MODE == V_RAW:
             vt = tl.load((page + PAGE.OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
         else:
-            code = field_tile(page + PAGE.OFF_VCODES + off * (CH * PAGE.VB), tmask, j, CH, PAGE.VW0, PAGE.VW1,
-                              PAGE.VW2)
+            code = field_tile(page + PAGE.OFF_VCODES + off * (CH * PAGE.VB), tmask, j, CH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
             srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
             zrow = (page + PAGE.OFF_VZERO + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
             rmask = nmask[:, None]
@@ -135,8 +135,25 @@ def _ws_load(base, rows, ld, j, COL: tl.constexpr, W: tl.constexpr, MASKED: tl.c
 
 
 @triton.jit
-def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW: tl.constexpr, DP: tl.constexpr,
-                    PROD: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+def _workspace_tile(
+    n0,
+    s0,
+    cend,
+    lo,
+    qk,
+    qs,
+    acc,
+    m_i,
+    l_i,
+    wk_base,
+    wv_base,
+    KW: tl.constexpr,
+    DP: tl.constexpr,
+    PROD: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     """One flash step over the dequantized tokens [n0, n0 + BLOCK_N) (workspace rows n - s0). ``MASKED``: the tile
     may reach past ``cend`` or past a row's window bound ``lo`` (otherwise every row reads all of it)."""
     n = n0 + tl.arange(0, BLOCK_N)
@@ -156,9 +173,29 @@ def _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, K
 
 
 @triton.jit
-def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.constexpr, qpos, lo, qraw, acc,
-                m_i, l_i, rk_ptr, rv_ptr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr,
-                INTERP: tl.constexpr):
+def _dense_part(
+    k_base,
+    v_base,
+    skt,
+    svt,
+    t_start,
+    n_tok,
+    pos0,
+    ring,
+    RING: tl.constexpr,
+    qpos,
+    lo,
+    qraw,
+    acc,
+    m_i,
+    l_i,
+    rk_ptr,
+    rv_ptr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr,
+):
     """Attend to uncompressed tokens [t_start, n_tok) whose positions lie in each row's exact window [lo, qpos]:
     ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the chunk itself (position pos0 + t)."""
     j = tl.arange(0, DP)[None, :]
@@ -182,63 +219,64 @@ def _dense_part(k_base, v_base, skt, svt, t_start, n_tok, pos0, ring, RING: tl.c
 
 @triton.jit
 def _prefill_kernel(
-        # ---- pointers
-        qt_ptr,  # fp32 [B * Hq * T, QW]: transformed query rows (Pi q, S q) * scale * log2(e)
-        q_ptr,  # [B, Hq, T, D]: the chunk's queries (the exact part scores them raw)
-        k_ptr,  # [B, HKV, T, D]: the chunk's keys
-        v_ptr,  # [B, HKV, T, D]: the chunk's values
-        wk_ptr,  # [B * HKV, seg, KW]: dequantized keys of this segment (``_dequant_kernel``)
-        wv_ptr,  # [B * HKV, seg, DP]: dequantized values
-        st_acc_ptr,  # fp32 [rows, DP]: running output between segments
-        st_m_ptr,  # fp32 [rows]: running max
-        st_l_ptr,  # fp32 [rows]: running sum
-        clen_ptr,  # int32 [B]: compressed tokens per sequence
-        rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
-        rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
-        rlen_ptr,  # int32 [B]: recent tokens per sequence
-        ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
-        out_ptr,  # [B, Hq, T, D]: output
-        # ---- segment and chunk sizes
-        s0,  # first token of this segment
-        seg,  # tokens per segment
-        T,  # chunk tokens
-        # ---- strides (elements)
-        stride_qb,
-        stride_qh,
-        stride_qt,
-        stride_kb,
-        stride_kh,
-        stride_kt,
-        stride_vb,
-        stride_vh,
-        stride_vt,
-        stride_rkn,
-        stride_rkh,
-        stride_rkt,
-        stride_rvn,
-        stride_rvh,
-        stride_rvt,
-        stride_ob,
-        stride_oh,
-        stride_ot,
-        # ---- scalars
-        scale_log2,  # softmax scale * log2(e)
-        ring,  # the recent window R
-        # ---- compile time
-        HKV: tl.constexpr,  # KV heads
-        G: tl.constexpr,  # query heads per KV head
-        QW: tl.constexpr,  # transformed query row width (D, or 2 D with S q)
-        KW: tl.constexpr,  # workspace key row width (DP, or 2 DP for prod keys)
-        D: tl.constexpr,  # head dim
-        DP: tl.constexpr,  # head dim padded to a power of two
-        PROD: tl.constexpr,  # prod keys: a second score product against S q
-        KQ_BF16: tl.constexpr,  # raw bf16 keys: the query operand in bf16
-        BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
-        LOAD_STATE: tl.constexpr,  # start from the previous segment's running state
-        FINAL: tl.constexpr,  # last segment: the exact part and the output (else store the running state)
-        BLOCK_M: tl.constexpr,  # rows (token, query head) per program
-        BLOCK_N: tl.constexpr,  # tokens per tile
-        INTERP: tl.constexpr):  # Triton's CPU interpreter
+    # ---- pointers
+    qt_ptr,  # fp32 [B * Hq * T, QW]: transformed query rows (Pi q, S q) * scale * log2(e)
+    q_ptr,  # [B, Hq, T, D]: the chunk's queries (the exact part scores them raw)
+    k_ptr,  # [B, HKV, T, D]: the chunk's keys
+    v_ptr,  # [B, HKV, T, D]: the chunk's values
+    wk_ptr,  # [B * HKV, seg, KW]: dequantized keys of this segment (``_dequant_kernel``)
+    wv_ptr,  # [B * HKV, seg, DP]: dequantized values
+    st_acc_ptr,  # fp32 [rows, DP]: running output between segments
+    st_m_ptr,  # fp32 [rows]: running max
+    st_l_ptr,  # fp32 [rows]: running sum
+    clen_ptr,  # int32 [B]: compressed tokens per sequence
+    rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
+    rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
+    rlen_ptr,  # int32 [B]: recent tokens per sequence
+    ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
+    out_ptr,  # [B, Hq, T, D]: output
+    # ---- segment and chunk sizes
+    s0,  # first token of this segment
+    seg,  # tokens per segment
+    T,  # chunk tokens
+    # ---- strides (elements)
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_rkn,
+    stride_rkh,
+    stride_rkt,
+    stride_rvn,
+    stride_rvh,
+    stride_rvt,
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    # ---- scalars
+    scale_log2,  # softmax scale * log2(e)
+    ring,  # the recent window R
+    # ---- compile time
+    HKV: tl.constexpr,  # KV heads
+    G: tl.constexpr,  # query heads per KV head
+    QW: tl.constexpr,  # transformed query row width (D, or 2 D with S q)
+    KW: tl.constexpr,  # workspace key row width (DP, or 2 DP for prod keys)
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # head dim padded to a power of two
+    PROD: tl.constexpr,  # prod keys: a second score product against S q
+    KQ_BF16: tl.constexpr,  # raw bf16 keys: the query operand in bf16
+    BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
+    LOAD_STATE: tl.constexpr,  # start from the previous segment's running state
+    FINAL: tl.constexpr,  # last segment: the exact part and the output (else store the running state)
+    BLOCK_M: tl.constexpr,  # rows (token, query head) per program
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    INTERP: tl.constexpr,
+):  # Triton's CPU interpreter
     """Flash attention of BLOCK_M rows over workspace segment [s0, s0 + seg); ``FINAL``: then the exact part and the
     output, else the running state is stored; ``LOAD_STATE``: start from the previous segment's state."""
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -287,31 +325,85 @@ def _prefill_kernel(
     cend = tl.minimum(tl.maximum(lo_last, 0), s0 + seg)
     cfull = tl.minimum(tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N, cend)
     for n0 in range(s0, cfull, BLOCK_N):
-        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD,
-                                        False, BLOCK_N, INTERP)
+        acc, m_i, l_i = _workspace_tile(
+            n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD, False, BLOCK_N, INTERP
+        )
     for n0 in range(tl.maximum(cfull, s0), cend, BLOCK_N):
-        acc, m_i, l_i = _workspace_tile(n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD,
-                                        True, BLOCK_N, INTERP)
+        acc, m_i, l_i = _workspace_tile(
+            n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD, True, BLOCK_N, INTERP
+        )
 
     if FINAL:
         # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
-        qraw = (tl.load(q_ptr + b.to(tl.int64) * stride_qb + hq[:, None].to(tl.int64) * stride_qh
-                        + tok[:, None].to(tl.int64) * stride_qt + j, mask=qmask, other=0.0).to(tl.float32)
-                * scale_log2).to(rk_ptr.dtype.element_ty)
+        qraw = (
+            tl.load(
+                q_ptr
+                + b.to(tl.int64) * stride_qb
+                + hq[:, None].to(tl.int64) * stride_qh
+                + tok[:, None].to(tl.int64) * stride_qt
+                + j,
+                mask=qmask,
+                other=0.0,
+            ).to(tl.float32)
+            * scale_log2
+        ).to(rk_ptr.dtype.element_ty)
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
         ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
-        acc, m_i, l_i = _dense_part(rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
-                                    rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                                    stride_rkt, stride_rvt, 0, ring_rows, clen, tl.maximum(ring, 1), True, qpos, lo,
-                                    qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
+        acc, m_i, l_i = _dense_part(
+            rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+            rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+            stride_rkt,
+            stride_rvt,
+            0,
+            ring_rows,
+            clen,
+            tl.maximum(ring, 1),
+            True,
+            qpos,
+            lo,
+            qraw,
+            acc,
+            m_i,
+            l_i,
+            rk_ptr,
+            rv_ptr,
+            D,
+            DP,
+            BLOCK_N,
+            INTERP,
+        )
         t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _dense_part(k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                                    v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                                    stride_kt, stride_vt, t_start, last_tok + 1, hist, 1, False, qpos, lo,
-                                    qraw, acc, m_i, l_i, rk_ptr, rv_ptr, D, DP, BLOCK_N, INTERP)
+        acc, m_i, l_i = _dense_part(
+            k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+            v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+            stride_kt,
+            stride_vt,
+            t_start,
+            last_tok + 1,
+            hist,
+            1,
+            False,
+            qpos,
+            lo,
+            qraw,
+            acc,
+            m_i,
+            l_i,
+            rk_ptr,
+            rv_ptr,
+            D,
+            DP,
+            BLOCK_N,
+            INTERP,
+        )
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        optr = (out_ptr + b.to(tl.int64) * stride_ob + hq[:, None].to(tl.int64) * stride_oh
-                + tok[:, None].to(tl.int64) * stride_ot + j)
+        optr = (
+            out_ptr
+            + b.to(tl.int64) * stride_ob
+            + hq[:, None].to(tl.int64) * stride_oh
+            + tok[:, None].to(tl.int64) * stride_ot
+            + j
+        )
         tl.store(optr, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
     else:
         tl.store(st_acc_ptr + st_row[:, None] * DP + j, acc)
@@ -333,8 +425,9 @@ def default_block_m(head_dim: int) -> int:
     return 128 if head_dim <= 128 else 64
 
 
-def fit_stages(block_m: int, block_n: int, key_width: int, dp: int, exact_bytes: int = 2,
-               want: int = NUM_STAGES) -> int:
+def fit_stages(
+    block_m: int, block_n: int, key_width: int, dp: int, exact_bytes: int = 2, want: int = NUM_STAGES
+) -> int:
     """Pipeline stages that fit in shared memory. Each loop holds one buffer per stage beside its query operand, and
     Triton's allocation on sm_90 is the larger loop's: the workspace loop stages * BLOCK_N * (KW + DP) * 2 +
     BLOCK_M * KW * 2 (fp16), the exact loops (ring, chunk) stages * BLOCK_N * 2 DP * e + BLOCK_M * DP * e with e the
@@ -344,8 +437,9 @@ def fit_stages(block_m: int, block_n: int, key_width: int, dp: int, exact_bytes:
     return max(1, min(want, ws, exact))
 
 
-def workspace_segment(batch: int, num_kv_heads: int, row_bytes: int, capacity: int, block: int,
-                      budget: int = WORKSPACE_BYTES) -> int:
+def workspace_segment(
+    batch: int, num_kv_heads: int, row_bytes: int, capacity: int, block: int, budget: int = WORKSPACE_BYTES
+) -> int:
     """Tokens per workspace segment: all ``capacity`` tokens if they fit in ``budget`` bytes, else the most that fit
     (a multiple of ``block``, at least one block)."""
     fit = budget // max(1, batch * num_kv_heads * row_bytes) // block * block
@@ -386,9 +480,17 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV
         raise ShapeError(f"k, v: expected [{bsz}, {hkv}, {t_len}, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
-def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
-                    softmax_scale: float | None = None, *, out: torch.Tensor | None = None,
-                    max_tokens: int | None = None, tuning: PrefillTuning = DEFAULT_TUNING) -> torch.Tensor:
+def chunked_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    softmax_scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    max_tokens: int | None = None,
+    tuning: PrefillTuning = DEFAULT_TUNING,
+) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
     rule; ``kv.pages`` already hold the chunk's compressed tokens). ``max_tokens``: a host-side bound on every
     sequence's history + T (vLLM knows it), else the block table's capacity; it sizes the workspace and the segment
@@ -429,10 +531,8 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     seg = tuning.workspace_tokens or workspace_segment(bsz, hkv, 2 * (kw + dp), capacity, step)
     seg = triton.cdiv(seg, step) * step
     nseg = max(1, triton.cdiv(capacity, seg))
-    wk = torch.empty(bsz * hkv, seg, kw, dtype=raw_t if spec.KEY_MODE == KEY_RAW else torch.float16,
-                     device=q.device)
-    wv = torch.empty(bsz * hkv, seg, dp, dtype=raw_t if spec.VAL_MODE == VAL_RAW else torch.float16,
-                     device=q.device)
+    wk = torch.empty(bsz * hkv, seg, kw, dtype=raw_t if spec.KEY_MODE == KEY_RAW else torch.float16, device=q.device)
+    wv = torch.empty(bsz * hkv, seg, dp, dtype=raw_t if spec.VAL_MODE == VAL_RAW else torch.float16, device=q.device)
     grid = (bsz * hkv, triton.cdiv(t_len * g, block_m))
     if nseg > 1:  # the running (acc, max, sum) of every row between the segments' flash launches
         rows = grid[0] * grid[1] * block_m
@@ -446,19 +546,88 @@ def chunked_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     kq_bf16 = spec.KEY_MODE == KEY_RAW and spec.RAW_BF16
     for i in range(nseg):
         s0 = i * seg
-        _DEQUANT((bsz * hkv, seg // dq_tokens),
-                 (kv.pages, kv.block_table, kv.compressed_lens, kv.recent_lens, consts["codebook"], wk, wv, s0, seg,
-                  t_len, ring, kv.block_table.stride(0), kv.codec.qjl_scale), dq_kw, dq_key, num_warps=4)
+        _DEQUANT(
+            (bsz * hkv, seg // dq_tokens),
+            (
+                kv.pages,
+                kv.block_table,
+                kv.compressed_lens,
+                kv.recent_lens,
+                consts["codebook"],
+                wk,
+                wv,
+                s0,
+                seg,
+                t_len,
+                ring,
+                kv.block_table.stride(0),
+                kv.codec.qjl_scale,
+            ),
+            dq_kw,
+            dq_key,
+            num_warps=4,
+        )
         flags = (i > 0, i == nseg - 1)  # LOAD_STATE, FINAL
-        _PREFILL(grid,
-                 (qt, q, k, v, wk, wv, st_acc, st_m, st_l, kv.compressed_lens, rk, rv, kv.recent_lens,
-                  kv.recent_index, out, s0, seg, t_len, q.stride(0), q.stride(1), q.stride(2), k.stride(0),
-                  k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), rk.stride(0), rk.stride(1),
-                  rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2), out.stride(0), out.stride(1),
-                  out.stride(2), scale * LOG2E, ring),
-                 dict(HKV=hkv, G=g, QW=qt.shape[1], KW=kw, D=d, DP=dp, PROD=prod, KQ_BF16=kq_bf16,
-                      BLOCK_WINDOW=block_window, LOAD_STATE=flags[0], FINAL=flags[1], BLOCK_M=block_m,
-                      BLOCK_N=block_n, INTERP=INTERPRET),
-                 (hkv, g, qt.shape[1], kw, d, dp, prod, kq_bf16, block_window, *flags, block_m, block_n),
-                 num_warps=tuning.num_warps, num_stages=num_stages)
+        _PREFILL(
+            grid,
+            (
+                qt,
+                q,
+                k,
+                v,
+                wk,
+                wv,
+                st_acc,
+                st_m,
+                st_l,
+                kv.compressed_lens,
+                rk,
+                rv,
+                kv.recent_lens,
+                kv.recent_index,
+                out,
+                s0,
+                seg,
+                t_len,
+                q.stride(0),
+                q.stride(1),
+                q.stride(2),
+                k.stride(0),
+                k.stride(1),
+                k.stride(2),
+                v.stride(0),
+                v.stride(1),
+                v.stride(2),
+                rk.stride(0),
+                rk.stride(1),
+                rk.stride(2),
+                rv.stride(0),
+                rv.stride(1),
+                rv.stride(2),
+                out.stride(0),
+                out.stride(1),
+                out.stride(2),
+                scale * LOG2E,
+                ring,
+            ),
+            dict(
+                HKV=hkv,
+                G=g,
+                QW=qt.shape[1],
+                KW=kw,
+                D=d,
+                DP=dp,
+                PROD=prod,
+                KQ_BF16=kq_bf16,
+                BLOCK_WINDOW=block_window,
+                LOAD_STATE=flags[0],
+                FINAL=flags[1],
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                INTERP=INTERPRET,
+            ),
+            (hkv, g, qt.shape[1], kw, d, dp, prod, kq_bf16, block_window, *flags, block_m, block_n),
+            num_warps=tuning.num_warps,
+            num_stages=num_stages,
+        )
     return out

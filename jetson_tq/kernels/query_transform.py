@@ -19,23 +19,24 @@ from ._launch import FastLauncher
 
 @triton.jit
 def _query_transform_kernel(
-        # ---- pointers
-        q_ptr,  # [A, H, D]: queries (last dim contiguous)
-        m_ptr,  # fp32 [QW, D]: M = [Pi; S] (or Pi, or I)
-        out_ptr,  # fp32 [A * H, QW]: scale * q @ M^T
-        # ---- sizes, strides, scalars
-        rows,  # A * H
-        heads,  # H
-        stride_qa,
-        stride_qh,
-        scale,  # softmax scale * log2(e) (1 for raw scores)
-        # ---- compile time
-        D: tl.constexpr,  # head dim
-        DP: tl.constexpr,  # head dim padded to a power of two
-        QW: tl.constexpr,  # output row width
-        BLOCK_R: tl.constexpr,  # query rows per program
-        BLOCK_W: tl.constexpr,  # output columns per program
-        PRECISION: tl.constexpr):  # tl.dot input precision ("tf32x3"; "ieee" in the interpreter)
+    # ---- pointers
+    q_ptr,  # [A, H, D]: queries (last dim contiguous)
+    m_ptr,  # fp32 [QW, D]: M = [Pi; S] (or Pi, or I)
+    out_ptr,  # fp32 [A * H, QW]: scale * q @ M^T
+    # ---- sizes, strides, scalars
+    rows,  # A * H
+    heads,  # H
+    stride_qa,
+    stride_qh,
+    scale,  # softmax scale * log2(e) (1 for raw scores)
+    # ---- compile time
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # head dim padded to a power of two
+    QW: tl.constexpr,  # output row width
+    BLOCK_R: tl.constexpr,  # query rows per program
+    BLOCK_W: tl.constexpr,  # output columns per program
+    PRECISION: tl.constexpr,
+):  # tl.dot input precision ("tf32x3"; "ieee" in the interpreter)
     # Each program: BLOCK_R query rows (row = a * heads + h) x BLOCK_W output columns.
     pid_r, pid_w = tl.program_id(0), tl.program_id(1)
     r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -68,8 +69,18 @@ def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torc
     block_r = 64 if rows >= PREFILL_ROWS and d <= 128 else 16
     block_w = min(64, next_pow2(qw))
     grid = (triton.cdiv(rows, block_r), triton.cdiv(qw, block_w))
-    _LAUNCH(grid, (q, qmat, out, rows, h, q.stride(0), q.stride(1), float(scale)),
-            dict(D=d, DP=max(16, next_pow2(d)), QW=qw, BLOCK_R=block_r, BLOCK_W=block_w,
-                 PRECISION="ieee" if INTERPRET else "tf32x3"), (d, qw, block_r, block_w), num_warps=4)
+    _LAUNCH(
+        grid,
+        (q, qmat, out, rows, h, q.stride(0), q.stride(1), float(scale)),
+        dict(
+            D=d,
+            DP=max(16, next_pow2(d)),
+            QW=qw,
+            BLOCK_R=block_r,
+            BLOCK_W=block_w,
+            PRECISION="ieee" if INTERPRET else "tf32x3",
+        ),
+        (d, qw, block_r, block_w),
+        num_warps=4,
+    )
     return out
-

@@ -24,27 +24,28 @@ from .query_transform import query_transform
 
 @triton.jit
 def _scores_kernel(
-        # ---- pointers
-        qt_ptr,  # fp32 [B, 2 D]: transformed queries (Pi q, S q)
-        idx_ptr,  # [S, D]: codebook indices (unpacked)
-        sgn_ptr,  # [S, D]: QJL signs (+-1)
-        gamma_ptr,  # [S]: residual norms
-        cb_ptr,  # fp32 [n_codes]: codebook
-        out_ptr,  # fp32 [B, S]: scores
-        # ---- sizes, strides, scalars
-        n_q,  # B
-        n_keys,  # S
-        n_codes,  # codebook entries (ids past it clamp)
-        stride_is,
-        stride_ss,
-        stride_ob,
-        qjl_scale,  # sqrt(pi / 2) / D
-        # ---- compile time
-        D: tl.constexpr,  # head dim
-        DP: tl.constexpr,  # head dim padded to a power of two
-        BLOCK_S: tl.constexpr,  # keys per program
-        BLOCK_B: tl.constexpr,  # queries per program
-        PRECISION: tl.constexpr):  # tl.dot input precision ("tf32x3"; "ieee" in the interpreter)
+    # ---- pointers
+    qt_ptr,  # fp32 [B, 2 D]: transformed queries (Pi q, S q)
+    idx_ptr,  # [S, D]: codebook indices (unpacked)
+    sgn_ptr,  # [S, D]: QJL signs (+-1)
+    gamma_ptr,  # [S]: residual norms
+    cb_ptr,  # fp32 [n_codes]: codebook
+    out_ptr,  # fp32 [B, S]: scores
+    # ---- sizes, strides, scalars
+    n_q,  # B
+    n_keys,  # S
+    n_codes,  # codebook entries (ids past it clamp)
+    stride_is,
+    stride_ss,
+    stride_ob,
+    qjl_scale,  # sqrt(pi / 2) / D
+    # ---- compile time
+    D: tl.constexpr,  # head dim
+    DP: tl.constexpr,  # head dim padded to a power of two
+    BLOCK_S: tl.constexpr,  # keys per program
+    BLOCK_B: tl.constexpr,  # queries per program
+    PRECISION: tl.constexpr,
+):  # tl.dot input precision ("tf32x3"; "ieee" in the interpreter)
     # Each program: BLOCK_S keys x BLOCK_B queries; scores are computed transposed, [keys, queries].
     pid_s, pid_b = tl.program_id(0), tl.program_id(1)
     s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -69,8 +70,19 @@ BLOCK_S = 64
 _LAUNCH = FastLauncher(_scores_kernel)
 
 
-def turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, *, out: torch.Tensor | None = None,
-                             block_s: int = BLOCK_S, num_warps: int = 4) -> torch.Tensor:
+def turboquant_scores_triton(
+    Q,
+    K_idx,
+    qjl_signs,
+    gamma,
+    Pi,
+    S_mat,
+    codebook,
+    *,
+    out: torch.Tensor | None = None,
+    block_s: int = BLOCK_S,
+    num_warps: int = 4,
+) -> torch.Tensor:
     """``codec.scores.turboquant_scores`` as one Triton launch (plus the query transform) -> [B, S] fp32."""
     check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
     cuda_or_interpreter(Q)
@@ -87,9 +99,25 @@ def turboquant_scores_triton(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, *,
     block_b = min(64, max(16, next_pow2(b)))
     grid = (triton.cdiv(s, block_s), triton.cdiv(b, block_b))
     precision = "ieee" if INTERPRET else "tf32x3"
-    _LAUNCH(grid, (qt, K_idx, qjl_signs, gamma.contiguous(), codebook.float().contiguous(), out, b, s,
-                   codebook.shape[0], K_idx.stride(0), qjl_signs.stride(0), out.stride(0), math.sqrt(math.pi / 2) / d),
-            dict(D=d, DP=max(16, next_pow2(d)), BLOCK_S=block_s, BLOCK_B=block_b, PRECISION=precision),
-            (d, block_s, block_b, precision), num_warps=num_warps)
+    _LAUNCH(
+        grid,
+        (
+            qt,
+            K_idx,
+            qjl_signs,
+            gamma.contiguous(),
+            codebook.float().contiguous(),
+            out,
+            b,
+            s,
+            codebook.shape[0],
+            K_idx.stride(0),
+            qjl_signs.stride(0),
+            out.stride(0),
+            math.sqrt(math.pi / 2) / d,
+        ),
+        dict(D=d, DP=max(16, next_pow2(d)), BLOCK_S=block_s, BLOCK_B=block_b, PRECISION=precision),
+        (d, block_s, block_b, precision),
+        num_warps=num_warps,
+    )
     return out
-

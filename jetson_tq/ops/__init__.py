@@ -18,31 +18,64 @@ from ..paged import PagedKV, append_rows_reference, write_slots
 from ..validate import StoreLimits, store_fault_code
 from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
-__all__ = ["BACKENDS", "ENV_VAR", "configured", "resolve", "graph_safe", "append_rows", "write", "decode", "prefill",
-           "scores"]
+__all__ = [
+    "BACKENDS",
+    "ENV_VAR",
+    "configured",
+    "resolve",
+    "graph_safe",
+    "append_rows",
+    "write",
+    "decode",
+    "prefill",
+    "scores",
+]
 
 #: Tokens the reference write path encodes per step: bounds its fp32 temporaries (a few MB) at any append size.
 WRITE_CHUNK_ELEMENTS = 1 << 18
 
 
-def append_rows(k: torch.Tensor, v: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, lens: torch.Tensor,
-                comp: torch.Tensor, rec: torch.Tensor, overflow: torch.Tensor, row0: int, capacity: int,
-                stage: bool = True, commit: bool = True, block_window: bool = False,
-                backend: str | None = None, guard: torch.Tensor | None = None) -> torch.Tensor | None:
+def append_rows(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    lens: torch.Tensor,
+    comp: torch.Tensor,
+    rec: torch.Tensor,
+    overflow: torch.Tensor,
+    row0: int,
+    capacity: int,
+    stage: bool = True,
+    commit: bool = True,
+    block_window: bool = False,
+    backend: str | None = None,
+    guard: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``);
     ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit."""
     if resolve(k.device, None, backend) == "triton":
         from ..kernels.append import append_rows as kernel
 
-        return kernel(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window,
-                      guard)
-    return append_rows_reference(k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit,
-                                 block_window, guard)
+        return kernel(
+            k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard
+        )
+    return append_rows_reference(
+        k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard
+    )
 
 
-def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, layout: PagedLayout,
-          codec: KVCodec, backend: str | None = None, fault: torch.Tensor | None = None,
-          limits: StoreLimits | None = None) -> None:
+def write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    pages: torch.Tensor,
+    layout: PagedLayout,
+    codec: KVCodec,
+    backend: str | None = None,
+    fault: torch.Tensor | None = None,
+    limits: StoreLimits | None = None,
+) -> None:
     """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads); k, v
     may also be rows [R, T, H, D] (slots [R * T] row by row), which the kernel reads in place in one launch.
 
@@ -57,14 +90,20 @@ def write(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, pages: torch.Te
     if k.dim() == 4:
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if fault is not None and int(fault[1]) == 0:
+        assert limits is not None  # a fault record always comes with the store's limits
         fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))
     step = max(1, WRITE_CHUNK_ELEMENTS // max(1, k.shape[1] * k.shape[2]))
     for i in range(0, k.shape[0], step):
         write_slots(pages, layout, slots[i : i + step], codec.encode(k[i : i + step], v[i : i + step]))
 
 
-def decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, backend: str | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def decode(
+    q: torch.Tensor,
+    kv: PagedKV,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]."""
     if resolve(q.device, kv.layout, backend) == "triton":
         from ..kernels.hybrid_decode import hybrid_decode
@@ -77,9 +116,16 @@ def decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, bac
     return res
 
 
-def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None,
-            backend: str | None = None, attn_mask: torch.Tensor | None = None,
-            max_tokens: int | None = None) -> torch.Tensor:
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+    attn_mask: torch.Tensor | None = None,
+    max_tokens: int | None = None,
+) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus its own k, v [B, Hkv, T, D] (causal,
     window rule of ``attention.reference.paged_attention_prefill``; the pages already hold the chunk).
 

@@ -52,7 +52,8 @@ def resolve(device: torch.device, layout: PagedLayout | None = None, backend: st
         if device.type != "cuda" and not _interpreting():
             raise UnsupportedPlatformError(
                 f"backend 'triton' needs CUDA tensors (got {device}) or TRITON_INTERPRET=1 set before triton is "
-                "imported; use backend 'auto' or 'reference' on the CPU")
+                "imported; use backend 'auto' or 'reference' on the CPU"
+            )
     return choice
 
 

@@ -21,9 +21,16 @@ from pathlib import Path
 KINDS = ("thor", "orin", "jetson", "cuda-dgpu", "cpu")
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
-#: L4T release -> JetPack version (../shared/FIELD_NOTES.md; NVIDIA's JetPack archive).
-_JETPACK_EXACT = {"38.2": "7.0", "38.4": "7.1", "36.4.0": "6.1", "36.4.3": "6.2", "36.4.4": "6.2.1",
-                  "36.3": "6.0", "36.2": "6.0 DP"}
+#: L4T release -> JetPack version (NVIDIA's JetPack archive).
+_JETPACK_EXACT = {
+    "38.2": "7.0",
+    "38.4": "7.1",
+    "36.4.0": "6.1",
+    "36.4.3": "6.2",
+    "36.4.4": "6.2.1",
+    "36.3": "6.0",
+    "36.2": "6.0 DP",
+}
 #: Compute capability of the Jetson GPUs, used when torch cannot tell (no CUDA build in a venv).
 _JETSON_CC = {"thor": "11.0", "orin": "8.7"}
 
@@ -32,20 +39,20 @@ _JETSON_CC = {"thor": "11.0", "orin": "8.7"}
 class PlatformInfo:
     """Everything the launcher, the memory budget and the reports need to know about this machine."""
 
-    kind: str = "cpu"                  # one of KINDS
-    arch: str = ""                     # uname machine: aarch64, x86_64
-    l4t: str | None = None             # "38.2.0"
-    jetpack: str | None = None         # "7.0"
-    board: str | None = None           # "NVIDIA Jetson AGX Thor Developer Kit"
+    kind: str = "cpu"  # one of KINDS
+    arch: str = ""  # uname machine: aarch64, x86_64
+    l4t: str | None = None  # "38.2.0"
+    jetpack: str | None = None  # "7.0"
+    board: str | None = None  # "NVIDIA Jetson AGX Thor Developer Kit"
     gpu_name: str | None = None
     compute_capability: str | None = None  # "11.0"
-    integrated: bool = False           # GPU shares system RAM (Jetson)
+    integrated: bool = False  # GPU shares system RAM (Jetson)
     gpu_memory_bytes: int | None = None
-    cuda_available: bool = False       # torch sees a CUDA device
+    cuda_available: bool = False  # torch sees a CUDA device
     torch_version: str | None = None
     in_container: bool = False
     sources: dict[str, str] = field(default_factory=dict)  # which file/tool told us what
-    errors: list[str] = field(default_factory=list)        # what failed (never raised)
+    errors: list[str] = field(default_factory=list)  # what failed (never raised)
 
     @property
     def is_jetson(self) -> bool:
@@ -113,8 +120,12 @@ def _query_nvidia_smi(info: PlatformInfo) -> None:
         info.sources["nvidia-smi"] = "not found"
         return
     try:
-        out = subprocess.run([exe, "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S)
+        out = subprocess.run(
+            [exe, "--query-gpu=name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
+        )
     except (OSError, subprocess.SubprocessError) as e:
         info.errors.append(f"nvidia-smi: {type(e).__name__}: {e}")
         return
@@ -135,7 +146,7 @@ def _query_torch(info: PlatformInfo) -> None:
     """Fill CUDA facts from torch when it is importable (a Jetson host without a venv has none)."""
     try:
         import torch
-    except Exception as e:  # noqa: BLE001 - the probe reports, never raises
+    except Exception as e:
         info.sources["torch"] = f"not importable ({type(e).__name__})"
         return
     info.torch_version = torch.__version__
@@ -149,7 +160,7 @@ def _query_torch(info: PlatformInfo) -> None:
         info.compute_capability = f"{props.major}.{props.minor}"
         info.gpu_memory_bytes = int(props.total_memory)
         info.integrated = info.integrated or bool(getattr(props, "is_integrated", False))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         info.errors.append(f"torch.cuda: {type(e).__name__}: {e}")
 
 
@@ -158,7 +169,7 @@ def probe(root: str | os.PathLike | None = None, use_torch: bool = True) -> Plat
     info = PlatformInfo()
     try:
         _probe_into(info, Path(root) if root is not None else sysroot(), use_torch)
-    except Exception as e:  # noqa: BLE001 - last line of defence: the probe never raises
+    except Exception as e:
         info.errors.append(f"probe: {type(e).__name__}: {e}")
     return info
 

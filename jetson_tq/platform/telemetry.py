@@ -39,20 +39,28 @@ def summarize(stats: dict) -> dict:
     """Pick total power (mW), temperatures (C) and RAM use from a jtop ``stats`` sample."""
     temps = {k[5:]: v for k, v in stats.items() if k.startswith("Temp ") and isinstance(v, (int, float))}
     power = stats.get("Power TOT")
-    return {"power_total_mw": power if isinstance(power, (int, float)) else None,
-            "temperatures_c": temps,
-            "ram_used_fraction": stats.get("RAM") if isinstance(stats.get("RAM"), (int, float)) else None}
+    return {
+        "power_total_mw": power if isinstance(power, (int, float)) else None,
+        "temperatures_c": temps,
+        "ram_used_fraction": stats.get("RAM") if isinstance(stats.get("RAM"), (int, float)) else None,
+    }
 
 
-def jtop_snapshot(root: str | os.PathLike | None = None, timeout_s: float = JTOP_TIMEOUT_S,
-                  python: str | None = None) -> dict:
+def jtop_snapshot(
+    root: str | os.PathLike | None = None, timeout_s: float = JTOP_TIMEOUT_S, python: str | None = None
+) -> dict:
     """One telemetry sample: ``{"available": bool, "reason"|"summary"+"stats": ...}``; never raises."""
     sock = Path(root if root is not None else sysroot()) / JTOP_SOCKET
     if not sock.exists():
         return {"available": False, "reason": f"/{JTOP_SOCKET} absent (jtop service not running or not mounted)"}
     try:
-        out = subprocess.run([python or sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                             timeout=timeout_s, env=dict(os.environ))
+        out = subprocess.run(
+            [python or sys.executable, "-c", _CHILD],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=dict(os.environ),
+        )
         reply = json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
         return {"available": False, "reason": f"jtop child failed: {type(e).__name__}: {e}"}

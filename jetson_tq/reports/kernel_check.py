@@ -1,10 +1,10 @@
 """Kernel vs reference agreement and a decode micro-benchmark vs SDPA, through the public API (``jetson_tq.api``).
 
-The entry module (``attention_decode(q, cache, backend="auto"|"triton"|"reference")``, the public API by
-default; tests pass stand-ins) is imported lazily: when it is absent, ``load_dispatch`` returns None and
-callers report SKIPPED, never a pass. On a CPU machine the Triton kernel runs through the Triton interpreter: ``TRITON_INTERPRET=1``
-must be set before triton is first imported, so ``agreement_cpu_interpreted`` runs the check in a
-child process with that variable set, on a tiny shape.
+The entry module (``attention_decode(q, cache, backend="auto"|"triton"|"reference")``, the public API by default; tests
+pass stand-ins) is imported lazily: when it is absent, ``load_dispatch`` returns None and callers report SKIPPED, never
+a pass. On a CPU machine the Triton kernel runs through the Triton interpreter: ``TRITON_INTERPRET=1`` must be set
+before triton is first imported, so ``agreement_cpu_interpreted`` runs the check in a child process with that variable
+set, on a tiny shape.
 """
 
 from __future__ import annotations
@@ -62,21 +62,41 @@ def agreement(dispatch, shape: dict, device: str | torch.device) -> dict:
     ref = dispatch.attention_decode(q, cache, backend="reference").float()
     out = dispatch.attention_decode(q, cache, backend="triton").float()
     diff = (out - ref).abs()
-    return {"device": str(device), "shape": shape, "max_abs": float(diff.max()), "mean_abs": float(diff.mean()),
-            "ref_max_abs": float(ref.abs().max()), "tol_max_abs": TOL_MAX_ABS, "tol_mean_abs": TOL_MEAN_ABS,
-            "ok": float(diff.max()) <= TOL_MAX_ABS and float(diff.mean()) <= TOL_MEAN_ABS}
+    return {
+        "device": str(device),
+        "shape": shape,
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "ref_max_abs": float(ref.abs().max()),
+        "tol_max_abs": TOL_MAX_ABS,
+        "tol_mean_abs": TOL_MEAN_ABS,
+        "ok": float(diff.max()) <= TOL_MAX_ABS and float(diff.mean()) <= TOL_MEAN_ABS,
+    }
 
 
-def agreement_cpu_interpreted(module: str = DISPATCH_MODULE, shape: dict | None = None,
-                              timeout_s: float = INTERPRETER_TIMEOUT_S) -> dict:
+def agreement_cpu_interpreted(
+    module: str = DISPATCH_MODULE, shape: dict | None = None, timeout_s: float = INTERPRETER_TIMEOUT_S
+) -> dict:
     """Run ``agreement`` on CPU in a child with TRITON_INTERPRET=1 (set before triton is imported)."""
     root = Path(__file__).resolve().parents[2]
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
-    code = ("import json, sys; from jetson_tq.reports.kernel_check import _child; "
-            "print(json.dumps(_child(sys.argv[1], json.loads(sys.argv[2]))))")
-    proc = subprocess.run([sys.executable, "-c", code, module, json.dumps(shape or CPU_SHAPE)], env=env,
-                          capture_output=True, text=True, timeout=timeout_s, cwd=root)
+    env = {
+        "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p),
+    }
+    code = (
+        "import json, sys; from jetson_tq.reports.kernel_check import _child; "
+        "print(json.dumps(_child(sys.argv[1], json.loads(sys.argv[2]))))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, module, json.dumps(shape or CPU_SHAPE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=root,
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"ok": False, "error": f"interpreter child exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
@@ -93,17 +113,30 @@ def _child(module: str, shape: dict) -> dict:
     return result
 
 
-def decode_benchmark(dispatch, contexts=(4096, 16384), batch: int = 1, q_heads: int = 32, kv_heads: int = 8,
-                     head_dim: int = 128, progress=None) -> list[dict]:
-    """Median µs of ``attention_decode(backend="triton")`` vs torch SDPA (flash) on fp16 K/V of the same shape (CUDA)."""
+def decode_benchmark(
+    dispatch,
+    contexts=(4096, 16384),
+    batch: int = 1,
+    q_heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    progress=None,
+) -> list[dict]:
+    """Median µs of ``attention_decode(backend="triton")`` vs torch SDPA (flash) on fp16 K/V of the same shape
+    (CUDA)."""
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
 
     rows = []
     for i, ctx in enumerate(contexts):
-        shape = {"batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                 "lengths": [ctx] * batch}
+        shape = {
+            "batch": batch,
+            "q_heads": q_heads,
+            "kv_heads": kv_heads,
+            "head_dim": head_dim,
+            "lengths": [ctx] * batch,
+        }
         q, cache = build_case(shape, "cuda", seed=i)
         ref = dispatch.attention_decode(q, cache, backend="reference").float()
         max_abs = float((dispatch.attention_decode(q, cache, backend="triton").float() - ref).abs().max())
@@ -117,19 +150,34 @@ def decode_benchmark(dispatch, contexts=(4096, 16384), batch: int = 1, q_heads: 
         except RuntimeError:
             backend = "default"
 
+        # sdpa and the lambda below run inside this iteration (do_bench), so the loop's current values are meant
         def sdpa():
-            if backend == "flash":
+            if backend == "flash":  # noqa: B023
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
-            return scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+                    return scaled_dot_product_attention(q4, k, v, enable_gqa=True)  # noqa: B023
+            return scaled_dot_product_attention(q4, k, v, enable_gqa=True)  # noqa: B023
 
         cache.validate = False  # timed: the kernel, not the per-call query check (docs/robustness.md)
-        t_tq = triton.testing.do_bench(lambda: dispatch.attention_decode(q, cache, backend="triton"), return_mode="median")
+        t_tq = triton.testing.do_bench(
+            lambda: dispatch.attention_decode(q, cache, backend="triton"),  # noqa: B023 (timed in this iteration)
+            return_mode="median",
+        )
         t_sdpa = triton.testing.do_bench(sdpa, return_mode="median")
-        rows.append({"context": ctx, "batch": batch, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-                     "triton_us": t_tq * 1e3, "sdpa_us": t_sdpa * 1e3, "sdpa_backend": backend,
-                     "speedup_vs_sdpa": t_sdpa / t_tq, "max_abs_vs_reference": max_abs,
-                     "gpu": torch.cuda.get_device_name(0)})
+        rows.append(
+            {
+                "context": ctx,
+                "batch": batch,
+                "q_heads": q_heads,
+                "kv_heads": kv_heads,
+                "head_dim": head_dim,
+                "triton_us": t_tq * 1e3,
+                "sdpa_us": t_sdpa * 1e3,
+                "sdpa_backend": backend,
+                "speedup_vs_sdpa": t_sdpa / t_tq,
+                "max_abs_vs_reference": max_abs,
+                "gpu": torch.cuda.get_device_name(0),
+            }
+        )
         if progress:
             progress(i + 1, len(contexts), f"ctx {ctx}")
     return rows

@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 from ..config import TurboQuantConfig
-from .capacity import GB, bytes_per_token, layer_formats, memory_curve
 from ..models.specs import ModelSpec
+from .capacity import GB, bytes_per_token, layer_formats, memory_curve
 
 
 def _pyplot():
@@ -19,8 +19,9 @@ def _pyplot():
     return plt
 
 
-def plot_capacity(model: ModelSpec, configs: list[TurboQuantConfig], kv_budget_bytes: int, path: str | Path,
-                  title: str = "") -> Path:
+def plot_capacity(
+    model: ModelSpec, configs: list[TurboQuantConfig], kv_budget_bytes: int, path: str | Path, title: str = ""
+) -> Path:
     """Memory (GB) vs tokens held, one line per config, with the KV budget as a horizontal line."""
     plt = _pyplot()
     per_config = [(c, layer_formats(c, model)) for c in configs]
@@ -33,7 +34,9 @@ def plot_capacity(model: ModelSpec, configs: list[TurboQuantConfig], kv_budget_b
         ys = [b / GB for b in memory_curve(formats, model, xs)]
         bpt = bytes_per_token(formats, model)
         fit = max(kv_budget_bytes, 0) / bpt
-        line, = ax.plot([x / 1e6 for x in xs], ys, label=f"{config.name}: {bpt:,} B/token, {fit / 1e6:.2f} M tokens fit")
+        (line,) = ax.plot(
+            [x / 1e6 for x in xs], ys, label=f"{config.name}: {bpt:,} B/token, {fit / 1e6:.2f} M tokens fit"
+        )
         if fit > 0:
             ax.plot([fit / 1e6], [kv_budget_bytes / GB], "o", color=line.get_color())
     if kv_budget_bytes > 0:
@@ -47,8 +50,9 @@ def plot_capacity(model: ModelSpec, configs: list[TurboQuantConfig], kv_budget_b
     return _save(fig, plt, path)
 
 
-def _plot_vs_bits(bits: list[int], series: list[tuple[list[float], str, str]], ylabel: str, title: str,
-                  path: str | Path) -> Path:
+def _plot_vs_bits(
+    bits: list[int], series: list[tuple[list[float], str, str]], ylabel: str, title: str, path: str | Path
+) -> Path:
     """One log-scale figure of several (values, style, label) series against bits per coordinate."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -66,23 +70,35 @@ def _plot_vs_bits(bits: list[int], series: list[tuple[list[float], str, str]], y
 def plot_theorem1(rows: list[dict], path: str | Path) -> Path:
     """Theorem 1: measured TurboQuant_mse distortion vs bits, with the paper's values and bounds (log scale)."""
     bits = [r["bits"] for r in rows]
-    return _plot_vs_bits(bits, [
-        ([r["measured"] for r in rows], "o-", "measured"),
-        ([r["paper"] for r in rows], "x", "paper"),
-        ([r["lower_bound"] for r in rows], "--", "lower bound 4^-b"),
-        ([r["upper_bound"] for r in rows], "--", "upper bound sqrt(3) pi/2 4^-b"),
-    ], "E ||x - x~||^2 (unit x)", "Theorem 1: TurboQuant_mse distortion", path)
+    return _plot_vs_bits(
+        bits,
+        [
+            ([r["measured"] for r in rows], "o-", "measured"),
+            ([r["paper"] for r in rows], "x", "paper"),
+            ([r["lower_bound"] for r in rows], "--", "lower bound 4^-b"),
+            ([r["upper_bound"] for r in rows], "--", "upper bound sqrt(3) pi/2 4^-b"),
+        ],
+        "E ||x - x~||^2 (unit x)",
+        "Theorem 1: TurboQuant_mse distortion",
+        path,
+    )
 
 
 def plot_theorem2(rows: list[dict], path: str | Path) -> Path:
     """Theorem 2: d x inner-product distortion of TurboQuant_prod vs bits, with bounds (log scale)."""
     bits = [r["bits"] for r in rows]
-    return _plot_vs_bits(bits, [
-        ([r["distortion_times_d"] for r in rows], "o-", "measured d x D_prod"),
-        ([r["paper_times_d"] for r in rows], "x", "paper"),
-        ([4.0 ** -b for b in bits], "--", "lower bound 4^-b"),
-        ([math.sqrt(3) * math.pi ** 2 * 4.0 ** -b for b in bits], "--", "upper bound"),
-    ], "d x E |<y,x> - <y,x~>|^2", "Theorem 2: TurboQuant_prod inner products", path)
+    return _plot_vs_bits(
+        bits,
+        [
+            ([r["distortion_times_d"] for r in rows], "o-", "measured d x D_prod"),
+            ([r["paper_times_d"] for r in rows], "x", "paper"),
+            ([4.0**-b for b in bits], "--", "lower bound 4^-b"),
+            ([math.sqrt(3) * math.pi**2 * 4.0**-b for b in bits], "--", "upper bound"),
+        ],
+        "d x E |<y,x> - <y,x~>|^2",
+        "Theorem 2: TurboQuant_prod inner products",
+        path,
+    )
 
 
 def _save(fig, plt, path: str | Path) -> Path:

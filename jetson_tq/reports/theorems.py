@@ -35,15 +35,23 @@ def theorem1_mse(dim: int = 128, n: int = 8192, bits=(1, 2, 3, 4), seed: int = 0
         q = TurboQuantMSE(dim, b, seed=seed + b)
         mse = float(((x - q.dequantize(q.quantize(x))) ** 2).sum(-1).mean())
         paper = PAPER_MSE.get(b)
-        rows.append({
-            "bits": b, "measured": mse, "paper": paper, "codebook_expected": lloyd_max_mse(dim, b),
-            "lower_bound": 4.0 ** -b, "upper_bound": math.sqrt(3) * math.pi / 2 * 4.0 ** -b,
-            "rel_to_paper": None if paper is None else mse / paper - 1,
-        })
+        rows.append(
+            {
+                "bits": b,
+                "measured": mse,
+                "paper": paper,
+                "codebook_expected": lloyd_max_mse(dim, b),
+                "lower_bound": 4.0**-b,
+                "upper_bound": math.sqrt(3) * math.pi / 2 * 4.0**-b,
+                "rel_to_paper": None if paper is None else mse / paper - 1,
+            }
+        )
     return rows
 
 
-def theorem2_inner_product(dim: int = 128, n: int = 2048, bits=(1, 2, 3, 4), seeds: int = 8, seed: int = 0) -> list[dict]:
+def theorem2_inner_product(
+    dim: int = 128, n: int = 2048, bits=(1, 2, 3, 4), seeds: int = 8, seed: int = 0
+) -> list[dict]:
     """Bias and distortion of TurboQuant_prod inner products <y, x~> vs <y, x>, over ``seeds`` independent (Pi, S)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -57,14 +65,21 @@ def theorem2_inner_product(dim: int = 128, n: int = 2048, bits=(1, 2, 3, 4), see
             trues.append(true)
         err, true = torch.cat(errs).double(), torch.cat(trues).double()
         bias, stderr = float(err.mean()), float(err.std() / math.sqrt(err.numel()))
-        distortion_d = float((err ** 2).mean()) * dim
+        distortion_d = float((err**2).mean()) * dim
         predicted = math.pi / 2 * (lloyd_max_mse(dim, b - 1) if b > 1 else 1.0)
-        rows.append({
-            "bits": b, "bias": bias, "bias_stderr": stderr, "bias_z": bias / stderr,
-            "mean_abs_error": float(err.abs().mean()), "relative_error": float(err.abs().mean() / true.abs().mean()),
-            "distortion_times_d": distortion_d, "paper_times_d": PAPER_PROD_TIMES_D.get(b),
-            "predicted_times_d": predicted,
-        })
+        rows.append(
+            {
+                "bits": b,
+                "bias": bias,
+                "bias_stderr": stderr,
+                "bias_z": bias / stderr,
+                "mean_abs_error": float(err.abs().mean()),
+                "relative_error": float(err.abs().mean() / true.abs().mean()),
+                "distortion_times_d": distortion_d,
+                "paper_times_d": PAPER_PROD_TIMES_D.get(b),
+                "predicted_times_d": predicted,
+            }
+        )
     return rows
 
 
@@ -72,11 +87,27 @@ def theorem3_bounds(mse_rows: list[dict], prod_rows: list[dict]) -> list[dict]:
     """Lower bound <= measured <= upper bound, for both quantizers, from the rows of Theorems 1 and 2."""
     out = []
     for r in mse_rows:
-        out.append({"quantizer": "mse", "bits": r["bits"], "lower": 4.0 ** -r["bits"], "measured": r["measured"],
-                    "upper": r["upper_bound"], "ok": 4.0 ** -r["bits"] <= r["measured"] <= r["upper_bound"]})
+        out.append(
+            {
+                "quantizer": "mse",
+                "bits": r["bits"],
+                "lower": 4.0 ** -r["bits"],
+                "measured": r["measured"],
+                "upper": r["upper_bound"],
+                "ok": 4.0 ** -r["bits"] <= r["measured"] <= r["upper_bound"],
+            }
+        )
     for r in prod_rows:
-        lower, upper = 4.0 ** -r["bits"], math.sqrt(3) * math.pi ** 2 * 4.0 ** -r["bits"]
+        lower, upper = 4.0 ** -r["bits"], math.sqrt(3) * math.pi**2 * 4.0 ** -r["bits"]
         m = r["distortion_times_d"]
-        out.append({"quantizer": "prod (x d)", "bits": r["bits"], "lower": lower, "measured": m, "upper": upper,
-                    "ok": lower <= m <= upper})
+        out.append(
+            {
+                "quantizer": "prod (x d)",
+                "bits": r["bits"],
+                "lower": lower,
+                "measured": m,
+                "upper": upper,
+                "ok": lower <= m <= upper,
+            }
+        )
     return out

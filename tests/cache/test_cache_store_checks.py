@@ -34,8 +34,10 @@ def _kernel_path(monkeypatch):
 
 def _kv(t: int, seed: int, dtype=torch.float16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, H, t, D, generator=g).to(dtype).to(DEVICE),
-            torch.randn(B, H, t, D, generator=g).to(dtype).to(DEVICE))
+    return (
+        torch.randn(B, H, t, D, generator=g).to(dtype).to(DEVICE),
+        torch.randn(B, H, t, D, generator=g).to(dtype).to(DEVICE),
+    )
 
 
 def _settle() -> None:
@@ -44,6 +46,7 @@ def _settle() -> None:
         torch.cuda.synchronize()
 
 
+@pytest.mark.slow  # > 10 s on 2 cores
 def test_a_refused_append_stores_nothing_and_raises_at_the_next_call():
     cache = CompressedKVCache(FMT, H, D, B, device=DEVICE)
     assert cache._device_checks()
@@ -85,8 +88,9 @@ def test_stage_raises_before_prefill_reads_the_chunk():
     cache.append(*_kv(5, 0))
     k, v = _kv(4, 5)
     v[0, 0, 3, 7] = -math.inf
-    with pytest.raises(ValueRangeError, match="v: expected finite values, got -inf at sequence 0, KV head 0, "
-                                              "position 8, coordinate 7"):
+    with pytest.raises(
+        ValueRangeError, match="v: expected finite values, got -inf at sequence 0, KV head 0, position 8, coordinate 7"
+    ):
         cache.stage(k, v)
     assert cache.lengths.tolist() == [5, 5]
     out = attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), *_kv(4, 6), cache)  # the cache is usable

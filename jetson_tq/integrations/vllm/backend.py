@@ -15,8 +15,9 @@ The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
 import torch
@@ -31,21 +32,35 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from ...paged import PagedKV
+from ... import ops
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
 from ...errors import ShapeError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count
-from ... import ops
+from ...paged import PagedKV
 from . import hooks
 from .settings import active_config, preferred_block_size
-from .spec import UnsupportedModelError, check_architecture, layer_format, layer_index, layout_for, make_spec
+
+if TYPE_CHECKING:
+    from vllm.config.cache import CacheDType
+
+from .spec import (
+    LayerFacts,
+    UnsupportedModelError,
+    layer_format,
+    layer_index,
+    layout_for,
+    layout_of_spec,
+    make_spec,
+    stock_reason,
+)
 
 BACKEND_PATH = "jetson_tq.integrations.vllm.backend.TurboQuantAttentionBackend"
 
 
 def registered_name() -> str:
-    """The AttentionBackendEnum member the plugin overrides on this platform (CPU_ATTN on CPU, CUSTOM else)."""
+    """The AttentionBackendEnum name this backend reports (CPU_ATTN on CPU, CUSTOM else): vLLM looks the layer's
+    backend up by name; on CUDA the plugin registers CUSTOM as this class."""
     from vllm.platforms import current_platform
 
     return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
@@ -57,7 +72,7 @@ class TurboQuantAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     accept_output_buffer: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[CacheDType]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
@@ -73,16 +88,17 @@ class TurboQuantAttentionBackend(AttentionBackend):
         return preferred_block_size(default_block_size)
 
     @staticmethod
-    def get_impl_cls() -> type["TurboQuantAttentionImpl"]:
+    def get_impl_cls() -> type[TurboQuantAttentionImpl]:
         return TurboQuantAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type["TurboQuantMetadataBuilder"]:
+    def get_builder_cls() -> type[TurboQuantMetadataBuilder]:
         return TurboQuantMetadataBuilder
 
     @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
         # The last dim (page bytes) differs per layer format; vLLM sized the raw tensor from the
         # layer's spec, so it is inferred here and checked against PagedLayout in forward.
         return (num_blocks, num_kv_heads, -1)
@@ -128,7 +144,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
-        device = torch.device(vllm_config.device_config.device)
+        device = torch.device(cast("torch.device | str", vllm_config.device_config.device))  # resolved by vLLM
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
@@ -145,17 +161,19 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         if self.recent_tokens > 0 and hooks.current_runner() is None:
             raise UnsupportedPlatformError(
                 "jetson-tq's recent buffers need vLLM's GPUModelRunner (or CPUModelRunner); another model "
-                "runner is in use (VLLM_USE_V2_MODEL_RUNNER?). Set buffer.recent_tokens: 0 or use the default runner.")
+                "runner is in use (VLLM_USE_V2_MODEL_RUNNER?). Set buffer.recent_tokens: 0 or use the default runner."
+            )
 
-    def _request_ids(self, num_reqs: int) -> tuple[list[str | None], object]:
+    def _request_ids(self, num_reqs: int) -> tuple[list[str | None], Container[str]]:
         runner = hooks.current_runner()
         if runner is None:
             return [None] * num_reqs, ()
         ids = list(runner.input_batch.req_ids)[: min(num_reqs, runner.input_batch.num_reqs)]
         return ids + [None] * (num_reqs - len(ids)), runner.requests
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TurboQuantMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> TurboQuantMetadata:
         cm = common_attn_metadata
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].to(torch.int64).numpy()
@@ -181,12 +199,33 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         for buf, values in ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec)):
             buf[:nd].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
         return TurboQuantMetadata(
-            num_actual_tokens=cm.num_actual_tokens, num_reqs=n, num_decodes=nd, recent_tokens=R,
+            num_actual_tokens=cm.num_actual_tokens,
+            num_reqs=n,
+            num_decodes=nd,
+            recent_tokens=R,
             block_window=self.block_window,
-            query_start_loc=qsl, seq_lens=seq, context_lens=ctx, ring_rows=rows,
-            block_table=cm.block_table_tensor[:n], slot_mapping=cm.slot_mapping,
-            dec_ring_rows=self._rows[:nd], dec_ring_cols=self._cols[:nd],
-            dec_compressed_lens=self._comp[:nd], dec_recent_lens=self._rec[:nd])
+            query_start_loc=qsl,
+            seq_lens=seq,
+            context_lens=ctx,
+            ring_rows=rows,
+            block_table=cm.block_table_tensor[:n],
+            slot_mapping=cm.slot_mapping,
+            dec_ring_rows=self._rows[:nd],
+            dec_ring_cols=self._cols[:nd],
+            dec_compressed_lens=self._comp[:nd],
+            dec_recent_lens=self._rec[:nd],
+        )
+
+
+def _max_model_len() -> int | None:
+    """max_model_len of the engine being built (None outside one: then any sliding window is refused)."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        model_config = get_current_vllm_config().model_config
+    except AssertionError:  # vLLM 0.27 asserts when no config is set (a layer built outside an engine)
+        return None
+    return None if model_config is None else int(model_config.max_model_len)
 
 
 class TurboQuantAttentionImpl(AttentionImpl):
@@ -194,25 +233,39 @@ class TurboQuantAttentionImpl(AttentionImpl):
 
     is_jetson_tq = True  # the marker hooks.is_ours checks
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
-                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
-                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
-                 **extra) -> None:
-        refused = {
-            "attn_type": attn_type if attn_type != AttentionType.DECODER else None,
-            "alibi_slopes": "set" if alibi_slopes is not None else None,
-            "sliding_window": sliding_window,
-            "logits_soft_cap": logits_soft_cap if logits_soft_cap else None,
-            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
-            "kv_cache_dtype": kv_cache_dtype if kv_cache_dtype != "auto" else None,
-            **{k: "set" for k, v in extra.items() if v is not None and v is not False},
-        }
-        refused = {k: v for k, v in refused.items() if v is not None}
-        if refused:
-            raise UnsupportedModelError(
-                f"jetson-tq's vLLM backend supports causal decoder attention with kv_cache_dtype 'auto' and no "
-                f"sliding window / ALiBi / soft cap / sinks / KV sharing; this layer has {refused}")
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **extra,
+    ) -> None:
+        facts = LayerFacts(
+            name="",
+            head_size=head_size,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads or num_heads,
+            attn_type=str(getattr(attn_type, "value", attn_type)),
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap or None,
+            alibi=alibi_slopes is not None,
+            sinks=extra.get("sinks") is not None,
+            kv_sharing_target=kv_sharing_target_layer_name,
+            kv_cache_dtype=kv_cache_dtype,
+            extra=tuple(sorted(k for k, v in extra.items() if k != "sinks" and v not in (None, False))),
+        )
+        why = stock_reason(facts, _max_model_len() if sliding_window is not None else None)
+        if why is None and kv_cache_dtype != "auto":
+            why = f"kv_cache_dtype {kv_cache_dtype!r} (the TurboQuant pages are the KV cache format)"
+        if why:  # the Attention.__init__ wrap gives such layers stock attention; this backend was forced on one
+            raise UnsupportedModelError(f"jetson-tq's vLLM backend cannot serve this layer: {why}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
@@ -222,6 +275,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = None
         self.layer_name: str | None = None
         self.fmt: KVFormat | None = None
+        self.index: int | None = None
         self.layout: PagedLayout | None = None
         self.codec: KVCodec | None = None
         self.recent_k: torch.Tensor | None = None
@@ -229,34 +283,51 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self._checked_pages = False
 
     # ---------------------------------------------------------------- startup
-    def configure(self, layer_name: str, vllm_config: VllmConfig, block_size: int) -> None:
-        """Pick this layer's format from the active config (idempotent; named errors for misfits)."""
-        if self.layer_name == layer_name and self.layout is not None and self.layout.block_size == block_size:
-            return
+    def pick_format(self, layer_name: str, vllm_config: VllmConfig) -> tuple[KVFormat, int]:
+        """(format, layer index) of this layer under the active config (named errors for misfits)."""
         model_config = vllm_config.model_config
-        check_architecture(getattr(model_config, "architectures", None))
         if vllm_config.speculative_config is not None:
             raise UnsupportedPlatformError("jetson-tq's vLLM backend does not support speculative decoding yet")
         num_layers = int(model_config.hf_text_config.num_hidden_layers)
         index = layer_index(layer_name)
-        self.set_format(layer_format(active_config(), index, num_layers, self.head_size), index, block_size,
-                        model_config.dtype)
+        return layer_format(active_config(), index, num_layers, self.head_size), index
+
+    def configure(self, layer_name: str, vllm_config: VllmConfig) -> None:
+        """Give this layer its format and page (block size, padding: ``hooks.model_plan``); idempotent."""
+        if self.layer_name == layer_name and self.layout is not None:
+            return
+        fmt, index = self.pick_format(layer_name, vllm_config)
+        block_size, page_stride = hooks.model_plan(vllm_config)[layer_name]
+        dtype = cast(torch.dtype, vllm_config.model_config.dtype)  # a torch.dtype once vLLM resolved the config
+        self.set_format(fmt, index, block_size, dtype, page_stride)
         self.layer_name = layer_name
 
-    def set_format(self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype) -> None:
+    def set_format(
+        self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype, page_stride: int = 0
+    ) -> None:
         """Use ``fmt`` for this layer (codec seeded per layer index; raw fields in the model's 16-bit dtype)."""
-        self.layout = layout_for(fmt, self.head_size, block_size)
+        self.layout = layout_for(fmt, self.head_size, block_size, page_stride)
         raw = model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.codec = KVCodec(fmt, self.head_size, seed=derive_seed(fmt.seed, index), raw_dtype=raw)
         self.fmt = fmt
+        self.index = index
         self._checked_pages = False
 
-    def kv_cache_spec(self, block_size: int):
+    def adopt(self, spec) -> None:
+        """Take the page vLLM finally grouped this layer with (it may scale the block size of a spec)."""
+        layout = layout_of_spec(spec, self.head_size)
+        if layout != self.layout:
+            assert self.fmt is not None and self.index is not None and self.codec is not None  # configured first
+            self.set_format(self.fmt, self.index, layout.block_size, self.codec.raw_dtype, layout.page_stride)
+
+    def kv_cache_spec(self):
         """The spec vLLM sizes this layer's cache from."""
-        return make_spec(block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
+        assert self.layout is not None and self.fmt is not None  # configure() ran
+        return make_spec(self.layout.block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
 
     def recent_pool_shape(self, rows: int) -> tuple[int, int, int, int]:
         """[rows + 1 scratch, H, R, D]."""
+        assert self.fmt is not None  # configure() ran
         return (rows + 1, self.num_kv_heads, self.fmt.buffer_tokens, self.head_size)
 
     def allocate_recent(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -276,6 +347,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
         decode rows (mixed batches run decode rows outside graphs)."""
         if self.layout is None or self.recent_k is None or kv_cache.numel() == 0:
             return
+        fmt = self.fmt
+        assert fmt is not None  # set with the layout
         dev, dtype, bs = kv_cache.device, self.recent_k.dtype, self.layout.block_size
         scratch = self.recent_k.shape[0] - 1
         empty32, empty64 = (torch.zeros(0, dtype=t, device=dev) for t in (torch.int32, torch.int64))
@@ -284,14 +357,24 @@ class TurboQuantAttentionImpl(AttentionImpl):
             q_lens, ctx_lens = np.asarray(q_lens), np.asarray(ctx_lens)
             n = int(q_lens.sum())
             return TurboQuantMetadata(
-                num_actual_tokens=n, num_reqs=len(q_lens), num_decodes=n_dec, recent_tokens=self.fmt.buffer_tokens,
-                query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]), seq_lens=ctx_lens + q_lens,
-                context_lens=ctx_lens, ring_rows=np.full(len(q_lens), scratch),
-                block_table=torch.zeros(len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32,
-                                        device=dev),
+                num_actual_tokens=n,
+                num_reqs=len(q_lens),
+                num_decodes=n_dec,
+                recent_tokens=fmt.buffer_tokens,
+                query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]),
+                seq_lens=ctx_lens + q_lens,
+                context_lens=ctx_lens,
+                ring_rows=np.full(len(q_lens), scratch),
+                block_table=torch.zeros(
+                    len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32, device=dev
+                ),
                 slot_mapping=torch.arange(n, dtype=torch.int64, device=dev) % bs,
-                dec_ring_rows=empty64, dec_ring_cols=empty64, dec_compressed_lens=empty32, dec_recent_lens=empty32,
-                block_window=self.fmt.block_window)
+                dec_ring_rows=empty64,
+                dec_ring_cols=empty64,
+                dec_compressed_lens=empty32,
+                dec_recent_lens=empty32,
+                block_window=fmt.block_window,
+            )
 
         def step(md: TurboQuantMetadata) -> None:
             n = md.num_actual_tokens
@@ -300,7 +383,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             self.do_kv_cache_update(None, kv, kv, kv_cache, md.slot_mapping)
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
 
-        hist = -(-(bs + self.fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
+        hist = -(-(bs + fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
         for n in sorted({min(n, bs) for n in lengths}):
             step(meta([n], [0], 0))  # a first chunk
             step(meta([n], [hist], 0))  # a later chunk (its pages: block 0 again)
@@ -308,29 +391,55 @@ class TurboQuantAttentionImpl(AttentionImpl):
             step(meta([1] * rows, [hist + 1] * rows, rows))
 
     # ---------------------------------------------------------------- write path
-    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module | None,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
         n = min(key.shape[0], slot_mapping.shape[0])
+        assert self.layout is not None and self.codec is not None  # configure() ran
         ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec)
 
     # ---------------------------------------------------------------- read path
     def _paged(self, pages, block_table, comp, rec, rows) -> PagedKV:
+        assert self.recent_k is not None and self.recent_v is not None  # _check ran (pool allocated)
+        assert self.layout is not None and self.codec is not None
         return PagedKV(pages, block_table, comp, self.recent_k, self.recent_v, rec, rows, self.layout, self.codec)
 
     def _check(self, kv_cache: torch.Tensor, md: TurboQuantMetadata) -> None:
+        assert self.layout is not None and self.fmt is not None  # configure() ran
         if kv_cache.dim() != 3 or kv_cache.shape[1:] != (self.num_kv_heads, self.layout.page_bytes):
-            raise ShapeError(f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
-                             f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}")
-        if md.recent_tokens != self.fmt.buffer_tokens or md.block_window != (self.fmt.block_window and md.recent_tokens > 0) \
-                or self.recent_k is None:
-            raise ShapeError(f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens ({self.fmt.window} "
-                             f"window) expected, metadata has {md.recent_tokens} (block window {md.block_window}), "
-                             f"pool {'missing' if self.recent_k is None else 'ok'}")
+            raise ShapeError(
+                f"{self.layer_name}: KV cache expected [blocks, {self.num_kv_heads}, "
+                f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}"
+            )
+        if (
+            md.recent_tokens != self.fmt.buffer_tokens
+            or md.block_window != (self.fmt.block_window and md.recent_tokens > 0)
+            or self.recent_k is None
+        ):
+            raise ShapeError(
+                f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens ({self.fmt.window} "
+                f"window) expected, metadata has {md.recent_tokens} (block window {md.block_window}), "
+                f"pool {'missing' if self.recent_k is None else 'ok'}"
+            )
         self._checked_pages = True
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: TurboQuantMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TurboQuantMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise UnsupportedPlatformError("jetson-tq's vLLM backend does not fuse output quantization")
         if attn_metadata is None:  # profiling / warm-up run without a KV cache
@@ -348,6 +457,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         """A decode-only batch with device tensors only (capturable): token i belongs to row i."""
         nd = md.num_decodes
         if md.recent_tokens > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
             self.recent_k[md.dec_ring_rows, :, md.dec_ring_cols] = key[:nd].to(self.recent_k.dtype)
             self.recent_v[md.dec_ring_rows, :, md.dec_ring_cols] = value[:nd].to(self.recent_v.dtype)
         kv = self._paged(kv_cache, md.block_table[:nd], md.dec_compressed_lens, md.dec_recent_lens, md.dec_ring_rows)
@@ -364,27 +474,38 @@ class TurboQuantAttentionImpl(AttentionImpl):
             rec = exact_count(L, R, md.block_window)
             ring_rows = torch.from_numpy(rows[dec]).to(dev)
             if R > 0:
+                assert self.recent_k is not None and self.recent_v is not None  # _check ran
                 cols = torch.from_numpy((L - 1) % R).to(dev)
                 self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
                 self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
             idx = torch.from_numpy(dec).to(dev)
-            kv = self._paged(kv_cache, md.block_table[idx], torch.from_numpy(L - rec).to(dev, torch.int32),
-                             torch.from_numpy(rec).to(dev, torch.int32), ring_rows)
+            kv = self._paged(
+                kv_cache,
+                md.block_table[idx],
+                torch.from_numpy(L - rec).to(dev, torch.int32),
+                torch.from_numpy(rec).to(dev, torch.int32),
+                ring_rows,
+            )
             output[tok] = ops.decode(query[tok], kv, self.scale).to(output.dtype)
         for i in range(md.num_decodes, md.num_reqs):
             qs, qe, s = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
             if qe <= qs:
                 continue
             r, row = (s % R if md.block_window else min(s, R)), int(rows[i])  # history tokens read from the ring
-            kv = self._paged(kv_cache, md.block_table[i : i + 1], torch.tensor([s - r], dtype=torch.int32, device=dev),
-                             torch.tensor([r], dtype=torch.int32, device=dev),
-                             torch.tensor([row], dtype=torch.int64, device=dev))
+            kv = self._paged(
+                kv_cache,
+                md.block_table[i : i + 1],
+                torch.tensor([s - r], dtype=torch.int32, device=dev),
+                torch.tensor([r], dtype=torch.int32, device=dev),
+                torch.tensor([row], dtype=torch.int64, device=dev),
+            )
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
             v = value[qs:qe].transpose(0, 1).unsqueeze(0)
             out = ops.prefill(q, k, v, kv, self.scale, max_tokens=s + qe - qs)  # this request's tokens so far
             output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
             if R > 0:
+                assert self.recent_k is not None and self.recent_v is not None  # _check ran
                 j0 = max(0, (qe - qs) - R)
                 cols = torch.arange(s + j0, s + qe - qs, device=dev) % R
                 row_idx = torch.full_like(cols, row)  # two index tensors around ':' -> [n, H, D], as key rows are

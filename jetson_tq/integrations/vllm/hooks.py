@@ -1,18 +1,24 @@
 """The few wraps of vLLM methods the plugin installs when the switch is on (no fork, no copied code).
 
-- ``Attention.get_kv_cache_spec``: layers on our backend report ``TurboQuantPagedSpec`` (packed page size).
+- ``Attention.__init__``: decides per layer, from the layer's features (``spec.LayerFacts``), whether it runs on
+  our backend (passed as the layer's ``attn_backend``) or on the attention vLLM would choose anyway; refuses,
+  by layer name, only what neither can serve (``spec.refusal``).
+- ``Attention.get_kv_cache_spec``: layers on our backend report ``TurboQuantPagedSpec`` (packed page size); the
+  first call logs which layers are compressed and why the others are not.
 - worker ``determine_available_memory``: the recent-buffer pools are taken out of the KV budget.
 - ``GPUModelRunner.initialize_kv_cache`` (the CPU runner inherits it): remembers the runner (request ids
-  for recent-buffer rows) and allocates the pools once vLLM's own KV cache exists.
+  for recent-buffer rows), takes each compressed layer's final page from vLLM's KV cache config, allocates
+  the pools once vLLM's own KV cache exists and logs the resulting capacity.
 - ``EngineArgs.create_engine_config``: leaves prefix caching as vLLM set it (on by default) when every ring
   is a block window (``window: block``) whose block divides vLLM's block size, turns it off (logged) otherwise
-  (sliding windows need the exact copies of tokens a hit skips), and on CUDA selects the CUSTOM backend
-  (which the plugin registered).
-Each wrap is installed once per process and calls the original first.
+  (sliding windows need the exact copies of tokens a hit skips).
+Each wrap is installed once per process and calls the original first (``Attention.__init__``: with the
+backend chosen).
 """
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -20,6 +26,16 @@ import torch
 from ...errors import ConfigError
 from .recent import RecentSlots, pool_bytes
 from .settings import active_config, enabled, logger, preferred_block_size, sliding_windows, window_block
+from .spec import (
+    LayerFacts,
+    UnsupportedModelError,
+    describe_layers,
+    hybrid_page,
+    refusal,
+    stock_page_at,
+    stock_reason,
+    window_unit,
+)
 
 _RUNNER: weakref.ReferenceType | None = None
 _SLOTS: RecentSlots | None = None
@@ -58,8 +74,229 @@ def configure_all(vllm_config) -> dict:
     """Give every jetson-tq layer its format (idempotent); returns our layers."""
     layers = our_layers(vllm_config)
     for name, layer in layers.items():
-        layer.impl.configure(name, vllm_config, vllm_config.cache_config.block_size)
+        layer.impl.configure(name, vllm_config)
     return layers
+
+
+# ------------------------------------------------------------------------------------- per-layer decision
+STOCK_ATTR = "_jetson_tq_stock"  # on each Attention layer: None = compressed, else why it runs stock
+
+
+def _non_causal(vllm_config) -> bool:
+    """True when vLLM runs the model's attention non-causally (prefix-LM multimodal models, use_non_causal)."""
+    model_config = vllm_config.model_config
+    try:
+        mm_prefix = bool(model_config is not None and model_config.is_mm_prefix_lm)
+    except (AttributeError, TypeError):
+        mm_prefix = False
+    return mm_prefix or bool(getattr(vllm_config.attention_config, "use_non_causal", False))
+
+
+def layer_facts(args: dict, vllm_config) -> LayerFacts:
+    """The facts of one ``Attention.__init__`` call (its bound arguments, defaults applied)."""
+    cache_config, quant_config = args.get("cache_config"), args.get("quant_config")
+    window = args.get("per_layer_sliding_window")
+    if window is None and cache_config is not None:
+        window = cache_config.sliding_window  # a model-wide window (vLLM sets it only when every layer slides)
+    kv_dtype = cache_config.cache_dtype if cache_config is not None else "auto"
+    if getattr(quant_config, "kv_cache_scheme", None) is not None and kv_dtype == "auto":
+        kv_dtype = "fp8 (the checkpoint's kv_cache_scheme)"
+    extra = dict(args.get("extra_impl_args") or {})
+    sinks = extra.pop("sinks", None) is not None
+    own = args.get("attn_backend")
+    attn_type = args.get("attn_type")
+    return LayerFacts(
+        name=args.get("prefix", ""),
+        head_size=int(args["head_size"]),
+        num_heads=int(args["num_heads"]),
+        num_kv_heads=int(args.get("num_kv_heads") or args["num_heads"]),
+        head_size_v=args.get("head_size_v"),
+        attn_type=str(getattr(attn_type, "value", attn_type) or "decoder"),
+        sliding_window=window,
+        logits_soft_cap=args.get("logits_soft_cap") or None,
+        alibi=args.get("alibi_slopes") is not None or bool(args.get("use_alibi_sqrt")),
+        sinks=sinks,
+        kv_sharing_target=args.get("kv_sharing_target_layer_name"),
+        kv_cache_dtype=str(kv_dtype),
+        non_causal=_non_causal(vllm_config),
+        extra=tuple(sorted(k for k, v in extra.items() if v not in (None, False))),
+        own_backend=own.get_name() if own is not None else None,
+    )
+
+
+def _init_wrap(original):
+    signature = inspect.signature(original)
+
+    def __init__(self, *args, **kwargs):
+        if not enabled():  # installed by an earlier engine of this process whose switch was on
+            return original(self, *args, **kwargs)
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        facts = layer_facts(bound.arguments, vllm_config)
+        ctx = vllm_config.compilation_config.static_forward_context
+        compressed = {n for n, layer in ctx.items() if getattr(layer, STOCK_ATTR, "") is None}
+        why_not = refusal(facts, compressed)
+        if why_not:
+            raise UnsupportedModelError(f"layer {facts.name}: {why_not}")
+        model_config = vllm_config.model_config
+        why = stock_reason(facts, model_config.max_model_len if model_config is not None else None)
+        if why is None:
+            bound.arguments["attn_backend"] = _BACKEND[0]
+        original(*bound.args, **bound.kwargs)
+        setattr(self, STOCK_ATTR, why)
+
+    return __init__
+
+
+def layer_decisions(vllm_config) -> dict[str, str | None]:
+    """Attention layer name -> None (compressed) or why it runs on stock attention, in model order."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    out = {}
+    for name, layer in ctx.items():
+        if hasattr(layer, STOCK_ATTR):
+            out[name] = getattr(layer, STOCK_ATTR)
+        elif hasattr(layer, "get_kv_cache_spec"):  # MLA, Mamba, ...: not an Attention layer
+            out[name] = f"{type(layer).__name__} (not a standard attention layer)"
+    return out
+
+
+PLAN_ATTR = "_jetson_tq_plan"  # on each compressed layer: (block size, page bytes per KV head or 0)
+ANNOUNCED_ATTR = "_jetson_tq_announced"  # on each attention layer once its model's decisions were logged
+#: the decisions of the last model this process built (layer name -> None or why stock), for tests and reports
+LAST_DECISIONS: dict[str, str | None] = {}
+#: vLLM's capacity of the last KV cache this process allocated (``capacity``), stock engines too
+LAST_CAPACITY: dict = {}
+
+
+def model_plan(vllm_config) -> dict[str, tuple[int, int]]:
+    """Compressed layer name -> (block size, page bytes per KV head or 0 for packed): vLLM's block size, unless
+    stock layers of another kind (sliding window, Mamba, ...) put the model in vLLM's hybrid KV-cache groups,
+    which share one page size: then ``spec.hybrid_page`` (a whole multiple of the largest stock page)."""
+    ours = our_layers(vllm_config)
+    if ours and all(hasattr(layer, PLAN_ATTR) for layer in ours.values()):  # planned (kept on this model's layers)
+        return {name: getattr(layer, PLAN_ATTR) for name, layer in ours.items()}
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    bs = vllm_config.cache_config.block_size
+    plan = {name: (bs, 0) for name in ours}
+    if ours and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
+        plan.update(_hybrid_plan(vllm_config, ctx, ours, bs, FullAttentionSpec))
+    for name, layer in ours.items():
+        setattr(layer, PLAN_ATTR, plan[name])
+    return plan
+
+
+def _hybrid_plan(vllm_config, ctx, ours: dict, bs: int, FullAttentionSpec) -> dict[str, tuple[int, int]]:
+    """The compressed layers' pages when stock layers of another kind share vLLM's hybrid groups (else {})."""
+    stock = [
+        layer.get_kv_cache_spec(vllm_config)
+        for name, layer in ctx.items()
+        if name not in ours
+        and hasattr(layer, "get_kv_cache_spec")
+        and not getattr(layer, "kv_sharing_target_layer_name", None)
+    ]
+    stock = [s for s in stock if s is not None]
+    if all(isinstance(s, FullAttentionSpec) for s in stock):
+        return {}  # one group of full-attention layers, each with its own page size
+    page = max(stock_page_at(s, bs) for s in stock)
+    unit = window_unit(bs, window_block(active_config()))
+    plan = {}
+    for name, layer in ours.items():
+        fmt, _ = layer.impl.pick_format(name, vllm_config)
+        plan[name] = hybrid_page(fmt, layer.impl.head_size, layer.impl.num_kv_heads, page, unit)
+    return plan
+
+
+def announce(vllm_config) -> None:
+    """Log once per model which layers are compressed and why the others run on stock attention."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    if not enabled() or any(getattr(layer, ANNOUNCED_ATTR, False) for layer in ctx.values()):
+        return
+    for layer in ctx.values():
+        try:
+            setattr(layer, ANNOUNCED_ATTR, True)
+        except AttributeError:  # not every registered object takes attributes; one marked layer suffices
+            pass
+    decisions = layer_decisions(vllm_config)
+    LAST_DECISIONS.clear()
+    LAST_DECISIONS.update(decisions)
+    log = logger()
+    ours = [n for n, why in decisions.items() if why is None]
+    if not ours:
+        log.warning(
+            "jetson-tq: no attention layer of this model can be compressed; vLLM runs it on stock attention (%s)",
+            describe_layers(decisions),
+        )
+        return
+    log.info("jetson-tq: %s", describe_layers(decisions))
+    plan = model_plan(vllm_config)
+    hybrid = {v for n, v in plan.items() if v[1]}
+    if hybrid:
+        log.info(
+            "jetson-tq: stock layers of another kind share vLLM's hybrid KV-cache page size: compressed layers "
+            "use blocks of %s tokens (page per KV head %s B)",
+            sorted({b for b, _ in hybrid}),
+            sorted({p for _, p in hybrid}),
+        )
+
+
+def capacity(vllm_config, kv_cache_config) -> dict:
+    """vLLM's own capacity of a KV cache config: requests of max_model_len that fit at once, and that times the
+    length (the "KV cache size: N tokens" vLLM logs), with the blocks and groups behind it."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    concurrency = get_max_concurrency_for_kv_cache_config(vllm_config, kv_cache_config)
+    mml = vllm_config.model_config.max_model_len
+    return {
+        "num_blocks": int(kv_cache_config.num_blocks),
+        "groups": len(kv_cache_config.kv_cache_groups),
+        "concurrency": round(float(concurrency), 3),
+        "kv_tokens": int(concurrency * mml),
+        "max_model_len": mml,
+    }
+
+
+def log_capacity(vllm_config, kv_cache_config) -> None:
+    """Keep (``LAST_CAPACITY``) and, when layers are compressed, log the capacity that results (once per config)."""
+    if getattr(kv_cache_config, "_jetson_tq_logged", False):
+        return
+    kv_cache_config._jetson_tq_logged = True  # the CPU runner's wrap calls the GPU runner's: once
+    cap = capacity(vllm_config, kv_cache_config)
+    LAST_CAPACITY.clear()
+    LAST_CAPACITY.update(cap)
+    decisions = layer_decisions(vllm_config)
+    n_ours = sum(why is None for why in decisions.values())
+    if not n_ours:
+        return
+    logger().info(
+        "jetson-tq: KV cache of %d blocks in %d group(s), %d of %d attention layers compressed: "
+        "%s tokens (%.2f requests of %d tokens at once)",
+        cap["num_blocks"],
+        cap["groups"],
+        n_ours,
+        len(decisions),
+        f"{cap['kv_tokens']:,}",
+        cap["concurrency"],
+        cap["max_model_len"],
+    )
+
+
+def adopt_final_specs(vllm_config, kv_cache_config) -> None:
+    """Give each compressed layer the page vLLM finally grouped it with (it may scale a block size)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    ours = our_layers(vllm_config)
+    for group in kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            if name in ours:
+                spec = group.kv_cache_spec
+                if isinstance(spec, UniformTypeKVCacheSpecs):
+                    spec = spec.kv_cache_specs[name]
+                ours[name].impl.adopt(spec)
 
 
 def recent_pool_bytes(vllm_config) -> int:
@@ -68,8 +305,9 @@ def recent_pool_bytes(vllm_config) -> int:
     total = 0
     for layer in configure_all(vllm_config).values():
         impl = layer.impl
-        total += pool_bytes(recent_rows(vllm_config) + 1, impl.num_kv_heads, impl.fmt.buffer_tokens,
-                            impl.head_size, elt)
+        total += pool_bytes(
+            recent_rows(vllm_config) + 1, impl.num_kv_heads, impl.fmt.buffer_tokens, impl.head_size, elt
+        )
     return total
 
 
@@ -95,11 +333,13 @@ def _wrap(cls, name: str, make):
 
 def _spec_wrap(original):
     def get_kv_cache_spec(self, vllm_config):
+        announce(vllm_config)
         spec = original(self, vllm_config)
         if spec is None or not is_ours(self.impl):
             return spec
-        self.impl.configure(self.layer_name, vllm_config, spec.block_size)
-        return self.impl.kv_cache_spec(spec.block_size)
+        self.impl.configure(self.layer_name, vllm_config)
+        return self.impl.kv_cache_spec()
+
     return get_kv_cache_spec
 
 
@@ -111,11 +351,17 @@ def _memory_wrap(original):
             if reserved >= available:
                 raise ConfigError(
                     f"jetson-tq recent buffers need {reserved / 2**20:.1f} MiB but the KV budget is "
-                    f"{available / 2**20:.1f} MiB; lower max_num_seqs or buffer.recent_tokens")
-            logger().info("jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
-                           "(%d rows + 1 scratch); %.1f MiB left for compressed pages",
-                           reserved / 2**20, recent_rows(self.vllm_config), (available - reserved) / 2**20)
+                    f"{available / 2**20:.1f} MiB; lower max_num_seqs or buffer.recent_tokens"
+                )
+            logger().info(
+                "jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
+                "(%d rows + 1 scratch); %.1f MiB left for compressed pages",
+                reserved / 2**20,
+                recent_rows(self.vllm_config),
+                (available - reserved) / 2**20,
+            )
         return available - reserved
+
     return determine_available_memory
 
 
@@ -124,10 +370,14 @@ def _runner_wrap(original):
         global _RUNNER
         _RUNNER = weakref.ref(self)
         out = original(self, kv_cache_config, *args, **kwargs)
+        configure_all(self.vllm_config)
+        adopt_final_specs(self.vllm_config, kv_cache_config)
+        log_capacity(self.vllm_config, kv_cache_config)
         warmed: set = set()
-        for layer in configure_all(self.vllm_config).values():
-            layer.impl.allocate_recent(recent_rows(self.vllm_config), torch.device(self.device),
-                                       self.model_config.dtype)
+        for layer in our_layers(self.vllm_config).values():
+            layer.impl.allocate_recent(
+                recent_rows(self.vllm_config), torch.device(self.device), self.model_config.dtype
+            )
             key = (layer.impl.fmt, layer.impl.num_heads, layer.impl.num_kv_heads, layer.impl.head_size)
             cache = bound_cache(layer)
             if torch.device(self.device).type == "cuda" and cache is not None and key not in warmed:
@@ -137,6 +387,7 @@ def _runner_wrap(original):
                     logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
                 warmed.add(key)
         return out
+
     return initialize_kv_cache
 
 
@@ -147,19 +398,15 @@ def _config_wrap(original):
             return config
         log = logger()
         from vllm.platforms import current_platform
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
         why = prefix_caching_blocker(active_config(), config.cache_config, current_platform.is_cpu())
         if config.cache_config.enable_prefix_caching and why:
             log.info("jetson-tq: prefix caching switched off: %s", why)
             config.cache_config.enable_prefix_caching = False
-
-        if not current_platform.is_cpu():
-            chosen = config.attention_config.backend
-            if chosen not in (None, AttentionBackendEnum.CUSTOM):
-                log.warning("jetson-tq: attention backend %s replaced by CUSTOM (JETSON_TQ_CONFIG is set)", chosen)
-            config.attention_config.backend = AttentionBackendEnum.CUSTOM
+        # the attention backend vLLM (or the user) chose stays: it serves the layers kept on stock attention;
+        # compressed layers get ours from the Attention.__init__ wrap
         return config
+
     return create_engine_config
 
 
@@ -167,8 +414,10 @@ def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
     """Why prefix caching must be off under ``cfg`` (None when hits are safe): a hit starts a request at a block
     boundary with nothing in its fp16 ring, which only a block window restarting at that boundary expects."""
     if sliding_windows(cfg):
-        return ("a sliding window (buffer.window: sliding) reads the last recent_tokens exactly, and a prefix-cache "
-                "hit would start attention without the cached tokens' exact copies (buffer.window: block allows hits)")
+        return (
+            "a sliding window (buffer.window: sliding) reads the last recent_tokens exactly, and a prefix-cache "
+            "hit would start attention without the cached tokens' exact copies (buffer.window: block allows hits)"
+        )
     from vllm.config.cache import CacheConfig
 
     w = window_block(cfg)
@@ -176,20 +425,29 @@ def prefix_caching_blocker(cfg, cache_config, is_cpu: bool) -> str | None:
     final = is_cpu or cache_config.user_specified_block_size
     size = cache_config.block_size if final else preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE, cfg)
     if size and size % w:
-        return (f"block windows restart every {w} tokens but vLLM's block size is {size} (a hit may start inside a "
-                f"window); set --block-size to a multiple of {w}")
+        return (
+            f"block windows restart every {w} tokens but vLLM's block size is {size} (a hit may start inside a "
+            f"window); set --block-size to a multiple of {w}"
+        )
     unit = getattr(cache_config, "prefix_match_unit", None)  # vLLM 0.27: hits at finer boundaries than a block
     if unit and unit % w:
         return f"block windows restart every {w} tokens but prefix_match_unit is {unit}; set it to a multiple of {w}"
     return None
 
 
-def install() -> None:
-    """Install every wrap (idempotent)."""
+#: the attention backend class compressed layers get (given by ``install``: this module does not import the backend,
+#: which imports it)
+_BACKEND: list[type] = []
+
+
+def install(backend: type) -> None:
+    """Install every wrap (idempotent); layers the backend reproduces get ``backend``."""
+    _BACKEND[:] = [backend]
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    _wrap(Attention, "__init__", _init_wrap)
     _wrap(Attention, "get_kv_cache_spec", _spec_wrap)
     _wrap(GPUModelRunner, "initialize_kv_cache", _runner_wrap)
     _wrap(EngineArgs, "create_engine_config", _config_wrap)

@@ -2,8 +2,9 @@
 
 Off (``JETSON_TQ_CONFIG`` unset): logs at debug level and changes nothing, whatever vLLM is installed.
 On: checks the vLLM version (UnsupportedPlatformError naming the supported ones), loads the config
-(ConfigError for a bad one), overrides the platform's attention backend (CPU_ATTN on CPU, CUSTOM on
-CUDA) with ``TurboQuantAttentionBackend`` and installs the hooks.
+(ConfigError for a bad one), registers ``TurboQuantAttentionBackend`` as vLLM's CUSTOM backend on CUDA and
+installs the hooks; the ``Attention.__init__`` hook gives it to each layer it can serve (by the layer's
+features), every other layer keeps the backend vLLM chooses (CPU_ATTN on CPU, FlashAttention / Triton ...).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def pin_v1_model_runner() -> bool:
     if value.strip().lower() in ("1", "true", "yes"):
         raise UnsupportedPlatformError(
             f"{ENV_RUNNER}={value}: jetson-tq's vLLM backend runs on vLLM's V1 GPUModelRunner only; "
-            f"unset {ENV_RUNNER} (or set it to 0) or unset {settings.ENV_CONFIG}")
+            f"unset {ENV_RUNNER} (or set it to 0) or unset {settings.ENV_CONFIG}"
+        )
     return False
 
 
@@ -52,13 +54,18 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import hooks
-    from .backend import BACKEND_PATH, registered_name
+    from .backend import BACKEND_PATH, TurboQuantAttentionBackend, registered_name
 
-    member = AttentionBackendEnum[registered_name()]
-    register_backend(member, BACKEND_PATH)
-    hooks.install()
+    name = registered_name()
+    if name == "CUSTOM":  # vLLM resolves a layer's backend by name; CPU_ATTN stays the stock CPU backend
+        register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    hooks.install(TurboQuantAttentionBackend)
     settings.logger().info(
-        "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)", cfg.name, version,
-        member.name, ops.configured())
+        "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)",
+        cfg.name,
+        version,
+        name,
+        ops.configured(),
+    )
     if pinned:
         settings.logger().info("jetson-tq: %s=0 (the plugin runs on vLLM's V1 model runner)", ENV_RUNNER)

@@ -62,8 +62,14 @@ class RecentSlots:
             raise RecentBufferLost(f"all {self.num_rows} recent-buffer rows are held by requests of this step")
         return self._free.pop()
 
-    def assign(self, req_ids: Sequence[str | None], context_lens: np.ndarray, query_lens: np.ndarray,
-               live: Container[str], window_block: int = 0) -> np.ndarray:
+    def assign(
+        self,
+        req_ids: Sequence[str | None],
+        context_lens: np.ndarray,
+        query_lens: np.ndarray,
+        live: Container[str],
+        window_block: int = 0,
+    ) -> np.ndarray:
         """Ring row of each batch row (scratch for padding); raise RecentBufferLost for an unvouched history.
 
         ``context_lens[i]`` tokens precede row i's ``query_lens[i]`` new tokens. ``window_block`` R > 0 (block
@@ -82,13 +88,15 @@ class RecentSlots:
                     raise RecentBufferLost(
                         f"request {req!r} starts a step at position {s} but has no recent buffer "
                         "(prefix caching or an eviction skipped its earlier tokens)"
-                        + (f"; block windows restart at multiples of {window_block}" if window_block else ""))
+                        + (f"; block windows restart at multiples of {window_block}" if window_block else "")
+                    )
                 self._row[req] = self._take(live, batch)
             else:
                 start, end = self._span.get(req, (0, 0))
                 if not fresh and s not in (start, end):
                     raise RecentBufferLost(
-                        f"request {req!r}: its recent buffer holds positions up to {end}, the step starts at {s}")
+                        f"request {req!r}: its recent buffer holds positions up to {end}, the step starts at {s}"
+                    )
             self._row.move_to_end(req)
             self._span[req] = (s, s + q)
             rows[i] = self._row[req]

