@@ -355,7 +355,7 @@ class CompressedKVCache:
         append or nothing): one ``append_rows`` call per step, none that does nothing."""
         nb, h, t, d = k.shape
         plain_commit = commit and guard is None  # the commit goes with the slots (no write to wait for)
-        steps = [(True, plain_commit, None)] if stage else []
+        steps: list[tuple[bool, bool, torch.Tensor | None]] = [(True, plain_commit, None)] if stage else []
         if commit and not plain_commit or not stage:
             steps.append((False, True, guard))
         for staging, committing, gate in steps:
