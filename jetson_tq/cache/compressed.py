@@ -324,9 +324,10 @@ class CompressedKVCache:
         self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool, guard: torch.Tensor | None
     ) -> None:
         """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] in one launch and, when staging,
-        compress-on-write (one launch, or one per row when T > 1: [T, H, D] stays a strided view of the input). With
-        a ``guard`` (device-side checks) the writes record their faults there and the commit is a launch of its own
-        after all of them, skipped on the device when the record holds a fault (the whole append or nothing)."""
+        compress-on-write in one launch that reads the input in place (a flat [nb * T, H, D] view when T == 1 or
+        nb == 1, else rows [nb, T, H, D]). With a ``guard`` (device-side checks) the write records its faults there
+        and the commit is a launch of its own after it, skipped on the device when the record holds a fault (the
+        whole append or nothing)."""
         slots = ops.append_rows(
             k,
             v,
@@ -345,24 +346,19 @@ class CompressedKVCache:
         if stage:
             assert slots is not None  # append_rows returns the slots when staging
             nb, h, t, d = k.shape
-            limits = self._limits if guard is not None else None
-            parts = (
-                [(k, v, slots)]
-                if t == 1 or nb == 1
-                else [(k[i : i + 1], v[i : i + 1], slots[i * t : (i + 1) * t]) for i in range(nb)]
+            kt, vt = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [nb, T, H, D] views
+            if t == 1 or nb == 1:
+                kt, vt = kt.reshape(nb * t, h, d), vt.reshape(nb * t, h, d)  # still views
+            ops.write(
+                kt,
+                vt,
+                slots,
+                self.pages,
+                self.layout,
+                self.codec,
+                fault=guard,
+                limits=self._limits if guard is not None else None,
             )
-            for kp, vp, sp in parts:
-                n = kp.shape[0] * t
-                ops.write(
-                    kp.permute(0, 2, 1, 3).reshape(n, h, d),
-                    vp.permute(0, 2, 1, 3).reshape(n, h, d),
-                    sp,
-                    self.pages,
-                    self.layout,
-                    self.codec,
-                    fault=guard,
-                    limits=limits,
-                )
         if commit and guard is not None:
             ops.append_rows(
                 k,

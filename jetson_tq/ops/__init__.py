@@ -76,7 +76,8 @@ def write(
     fault: torch.Tensor | None = None,
     limits: StoreLimits | None = None,
 ) -> None:
-    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads).
+    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads); k, v
+    may also be rows [R, T, H, D] (slots [R * T] row by row), which the kernel reads in place in one launch.
 
     ``fault`` (int64 [2]) with ``limits``: also check the tokens against ``limits`` (``validate.check_kv_storable``'s
     bounds) and keep the smallest store fault code in fault[0] unless fault[1] (closed) is set — on the device
@@ -86,6 +87,8 @@ def write(
 
         compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits)
         return
+    if k.dim() == 4:
+        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if fault is not None and int(fault[1]) == 0:
         assert limits is not None  # a fault record always comes with the store's limits
         fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))
