@@ -51,17 +51,19 @@ def append_rows(
     block_window: bool = False,
     backend: str | None = None,
     guard: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``);
-    ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit."""
+    ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit; ``out``: int64
+    [nb * T] for the slots (a buffer the caller reuses), else they are allocated."""
     if resolve(k.device, None, backend) == "triton":
         from ..kernels.append import append_rows as kernel
 
         return kernel(
-            k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard
+            k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
         )
     return append_rows_reference(
-        k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard
+        k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
     )
 
 
