@@ -7,7 +7,7 @@ set -e
 DEST=${1:?destination}; B=${2:-.devwork/vllm_bundle}
 rm -rf "$DEST"; mkdir -p "$DEST/bundle"
 tar -c --exclude=./.git --exclude=./.venv --exclude=./.devwork --exclude=./out --exclude='__pycache__' \
-    --exclude=.pytest_cache --exclude=.hypothesis --exclude='*.egg-info' . | tar -x -C "$DEST"
+    --exclude=.pytest_cache --exclude=.mypy_cache --exclude=.ruff_cache --exclude=.hypothesis --exclude='*.egg-info' . | tar -x -C "$DEST"
 cp "$B"/vllm-core.tar.gz* "$B/manifest.json" "$DEST/bundle/"; cp -r "$B/wheels" "$DEST/bundle/"
 for f in "$B"/vllm-fa3.tar.xz*; do [ -e "$f" ] && cp "$f" "$DEST/bundle/"; done
 # the op libraries do not fit one call beside the bundle: each goes in DEST-KEY/ with a copy of parts.py, carried by
