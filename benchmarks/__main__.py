@@ -24,6 +24,7 @@ TOOLS = {
     "scores": "bench_scores.py",
     "generate": "bench_generate.py",
     "suite": "gpu_suite.py",
+    "targets": "targets.py",
     "sweep-decode": "sweep_decode.py",
     "profile-api": "profile_api.py",
     "profile-decode": "profile_decode.py",

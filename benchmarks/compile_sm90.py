@@ -182,18 +182,25 @@ def main(argv=None) -> int:
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
         limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)
-        variants = ({}, {"block_t": 64, "num_warps": 4}, {"checked": True}, {"checked": True, "maxnreg": 128})
+        variants = (
+            {},
+            {"block_t": 64, "num_warps": 4},
+            {"checked": True},
+            {"checked": True, "maxnreg": 128},
+            {"checked": True, "maxnreg": 128, "rows": True},  # rows: a cache append of 4 sequences x 8 tokens
+        )
         for i, knobs in enumerate(variants if "compress" in ops else ()):
             n0 = len(COMPILED)
             check = dict(fault=torch.tensor([FAULT_NONE, 0]), limits=limits) if knobs.get("checked") else {}
+            kin = kc.view(4, 8, hkv, d).transpose(1, 2).contiguous().transpose(1, 2) if knobs.get("rows") else kc
             compress_write(
-                kc,
-                kc.clone(),
+                kin,
+                kin.clone(),
                 torch.arange(32),
                 pages,
                 kv.layout,
                 kv.codec,
-                tuning=WriteTuning(**{a: b for a, b in knobs.items() if a != "checked"}),
+                tuning=WriteTuning(**{a: b for a, b in knobs.items() if a not in ("checked", "rows")}),
                 **check,
             )
             for kname, k in COMPILED[n0:]:

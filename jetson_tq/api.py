@@ -66,7 +66,9 @@ def attention_prefill(
 
     Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed and the
     rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the
-    chunk in its pages (vLLM's contract).
+    chunk in its pages (vLLM's contract). With validation on the kernel path the chunk's checks run inside its
+    compress-on-write launch and the call syncs once, after the attention launch (not between the write and the
+    attention), to raise a refusal's named error; the chunk is then not kept.
     """
     check_attention_inputs(q, cache, softmax_scale, ("k", k), ("v", v))
     _check_query(q, 4, "attention_prefill")
@@ -76,8 +78,10 @@ def attention_prefill(
         out = ops.prefill(q, k, v, _view(cache, "attention_prefill"), softmax_scale, backend, attn_mask)
         check_attention_output("attention_prefill", out, q, cache, softmax_scale)
         return out
-    cache.stage(k, v)
-    out = ops.prefill(q, k, v, cache.paged(), softmax_scale, backend, attn_mask)
+    max_tokens = cache.max_tokens(k.shape[2])  # host mirror: sizes the kernel's workspace to the history, no sync
+    cache.stage(k, v, check=False)  # a refused chunk is named below, after the attention launch (no GPU bubble)
+    out = ops.prefill(q, k, v, cache.paged(), softmax_scale, backend, attn_mask, max_tokens=max_tokens)
+    cache.raise_store_fault()  # a chunk the write's checks refused: its named error (one sync, after the attention)
     check_attention_output("attention_prefill", out, q, cache, softmax_scale)  # before the chunk is kept
     cache.commit(k, v)
     return out

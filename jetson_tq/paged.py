@@ -126,13 +126,14 @@ def append_rows_reference(
     commit: bool = True,
     block_window: bool = False,
     guard: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of a cache whose sequence b owns slots
     [b * capacity, (b + 1) * capacity): returns the page slots [nb * T] of the new tokens (stage; -1 past the
     capacity, setting ``overflow``), copies the last min(T, R) exactly into ring rows (L + t) % R and advances
     lens / rec = ``format.exact_count(lens)`` (min(lens, R), or (lens - 1) % R + 1 with ``block_window``) /
     comp = lens - rec (commit; with a ``guard`` store fault record holding a fault, nothing is committed and the record
-    is closed: guard[1] = 1). ``kernels.append.append_rows`` is the same in one launch."""
+    is closed: guard[1] = 1). ``out``: where the slots go. ``kernels.append.append_rows`` is the same in one launch."""
     nb, _, t, _ = k.shape
     rows = slice(row0, row0 + nb)
     pos = lens[rows].long().unsqueeze(1) + torch.arange(t, device=k.device)  # [nb, T]
@@ -142,6 +143,8 @@ def append_rows_reference(
         overflow |= ~inside.all()
         base = torch.arange(row0, row0 + nb, device=k.device).unsqueeze(1) * capacity
         slots = torch.where(inside, base + pos, -1).reshape(-1)
+        if out is not None:
+            slots = out.copy_(slots)
     if commit and guard is not None and int(guard[0]) != FAULT_NONE:
         guard[1] = 1
         commit = False

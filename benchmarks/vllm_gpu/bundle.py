@@ -1,6 +1,6 @@
 """Build the vLLM 0.26.0 bundle for the GPU machine (no network there): slim vLLM tar + dependency wheels.
 
-    python benchmarks/vllm_gpu/bundle.py [--dir .devwork/vllm_bundle] [--with-c] [--no-fa3]
+    python benchmarks/vllm_gpu/bundle.py [--dir .devwork/vllm_bundle] [--with-c] [--with-moe] [--no-fa3] [--parts-only]
 
 Runs on a machine with package-index access. Downloads the ``vllm==0.26.0`` manylinux x86_64 wheel
 with ``pip download --no-deps``, writes ``vllm-core.tar.gz`` from its members minus what a bf16
@@ -10,7 +10,12 @@ Pythons' deep_gemm builds, CUTLASS headers for JIT) and, by default, minus the 7
 then downloads cp312 wheels of the pure-Python / binary dependencies the GPU image lacks (DEPS,
 found by importing vLLM with ``--no-deps`` in a scratch venv). Parts are at most 60 MB.
 FlashAttention 3 goes in its own part ``vllm-fa3.tar.xz`` (153 MB -> 10.6 MB; ``--no-fa3`` skips it);
-``--with-c`` writes the op library as an optional part too (56 MB: it does not fit one call with the rest).
+``--with-c`` writes the op library as an optional part too (78.8 MB -> 55.8 MB with xz -9e: it does not fit one
+call with the rest) and ``--with-moe`` the MoE op library (``_moe_C_stable_libtorch``: 47.5 MB -> 40.4 MB; vLLM's
+fused-MoE layer calls its ``topk_softmax``, ``moe_align_block_size`` and ``moe_sum`` on every MoE model). Each
+optional part comes with a ``.sha256`` file; such parts travel in device calls of their own
+(``benchmarks/vllm_gpu/parts.py``, ``snapshot.sh``). ``--parts-only`` writes only the optional parts asked for
+(the core tar, the wheels and the other parts stay; no network when the vLLM wheel is already downloaded).
 The directory is git-ignored (``.devwork/``); nothing here is committed.
 """
 
@@ -18,15 +23,17 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
-import hashlib
 import io
 import json
+import lzma
 import subprocess
 import sys
 import tarfile
 import time
 import zipfile
 from pathlib import Path
+
+import parts
 
 VLLM = "vllm==0.26.0"
 PART_BYTES = 60 * 10**6
@@ -61,7 +68,8 @@ DROP = [
     "vllm/third_party/fmha_sm100/cutlass/*",
     "vllm/third_party/fmha_sm100/csrc/*",
 ]
-OPTIONAL = {"c": "vllm/_C_stable_libtorch.abi3.so", "fa3": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
+#: optional part key -> the member it holds (vllm-KEY.tar.xz; parts.py moves and unpacks them)
+OPTIONAL = parts.MEMBERS
 #: what `import vllm.entrypoints.llm` and an offline LLM(...) need beyond the GPU image's packages
 #: (KINDS.md list), with versions inside vllm 0.26.0's Requires-Dist
 DEPS = [
@@ -211,9 +219,11 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> Non
 
 
 def write_tar(whl: Path, out: Path, select, mode: str = "w:gz", stubs: bool = True) -> int:
-    """Write the members accepted by ``select`` (patched) plus STUBS into a tar; returns uncompressed bytes."""
+    """Write the members accepted by ``select`` (patched) plus STUBS into a tar (xz at -9e, the smallest for the
+    op libraries' CUDA code); returns uncompressed bytes."""
     total = 0
-    with zipfile.ZipFile(whl) as z, tarfile.open(out, mode) as tar:
+    opts = {"preset": 9 | lzma.PRESET_EXTREME} if mode == "w:xz" else {}
+    with zipfile.ZipFile(whl) as z, tarfile.open(out, mode, **opts) as tar:
         for info in z.infolist():
             if info.is_dir() or not select(info.filename):
                 continue
@@ -241,16 +251,31 @@ def split(path: Path) -> list[Path]:
     return data_parts
 
 
+def write_optional(whl: Path, d: Path, key: str) -> list[Path]:
+    """``vllm-KEY.tar.xz`` (split when over PART_BYTES) and its ``.sha256``; returns the pieces."""
+    for old in d.glob(f"vllm-{key}.tar.xz*"):
+        old.unlink()
+    opt = d / f"vllm-{key}.tar.xz"
+    write_tar(whl, opt, lambda n, m=OPTIONAL[key]: n == m, mode="w:xz", stubs=False)
+    pieces = split(opt) if opt.stat().st_size > PART_BYTES else [opt]
+    parts.write_checksums(pieces)
+    return pieces
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=Path(".devwork/vllm_bundle"))
-    ap.add_argument("--with-c", action="store_true", help="also write vllm-c.tar.xz (CUDA op library)")
+    ap.add_argument("--with-c", action="store_true", help="also write vllm-c.tar.xz (CUDA op library, 55.8 MB)")
+    ap.add_argument("--with-moe", action="store_true", help="also write vllm-moe.tar.xz (MoE op library, 40.4 MB)")
     ap.add_argument(
         "--no-fa3",
         dest="with_fa3",
         action="store_false",
         help="leave out vllm-fa3.tar.xz (FlashAttention 3: 10.6 MB with xz; vLLM's TurboQuant prefill and "
         "the FLASH_ATTN stock baseline need it)",
+    )
+    ap.add_argument(
+        "--parts-only", action="store_true", help="write only --with-c / --with-moe parts; keep the rest (FA3 too)"
     )
     args = ap.parse_args()
     d = args.dir
@@ -261,33 +286,37 @@ def main() -> None:
     whl = dl / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     if not whl.exists():
         pip("download", "--no-deps", *PLATFORM, "-d", str(dl), VLLM)
-    for old in d.glob("vllm-*.tar*"):
-        old.unlink()
-    core = d / "vllm-core.tar.gz"
-    raw = write_tar(whl, core, lambda n: not dropped(n, set()))
-    manifest = {
-        "vllm": VLLM,
-        "wheel_bytes": whl.stat().st_size,
-        "core_uncompressed": raw,
-        "core_bytes": core.stat().st_size,
-        "dropped": DROP,
-    }
-    parts = split(core) if core.stat().st_size > PART_BYTES else [core]
-    manifest["core_parts"] = [p.name for p in parts]
-    for key, member in OPTIONAL.items():
-        if getattr(args, f"with_{key}"):
-            opt = d / f"vllm-{key}.tar.xz"
-            write_tar(whl, opt, lambda n, m=member: n == m, mode="w:xz", stubs=False)
-            manifest[f"optional_{key}"] = [p.name for p in (split(opt) if opt.stat().st_size > PART_BYTES else [opt])]
-    for old in wheels.glob("*.whl"):
-        old.unlink()
-    pip("download", "--no-deps", *PLATFORM, "-d", str(wheels), *DEPS)
-    manifest["wheels"] = sorted(p.name for p in wheels.glob("*.whl"))
-    manifest["wheel_bytes_total"] = sum(p.stat().st_size for p in wheels.glob("*.whl"))
-    manifest["sha256"] = {
-        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(d.glob("vllm-*.tar*")) + sorted(wheels.glob("*.whl"))
-    }
+    keys = [k for k in OPTIONAL if getattr(args, f"with_{k}")]
+    if args.parts_only:
+        if not (d / "manifest.json").exists():
+            raise SystemExit(f"--parts-only: no {d / 'manifest.json'}; build the whole bundle first")
+        manifest = json.loads((d / "manifest.json").read_text())
+        keys = [k for k in keys if k != "fa3"]  # the FA3 part of the full build stays as it is
+    else:
+        for old in d.glob("vllm-*.tar*"):
+            old.unlink()
+        core = d / "vllm-core.tar.gz"
+        raw = write_tar(whl, core, lambda n: not dropped(n, set()))
+        manifest = {
+            "vllm": VLLM,
+            "wheel_bytes": whl.stat().st_size,
+            "core_uncompressed": raw,
+            "core_bytes": core.stat().st_size,
+            "dropped": DROP,
+        }
+        core_parts = split(core) if core.stat().st_size > PART_BYTES else [core]
+        manifest["core_parts"] = [p.name for p in core_parts]
+    for key in keys:
+        manifest[f"optional_{key}"] = [p.name for p in write_optional(whl, d, key)]
+    if not args.parts_only:
+        for old in wheels.glob("*.whl"):
+            old.unlink()
+        pip("download", "--no-deps", *PLATFORM, "-d", str(wheels), *DEPS)
+        manifest["wheels"] = sorted(p.name for p in wheels.glob("*.whl"))
+        manifest["wheel_bytes_total"] = sum(p.stat().st_size for p in wheels.glob("*.whl"))
+    files = [p for p in sorted(d.glob("vllm-*.tar*")) if not p.name.endswith(".sha256")] + sorted(wheels.glob("*.whl"))
+    manifest["sha256"] = {p.name: parts.sha256(p) for p in files}
+    manifest["bytes"] = {p.name: p.stat().st_size for p in files if p.name.startswith("vllm-")}
     manifest["build_s"] = round(time.time() - t, 1)
     (d / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(json.dumps({k: v for k, v in manifest.items() if k not in ("sha256", "dropped")}, indent=1))

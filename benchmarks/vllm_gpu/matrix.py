@@ -8,7 +8,8 @@ stock, both on TRITON_ATTN for every stock layer, CUDA graphs for decode (FULL_D
 concurrency), ``kv_cache_memory_bytes`` equal. Recorded per engine, one JSON line each in DIR/matrix_W.jsonl as
 soon as it ends: which layers are compressed and why the others are not; vLLM's own KV capacity ("GPU KV cache
 size: N tokens") and blocks; a greedy run of two ragged prompts (ids, NaN count of the sampled log-probabilities);
-decode tok/s and TPOT while ``--concurrency`` requests of ``--context`` prompt tokens decode together, with the
+decode tok/s and TPOT while ``--concurrency`` requests of ``--context`` prompt tokens (fewer where the model has
+fewer positions: ``run_lengths``) decode together, with the
 model calls that ran inside CUDA graphs vs eagerly; the engine's start time. The driver merges the lines into
 DIR/matrix.jsonl, DIR/matrix_summary.json and a markdown table (stdout, DIR/matrix.md).
 
@@ -61,6 +62,53 @@ PRIORITY = [
     "smollm3-3b",
 ]
 CPU_TINY = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512, experts=4)
+
+
+#: the config keys vLLM reads a model's position limit from (the smallest wins: ``derive_max_model_len_and_key`` in
+#: vllm/transformers_utils/model_arch_config_convertor.py, 0.26 / 0.27); RoPE scaling can only raise it, so the
+#: unscaled value is a limit vLLM always accepts
+POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+#: positions the decode row's max_model_len leaves beyond its prompt when the model has room for them
+HEADROOM = 128
+
+
+def position_limit(config: dict) -> int | None:
+    """The most positions vLLM lets ``config`` take (None when it names none)."""
+    found = [int(config[k]) for k in POSITION_KEYS if config.get(k) is not None]
+    return min(found) if found else None
+
+
+def run_lengths(name: str, config: dict, m: dict, context: int, conc: int, batched: int) -> tuple[int, int]:
+    """(prompt tokens, max_model_len) of a model's decode row, within its position limit.
+
+    ``max_model_len`` is ``context + HEADROOM`` cut to the limit; the prompt is ``context`` cut so that it plus the
+    greedy tokens that keep every request decoding together (``job.steady_outputs``) fit in it. The model's own
+    ``matrix`` settings (``max_model_len``, ``context``) take precedence and are checked against the same bounds.
+    """
+    import job  # the workload's output length (benchmarks/vllm_gpu/job.py)
+
+    limit = position_limit(config)
+    mml = int(m.get("max_model_len") or (context + HEADROOM if limit is None else min(context + HEADROOM, limit)))
+    if limit is not None and mml > limit:
+        raise ValueError(f"{name}: matrix max_model_len {mml} > the model's {limit} positions")
+    ctx = int(m.get("context") or min(context, mml - job.steady_outputs(mml, conc, batched)))
+    need = ctx + job.steady_outputs(ctx, conc, batched)
+    if ctx < 1 or need > mml:
+        raise ValueError(
+            f"{name}: a {ctx}-token prompt and its {need - ctx} decode tokens need {need} positions; "
+            f"max_model_len is {mml}"
+        )
+    return ctx, mml
 
 
 def model_dir(name: str, root: Path, cpu: bool) -> tuple[Path, dict]:
@@ -192,15 +240,17 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     job.SPEC.update(name=name, vocab=cfg["vocab_size"])
-    ctx = m.get("context", args.context)
-    mml = m.get("max_model_len", ctx + 128)
     rec: dict = {
         "model": name,
         "engine": "ours" if ours else "stock",
         "config": args.config if ours else None,
         "layers_built": cfg["num_hidden_layers"],
-        "max_model_len": mml,
     }
+    try:
+        ctx, mml = run_lengths(name, cfg, m, args.context, args.concurrency, args.batched)
+    except ValueError as e:  # the yaml's settings do not fit the model: recorded, the next engine runs
+        return {**rec, "error": f"ValueError: {e}", "total_s": 0.0}
+    rec.update(max_model_len=mml, context=ctx)
     grab = _Grab()
     logging.getLogger("vllm").addHandler(grab)
     LAST_DECISIONS.clear()
@@ -243,6 +293,19 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
     return rec
 
 
+def op_libraries() -> dict[str, str]:
+    """Which of vLLM's compiled op libraries this process loads: the real ``.so`` (the bundle's optional parts,
+    benchmarks/vllm_gpu/parts.py), the bundle's stand-in (``c_stub.py``) or none."""
+    import importlib.util
+
+    out = {}
+    for name in ("_C_stable_libtorch", "_moe_C_stable_libtorch"):
+        spec = importlib.util.find_spec(f"vllm.{name}")
+        origin = spec.origin if spec and spec.origin else ""
+        out[name] = "real" if origin.endswith(".so") else "stand-in" if origin.endswith(".py") else "absent"
+    return out
+
+
 def worker(args) -> None:
     """Run this worker's share of the models, ours then stock each, appending one line per engine."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -263,7 +326,8 @@ def worker(args) -> None:
     root = args.out / "models"
     estimate = 60.0  # seconds an engine takes until this worker has measured one
     with open(out, "a") as f:
-        f.write(json.dumps({"worker": args.worker, "import_s": round(time.time() - t_import, 1)}) + "\n")
+        head = {"worker": args.worker, "import_s": round(time.time() - t_import, 1), "op_libraries": op_libraries()}
+        f.write(json.dumps(head) + "\n")
         for name in names:
             model, m = model_dir(name, root, args.cpu_smoke)
             for ours in (True, False):
@@ -317,6 +381,8 @@ def summarize(records: list[dict]) -> dict:
         if "greedy" in o and "greedy" in s:
             row["greedy_identical"] = sum(a == b for a, b in zip(o["greedy"]["ids"], s["greedy"]["ids"]))
         row["init_s"] = [o.get("init_s"), s.get("init_s")]
+        row["context"] = o.get("context") or s.get("context")
+        row["max_model_len"] = o.get("max_model_len") or s.get("max_model_len")
         rows[name] = row
     return rows
 
@@ -325,9 +391,9 @@ def table(rows: dict) -> str:
     """The markdown table docs/models.md takes."""
     head = (
         "| model | layers built | compressed | stock layers (why) | vLLM KV tokens ours / stock | x | "
-        "decode tok/s ours / stock | x | NaN | graphs (ours) | start s ours / stock |"
+        "decode tok/s ours / stock | x | NaN | graphs (ours) | start s ours / stock | prompt / max_model_len |"
     )
-    out = [head, "|" + "---|" * 11]
+    out = [head, "|" + "---|" * 12]
     for name in [n for n in PRIORITY if n in rows] + [n for n in rows if n not in PRIORITY]:
         r = rows[name]
         note = "; ".join(f"{k}: {v}" for k, v in r.items() if k.endswith(("_error", "_skipped")))
@@ -340,7 +406,7 @@ def table(rows: dict) -> str:
             f"{r.get('kv_x_stock', '—')} | {dec} | {r.get('decode_x_stock', '—')} | "
             f"{'none' if r['nonfinite'] and not any(r['nonfinite']) else r['nonfinite']} | "
             f"{graphs.get('graph', '—')} / {graphs.get('eager', '—')} eager | "
-            f"{r['init_s'][0]} / {r['init_s'][1]} |"
+            f"{r['init_s'][0]} / {r['init_s'][1]} | {r.get('context') or '—'} / {r.get('max_model_len') or '—'} |"
         )
     return "\n".join(out)
 
@@ -397,7 +463,8 @@ def driver(args) -> None:
     (args.out / "matrix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = summarize(records)
     (args.out / "matrix_summary.json").write_text(json.dumps(rows, indent=1))
-    md = table(rows)
+    libs = {json.dumps(r["op_libraries"], sort_keys=True) for r in records if "op_libraries" in r}
+    md = table(rows) + "".join(f"\n\nvLLM op libraries: {lib}" for lib in sorted(libs))
     (args.out / "matrix.md").write_text(md + "\n")
     print(md)
     print(f"matrix: {len(rows)} models, {time.time() - start:.0f} s", flush=True)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue 21 on the H200: the model matrix, SmolLM2's real weights vs stock, `vllm serve` with the plugin. Stages:
-#   matrix            benchmarks/vllm_gpu/matrix.py, MATRIX_BUDGET seconds (default 420), MATRIX_WORKERS (3)
+#   matrix            benchmarks/vllm_gpu/matrix.py, MATRIX_BUDGET seconds (default 420), MATRIX_WORKERS (3),
+#                     MATRIX_MODELS (a,b,...: those rows only; default all). MoE rows need the optional part
+#                     vllm-moe.tar.xz (bundle.py --with-moe, staged by an earlier call: parts.py)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
 #                     wheel: GGUF_WHEEL=path, carried beside the bundle)
-#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS
+#   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS:
+#                     vLLM's prompt_logprobs PPL / KL / greedy vs stock, then the transformers harness on the same windows
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
 # Everything lands in OUT/results.tgz (a device call returns few files).
 #   bash benchmarks/vllm_gpu/models_gpu.sh OUT STAGE [ARG]...     (repo root = the snapshot with bundle/)
@@ -11,6 +14,7 @@ set -u
 OUT=${1:?out}; shift; T0=$(date +%s); R="$OUT/r"; mkdir -p "$R"
 el() { echo $(( $(date +%s) - T0 )); }
 source benchmarks/vllm_gpu/unpack.sh bundle /tmp/jtq_site > "$R/unpack.log" 2>&1 || { cat "$R/unpack.log"; exit 1; }
+grep -E '^(unpack|parts):' "$R/unpack.log"
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_DEEP_GEMM_WARMUP=skip PYTHONUNBUFFERED=1
 SMOL=/tmp/jtq_smollm2
 while [ $# -gt 0 ]; do
@@ -19,7 +23,7 @@ while [ $# -gt 0 ]; do
   case $stage in
     matrix)
       python3 benchmarks/vllm_gpu/matrix.py --out "$R/matrix" --budget "${MATRIX_BUDGET:-420}" \
-        --workers "${MATRIX_WORKERS:-3}" > "$R/matrix.log" 2>&1
+        --workers "${MATRIX_WORKERS:-3}" ${MATRIX_MODELS:+--models "$MATRIX_MODELS"} > "$R/matrix.log" 2>&1
       tail -25 "$R/matrix.log" ;;
     convert)
       GGUF=${1:?convert needs the GGUF path}; shift
@@ -33,7 +37,8 @@ PY
       ;;
     real)
       python3 benchmarks/vllm_gpu/real_weights.py --model "$SMOL" --text "${TEXT:?set TEXT to a UTF-8 file}" \
-        --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" > "$R/real_weights.log" 2>&1
+        --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" \
+        --transformers > "$R/real_weights.log" 2>&1
       grep -E "^\||RESULT" "$R/real_weights.log" | cut -c1-400 ;;
     serve)
       python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 \

@@ -112,6 +112,7 @@ class CompressedKVCache:
         self._fault_blind = False  # checked writes were captured in a CUDA graph: only a sync reads their faults
         self._host_lens = torch.zeros(batch_size, dtype=torch.int64)  # mirror for eager bookkeeping
         self._host_valid = True
+        self._slots_buf = torch.empty(0, dtype=torch.int64, device=self.device)  # page slots of eager appends
         self._rows = torch.arange(batch_size, **i32)
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
@@ -284,23 +285,38 @@ class CompressedKVCache:
         """Append T tokens: k, v [B, H, T, D] for every sequence, or [H, T, D] for sequence ``seq``.
 
         Device-side only (capturable in a CUDA graph) when the tokens fit the reserved capacity: on CUDA one
-        bookkeeping launch (slots, exact ring copy, lengths; ``kernels.append``) plus the compress-on-write launch.
+        bookkeeping launch (slots, exact ring copy, lengths; ``kernels.append``) plus the compress-on-write launch
+        (with validation: slots, the checked write, then the guarded commit).
         """
         self._put(k, v, seq, stage=True, commit=True)
 
-    def stage(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
+    def stage(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None, *, check: bool = True) -> None:
         """Write the compressed form of the next T tokens into the pages without counting them yet.
 
         Prefill attention reads them there (positions older than ``fmt.exact_start(p)`` are read compressed, also
-        inside the chunk); ``commit`` with the same tokens then makes them part of the cache.
+        inside the chunk); ``commit`` with the same tokens then makes them part of the cache. ``check=False`` leaves
+        a device-checked fault to the next call (the guarded ``commit`` then stores nothing; ``raise_store_fault``
+        names it): ``attention_prefill`` checks once after its attention launch instead of between the two.
         """
-        self._put(k, v, seq, stage=True, commit=False)
+        self._put(k, v, seq, stage=True, commit=False, check_now=check)
 
     def commit(self, k: torch.Tensor, v: torch.Tensor, seq: int | None = None) -> None:
         """Count T staged tokens: copy the last min(T, R) into the ring and advance the lengths."""
         self._put(k, v, seq, stage=False, commit=True)
 
-    def _put(self, k: torch.Tensor, v: torch.Tensor, seq: int | None, stage: bool, commit: bool) -> None:
+    def raise_store_fault(self) -> None:
+        """Raise the named error of a device-checked write issued so far, now (one device sync when a checked write is
+        pending; nothing during CUDA graph capture, whose replays are read by ``check()``)."""
+        self._raise_fault(block=True)
+
+    def max_tokens(self, extra: int = 0) -> int | None:
+        """The longest sequence's tokens plus ``extra`` from the host mirror, without a sync; None when only the
+        device knows them (after CUDA graph replays)."""
+        return int(self._host_lens.max()) + extra if self._host_valid else None
+
+    def _put(
+        self, k: torch.Tensor, v: torch.Tensor, seq: int | None, stage: bool, commit: bool, check_now: bool = True
+    ) -> None:
         rows, k, v = self._inputs(k, v, seq)
         t = k.shape[2]
         if t == 0:
@@ -318,53 +334,32 @@ class CompressedKVCache:
             elif self._host_valid:
                 self._host_lens[rows.start : rows.stop] += t
         if guard is not None and stage:
-            self._checked_write_issued(block=not commit)  # staging feeds prefill attention: its fault raises now
+            self._checked_write_issued(block=not commit and check_now)  # staging feeds prefill: raise now (check)
+
+    def _slots_out(self, n: int, device_capturing: bool) -> torch.Tensor | None:
+        """A reused int64 buffer for ``n`` page slots (eager calls: no allocation per append; the calls of one stream
+        use it in order); None during CUDA graph capture (the graph keeps its own from its memory pool)."""
+        if device_capturing:
+            return None
+        if self._slots_buf.numel() < n:
+            self._slots_buf = torch.empty(max(n, 2 * self._slots_buf.numel()), dtype=torch.int64, device=self.device)
+        return self._slots_buf[:n]
 
     def _put_rows(
         self, rows: range, k: torch.Tensor, v: torch.Tensor, stage: bool, commit: bool, guard: torch.Tensor | None
     ) -> None:
         """Bookkeeping (slots / ring / lengths) of k, v [nb, H, T, D] in one launch and, when staging,
-        compress-on-write (one launch, or one per row when T > 1: [T, H, D] stays a strided view of the input). With
-        a ``guard`` (device-side checks) the writes record their faults there and the commit is a launch of its own
-        after all of them, skipped on the device when the record holds a fault (the whole append or nothing)."""
-        slots = ops.append_rows(
-            k,
-            v,
-            self.ring_k,
-            self.ring_v,
-            self._lens,
-            self._comp,
-            self._rec,
-            self._overflow,
-            rows.start,
-            self.capacity,
-            stage,
-            commit and guard is None,
-            self.fmt.block_window,
-        )
-        if stage:
-            assert slots is not None  # append_rows returns the slots when staging
-            nb, h, t, d = k.shape
-            limits = self._limits if guard is not None else None
-            parts = (
-                [(k, v, slots)]
-                if t == 1 or nb == 1
-                else [(k[i : i + 1], v[i : i + 1], slots[i * t : (i + 1) * t]) for i in range(nb)]
-            )
-            for kp, vp, sp in parts:
-                n = kp.shape[0] * t
-                ops.write(
-                    kp.permute(0, 2, 1, 3).reshape(n, h, d),
-                    vp.permute(0, 2, 1, 3).reshape(n, h, d),
-                    sp,
-                    self.pages,
-                    self.layout,
-                    self.codec,
-                    fault=guard,
-                    limits=limits,
-                )
-        if commit and guard is not None:
-            ops.append_rows(
+        compress-on-write in one launch that reads the input in place (a flat [nb * T, H, D] view when T == 1 or
+        nb == 1, else rows [nb, T, H, D]). With a ``guard`` (device-side checks) the write records its faults there
+        and the commit is its own launch after it, skipped on the device when the record holds a fault (the whole
+        append or nothing): one ``append_rows`` call per step, none that does nothing."""
+        nb, h, t, d = k.shape
+        plain_commit = commit and guard is None  # the commit goes with the slots (no write to wait for)
+        steps: list[tuple[bool, bool, torch.Tensor | None]] = [(True, plain_commit, None)] if stage else []
+        if commit and not plain_commit or not stage:
+            steps.append((False, True, guard))
+        for staging, committing, gate in steps:
+            slots = ops.append_rows(
                 k,
                 v,
                 self.ring_k,
@@ -375,11 +370,27 @@ class CompressedKVCache:
                 self._overflow,
                 rows.start,
                 self.capacity,
-                False,
-                True,
+                staging,
+                committing,
                 self.fmt.block_window,
-                guard=guard,
+                guard=gate,
+                out=self._slots_out(nb * t, _capturing(k)) if staging else None,
             )
+            if staging:
+                assert slots is not None  # append_rows returns the slots when staging
+                kt, vt = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [nb, T, H, D] views
+                if t == 1 or nb == 1:
+                    kt, vt = kt.reshape(nb * t, h, d), vt.reshape(nb * t, h, d)  # still views
+                ops.write(
+                    kt,
+                    vt,
+                    slots,
+                    self.pages,
+                    self.layout,
+                    self.codec,
+                    fault=guard,
+                    limits=self._limits if guard is not None else None,
+                )
 
     def _inputs(self, k: torch.Tensor, v: torch.Tensor, seq: int | None) -> tuple[range, torch.Tensor, torch.Tensor]:
         """Validated (rows, k, v) with k, v as [rows, H, T, D]."""

@@ -82,42 +82,11 @@ def _append_kernel(
             if over > 0:
                 tl.store(overflow_ptr, 1)
     if COMMIT:
-        if GUARD:
-            if tl.load(guard_ptr) != FAULT_NONE_C:
-                tl.store(guard_ptr + 1, 1)  # refused: nothing committed, and later writes leave the record alone
-            else:
-                _commit(
-                    k_ptr,
-                    v_ptr,
-                    rk_ptr,
-                    rv_ptr,
-                    lens_ptr,
-                    comp_ptr,
-                    rec_ptr,
-                    i,
-                    b,
-                    length,
-                    T,
-                    ring,
-                    skb,
-                    skh,
-                    skt,
-                    svb,
-                    svh,
-                    svt,
-                    srkb,
-                    srkh,
-                    srkt,
-                    srvb,
-                    srvh,
-                    srvt,
-                    H,
-                    D,
-                    DP,
-                    BLOCK_WINDOW,
-                    BLOCK_T,
-                )
-        else:
+        go = True
+        if GUARD:  # commit only over an empty fault record; a refused append closes it (later writes leave it alone)
+            go = tl.load(guard_ptr) == FAULT_NONE_C
+            tl.store(guard_ptr + 1, 1, mask=go == 0)
+        if go:
             _commit(
                 k_ptr,
                 v_ptr,
@@ -236,11 +205,18 @@ def append_rows(
     commit: bool = True,
     block_window: bool = False,
     guard: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb): returns the slots [nb * T] (stage).
-    ``guard``: commit only while this store fault record (int64 [2]) holds no fault, else close it."""
+    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb): returns the slots [nb * T] (stage),
+    written into ``out`` (int64 [nb * T]) when given. ``guard``: commit only while this store fault record (int64 [2])
+    holds no fault, else close it."""
     nb, h, t, d = k.shape
-    slots = torch.empty(nb * t if stage else 1, dtype=torch.int64, device=k.device)
+    if not stage:
+        slots = lens  # never written (STAGE off): no allocation
+    elif out is not None:
+        slots = out
+    else:
+        slots = torch.empty(nb * t, dtype=torch.int64, device=k.device)
     ring = ring_k.shape[2]
     rk, rv = (ring_k, ring_v) if ring_k.numel() else (k, v)  # no ring storage: never written (ring == 0)
     block_t = min(64, max(16, next_pow2(min(t, 64))))

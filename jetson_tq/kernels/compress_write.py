@@ -204,13 +204,14 @@ class WriteConstexprs:
     V_ABS: float = FP32_MAX  # bound on |v| (group values: from each group's minimum and maximum)
     KEY_NORM: float = FP32_MAX  # bound on ||k||
     VALUE_GROUP: float = FP32_MAX  # bound on |group minimum| and group scale
+    ROWS: bool = False  # the input is rows [R, T, H, D] (a cache append of several sequences), not [N, H, D]
 
 
 @triton.jit
 def _compress_write_kernel(
     # ---- pointers
-    k_ptr,  # [N, HKV, D]: new keys (last dim contiguous)
-    v_ptr,  # [N, HKV, D]: new values
+    k_ptr,  # [N, HKV, D] or rows [R, T, HKV, D] (ROWS): new keys (last dim contiguous)
+    v_ptr,  # the same for the new values
     slot_ptr,  # int64 [N]: page slot of each token (block * BS + offset; < 0: skipped)
     pages_ptr,  # uint8 [blocks, HKV, PB]: the pages written
     pi_hi_ptr,  # fp16 [D, D]: rotation Pi, high part (dense rotation)
@@ -225,12 +226,16 @@ def _compress_write_kernel(
     fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
     # ---- sizes, strides, scalars
     sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
-    n_tokens,  # N
+    n_tokens,  # N (= R * T)
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
     page_bytes,  # PB
+    # ---- rows (ROWS; last, so the flat launch's parameters keep their places)
+    row_tokens,  # T
+    stride_kb,
+    stride_vb,
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
     CFG: tl.constexpr,
@@ -247,8 +252,9 @@ def _compress_write_kernel(
     dmask = valid[:, None] & (d[None, :] < PAGE.D)
     t64 = t.to(tl.int64)
     RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
+    koff = _token_offsets(t, t64, row_tokens, stride_kb, stride_kt, CFG.ROWS)  # [T, 1] element offsets of the tokens
 
-    kin = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + d[None, :], mask=dmask, other=0.0)
+    kin = tl.load(k_ptr + koff + h * stride_kh + d[None, :], mask=dmask, other=0.0)
     bad = tl.zeros([CFG.BLOCK_T], tl.int1)  # CHECK: tokens that fail a cheap sign of trouble
     if CFG.CHECK and CFG.K_ELEMS:  # raw keys / wide inputs: |k| per element, while the tile is in registers
         bad = bad | _over(kin, dmask, CFG.K_ABS)
@@ -281,8 +287,9 @@ def _compress_write_kernel(
         )
         if CFG.CHECK:  # a non-finite key has a non-finite norm
             bad = bad | ~(nrm <= CFG.KEY_NORM)
+    voff = _token_offsets(t, t64, row_tokens, stride_vb, stride_vt, CFG.ROWS)
     if PAGE.VAL_MODE == V_RAW:
-        v = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + d[None, :], mask=dmask, other=0.0)
+        v = tl.load(v_ptr + voff + h * stride_vh + d[None, :], mask=dmask, other=0.0)
         tl.store(
             (page + PAGE.OFF_VRAW + off * (2 * PAGE.D))[:, None].to(tl.pointer_type(RAW_T)) + d[None, :],
             v.to(tl.float32).to(RAW_T),
@@ -292,7 +299,7 @@ def _compress_write_kernel(
         if CFG.CHECK:
             bad = bad | _over(v, dmask, CFG.V_ABS)
     else:
-        gbad = _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE, CFG)
+        gbad = _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE, CFG)
         bad = bad | (gbad != 0)
     if CFG.CHECK:
         if tl.max((valid & bad).to(tl.int32), 0) != 0:  # rare: the exact fault code, from a second load of the tiles
@@ -304,15 +311,27 @@ def _compress_write_kernel(
                 gbad,
                 slot,
                 valid,
-                t64,
+                koff,
+                voff,
                 h,
-                stride_kt,
                 stride_kh,
-                stride_vt,
                 stride_vh,
                 PAGE,
                 CFG,
             )
+
+
+@triton.jit
+def _token_offsets(t, t64, row_tokens, stride_b, stride_t, ROWS: tl.constexpr):
+    """Element offsets [T, 1] of tokens ``t`` of the launch: token t * stride_t of a flat [N, H, D] input, or with
+    ROWS token t % row_tokens of row t // row_tokens of an [R, T, H, D] one (a cache append's rows, read in place)."""
+    if ROWS:
+        r = t // row_tokens
+        off = r.to(tl.int64) * stride_b + (t - r * row_tokens).to(tl.int64) * stride_t
+        out = off[:, None]
+    else:
+        out = t64[:, None] * stride_t
+    return out
 
 
 @triton.jit
@@ -330,11 +349,10 @@ def _record_fault(
     gbad,
     slot,
     valid,
-    t64,
+    koff,
+    voff,
     h,
-    stride_kt,
     stride_kh,
-    stride_vt,
     stride_vh,
     PAGE: tl.constexpr,
     CFG: tl.constexpr,
@@ -352,10 +370,10 @@ def _record_fault(
     for c in tl.static_range(PAGE.DP // CHECK_COLS):  # column blocks of the reloaded tiles: few live registers
         col = c * CHECK_COLS + tl.arange(0, CHECK_COLS)
         cmask = valid[:, None] & (col[None, :] < PAGE.D)
-        vt = tl.load(v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :], mask=cmask, other=0.0)
+        vt = tl.load(v_ptr + voff + h * stride_vh + col[None, :], mask=cmask, other=0.0)
         code = tl.where(_over(vt, cmask, CFG.V_ABS), tl.minimum(code, (R_V_ABS << F_RANK) | base), code)
         code = _first_nonfinite(vt, cmask, col, base ^ F_BOUND, R_V_FINITE, code)
-        kt = tl.load(k_ptr + t64[:, None] * stride_kt + h * stride_kh + col[None, :], mask=cmask, other=0.0)
+        kt = tl.load(k_ptr + koff + h * stride_kh + col[None, :], mask=cmask, other=0.0)
         code = tl.where(_over(kt, cmask, CFG.K_ABS), tl.minimum(code, (R_K_ABS << F_RANK) | base), code)
         code = _first_nonfinite(kt, cmask, col, base ^ F_BOUND, R_K_FINITE, code)
     code = tl.min(tl.where(valid, code, F_NONE), 0)
@@ -569,7 +587,7 @@ def _qjl_signs(
 
 
 @triton.jit
-def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Group-quantize and store values from the packing's chunk tiles [BLOCK_T, VCWP] (loaded once, no re-layout):
     min/max across whole chunks, one reciprocal per row and group instead of a division per element, and
     round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties). Returns per token (CHECK)
@@ -582,7 +600,7 @@ def _quantize_values(v_ptr, t64, h, stride_vt, stride_vh, valid, page, off, PAGE
         col = c * PAGE.VCW + vc
         vt = vt + (
             tl.load(
-                v_ptr + t64[:, None] * stride_vt + h * stride_vh + col[None, :],
+                v_ptr + voff + h * stride_vh + col[None, :],
                 mask=valid[:, None] & (vc[None, :] < PAGE.VCW) & (col[None, :] < PAGE.D),
                 other=0.0,
             ).to(tl.float32),
@@ -699,12 +717,14 @@ def _check_inputs(
     """Named errors for K/V, slots or pages that do not fit ``layout``."""
     cuda_or_interpreter(k)
     expect_same_device(k=k, v=v, slots=slots, pages=pages)
-    if k.shape != v.shape or k.dim() != 3 or k.shape[1] != pages.shape[1] or k.shape[2] != layout.head_dim:
+    if k.shape != v.shape or k.dim() not in (3, 4) or k.shape[-2] != pages.shape[1] or k.shape[-1] != layout.head_dim:
         raise ShapeError(
-            f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}"
+            f"k, v: expected [N, {pages.shape[1]}, {layout.head_dim}] or [R, T, {pages.shape[1]}, {layout.head_dim}],"
+            f" got {tuple(k.shape)} and {tuple(v.shape)}"
         )
-    if slots.dim() != 1 or slots.shape[0] != k.shape[0]:
-        raise ShapeError(f"slots: expected [{k.shape[0]}], got {tuple(slots.shape)}")
+    n = k.shape[0] if k.dim() == 3 else k.shape[0] * k.shape[1]
+    if slots.dim() != 1 or slots.shape[0] != n:
+        raise ShapeError(f"slots: expected [{n}], got {tuple(slots.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise DTypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
@@ -727,6 +747,8 @@ def compress_write(
     limits: StoreLimits | None = None,
 ) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
+    k, v may also be rows [R, T, H, D] of T tokens each (any strides, last dim contiguous; slots [R * T] row by row):
+    one launch reads them in place (a cache append of several sequences, ``CompressedKVCache``).
 
     ``fault`` (int64 [2], with ``limits``): the launch also runs ``validate.check_kv_storable``'s checks and keeps the
     smallest store fault code (``validate.store_fault_code`` is the same in PyTorch) in ``fault[0]`` unless
@@ -740,7 +762,8 @@ def compress_write(
     knobs (``WriteTuning``).
     """
     _check_inputs(k, v, slots, pages, layout)
-    n = k.shape[0]
+    rows = k.dim() == 4
+    n = k.shape[0] * k.shape[1] if rows else k.shape[0]
     if n == 0:
         return
     if k.stride(-1) != 1:
@@ -769,23 +792,26 @@ def compress_write(
         slots if fault is None else fault,
         setup.sqrt_d,
         n,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
+        k.stride(-3),
+        k.stride(-2),
+        v.stride(-3),
+        v.stride(-2),
         layout.page_bytes,
+        k.shape[1] if rows else n,  # rows: tokens per row and the row strides
+        k.stride(0) if rows else 0,
+        v.stride(0) if rows else 0,
     )
     while True:
         try:
             grid = (triton.cdiv(n, block_t), hkv)
             maxnreg = tuning.maxnreg
             if maxnreg is None and checked is not None:
-                maxnreg = setup.check_register_cap(grid, args, block_t, tuning.num_warps)
+                maxnreg = setup.check_register_cap(grid, args, block_t, rows, tuning.num_warps)
             _LAUNCH(
                 grid,
                 args,
-                setup.constexprs(block_t),
-                (setup.serial, block_t),
+                setup.constexprs(block_t, rows),
+                (setup.serial, block_t, rows),
                 num_warps=tuning.num_warps,
                 maxnreg=maxnreg,
             )
@@ -817,33 +843,33 @@ class _WriteSetup:
     fit_key: tuple  # key of the tile size that fit in shared memory
     serial: int = field(default_factory=lambda: next(_SERIAL))  # the launch key (an id() could be reused)
     bundles: dict = field(default_factory=dict)  # BLOCK_T -> constexpr kwargs
-    caps: dict = field(default_factory=dict)  # BLOCK_T -> register cap of the checked kernel
+    caps: dict = field(default_factory=dict)  # (BLOCK_T, rows) -> register cap of the checked kernel
 
-    def constexprs(self, block_t: int, check: bool | None = None) -> dict:
-        """The launch's constexpr kwargs (PAGE, CFG) at ``block_t`` tokens per program (``check=False``: those of
-        the same write without the store checks)."""
-        key = (block_t, check)
+    def constexprs(self, block_t: int, rows: bool, check: bool | None = None) -> dict:
+        """The launch's constexpr kwargs (PAGE, CFG) at ``block_t`` tokens per program, for row input or not
+        (``check=False``: those of the same write without the store checks)."""
+        key = (block_t, rows, check)
         kw = self.bundles.get(key)
         if kw is None:
-            cfg = (
-                replace(self.cfg, BLOCK_T=block_t) if check is None else replace(self.cfg, BLOCK_T=block_t, CHECK=check)
-            )
+            cfg = replace(self.cfg, BLOCK_T=block_t, ROWS=rows)
+            cfg = cfg if check is None else replace(cfg, CHECK=check)
             kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg))
         return kw
 
-    def check_register_cap(self, grid: tuple, args: tuple, block_t: int, num_warps: int) -> int | None:
+    def check_register_cap(self, grid: tuple, args: tuple, block_t: int, rows: bool, num_warps: int) -> int | None:
         """Registers per thread the checked kernel may use and still keep as many programs per SM as the kernel
         without the checks (compiled and loaded once on CUDA to read its count; None elsewhere): the checks add a
         few live values and a rare path, and crossing 128 registers at 8 warps would halve the programs per SM
         (offline sm_90, mse_k4v3: 128 -> 143 uncapped, 128 with the cap and no spills)."""
-        if block_t not in self.caps:
+        key = (block_t, rows)
+        if key not in self.caps:
             cap = None
             if not INTERPRET and args[0].is_cuda:
-                plain = _LAUNCH.compile(grid, args, self.constexprs(block_t, check=False), num_warps=num_warps)
+                plain = _LAUNCH.compile(grid, args, self.constexprs(block_t, rows, check=False), num_warps=num_warps)
                 plain.run  # noqa: B018  loads the binary: registers per thread are known from then on
                 cap = _register_cap(resident_programs(plain, num_warps, args[0].device), num_warps)
-            self.caps[block_t] = cap
-        return self.caps[block_t]
+            self.caps[key] = cap
+        return self.caps[key]
 
 
 def _register_cap(programs: int, num_warps: int) -> int:
@@ -866,7 +892,7 @@ def _check_fault_record(fault: torch.Tensor, k: torch.Tensor, limits: StoreLimit
         raise ShapeError(
             f"fault: expected int64 [2] on {k.device}, got {fault.dtype} {tuple(fault.shape)} on {fault.device}"
         )
-    if k.shape[1] > FAULT_MAX_HEADS or k.shape[2] > FAULT_MAX_COORDS:
+    if k.shape[-2] > FAULT_MAX_HEADS or k.shape[-1] > FAULT_MAX_COORDS:
         raise ShapeError(
             f"k: the store fault code holds at most {FAULT_MAX_HEADS} KV heads and {FAULT_MAX_COORDS} "
             f"coordinates, got {tuple(k.shape)}"

