@@ -34,6 +34,7 @@ TOOLS = {
     "vllm-run": "vllm_gpu/run.py",
     "vllm-bundle": "vllm_gpu/bundle.py",
     "vllm-sched": "vllm_gpu/sched_compare.py",
+    "vllm-repro-cost": "vllm_gpu/repro_cost.py",
     "vllm-simulate-cuda": "vllm_gpu/simulate_cuda.py",
 }
 

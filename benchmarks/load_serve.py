@@ -607,12 +607,32 @@ def summarize(
             for k, s in (("start", start), ("after_warmup", warm), ("end", end))
         },
         "gpu_growth_mib": round(gpu_growth / 2**20, 1) if gpu_growth is not None else None,
+        "memory_timeline": memory_timeline(rep.samples, start.t),
         "final_burst_ok": sum(o.ok for o in burst),
         "health": health,
         "failures": rep.failures,
         "ok": not rep.failures,
         "outcomes": [asdict(o) for o in outs] if args.keep_outcomes else None,
     }
+
+
+def memory_timeline(samples: list[Sample], t0: float, points: int = 24) -> list[dict]:
+    """At most ``points`` readings (seconds since the start, GPU and RSS MiB, KV usage, running and waiting
+    requests), evenly spread, the last included: when memory grew, and whether it followed load (new prompt
+    shapes, queueing) or stayed flat after the warm-up (stock vLLM on the H200: flat)."""
+    step = max(1, -(-len(samples) // points))
+    chosen = samples[::step] + ([samples[-1]] if (len(samples) - 1) % step else [])
+    return [
+        {
+            "t_s": round(x.t - t0, 1),
+            "gpu_mib": round(x.gpu_bytes / 2**20) if x.gpu_bytes else None,
+            "rss_mib": round(x.rss_bytes / 2**20) if x.rss_bytes else None,
+            "kv_usage": x.kv_usage,
+            "running": x.running,
+            "waiting": x.waiting,
+        }
+        for x in chosen
+    ]
 
 
 def print_summary(s: dict) -> None:
@@ -639,6 +659,9 @@ def print_summary(s: dict) -> None:
         f"  server RSS MiB {s['rss_mib']} (growth after warm-up {s['rss_growth_mib']}); GPU MiB {s['gpu_mib']} "
         f"(growth {s['gpu_growth_mib']}); final burst {s['final_burst_ok']} ok; /health {s['health']}"
     )
+    timeline = s.get("memory_timeline") or []
+    if any(x["gpu_mib"] for x in timeline):
+        print("  GPU MiB over time: " + ", ".join(f"{x['t_s']:.0f}s {x['gpu_mib']}" for x in timeline))
     for f in s["failures"]:
         print(f"  FAIL {f}")
     print("load_serve: " + ("all invariants hold" if s["ok"] else f"{len(s['failures'])} invariant(s) failed"))

@@ -12,6 +12,8 @@ Schema (every key optional; unknown keys are errors)::
     buffer: {recent_tokens: 128, window: block, flush_chunk: 64}   # window: block (own block exact) | sliding
     seed: 0
     layers: {keep_fp16_first: 0, keep_fp16_last: 0, overrides: {5: {keys: {bits: 4}}}}
+    reproducible: false                           # vLLM: greedy outputs independent of batch, chunking, preemption
+                                                  # (docs/vllm.md; env JETSON_TQ_REPRODUCIBLE overrides it)
 """
 
 from __future__ import annotations
@@ -33,7 +35,19 @@ CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", Path(__file__).resolve(
 #: (issue 22).
 DEFAULT_PRESET = "mse_k4v3"
 
-_TOP_KEYS = {"name", "description", "keys", "values", "norm_dtype", "rotation", "buffer", "seed", "layers", "notes"}
+_TOP_KEYS = {
+    "name",
+    "description",
+    "keys",
+    "values",
+    "norm_dtype",
+    "rotation",
+    "buffer",
+    "seed",
+    "layers",
+    "notes",
+    "reproducible",
+}
 _KEY_KEYS = {"mode": "key_mode", "bits": "key_bits", "codebook": "key_codebook"}
 _VALUE_KEYS = {"mode": "value_mode", "bits": "value_bits", "group_size": "value_group"}
 _BUFFER_KEYS = {"recent_tokens": "buffer_tokens", "window": "window", "flush_chunk": "flush_chunk"}
@@ -54,6 +68,7 @@ class TurboQuantConfig:
     keep_fp16_last: int = 0
     overrides: dict[int, KVFormat] = field(default_factory=dict)
     description: str = ""
+    reproducible: bool = False  # the vLLM backend's reproducible mode (``integrations.vllm.settings.reproducible``)
 
     def format_for_layer(self, layer: int, num_layers: int) -> KVFormat:
         """The format of layer ``layer`` (0-based) in a model of ``num_layers`` layers."""
@@ -143,8 +158,16 @@ def config_from_dict(raw: dict, name: str = "custom") -> TurboQuantConfig:
     for key in ("name", "description"):
         if key in raw and not isinstance(raw[key], str):
             raise ConfigError(f"{key}: expected a string, got {type(raw[key]).__name__} {raw[key]!r}")
+    reproducible = raw.get("reproducible", False)
+    if not isinstance(reproducible, bool):
+        raise ConfigError(f"reproducible: expected true or false, got {type(reproducible).__name__} {reproducible!r}")
     return TurboQuantConfig(
-        name=raw.get("name", name), default=default, overrides=overrides, description=raw.get("description", ""), **keep
+        name=raw.get("name", name),
+        default=default,
+        overrides=overrides,
+        description=raw.get("description", ""),
+        reproducible=reproducible,
+        **keep,
     )
 
 

@@ -2,13 +2,15 @@
 # benchmarks/load_serve.py against `vllm serve` on the GPU machine (issue 25): jetson-tq's plugin with the default
 # preset ("ours") or stock vLLM on TRITON_ATTN ("stock"), the same model, flags, KV budget and load, one engine per
 # device call (~5 min each; both in one call would pass the 10-minute limit):
-#   bash benchmarks/vllm_gpu/serve_load.sh OUT ours|stock [DURATION_S=150] [KV_GIB=2]   (repo root = the snapshot)
+#   bash benchmarks/vllm_gpu/serve_load.sh OUT ours|ours-repro|stock [DURATION_S=150] [KV_GIB=2]  (repo root: snapshot)
+# ours-repro: ours with the reproducible mode (JETSON_TQ_REPRODUCIBLE=1). REQ_TIMEOUT (default 150 s) bounds each
+# request and how long in-flight requests may take after the load; load_serve prints the GPU memory timeline.
 # Model: the Qwen2.5-7B shape with dummy bf16 weights and a local 32k-word tokenizer (benchmarks/vllm_gpu/models.py),
 # max_model_len 32768, 64 sequences, a KV budget of KV_GIB GiB for both engines (2 GiB: ~37k tokens stock, ~4x
 # that for ours; 64 clients of 100-30k-token prompts ask for ~330k, so requests queue and vLLM preempts).
 # Writes OUT/load_WHICH.json (the script's summary), OUT/load_WHICH.txt (what it printed) and OUT/server_WHICH.log.gz.
 set -u
-OUT=${1:?out}; WHICH=${2:?ours or stock}; DUR=${3:-150}; KV_GIB=${4:-2}; PORT=8123
+OUT=${1:?out}; WHICH=${2:?ours, ours-repro or stock}; DUR=${3:-150}; KV_GIB=${4:-2}; PORT=8123
 mkdir -p "$OUT"
 # shellcheck disable=SC1091
 source benchmarks/vllm_gpu/unpack.sh bundle /tmp/jtq_site > "$OUT/unpack.log" 2>&1 || { cat "$OUT/unpack.log"; exit 1; }
@@ -24,8 +26,9 @@ args=(--model "$MODEL" --host 127.0.0.1 --port "$PORT" --served-model-name m --l
       --ir-op-priority '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}')
 case "$WHICH" in
   ours) export JETSON_TQ_CONFIG=mse_k4v3 ;;
+  ours-repro) export JETSON_TQ_CONFIG=mse_k4v3 JETSON_TQ_REPRODUCIBLE=1 ;;
   stock) unset JETSON_TQ_CONFIG; args+=(--attention-backend TRITON_ATTN) ;;
-  *) echo "serve_load.sh: expected ours or stock, got '$WHICH'" >&2; exit 2 ;;
+  *) echo "serve_load.sh: expected ours, ours-repro or stock, got '$WHICH'" >&2; exit 2 ;;
 esac
 T0=$(date +%s)
 python3 -m vllm.entrypoints.openai.api_server "${args[@]}" > "$OUT/server_$WHICH.log" 2>&1 &
@@ -39,7 +42,7 @@ until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/
 done
 echo "serve_load.sh: $WHICH up after $(( $(date +%s) - T0 )) s; $(grep -m1 -o 'KV cache size: [0-9,]* tokens' "$OUT/server_$WHICH.log")"
 python3 benchmarks/load_serve.py --port "$PORT" --clients 64 --duration "$DUR" --max-requests 20000 --min-prompt 100 \
-  --max-prompt 30000 --max-tokens 128 --request-timeout 150 --warmup 30 --settle 60 --server-pid "$PID" \
+  --max-prompt 30000 --max-tokens 128 --request-timeout "${REQ_TIMEOUT:-150}" --warmup 30 --settle 60 --server-pid "$PID" \
   --expect-queueing --expect-preemption --json "$OUT/load_$WHICH.json" 2>&1 | tee "$OUT/load_$WHICH.txt"
 RC=${PIPESTATUS[0]}
 kill "$PID"; wait "$PID" 2>/dev/null

@@ -218,6 +218,59 @@ def _dense_part(
 
 
 @triton.jit
+def _exact_aligned(
+    rk_base,
+    rv_base,
+    srkt,
+    srvt,
+    k_base,
+    v_base,
+    skt,
+    svt,
+    clen,
+    hist,
+    ring,
+    p_start,
+    p_end,
+    qpos,
+    lo,
+    qraw,
+    acc,
+    m_i,
+    l_i,
+    rk_ptr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Reproducible mode's exact part: positions [p_start, p_end) in tiles aligned to multiples of BLOCK_N, each
+    token taken from the ring (positions [clen, hist), column p % ring) or from the chunk (position hist + t), so a
+    row meets the same tiles in the same order whatever chunk (or decode step) it arrives in."""
+    j = tl.arange(0, DP)[None, :]
+    for p0 in range(tl.maximum(p_start, 0) // BLOCK_N * BLOCK_N, p_end, BLOCK_N):
+        pos = p0 + tl.arange(0, BLOCK_N)
+        in_ring = (pos >= clen) & (pos < hist)
+        in_chunk = (pos >= hist) & (pos < p_end)
+        rcol = (pos % ring).to(tl.int64)[:, None]
+        tcol = tl.maximum(pos - hist, 0).to(tl.int64)[:, None]
+        ldr = in_ring[:, None] & (j < D)
+        ldc = in_chunk[:, None] & (j < D)
+        kr = tl.load(rk_base + rcol * srkt + j, mask=ldr, other=0.0)
+        kc = tl.load(k_base + tcol * skt + j, mask=ldc, other=0.0).to(rk_ptr.dtype.element_ty)
+        kt = tl.where(in_ring[:, None], kr, kc)
+        s = mma(qraw, tl.trans(kt), tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
+        ok = (in_ring | in_chunk)[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= qpos[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
+        vr = tl.load(rv_base + rcol * srvt + j, mask=ldr, other=0.0)
+        vc = tl.load(v_base + tcol * svt + j, mask=ldc, other=0.0).to(vr.dtype)
+        v = tl.where(in_ring[:, None], vr, vc)
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None], INTERP)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     # ---- pointers
     qt_ptr,  # fp32 [B * Hq * T, QW]: transformed query rows (Pi q, S q) * scale * log2(e)
@@ -273,6 +326,7 @@ def _prefill_kernel(
     BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
     LOAD_STATE: tl.constexpr,  # start from the previous segment's running state
     FINAL: tl.constexpr,  # last segment: the exact part and the output (else store the running state)
+    ALIGNED: tl.constexpr,  # reproducible mode: the exact part in position-aligned tiles (``_exact_aligned``)
     BLOCK_M: tl.constexpr,  # rows (token, query head) per program
     BLOCK_N: tl.constexpr,  # tokens per tile
     INTERP: tl.constexpr,
@@ -348,54 +402,82 @@ def _prefill_kernel(
             * scale_log2
         ).to(rk_ptr.dtype.element_ty)
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
-        ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
-        acc, m_i, l_i = _dense_part(
-            rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
-            rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-            stride_rkt,
-            stride_rvt,
-            0,
-            ring_rows,
-            clen,
-            tl.maximum(ring, 1),
-            True,
-            qpos,
-            lo,
-            qraw,
-            acc,
-            m_i,
-            l_i,
-            rk_ptr,
-            rv_ptr,
-            D,
-            DP,
-            BLOCK_N,
-            INTERP,
-        )
-        t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
-        acc, m_i, l_i = _dense_part(
-            k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-            v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-            stride_kt,
-            stride_vt,
-            t_start,
-            last_tok + 1,
-            hist,
-            1,
-            False,
-            qpos,
-            lo,
-            qraw,
-            acc,
-            m_i,
-            l_i,
-            rk_ptr,
-            rv_ptr,
-            D,
-            DP,
-            BLOCK_N,
-            INTERP,
-        )
+        if ALIGNED:
+            acc, m_i, l_i = _exact_aligned(
+                rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+                stride_rkt,
+                stride_rvt,
+                k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+                v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+                stride_kt,
+                stride_vt,
+                clen,
+                hist,
+                tl.maximum(ring, 1),
+                lo_first,
+                hist + last_tok + 1,
+                qpos,
+                lo,
+                qraw,
+                acc,
+                m_i,
+                l_i,
+                rk_ptr,
+                D,
+                DP,
+                BLOCK_N,
+                INTERP,
+            )
+        else:
+            ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
+            acc, m_i, l_i = _dense_part(
+                rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+                stride_rkt,
+                stride_rvt,
+                0,
+                ring_rows,
+                clen,
+                tl.maximum(ring, 1),
+                True,
+                qpos,
+                lo,
+                qraw,
+                acc,
+                m_i,
+                l_i,
+                rk_ptr,
+                rv_ptr,
+                D,
+                DP,
+                BLOCK_N,
+                INTERP,
+            )
+            t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
+            acc, m_i, l_i = _dense_part(
+                k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+                v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+                stride_kt,
+                stride_vt,
+                t_start,
+                last_tok + 1,
+                hist,
+                1,
+                False,
+                qpos,
+                lo,
+                qraw,
+                acc,
+                m_i,
+                l_i,
+                rk_ptr,
+                rv_ptr,
+                D,
+                DP,
+                BLOCK_N,
+                INTERP,
+            )
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         optr = (
             out_ptr
@@ -448,7 +530,8 @@ def workspace_segment(
 
 @dataclass(frozen=True)
 class PrefillTuning:
-    """Launch knobs of ``chunked_prefill`` (results do not depend on them)."""
+    """Launch knobs of ``chunked_prefill`` (results do not depend on them beyond float rounding; ``reproducible``
+    fixes that rounding too)."""
 
     block_m: int | None = None  # rows (token, query head) per program; None: ``default_block_m``
     block_n: int = BLOCK_N  # tokens per tile
@@ -456,6 +539,9 @@ class PrefillTuning:
     num_stages: int | None = None  # None: as many as fit in shared memory (``fit_stages``)
     workspace_tokens: int | None = None  # tokens per (sequence, KV head) dequantized at a time; None: from
     # ``WORKSPACE_BYTES`` (rounded to the tile sizes)
+    reproducible: bool = False  # a row's result depends only on its position and the data, not on the chunk it
+    # arrives in or the batch beside it: the exact part in position-aligned tiles and a fixed query-transform tile
+    # (bitwise reproducible, not a speed knob; the vLLM backend's reproducible mode)
 
 
 DEFAULT_TUNING = PrefillTuning()
@@ -509,7 +595,7 @@ def chunked_prefill(
     spec, page = page_spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E)
+    qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E, reproducible=tuning.reproducible)
     g = hq // hkv
     rk, rv = kv.recent_k, kv.recent_v
     ring = rk.shape[2]  # the window R: positions older than exact_start(p) are read compressed
@@ -622,11 +708,26 @@ def chunked_prefill(
                 BLOCK_WINDOW=block_window,
                 LOAD_STATE=flags[0],
                 FINAL=flags[1],
+                ALIGNED=tuning.reproducible,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 INTERP=INTERPRET,
             ),
-            (hkv, g, qt.shape[1], kw, d, dp, prod, kq_bf16, block_window, *flags, block_m, block_n),
+            (
+                hkv,
+                g,
+                qt.shape[1],
+                kw,
+                d,
+                dp,
+                prod,
+                kq_bf16,
+                block_window,
+                *flags,
+                tuning.reproducible,
+                block_m,
+                block_n,
+            ),
             num_warps=tuning.num_warps,
             num_stages=num_stages,
         )

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..errors import ShapeError
-from ._common import INTERPRET, next_pow2, workspace
+from ._common import INTERPRET, next_pow2
 from ._launch import FastLauncher
 
 
@@ -53,8 +53,13 @@ _LAUNCH = FastLauncher(_query_transform_kernel)
 PREFILL_ROWS = 4096  # query rows from which a launch takes the 64-row programs
 
 
-def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``scale * q @ qmat.T`` in fp32 for q [A, H, D] (last dim contiguous) -> [A * H, QW]."""
+def query_transform(
+    q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torch.Tensor | None = None, reproducible: bool = False
+) -> torch.Tensor:
+    """``scale * q @ qmat.T`` in fp32 for q [A, H, D] (last dim contiguous) -> [A * H, QW]. Without ``out`` the
+    result is a fresh tensor (the caching allocator reuses it; a per-shape workspace grew without bound under
+    ragged prefill chunks). ``reproducible``: the same tile shape at any row count and exact fp32 products
+    ("ieee"), so a query row's result does not depend on how many rows share the launch."""
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ShapeError(f"q: expected [A, H, D] with a contiguous last dim, got {tuple(q.shape)} strides {q.stride()}")
     a, h, d = q.shape
@@ -63,10 +68,10 @@ def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torc
         raise ShapeError(f"qmat: expected [QW, {d}], got {tuple(qmat.shape)}")
     rows = a * h
     if out is None:
-        out = workspace("qt", (rows, qw), torch.float32, q.device)
+        out = torch.empty(rows, qw, dtype=torch.float32, device=q.device)
     # 16 rows per program for decode; prefill-sized calls take 64 (each program reloads M: H200 call B spent 91 us on
     # 65536 rows at 16; offline sm_90 at 64: 186 registers, no spills, 2.7x fewer instructions per row)
-    block_r = 64 if rows >= PREFILL_ROWS and d <= 128 else 16
+    block_r = 64 if rows >= PREFILL_ROWS and d <= 128 and not reproducible else 16
     block_w = min(64, next_pow2(qw))
     grid = (triton.cdiv(rows, block_r), triton.cdiv(qw, block_w))
     _LAUNCH(
@@ -78,9 +83,9 @@ def query_transform(q: torch.Tensor, qmat: torch.Tensor, scale: float, out: torc
             QW=qw,
             BLOCK_R=block_r,
             BLOCK_W=block_w,
-            PRECISION="ieee" if INTERPRET else "tf32x3",
+            PRECISION="ieee" if INTERPRET or reproducible else "tf32x3",
         ),
-        (d, qw, block_r, block_w),
+        (d, qw, block_r, block_w, reproducible),
         num_warps=4,
     )
     return out

@@ -127,17 +127,21 @@ def prefill(
     backend: str | None = None,
     attn_mask: torch.Tensor | None = None,
     max_tokens: int | None = None,
+    reproducible: bool = False,
 ) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus its own k, v [B, Hkv, T, D] (causal,
     window rule of ``attention.reference.paged_attention_prefill``; the pages already hold the chunk).
 
     An explicit ``attn_mask`` (padding, custom patterns) is served by the reference. ``max_tokens``: a host-side
     bound on every sequence's history + T, when the caller knows one (sizes the kernel's workspace).
+    ``reproducible``: a row's result is bitwise independent of the chunk and batch it arrives in (the kernel's
+    ``PrefillTuning.reproducible``; the reference computes each row the same way already, up to torch's own kernels).
     """
     if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
-        from ..kernels.prefill import chunked_prefill
+        from ..kernels.prefill import DEFAULT_TUNING, PrefillTuning, chunked_prefill
 
-        return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens)
+        tuning = PrefillTuning(reproducible=True) if reproducible else DEFAULT_TUNING
+        return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens, tuning=tuning)
     return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask)
 
 

@@ -87,3 +87,10 @@ def test_head_dim_mismatch_and_missing_files(tmp_path):
     bad.write_text("keys: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_reproducible_field():
+    assert config_from_dict({}).reproducible is False
+    assert config_from_dict({"reproducible": True}).reproducible is True
+    with pytest.raises(ConfigError, match="reproducible: expected true or false, got str 'yes'"):
+        config_from_dict({"reproducible": "yes"})

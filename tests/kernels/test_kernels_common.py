@@ -195,3 +195,19 @@ def test_resident_programs(regs, shared, warps, want):
 
     compiled = SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared))
     assert resident_programs(compiled, warps, torch.device("cpu")) == want
+
+
+def test_workspaces_stay_bounded_under_ragged_shapes(monkeypatch):
+    """Scratch buffers come in power-of-two size classes: 300 distinct leading sizes (ragged batches) hold at most
+    twice the largest one, not one buffer per shape (which grew the H200 server's memory by 16.5 GB)."""
+    from jetson_tq.kernels import _common
+
+    monkeypatch.setattr(_common, "_WORKSPACES", {})
+    for n in range(1, 301):
+        w = _common.workspace("t", (n, 8), torch.float32, torch.device("cpu"))
+        assert w.shape == (n, 8) and w.is_contiguous()
+        w.fill_(n)
+    assert _common.workspace_bytes() <= 2 * 512 * 8 * 4
+    assert len(_common._WORKSPACES) == 10  # classes 1, 2, 4, ..., 512
+    c = _common.counters(5, torch.device("cpu"))
+    assert c.shape == (5,) and int(c.abs().sum()) == 0

@@ -39,7 +39,7 @@ from ...errors import ShapeError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count
 from ...paged import PagedKV
 from . import hooks
-from .settings import active_config, preferred_block_size
+from .settings import active_config, preferred_block_size, reproducible
 
 if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
@@ -115,6 +115,11 @@ class TurboQuantAttentionBackend(AttentionBackend):
     def use_cascade_attention(*args, **kwargs) -> bool:
         return False
 
+    @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # vLLM's VLLM_BATCH_INVARIANT check: our outputs are batch-invariant in the reproducible mode only
+        return reproducible()
+
 
 @dataclass
 class TurboQuantMetadata:
@@ -145,6 +150,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec) -> AttentionCGSupport:
         device = torch.device(cast("torch.device | str", vllm_config.device_config.device))  # resolved by vLLM
+        if reproducible():  # decode rows run the prefill kernel eagerly (vLLM keeps piecewise graphs around it)
+            return AttentionCGSupport.NEVER
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
@@ -281,6 +288,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.recent_k: torch.Tensor | None = None
         self.recent_v: torch.Tensor | None = None
         self._checked_pages = False
+        # reproducible mode: every query row (decode or prompt) runs the prefill kernel with position-aligned tiles
+        self.reproducible = reproducible()
 
     # ---------------------------------------------------------------- startup
     def pick_format(self, layer_name: str, vllm_config: VllmConfig) -> tuple[KVFormat, int]:
@@ -447,7 +456,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         md = attn_metadata
         if not self._checked_pages:
             self._check(kv_cache, md)
-        if md.num_decodes and ops.graph_safe(query.device) and md.num_decodes == md.num_reqs:
+        if md.num_decodes and ops.graph_safe(query.device) and md.num_decodes == md.num_reqs and not self.reproducible:
             self._decode_graph_safe(query, key, value, kv_cache, md, output)
         else:
             self._forward_eager(query, key, value, kv_cache, md, output)
@@ -468,7 +477,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
         qsl, seq, ctx, rows = md.query_start_loc, md.seq_lens, md.context_lens, md.ring_rows
         q_lens = np.diff(qsl)
         dec = np.nonzero((q_lens[: md.num_decodes] == 1) & (seq[: md.num_decodes] > 0))[0]
-        if dec.size:
+        if dec.size and self.reproducible:
+            self._decode_as_prefill(query, key, value, kv_cache, md, output, dec)
+        elif dec.size:
             tok = torch.from_numpy(qsl[dec]).to(dev)
             L = seq[dec]
             rec = exact_count(L, R, md.block_window)
@@ -502,7 +513,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
             v = value[qs:qe].transpose(0, 1).unsqueeze(0)
-            out = ops.prefill(q, k, v, kv, self.scale, max_tokens=s + qe - qs)  # this request's tokens so far
+            out = ops.prefill(q, k, v, kv, self.scale, max_tokens=s + qe - qs, reproducible=self.reproducible)
             output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
             if R > 0:
                 assert self.recent_k is not None and self.recent_v is not None  # _check ran
@@ -511,3 +522,29 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 row_idx = torch.full_like(cols, row)  # two index tensors around ':' -> [n, H, D], as key rows are
                 self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
                 self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
+
+    def _decode_as_prefill(self, query, key, value, kv_cache, md: TurboQuantMetadata, output, dec: np.ndarray) -> None:
+        """Reproducible mode: decode rows ``dec`` as one-token prefill chunks in one launch, so a position's output
+        is bitwise what a prompt chunk holding it computes (after a preemption vLLM recomputes generated tokens as
+        a prompt) and does not depend on the other rows. The ring gets the new token after attention, as for a
+        chunk."""
+        dev, R = query.device, md.recent_tokens
+        tok = torch.from_numpy(md.query_start_loc[dec]).to(dev)
+        s = md.seq_lens[dec] - 1  # history before the new token
+        r = s % R if (md.block_window and R > 0) else np.minimum(s, R)  # history tokens the ring holds
+        ring_rows = torch.from_numpy(md.ring_rows[dec]).to(dev)
+        kv = self._paged(
+            kv_cache,
+            md.block_table[torch.from_numpy(dec).to(dev)],
+            torch.from_numpy(s - r).to(dev, torch.int32),
+            torch.from_numpy(r).to(dev, torch.int32),
+            ring_rows,
+        )
+        q, k, v = (x[tok].unsqueeze(2) for x in (query, key, value))  # [rows, H, 1, D]
+        out = ops.prefill(q, k, v, kv, self.scale, max_tokens=int(s.max()) + 1, reproducible=True)
+        output[tok] = out[:, :, 0].to(output.dtype)
+        if R > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
+            cols = torch.from_numpy(s % R).to(dev)
+            self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
+            self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)

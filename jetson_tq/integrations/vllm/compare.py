@@ -433,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(on CPU also set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1', docs/vllm.md)",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="GPU: let vLLM capture CUDA graphs")
+    p.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="jetson-tq's reproducible mode (JETSON_TQ_REPRODUCIBLE=1; with VLLM_BATCH_INVARIANT=1 for both engines "
+        "on a GPU): greedy outputs independent of batch, chunking and preemption (docs/vllm.md)",
+    )
     p.add_argument("--worker", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--worker-many", nargs=2, metavar=("JOBS", "OUT"), help=argparse.SUPPRESS)
     return p
@@ -510,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     env = dict(os.environ)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.reproducible:
+        env["JETSON_TQ_REPRODUCIBLE"] = "1"
+        if on_gpu:  # the baseline gets vLLM's batch-invariant kernels too, so the two stay comparable
+            env.setdefault("VLLM_BATCH_INVARIANT", "1")
     if not on_gpu:
         env = tp_cpu_env(env, args.tensor_parallel_size)
     base = run_engine_subprocess(job, None, env)

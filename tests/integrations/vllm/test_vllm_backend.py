@@ -45,9 +45,10 @@ def _schedule():
 HIT_STEP = [("A", 1), ("E", 10)]  # E arrives with a prefix-cache hit on A's first block (16 tokens)
 
 
-def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False) -> float:
+def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False, reproducible: bool = False) -> float:
     g = torch.Generator().manual_seed(seed)
     impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
+    impl.reproducible = reproducible  # decode rows as one-token prefill chunks (the reproducible mode's route)
     impl.set_format(fmt, LAYER, BS, dtype)
     impl.allocate_recent(4, torch.device("cpu"), dtype)
     pages = allocate_pages(impl.layout, 64, HKV)
@@ -156,6 +157,13 @@ def test_block_window_impl_matches_reference_with_a_prefix_hit(ring):
     """``window: block`` (R divides the 16-token vLLM block): chunked prefill straddling block boundaries, decode
     rows, and a request that starts at position 16 on another request's cached block with an empty ring."""
     assert _run(KVFormat(buffer_tokens=ring, window="block"), hit=True) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", [KVFormat(buffer_tokens=8), KVFormat(buffer_tokens=8, window="block")])
+def test_reproducible_mode_decode_rows_match_the_reference(fmt):
+    """The reproducible mode serves decode rows with the prefill path (one-token chunks in one call, the ring
+    filled after attention): the same attention as the decode path, sliding and block windows, with a prefix hit."""
+    assert _run(fmt, reproducible=True, hit=fmt.block_window) < 2e-5
 
 
 def test_impl_bf16_model():

@@ -97,3 +97,45 @@ def test_prefix_caching_stays_on_only_for_block_windows_that_divide_the_block(mo
     assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 128
     monkeypatch.setenv(settings.ENV_CONFIG, "blog_k3v2")
     assert TurboQuantAttentionBackend.get_preferred_block_size(16) == 16
+
+
+def test_reproducible_switch_env_config_and_conflicts(monkeypatch, tmp_path):
+    """One name: the config's ``reproducible`` field, overridden by ``JETSON_TQ_REPRODUCIBLE``; bad values and a
+    ``VLLM_BATCH_INVARIANT=0`` beside it are named errors; on, it sets vLLM's batch-invariant mode when unset."""
+    monkeypatch.delenv(settings.ENV_REPRODUCIBLE, raising=False)
+    monkeypatch.setenv(settings.ENV_CONFIG, "mse_k4v3")
+    assert settings.reproducible() is False
+    cfg = tmp_path / "repro.yaml"
+    cfg.write_text("name: repro\nreproducible: true\n")
+    monkeypatch.setenv(settings.ENV_CONFIG, str(cfg))
+    assert settings.reproducible() is True
+    monkeypatch.setenv(settings.ENV_REPRODUCIBLE, "off")
+    assert settings.reproducible() is False
+    monkeypatch.setenv(settings.ENV_REPRODUCIBLE, "maybe")
+    with pytest.raises(ConfigError, match="JETSON_TQ_REPRODUCIBLE='maybe': expected one of"):
+        settings.reproducible()
+    monkeypatch.setenv(settings.ENV_BATCH_INVARIANT, "")  # empty = unset; monkeypatch restores the original after
+    assert settings.require_batch_invariant_vllm() is True
+    import os
+
+    assert os.environ[settings.ENV_BATCH_INVARIANT] == "1"
+    assert settings.require_batch_invariant_vllm() is False  # already on
+    monkeypatch.setenv(settings.ENV_BATCH_INVARIANT, "0")
+    with pytest.raises(ConfigError, match="VLLM_BATCH_INVARIANT='0' turns vLLM's batch-invariant kernels off"):
+        settings.require_batch_invariant_vllm()
+
+
+def test_prefill_transients_are_set_aside():
+    """The budget for prefill temporaries vLLM's profile never sees: query transform + output per chunk token, the
+    workspace capped by the kernel's budget, the running state only when the history needs several segments."""
+    from jetson_tq.config import load_config
+    from jetson_tq.integrations.vllm.spec import prefill_transient_bytes
+    from jetson_tq.kernels.prefill import WORKSPACE_BYTES
+
+    fmt = load_config("mse_k4v3").default
+    short = prefill_transient_bytes(fmt, 28, 4, 128, 16384, 32768, 2)  # Qwen2.5-7B shape, 16k-token chunks
+    assert short == 16384 * 28 * (128 * 4 + 128 * 2) + 4 * 32768 * 256 * 2 + 4 * 64 * 256 * 2
+    long = prefill_transient_bytes(fmt, 28, 4, 128, 16384, 1 << 20, 2)
+    assert long == 16384 * 28 * (128 * 4 + 128 * 2) + WORKSPACE_BYTES + 4 * 64 * 256 * 2 + 16384 * 28 * 130 * 4
+    prod = prefill_transient_bytes(load_config("blog_k3v2").default, 28, 4, 128, 1, 100, 2)
+    assert prod == 28 * (256 * 4 + 128 * 2) + 4 * 100 * 384 * 2 + 4 * 64 * 384 * 2
