@@ -510,3 +510,8 @@ def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     if layout.fmt.value_mode == "mse":
         return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
     return None
+
+
+PREFILL_WORKSPACE_BYTES = 256 << 20
+"""fp16 workspace bound of one Triton prefill call: 64k tokens x 8 KV heads at D=128 (mse keys); the vLLM worker
+budget sets it aside."""

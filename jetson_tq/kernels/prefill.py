@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError, expect_same_device
+from ..format import PREFILL_WORKSPACE_BYTES
 from ..paged import PagedKV
 from ._common import INTERPRET, KEY_PROD, KEY_RAW, LOG2E, VAL_RAW, codec_constants, cuda_or_interpreter, page_spec
 from ._launch import FastLauncher
@@ -498,7 +499,7 @@ NUM_WARPS = 8  # 64-row warp groups: Triton emits wgmma on sm_90
 NUM_STAGES = 3
 SHARED_BYTES = 232448  # sm_90 shared memory per block (227 KB)
 DEQUANT_TOKENS = 64  # tokens per dequantization program (4 warps); 32 above head_dim 128 (registers)
-WORKSPACE_BYTES = 256 << 20  # fp16 workspace bound per call: 64k tokens x 8 KV heads at D=128 (mse keys)
+WORKSPACE_BYTES = PREFILL_WORKSPACE_BYTES  # fp16 workspace bound per call (format.py: the worker budget reads it too)
 
 
 def default_block_m(head_dim: int) -> int:

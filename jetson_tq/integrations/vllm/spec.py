@@ -29,7 +29,7 @@ import torch
 
 from ...config import TurboQuantConfig
 from ...errors import ConfigError, FormatError, UnsupportedPlatformError
-from ...format import KVFormat, PagedLayout, next_pow2
+from ...format import PREFILL_WORKSPACE_BYTES, KVFormat, PagedLayout, next_pow2
 
 
 class UnsupportedModelError(UnsupportedPlatformError):
@@ -332,15 +332,14 @@ def prefill_transient_bytes(
 ) -> int:
     """Peak bytes of one Triton prefill call's temporaries for a ``tokens``-token chunk of a request up to
     ``max_len`` tokens: the fp32 transformed query, the output, the dequantized fp16 workspace (capped by the
-    kernel's ``WORKSPACE_BYTES``) and, when the history needs several workspace segments, the fp32 running state.
+    ``format.PREFILL_WORKSPACE_BYTES``) and, when the history needs several workspace segments, the fp32 running
+    state.
     vLLM's start-up profile runs attention without metadata, so it never sees these; the worker budget sets them
     aside."""
-    from ...kernels.prefill import WORKSPACE_BYTES  # lazy: triton is imported only where the kernels run
-
     dp = next_pow2(head_dim)
     prod = fmt.key_mode == "prod"
     kw, qw = (2 * dp, 2 * head_dim) if prod else (dp, head_dim)
     whole = num_kv_heads * max_len * (kw + dp) * 2
-    workspace = min(whole, WORKSPACE_BYTES) + num_kv_heads * 64 * (kw + dp) * 2  # rounded to the tile sizes
-    state = tokens * num_heads * (dp + 2) * 4 if whole > WORKSPACE_BYTES else 0
+    workspace = min(whole, PREFILL_WORKSPACE_BYTES) + num_kv_heads * 64 * (kw + dp) * 2  # rounded to the tile sizes
+    state = tokens * num_heads * (dp + 2) * 4 if whole > PREFILL_WORKSPACE_BYTES else 0
     return tokens * num_heads * (qw * 4 + head_dim * elt) + workspace + state
