@@ -13,6 +13,9 @@ hook is installed (profilers), the plain JIT path runs.
 
 Compiles run with Triton's JIT hooks off: a hook makes Triton serialize every constexpr to JSON first, which a
 named-tuple constexpr bundle (``_common.constexpr_bundle``) cannot be, and vLLM installs one (its JIT monitor).
+
+``specializations.record()`` (opt-in, a list check when off) sees every launch's Triton specialization key, also
+under the interpreter.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 import torch
 from triton import knobs
 
+from . import specializations
 from ._common import INTERPRET
 
 
@@ -62,6 +66,11 @@ class FastLauncher:
         pointer is 16-byte aligned (an OR of the pointers, % 16) — then no per-argument key is built; None: the
         generic per-argument key."""
         opts = _options(num_warps, num_stages, maxnreg)
+        rec = specializations.active()
+        if rec is not None:
+            rec.add(specializations.spec_key(self.kernel, args, constexprs, opts))
+            if not rec.launch:
+                return
         if INTERPRET or not args[0].is_cuda or _launch_hooked():
             with compile_hooks_off():
                 self.kernel[grid](*args, **constexprs, **opts)
@@ -100,10 +109,14 @@ class FastLauncher:
     ):
         """The ``CompiledKernel`` these arguments launch (compiled now, or taken from Triton's cache; nothing runs);
         None under the interpreter."""
+        opts = _options(num_warps, num_stages, maxnreg)
+        rec = specializations.active()
+        if rec is not None:  # a compile too (it fills Triton's cache for the launch that follows)
+            rec.add(specializations.spec_key(self.kernel, args, constexprs, opts))
         if INTERPRET:
             return None
         with compile_hooks_off():
-            return self.kernel.warmup(*args, grid=grid, **constexprs, **_options(num_warps, num_stages, maxnreg))
+            return self.kernel.warmup(*args, grid=grid, **constexprs, **opts)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, cast
@@ -224,6 +225,22 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         )
 
 
+def _warm_up_lengths(num_heads: int, budget: int) -> list[int]:
+    """Chunk lengths whose launches cover every int specialization class (== 1 aside: vLLM puts one-token rows
+    first, as decodes) a prefill chunk of up to ``budget`` tokens gets: Triton keys ints on divisibility by 16, and
+    the query transform takes both T and T * heads, so a short and a long chunk (long ones take other tiles) each
+    come as T % 16 == 0, T odd, and T not divisible by 16 with T * heads divisible by 16 (when the head count
+    allows one)."""
+    step = 16 // math.gcd(num_heads, 16)  # the least T with T * heads % 16 == 0
+    big = 16 * ((budget - 1) // 16)
+    out: set[int] = set()
+    for base in [16] + ([big] if big > 16 else []):
+        out |= {base, base + 1}
+        if 1 < step < 16:
+            out.add(base + step if base == 16 else base - 16 + step)
+    return sorted(n for n in out if n <= max(budget, 17))
+
+
 def _max_model_len() -> int | None:
     """max_model_len of the engine being built (None outside one: then any sliding window is refused)."""
     from vllm.config import get_current_vllm_config
@@ -348,18 +365,35 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.recent_v = torch.zeros(shape, dtype=dtype, device=device)
 
     @torch.inference_mode()  # vLLM allocates its caches as inference tensors (H200 call 9: in-place writes refused)
-    def warm_up(self, kv_cache: torch.Tensor, lengths: tuple[int, ...] = (16, 17), decode_rows=(1, 2, 16)) -> None:
+    def warm_up(
+        self,
+        kv_cache: torch.Tensor,
+        max_rows: int = 16,
+        table_width: int | None = None,
+        max_len: int | None = None,
+        budget: int = 2048,
+    ) -> None:
         """Run this layer's write, prefill and eager decode paths on vLLM's null block (block 0, never a request's)
         and the scratch ring row, so Triton compiles at engine start, not in the first request's TTFT (H200 call 9:
-        the first 32k prompt waited 12.3 s, later ones ~6 s). Triton specializes integer arguments equal to 1 or
-        divisible by 16, hence two chunk lengths, a chunk with and without compressed history, and 1 / 2 / 16
-        decode rows (mixed batches run decode rows outside graphs)."""
+        the first 32k prompt waited 12.3 s, later ones ~6 s; issue 23: 2.48 s vs FA3's 0.61 s at 8k).
+
+        The launches take the shapes a request's do, so they compile the same specializations
+        (tests/integrations/vllm/test_vllm_warmup.py checks it): block tables ``table_width`` columns wide (vLLM's
+        ``cdiv(max_model_len, block_size)``: their row stride is a kernel argument); chunks of ``_warm_up_lengths``
+        tokens, each first, over a short history and ending at the table's capacity (the prefill workspace's segment
+        flags); decode batches
+        of every row count 1..``max_rows`` (max_num_seqs: the split count, hence its int classes and the reduce
+        width, follows the batch). Row counts that share a specialization launch again without compiling."""
         if self.layout is None or self.recent_k is None or kv_cache.numel() == 0:
             return
         fmt = self.fmt
         assert fmt is not None  # set with the layout
         dev, dtype, bs = kv_cache.device, self.recent_k.dtype, self.layout.block_size
         scratch = self.recent_k.shape[0] - 1
+        hist = -(-(bs + fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
+        lengths = _warm_up_lengths(self.num_heads, min(budget, max_len or budget))
+        width = table_width or -(-max(max_len or 0, hist + max(lengths)) // bs)
+        table = torch.zeros(max(1, max_rows), width, dtype=torch.int32, device=dev)
         empty32, empty64 = (torch.zeros(0, dtype=t, device=dev) for t in (torch.int32, torch.int64))
 
         def meta(q_lens, ctx_lens, n_dec: int) -> TurboQuantMetadata:
@@ -374,10 +408,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 seq_lens=ctx_lens + q_lens,
                 context_lens=ctx_lens,
                 ring_rows=np.full(len(q_lens), scratch),
-                block_table=torch.zeros(
-                    len(q_lens), -(-int((ctx_lens + q_lens).max()) // bs), dtype=torch.int32, device=dev
-                ),
-                slot_mapping=torch.arange(n, dtype=torch.int64, device=dev) % bs,
+                block_table=table[: len(q_lens)],
+                slot_mapping=torch.arange(n, dtype=torch.int64, device=dev) % bs,  # block 0's slots only
                 dec_ring_rows=empty64,
                 dec_ring_cols=empty64,
                 dec_compressed_lens=empty32,
@@ -392,11 +424,10 @@ class TurboQuantAttentionImpl(AttentionImpl):
             self.do_kv_cache_update(None, kv, kv, kv_cache, md.slot_mapping)
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
 
-        hist = -(-(bs + fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
-        for n in sorted({min(n, bs) for n in lengths}):
-            step(meta([n], [0], 0))  # a first chunk
-            step(meta([n], [hist], 0))  # a later chunk (its pages: block 0 again)
-        for rows in decode_rows:
+        for n in lengths:  # a first chunk, one over a short history, one ending at the table's capacity
+            for ctx in sorted({c for c in (0, hist, width * bs - n) if 0 <= c <= width * bs - n}):
+                step(meta([n], [ctx], 0))
+        for rows in range(1, max(1, max_rows) + 1):
             step(meta([1] * rows, [hist + 1] * rows, rows))
 
     # ---------------------------------------------------------------- write path

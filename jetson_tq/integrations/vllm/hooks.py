@@ -19,6 +19,7 @@ backend chosen).
 from __future__ import annotations
 
 import inspect
+import time
 import weakref
 
 import torch
@@ -403,6 +404,16 @@ def _memory_wrap(original):
     return determine_available_memory
 
 
+def block_table_width(runner, block_size: int) -> int:
+    """Columns of the runner's block table for ``block_size``-token blocks (the row stride our kernels get; vLLM
+    sizes it ``cdiv(max_model_len, block_size)``, which is the fallback)."""
+    tables = getattr(getattr(getattr(runner, "input_batch", None), "block_table", None), "block_tables", None) or []
+    for table in tables:
+        if getattr(table, "block_size", None) == block_size:
+            return int(table.max_num_blocks_per_req)
+    return -(-int(runner.model_config.max_model_len) // block_size)
+
+
 def _runner_wrap(original):
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         global _RUNNER
@@ -420,7 +431,15 @@ def _runner_wrap(original):
             cache = bound_cache(layer)
             if torch.device(self.device).type == "cuda" and cache is not None and key not in warmed:
                 try:  # Triton compiles now, not in the first request (once per format)
-                    layer.impl.warm_up(cache)
+                    sched, start = self.vllm_config.scheduler_config, time.perf_counter()
+                    layer.impl.warm_up(
+                        cache,
+                        max_rows=int(sched.max_num_seqs),
+                        table_width=block_table_width(self, layer.impl.layout.block_size),
+                        max_len=int(self.model_config.max_model_len),
+                        budget=int(sched.max_num_batched_tokens),
+                    )
+                    logger().info("jetson-tq: kernel warm-up of %s took %.2f s", key, time.perf_counter() - start)
                 except Exception as exc:  # the first request then compiles, and raises if the path is broken
                     logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
                 warmed.add(key)

@@ -1,0 +1,120 @@
+"""The engine-start warm-up compiles every Triton specialization a first request and its first decode steps launch.
+
+No engine, no GPU: the backend impl of a realistic layer is driven as vLLM's model runner drives it (full-width
+block tables of ``cdiv(max_model_len, block_size)`` columns, decode rows first, chunked prefill in vLLM's token
+budgets, decode batches of every CUDA-graph capture size, mixed batches with odd decode counts), with the kernels
+recorded but not run (``kernels.specializations.record(launch=False)``, under Triton's interpreter on CPU). Every
+key the request shapes launch must be one the warm-up launched; the failure lists the missing ones and how each
+differs from the warm-up's nearest key. The decode split count sees the H200's 132 SMs, as on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from jetson_tq.config import load_config
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.settings import preferred_block_size
+from jetson_tq.kernels import hybrid_decode, specializations
+
+pytestmark = pytest.mark.kernel
+
+MAX_MODEL_LEN, MAX_NUM_SEQS, PROMPT = 16384, 32, 8192
+CAPTURE_SIZES = [1, 2, 4] + list(range(8, MAX_NUM_SEQS + 1, 8))  # vLLM's default list, up to max_num_seqs
+BUDGETS = (2048, 8192, 16384)  # max_num_batched_tokens
+
+
+class Layer:
+    """One layer's impl, its (never read) pages and the batch builder vLLM's metadata builder would produce."""
+
+    def __init__(self, preset: str, hq: int, hkv: int, d: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        cfg = load_config(preset)
+        self.fmt = cfg.format_for_layer(1, 4)
+        self.bs = preferred_block_size(16, cfg)
+        self.width = -(-MAX_MODEL_LEN // self.bs)
+        self.impl = TurboQuantAttentionImpl(hq, d, 1.0 / math.sqrt(d), hkv)
+        self.impl.set_format(self.fmt, 1, self.bs, dtype)
+        self.impl.allocate_recent(MAX_NUM_SEQS, torch.device("cpu"), dtype)
+        self.pages = torch.zeros(4, hkv, self.impl.layout.page_bytes, dtype=torch.uint8)
+        self.hq, self.hkv, self.d, self.dtype = hq, hkv, d, dtype
+
+    def step(self, q_lens: list[int], ctx_lens: list[int]) -> None:
+        """One engine step: rows with one new token first (decodes), then prefill chunks."""
+        q_arr, ctx = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
+        nd = int(np.argmin(q_arr <= 1)) if not (q_arr <= 1).all() else len(q_arr)
+        n = int(q_arr.sum())
+        empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+        md = TurboQuantMetadata(
+            num_actual_tokens=n,
+            num_reqs=len(q_arr),
+            num_decodes=nd,
+            recent_tokens=self.fmt.buffer_tokens,
+            block_window=self.fmt.block_window,
+            query_start_loc=np.concatenate([[0], np.cumsum(q_arr)]),
+            seq_lens=ctx + q_arr,
+            context_lens=ctx,
+            ring_rows=np.arange(len(q_arr), dtype=np.int64),
+            block_table=torch.zeros(MAX_NUM_SEQS, self.width, dtype=torch.int32)[: len(q_arr)],
+            slot_mapping=torch.arange(n, dtype=torch.int64) % self.bs,
+            dec_ring_rows=empty64,
+            dec_ring_cols=empty64,
+            dec_compressed_lens=empty32,
+            dec_recent_lens=empty32,
+        )
+        q = torch.zeros(n, self.hq, self.d, dtype=self.dtype)
+        kv = torch.zeros(n, self.hkv, self.d, dtype=self.dtype)
+        self.impl.do_kv_cache_update(None, kv, kv, self.pages, md.slot_mapping)
+        self.impl.forward(None, q, kv, kv, self.pages, md, torch.empty_like(q))
+
+
+def first_requests(layer: Layer, budget: int) -> None:
+    """The shapes of a first request (an 8k prompt, and one of odd length) and of the first decode steps, under a
+    token budget of ``budget`` (max_num_batched_tokens)."""
+    for prompt in (PROMPT, PROMPT - 1, 100, 333):
+        done = 0
+        while done < prompt:  # chunked prefill: first chunk, chunks over compressed history, a partial last
+            chunk = min(budget, prompt - done)
+            layer.step([chunk], [done])
+            done += chunk
+    # mixed steps: decode rows of earlier requests first, then a chunk filling the rest of the token budget
+    for nd in (1, 3, 7, 24, MAX_NUM_SEQS - 1):
+        chunk = min(budget - nd, PROMPT)
+        layer.step([1] * nd + [chunk], [PROMPT + nd] * nd + [PROMPT - chunk])
+    for rows in CAPTURE_SIZES + [3, 5, 9, 13, 31]:  # decode-only batches (graph sizes), odd eager ones
+        layer.step([1] * rows, [PROMPT + i for i in range(rows)])
+
+
+@pytest.fixture(autouse=True)
+def _h200_kernels(monkeypatch):
+    """The Triton kernels on CPU tensors (interpreter), sized as on an H200 (132 SMs)."""
+    monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
+    monkeypatch.setattr(hybrid_decode, "_num_sms", lambda device: 132)
+
+
+@pytest.mark.parametrize("preset", ["mse_k4v3", "mse_k3v3w256"])
+@pytest.mark.parametrize("hq, hkv, d", [(28, 4, 128), (9, 3, 64)], ids=["qwen7b-d128", "smollm2-d64"])
+def test_warm_up_compiles_every_specialization_a_first_request_launches(preset, hq, hkv, d):
+    layer = Layer(preset, hq, hkv, d)
+    problems = []
+    for budget in BUDGETS:  # one engine per max_num_batched_tokens: its own warm-up
+        with specializations.record(launch=False) as warm:
+            layer.impl.warm_up(
+                layer.pages, max_rows=MAX_NUM_SEQS, table_width=layer.width, max_len=MAX_MODEL_LEN, budget=budget
+            )
+        with specializations.record(launch=False) as request:
+            first_requests(layer, budget)
+        assert request.keys, "the request shapes launched no kernel (the kernel path is not the one running)"
+        missing = request.missing_from(warm.keys)
+        if missing:
+            problems.append(
+                f"budget {budget}: {len(missing)} of {len(request.keys)} specializations the first requests launch "
+                f"are not compiled by the warm-up ({len(warm.keys)} keys):\n"
+                + specializations.describe_missing(missing, warm.keys)
+            )
+    assert not problems, "\n".join(problems)
