@@ -1,6 +1,6 @@
 """All vLLM-on-GPU measurements of issue 10 in one command: one subprocess (one engine) per configuration.
 
-    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke] [--budget S] [--only NAME,...]
+    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke|ttft] [--budget S] [--only NAME,...]
 
 Writes DIR/results.jsonl (every ``RESULT`` line of every job), DIR/raw.log (all engine logs, in
 order) and DIR/summary.json (the tables + the greedy comparison). Jobs run in priority order; one
@@ -82,6 +82,22 @@ def plan(kind: str) -> list[dict]:
     ]
     if kind == "smoke":
         return smoke
+    if kind == "ttft":  # issue 23: the engine's first 8k request vs the next ones of the same shape (warm-up coverage)
+        work = [[8192, 1, 8]] * 3  # prefix caching is off: each request prefills all 8k tokens
+        return [
+            _engine("ttft_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=work, mml=16384, seqs=32, timeout=140),
+            _engine(  # chunked: 2048-token steps over compressed history, a partial last chunk
+                "ttft_ours_mse_k4v3_chunk2048",
+                QWEN,
+                tq="mse_k4v3",
+                work=[[8191, 1, 8]] * 3,
+                mml=16384,
+                seqs=32,
+                max_num_batched_tokens=2048,
+                timeout=140,
+            ),
+            _engine("ttft_stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=work, mml=16384, seqs=32, timeout=100),
+        ]
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
     corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 passthrough vs stock (eager)
         # 48 blocks of the default's 128 tokens = 6,144 tokens for 10 requests of 2-4k prompt tokens decoding up to
@@ -259,6 +275,14 @@ def summarize(results: list[dict]) -> dict:
             "stock_bytes_per_token": kv_bytes_per_token(model),
         }
     summary["workloads"] = [r for r in results if r["kind"] == "workload"]
+    for job in dict.fromkeys(r["job"] for r in summary["workloads"] if "ttft_first_s" in r):
+        ttfts = [r["ttft_first_s"] for r in summary["workloads"] if r["job"] == job and "ttft_first_s" in r]
+        if job.startswith("ttft_") and len(ttfts) > 1:  # --plan ttft: the first request vs the later ones
+            later = min(ttfts[1:])
+            summary.setdefault("ttft_first_vs_next", {})[job] = {
+                "ttft_s": ttfts,
+                "first_over_next": round(ttfts[0] / later, 3) if later > 0 else None,
+            }
     corr = {r["job"]: r for r in results if r["kind"] == "correctness"}
     if "corr_stock" in corr:
         ref = corr["corr_stock"]
@@ -335,7 +359,7 @@ def targets(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke"])
+    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke", "ttft"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     ap.add_argument(

@@ -118,3 +118,15 @@ def test_warm_up_compiles_every_specialization_a_first_request_launches(preset, 
                 + specializations.describe_missing(missing, warm.keys)
             )
     assert not problems, "\n".join(problems)
+
+
+def test_block_table_width_reads_the_runner_table_of_the_layer_block_size():
+    """The warm-up's block tables are as wide as the runner's (their row stride is a kernel argument)."""
+    from types import SimpleNamespace as NS
+
+    from jetson_tq.integrations.vllm.hooks import block_table_width
+
+    tables = [NS(block_size=16, max_num_blocks_per_req=1024), NS(block_size=256, max_num_blocks_per_req=64)]
+    runner = NS(input_batch=NS(block_table=NS(block_tables=tables)), model_config=NS(max_model_len=16000))
+    assert block_table_width(runner, 256) == 64 and block_table_width(runner, 16) == 1024
+    assert block_table_width(NS(model_config=NS(max_model_len=16000)), 256) == 63  # no runner table: cdiv
