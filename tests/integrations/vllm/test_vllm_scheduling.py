@@ -60,6 +60,11 @@ def _largest_gap() -> float:
     return CUDA_LOGPROB_TOL if torch.cuda.is_available() else LOGPROB_TOL
 
 
+def _tie() -> float:
+    """A greedy choice closer than this may flip: each run's log-probabilities may move by the allowed gap."""
+    return 2 * _largest_gap()
+
+
 def _prompts() -> list[str]:
     rng = random.Random(14 + engine_seed())
     words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
@@ -140,26 +145,23 @@ def engine_seed() -> int:
     return int(os.environ.get("JETSON_TQ_ENGINE_SEED", "0"))
 
 
-def same_up_to_near_ties(reference: list[dict], outputs: list[dict], what: str, largest_gap: float = 0.0) -> float:
+def same_up_to_near_ties(reference: list[dict], outputs: list[dict], what: str) -> float:
     """Assert equal tokens output by output (up to a greedy near-tie in both runs); return the largest
-    log-probability gap over the steps compared. ``largest_gap`` raises the platform's bound (a format whose
-    quantization itself moves log-probabilities: the caller says by how much and why)."""
-    gap = max(_largest_gap(), largest_gap)
+    log-probability gap over the steps compared."""
     gaps = []
     for x, y in zip(reference, outputs, strict=True):
         assert x["prompt"] == y["prompt"]
         n = first_difference(x, y)
         if n < len(x["token_ids"]):
             margins = (x["margins"][n], y["margins"][n])
-            # a greedy choice closer than 2 x gap may flip: each run's log-probabilities may move by the gap
-            assert max(margins) < 2 * gap, (
+            assert max(margins) < _tie(), (
                 what,
                 f"tokens differ at step {n} with greedy margins {margins}",
                 x["text"],
                 y["text"],
             )
         gaps += [abs(a - b) for a, b in zip(x["logprobs"][:n], y["logprobs"][:n])]
-    assert max(gaps, default=0.0) < gap, (what, max(gaps))
+    assert max(gaps, default=0.0) < _largest_gap(), (what, max(gaps))
     return max(gaps, default=0.0)
 
 
