@@ -18,10 +18,10 @@ they stay together):
   fp32 like the stock CPU kernel; any other miss would be a paging / slot / ring / chunking / preemption bug.
   ``JETSON_TQ_ENGINE_SEED`` picks another random model and prompts.
 - SmolLM2-135M (fp32), ~200-token essay excerpts, 12 new tokens, so ~70 history tokens per request are
-  read compressed (128-token ring): k4v4 - every prompt's first 2 tokens equal and mean >= 0.3;
-  blog_k3v2 - first token equal on >= 3 of 4 prompts and mean >= 0.2. Measured on this machine:
-  k4v4 first divergence at tokens [7, 16, 8, 3] of 16, blog_k3v2 at [7, 14, 2, 2] (docs/vllm.md).
-  The layer-level test (test_vllm_backend.py) shows the integration reproduces jetson-tq's standalone
+  read compressed (128-token ring): fp16 - stock's ids and log-probabilities, bitwise; k4v4 - every prompt's
+  first 2 tokens equal and mean >= 0.3; blog_k3v2 - first token equal on >= 3 of 4 prompts and mean >= 0.2.
+  Measured on this machine: k4v4 first divergence at tokens [7, 16, 8, 3] of 16, blog_k3v2 at [7, 14, 2, 2]
+  (docs/vllm.md). The layer-level test (test_vllm_backend.py) shows the integration reproduces jetson-tq's standalone
   reference to 2e-5, so these numbers are the codec's fidelity on this model, not integration loss.
 - Random tiny Llama with compressed formats: no agreement threshold (its near-tied random logits
   flip at the first perturbation); those runs assert capacity and that text is produced.
@@ -286,10 +286,21 @@ def smol_runs() -> dict:
         "max_tokens": 12,
         "prompts": prompts,
         "max_num_batched_tokens": 256,
+        "logprobs": True,
     }
-    return _side_by_side(
-        {name: (job, cfg) for name, cfg in (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"))}, timeout=600
-    )
+    configs = (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"), ("fp16", "fp16"))
+    return _side_by_side({name: (job, cfg) for name, cfg in configs}, timeout=600)
+
+
+@needs_smollm2
+def test_smollm2_fp16_is_stock_bitwise(smol_runs):
+    """Real weights: the fp16 preset keeps all 30 layers on stock attention; ids and log-probabilities are stock's."""
+    base, fp16 = smol_runs["base"], smol_runs["fp16"]
+    assert fp16["layers"] is not None and set(fp16["layers"].values()) == {EXACT_FORMAT_REASON}
+    assert len(fp16["layers"]) == SMOL["layers"]
+    assert fp16["kv_cache_size_tokens"] == base["kv_cache_size_tokens"]
+    for x, y in zip(base["outputs"], fp16["outputs"], strict=True):
+        assert (x["token_ids"], x["logprobs"]) == (y["token_ids"], y["logprobs"]), (x["text"], y["text"])
 
 
 @needs_smollm2
