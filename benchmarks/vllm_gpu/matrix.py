@@ -183,6 +183,9 @@ def load_plugin(config: str) -> None:
     """Load vLLM's plugins now with the switch on: vLLM loads them once per process, at its first engine, and
     jetson-tq installs its hooks only if the switch is on then (later engines toggle it with ``set_switch``)."""
     set_switch(config)
+    # later engines may switch to a compressing preset, whose layers need the V1 model runner the plugin pins; a
+    # config that compresses nothing (fp16) would leave vLLM its own choice: every engine of the process gets V1
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()

@@ -8,6 +8,9 @@
 #   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS:
 #                     vLLM's prompt_logprobs PPL / KL / greedy vs stock, then the transformers harness on the same windows
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
+#   passthru          real_weights.py --dummy: PASSTHRU_MODEL (default qwen2.5-0.5b, all layers, vLLM's random weights)
+#                     with the fp16 preset vs stock TRITON_ATTN in one process, greedy ids and log-probabilities:
+#                     prints "VERDICT fp16 vs stock: BITWISE IDENTICAL ..." or how far it differs (~1-2 min)
 # Everything lands in OUT/results.tgz (a device call returns few files).
 #   bash benchmarks/vllm_gpu/models_gpu.sh OUT STAGE [ARG]...     (repo root = the snapshot with bundle/)
 set -u
@@ -43,6 +46,11 @@ PY
     serve)
       python3 benchmarks/vllm_gpu/serve_smoke.py --model "${SERVE_MODEL:-$SMOL}" --out "$R/serve.json" 2>&1 \
         | cut -c1-1500 ;;
+    passthru)
+      python3 benchmarks/vllm_gpu/real_weights.py --dummy "${PASSTHRU_MODEL:-qwen2.5-0.5b}" --configs fp16 \
+        --out "$R/passthru.json" --windows 2 --window-len 512 --prompts 4 --prompt-tokens 256 --new-tokens 32 \
+        --top 5 --budget "${PASSTHRU_BUDGET:-150}" > "$R/passthru.log" 2>&1
+      grep -E "^VERDICT|RESULT|Error" "$R/passthru.log" | cut -c1-400 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

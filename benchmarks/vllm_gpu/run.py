@@ -99,7 +99,8 @@ def plan(kind: str) -> list[dict]:
             _engine("ttft_stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=work, mml=16384, seqs=32, timeout=100),
         ]
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
-    corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 passthrough vs stock (eager)
+    corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 preset (every layer on
+        # stock attention: bitwise stock) vs stock (eager)
         # 48 blocks of the default's 128 tokens = 6,144 tokens for 10 requests of 2-4k prompt tokens decoding up to
         # 200 each: about two fit, and a running request that crosses into a new block must preempt the newest
         # (call A, 2026-12-01: 128 blocks for 24 requests of 20-3,000 tokens decoding <= 48 never preempted)

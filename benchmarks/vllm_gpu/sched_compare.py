@@ -4,10 +4,11 @@ jetson-tq presets (same model, prompts and schedules), side by side, and compare
 default preset's: per output, the first step where the tokens differ from the roomy batch, both runs' greedy margins
 there and the largest log-probability gap before it.
 
-    python3 benchmarks/vllm_gpu/sched_compare.py --out OUT --configs stock,fp16
+    python3 benchmarks/vllm_gpu/sched_compare.py --out OUT --configs stock,tests/data/vllm_rawkeys_v8_r16.yaml
     python3 benchmarks/vllm_gpu/sched_compare.py --out OUT --reuse OUT/sched_stock.json OUT/sched_mse_k4v3.json
 (--reuse compares earlier dumps only: the test's JETSON_TQ_SCHED_JSON dump named sched_<preset>.json; the test's own
-assertions decide pass/fail)
+assertions decide pass/fail). The ``fp16`` preset runs every layer on stock attention (it stores keys and values
+exactly), so it is stock vLLM; the control on our kernels with almost no quantization is the exact-keys file above.
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(len(todo)) as pool:
             model = sched.make_model(Path(tmp))
             for config, result in zip(todo, pool.map(lambda c: run_config(c, model), todo)):
-                runs[config] = result
-                (args.out / f"sched_{config}.json").write_text(json.dumps(result, indent=1))
+                name = Path(config).stem  # a preset's name, or a YAML file's
+                runs[name] = result
+                (args.out / f"sched_{name}.json").write_text(json.dumps(result, indent=1))
     report = {name: {"preemptions": r["tight"]["preemptions"], "rows": comparisons(r)} for name, r in runs.items()}
     (args.out / "sched_compare.json").write_text(json.dumps(report, indent=1))
     for name, r in report.items():

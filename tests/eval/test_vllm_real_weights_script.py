@@ -1,6 +1,7 @@
 """benchmarks/vllm_gpu/real_weights.py's scoring, checked on CPU without vLLM: PPL from the actual tokens'
 log-probabilities, top-1 agreement and the top-k KL lower bound against stock from prompt_logprobs-shaped rows, the
-text cut into disjoint pieces, and the table that puts the transformers harness beside vLLM's figures."""
+text cut into disjoint pieces, the table that puts the transformers harness beside vLLM's figures, the bitwise
+VERDICT line and the random token ids of ``--dummy``."""
 
 from __future__ import annotations
 
@@ -70,6 +71,18 @@ def test_compare_and_table_put_the_harness_beside_vllm():
 
     stock, ours = rec(rows_a, [[5, 6, 7]], 10.0), rec(rows_b, [[5, 6, 8]], 10.2)
     c = rw.compare(stock, ours)
+    assert c["bitwise"] is False
+    assert rw.verdict("mse_k4v3", ours, c, 2).startswith("VERDICT mse_k4v3 vs stock: DIFFERS (greedy identical 0/1")
+    same = rw.compare(stock, rec(rows_a, [[5, 6, 7]], 10.0))
+    assert same["bitwise"] is True and same["max_abs_prompt_logprob_diff"] == 0.0
+    fp16 = {**stock, "compressed_layers": 0, "layers": 30}
+    assert rw.verdict("fp16", fp16, same, 2) == (
+        "VERDICT fp16 vs stock: BITWISE IDENTICAL (1/1 greedy continuations, 4 log-probabilities and the prompt "
+        "positions' top-2 lists equal; 0/30 layers compressed)"
+    )
+    # one top-k entry off in the last bit is no longer bitwise
+    nudged = [[_row(math.log(0.6), {1: math.log(0.6), 2: math.nextafter(math.log(0.4), 0.0)})]]
+    assert rw.compare(stock, rec(nudged, [[5, 6, 7]], 10.0))["bitwise"] is False
     assert c["ppl_vs_stock"] == pytest.approx(0.02) and c["greedy_identical"] == 0 and c["first_divergence"] == [2]
     assert c["kl_top_vs_stock"] == pytest.approx(0.6 * math.log(0.6 / 0.5) + 0.4 * math.log(0.4 / 0.5), abs=1e-6)
     result = {
@@ -81,3 +94,10 @@ def test_compare_and_table_put_the_harness_beside_vllm():
     assert lines[2].startswith("| stock | — | 10.0 | — |") and lines[2].endswith("| +0.00 % | — |")
     assert "| mse_k4v3 | 30/30 | 10.2 | +2.00 % |" in lines[3] and lines[3].endswith("| +1.50 % | 0.0137 |")
     assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+def test_dummy_pieces_are_seeded_token_ids_below_the_vocab():
+    wins, held = rw.random_pieces(500, 2, 16, 3, 8, seed=1)
+    assert [len(w) for w in wins] == [16, 16] and [len(h) for h in held] == [8, 8, 8]
+    assert all(100 <= t < 500 for piece in wins + held for t in piece)
+    assert rw.random_pieces(500, 2, 16, 3, 8, seed=1) == (wins, held) != rw.random_pieces(500, 2, 16, 3, 8, seed=2)

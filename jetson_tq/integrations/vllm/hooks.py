@@ -1,7 +1,8 @@
 """The few wraps of vLLM methods the plugin installs when the switch is on (no fork, no copied code).
 
-- ``Attention.__init__``: decides per layer, from the layer's features (``spec.LayerFacts``), whether it runs on
-  our backend (passed as the layer's ``attn_backend``) or on the attention vLLM would choose anyway; refuses,
+- ``Attention.__init__``: decides per layer, from the layer's features (``spec.LayerFacts``) and its format under
+  the active config (one that stores keys and values exactly runs stock), whether it runs on our backend (passed
+  as the layer's ``attn_backend``) or on the attention vLLM would choose anyway; refuses,
   by layer name, only what neither can serve (``spec.refusal``).
 - ``Attention.get_kv_cache_spec``: layers on our backend report ``TurboQuantPagedSpec`` (packed page size); the
   first call logs which layers are compressed and why the others are not.
@@ -28,10 +29,13 @@ from ...errors import ConfigError
 from .recent import RecentSlots, pool_bytes
 from .settings import active_config, enabled, logger, preferred_block_size, sliding_windows, window_block
 from .spec import (
+    EXACT_FORMAT_REASON,
     LayerFacts,
     UnsupportedModelError,
     describe_layers,
     hybrid_page,
+    layer_format,
+    layer_index,
     prefill_transient_bytes,
     refusal,
     stock_page_at,
@@ -145,12 +149,20 @@ def _init_wrap(original):
             raise UnsupportedModelError(f"layer {facts.name}: {why_not}")
         model_config = vllm_config.model_config
         why = stock_reason(facts, model_config.max_model_len if model_config is not None else None)
+        if why is None and model_config is not None:
+            why = stock_reason(facts, model_config.max_model_len, planned_format(facts, model_config))
         if why is None:
             bound.arguments["attn_backend"] = _BACKEND[0]
         original(*bound.args, **bound.kwargs)
         setattr(self, STOCK_ATTR, why)
 
     return __init__
+
+
+def planned_format(facts: LayerFacts, model_config):
+    """The format the active config gives this layer (the one ``backend.pick_format`` configures it with)."""
+    num_layers = int(model_config.hf_text_config.num_hidden_layers)
+    return layer_format(active_config(), layer_index(facts.name), num_layers, facts.head_size)
 
 
 def layer_decisions(vllm_config) -> dict[str, str | None]:
@@ -228,6 +240,9 @@ def announce(vllm_config) -> None:
     LAST_DECISIONS.update(decisions)
     log = logger()
     ours = [n for n, why in decisions.items() if why is None]
+    if ours == [] and set(decisions.values()) == {EXACT_FORMAT_REASON}:
+        log.info("jetson-tq: %s; vLLM runs every layer on stock attention", describe_layers(decisions))
+        return
     if not ours:
         log.warning(
             "jetson-tq: no attention layer of this model can be compressed; vLLM runs it on stock attention (%s)",

@@ -50,7 +50,8 @@ def register() -> None:
     version = check_vllm_version()
     cfg = settings.active_config()
     ops.configured()  # a bad JETSON_TQ_BACKEND fails here, before vLLM builds anything
-    pinned = pin_v1_model_runner()
+    # a config that compresses nothing runs every layer stock: vLLM keeps its own model runner too
+    pinned = pin_v1_model_runner() if settings.compresses(cfg) else False
     repro = settings.reproducible()  # a bad JETSON_TQ_REPRODUCIBLE fails here
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

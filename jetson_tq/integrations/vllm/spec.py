@@ -4,7 +4,10 @@ cache spec whose page is our packed page.
 Which layers are compressed is decided per layer from what vLLM's ``Attention`` layer says about it
 (``LayerFacts``): decoder self-attention, causal, equal K/V head sizes, no ALiBi, no attention sinks,
 no logit soft cap, no sliding window shorter than ``max_model_len``, no KV sharing, no backend of the
-model's own choosing. Every other layer keeps vLLM's stock attention (``stock_reason`` says why); only
+model's own choosing; and its format must compress something: a layer whose format stores keys and values
+exactly (``KVFormat.is_passthrough``: the fp16 preset, ``keep_fp16_first`` / ``keep_fp16_last`` layers) saves no
+byte on our kernels and would only sum in another order than stock, so it stays on stock attention, bit-identical
+to vLLM without the plugin. Every other layer keeps vLLM's stock attention (``stock_reason`` says why); only
 what neither can serve is refused (``refusal``: a KV cache dtype set beside the switch, a layer reading a
 compressed layer's cache).
 
@@ -57,8 +60,13 @@ class LayerFacts:
     own_backend: str | None = None  # the attention backend the model chose itself for this layer
 
 
-def stock_reason(facts: LayerFacts, max_model_len: int | None) -> str | None:
-    """Why this layer stays on vLLM's stock attention (None: the TurboQuant backend reproduces it exactly)."""
+#: why a layer whose format stores keys and values exactly runs stock (the startup log's words)
+EXACT_FORMAT_REASON = "format stores keys and values exactly (fp16)"
+
+
+def stock_reason(facts: LayerFacts, max_model_len: int | None, fmt: KVFormat | None = None) -> str | None:
+    """Why this layer stays on vLLM's stock attention (None: it is compressed): a feature the TurboQuant backend
+    does not reproduce, else a format ``fmt`` (the layer's under the active config) with nothing to compress."""
     if facts.own_backend:
         return f"the model picks its own attention backend ({facts.own_backend})"
     if facts.attn_type != "decoder":
@@ -79,6 +87,8 @@ def stock_reason(facts: LayerFacts, max_model_len: int | None) -> str | None:
         return f"attention arguments {list(facts.extra)}"
     if facts.kv_sharing_target:
         return f"reads the KV cache of layer {facts.kv_sharing_target}"
+    if fmt is not None and fmt.is_passthrough:
+        return EXACT_FORMAT_REASON
     return None
 
 

@@ -1,17 +1,24 @@
 """Which layers the vLLM plugin compresses, decided from each layer's features (no engine started).
 
 ``spec.stock_reason`` keeps on stock attention every layer the TurboQuant backend does not reproduce
-exactly, ``spec.refusal`` names what neither can serve, and ``spec.hybrid_page`` sizes a compressed page so
-that vLLM's hybrid KV-cache groups (compressed full-attention layers beside stock sliding-window ones) share
-one page size without wasting what compression saved.
+exactly and every layer whose format stores keys and values exactly (nothing to compress), ``spec.refusal``
+names what neither can serve, and ``spec.hybrid_page`` sizes a compressed page so that vLLM's hybrid KV-cache
+groups (compressed full-attention layers beside stock sliding-window ones) share one page size without wasting
+what compression saved.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
-from jetson_tq.format import KVFormat, PagedLayout
+from jetson_tq.config import load_config
+from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
+from jetson_tq.integrations.vllm import hooks, settings
 from jetson_tq.integrations.vllm.spec import (
+    EXACT_FORMAT_REASON,
     LayerFacts,
     UnsupportedModelError,
     describe_layers,
@@ -58,6 +65,37 @@ def test_a_window_no_shorter_than_max_model_len_is_full_attention():
     assert "sliding_window" in stock_reason(facts, max_model_len=None)  # outside an engine: not assumed
 
 
+def test_a_format_that_stores_keys_and_values_exactly_keeps_the_layer_stock():
+    """Nothing to compress: the layer stays on stock attention (bit-identical to vLLM without the plugin); a
+    format that compresses keys or values alone is ours; a feature's reason comes first."""
+    assert stock_reason(PLAIN, 8192, FP16_FORMAT) == EXACT_FORMAT_REASON
+    assert stock_reason(PLAIN, 8192, KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=16)) is not None
+    assert stock_reason(PLAIN, 8192, KVFormat()) is None
+    assert stock_reason(PLAIN, 8192, KVFormat(key_mode="fp16", value_bits=8)) is None  # values compressed
+    assert stock_reason(PLAIN, 8192, KVFormat(value_mode="fp16")) is None  # keys compressed
+    capped = LayerFacts(**{**PLAIN.__dict__, "logits_soft_cap": 30.0})
+    assert stock_reason(capped, 8192, FP16_FORMAT) == "logits_soft_cap 30"
+
+
+@pytest.mark.parametrize(
+    "config, stock_layers",
+    [("fp16", set(range(6))), ("tests/data/vllm_policy.yaml", {0, 5}), ("mse_k4v3", set())],
+)
+def test_each_layer_is_decided_from_its_format_under_the_config(monkeypatch, config, stock_layers):
+    """The per-layer decision of the ``Attention.__init__`` hook: the format the config gives each layer (the fp16
+    preset, ``keep_fp16_first`` / ``keep_fp16_last`` layers) decides, not the preset's name."""
+    path = config if not config.startswith("tests/") else str(Path(__file__).resolve().parents[3] / config)
+    monkeypatch.setenv(settings.ENV_CONFIG, path)
+    model_config = SimpleNamespace(hf_text_config=SimpleNamespace(num_hidden_layers=6), max_model_len=4096)
+    why = {}
+    for i in range(6):
+        facts = LayerFacts(name=f"model.layers.{i}.self_attn.attn", head_size=64, num_heads=4, num_kv_heads=2)
+        why[i] = stock_reason(facts, 4096, hooks.planned_format(facts, model_config))
+    assert {i for i, w in why.items() if w is not None} == stock_layers, why
+    assert all(w == EXACT_FORMAT_REASON for w in why.values() if w is not None), why
+    assert settings.compresses(load_config(path)) is (stock_layers != set(range(6)))
+
+
 def test_refused_only_what_neither_backend_serves():
     assert refusal(PLAIN) is None
     assert "kv_cache_dtype 'fp8'" in refusal(LayerFacts(**{**PLAIN.__dict__, "kv_cache_dtype": "fp8"}))
@@ -72,6 +110,8 @@ def test_startup_summary_names_layers_and_reasons():
     text = describe_layers(decisions)
     assert text == "compressed 3 of 6 attention layers (1, 3, 5); stock 0, 2, 4: sliding_window 64 < max_model_len 512"
     assert describe_layers({n: None for n in names}) == "compressed 6 of 6 attention layers (0-5)"
+    exact = describe_layers({n: EXACT_FORMAT_REASON for n in names})
+    assert exact == "compressed 0 of 6 attention layers; stock 0-5: format stores keys and values exactly (fp16)"
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ built by vLLM with ``load_format="dummy"``. All engines run one after another in
 once). Per family: the engine starts, the layers the plugin compressed are exactly those the family's features
 allow (the others on stock attention, with the reason logged), greedy tokens come out, no log-probability is NaN.
 A last test runs the interleaved sliding-window case with real (seeded, structured) weights beside stock vLLM in
-the fp16-pages config: compressed full-attention groups beside stock sliding-window groups give stock's tokens.
+a nearly exact config (exact keys, 8-bit values, on our kernels): compressed full-attention groups beside stock
+sliding-window groups give stock's tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from jetson_tq.integrations.vllm.compare import run_engines_in_one_process, token_agreement
+from test_vllm_scheduling import same_up_to_near_ties
+
+from jetson_tq.integrations.vllm.compare import run_engines_in_one_process
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
 from tests.helpers.engines import run_engines_side_by_side
 
@@ -116,10 +119,11 @@ def test_family_starts_compresses_what_it_can_and_decodes(family_runs, family):
 
 
 def test_compressed_layers_beside_stock_sliding_window_layers_give_stock_tokens(tmp_path):
-    """Full-attention layers in fp16 pages (their own hybrid KV-cache group, blocks padded to the stock page) beside
-    stock sliding-window layers: greedy tokens equal stock vLLM's, and vLLM's own capacity grows by what the fp16
-    pages of an fp32 model save on the full-attention layers (measured: 43,520 vs 29,098 tokens)."""
-    config = str(Path(__file__).resolve().parents[2] / "data" / "vllm_fp16_r16.yaml")
+    """Full-attention layers with exact keys and 8-bit values (their own hybrid KV-cache group, blocks padded to the
+    stock page) beside stock sliding-window layers: greedy tokens equal stock vLLM's up to a near-tie (the e2e
+    tests' rule), and vLLM's own capacity grows by what the pages of an fp32 model save on the full-attention
+    layers (with fp16 values, before those layers ran stock: 43,520 vs 29,098 tokens)."""
+    config = str(Path(__file__).resolve().parents[2] / "data" / "vllm_rawkeys_v8_r16.yaml")
     model = make_tiny_llama(
         tmp_path / "swa",
         layers=6,
@@ -137,8 +141,7 @@ def test_compressed_layers_beside_stock_sliding_window_layers_give_stock_tokens(
         "compressed 3 of 6 attention layers (1, 3, 5); stock 0, 2, 4: sliding_window 64" in line
         for line in tq["jetson_tq_log"]
     ), tq["jetson_tq_log"]
-    for x, y in zip(base["outputs"], tq["outputs"]):
-        assert token_agreement(x["token_ids"], y["token_ids"]) == 1.0, (x["text"], y["text"])
+    same_up_to_near_ties(base["outputs"], tq["outputs"], "exact keys, 8-bit values beside stock sliding windows")
     assert tq["kv_cache_size_tokens"] > 1.3 * base["kv_cache_size_tokens"], (
         tq["kv_cache_size_tokens"],
         base["kv_cache_size_tokens"],

@@ -8,17 +8,20 @@ and the logged "GPU KV cache size: N tokens") and are checked against the formul
 Token-agreement thresholds, per format (agreement = fraction of positions where the greedy outputs hold
 the same token; once one token differs the two texts follow different paths, so it measures how long
 they stay together):
-- fp16 pages + fp16 ring on an fp32 model: the same tokens, also when vLLM runs out of blocks and preempts,
-  except at a greedy near-tie (the scheduling test's rule, ``same_up_to_near_ties``: storage rounds K/V to
-  fp16, which moves log-probabilities by ~2e-3 on these models, so a choice within twice the platform's
-  bound may go either way). Attention runs in fp32 like the stock CPU kernel; any other miss would be a
-  paging / slot / ring / chunking / preemption bug. ``JETSON_TQ_ENGINE_SEED`` picks another random model
-  and prompts.
+- the ``fp16`` preset (keys and values stored exactly): every layer on stock attention, so token ids and
+  log-probabilities are bitwise stock's.
+- exact keys (fp16 pages), 8-bit values and a 16-token fp16 ring on an fp32 model, on our kernels: the same
+  tokens, also when vLLM runs out of blocks and preempts, except at a greedy near-tie (the scheduling test's
+  rule, ``same_up_to_near_ties``: storage rounds keys to fp16 and values to 8 bits in groups of 4, which moves
+  log-probabilities by a few 1e-3 on these models, so a choice within twice the platform's bound may go either
+  way; in groups of 32 the values moved them by up to 0.044, beyond the bound). Attention runs in
+  fp32 like the stock CPU kernel; any other miss would be a paging / slot / ring / chunking / preemption bug.
+  ``JETSON_TQ_ENGINE_SEED`` picks another random model and prompts.
 - SmolLM2-135M (fp32), ~200-token essay excerpts, 12 new tokens, so ~70 history tokens per request are
-  read compressed (128-token ring): k4v4 - every prompt's first 2 tokens equal and mean >= 0.3;
-  blog_k3v2 - first token equal on >= 3 of 4 prompts and mean >= 0.2. Measured on this machine:
-  k4v4 first divergence at tokens [7, 16, 8, 3] of 16, blog_k3v2 at [7, 14, 2, 2] (docs/vllm.md).
-  The layer-level test (test_vllm_backend.py) shows the integration reproduces jetson-tq's standalone
+  read compressed (128-token ring): fp16 - stock's ids and log-probabilities, bitwise; k4v4 - every prompt's
+  first 2 tokens equal and mean >= 0.3; blog_k3v2 - first token equal on >= 3 of 4 prompts and mean >= 0.2.
+  Measured on this machine: k4v4 first divergence at tokens [7, 16, 8, 3] of 16, blog_k3v2 at [7, 14, 2, 2]
+  (docs/vllm.md). The layer-level test (test_vllm_backend.py) shows the integration reproduces jetson-tq's standalone
   reference to 2e-5, so these numbers are the codec's fidelity on this model, not integration loss.
 - Random tiny Llama with compressed formats: no agreement threshold (its near-tied random logits
   flip at the first perturbation); those runs assert capacity and that text is produced.
@@ -41,6 +44,7 @@ from jetson_tq.config import load_config
 from jetson_tq.format import PagedLayout
 from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_subprocess, token_agreement
 from jetson_tq.integrations.vllm.recent import pool_bytes
+from jetson_tq.integrations.vllm.spec import EXACT_FORMAT_REASON
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
 from tests.helpers.engines import run_engines_side_by_side
 
@@ -83,10 +87,11 @@ def expected_tq_blocks(
     rows: int,
     element_bytes: int,
 ) -> int:
-    """vLLM's block count predicted from format.py: budget minus ring pools, over the per-layer packed pages."""
+    """vLLM's block count predicted from format.py: budget minus ring pools, over the per-layer packed pages (a
+    layer whose format stores keys and values exactly runs stock: the model's own element size)."""
     cfg = load_config(config)
     fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
-    per_block = sum(kv_heads * PagedLayout(f, head_dim, block_size).page_bytes for f in fmts)
+    per_block = sum(_page(f, kv_heads, head_dim, block_size, element_bytes) for f in fmts)
     pools = sum(pool_bytes(rows + 1, kv_heads, f.buffer_tokens, head_dim, element_bytes) for f in fmts)
     return (kv_bytes - pools) // per_block
 
@@ -97,9 +102,16 @@ def expected_budget(
     """The KV budget that holds exactly ``blocks`` blocks plus the ring pools (inverse of expected_tq_blocks)."""
     cfg = load_config(config)
     fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
-    per_block = sum(kv_heads * PagedLayout(f, head_dim, block_size).page_bytes for f in fmts)
+    per_block = sum(_page(f, kv_heads, head_dim, block_size, element_bytes) for f in fmts)
     pools = sum(pool_bytes(rows + 1, kv_heads, f.buffer_tokens, head_dim, element_bytes) for f in fmts)
     return blocks * per_block + pools
+
+
+def _page(fmt, kv_heads: int, head_dim: int, block_size: int, element_bytes: int) -> int:
+    """Bytes of one block of one layer: our packed pages, or stock's K and V for an exact format."""
+    if fmt.is_passthrough:
+        return block_size * kv_heads * 2 * head_dim * element_bytes
+    return kv_heads * PagedLayout(fmt, head_dim, block_size).page_bytes
 
 
 def expected_stock_blocks(
@@ -128,11 +140,12 @@ def tiny(tmp_path_factory) -> str:
     )
 
 
-def _fp16_ring_budget(blocks: int, block_size: int = 128) -> int:
-    """KV bytes for ``blocks`` blocks of the fp16-ring config on the tiny model (pages + ring pools)."""
-    return expected_budget(
-        str(DATA / "vllm_fp16_r16.yaml"), **TINY, block_size=block_size, blocks=blocks, rows=4, element_bytes=4
-    )
+RAW_KEYS = str(DATA / "vllm_rawkeys_v8_r16.yaml")  # exact keys, 8-bit values, 16-token ring: our kernels
+
+
+def _ring_budget(blocks: int, block_size: int = 128) -> int:
+    """KV bytes for ``blocks`` blocks of the exact-keys ring config on the tiny model (pages + ring pools)."""
+    return expected_budget(RAW_KEYS, **TINY, block_size=block_size, blocks=blocks, rows=4, element_bytes=4)
 
 
 def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900) -> dict[str, dict]:
@@ -142,13 +155,13 @@ def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900
 @pytest.fixture(scope="module")
 def tiny_fp32_runs(tiny) -> dict:
     job = _job(tiny, "float32", _prompts(), max_model_len=256, logprobs=True)  # logprobs: greedy margins
-    fp16_ring = str(DATA / "vllm_fp16_r16.yaml")
     return _side_by_side(
         {
             "base": (job, None),
-            "fp16_ring": (job, fp16_ring),
+            "fp16": (job, "fp16"),
+            "raw_keys": (job, RAW_KEYS),
             # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
-            "preempted": (dict(job, kv_bytes=_fp16_ring_budget(3)), fp16_ring),
+            "preempted": (dict(job, kv_bytes=_ring_budget(3)), RAW_KEYS),
         }
     )
 
@@ -163,25 +176,45 @@ def test_switch_off_is_stock_vllm(tiny_fp32_runs):
     _texts(base)
 
 
-def test_fp16_pages_and_ring_are_exact_inside_vllm(tiny_fp32_runs):
-    base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["fp16_ring"]
+def test_fp16_preset_is_stock_vllm_bitwise(tiny_fp32_runs):
+    """Keys and values stored exactly: every layer stays on stock attention (logged per layer), the same blocks,
+    token ids and log-probabilities as vLLM without the plugin, bit for bit."""
+    base, fp16 = tiny_fp32_runs["base"], tiny_fp32_runs["fp16"]
+    assert fp16["tq_config"] == "fp16"
+    assert fp16["layers"] == {f"model.layers.{i}.self_attn.attn": EXACT_FORMAT_REASON for i in range(6)}
+    assert any(
+        f"compressed 0 of 6 attention layers; stock 0-5: {EXACT_FORMAT_REASON}; vLLM runs every layer on stock" in line
+        for line in fp16["jetson_tq_log"]
+    ), fp16["jetson_tq_log"]
+    assert fp16["num_gpu_blocks"] == base["num_gpu_blocks"]
+    assert fp16["kv_cache_size_tokens"] == base["kv_cache_size_tokens"]  # vLLM's capacity: 1.0x
+    for x, y in zip(base["outputs"], fp16["outputs"], strict=True):
+        assert x["token_ids"] == y["token_ids"], (x["text"], y["text"])
+        assert x["logprobs"] == y["logprobs"]  # float equality: bitwise
+
+
+def test_exact_keys_and_ring_match_stock_on_our_kernels(tiny_fp32_runs):
+    base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["raw_keys"]
+    assert tq["layers"] and all(why is None for why in tq["layers"].values()), tq["layers"]
     _check_capacity(tq)
     assert tq["num_gpu_blocks"] == expected_tq_blocks(
-        str(DATA / "vllm_fp16_r16.yaml"),
+        RAW_KEYS,
         **TINY,
         block_size=tq["block_size"],
         kv_bytes=tq["kv_bytes"],
         rows=4,
         element_bytes=4,
     )
-    same_up_to_near_ties(base["outputs"], tq["outputs"], "fp16 pages and ring vs stock")
+    same_up_to_near_ties(base["outputs"], tq["outputs"], "exact keys, 8-bit values and ring vs stock")
 
 
 def test_ring_survives_preemption_and_recompute(tiny_fp32_runs):
-    """Requests preempted for lack of blocks restart at position 0 and refill their ring: still exact."""
-    base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["preempted"]
+    """Requests preempted for lack of blocks restart at position 0 and refill their ring: the outputs of the same
+    config unpreempted, and stock's."""
+    base, roomy, tq = tiny_fp32_runs["base"], tiny_fp32_runs["raw_keys"], tiny_fp32_runs["preempted"]
     assert tq["num_gpu_blocks"] == 3 and tq["preemptions"] >= 1
-    same_up_to_near_ties(base["outputs"], tq["outputs"], "fp16 pages and ring, preempted, vs stock")
+    same_up_to_near_ties(roomy["outputs"], tq["outputs"], "exact keys and ring, preempted, vs not preempted")
+    same_up_to_near_ties(base["outputs"], tq["outputs"], "exact keys and ring, preempted, vs stock")
 
 
 def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny):
@@ -204,7 +237,8 @@ def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny):
 
 
 def test_per_layer_policy_in_multiprocess_mode(tiny):
-    """First/last layer fp16, layer 2 at 4/4 bits: per-layer page sizes; engine core + worker spawned."""
+    """First/last layer fp16 (stock attention), layer 2 at 4/4 bits: per-layer page sizes, stock pages beside
+    packed ones in one KV-cache group; engine core + worker spawned."""
     env = dict(ENV, VLLM_ENABLE_V1_MULTIPROCESSING="1")
     cfg = str(DATA / "vllm_policy.yaml")
     tq = run_engine_subprocess(_job(tiny, "float32", _prompts(2)), cfg, env)
@@ -252,10 +286,21 @@ def smol_runs() -> dict:
         "max_tokens": 12,
         "prompts": prompts,
         "max_num_batched_tokens": 256,
+        "logprobs": True,
     }
-    return _side_by_side(
-        {name: (job, cfg) for name, cfg in (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"))}, timeout=600
-    )
+    configs = (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"), ("fp16", "fp16"))
+    return _side_by_side({name: (job, cfg) for name, cfg in configs}, timeout=600)
+
+
+@needs_smollm2
+def test_smollm2_fp16_is_stock_bitwise(smol_runs):
+    """Real weights: the fp16 preset keeps all 30 layers on stock attention; ids and log-probabilities are stock's."""
+    base, fp16 = smol_runs["base"], smol_runs["fp16"]
+    assert fp16["layers"] is not None and set(fp16["layers"].values()) == {EXACT_FORMAT_REASON}
+    assert len(fp16["layers"]) == SMOL["layers"]
+    assert fp16["kv_cache_size_tokens"] == base["kv_cache_size_tokens"]
+    for x, y in zip(base["outputs"], fp16["outputs"], strict=True):
+        assert (x["token_ids"], x["logprobs"]) == (y["token_ids"], y["logprobs"]), (x["text"], y["text"])
 
 
 @needs_smollm2

