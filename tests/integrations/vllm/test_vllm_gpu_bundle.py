@@ -160,13 +160,23 @@ def test_resolve_workload_takes_the_most_the_cache_admits() -> None:
 
 
 def test_plans_are_well_formed() -> None:
-    for kind in ("full", "short", "agg", "corr", "smoke"):
+    for kind in ("full", "short", "agg", "corr", "smoke", "ttft"):
         jobs = run.plan(kind)
         assert len({j["name"] for j in jobs}) == len(jobs)
-        assert any(j["tq_config"] is None and j["backend"] == "TRITON_ATTN" for j in jobs)  # a stock baseline
+        stock = ("TRITON_ATTN", "FLASH_ATTN_FIXED")
+        assert any(j["tq_config"] is None and j["backend"] in stock for j in jobs)  # a stock baseline
         for j in jobs:
             assert all(ctx + out <= j["max_model_len"] for ctx, _, out in j["workloads"]), j["name"]
             json.dumps(j)  # travels to the job as JSON
+
+
+def test_ttft_plan_compares_the_first_request_with_the_next() -> None:
+    """--plan ttft: each job runs one request shape several times; the summary puts the first TTFT beside the rest."""
+    for j in run.plan("ttft"):
+        assert len(j["workloads"]) > 1 and len({tuple(w) for w in j["workloads"]}) == 1, j["name"]
+    rows = [{"job": "ttft_x", "kind": "workload", "ttft_first_s": t} for t in (2.4, 0.6, 0.5)]
+    got = run.summarize(rows)["ttft_first_vs_next"]["ttft_x"]
+    assert got == {"ttft_s": [2.4, 0.6, 0.5], "first_over_next": 4.8}
 
 
 def test_summary_ratios_and_greedy() -> None:
