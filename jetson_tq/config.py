@@ -70,6 +70,11 @@ class TurboQuantConfig:
     description: str = ""
     reproducible: bool = False  # the vLLM backend's reproducible mode (``integrations.vllm.settings.reproducible``)
 
+    @property
+    def named_formats(self) -> tuple[KVFormat, ...]:
+        """The default and every per-layer override (the formats a layer can get besides the kept fp16 ones)."""
+        return (self.default, *self.overrides.values())
+
     def format_for_layer(self, layer: int, num_layers: int) -> KVFormat:
         """The format of layer ``layer`` (0-based) in a model of ``num_layers`` layers."""
         expect_int("layer", layer, None)

@@ -149,7 +149,7 @@ def _init_wrap(original):
             raise UnsupportedModelError(f"layer {facts.name}: {why_not}")
         model_config = vllm_config.model_config
         why = stock_reason(facts, model_config.max_model_len if model_config is not None else None)
-        if why is None and model_config is not None:
+        if why is None and model_config is not None:  # features allow it; the format is looked up only then
             why = stock_reason(facts, model_config.max_model_len, planned_format(facts, model_config))
         if why is None:
             bound.arguments["attn_backend"] = _BACKEND[0]

@@ -59,13 +59,13 @@ def active_config() -> TurboQuantConfig:
 
 def _ringed(cfg: TurboQuantConfig) -> list:
     """The formats with a recent ring that our kernels serve (a passthrough format's layers run stock)."""
-    return [f for f in (cfg.default, *cfg.overrides.values()) if f.buffer_tokens > 0 and not f.is_passthrough]
+    return [f for f in cfg.named_formats if f.buffer_tokens > 0 and not f.is_passthrough]
 
 
 def compresses(cfg: TurboQuantConfig) -> bool:
     """True when some layer's format under ``cfg`` compresses (one that stores keys and values exactly runs on
     stock attention, ``spec.stock_reason``): else the plugin leaves vLLM exactly as it is."""
-    return any(not f.is_passthrough for f in (cfg.default, *cfg.overrides.values()))
+    return any(not f.is_passthrough for f in cfg.named_formats)
 
 
 def sliding_windows(cfg: TurboQuantConfig) -> bool:
