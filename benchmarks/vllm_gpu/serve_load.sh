@@ -3,7 +3,8 @@
 # preset ("ours") or stock vLLM on TRITON_ATTN ("stock"), the same model, flags, KV budget and load, one engine per
 # device call (~5 min each; both in one call would pass the 10-minute limit):
 #   bash benchmarks/vllm_gpu/serve_load.sh OUT ours|ours-repro|stock [DURATION_S=150] [KV_GIB=2]  (repo root: snapshot)
-# KV_GIB may be fractional: 0.6 gives ours about the token capacity stock has at 2 (~37k), so ours preempts too.
+# KV_GIB may be fractional: 0.9 gives ours about the KV tokens stock has at 2 (~36k, after the 455 MiB of fp16 recent
+# rows for 64 sequences), so ours preempts too.
 # ours-repro: ours with the reproducible mode (JETSON_TQ_REPRODUCIBLE=1). REQ_TIMEOUT (default 150 s) bounds each
 # request and how long in-flight requests may take after the load; load_serve prints the GPU memory timeline.
 # Model: the Qwen2.5-7B shape with dummy bf16 weights and a local 32k-word tokenizer (benchmarks/vllm_gpu/models.py),
@@ -13,6 +14,8 @@
 set -u
 OUT=${1:?out}; WHICH=${2:?ours, ours-repro or stock}; DUR=${3:-150}; KV_GIB=${4:-2}; PORT=8123
 mkdir -p "$OUT"
+KV_BYTES=$(python3 -c "import sys; v = float(sys.argv[1]); assert 0 < v < 10**4; print(int(v * 2**30))" "$KV_GIB" 2>/dev/null) \
+  || { echo "serve_load.sh: KV_GIB must be a positive number of GiB (below 10^4), got '$KV_GIB'" >&2; exit 2; }
 # shellcheck disable=SC1091
 source benchmarks/vllm_gpu/unpack.sh bundle /tmp/jtq_site > "$OUT/unpack.log" 2>&1 || { cat "$OUT/unpack.log"; exit 1; }
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_DEEP_GEMM_WARMUP=skip VLLM_USE_V2_MODEL_RUNNER=0 PYTHONUNBUFFERED=1
@@ -21,7 +24,7 @@ MODEL=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks/vllm_gpu'); from 
 write_tokenizer; print(write_tokenizer(write_model_dir('qwen2.5-7b', '/tmp/jtq_models/with_tokenizer')))")
 args=(--model "$MODEL" --host 127.0.0.1 --port "$PORT" --served-model-name m --load-format dummy --dtype bfloat16
       --max-model-len 32768 --max-num-seqs 64 --max-num-batched-tokens 16384 --gpu-memory-utilization 0.5
-      --kv-cache-memory-bytes "$(python3 -c "print(int(float('$KV_GIB') * 2**30))")"
+      --kv-cache-memory-bytes "$KV_BYTES"
       --compilation-config '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
                              "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}'
       --ir-op-priority '{"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}')
