@@ -67,8 +67,9 @@ def attention_prefill(
     Positions older than ``fmt.exact_start(p)`` (p + 1 - R, or p's own R-token block) are read compressed and the
     rest exactly, as in decode, so the result does not depend on the chunk size. A ``PagedKV`` must already hold the
     chunk in its pages (vLLM's contract). With validation on the kernel path the chunk's checks run inside its
-    compress-on-write launch and the call syncs once, after the attention launch (not between the write and the
-    attention), to raise a refusal's named error; the chunk is then not kept.
+    compress-on-write launch and the call never waits for the GPU: the commit is skipped on the device when the
+    checks refused the chunk (nothing kept), and the named error is raised by this call when the device's record has
+    already reached the host, else by the next call on the cache or ``cache.check()`` (as for ``append``).
     """
     check_attention_inputs(q, cache, softmax_scale, ("k", k), ("v", v))
     _check_query(q, 4, "attention_prefill")
@@ -81,9 +82,11 @@ def attention_prefill(
     max_tokens = cache.max_tokens(k.shape[2])  # host mirror: sizes the kernel's workspace to the history, no sync
     cache.stage(k, v, check=False)  # a refused chunk is named below, after the attention launch (no GPU bubble)
     out = ops.prefill(q, k, v, cache.paged(), softmax_scale, backend, attn_mask, max_tokens=max_tokens)
-    cache.raise_store_fault()  # a chunk the write's checks refused: its named error (one sync, after the attention)
+    if not out.is_cuda:
+        cache.raise_store_fault()  # off CUDA reading the write's record costs no sync
     check_attention_output("attention_prefill", out, q, cache, softmax_scale)  # before the chunk is kept
-    cache.commit(k, v)
+    cache.commit(k, v)  # skipped on the device when the write's checks refused the chunk
+    cache.raise_arrived_fault()  # the refusal's named error if its record is on the host already (never waits)
     return out
 
 

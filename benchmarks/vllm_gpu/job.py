@@ -214,6 +214,7 @@ def run_workload(llm, ctx: int, conc: int, out: int, seed: int) -> dict:
         "wall_s": round(t_end - t0, 3),
         "ttft_first_s": round(ttft[0], 4),
         "ttft_last_s": round(ttft[-1], 4),
+        "first_steps_s": [round(b - a, 4) for a, b in zip([t0] + [x[0] for x in steps[:5]], [x[0] for x in steps[:6]])],
         "decode_steps": nsteps,
         "decode_tokens": toks,
         "rows": round(toks / nsteps, 2) if nsteps else None,

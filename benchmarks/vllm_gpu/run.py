@@ -1,6 +1,6 @@
 """All vLLM-on-GPU measurements of issue 10 in one command: one subprocess (one engine) per configuration.
 
-    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke|ttft] [--budget S] [--only NAME,...]
+    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke|ttft|fa3] [--budget S] [--only A,B]
 
 Writes DIR/results.jsonl (every ``RESULT`` line of every job), DIR/raw.log (all engine logs, in
 order) and DIR/summary.json (the tables + the greedy comparison). Jobs run in priority order; one
@@ -73,6 +73,12 @@ def _engine(
     }
 
 
+#: --plan fa3's rows (context, concurrency, outputs < 0: every request decodes together); 8k first = engine's first
+FA3_ROWS = [[8192, 8, -1], [32768, 8, -1], [32768, 32, -1]]
+FA3_UTIL = 0.7  # ~80 GB of KV for stock bf16: 32 x 32k plus outputs fit (57 kB/token)
+FA3_TTFT, FA3_TPOT = 1.1, 1.0  # issue 23: ours / stock FA3 at most
+
+
 def plan(kind: str) -> list[dict]:
     """The jobs, most important first."""
     small = dict(mml=4096, seqs=8, timeout=150)
@@ -97,6 +103,12 @@ def plan(kind: str) -> list[dict]:
                 timeout=140,
             ),
             _engine("ttft_stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=work, mml=16384, seqs=32, timeout=100),
+        ]
+    if kind == "fa3":  # issue 23: TTFT and TPOT against stock on FlashAttention 3, the engine's first request included
+        big = dict(gpu_util=FA3_UTIL, seqs=32, capture_sizes=[1, 8, 16, 32])  # stock must hold 32 x 32k too
+        return [
+            _engine("fa3_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=FA3_ROWS, timeout=330, **big),
+            _engine("fa3_stock", QWEN, backend="FLASH_ATTN_FIXED", work=FA3_ROWS, timeout=200, **big),
         ]
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
     corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 preset (every layer on
@@ -357,10 +369,29 @@ def targets(
     return out
 
 
+def fa3_targets(results: list[dict], ours: str = "fa3_ours_mse_k4v3", stock: str = "fa3_stock") -> dict:
+    """Issue 23's vLLM rows: per (context, concurrency), ours / stock FA3 for the first and last request's TTFT and
+    for TPOT, with met / missed (TTFT <= 1.1x, TPOT <= 1.0x)."""
+    o, s = _rows(results, ours), _rows(results, stock)
+    out: dict = {}
+    for key in sorted(o.keys() & s.keys()):
+        row: dict = {}
+        for field, limit in (("ttft_first_s", FA3_TTFT), ("ttft_last_s", FA3_TTFT), ("tpot_ms", FA3_TPOT)):
+            a, b = o[key].get(field), s[key].get(field)
+            x = round(a / b, 3) if a and b else None
+            row[field] = {"ours": a, "fa3": b, "x": x, "verdict": "not measured" if x is None else _verdict(x, limit)}
+        out[f"{key[0] // 1024}k x {key[1]}"] = row
+    return out
+
+
+def _verdict(x: float, limit: float) -> str:
+    return "met" if x <= limit else "missed"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke", "ttft"])
+    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke", "ttft", "fa3"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     ap.add_argument(
@@ -400,7 +431,9 @@ def main() -> None:
             deadline = 0
         with open(args.out / "results.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
-        (args.out / "summary.json").write_text(json.dumps(dict(summarize(results), targets=targets(results)), indent=1))
+        (args.out / "summary.json").write_text(
+            json.dumps(dict(summarize(results), targets=targets(results), fa3=fa3_targets(results)), indent=1)
+        )
     print(f"all jobs: {time.time() - start:.0f} s", flush=True)
 
 

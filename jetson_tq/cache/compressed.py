@@ -309,6 +309,11 @@ class CompressedKVCache:
         pending; nothing during CUDA graph capture, whose replays are read by ``check()``)."""
         self._raise_fault(block=True)
 
+    def raise_arrived_fault(self) -> None:
+        """Raise the named error of a device-checked write whose record has already reached the host (no wait; a
+        record still in flight is read by the next call or ``check()``)."""
+        self._raise_fault(block=False)
+
     def max_tokens(self, extra: int = 0) -> int | None:
         """The longest sequence's tokens plus ``extra`` from the host mirror, without a sync; None when only the
         device knows them (after CUDA graph replays)."""

@@ -97,7 +97,8 @@ _WORKSPACES: dict = {}
 def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Tensor]:
     """fp32 device copies of the codec's matrices and codebook (made once per codec and device).
 
-    ``qmat``: [Pi; S] (prod), Pi (mse) or I (fp16 keys) — rows transform a query once;
+    ``qmat``: [Pi; S] (prod), Pi (mse) or I (fp16 keys) — rows transform a query once; ``qmat16``: it as an fp16
+    (hi, lo) pair [2, QW, D] for fp16 queries;
     ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: the key centroids and
     their decision boundaries; ``kfit``: the codebook as c[k] = alpha + beta k + gamma (k >> 1) when it is
     one (``_linear_codebook_fit``); ``hsigns``: the Hadamard rotation's signs (one zero when it is dense).
@@ -105,7 +106,8 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
     key = (codec.fmt, codec.head_dim, codec.seed, device)
     if key not in _CONSTANTS:
         d = codec.head_dim
-        out = {"qmat": codec.query_matrix("cpu").float().contiguous().to(device)}
+        qmat = codec.query_matrix("cpu")
+        out = {"qmat": qmat.float().contiguous().to(device), "qmat16": torch.stack(_split16(qmat.double(), device))}
         if codec.keys is not None:
             out["pi"] = codec.key_rotation.matrix("cpu").float().contiguous().to(device)
         else:

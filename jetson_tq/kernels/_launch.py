@@ -21,7 +21,8 @@ under the interpreter.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from triton import knobs
@@ -31,15 +32,41 @@ from ._common import INTERPRET
 
 
 def _runtime_key(args: tuple) -> tuple:
+    """Per argument what Triton specializes on: a tensor's dtype and 16-byte alignment, a bool's value, an int's
+    (== 1, % 16 == 0, fits int32); one pass, exact-type checks first (this runs on every launch)."""
     key = []
     for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append(a.data_ptr() % 16 == 0)
+        t = type(a)
+        if t is torch.Tensor:
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif t is int:
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        elif t is bool:
+            key.append(a)
+        elif t is float or a is None:
+            continue
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, bool):
             key.append(a)
         elif isinstance(a, int):
             key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
     return tuple(key)
+
+
+def _dtypes(args: tuple) -> tuple:
+    """Every tensor argument's dtype (the key of an ``aligned`` launch, which skips ``_runtime_key``)."""
+    return tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
+
+
+#: called as ``hook(kernel_name, key, seconds)`` for every compile once set (``report_compiles``)
+_COMPILE_HOOK: list[Callable[[str, tuple, float], None]] = []
+
+
+def report_compiles(hook: Callable[[str, tuple, float], None] | None) -> None:
+    """From now on, call ``hook(kernel_name, launch_key, seconds)`` after every compile a launch triggers (None: stop);
+    the vLLM warm-up sets it once its compiles are done, so a specialization it missed is named in the log."""
+    _COMPILE_HOOK[:] = [] if hook is None else [hook]
 
 
 class FastLauncher:
@@ -75,12 +102,15 @@ class FastLauncher:
             with compile_hooks_off():
                 self.kernel[grid](*args, **constexprs, **opts)
             return
-        dtypes = tuple([a.dtype for a in args if isinstance(a, torch.Tensor)])
-        key = (plan_key, dtypes, num_warps, num_stages, maxnreg, _runtime_key(args) if aligned is None else aligned)
+        spec = _runtime_key(args) if aligned is None else (_dtypes(args), aligned)
+        key = (plan_key, num_warps, num_stages, maxnreg, spec)
         entry = self._compiled.get(key)
         if entry is None:
+            start = time.perf_counter()
             with compile_hooks_off():
                 compiled = self.kernel[grid](*args, **constexprs, **opts)
+            for hook in _COMPILE_HOOK:
+                hook(getattr(self.kernel, "__name__", str(self.kernel)), key, time.perf_counter() - start)
             names = self.kernel.arg_names
             template = [constexprs.get(n) for n in names]
             slots = [i for i, n in enumerate(names) if n not in constexprs]

@@ -596,7 +596,13 @@ def chunked_prefill(
     spec, page = page_spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    qt = query_transform(q.reshape(bsz * hq, t_len, d), consts["qmat"], scale * LOG2E, reproducible=tuning.reproducible)
+    qt = query_transform(
+        q.reshape(bsz * hq, t_len, d),
+        consts["qmat"],
+        scale * LOG2E,
+        reproducible=tuning.reproducible,
+        qmat16=consts["qmat16"],
+    )
     g = hq // hkv
     rk, rv = kv.recent_k, kv.recent_v
     ring = rk.shape[2]  # the window R: positions older than exact_start(p) are read compressed

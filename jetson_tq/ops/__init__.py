@@ -8,6 +8,8 @@ CPU-only users never import Triton.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..attention.reference import paged_attention_decode, paged_attention_prefill
@@ -29,6 +31,7 @@ __all__ = [
     "decode",
     "prefill",
     "scores",
+    "report_compiles",
 ]
 
 #: Tokens the reference write path encodes per step: bounds its fp32 temporaries (a few MB) at any append size.
@@ -65,6 +68,14 @@ def append_rows(
     return append_rows_reference(
         k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
     )
+
+
+def report_compiles(hook: Callable[[str, tuple, float], None] | None) -> None:
+    """From now on call ``hook(kernel_name, launch_key, seconds)`` after every kernel compile (None: stop); the vLLM
+    warm-up sets it when its compiles are done, so a first request that still compiles is named in the log."""
+    from ..kernels._launch import report_compiles as set_hook
+
+    set_hook(hook)
 
 
 def write(

@@ -107,8 +107,9 @@ def test_validate_false_records_nothing():
 
 
 def test_attention_prefill_names_a_refused_chunk_and_keeps_the_cache():
-    """``attention_prefill`` checks its chunk inside the write launch and raises after the attention launch (one sync
-    at the end, none between write and attention): the named error, and the guarded commit kept nothing."""
+    """``attention_prefill`` checks its chunk inside the write launch and never waits for the GPU: the named error
+    comes from the call (its record already on the host; always so off CUDA) or from the next ``check()``, and the
+    guarded commit kept nothing."""
     cache = CompressedKVCache(FMT, H, D, B, device=DEVICE)
     cache.append(*_kv(5, 0))
     ring = cache.ring_k.clone()
@@ -116,6 +117,7 @@ def test_attention_prefill_names_a_refused_chunk_and_keeps_the_cache():
     k[1, 1, 0, 3] = 7e4  # finite (the host's input checks pass it), but the fp16 ring would hold inf
     with pytest.raises(ValueRangeError, match=r"k: expected \|value\| <= 65504.*sequence 1, KV head 1, position 5"):
         attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), k, v, cache)
+        cache.check()  # on CUDA the record may still be on its way when the call returns
     assert cache.lengths.tolist() == [5, 5] and torch.equal(cache.ring_k, ring)
     out = attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), *_kv(4, 8), cache)
     assert bool(torch.isfinite(out).all()) and cache.lengths.tolist() == [9, 9]

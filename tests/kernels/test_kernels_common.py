@@ -106,12 +106,38 @@ def test_fast_launcher_compiles_once_per_argument_dtypes(monkeypatch):
     monkeypatch.setattr(_launch, "_launch_hooked", lambda: False)
     monkeypatch.setattr(_launch.torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     launcher = _launch.FastLauncher(FakeKernel())
-    for dtype in (torch.float16, torch.float16, torch.float32, torch.float16, torch.float32):
-        launcher(
-            (1,), (CudaLike(), torch.zeros(4, dtype=dtype), 4), {"BLOCK": 16}, ("plan",), num_warps=1, aligned=True
-        )
+    reported: list = []
+    _launch.report_compiles(lambda name, key, seconds: reported.append((name, key, seconds)))
+    try:
+        for dtype in (torch.float16, torch.float16, torch.float32, torch.float16, torch.float32):
+            launcher(
+                (1,), (CudaLike(), torch.zeros(4, dtype=dtype), 4), {"BLOCK": 16}, ("plan",), num_warps=1, aligned=True
+            )
+    finally:
+        _launch.report_compiles(None)
     assert compiles == [(torch.float16,), (torch.float32,)]
     assert len(runs) == 3  # every later call of a compiled dtype launches directly
+    assert [r[1][0] for r in reported] == [("plan",), ("plan",)] and all(r[2] >= 0 for r in reported)  # each compile
+
+
+def test_runtime_key_follows_what_triton_specializes_on():
+    """A launch without ``aligned`` compiles again when a tensor's dtype or 16-byte alignment, or an int's class
+    (== 1, % 16, int32 range), changes, and reuses the kernel otherwise (floats and None never matter)."""
+    from jetson_tq.kernels._launch import _runtime_key
+
+    x = torch.zeros(64, dtype=torch.float16)
+    base = _runtime_key((x, 32, 0.5, None, True))
+    assert _runtime_key((x, 48, 0.25, None, True)) == base  # 48: still % 16, not 1, int32
+    for other in (
+        (x.float(), 32, 0.5, None, True),  # dtype
+        (x[1:], 32, 0.5, None, True),  # 2-byte offset: not 16-byte aligned
+        (x, 1, 0.5, None, True),  # == 1
+        (x, 33, 0.5, None, True),  # not % 16
+        (x, 2**31 + 16, 0.5, None, True),  # int64
+        (x, 32, 0.5, None, False),  # a bool's value
+    ):
+        assert _runtime_key(other) != base, other
+    assert _runtime_key((torch.nn.Parameter(x.float()), 32)) == _runtime_key((x.float(), 32))  # tensor subclasses
 
 
 def _run_ptx(asm: str, x: int) -> list[int]:

@@ -153,3 +153,6 @@ def test_query_transform_rows(rows):
     want = 0.3 * q.reshape(rows, 64).float() @ m.T
     assert (rows >= PREFILL_ROWS) == (rows == 4096)
     assert rel_err(got, want) <= 1e-5
+    m16 = torch.stack([m.half(), (m.double() - m.half().double()).half()])  # codec_constants' qmat16 pair
+    got16 = query_transform(q, m, 0.3, qmat16=m16).clone()  # fp16 products from PREFILL_ROWS rows on
+    assert rel_err(got16, want) <= 1e-5

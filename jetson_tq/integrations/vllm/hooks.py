@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from ...errors import ConfigError
+from ...ops import report_compiles
 from .recent import RecentSlots, pool_bytes
 from .settings import active_config, enabled, logger, preferred_block_size, sliding_windows, window_block
 from .spec import (
@@ -429,6 +430,22 @@ def block_table_width(runner, block_size: int) -> int:
     return -(-int(runner.model_config.max_model_len) // block_size)
 
 
+#: a launch slower than this on a new launch key compiled (Triton's in-memory and disk caches answer in ms)
+LATE_COMPILE_S = 0.05
+
+
+def _late_compile(kernel: str, key: tuple, seconds: float) -> None:
+    """A kernel compiled after the warm-up: a request waited for it (the warm-up's coverage missed this key)."""
+    if seconds < LATE_COMPILE_S:
+        return
+    logger().warning(
+        "jetson-tq: %s compiled while serving (%.2f s, a request waited): not covered by the warm-up, key %s",
+        kernel,
+        seconds,
+        str(key)[:400],
+    )
+
+
 def _runner_wrap(original):
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         global _RUNNER
@@ -458,6 +475,8 @@ def _runner_wrap(original):
                 except Exception as exc:  # the first request then compiles, and raises if the path is broken
                     logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
                 warmed.add(key)
+        if warmed:
+            report_compiles(_late_compile)
         return out
 
     return initialize_kv_cache
