@@ -182,13 +182,13 @@ def all_rows(backend: str) -> list[F.Variant]:
     ]
 
 
-#: A row named by its format (``--rows k3v3g128_b128``): mse key bits or split keys (``kx<N>h<B>[x<N>h<B>]l<b>``: the
-#: N of 128 channels of the most important rotary pairs (calibrated E[q^2] E[k^2]) at B bits, the next N at the next
-#: B, the rest at b, each set its own rotation and norm; ``_xk`` ranks by E[k^2] alone), value bits, value group
-#: (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default
-#: b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact.
+#: A row named by its format (``--rows k3v3g128_b128``): mse key bits or split keys (``kx<N>h<B>l<b>``: the N of 128
+#: channels of the most important rotary pairs (calibrated E[q^2] E[k^2]) at B bits, the rest at b, each set its own
+#: rotation and norm; ``_xk`` ranks by E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values
+#: (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>``
+#: the first S positions exact.
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|(?P<xs>(?:x\d+h[1-8])+)l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"^k(?:(?P<k>[1-8])|x(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?$"
 )
 
@@ -200,20 +200,16 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         return None
     values = ("mse", int(m["v"]), 64) if m["m"] else ("group", int(m["v"]), int(m["g"]))
     window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
-    if m["xk"] and not m["xs"]:
+    if m["xk"] and not m["xn"]:
         return None  # _xk names the split's pair score: no split, no score
-    split = None
-    if m["xs"]:
-        sets = tuple((int(n), int(b)) for n, b in re.findall(r"x(\d+)h(\d)", m["xs"]))
-        split = SplitKeys(sets, int(m["xl"]), "k" if m["xk"] else "qk")
+    split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     key_bits = int(m["k"]) if split is None else split.lo_bits  # split rows: the store's own key code is unread
     cfg = _tq(name, ("mse", key_bits), values, buffer=int(m["r"] or 128), window=window)
     notes = ["centered K/V (calibrated offsets)" if m["c"] else ""]
     if split is not None:
         notes.append(
-            f"split keys (rotary pairs by {'E[k^2]' if m['xk'] else 'E[q^2]E[k^2]'}): "
-            + ", ".join(f"{n}/128 channels at {b} bits" for n, b in split.sets)
-            + f", the rest at {split.lo_bits}"
+            f"split keys: {split.hi_channels}/128 channels (rotary pairs by {'E[k^2]' if m['xk'] else 'E[q^2]E[k^2]'})"
+            f" at {split.hi_bits} bits, the rest at {split.lo_bits}"
         )
     return F.Variant(
         name,
@@ -563,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict:
     CENTERS[:] = load_centers(Path(args.centers), model, tok)
     global HEAD_DIM
     HEAD_DIM = head_dim
-    if any((m := SPEC_ROW.match(n)) and m["xs"] for n in args.rows.split(",")):
+    if any((m := SPEC_ROW.match(n)) and m["xn"] for n in args.rows.split(",")):
         PAIR_ENERGY[:] = calibration_pair_energy(model, tok, CENTERS)
     variants = all_rows(args.backend)
     extra = [

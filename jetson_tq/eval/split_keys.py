@@ -2,11 +2,10 @@
 
 The score error of a key, q . (k - k^), has variance sum_c E[q_c^2] E[e_c^2]. One rotation of all D coordinates
 spreads every channel's error evenly, so uniform bits pay the mean channel importance. Here the D channels are split
-*before* any rotation into sets of the most important pairs (more bits) and the rest (``lo_bits``); each set is coded
-by TurboQuant_mse on its own (independent rotation, own norm, own Lloyd-Max codebook for its dimension), the paper's
-"outlier channel" recipe. Channels are chosen by rotary pair (c, c + D/2: transformers' ``rotate_half`` convention,
-as SmolLM2 uses): RoPE turns a pair's two channels into each other but keeps its energy, so the choice does not depend
-on position.
+*before* any rotation into a high set (``hi_bits``) and the rest (``lo_bits``); each set is coded by TurboQuant_mse
+on its own (independent rotation, own norm, own Lloyd-Max codebook for its dimension), the paper's "outlier channel"
+recipe. Channels are chosen by rotary pair (c, c + D/2: transformers' ``rotate_half`` convention, as SmolLM2 uses):
+RoPE turns a pair's two channels into each other but keeps its energy, so the choice does not depend on position.
 
 An evaluation format: ``SplitKeyHistory`` replaces the keys the ``cpu-decoded`` history reads (the store's own key
 code is ignored); the bytes it would take come from ``SplitKeys.key_bytes_per_token``.
@@ -27,43 +26,38 @@ from ..integrations.transformers import TurboQuantCache, TurboQuantLayer
 from .decoded_history import DecodedHistory
 from .smartmix import LayerCapture
 
-#: The head dim the channel counts of ``SplitKeys.sets`` are stated at (other head dims scale it in proportion).
+#: The head dim a ``SplitKeys.hi_channels`` count is stated at (other head dims scale it in proportion).
 REFERENCE_DIM = 128
 SCORES = ("qk", "k")  # pair importance: E[q_pair^2] x E[k_pair^2], or E[k_pair^2] alone (the control)
 
 
 @dataclass(frozen=True)
 class SplitKeys:
-    """Key channels in sets of (channels of every ``REFERENCE_DIM``, bits), most important pairs first; the channels
-    left over form the last set, at ``lo_bits``."""
+    """``hi_channels`` of every ``REFERENCE_DIM`` key channels at ``hi_bits``, the rest at ``lo_bits``."""
 
-    sets: tuple[tuple[int, int], ...]
+    hi_channels: int
+    hi_bits: int
     lo_bits: int
     score: str = "qk"
 
     def __post_init__(self) -> None:
         if self.score not in SCORES:
             raise FormatError(f"score: expected one of {SCORES}, got {self.score!r}")
-        counts = [n for n, _ in self.sets]
-        if not counts or any(n <= 0 or n % 2 for n in counts) or sum(counts) >= REFERENCE_DIM:
-            raise FormatError(f"sets: expected even channel counts summing below {REFERENCE_DIM}, got {self.sets}")
+        if not 0 < self.hi_channels < REFERENCE_DIM or self.hi_channels % 2:
+            raise FormatError(f"hi_channels: expected an even count in (0, {REFERENCE_DIM}), got {self.hi_channels}")
 
-    def counts(self, head_dim: int) -> list[int]:
-        """Channels of each set at ``head_dim`` (whole rotary pairs), the left-over set last."""
-        counts = [n * head_dim // REFERENCE_DIM for n, _ in self.sets]
-        if any(n % 2 or n * REFERENCE_DIM != c * head_dim for n, (c, _) in zip(counts, self.sets)) or 0 in counts:
-            raise FormatError(f"sets {self.sets} of {REFERENCE_DIM} channels are no whole pair counts at D={head_dim}")
-        return [*counts, head_dim - sum(counts)]
-
-    @property
-    def bits(self) -> list[int]:
-        """Bits of each set, the left-over set last."""
-        return [b for _, b in self.sets] + [self.lo_bits]
+    def hi_count(self, head_dim: int) -> int:
+        """High-set channels at ``head_dim`` (whole rotary pairs)."""
+        n = self.hi_channels * head_dim // REFERENCE_DIM
+        if n % 2 or not 0 < n < head_dim:
+            raise FormatError(f"{self.hi_channels} of {REFERENCE_DIM} channels is no whole pair count at D={head_dim}")
+        return n
 
     def key_bytes_per_token(self, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> int:
         """Bytes of one key: each set's packed codes (``format.packed_bytes``) and its norm."""
+        n = self.hi_count(head_dim)
         norm = Field("key_norm", norm_dtype, 1).nbytes
-        return sum(packed_bytes(n, b) + norm for n, b in zip(self.counts(head_dim), self.bits))
+        return packed_bytes(n, self.hi_bits) + packed_bytes(head_dim - n, self.lo_bits) + 2 * norm
 
     def format_bytes_per_token(self, fmt: KVFormat, head_dim: int) -> int:
         """Bytes of one token of ``fmt`` with its keys replaced by this split."""
@@ -100,39 +94,36 @@ def _pairs(energy: torch.Tensor) -> torch.Tensor:
     return energy[..., :half] + energy[..., half:]
 
 
-def channel_sets(spec: SplitKeys, energy: PairEnergy, head_dim: int, centered: bool) -> list[torch.Tensor]:
-    """The channel indices [H, n] of each set of one layer: its pairs ranked by importance, both channels of each."""
+def hi_channels(spec: SplitKeys, energy: PairEnergy, head_dim: int, centered: bool) -> torch.Tensor:
+    """The high-set channel indices [H, n] of one layer: its most important pairs, both channels of each."""
     k = energy.key_centered if centered else energy.key
     score = energy.query * k if spec.score == "qk" else k
-    order = score.argsort(dim=-1, descending=True)
-    out, start = [], 0
-    for n in spec.counts(head_dim):
-        pairs = order[:, start : start + n // 2].sort(-1).values
-        out.append(torch.cat([pairs, pairs + head_dim // 2], dim=-1))
-        start += n // 2
-    return out
+    top = score.argsort(dim=-1, descending=True)[:, : spec.hi_count(head_dim) // 2].sort(-1).values
+    return torch.cat([top, top + head_dim // 2], dim=-1)
 
 
 class SplitKeyQuantizer:
     """Quantize-dequantize keys [B, H, T, D] of one layer with per-head channel sets, each set's own TurboQuant_mse."""
 
-    def __init__(
-        self, spec: SplitKeys, sets: list[torch.Tensor], seed: int, norm_dtype: torch.dtype = torch.float16
-    ) -> None:
-        self.sets = [s.long() for s in sets]
-        self.heads, self.head_dim = sets[0].shape[0], sum(s.shape[1] for s in sets)
+    def __init__(self, spec: SplitKeys, hi: torch.Tensor, seed: int, norm_dtype: torch.dtype = torch.float16) -> None:
+        h, n = hi.shape
+        self.head_dim = d = hi.shape[1] * REFERENCE_DIM // spec.hi_channels
+        is_hi = torch.zeros(h, d, dtype=torch.bool)
+        is_hi.scatter_(1, hi.long(), True)
+        self.hi = hi.long()
+        self.lo = torch.stack([torch.nonzero(~row).squeeze(1) for row in is_hi])
         self.codecs = [
-            TurboQuantMSE(s.shape[1], bits, derive_seed(seed, salt=j + 1), norm_dtype=norm_dtype)
-            for j, (s, bits) in enumerate(zip(sets, spec.bits))
+            TurboQuantMSE(n, spec.hi_bits, derive_seed(seed, salt=1), norm_dtype=norm_dtype),
+            TurboQuantMSE(d - n, spec.lo_bits, derive_seed(seed, salt=2), norm_dtype=norm_dtype),
         ]
 
     def __call__(self, k: torch.Tensor) -> torch.Tensor:
         """k^ [B, H, T, D] float32: each channel set quantized and dequantized on its own."""
         b, h, t, d = k.shape
-        if (h, d) != (self.heads, self.head_dim):
-            raise ShapeError(f"keys: expected [B, {self.heads}, T, {self.head_dim}], got {tuple(k.shape)}")
+        if (h, d) != (self.hi.shape[0], self.head_dim):
+            raise ShapeError(f"keys: expected [B, {self.hi.shape[0]}, T, {self.head_dim}], got {tuple(k.shape)}")
         out = torch.empty(b, h, t, d, device=k.device)
-        for idx, codec in zip(self.sets, self.codecs):
+        for idx, codec in zip((self.hi, self.lo), self.codecs):
             index = idx.to(k.device)[None, :, None, :].expand(b, h, t, -1)
             part = codec.dequantize(codec.quantize(k.float().gather(-1, index)))
             out.scatter_(-1, index, part.float())
@@ -163,15 +154,15 @@ class SplitKeyHistory(DecodedHistory):
 
 @dataclass
 class SplitKeyPlan:
-    """A split-key row: the split and each layer's channel sets (``channel_sets``)."""
+    """A split-key row: the split and each layer's high-set channels [H, n]."""
 
     spec: SplitKeys
-    sets: list[list[torch.Tensor]]
+    hi: list[torch.Tensor]
 
 
 def plan(spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool) -> SplitKeyPlan:
-    """Each layer's channel sets from calibrated pair energies."""
-    return SplitKeyPlan(spec, [channel_sets(spec, e, head_dim, centered) for e in energies])
+    """Each layer's high set from calibrated pair energies."""
+    return SplitKeyPlan(spec, [hi_channels(spec, e, head_dim, centered) for e in energies])
 
 
 class SplitKeyLayer(TurboQuantLayer):
@@ -194,5 +185,5 @@ class SplitKeyCache(TurboQuantCache):
         super().__init__(model, config, backend="cpu-decoded", **kwargs)
         for i, layer in enumerate(self._tq_layers):
             if not layer.fmt.is_passthrough:
-                q = SplitKeyQuantizer(split.spec, split.sets[i], layer.seed, layer.fmt.norm_torch_dtype)
+                q = SplitKeyQuantizer(split.spec, split.hi[i], layer.seed, layer.fmt.norm_torch_dtype)
                 self.layers[i] = SplitKeyLayer(layer, q)

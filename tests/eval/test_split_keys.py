@@ -9,18 +9,13 @@ import torch.nn.functional as F
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.mse import TurboQuantMSE
 from jetson_tq.errors import FormatError
-from jetson_tq.eval.split_keys import PairEnergy, SplitKeyHistory, SplitKeyQuantizer, SplitKeys, channel_sets
+from jetson_tq.eval.split_keys import PairEnergy, SplitKeyHistory, SplitKeyQuantizer, SplitKeys, hi_channels
 from jetson_tq.format import KVFormat, exact_count
 
 
 @pytest.mark.parametrize(
     ("split", "d128", "d64"),
-    [
-        (SplitKeys(((64, 4),), 2), 52, 28),
-        (SplitKeys(((32, 5),), 2), 48, 26),
-        (SplitKeys(((48, 4),), 2), 48, 26),
-        (SplitKeys(((16, 6), (48, 3)), 2), 52, 29),  # three sets, three norms
-    ],
+    [(SplitKeys(64, 4, 2), 52, 28), (SplitKeys(32, 5, 2), 48, 26), (SplitKeys(48, 4, 2), 48, 26)],
 )
 def test_key_bytes(split, d128, d64):
     assert split.key_bytes_per_token(128) == d128  # (n_hi b_hi + (128 - n_hi) b_lo) / 8 + 2 fp16 norms
@@ -31,9 +26,9 @@ def test_key_bytes(split, d128, d64):
 
 def test_a_split_needs_whole_pairs():
     with pytest.raises(FormatError):
-        SplitKeys(((63, 4),), 2)
+        SplitKeys(63, 4, 2)
     with pytest.raises(FormatError):
-        SplitKeys(((2, 4),), 2).counts(64)  # one channel at D=64
+        SplitKeys(2, 4, 2).hi_count(64)  # one channel at D=64
 
 
 def _anisotropic(h=2, d=64, t=400, seed=0):
@@ -48,15 +43,14 @@ def _anisotropic(h=2, d=64, t=400, seed=0):
 
 def test_high_set_is_the_energetic_pairs_both_channels():
     _, energy = _anisotropic()
-    sets = channel_sets(SplitKeys(((16, 4),), 2, "k"), energy, 64, centered=False)
-    assert sets[0].tolist() == [[0, 1, 2, 3, 32, 33, 34, 35]] * 2
-    assert sorted(sets[0][0].tolist() + sets[1][0].tolist()) == list(range(64))
+    hi = hi_channels(SplitKeys(16, 4, 2, "k"), energy, 64, centered=False)
+    assert hi.tolist() == [[0, 1, 2, 3, 32, 33, 34, 35]] * 2
 
 
 def test_split_error_below_uniform_at_equal_bits():
     k, energy = _anisotropic()
-    split = SplitKeys(((64, 4),), 2, "k")  # 32 of 64 channels at 4 bits, 32 at 2: 3 bits per coordinate, as uniform
-    got = SplitKeyQuantizer(split, channel_sets(split, energy, 64, centered=False), seed=0)(k)
+    split = SplitKeys(64, 4, 2, "k")  # 32 of 64 channels at 4 bits, 32 at 2: 3 bits per coordinate, as uniform
+    got = SplitKeyQuantizer(split, hi_channels(split, energy, 64, centered=False), seed=0)(k)
     uniform = TurboQuantMSE(64, 3, seed=0, norm_dtype=torch.float16)
     ref = uniform.dequantize(uniform.quantize(k))
     assert ((got - k) ** 2).sum(-1).mean() < 0.7 * ((ref - k) ** 2).sum(-1).mean()
@@ -68,8 +62,8 @@ def test_history_reads_split_keys_for_compressed_positions_only():
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(b, h, n + 1, d, generator=g), torch.randn(b, h, n + 1, d, generator=g)
     _, energy = _anisotropic(h, d)
-    split = SplitKeys(((64, 4),), 2)
-    quantizer = SplitKeyQuantizer(split, channel_sets(split, energy, d, centered=False), seed=3)
+    split = SplitKeys(64, 4, 2)
+    quantizer = SplitKeyQuantizer(split, hi_channels(split, energy, d, centered=False), seed=3)
     store = CompressedKVCache(fmt, h, d, b, dtype=torch.float32, seed=7)
     hist = SplitKeyHistory(store, 0, quantizer)
     for a, z in ((0, n), (n, n + 1)):  # a prefill, then one decode token
