@@ -8,8 +8,17 @@ import torch.nn.functional as F
 
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.mse import TurboQuantMSE
+from jetson_tq.config import config_from_dict
 from jetson_tq.errors import FormatError
-from jetson_tq.eval.split_keys import PairEnergy, SplitKeyHistory, SplitKeyQuantizer, SplitKeys, hi_channels
+from jetson_tq.eval.fidelity import Variant
+from jetson_tq.eval.split_keys import (
+    PairEnergy,
+    SplitKeyHistory,
+    SplitKeyPlan,
+    SplitKeyQuantizer,
+    SplitKeys,
+    hi_channels,
+)
 from jetson_tq.format import KVFormat, exact_count
 
 
@@ -78,3 +87,14 @@ def test_history_reads_split_keys_for_compressed_positions_only():
     ref = F.scaled_dot_product_attention(q, keys, values, scale=0.2, enable_gqa=True)
     assert 0 < old < s
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+def test_a_split_row_counts_its_own_key_bytes():
+    raw = {"keys": {"mode": "mse", "bits": 2}, "values": {"mode": "mse", "bits": 3}, "buffer": {"recent_tokens": 256}}
+    cfg = config_from_dict(raw, name="split")
+    row = Variant("split", "", cfg, split_keys=SplitKeyPlan(SplitKeys(64, 4, 2), hi=[]))
+    assert row.bytes_per_token(30, 128) == 102.0  # 52 B split keys + 50 B mse values
+    assert row.bytes_per_token(30, 64) == 28 + 26
+    assert row.effective_bytes_per_token(30, 128, 2048) - Variant("u", "", cfg).effective_bytes_per_token(
+        30, 128, 2048
+    ) == pytest.approx(102 - cfg.default.bytes_per_token(128))
