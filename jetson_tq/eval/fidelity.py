@@ -31,6 +31,7 @@ from ..config import TurboQuantConfig
 from ..format import fp16_bytes_per_token
 from ..integrations.transformers import TurboQuantCache, enable_turboquant, model_dims
 from .simulated_caches import SimulatedFormat, SimulatedQuantCache
+from .split_keys import SplitKeyCache, SplitKeyPlan
 
 Progress = Callable[[str], None]
 
@@ -51,6 +52,7 @@ class Variant:
     backend: str = "auto"  # TurboQuantCache backend ("cpu-decoded" for long CPU evaluations)
     centers: list | None = None  # per-layer (key, value) offsets [H, D] of a centered cache (TurboQuantCache)
     sink_tokens: int = 0  # first positions read exactly (cpu-decoded backend)
+    split_keys: SplitKeyPlan | None = None  # keys coded in two channel sets (cpu-decoded backend, split_keys.py)
 
     def make_cache(self, model):
         """A fresh cache of this variant for ``model`` (a DynamicCache for the reference)."""
@@ -58,6 +60,8 @@ class Variant:
             return DynamicCache(config=model.config)
         if isinstance(self.spec, SimulatedFormat):
             return SimulatedQuantCache(self.spec, model.config.num_hidden_layers)
+        if self.split_keys is not None:
+            return SplitKeyCache(model, self.spec, self.split_keys, centers=self.centers, sink_tokens=self.sink_tokens)
         return TurboQuantCache(
             model, self.spec, backend=self.backend, centers=self.centers, sink_tokens=self.sink_tokens
         )
@@ -68,7 +72,14 @@ class Variant:
             return [float(fp16_bytes_per_token(head_dim))] * num_layers
         if isinstance(self.spec, SimulatedFormat):
             return [self.spec.layer_bytes_per_token(i, num_layers, head_dim) for i in range(num_layers)]
-        return [float(self.spec.format_for_layer(i, num_layers).bytes_per_token(head_dim)) for i in range(num_layers)]
+        formats = [self.spec.format_for_layer(i, num_layers) for i in range(num_layers)]
+        if self.split_keys is not None:
+            split = self.split_keys.spec
+            return [
+                float(f.bytes_per_token(head_dim) if f.is_passthrough else split.format_bytes_per_token(f, head_dim))
+                for f in formats
+            ]
+        return [float(f.bytes_per_token(head_dim)) for f in formats]
 
     def bytes_per_token(self, num_layers: int, head_dim: int) -> float:
         """Mean over layers of the stored bytes per token per KV head (KVFormat.bytes_per_token for ours)."""
@@ -80,6 +91,7 @@ class Variant:
         if self.spec is None:
             return float(fp16_bytes_per_token(head_dim))
         total = 0.0
+        stored = self.layer_bytes(num_layers, head_dim)
         for i in range(num_layers):
             if isinstance(self.spec, SimulatedFormat):
                 s = self.spec
@@ -90,7 +102,9 @@ class Variant:
                 buffered = min(context, s.buffer_tokens + s.flush_chunk) if s.buffer_tokens else 0
                 total += compressed * s.bytes_per_token(head_dim) + buffered * fp16_bytes_per_token(head_dim)
             else:
-                total += self.spec.format_for_layer(i, num_layers).sequence_bytes(context, head_dim)
+                f = self.spec.format_for_layer(i, num_layers)
+                # the format's own sequence bytes, its compressed tokens at this row's size (split keys differ)
+                total += f.sequence_bytes(context, head_dim) + context * (stored[i] - f.bytes_per_token(head_dim))
         return total / num_layers / context
 
 

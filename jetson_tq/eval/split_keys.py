@@ -1,0 +1,189 @@
+"""Split keys: rotary pairs ranked by calibrated importance get more bits, each set its own rotation, norm and codebook.
+
+The score error of a key, q . (k - k^), has variance sum_c E[q_c^2] E[e_c^2]. One rotation of all D coordinates
+spreads every channel's error evenly, so uniform bits pay the mean channel importance. Here the D channels are split
+*before* any rotation into a high set (``hi_bits``) and the rest (``lo_bits``); each set is coded by TurboQuant_mse
+on its own (independent rotation, own norm, own Lloyd-Max codebook for its dimension), the paper's "outlier channel"
+recipe. Channels are chosen by rotary pair (c, c + D/2: transformers' ``rotate_half`` convention, as SmolLM2 uses):
+RoPE turns a pair's two channels into each other but keeps its energy, so the choice does not depend on position.
+
+An evaluation format: ``SplitKeyHistory`` replaces the keys the ``cpu-decoded`` history reads (the store's own key
+code is ignored); the bytes it would take come from ``SplitKeys.key_bytes_per_token``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.compressed import CompressedKVCache
+from ..codec.mse import TurboQuantMSE
+from ..codec.rotation import derive_seed
+from ..errors import FormatError, ShapeError
+from ..format import Field, KVFormat, packed_bytes
+from ..integrations.transformers import TurboQuantCache, TurboQuantLayer
+from .decoded_history import DecodedHistory
+from .smartmix import LayerCapture
+
+#: The head dim a ``SplitKeys.hi_channels`` count is stated at (other head dims scale it in proportion).
+REFERENCE_DIM = 128
+SCORES = ("qk", "k")  # pair importance: E[q_pair^2] x E[k_pair^2], or E[k_pair^2] alone (the control)
+
+
+@dataclass(frozen=True)
+class SplitKeys:
+    """``hi_channels`` of every ``REFERENCE_DIM`` key channels at ``hi_bits``, the rest at ``lo_bits``."""
+
+    hi_channels: int
+    hi_bits: int
+    lo_bits: int
+    score: str = "qk"
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise FormatError(f"score: expected one of {SCORES}, got {self.score!r}")
+        if not 0 < self.hi_channels < REFERENCE_DIM or self.hi_channels % 2:
+            raise FormatError(f"hi_channels: expected an even count in (0, {REFERENCE_DIM}), got {self.hi_channels}")
+
+    def hi_count(self, head_dim: int) -> int:
+        """High-set channels at ``head_dim`` (whole rotary pairs)."""
+        n = self.hi_channels * head_dim // REFERENCE_DIM
+        if n % 2 or not 0 < n < head_dim:
+            raise FormatError(f"{self.hi_channels} of {REFERENCE_DIM} channels is no whole pair count at D={head_dim}")
+        return n
+
+    def key_bytes_per_token(self, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> int:
+        """Bytes of one key: each set's packed codes (``format.packed_bytes``) and its norm."""
+        n = self.hi_count(head_dim)
+        norm = Field("key_norm", norm_dtype, 1).nbytes
+        return packed_bytes(n, self.hi_bits) + packed_bytes(head_dim - n, self.lo_bits) + 2 * norm
+
+    def format_bytes_per_token(self, fmt: KVFormat, head_dim: int) -> int:
+        """Bytes of one token of ``fmt`` with its keys replaced by this split."""
+        keys = self.key_bytes_per_token(head_dim, fmt.norm_torch_dtype)
+        return fmt.bytes_per_token(head_dim) - fmt.key_bytes_per_token(head_dim) + keys
+
+
+@dataclass
+class PairEnergy:
+    """One layer's calibrated second moments per KV head and rotary pair [H, D/2]."""
+
+    query: torch.Tensor  # queries of the head's GQA group, pooled
+    key: torch.Tensor  # raw keys
+    key_centered: torch.Tensor  # keys minus the layer's calibrated center (what a centered cache quantizes)
+
+
+def pair_energies(caps: list[LayerCapture], centers: list | None = None, skip: int = 1) -> list[PairEnergy]:
+    """Per layer, E[x_c^2 + x_{c+D/2}^2] of queries and keys over positions >= ``skip`` of a calibration capture (the
+    first position, an attention sink, left out as ``kv_centers`` does)."""
+    out = []
+    for i, cap in enumerate(caps):
+        q, k = cap.q[:, :, skip:].float(), cap.k[:, :, skip:].float()
+        h, d = k.shape[1], k.shape[-1]
+        q_energy = (q**2).mean((0, 2)).reshape(h, -1, d).mean(1)  # [H, D]: a KV head's query heads are adjacent
+        center = torch.zeros(h, d) if centers is None else centers[i][0].float()
+        kc = k - center[None, :, None, :]
+        out.append(PairEnergy(*(_pairs(x) for x in (q_energy, (k**2).mean((0, 2)), (kc**2).mean((0, 2))))))
+    return out
+
+
+def _pairs(energy: torch.Tensor) -> torch.Tensor:
+    """[H, D] channel energies -> [H, D/2] rotary-pair energies."""
+    half = energy.shape[-1] // 2
+    return energy[..., :half] + energy[..., half:]
+
+
+def hi_channels(spec: SplitKeys, energy: PairEnergy, head_dim: int, centered: bool) -> torch.Tensor:
+    """The high-set channel indices [H, n] of one layer: its most important pairs, both channels of each."""
+    k = energy.key_centered if centered else energy.key
+    score = energy.query * k if spec.score == "qk" else k
+    top = score.argsort(dim=-1, descending=True)[:, : spec.hi_count(head_dim) // 2].sort(-1).values
+    return torch.cat([top, top + head_dim // 2], dim=-1)
+
+
+class SplitKeyQuantizer:
+    """Quantize-dequantize keys [B, H, T, D] of one layer with per-head channel sets, each set's own TurboQuant_mse."""
+
+    def __init__(self, spec: SplitKeys, hi: torch.Tensor, seed: int, norm_dtype: torch.dtype = torch.float16) -> None:
+        h, n = hi.shape
+        self.head_dim = d = hi.shape[1] * REFERENCE_DIM // spec.hi_channels
+        is_hi = torch.zeros(h, d, dtype=torch.bool)
+        is_hi.scatter_(1, hi.long(), True)
+        self.hi = hi.long()
+        self.lo = torch.stack([torch.nonzero(~row).squeeze(1) for row in is_hi])
+        self.codecs = [
+            TurboQuantMSE(n, spec.hi_bits, derive_seed(seed, salt=1), norm_dtype=norm_dtype),
+            TurboQuantMSE(d - n, spec.lo_bits, derive_seed(seed, salt=2), norm_dtype=norm_dtype),
+        ]
+
+    def __call__(self, k: torch.Tensor) -> torch.Tensor:
+        """k^ [B, H, T, D] float32: each channel set quantized and dequantized on its own."""
+        b, h, t, d = k.shape
+        if (h, d) != (self.hi.shape[0], self.head_dim):
+            raise ShapeError(f"keys: expected [B, {self.hi.shape[0]}, T, {self.head_dim}], got {tuple(k.shape)}")
+        out = torch.empty(b, h, t, d, device=k.device)
+        for idx, codec in zip((self.hi, self.lo), self.codecs):
+            index = idx.to(k.device)[None, :, None, :].expand(b, h, t, -1)
+            part = codec.dequantize(codec.quantize(k.float().gather(-1, index)))
+            out.scatter_(-1, index, part.float())
+        return out
+
+
+class SplitKeyHistory(DecodedHistory):
+    """The ``cpu-decoded`` history with its compressed keys coded by a ``SplitKeyQuantizer`` (values unchanged)."""
+
+    def __init__(self, store: CompressedKVCache, sink_tokens: int, quantizer: SplitKeyQuantizer) -> None:
+        super().__init__(store, sink_tokens)
+        self.quantizer = quantizer
+        self.split_keys = torch.zeros(store.batch_size, store.num_kv_heads, 0, self.key_dim, device=store.device)
+
+    def note_exact(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Code the next tokens' keys [B, H, T, D] (called once per chunk, before the store holds them)."""
+        super().note_exact(k, v)
+        if int(self.store.lengths[0]) == self.split_keys.shape[2]:
+            coded = self.transform_exact_keys(self.quantizer(k.to(self.store.dtype)))
+            self.split_keys = torch.cat([self.split_keys, coded], dim=2)
+
+    def _decode_keys(self, fields: dict) -> torch.Tensor:
+        n = fields["key_norm"].shape[2]
+        if self.count + n > self.split_keys.shape[2]:
+            raise ShapeError(f"split keys hold {self.split_keys.shape[2]} positions, asked up to {self.count + n}")
+        return self.split_keys[:, :, self.count : self.count + n]
+
+
+@dataclass
+class SplitKeyPlan:
+    """A split-key row: the split and each layer's high-set channels [H, n]."""
+
+    spec: SplitKeys
+    hi: list[torch.Tensor]
+
+
+def plan(spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool) -> SplitKeyPlan:
+    """Each layer's high set from calibrated pair energies."""
+    return SplitKeyPlan(spec, [hi_channels(spec, e, head_dim, centered) for e in energies])
+
+
+class SplitKeyLayer(TurboQuantLayer):
+    """A ``cpu-decoded`` TurboQuant layer whose compressed keys are read through a ``SplitKeyHistory``."""
+
+    def __init__(self, base: TurboQuantLayer, quantizer: SplitKeyQuantizer) -> None:
+        super().__init__(base.fmt, base.layer_idx, base.seed, base.backend, base.center, base.sink_tokens)
+        self.quantizer = quantizer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        assert self.store is not None  # the base built it
+        self.decoded = SplitKeyHistory(self.store, self.sink_tokens, self.quantizer)
+
+
+class SplitKeyCache(TurboQuantCache):
+    """A ``TurboQuantCache`` (backend ``cpu-decoded``) with split keys in every compressed layer."""
+
+    def __init__(self, model, config, split: SplitKeyPlan, **kwargs) -> None:
+        super().__init__(model, config, backend="cpu-decoded", **kwargs)
+        for i, layer in enumerate(self._tq_layers):
+            if not layer.fmt.is_passthrough:
+                q = SplitKeyQuantizer(split.spec, split.hi[i], layer.seed, layer.fmt.norm_torch_dtype)
+                self.layers[i] = SplitKeyLayer(layer, q)
