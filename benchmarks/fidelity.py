@@ -34,7 +34,7 @@ from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
 from jetson_tq.eval import fidelity as F
 from jetson_tq.eval.simulated_caches import SimulatedFormat
 from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
-from jetson_tq.eval.split_keys import SplitKeyPlan, SplitKeys, pair_energies
+from jetson_tq.eval.split_keys import SplitKeyPlan, SplitKeys, pair_energies, plan_allocated
 from jetson_tq.eval.split_keys import plan as plan_split
 from jetson_tq.format import fp16_bytes_per_token
 from jetson_tq.models.smollm2 import load_smollm2
@@ -184,12 +184,13 @@ def all_rows(backend: str) -> list[F.Variant]:
 
 #: A row named by its format (``--rows k3v3g128_b128``): mse key bits or split keys (``kx<N>h<B>l<b>``: the N of 128
 #: channels of the most important rotary pairs (calibrated E[q^2] E[k^2]) at B bits, the rest at b, each set its own
-#: rotation and norm; ``_xk`` ranks by E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values
+#: rotation and norm; ``kxg<N>``: N on average, each head's count from the score-error model; ``_xk`` ranks by E[k^2]
+#: alone), value bits, value group (``g64``) or TurboQuant_mse values
 #: (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>``
-#: the first S positions exact.
+#: the first S positions exact, ``_seed<N>`` rotation seed N (default 0).
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?$"
+    r"^k(?:(?P<k>[1-8])|x(?P<xg>g)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -204,12 +205,13 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         return None  # _xk names the split's pair score: no split, no score
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     key_bits = int(m["k"]) if split is None else split.lo_bits  # split rows: the store's own key code is unread
-    cfg = _tq(name, ("mse", key_bits), values, buffer=int(m["r"] or 128), window=window)
+    cfg = _tq(name, ("mse", key_bits), values, buffer=int(m["r"] or 128), seed=int(m["seed"] or 0), window=window)
     notes = ["centered K/V (calibrated offsets)" if m["c"] else ""]
     if split is not None:
         notes.append(
             f"split keys: {split.hi_channels}/128 channels (rotary pairs by {'E[k^2]' if m['xk'] else 'E[q^2]E[k^2]'})"
             f" at {split.hi_bits} bits, the rest at {split.lo_bits}"
+            + (" (mean; per-head counts from the score-error model)" if m["xg"] else "")
         )
     return F.Variant(
         name,
@@ -219,14 +221,17 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         backend,
         centers=CENTERS if m["c"] else None,
         sink_tokens=int(m["e"] or 0),
-        split_keys=None if split is None else split_plan(split, HEAD_DIM, centered=bool(m["c"])),
+        split_keys=None if split is None else split_plan(split, HEAD_DIM, bool(m["c"]), bool(m["xg"])),
     )
 
 
-def split_plan(split: SplitKeys, head_dim: int, centered: bool) -> SplitKeyPlan:
-    """A split-key row's high sets from the calibration pair energies (``PAIR_ENERGY``, filled by main())."""
+def split_plan(split: SplitKeys, head_dim: int, centered: bool, allocated: bool = False) -> SplitKeyPlan:
+    """A split-key row's high sets from the calibration pair energies (``PAIR_ENERGY``, filled by main()); with
+    ``allocated`` each head's set size from the score-error model (``split_keys.allocate``)."""
     if not PAIR_ENERGY:
         raise SystemExit("split-key rows need the calibration pair energies (main() computes them)")
+    if allocated:
+        return plan_allocated(split, PAIR_ENERGY, head_dim, centered)
     return plan_split(split, PAIR_ENERGY, head_dim, centered)
 
 
