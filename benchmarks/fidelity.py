@@ -34,7 +34,15 @@ from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
 from jetson_tq.eval import fidelity as F
 from jetson_tq.eval.simulated_caches import SimulatedFormat
 from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
-from jetson_tq.eval.split_keys import SplitKeyPlan, SplitKeys, pair_energies, plan_allocated
+from jetson_tq.eval.split_keys import (
+    SplitKeyPlan,
+    SplitKeys,
+    allocate,
+    allocate_with_values,
+    output_weights,
+    pair_energies,
+    plan_allocated,
+)
 from jetson_tq.eval.split_keys import plan as plan_split
 from jetson_tq.format import fp16_bytes_per_token
 from jetson_tq.models.smollm2 import load_smollm2
@@ -51,6 +59,7 @@ def _tq(
     keep: int = 0,
     seed: int = 0,
     window: str = "sliding",
+    overrides: dict | None = None,
 ) -> TurboQuantConfig:
     """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens and window
     (sliding | block), fp16 first/last layers and the rotation seed."""
@@ -60,7 +69,7 @@ def _tq(
         "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
         "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
         "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
-        "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep},
+        "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep, "overrides": overrides or {}},
     }
     return config_from_dict(raw, name=name)
 
@@ -184,13 +193,14 @@ def all_rows(backend: str) -> list[F.Variant]:
 
 #: A row named by its format (``--rows k3v3g128_b128``): mse key bits or split keys (``kx<N>h<B>l<b>``: the N of 128
 #: channels of the most important rotary pairs (calibrated E[q^2] E[k^2]) at B bits, the rest at b, each set its own
-#: rotation and norm; ``kxg<N>``: N on average, each head's count from the score-error model; ``_xk`` ranks by E[k^2]
-#: alone), value bits, value group (``g64``) or TurboQuant_mse values
-#: (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>``
-#: the first S positions exact, ``_seed<N>`` rotation seed N (default 0).
+#: rotation and norm; ``kxg<N>``: N on average, each head's count from the score-error model, ``kxa<N>`` from the
+#: output-error model; ``_xk`` ranks by E[k^2] alone; ``_vx`` each layer's value bits traded against its key bits),
+#: value bits, value group (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own block, ``s``:
+#: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact, ``_seed<N>`` rotation
+#: seed N (default 0).
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xg>g)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
+    r"^k(?:(?P<k>[1-8])|x(?P<xg>[ga])?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?P<vx>_vx)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -205,13 +215,21 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         return None  # _xk names the split's pair score: no split, no score
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     key_bits = int(m["k"]) if split is None else split.lo_bits  # split rows: the store's own key code is unread
-    cfg = _tq(name, ("mse", key_bits), values, buffer=int(m["r"] or 128), seed=int(m["seed"] or 0), window=window)
+    buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
+    plan = None if split is None else split_plan(split, m, buffer, sinks, int(m["v"]))
+    overrides = {} if plan is None or plan.value_bits is None else plan.value_overrides(int(m["v"]))
+    cfg = _tq(name, ("mse", key_bits), values, buffer, seed=int(m["seed"] or 0), window=window, overrides=overrides)
     notes = ["centered K/V (calibrated offsets)" if m["c"] else ""]
     if split is not None:
         notes.append(
             f"split keys: {split.hi_channels}/128 channels (rotary pairs by {'E[k^2]' if m['xk'] else 'E[q^2]E[k^2]'})"
             f" at {split.hi_bits} bits, the rest at {split.lo_bits}"
-            + (" (mean; per-head counts from the score-error model)" if m["xg"] else "")
+            + {
+                None: "",
+                "g": " (mean; per-head counts from the score-error model)",
+                "a": " (mean; per-head counts from the output-error model)",
+            }[m["xg"]]
+            + (f"; value bits per layer {plan.value_bits}" if plan is not None and plan.value_bits else "")
         )
     return F.Variant(
         name,
@@ -220,23 +238,34 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         "; ".join(n for n in notes if n),
         backend,
         centers=CENTERS if m["c"] else None,
-        sink_tokens=int(m["e"] or 0),
-        split_keys=None if split is None else split_plan(split, HEAD_DIM, bool(m["c"]), bool(m["xg"])),
+        sink_tokens=sinks,
+        split_keys=plan,
     )
 
 
-def split_plan(split: SplitKeys, head_dim: int, centered: bool, allocated: bool = False) -> SplitKeyPlan:
-    """A split-key row's high sets from the calibration pair energies (``PAIR_ENERGY``, filled by main()); with
-    ``allocated`` each head's set size from the score-error model (``split_keys.allocate``)."""
-    if not PAIR_ENERGY:
-        raise SystemExit("split-key rows need the calibration pair energies (main() computes them)")
-    if allocated:
-        return plan_allocated(split, PAIR_ENERGY, head_dim, centered)
-    return plan_split(split, PAIR_ENERGY, head_dim, centered)
+def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int, value_bits: int) -> SplitKeyPlan:
+    """A split-key row's high sets from the calibration capture (``CALIBRATION``, filled by main()): one size for all
+    heads, or per head from the score-error (``kxg``) or output-error (``kxa``, ``_vx``) model."""
+    if not CALIBRATION:
+        raise SystemExit("split-key rows need the calibration capture (main() computes it)")
+    centered = bool(m["c"])
+    energy = pair_energies(CALIBRATION, CENTERS)
+    if not m["xg"] and not m["vx"]:
+        return plan_split(split, energy, HEAD_DIM, centered)
+    if m["xg"] == "g" and not m["vx"]:
+        return plan_allocated(split, energy, HEAD_DIM, centered, allocate(split, energy, HEAD_DIM, centered))
+    key_w, value_w = output_weights(CALIBRATION, CENTERS if centered else None, block, sinks)
+    if not m["vx"]:
+        sizes = allocate(split, energy, HEAD_DIM, centered, key_weight=key_w)
+        return plan_allocated(split, energy, HEAD_DIM, centered, sizes)
+    sizes, bits = allocate_with_values(split, energy, HEAD_DIM, centered, key_w, value_w, value_bits)
+    plan = plan_allocated(split, energy, HEAD_DIM, centered, sizes)
+    plan.value_bits = bits
+    return plan
 
 
 CENTERS: list = []  # filled by main() from --centers before rows are built
-PAIR_ENERGY: list = []  # per-layer rotary-pair energies of the calibration text, filled by main() for split rows
+CALIBRATION: list = []  # per-layer capture of the calibration text, filled by main() for split rows
 HEAD_DIM = 64  # the model's head dim, set by main()
 
 
@@ -413,14 +442,14 @@ def load_centers(path: Path, model, tok) -> list:
     return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
 
 
-def calibration_pair_energy(model, tok, centers: list) -> list:
-    """Per-layer query / key rotary-pair energies over the essays' last 2 x 1024 tokens (the calibration region of
-    ``load_centers``, never scored)."""
+def calibration_capture(model, tok) -> list:
+    """Per-layer attention inputs over the essays' last 2 x 1024 tokens (the calibration region of ``load_centers``,
+    never scored)."""
     from jetson_tq.eval.smartmix import capture
 
     ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
     with torch.no_grad():
-        return pair_energies(capture(model, ids[-2048:].reshape(2, 1024)), centers)
+        return capture(model, ids[-2048:].reshape(2, 1024))
 
 
 def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
@@ -565,7 +594,7 @@ def main(argv: list[str] | None = None) -> dict:
     global HEAD_DIM
     HEAD_DIM = head_dim
     if any((m := SPEC_ROW.match(n)) and m["xn"] for n in args.rows.split(",")):
-        PAIR_ENERGY[:] = calibration_pair_energy(model, tok, CENTERS)
+        CALIBRATION[:] = calibration_capture(model, tok)
     variants = all_rows(args.backend)
     extra = [
         F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)

@@ -183,6 +183,12 @@ class SplitKeyPlan:
     spec: SplitKeys
     hi: list
     sizes: list[list[int]] | None = None
+    value_bits: list[int] | None = None  # per layer, when traded against key bits (``allocate_with_values``)
+
+    def value_overrides(self, default_bits: int) -> dict[int, dict]:
+        """``layers.overrides`` entries of the layers whose value bits differ from ``default_bits``."""
+        bits = self.value_bits or []
+        return {i: {"values": {"bits": b}} for i, b in enumerate(bits) if b != default_bits}
 
     def key_bytes_per_token(self, layer: int, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> float:
         """Bytes of one key of ``layer``, the mean over its KV heads."""
@@ -235,39 +241,119 @@ def predicted_errors(
     return out
 
 
+def _knapsack(items: list[list[tuple[int, float]]], budget: int) -> list[int]:
+    """Per item the index of one (cost, error) option, the costs summing to ``budget``, the summed error least."""
+    best = torch.full((budget + 1,), float("inf"), dtype=torch.float64)
+    best[0] = 0.0
+    choice = torch.zeros(len(items), budget + 1, dtype=torch.long)
+    for i, options in enumerate(items):  # best[u]: least error of items 0..i at cost u
+        cand = torch.full((len(options), budget + 1), float("inf"), dtype=torch.float64)
+        for j, (cost, err) in enumerate(options):
+            if cost <= budget:
+                cand[j, cost:] = best[: budget + 1 - cost] + err
+        best, choice[i] = cand.min(0)
+    if not torch.isfinite(best[budget]):
+        raise FormatError(f"no choice of options costs exactly {budget}")
+    picks, left = [], budget
+    for i in reversed(range(len(items))):
+        picks.append(int(choice[i, left]))
+        left -= items[i][picks[-1]][0]
+    return picks[::-1]
+
+
 def allocate(
-    spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool, step: int = 16
+    spec: SplitKeys,
+    energies: list[PairEnergy],
+    head_dim: int,
+    centered: bool,
+    step: int = 16,
+    key_weight: list[torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Per layer and KV head a high-set size (channels of ``REFERENCE_DIM``, a multiple of ``step`` in [0,
-    REFERENCE_DIM]) whose mean is ``spec.hi_channels``, minimising the summed predicted score error (an exact
-    dynamic programme over the heads: the mean, hence the code bytes, is fixed)."""
+    REFERENCE_DIM]) whose mean is ``spec.hi_channels``, minimising the summed predicted score error (each head's
+    times ``key_weight`` [H] per layer when given; an exact dynamic programme: the mean, hence the code bytes, is
+    fixed)."""
     if spec.hi_channels % step:
         raise FormatError(f"hi_channels {spec.hi_channels} is no multiple of the step {step}")
     sizes = list(range(0, REFERENCE_DIM + 1, step))
-    errors = torch.cat([predicted_errors(spec, e, head_dim, centered, sizes) for e in energies]).double()
-    heads, budget = errors.shape[0], errors.shape[0] * spec.hi_channels // step
-    best = torch.full((budget + 1,), float("inf"), dtype=torch.float64)
-    best[0] = 0.0
-    choice = torch.zeros(heads, budget + 1, dtype=torch.long)
-    for i in range(heads):  # best[u]: least error of heads 0..i using u steps in all
-        cand = torch.full((len(sizes), budget + 1), float("inf"), dtype=torch.float64)
-        for j in range(len(sizes)):
-            cand[j, j:] = best[: budget + 1 - j] + errors[i, j]
-        best, choice[i] = cand.min(0)
-    units, left = [], budget
-    for i in reversed(range(heads)):
-        units.append(int(choice[i, left]))
-        left -= units[-1]
-    flat = [u * step for u in reversed(units)]
+    errors = [predicted_errors(spec, e, head_dim, centered, sizes) for e in energies]
+    if key_weight is not None:
+        errors = [err * w[:, None] for err, w in zip(errors, key_weight)]
+    flat = torch.cat(errors).double()
+    picks = _knapsack(
+        [[(j, float(x)) for j, x in enumerate(row)] for row in flat], len(flat) * spec.hi_channels // step
+    )
     per = energies[0].query.shape[0]
-    return [flat[i : i + per] for i in range(0, heads, per)]
+    return [[sizes[j] for j in picks[i : i + per]] for i in range(0, len(picks), per)]
+
+
+def allocate_with_values(
+    spec: SplitKeys,
+    energies: list[PairEnergy],
+    head_dim: int,
+    centered: bool,
+    key_weight: list[torch.Tensor],
+    value_weight: list[torch.Tensor],
+    value_bits: int,
+    step: int = 16,
+    choices: Sequence[int] = (2, 3, 4),
+) -> tuple[list[list[int]], list[int]]:
+    """``allocate`` with each layer's TurboQuant_mse value bits traded against its key bits at the same mean bytes:
+    a value bit of a head costs as many code bits as ``REFERENCE_DIM / step / 2`` key steps; a layer's value error
+    is ``sum_h value_weight[h] mse(D, b)``. Returns the per-head sizes and the per-layer value bits."""
+    sizes = list(range(0, REFERENCE_DIM + 1, step))
+    per_bit = REFERENCE_DIM // (step * (spec.hi_bits - spec.lo_bits))  # key steps that cost one value bit
+    layers = []
+    for e, kw, vw in zip(energies, key_weight, value_weight):
+        err = (predicted_errors(spec, e, head_dim, centered, sizes) * kw[:, None]).double()
+        h = err.shape[0]
+        options = []
+        for units in range(h * (len(sizes) - 1) + 1):
+            heads = [[(j, float(x)) for j, x in enumerate(row)] for row in err]
+            picks = _knapsack(heads, units)
+            key_err = sum(float(err[i, j]) for i, j in enumerate(picks))
+            for b in choices:
+                options.append(
+                    (units + per_bit * h * b, key_err + float(vw.sum()) * lloyd_max_mse(head_dim, b), picks, b)
+                )
+        layers.append(options)
+    budget = sum(len(o[0][2]) for o in layers) * (spec.hi_channels // step + per_bit * value_bits)
+    picks = _knapsack([[(c, x) for c, x, _, _ in o] for o in layers], budget)
+    chosen = [o[j] for o, j in zip(layers, picks)]
+    return [[sizes[j] for j in c[2]] for c in chosen], [c[3] for c in chosen]
+
+
+def output_weights(
+    caps: list[LayerCapture], centers: list | None, exact_block: int, sinks: int = 1
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer and KV head [H], how much a compressed key's logit error and a compressed value's relative error
+    reach the attention output: E_t sum_j p_tj^2 ||v_j - o_t||^2 / D (logit noise of variance s^2 adds s^2 times it)
+    and E_t sum_j p_tj^2 ||v_j - c||^2 (a relative value error e adds e times it), over the positions j a query t
+    reads compressed (older than its own ``exact_block``, past the first ``sinks``)."""
+    key_w, value_w = [], []
+    for i, cap in enumerate(caps):
+        q, k, v = cap.q.float(), cap.k.float(), cap.v.float()
+        h, t, d = k.shape[1], k.shape[2], k.shape[3]
+        g = q.shape[1] // h
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        pos = torch.arange(t)
+        s = (q @ k.transpose(-1, -2) / d**0.5).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        p = s.softmax(-1)
+        o = p @ v
+        compressed = (pos[None, :] < pos[:, None] - pos[:, None] % exact_block) & (pos[None, :] >= sinks)
+        p2 = p**2 * compressed
+        dist = (v**2).sum(-1)[:, :, None, :] - 2 * o @ v.transpose(-1, -2) + (o**2).sum(-1)[:, :, :, None]
+        center = 0.0 if centers is None else centers[i][1].float().repeat_interleave(g, 0)[None, :, None, :]
+        vc = ((v - center) ** 2).sum(-1)[:, :, None, :]
+        key_w.append(((p2 * dist).sum(-1).mean((0, 2)) / d).reshape(h, g).mean(1))
+        value_w.append((p2 * vc).sum(-1).mean((0, 2)).reshape(h, g).mean(1))
+    return key_w, value_w
 
 
 def plan_allocated(
-    spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool, step: int = 16
+    spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool, sizes: list[list[int]]
 ) -> SplitKeyPlan:
-    """High sets of ``allocate``'s per-head sizes: each head's most important pairs, as ``hi_channels`` ranks them."""
-    sizes = allocate(spec, energies, head_dim, centered, step)
+    """High sets of per-head ``sizes`` (``allocate``): each head's most important pairs, as ``hi_channels`` ranks."""
     hi = []
     for e, row in zip(energies, sizes):
         k = e.key_centered if centered else e.key
