@@ -38,7 +38,6 @@ from jetson_tq.eval.split_keys import (
     SplitKeyPlan,
     SplitKeys,
     allocate,
-    allocate_with_values,
     output_weights,
     pair_energies,
     plan_allocated,
@@ -59,7 +58,6 @@ def _tq(
     keep: int = 0,
     seed: int = 0,
     window: str = "sliding",
-    overrides: dict | None = None,
 ) -> TurboQuantConfig:
     """A TurboQuant config from (key mode, bits[, codebook]), (value mode, bits, group), buffer tokens and window
     (sliding | block), fp16 first/last layers and the rotation seed."""
@@ -69,7 +67,7 @@ def _tq(
         "keys": {"mode": keys[0], "bits": keys[1], "codebook": keys[2] if len(keys) > 2 else "lloyd_max"},
         "values": {"mode": values[0], "bits": values[1], "group_size": values[2]},
         "buffer": {"recent_tokens": buffer, "window": window, "flush_chunk": 64},
-        "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep, "overrides": overrides or {}},
+        "layers": {"keep_fp16_first": keep, "keep_fp16_last": keep},
     }
     return config_from_dict(raw, name=name)
 
@@ -193,14 +191,13 @@ def all_rows(backend: str) -> list[F.Variant]:
 
 #: A row named by its format (``--rows k3v3g128_b128``): mse key bits or split keys (``kx<N>h<B>l<b>``: the N of 128
 #: channels of the most important rotary pairs (calibrated E[q^2] E[k^2]) at B bits, the rest at b, each set its own
-#: rotation and norm; ``kxg<N>``: N on average, each head's count from the score-error model, ``kxa<N>`` from the
-#: output-error model; ``_xk`` ranks by E[k^2] alone; ``_vx`` each layer's value bits traded against its key bits),
-#: value bits, value group (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own block, ``s``:
-#: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact, ``_seed<N>`` rotation
-#: seed N (default 0).
+#: rotation and norm; ``kxa<N>``: N on average, each head's count from the output-error model; ``_xk`` ranks by
+#: E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own
+#: block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact,
+#: ``_seed<N>`` rotation seed N (default 0).
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xg>[ga])?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?P<vx>_vx)?(?:_seed(?P<seed>\d+))?$"
+    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -216,20 +213,14 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     key_bits = int(m["k"]) if split is None else split.lo_bits  # split rows: the store's own key code is unread
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
-    plan = None if split is None else split_plan(split, m, buffer, sinks, int(m["v"]))
-    overrides = {} if plan is None or plan.value_bits is None else plan.value_overrides(int(m["v"]))
-    cfg = _tq(name, ("mse", key_bits), values, buffer, seed=int(m["seed"] or 0), window=window, overrides=overrides)
+    plan = None if split is None else split_plan(split, m, buffer, sinks)
+    cfg = _tq(name, ("mse", key_bits), values, buffer, seed=int(m["seed"] or 0), window=window)
     notes = ["centered K/V (calibrated offsets)" if m["c"] else ""]
     if split is not None:
         notes.append(
             f"split keys: {split.hi_channels}/128 channels (rotary pairs by {'E[k^2]' if m['xk'] else 'E[q^2]E[k^2]'})"
             f" at {split.hi_bits} bits, the rest at {split.lo_bits}"
-            + {
-                None: "",
-                "g": " (mean; per-head counts from the score-error model)",
-                "a": " (mean; per-head counts from the output-error model)",
-            }[m["xg"]]
-            + (f"; value bits per layer {plan.value_bits}" if plan is not None and plan.value_bits else "")
+            + (" (mean; per-head counts from the output-error model)" if m["xa"] else "")
         )
     return F.Variant(
         name,
@@ -243,25 +234,17 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     )
 
 
-def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int, value_bits: int) -> SplitKeyPlan:
+def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKeyPlan:
     """A split-key row's high sets from the calibration capture (``CALIBRATION``, filled by main()): one size for all
-    heads, or per head from the score-error (``kxg``) or output-error (``kxa``, ``_vx``) model."""
+    heads, or (``kxa``) per head from the output-error model (``split_keys.allocate``, ``output_weights``)."""
     if not CALIBRATION:
         raise SystemExit("split-key rows need the calibration capture (main() computes it)")
     centered = bool(m["c"])
     energy = pair_energies(CALIBRATION, CENTERS)
-    if not m["xg"] and not m["vx"]:
+    if not m["xa"]:
         return plan_split(split, energy, HEAD_DIM, centered)
-    if m["xg"] == "g" and not m["vx"]:
-        return plan_allocated(split, energy, HEAD_DIM, centered, allocate(split, energy, HEAD_DIM, centered))
-    key_w, value_w = output_weights(CALIBRATION, CENTERS if centered else None, block, sinks)
-    if not m["vx"]:
-        sizes = allocate(split, energy, HEAD_DIM, centered, key_weight=key_w)
-        return plan_allocated(split, energy, HEAD_DIM, centered, sizes)
-    sizes, bits = allocate_with_values(split, energy, HEAD_DIM, centered, key_w, value_w, value_bits)
-    plan = plan_allocated(split, energy, HEAD_DIM, centered, sizes)
-    plan.value_bits = bits
-    return plan
+    sizes = allocate(split, energy, HEAD_DIM, centered, key_weight=output_weights(CALIBRATION, block, sinks))
+    return plan_allocated(split, energy, HEAD_DIM, centered, sizes)
 
 
 CENTERS: list = []  # filled by main() from --centers before rows are built

@@ -7,6 +7,10 @@ on its own (independent rotation, own norm, own Lloyd-Max codebook for its dimen
 recipe. Channels are chosen by rotary pair (c, c + D/2: transformers' ``rotate_half`` convention, as SmolLM2 uses):
 RoPE turns a pair's two channels into each other but keeps its energy, so the choice does not depend on position.
 
+Per-head set sizes (``allocate``): each KV head's high-set size varies in steps (0 to all channels) at a fixed mean,
+chosen to minimise the summed predicted error, each head's score error weighted by how much of it reaches the
+attention output (``output_weights``: the squared attention its compressed positions receive).
+
 An evaluation format: ``SplitKeyHistory`` replaces the keys the ``cpu-decoded`` history reads (the store's own key
 code is ignored); the bytes it would take come from ``SplitKeys.key_bytes_per_token``.
 """
@@ -183,12 +187,6 @@ class SplitKeyPlan:
     spec: SplitKeys
     hi: list
     sizes: list[list[int]] | None = None
-    value_bits: list[int] | None = None  # per layer, when traded against key bits (``allocate_with_values``)
-
-    def value_overrides(self, default_bits: int) -> dict[int, dict]:
-        """``layers.overrides`` entries of the layers whose value bits differ from ``default_bits``."""
-        bits = self.value_bits or []
-        return {i: {"values": {"bits": b}} for i, b in enumerate(bits) if b != default_bits}
 
     def key_bytes_per_token(self, layer: int, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> float:
         """Bytes of one key of ``layer``, the mean over its KV heads."""
@@ -287,51 +285,12 @@ def allocate(
     return [[sizes[j] for j in picks[i : i + per]] for i in range(0, len(picks), per)]
 
 
-def allocate_with_values(
-    spec: SplitKeys,
-    energies: list[PairEnergy],
-    head_dim: int,
-    centered: bool,
-    key_weight: list[torch.Tensor],
-    value_weight: list[torch.Tensor],
-    value_bits: int,
-    step: int = 16,
-    choices: Sequence[int] = (2, 3, 4),
-) -> tuple[list[list[int]], list[int]]:
-    """``allocate`` with each layer's TurboQuant_mse value bits traded against its key bits at the same mean bytes:
-    a value bit of a head costs as many code bits as ``REFERENCE_DIM / step / 2`` key steps; a layer's value error
-    is ``sum_h value_weight[h] mse(D, b)``. Returns the per-head sizes and the per-layer value bits."""
-    sizes = list(range(0, REFERENCE_DIM + 1, step))
-    per_bit = REFERENCE_DIM // (step * (spec.hi_bits - spec.lo_bits))  # key steps that cost one value bit
-    layers = []
-    for e, kw, vw in zip(energies, key_weight, value_weight):
-        err = (predicted_errors(spec, e, head_dim, centered, sizes) * kw[:, None]).double()
-        h = err.shape[0]
-        options = []
-        for units in range(h * (len(sizes) - 1) + 1):
-            heads = [[(j, float(x)) for j, x in enumerate(row)] for row in err]
-            picks = _knapsack(heads, units)
-            key_err = sum(float(err[i, j]) for i, j in enumerate(picks))
-            for b in choices:
-                options.append(
-                    (units + per_bit * h * b, key_err + float(vw.sum()) * lloyd_max_mse(head_dim, b), picks, b)
-                )
-        layers.append(options)
-    budget = sum(len(o[0][2]) for o in layers) * (spec.hi_channels // step + per_bit * value_bits)
-    picks = _knapsack([[(c, x) for c, x, _, _ in o] for o in layers], budget)
-    chosen = [o[j] for o, j in zip(layers, picks)]
-    return [[sizes[j] for j in c[2]] for c in chosen], [c[3] for c in chosen]
-
-
-def output_weights(
-    caps: list[LayerCapture], centers: list | None, exact_block: int, sinks: int = 1
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer and KV head [H], how much a compressed key's logit error and a compressed value's relative error
-    reach the attention output: E_t sum_j p_tj^2 ||v_j - o_t||^2 / D (logit noise of variance s^2 adds s^2 times it)
-    and E_t sum_j p_tj^2 ||v_j - c||^2 (a relative value error e adds e times it), over the positions j a query t
-    reads compressed (older than its own ``exact_block``, past the first ``sinks``)."""
-    key_w, value_w = [], []
-    for i, cap in enumerate(caps):
+def output_weights(caps: list[LayerCapture], exact_block: int, sinks: int = 1) -> list[torch.Tensor]:
+    """Per layer and KV head [H], how much a compressed key's logit error reaches the attention output: logit noise
+    of variance s^2 adds s^2 E_t sum_j p_tj^2 ||v_j - o_t||^2 / D, over the positions j a query t reads compressed
+    (older than its own ``exact_block``, past the first ``sinks``)."""
+    out = []
+    for cap in caps:
         q, k, v = cap.q.float(), cap.k.float(), cap.v.float()
         h, t, d = k.shape[1], k.shape[2], k.shape[3]
         g = q.shape[1] // h
@@ -341,13 +300,9 @@ def output_weights(
         p = s.softmax(-1)
         o = p @ v
         compressed = (pos[None, :] < pos[:, None] - pos[:, None] % exact_block) & (pos[None, :] >= sinks)
-        p2 = p**2 * compressed
         dist = (v**2).sum(-1)[:, :, None, :] - 2 * o @ v.transpose(-1, -2) + (o**2).sum(-1)[:, :, :, None]
-        center = 0.0 if centers is None else centers[i][1].float().repeat_interleave(g, 0)[None, :, None, :]
-        vc = ((v - center) ** 2).sum(-1)[:, :, None, :]
-        key_w.append(((p2 * dist).sum(-1).mean((0, 2)) / d).reshape(h, g).mean(1))
-        value_w.append((p2 * vc).sum(-1).mean((0, 2)).reshape(h, g).mean(1))
-    return key_w, value_w
+        out.append(((p**2 * compressed * dist).sum(-1).mean((0, 2)) / d).reshape(h, g).mean(1))
+    return out
 
 
 def plan_allocated(

@@ -20,7 +20,6 @@ from jetson_tq.eval.split_keys import (
     SplitKeyQuantizer,
     SplitKeys,
     allocate,
-    allocate_with_values,
     head_key_bytes,
     hi_channels,
     output_weights,
@@ -157,24 +156,10 @@ def test_per_head_sets_of_other_sizes():
     assert torch.allclose(out[:, 1], hi.dequantize(hi.quantize(k[:, 1])).float())  # all high
 
 
-def test_value_bits_go_where_values_matter_and_the_code_bits_keep_their_mean():
-    energies = [_heads([1.0, 1.0]), _heads([1.0, 1.0])]
-    spec = SplitKeys(64, 4, 2)
-    loud, quiet = torch.tensor([100.0, 100.0]), torch.tensor([0.01, 0.01])
-    sizes, bits = allocate_with_values(spec, energies, 64, False, [quiet, loud], [loud, quiet], value_bits=3)
-    assert bits == [4, 2]  # layer 0's values matter, layer 1's keys do
-    code_bits = [sum(2 * n for n in row) + 128 * 2 * b for row, b in zip(sizes, bits)]  # over 2 + 2 bits at D=128
-    assert sum(code_bits) == 2 * (2 * 2 * 64 + 128 * 2 * 3)
-    assert sizes[1] == [128, 128] and sizes[0] == [0, 0]
-    plan = SplitKeyPlan(spec, hi=[], sizes=sizes, value_bits=bits)
-    assert plan.value_overrides(3) == {0: {"values": {"bits": 4}}, 1: {"values": {"bits": 2}}}
-
-
 def test_output_weights_count_only_compressed_positions():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, 40, 8, generator=g) for n in (4, 2, 2))
     cap = LayerCapture(q=q, k=k, v=v, h=torch.zeros(1, 40, 8))
-    key_w, value_w = output_weights([cap], None, exact_block=16, sinks=1)
-    assert key_w[0].shape == value_w[0].shape == (2,) and (key_w[0] > 0).all() and (value_w[0] > 0).all()
-    none_k, none_v = output_weights([cap], None, exact_block=64, sinks=1)  # every position in its own block
-    assert none_k[0].abs().sum() == 0 and none_v[0].abs().sum() == 0
+    weight = output_weights([cap], exact_block=16, sinks=1)
+    assert weight[0].shape == (2,) and (weight[0] > 0).all()
+    assert output_weights([cap], exact_block=64, sinks=1)[0].abs().sum() == 0  # every position in its own block
