@@ -126,6 +126,8 @@ def test_allocation_keeps_the_mean_and_favours_anisotropic_heads():
     err = torch.cat([predicted_errors(spec, e, 64, False, steps) for e in energies])
     got = sum(float(err[i, n // 16]) for i, n in enumerate(flat))
     assert got <= float(err[:, 4].sum())  # never worse than 64 everywhere, by the model
+    weighted = allocate(spec, energies, 64, centered=False, key_weight=[torch.tensor([1.0, 1.0, 1.0]), torch.zeros(3)])
+    assert sum(map(sum, weighted)) == sum(flat) and weighted[1] == [0, 0, 0]  # a layer whose keys do not matter
 
 
 def test_allocated_bytes_are_the_mean_over_heads():
