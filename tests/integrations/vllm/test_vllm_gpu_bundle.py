@@ -160,7 +160,7 @@ def test_resolve_workload_takes_the_most_the_cache_admits() -> None:
 
 
 def test_plans_are_well_formed() -> None:
-    for kind in ("full", "short", "agg", "corr", "smoke", "ttft"):
+    for kind in ("full", "short", "agg", "corr", "smoke", "ttft", "fa3"):
         jobs = run.plan(kind)
         assert len({j["name"] for j in jobs}) == len(jobs)
         stock = ("TRITON_ATTN", "FLASH_ATTN_FIXED")
@@ -177,6 +177,23 @@ def test_ttft_plan_compares_the_first_request_with_the_next() -> None:
     rows = [{"job": "ttft_x", "kind": "workload", "ttft_first_s": t} for t in (2.4, 0.6, 0.5)]
     got = run.summarize(rows)["ttft_first_vs_next"]["ttft_x"]
     assert got == {"ttft_s": [2.4, 0.6, 0.5], "first_over_next": 4.8}
+
+
+def test_fa3_plan_puts_every_row_beside_stock_fa3() -> None:
+    """--plan fa3: ours and stock on FlashAttention 3 run the same rows at the same memory, the 8k row first (the
+    engine's first request); the summary gives ours / FA3 per row with met / missed (TTFT <= 1.1x, TPOT <= 1.0x)."""
+    ours, stock = run.plan("fa3")
+    assert ours["workloads"] == stock["workloads"] and ours["workloads"][0][0] == 8192
+    assert ours["gpu_util"] == stock["gpu_util"] and stock["backend"] == "FLASH_ATTN_FIXED" and ours["tq_config"]
+    row = {"kind": "workload", "context": 8192, "concurrency": 8}
+    results = [
+        dict(row, job="fa3_ours_mse_k4v3", ttft_first_s=1.2, ttft_last_s=2.0, tpot_ms=8.0),
+        dict(row, job="fa3_stock", ttft_first_s=0.6, ttft_last_s=1.9, tpot_ms=8.5),
+    ]
+    got = run.fa3_targets(results)["8k x 8"]
+    assert got["ttft_first_s"] == {"ours": 1.2, "fa3": 0.6, "x": 2.0, "verdict": "missed"}
+    assert got["ttft_last_s"]["verdict"] == "met" and got["tpot_ms"]["verdict"] == "met"
+    assert run.fa3_targets(results[:1]) == {}  # a row stock did not run is not compared
 
 
 def test_summary_ratios_and_greedy() -> None:
