@@ -34,7 +34,14 @@ from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
 from jetson_tq.eval import fidelity as F
 from jetson_tq.eval.simulated_caches import SimulatedFormat
 from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
-from jetson_tq.eval.split_keys import SplitKeyPlan, SplitKeys, pair_energies
+from jetson_tq.eval.split_keys import (
+    SplitKeyPlan,
+    SplitKeys,
+    allocate,
+    output_weights,
+    pair_energies,
+    plan_allocated,
+)
 from jetson_tq.eval.split_keys import plan as plan_split
 from jetson_tq.format import fp16_bytes_per_token
 from jetson_tq.models.smollm2 import load_smollm2
@@ -184,12 +191,13 @@ def all_rows(backend: str) -> list[F.Variant]:
 
 #: A row named by its format (``--rows k3v3g128_b128``): mse key bits or split keys (``kx<N>h<B>l<b>``: the N of 128
 #: channels of the most important rotary pairs (calibrated E[q^2] E[k^2]) at B bits, the rest at b, each set its own
-#: rotation and norm; ``_xk`` ranks by E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values
-#: (``m``), the exact window (``b``: own block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>``
-#: the first S positions exact.
+#: rotation and norm; ``kxa<N>``: N on average, each head's count from the output-error model; ``_xk`` ranks by
+#: E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own
+#: block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact,
+#: ``_seed<N>`` rotation seed N (default 0).
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?$"
+    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -204,12 +212,15 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         return None  # _xk names the split's pair score: no split, no score
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     key_bits = int(m["k"]) if split is None else split.lo_bits  # split rows: the store's own key code is unread
-    cfg = _tq(name, ("mse", key_bits), values, buffer=int(m["r"] or 128), window=window)
+    buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
+    plan = None if split is None else split_plan(split, m, buffer, sinks)
+    cfg = _tq(name, ("mse", key_bits), values, buffer, seed=int(m["seed"] or 0), window=window)
     notes = ["centered K/V (calibrated offsets)" if m["c"] else ""]
     if split is not None:
         notes.append(
             f"split keys: {split.hi_channels}/128 channels (rotary pairs by {'E[k^2]' if m['xk'] else 'E[q^2]E[k^2]'})"
             f" at {split.hi_bits} bits, the rest at {split.lo_bits}"
+            + (" (mean; per-head counts from the output-error model)" if m["xa"] else "")
         )
     return F.Variant(
         name,
@@ -218,20 +229,26 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         "; ".join(n for n in notes if n),
         backend,
         centers=CENTERS if m["c"] else None,
-        sink_tokens=int(m["e"] or 0),
-        split_keys=None if split is None else split_plan(split, HEAD_DIM, centered=bool(m["c"])),
+        sink_tokens=sinks,
+        split_keys=plan,
     )
 
 
-def split_plan(split: SplitKeys, head_dim: int, centered: bool) -> SplitKeyPlan:
-    """A split-key row's high sets from the calibration pair energies (``PAIR_ENERGY``, filled by main())."""
-    if not PAIR_ENERGY:
-        raise SystemExit("split-key rows need the calibration pair energies (main() computes them)")
-    return plan_split(split, PAIR_ENERGY, head_dim, centered)
+def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKeyPlan:
+    """A split-key row's high sets from the calibration capture (``CALIBRATION``, filled by main()): one size for all
+    heads, or (``kxa``) per head from the output-error model (``split_keys.allocate``, ``output_weights``)."""
+    if not CALIBRATION:
+        raise SystemExit("split-key rows need the calibration capture (main() computes it)")
+    centered = bool(m["c"])
+    energy = pair_energies(CALIBRATION, CENTERS)
+    if not m["xa"]:
+        return plan_split(split, energy, HEAD_DIM, centered)
+    sizes = allocate(split, energy, HEAD_DIM, centered, key_weight=output_weights(CALIBRATION, block, sinks))
+    return plan_allocated(split, energy, HEAD_DIM, centered, sizes)
 
 
 CENTERS: list = []  # filled by main() from --centers before rows are built
-PAIR_ENERGY: list = []  # per-layer rotary-pair energies of the calibration text, filled by main() for split rows
+CALIBRATION: list = []  # per-layer capture of the calibration text, filled by main() for split rows
 HEAD_DIM = 64  # the model's head dim, set by main()
 
 
@@ -408,14 +425,14 @@ def load_centers(path: Path, model, tok) -> list:
     return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
 
 
-def calibration_pair_energy(model, tok, centers: list) -> list:
-    """Per-layer query / key rotary-pair energies over the essays' last 2 x 1024 tokens (the calibration region of
-    ``load_centers``, never scored)."""
+def calibration_capture(model, tok) -> list:
+    """Per-layer attention inputs over the essays' last 2 x 1024 tokens (the calibration region of ``load_centers``,
+    never scored)."""
     from jetson_tq.eval.smartmix import capture
 
     ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
     with torch.no_grad():
-        return pair_energies(capture(model, ids[-2048:].reshape(2, 1024)), centers)
+        return capture(model, ids[-2048:].reshape(2, 1024))
 
 
 def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
@@ -560,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
     global HEAD_DIM
     HEAD_DIM = head_dim
     if any((m := SPEC_ROW.match(n)) and m["xn"] for n in args.rows.split(",")):
-        PAIR_ENERGY[:] = calibration_pair_energy(model, tok, CENTERS)
+        CALIBRATION[:] = calibration_capture(model, tok)
     variants = all_rows(args.backend)
     extra = [
         F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)

@@ -74,10 +74,10 @@ class Variant:
             return [self.spec.layer_bytes_per_token(i, num_layers, head_dim) for i in range(num_layers)]
         formats = [self.spec.format_for_layer(i, num_layers) for i in range(num_layers)]
         if self.split_keys is not None:
-            split = self.split_keys.spec
+            split = self.split_keys
             return [
-                float(f.bytes_per_token(head_dim) if f.is_passthrough else split.format_bytes_per_token(f, head_dim))
-                for f in formats
+                float(f.bytes_per_token(head_dim) if f.is_passthrough else split.format_bytes_per_token(i, f, head_dim))
+                for i, f in enumerate(formats)
             ]
         return [float(f.bytes_per_token(head_dim)) for f in formats]
 

@@ -7,22 +7,28 @@ on its own (independent rotation, own norm, own Lloyd-Max codebook for its dimen
 recipe. Channels are chosen by rotary pair (c, c + D/2: transformers' ``rotate_half`` convention, as SmolLM2 uses):
 RoPE turns a pair's two channels into each other but keeps its energy, so the choice does not depend on position.
 
+Per-head set sizes (``allocate``): each KV head's high-set size varies in steps (0 to all channels) at a fixed mean,
+chosen to minimise the summed predicted error, each head's score error weighted by how much of it reaches the
+attention output (``output_weights``: the squared attention its compressed positions receive).
+
 An evaluation format: ``SplitKeyHistory`` replaces the keys the ``cpu-decoded`` history reads (the store's own key
 code is ignored); the bytes it would take come from ``SplitKeys.key_bytes_per_token``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..cache.compressed import CompressedKVCache
+from ..codec.codebook import lloyd_max_mse
 from ..codec.mse import TurboQuantMSE
 from ..codec.rotation import derive_seed
 from ..errors import FormatError, ShapeError
 from ..format import Field, KVFormat, packed_bytes
-from ..integrations.transformers import TurboQuantCache, TurboQuantLayer
+from ..integrations.transformers import TurboQuantCache, TurboQuantLayer, model_dims
 from .decoded_history import DecodedHistory
 from .smartmix import LayerCapture
 
@@ -103,30 +109,51 @@ def hi_channels(spec: SplitKeys, energy: PairEnergy, head_dim: int, centered: bo
 
 
 class SplitKeyQuantizer:
-    """Quantize-dequantize keys [B, H, T, D] of one layer with per-head channel sets, each set's own TurboQuant_mse."""
+    """Quantize-dequantize keys [B, H, T, D] of one layer with per-head channel sets, each set's own TurboQuant_mse.
 
-    def __init__(self, spec: SplitKeys, hi: torch.Tensor, seed: int, norm_dtype: torch.dtype = torch.float16) -> None:
-        h, n = hi.shape
-        self.head_dim = d = hi.shape[1] * REFERENCE_DIM // spec.hi_channels
-        is_hi = torch.zeros(h, d, dtype=torch.bool)
-        is_hi.scatter_(1, hi.long(), True)
-        self.hi = hi.long()
-        self.lo = torch.stack([torch.nonzero(~row).squeeze(1) for row in is_hi])
-        self.codecs = [
-            TurboQuantMSE(n, spec.hi_bits, derive_seed(seed, salt=1), norm_dtype=norm_dtype),
-            TurboQuantMSE(d - n, spec.lo_bits, derive_seed(seed, salt=2), norm_dtype=norm_dtype),
-        ]
+    ``hi``: each KV head's high-set channel indices (a [H, n] tensor, or one 1-D tensor per head when the heads' set
+    sizes differ); heads of one size share the codecs (rotation seeds from ``seed``), an empty set has none.
+    """
+
+    def __init__(
+        self,
+        spec: SplitKeys,
+        hi: torch.Tensor | Sequence[torch.Tensor],
+        seed: int,
+        norm_dtype: torch.dtype = torch.float16,
+        head_dim: int | None = None,
+    ) -> None:
+        rows = [r.long() for r in hi]
+        self.head_dim = d = head_dim or len(rows[0]) * REFERENCE_DIM // spec.hi_channels
+        self.num_heads = len(rows)
+        self.groups: list[tuple[torch.Tensor, list[tuple[torch.Tensor, TurboQuantMSE]]]] = []
+        for n in sorted({len(r) for r in rows}):
+            heads = [i for i, r in enumerate(rows) if len(r) == n]
+            hi_idx = torch.stack([rows[i] for i in heads]).reshape(len(heads), n)
+            is_hi = torch.zeros(len(heads), d, dtype=torch.bool)
+            is_hi.scatter_(1, hi_idx, True)
+            lo_idx = torch.stack([torch.nonzero(~row).squeeze(1) for row in is_hi])
+            sets = [(hi_idx, n, spec.hi_bits, 1), (lo_idx, d - n, spec.lo_bits, 2)]
+            parts = [
+                (idx, TurboQuantMSE(m, bits, derive_seed(seed, salt=salt), norm_dtype=norm_dtype))
+                for idx, m, bits, salt in sets
+                if m
+            ]
+            self.groups.append((torch.tensor(heads), parts))
 
     def __call__(self, k: torch.Tensor) -> torch.Tensor:
         """k^ [B, H, T, D] float32: each channel set quantized and dequantized on its own."""
         b, h, t, d = k.shape
-        if (h, d) != (self.hi.shape[0], self.head_dim):
-            raise ShapeError(f"keys: expected [B, {self.hi.shape[0]}, T, {self.head_dim}], got {tuple(k.shape)}")
+        if (h, d) != (self.num_heads, self.head_dim):
+            raise ShapeError(f"keys: expected [B, {self.num_heads}, T, {self.head_dim}], got {tuple(k.shape)}")
         out = torch.empty(b, h, t, d, device=k.device)
-        for idx, codec in zip((self.hi, self.lo), self.codecs):
-            index = idx.to(k.device)[None, :, None, :].expand(b, h, t, -1)
-            part = codec.dequantize(codec.quantize(k.float().gather(-1, index)))
-            out.scatter_(-1, index, part.float())
+        for heads, parts in self.groups:
+            src = k[:, heads.to(k.device)].float()
+            sub = torch.empty_like(src)
+            for idx, codec in parts:
+                index = idx.to(k.device)[None, :, None, :].expand(b, len(heads), t, -1)
+                sub.scatter_(-1, index, codec.dequantize(codec.quantize(src.gather(-1, index))).float())
+            out[:, heads.to(k.device)] = sub
         return out
 
 
@@ -154,15 +181,141 @@ class SplitKeyHistory(DecodedHistory):
 
 @dataclass
 class SplitKeyPlan:
-    """A split-key row: the split and each layer's high-set channels [H, n]."""
+    """A split-key row: the split, each layer's high-set channels (``SplitKeyQuantizer``'s ``hi``) and, when the
+    heads' set sizes differ, each layer's per-head high-set sizes in channels of ``REFERENCE_DIM``."""
 
     spec: SplitKeys
-    hi: list[torch.Tensor]
+    hi: list
+    sizes: list[list[int]] | None = None
+
+    def key_bytes_per_token(self, layer: int, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> float:
+        """Bytes of one key of ``layer``, the mean over its KV heads."""
+        if self.sizes is None:
+            return float(self.spec.key_bytes_per_token(head_dim, norm_dtype))
+        row = self.sizes[layer]
+        return sum(head_key_bytes(self.spec, n, head_dim, norm_dtype) for n in row) / len(row)
+
+    def format_bytes_per_token(self, layer: int, fmt: KVFormat, head_dim: int) -> float:
+        """Bytes of one token of ``fmt`` in ``layer`` with its keys replaced by this plan's split."""
+        keys = self.key_bytes_per_token(layer, head_dim, fmt.norm_torch_dtype)
+        return fmt.bytes_per_token(head_dim) - fmt.key_bytes_per_token(head_dim) + keys
+
+
+def head_key_bytes(spec: SplitKeys, hi_channels: int, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> int:
+    """Bytes of one key of a head whose high set is ``hi_channels`` of ``REFERENCE_DIM`` (0 or all: one set, one
+    norm)."""
+    n = hi_channels * head_dim // REFERENCE_DIM
+    norm = Field("key_norm", norm_dtype, 1).nbytes
+    sets = [(m, bits) for m, bits in ((n, spec.hi_bits), (head_dim - n, spec.lo_bits)) if m]
+    return sum(packed_bytes(m, bits) + norm for m, bits in sets)
 
 
 def plan(spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool) -> SplitKeyPlan:
     """Each layer's high set from calibrated pair energies."""
     return SplitKeyPlan(spec, [hi_channels(spec, e, head_dim, centered) for e in energies])
+
+
+def predicted_errors(
+    spec: SplitKeys, energy: PairEnergy, head_dim: int, centered: bool, sizes: Sequence[int]
+) -> torch.Tensor:
+    """Score-error variance [H, len(sizes)] of each head with a high set of each size (channels of
+    ``REFERENCE_DIM``): a set S of n channels at b bits, rotated, spreads its error E||k_S||^2 mse(n, b) evenly, so
+    it costs E[||q_S||^2] E[||k_S||^2] mse(n, b) / n; pairs ranked as ``hi_channels`` ranks them."""
+    k = energy.key_centered if centered else energy.key
+    q = energy.query
+    order = (q * k if spec.score == "qk" else k).argsort(dim=-1, descending=True)
+    qc, kc = q.gather(-1, order).cumsum(-1), k.gather(-1, order).cumsum(-1)
+    zero = torch.zeros(q.shape[0], 1)
+    qc, kc = torch.cat([zero, qc], -1), torch.cat([zero, kc], -1)  # [H, D/2 + 1]: first m pairs' energy
+    out = torch.zeros(q.shape[0], len(sizes))
+    for j, size in enumerate(sizes):
+        n = size * head_dim // REFERENCE_DIM
+        for m, bits, qs, ks in (
+            (n, spec.hi_bits, qc[:, n // 2], kc[:, n // 2]),
+            (head_dim - n, spec.lo_bits, qc[:, -1] - qc[:, n // 2], kc[:, -1] - kc[:, n // 2]),
+        ):
+            if m:
+                out[:, j] += qs * ks * lloyd_max_mse(m, bits) / m
+    return out
+
+
+def _knapsack(items: list[list[tuple[int, float]]], budget: int) -> list[int]:
+    """Per item the index of one (cost, error) option, the costs summing to ``budget``, the summed error least."""
+    best = torch.full((budget + 1,), float("inf"), dtype=torch.float64)
+    best[0] = 0.0
+    choice = torch.zeros(len(items), budget + 1, dtype=torch.long)
+    for i, options in enumerate(items):  # best[u]: least error of items 0..i at cost u
+        cand = torch.full((len(options), budget + 1), float("inf"), dtype=torch.float64)
+        for j, (cost, err) in enumerate(options):
+            if cost <= budget:
+                cand[j, cost:] = best[: budget + 1 - cost] + err
+        best, choice[i] = cand.min(0)
+    if not torch.isfinite(best[budget]):
+        raise FormatError(f"no choice of options costs exactly {budget}")
+    picks, left = [], budget
+    for i in reversed(range(len(items))):
+        picks.append(int(choice[i, left]))
+        left -= items[i][picks[-1]][0]
+    return picks[::-1]
+
+
+def allocate(
+    spec: SplitKeys,
+    energies: list[PairEnergy],
+    head_dim: int,
+    centered: bool,
+    step: int = 16,
+    key_weight: list[torch.Tensor] | None = None,
+) -> list[list[int]]:
+    """Per layer and KV head a high-set size (channels of ``REFERENCE_DIM``, a multiple of ``step`` in [0,
+    REFERENCE_DIM]) whose mean is ``spec.hi_channels``, minimising the summed predicted score error (each head's
+    times ``key_weight`` [H] per layer when given; an exact dynamic programme: the mean, hence the code bytes, is
+    fixed)."""
+    if spec.hi_channels % step:
+        raise FormatError(f"hi_channels {spec.hi_channels} is no multiple of the step {step}")
+    sizes = list(range(0, REFERENCE_DIM + 1, step))
+    errors = [predicted_errors(spec, e, head_dim, centered, sizes) for e in energies]
+    if key_weight is not None:
+        errors = [err * w[:, None] for err, w in zip(errors, key_weight)]
+    flat = torch.cat(errors).double()
+    picks = _knapsack(
+        [[(j, float(x)) for j, x in enumerate(row)] for row in flat], len(flat) * spec.hi_channels // step
+    )
+    per = energies[0].query.shape[0]
+    return [[sizes[j] for j in picks[i : i + per]] for i in range(0, len(picks), per)]
+
+
+def output_weights(caps: list[LayerCapture], exact_block: int, sinks: int = 1) -> list[torch.Tensor]:
+    """Per layer and KV head [H], how much a compressed key's logit error reaches the attention output: logit noise
+    of variance s^2 adds s^2 E_t sum_j p_tj^2 ||v_j - o_t||^2 / D, over the positions j a query t reads compressed
+    (older than its own ``exact_block``, past the first ``sinks``)."""
+    out = []
+    for cap in caps:
+        q, k, v = cap.q.float(), cap.k.float(), cap.v.float()
+        h, t, d = k.shape[1], k.shape[2], k.shape[3]
+        g = q.shape[1] // h
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        pos = torch.arange(t)
+        s = (q @ k.transpose(-1, -2) / d**0.5).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        p = s.softmax(-1)
+        o = p @ v
+        compressed = (pos[None, :] < pos[:, None] - pos[:, None] % exact_block) & (pos[None, :] >= sinks)
+        dist = (v**2).sum(-1)[:, :, None, :] - 2 * o @ v.transpose(-1, -2) + (o**2).sum(-1)[:, :, :, None]
+        out.append(((p**2 * compressed * dist).sum(-1).mean((0, 2)) / d).reshape(h, g).mean(1))
+    return out
+
+
+def plan_allocated(
+    spec: SplitKeys, energies: list[PairEnergy], head_dim: int, centered: bool, sizes: list[list[int]]
+) -> SplitKeyPlan:
+    """High sets of per-head ``sizes`` (``allocate``): each head's most important pairs, as ``hi_channels`` ranks."""
+    hi = []
+    for e, row in zip(energies, sizes):
+        k = e.key_centered if centered else e.key
+        order = (e.query * k if spec.score == "qk" else k).argsort(dim=-1, descending=True)
+        top = [order[h, : n * head_dim // REFERENCE_DIM // 2].sort().values for h, n in enumerate(row)]
+        hi.append([torch.cat([t, t + head_dim // 2]) for t in top])
+    return SplitKeyPlan(spec, hi, sizes)
 
 
 class SplitKeyLayer(TurboQuantLayer):
@@ -183,7 +336,8 @@ class SplitKeyCache(TurboQuantCache):
 
     def __init__(self, model, config, split: SplitKeyPlan, **kwargs) -> None:
         super().__init__(model, config, backend="cpu-decoded", **kwargs)
+        head_dim = model_dims(model.config)[3]
         for i, layer in enumerate(self._tq_layers):
             if not layer.fmt.is_passthrough:
-                q = SplitKeyQuantizer(split.spec, split.hi[i], layer.seed, layer.fmt.norm_torch_dtype)
+                q = SplitKeyQuantizer(split.spec, split.hi[i], layer.seed, layer.fmt.norm_torch_dtype, head_dim)
                 self.layers[i] = SplitKeyLayer(layer, q)

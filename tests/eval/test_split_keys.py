@@ -8,16 +8,23 @@ import torch.nn.functional as F
 
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.mse import TurboQuantMSE
+from jetson_tq.codec.rotation import derive_seed
 from jetson_tq.config import config_from_dict
 from jetson_tq.errors import FormatError
 from jetson_tq.eval.fidelity import Variant
+from jetson_tq.eval.smartmix import LayerCapture
 from jetson_tq.eval.split_keys import (
     PairEnergy,
     SplitKeyHistory,
     SplitKeyPlan,
     SplitKeyQuantizer,
     SplitKeys,
+    allocate,
+    head_key_bytes,
     hi_channels,
+    output_weights,
+    plan_allocated,
+    predicted_errors,
 )
 from jetson_tq.format import KVFormat, exact_count
 
@@ -98,3 +105,63 @@ def test_a_split_row_counts_its_own_key_bytes():
     assert row.effective_bytes_per_token(30, 128, 2048) - Variant("u", "", cfg).effective_bytes_per_token(
         30, 128, 2048
     ) == pytest.approx(102 - cfg.default.bytes_per_token(128))
+
+
+def _heads(scales, d=64):
+    """Pair energies of heads of key scale ``scale`` (one head per scale), their first 4 pairs 4x the others."""
+    energy = torch.ones(len(scales), d // 2)
+    energy[:, :4] = 4.0
+    energy *= torch.tensor(scales)[:, None] ** 2
+    return PairEnergy(query=torch.ones_like(energy), key=energy, key_centered=energy)
+
+
+def test_allocation_keeps_the_mean_and_favours_anisotropic_heads():
+    energies = [_heads([1.0, 6.0, 2.0]), _heads([1.0, 1.0, 8.0])]
+    spec = SplitKeys(64, 4, 2)
+    sizes = allocate(spec, energies, 64, centered=False)
+    flat = [n for row in sizes for n in row]
+    assert sum(flat) == 64 * len(flat) and all(n % 16 == 0 and 0 <= n <= 128 for n in flat)
+    assert sizes[0][1] > sizes[0][0] and sizes[1][2] > sizes[1][0]  # the louder heads get more high channels
+    steps = list(range(0, 129, 16))
+    err = torch.cat([predicted_errors(spec, e, 64, False, steps) for e in energies])
+    got = sum(float(err[i, n // 16]) for i, n in enumerate(flat))
+    assert got <= float(err[:, 4].sum())  # never worse than 64 everywhere, by the model
+    weighted = allocate(spec, energies, 64, centered=False, key_weight=[torch.tensor([1.0, 1.0, 1.0]), torch.zeros(3)])
+    assert sum(map(sum, weighted)) == sum(flat) and weighted[1] == [0, 0, 0]  # a layer whose keys do not matter
+
+
+def test_allocated_bytes_are_the_mean_over_heads():
+    spec = SplitKeys(64, 4, 2)
+    assert [head_key_bytes(spec, n, 128) for n in (0, 64, 128)] == [34, 52, 66]  # an empty set has no norm
+    plan = SplitKeyPlan(spec, hi=[], sizes=[[0, 128], [64, 64]])
+    assert plan.key_bytes_per_token(0, 128) == 50.0 and plan.key_bytes_per_token(1, 128) == 52.0
+    raw = {"keys": {"mode": "mse", "bits": 2}, "values": {"mode": "mse", "bits": 3}, "buffer": {"recent_tokens": 256}}
+    cfg = config_from_dict(raw, name="split")
+    row = Variant("g", "", cfg, split_keys=SplitKeyPlan(spec, hi=[], sizes=[[0, 128], [64, 64]]))
+    assert row.bytes_per_token(2, 128) == (50 + 52) / 2 + 50
+
+
+def test_per_head_sets_of_other_sizes():
+    k, _ = _anisotropic(h=3)
+    energies = [_heads([1.0, 6.0, 2.0])]
+    spec = SplitKeys(64, 4, 2)
+    uniform = SplitKeyQuantizer(spec, hi_channels(spec, energies[0], 64, False), seed=5)
+    per_head = SplitKeyQuantizer(spec, list(hi_channels(spec, energies[0], 64, False)), seed=5, head_dim=64)
+    assert torch.equal(uniform(k), per_head(k))  # one size for all heads: the same codecs
+    plan = plan_allocated(spec, energies, 64, False, allocate(spec, energies, 64, centered=False))
+    assert plan.sizes is not None and [len(r) for r in plan.hi[0]] == [n // 2 for n in plan.sizes[0]]
+    mixed = SplitKeyQuantizer(spec, [torch.arange(0), torch.arange(64), torch.tensor([0, 32])], seed=5, head_dim=64)
+    lo = TurboQuantMSE(64, 2, derive_seed(5, salt=2), norm_dtype=torch.float16)
+    hi = TurboQuantMSE(64, 4, derive_seed(5, salt=1), norm_dtype=torch.float16)
+    out = mixed(k)
+    assert torch.allclose(out[:, 0], lo.dequantize(lo.quantize(k[:, 0])).float())  # no high set: one 2-bit set
+    assert torch.allclose(out[:, 1], hi.dequantize(hi.quantize(k[:, 1])).float())  # all high
+
+
+def test_output_weights_count_only_compressed_positions():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 40, 8, generator=g) for n in (4, 2, 2))
+    cap = LayerCapture(q=q, k=k, v=v, h=torch.zeros(1, 40, 8))
+    weight = output_weights([cap], exact_block=16, sinks=1)
+    assert weight[0].shape == (2,) and (weight[0] > 0).all()
+    assert output_weights([cap], exact_block=64, sinks=1)[0].abs().sum() == 0  # every position in its own block
