@@ -82,11 +82,9 @@ def attention_prefill(
     max_tokens = cache.max_tokens(k.shape[2])  # host mirror: sizes the kernel's workspace to the history, no sync
     cache.stage(k, v, check=False)  # a refused chunk is named below, after the attention launch (no GPU bubble)
     out = ops.prefill(q, k, v, cache.paged(), softmax_scale, backend, attn_mask, max_tokens=max_tokens)
-    if not out.is_cuda:
-        cache.raise_store_fault()  # off CUDA reading the write's record costs no sync
+    cache.raise_store_fault(wait=False)  # a refused chunk's named error when its record is on the host (no wait)
     check_attention_output("attention_prefill", out, q, cache, softmax_scale)  # before the chunk is kept
     cache.commit(k, v)  # skipped on the device when the write's checks refused the chunk
-    cache.raise_arrived_fault()  # the refusal's named error if its record is on the host already (never waits)
     return out
 
 

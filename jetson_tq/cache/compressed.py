@@ -304,15 +304,12 @@ class CompressedKVCache:
         """Count T staged tokens: copy the last min(T, R) into the ring and advance the lengths."""
         self._put(k, v, seq, stage=False, commit=True)
 
-    def raise_store_fault(self) -> None:
-        """Raise the named error of a device-checked write issued so far, now (one device sync when a checked write is
-        pending; nothing during CUDA graph capture, whose replays are read by ``check()``)."""
-        self._raise_fault(block=True)
-
-    def raise_arrived_fault(self) -> None:
-        """Raise the named error of a device-checked write whose record has already reached the host (no wait; a
-        record still in flight is read by the next call or ``check()``)."""
-        self._raise_fault(block=False)
+    def raise_store_fault(self, wait: bool = True) -> None:
+        """Raise the named error of a device-checked write issued so far: ``wait`` reads the device's record now (one
+        sync when a checked write is pending; nothing during CUDA graph capture, whose replays are read by
+        ``check()``); otherwise only a record that has already reached the host (a record still in flight is read by
+        the next call or ``check()``; off CUDA the record is always there)."""
+        self._raise_fault(block=wait)
 
     def max_tokens(self, extra: int = 0) -> int | None:
         """The longest sequence's tokens plus ``extra`` from the host mirror, without a sync; None when only the

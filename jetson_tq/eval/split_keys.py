@@ -61,14 +61,17 @@ class SplitKeys:
 
     def key_bytes_per_token(self, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> int:
         """Bytes of one key: each set's packed codes (``format.packed_bytes``) and its norm."""
-        n = self.hi_count(head_dim)
-        norm = Field("key_norm", norm_dtype, 1).nbytes
-        return packed_bytes(n, self.hi_bits) + packed_bytes(head_dim - n, self.lo_bits) + 2 * norm
+        self.hi_count(head_dim)  # a whole pair count at this head dim
+        return head_key_bytes(self, self.hi_channels, head_dim, norm_dtype)
 
     def format_bytes_per_token(self, fmt: KVFormat, head_dim: int) -> int:
         """Bytes of one token of ``fmt`` with its keys replaced by this split."""
-        keys = self.key_bytes_per_token(head_dim, fmt.norm_torch_dtype)
-        return fmt.bytes_per_token(head_dim) - fmt.key_bytes_per_token(head_dim) + keys
+        return _with_keys(fmt, head_dim, self.key_bytes_per_token(head_dim, fmt.norm_torch_dtype))
+
+
+def _with_keys(fmt: KVFormat, head_dim: int, key_bytes: float):
+    """Bytes of one token of ``fmt`` whose key takes ``key_bytes`` instead of the format's own."""
+    return fmt.bytes_per_token(head_dim) - fmt.key_bytes_per_token(head_dim) + key_bytes
 
 
 @dataclass
@@ -100,11 +103,15 @@ def _pairs(energy: torch.Tensor) -> torch.Tensor:
     return energy[..., :half] + energy[..., half:]
 
 
+def _pair_order(spec: SplitKeys, energy: PairEnergy, centered: bool) -> torch.Tensor:
+    """Each head's rotary pairs [H, D/2], most important first (``spec.score`` over the keys a cache quantizes)."""
+    k = energy.key_centered if centered else energy.key
+    return (energy.query * k if spec.score == "qk" else k).argsort(dim=-1, descending=True)
+
+
 def hi_channels(spec: SplitKeys, energy: PairEnergy, head_dim: int, centered: bool) -> torch.Tensor:
     """The high-set channel indices [H, n] of one layer: its most important pairs, both channels of each."""
-    k = energy.key_centered if centered else energy.key
-    score = energy.query * k if spec.score == "qk" else k
-    top = score.argsort(dim=-1, descending=True)[:, : spec.hi_count(head_dim) // 2].sort(-1).values
+    top = _pair_order(spec, energy, centered)[:, : spec.hi_count(head_dim) // 2].sort(-1).values
     return torch.cat([top, top + head_dim // 2], dim=-1)
 
 
@@ -197,8 +204,7 @@ class SplitKeyPlan:
 
     def format_bytes_per_token(self, layer: int, fmt: KVFormat, head_dim: int) -> float:
         """Bytes of one token of ``fmt`` in ``layer`` with its keys replaced by this plan's split."""
-        keys = self.key_bytes_per_token(layer, head_dim, fmt.norm_torch_dtype)
-        return fmt.bytes_per_token(head_dim) - fmt.key_bytes_per_token(head_dim) + keys
+        return _with_keys(fmt, head_dim, self.key_bytes_per_token(layer, head_dim, fmt.norm_torch_dtype))
 
 
 def head_key_bytes(spec: SplitKeys, hi_channels: int, head_dim: int, norm_dtype: torch.dtype = torch.float16) -> int:
@@ -223,7 +229,7 @@ def predicted_errors(
     it costs E[||q_S||^2] E[||k_S||^2] mse(n, b) / n; pairs ranked as ``hi_channels`` ranks them."""
     k = energy.key_centered if centered else energy.key
     q = energy.query
-    order = (q * k if spec.score == "qk" else k).argsort(dim=-1, descending=True)
+    order = _pair_order(spec, energy, centered)
     qc, kc = q.gather(-1, order).cumsum(-1), k.gather(-1, order).cumsum(-1)
     zero = torch.zeros(q.shape[0], 1)
     qc, kc = torch.cat([zero, qc], -1), torch.cat([zero, kc], -1)  # [H, D/2 + 1]: first m pairs' energy
@@ -311,8 +317,7 @@ def plan_allocated(
     """High sets of per-head ``sizes`` (``allocate``): each head's most important pairs, as ``hi_channels`` ranks."""
     hi = []
     for e, row in zip(energies, sizes):
-        k = e.key_centered if centered else e.key
-        order = (e.query * k if spec.score == "qk" else k).argsort(dim=-1, descending=True)
+        order = _pair_order(spec, e, centered)
         top = [order[h, : n * head_dim // REFERENCE_DIM // 2].sort().values for h, n in enumerate(row)]
         hi.append([torch.cat([t, t + head_dim // 2]) for t in top])
     return SplitKeyPlan(spec, hi, sizes)

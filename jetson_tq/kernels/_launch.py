@@ -33,21 +33,15 @@ from ._common import INTERPRET
 
 def _runtime_key(args: tuple) -> tuple:
     """Per argument what Triton specializes on: a tensor's dtype and 16-byte alignment, a bool's value, an int's
-    (== 1, % 16 == 0, fits int32); one pass, exact-type checks first (this runs on every launch)."""
+    (== 1, % 16 == 0, fits int32); exact-type checks first (this runs on every launch), floats and None skipped."""
     key = []
     for a in args:
         t = type(a)
-        if t is torch.Tensor:
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif t is int:
-            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-        elif t is bool:
-            key.append(a)
-        elif t is float or a is None:
+        if t is float or a is None:
             continue
-        elif isinstance(a, torch.Tensor):
+        if t is torch.Tensor or (t is not int and t is not bool and isinstance(a, torch.Tensor)):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, bool):
+        elif t is bool or isinstance(a, bool):
             key.append(a)
         elif isinstance(a, int):
             key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
