@@ -76,6 +76,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="[{}]", help="JSON list of knob dicts (see above)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument(
+        "--flash",
+        action="store_true",
+        help="also the vLLM path (vLLM's FlashAttention over the dequantized history) and stock vLLM's kernel",
+    )
+    ap.add_argument(
         "--compile-only",
         action="store_true",
         help="run each variant once per shape, no timing (fills Triton's disk cache; run several at once)",
@@ -92,7 +97,7 @@ def main(argv=None) -> int:
     if args.profile:
         profile_variants(shapes, args.format, variants)
         return 0
-    rows = prefill_bench(shapes, fmt=args.format, variants=variants)
+    rows = prefill_bench(shapes, fmt=args.format, variants=variants, flash=args.flash)
     print(table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -507,16 +507,27 @@ def prefill_bench(
     copy_gbps: float | None = None,
     fmt: KVFormat | str | None = None,
     variants: list[dict] | None = None,
+    flash: bool = False,
 ) -> list[dict]:
     """Chunked prefill (B, Hq, Hkv, history, chunk T) vs SDPA flash over the fp16 history + chunk (causal,
     lower-right), one row per kernel variant (``variants``: ``chunked_prefill`` knob dicts). ``copy_gbps`` is
-    accepted for the suite's uniform call and unused (the rows report TFLOP/s, not a byte floor)."""
+    accepted for the suite's uniform call and unused (the rows report TFLOP/s, not a byte floor). ``flash``: also
+    a row for the vLLM path (``ops.prefill`` with vLLM's FlashAttention, ``kernels.prefill_flash``), and every row
+    gets stock vLLM's own kernel on the same fp16 tokens (FlashAttention varlen over 16-token pages) as a column."""
     from torch.nn.attention.bias import causal_lower_right
 
+    from jetson_tq import ops
     from jetson_tq.attention.reference import paged_attention_prefill
     from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     dev = _require_cuda()
+    flash_varlen = None
+    if flash:
+        from jetson_tq.integrations.vllm.flash import vllm_varlen
+
+        flash_varlen = vllm_varlen()
+        if flash_varlen is None:
+            raise UnsupportedPlatformError("--flash needs vLLM's FlashAttention (the vLLM bundle on a CUDA GPU)")
     shapes = shapes or [(1, 32, 8, 16384, 1024), (1, 32, 8, 65536, 1024), (4, 32, 8, 8192, 512)]
     fmt_name, fmt = fmt if isinstance(fmt, str) else "default", resolve_format(fmt)
     rows = []
@@ -538,22 +549,37 @@ def prefill_bench(
 
         t_flash = _bench([flash])
         del flash
+        t_fa = _stock_fa_us(q, kf, vf) if flash_varlen else None
         flops = 4 * b * hq * t * head_dim * (hist + t / 2)
         # the check: the chunk's first 256 tokens of sequence 0 (two 128-token blocks: the second reads the first
         # one compressed); the reference's scores over every position stay ~1 GB
         part, tc = leading_sequences(kv, 1), min(t, 256)
         qc, kc, vc = q[:1, :, :tc].contiguous(), k[:1, :, :tc].contiguous(), v[:1, :, :tc].contiguous()
         ref = paged_attention_prefill(qc, kc, vc, part).float()
-        for var in variants or [{}]:
-            got = chunked_prefill(qc, kc, vc, part, tuning=PrefillTuning(**var)).float()
-            err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
-            t_ours = _bench(
-                [lambda q=q, k=k, v=v, kv=kv, var=var: chunked_prefill(q, k, v, kv, tuning=PrefillTuning(**var))]
+        runs = [
+            (
+                str(var) if var else "{}",
+                lambda q, k, v, kv, var=var: chunked_prefill(q, k, v, kv, tuning=PrefillTuning(**var)),
             )
+            for var in variants or [{}]
+        ]
+        if flash_varlen is not None:
+            runs.append(
+                (
+                    "vllm-flash",
+                    lambda q, k, v, kv, hist=hist: ops.prefill(
+                        q, k, v, kv, varlen=flash_varlen, history=[hist] * q.shape[0]
+                    ),
+                )
+            )
+        for name, run in runs:
+            got = run(qc, kc, vc, part).float()
+            err = ((got - ref).norm() / ref.norm()).item()  # reported; > 2e-3 is flagged in the row
+            t_ours = _bench([lambda q=q, k=k, v=v, kv=kv, run=run: run(q, k, v, kv)])
             rows.append(
                 {
                     "format": fmt_name,
-                    "variant": str(var) if var else "{}",
+                    "variant": name,
                     "B": b,
                     "Hq/Hkv": f"{hq}/{hkv}",
                     "history": hist,
@@ -561,6 +587,7 @@ def prefill_bench(
                     "ours_us": t_ours,
                     "sdpa_us": t_flash,
                     "vs_sdpa": t_ours / t_flash,
+                    **({"fa_us": t_fa, "vs_fa": t_ours / t_fa} if t_fa else {}),
                     "ours_TFLOPs": flops / (t_ours * 1e-6) / 1e12,
                     "sdpa_TFLOPs": flops / (t_flash * 1e-6) / 1e12,
                     "hist_MB": (case.compressed_bytes + case.buffer_bytes) / 1e6,
@@ -571,6 +598,42 @@ def prefill_bench(
         del case, kf, vf
         torch.cuda.empty_cache()
     return rows
+
+
+def _stock_fa_us(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, page: int = 16) -> float:
+    """µs of stock vLLM's prefill attention on these fp16 tokens: vLLM's FlashAttention varlen (the version vLLM
+    picks here) over 16-token pages, causal from the bottom right, one sequence per batch row."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    b, hq, t, d = q.shape
+    n = kf.shape[2]
+    npg = -(-n // page)
+    pad = npg * page - n
+    kp = torch.nn.functional.pad(kf.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * npg, page, -1, d).contiguous()
+    vp = torch.nn.functional.pad(vf.transpose(1, 2), (0, 0, 0, 0, 0, pad)).reshape(b * npg, page, -1, d).contiguous()
+    table = torch.arange(b * npg, dtype=torch.int32, device=q.device).view(b, npg)
+    qt = q.transpose(1, 2).reshape(b * t, hq, d).contiguous()
+    cu = torch.arange(0, (b + 1) * t, t, dtype=torch.int32, device=q.device)
+    used = torch.full((b,), n, dtype=torch.int32, device=q.device)
+    version = get_flash_attn_version()
+
+    def run():
+        flash_attn_varlen_func(
+            qt,
+            kp,
+            vp,
+            t,
+            cu,
+            n,
+            seqused_k=used,
+            causal=True,
+            block_table=table,
+            fa_version=version,
+            softmax_scale=d**-0.5,
+        )
+
+    return _bench([run])
 
 
 # ------------------------------------------------------------------------------------- scores

@@ -178,3 +178,85 @@ def _positional_mask(mask: torch.Tensor, hist: torch.Tensor, t: int, epos: torch
     full = add.expand(b, *add.shape[1:])
     idx = epos.clamp_min(0)[:, None, None, None, :].expand(b, add.shape[1], add.shape[2], t, epos.shape[1])
     return add, full.gather(-1, idx)
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    *,
+    cu_seqlens_k: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's varlen contract in PyTorch: (out [total_q, Hq, D] in q's dtype, lse [Hq, total_q] fp32).
+
+    Sequence i has queries q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]] and keys either k[cu_seqlens_k[i]:...] (packed
+    k, v [total_k, Hkv, D]) or, with ``block_table`` [n, pages], the first seqused_k[i] tokens of the pages
+    block_table[i] of a paged k, v [blocks, page tokens, Hkv, D]. ``causal`` aligns the mask to the bottom right
+    (query j sees keys <= j + seqlen_k - seqlen_q); lse is the natural log-sum-exp of the scaled scores. The
+    ``max_seqlen_*`` bounds are the kernel's launch sizes and are only checked here."""
+    cq = cu_seqlens_q.tolist()
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    g = q.shape[1] // k.shape[-2]
+    for i in range(len(cq) - 1):
+        if block_table is not None:
+            assert seqused_k is not None  # paged keys always come with their counts
+            n = int(seqused_k[i])
+            ki = k[block_table[i].long()].flatten(0, 1)[:n]
+            vi = v[block_table[i].long()].flatten(0, 1)[:n]
+        else:
+            assert cu_seqlens_k is not None  # packed keys always come with their offsets
+            k0, k1 = int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+            ki, vi = k[k0:k1], v[k0:k1]
+        qi = q[cq[i] : cq[i + 1]].float()
+        if qi.shape[0] > max_seqlen_q or ki.shape[0] > max_seqlen_k:
+            raise ShapeError(f"sequence {i}: {qi.shape[0]} x {ki.shape[0]} exceeds {max_seqlen_q} x {max_seqlen_k}")
+        if qi.shape[0] == 0 or ki.shape[0] == 0:
+            continue
+        kf = ki.float().repeat_interleave(g, dim=1)
+        vf = vi.float().repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", qi, kf) * softmax_scale
+        if causal:
+            shift = ki.shape[0] - qi.shape[0]
+            keep = (
+                torch.arange(ki.shape[0], device=q.device)[None, :]
+                <= torch.arange(qi.shape[0], device=q.device)[:, None] + shift
+            )
+            s = s.masked_fill(~keep, float("-inf"))
+        li = torch.logsumexp(s, dim=-1)  # [H, q]
+        p = torch.exp(s - li[..., None]).nan_to_num(0.0)
+        out[cq[i] : cq[i + 1]] = torch.einsum("hqk,khd->qhd", p, vf)
+        lse[:, cq[i] : cq[i + 1]] = li
+    return out.to(q.dtype), lse
+
+
+def merge_states_reference(
+    out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Add a partial attention result over other keys into ``out`` in place: for i < len(rows), out[rows[i]]
+    [H, D] and lse[:, rows[i]] (natural log-sum-exp, fp32) become the softmax-weighted merge with part[i] and
+    part_lse[:, i]; a non-finite lse (FlashAttention's mark of a row with no keys) counts as no mass."""
+    r = rows.long()
+    la = _finite_or_ninf(lse[:, r])
+    lb = _finite_or_ninf(part_lse)
+    m = torch.maximum(la, lb)
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    wa, wb = torch.exp(la - safe), torch.exp(lb - safe)
+    tot = wa + wb
+    keep = tot > 0
+    denom = torch.where(keep, tot, torch.ones_like(tot))
+    merged = (out[r].float() * (wa / denom).T[..., None] + part.float() * (wb / denom).T[..., None]).to(out.dtype)
+    out[r] = torch.where(keep.T[..., None], merged, out[r])
+    lse[:, r] = torch.where(keep, safe + torch.log(denom), la)
+
+
+def _finite_or_ninf(x: torch.Tensor) -> torch.Tensor:
+    """x with +inf / NaN (no keys) replaced by -inf."""
+    return torch.where(torch.isnan(x) | (x == float("inf")), torch.full_like(x, float("-inf")), x)

@@ -69,11 +69,13 @@ def _dequant_kernel(
     KW: tl.constexpr,  # workspace key row width: DP, or 2 DP for prod keys (signs at DP)
     BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
     BLOCK_T: tl.constexpr,  # tokens per program
+    TOKEN_MAJOR: tl.constexpr,  # workspace rows ordered (sequence, token, KV head), else (sequence, KV head, token)
     PAGE: tl.constexpr,
 ):  # ``PageSpec`` bundle
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
     row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP),
-    value [DP] (code * scale + zero); padding columns zero."""
+    value [DP] (code * scale + zero); padding columns zero. ``TOKEN_MAJOR`` lays the rows out as the paged
+    [pages, page tokens, KV heads, DP] cache an external flash-attention kernel reads (``prefill_flash``)."""
     D: tl.constexpr = PAGE.D
     DP: tl.constexpr = PAGE.DP
     CH: tl.constexpr = PAGE.CH
@@ -93,7 +95,10 @@ def _dequant_kernel(
         page = base[:, None]
         off = offn[:, None]
         tmask = nmask[:, None] & (j < D)
-        row = (pid_bh.to(tl.int64) * seg + (n - s0).to(tl.int64))[:, None]
+        if TOKEN_MAJOR:
+            row = ((b.to(tl.int64) * seg + (n - s0).to(tl.int64)) * HKV + h)[:, None]
+        else:
+            row = (pid_bh.to(tl.int64) * seg + (n - s0).to(tl.int64))[:, None]
         kdst = wk_ptr + row * KW + j
         if PAGE.KEY_MODE == K_RAW:
             kt = tl.load((page + PAGE.OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
@@ -567,6 +572,53 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV
         raise ShapeError(f"k, v: expected [{bsz}, {hkv}, {t_len}, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
 
 
+def dequantize_segment(
+    kv: PagedKV,
+    codebook: torch.Tensor,
+    wk: torch.Tensor,
+    wv: torch.Tensor,
+    s0: int,
+    seg: int,
+    t_len: int,
+    ring: int,
+    block_window: bool,
+    tokens_per_program: int,
+    token_major: bool,
+) -> None:
+    """Decompress the compressed tokens [s0, s0 + seg) that a ``t_len``-token chunk reads into the workspace ``wk``,
+    ``wv`` (``_dequant_kernel``; rows (sequence, KV head, token), or (sequence, token, KV head) if ``token_major``)."""
+    hkv = kv.num_kv_heads
+    spec, page = page_spec(kv.layout, kv.codec)
+    _DEQUANT(
+        (kv.batch_size * hkv, seg // tokens_per_program),
+        (
+            kv.pages,
+            kv.block_table,
+            kv.compressed_lens,
+            kv.recent_lens,
+            codebook,
+            wk,
+            wv,
+            s0,
+            seg,
+            t_len,
+            ring,
+            kv.block_table.stride(0),
+            kv.codec.qjl_scale,
+        ),
+        dict(
+            HKV=hkv,
+            KW=wk.shape[-1],
+            BLOCK_WINDOW=block_window,
+            BLOCK_T=tokens_per_program,
+            TOKEN_MAJOR=token_major,
+            PAGE=page,
+        ),
+        (spec, hkv, wk.shape[-1], block_window, tokens_per_program, token_major),
+        num_warps=4,
+    )
+
+
 def chunked_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -634,32 +686,10 @@ def chunked_prefill(
         st_l = torch.empty_like(st_m)
     else:
         st_acc = st_m = st_l = out  # never read or written (FINAL, no LOAD_STATE)
-    dq_kw = dict(HKV=hkv, KW=kw, BLOCK_WINDOW=block_window, BLOCK_T=dq_tokens, PAGE=page)
-    dq_key = (spec, hkv, kw, block_window, dq_tokens)
     kq_bf16 = spec.KEY_MODE == KEY_RAW and spec.RAW_BF16
     for i in range(nseg):
         s0 = i * seg
-        _DEQUANT(
-            (bsz * hkv, seg // dq_tokens),
-            (
-                kv.pages,
-                kv.block_table,
-                kv.compressed_lens,
-                kv.recent_lens,
-                consts["codebook"],
-                wk,
-                wv,
-                s0,
-                seg,
-                t_len,
-                ring,
-                kv.block_table.stride(0),
-                kv.codec.qjl_scale,
-            ),
-            dq_kw,
-            dq_key,
-            num_warps=4,
-        )
+        dequantize_segment(kv, consts["codebook"], wk, wv, s0, seg, t_len, ring, block_window, dq_tokens, False)
         flags = (i > 0, i == nseg - 1)  # LOAD_STATE, FINAL
         _PREFILL(
             grid,

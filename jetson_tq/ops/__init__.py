@@ -8,7 +8,8 @@ CPU-only users never import Triton.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from ..format import PagedLayout
 from ..paged import PagedKV, append_rows_reference, write_slots
 from ..validate import StoreLimits, store_fault_code
 from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
+
+if TYPE_CHECKING:
+    from ..kernels.prefill_flash import VarlenAttention
 
 __all__ = [
     "BACKENDS",
@@ -139,9 +143,15 @@ def prefill(
     attn_mask: torch.Tensor | None = None,
     max_tokens: int | None = None,
     reproducible: bool = False,
+    varlen: VarlenAttention | None = None,
+    history: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus its own k, v [B, Hkv, T, D] (causal,
     window rule of ``attention.reference.paged_attention_prefill``; the pages already hold the chunk).
+
+    ``varlen`` (a FlashAttention varlen call, e.g. vLLM's) with ``history`` (each sequence's history length, on the
+    host): the dense attention runs in that kernel over the dequantized history (``kernels.prefill_flash``) wherever
+    it can serve the format; the Triton loop serves the rest.
 
     An explicit ``attn_mask`` (padding, custom patterns) is served by the reference. ``max_tokens``: a host-side
     bound on every sequence's history + T, when the caller knows one (sizes the kernel's workspace).
@@ -151,6 +161,11 @@ def prefill(
     if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
         from ..kernels.prefill import DEFAULT_TUNING, PrefillTuning, chunked_prefill
 
+        if varlen is not None and history is not None and not reproducible:
+            from ..kernels.prefill_flash import flash_prefill, flash_unsupported_reason
+
+            if flash_unsupported_reason(kv, q.dtype) is None:
+                return flash_prefill(q, k, v, kv, history, varlen, softmax_scale)
         tuning = PrefillTuning(reproducible=True) if reproducible else DEFAULT_TUNING
         return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens, tuning=tuning)
     return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask)

@@ -40,6 +40,7 @@ from ...errors import ShapeError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count
 from ...paged import PagedKV
 from . import hooks
+from .flash import vllm_varlen
 from .settings import active_config, preferred_block_size, reproducible
 
 if TYPE_CHECKING:
@@ -544,7 +545,17 @@ class TurboQuantAttentionImpl(AttentionImpl):
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
             v = value[qs:qe].transpose(0, 1).unsqueeze(0)
-            out = ops.prefill(q, k, v, kv, self.scale, max_tokens=s + qe - qs, reproducible=self.reproducible)
+            out = ops.prefill(
+                q,
+                k,
+                v,
+                kv,
+                self.scale,
+                max_tokens=s + qe - qs,
+                reproducible=self.reproducible,
+                varlen=vllm_varlen(),
+                history=[s],
+            )
             output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
             if R > 0:
                 assert self.recent_k is not None and self.recent_v is not None  # _check ran

@@ -1,0 +1,71 @@
+"""vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere: the kernel stock vLLM's FLASH_ATTN backend runs) as the
+``kernels.prefill_flash.VarlenAttention`` our prefill hands its dense attention to, so prompt processing over a
+compressed history runs at stock speed. ``JETSON_TQ_FLASH_PREFILL=0`` keeps prefill on our Triton loop."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+from ...kernels.prefill_flash import VarlenAttention
+
+logger = logging.getLogger(__name__)
+ENV_VAR = "JETSON_TQ_FLASH_PREFILL"
+
+
+@functools.cache
+def vllm_varlen() -> VarlenAttention | None:
+    """The varlen call of the FlashAttention version vLLM picks on this GPU, or None (no CUDA, no FlashAttention
+    build in this vLLM, or switched off by ``JETSON_TQ_FLASH_PREFILL=0``); the reason is logged once."""
+    if os.environ.get(ENV_VAR, "1") == "0":
+        logger.info("jetson-tq: prefill on the Triton loop (%s=0)", ENV_VAR)
+        return None
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+    except Exception as e:  # any import failure means: no FlashAttention here
+        logger.info("jetson-tq: prefill on the Triton loop (vLLM's FlashAttention unavailable: %s)", e)
+        return None
+    version = get_flash_attn_version()
+    if version is None:
+        logger.info("jetson-tq: prefill on the Triton loop (vLLM names no FlashAttention version here)")
+        return None
+
+    def varlen(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        causal: bool,
+        *,
+        cu_seqlens_k: torch.Tensor | None = None,
+        seqused_k: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            max_seqlen_q,
+            cu_seqlens_q,
+            max_seqlen_k,
+            cu_seqlens_k=cu_seqlens_k,
+            seqused_k=seqused_k,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            block_table=block_table,
+            return_softmax_lse=True,
+            fa_version=version,
+        )
+        return out, lse
+
+    logger.info("jetson-tq: prefill attention on vLLM's FlashAttention %d", version)
+    return varlen
