@@ -119,12 +119,12 @@ def flash_prefill(
         for j, (_, r0, r1) in enumerate(blocks[b]):
             cu_q.append(b * t_len + r1)
             cu_k.append(cu_k[-1] + (r1 - r0) + (int(s) % ring if j == 0 else 0))
-    host = [cu_q, cu_k]
+    host: list[list[int]] = [cu_q, cu_k]
     segments = []  # (s0, sub-sequences, rows) of part A per workspace segment
     for s0 in range(0, top, seg):
         subs = [(b, r0, r1, min(start, s0 + seg) - s0) for b in range(bsz) for start, r0, r1 in blocks[b] if start > s0]
         rows = [b * t_len + r for b, r0, r1, _ in subs for r in range(r0, r1)]
-        cu = np.concatenate([[0], np.cumsum([r1 - r0 for _, r0, r1, _ in subs])])
+        cu = [0, *np.cumsum([r1 - r0 for _, r0, r1, _ in subs]).tolist()]
         segments.append((s0, subs, len(host)))
         host += [cu, [u for *_, u in subs], [b for b, *_ in subs], rows]
     sizes = [len(x) for x in host]
