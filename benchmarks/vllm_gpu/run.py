@@ -109,6 +109,15 @@ def plan(kind: str) -> list[dict]:
         return [
             _engine("fa3_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=FA3_ROWS, timeout=330, **big),
             _engine("fa3_stock", QWEN, backend="FLASH_ATTN_FIXED", work=FA3_ROWS, timeout=200, **big),
+            _engine(  # the control: our prefill on its own Triton loop instead of vLLM's FlashAttention
+                "fa3_ours_mse_k4v3_triton_prefill",
+                QWEN,
+                tq="mse_k4v3",
+                work=FA3_ROWS,
+                timeout=330,
+                env=dict(V1, JETSON_TQ_FLASH_PREFILL="0"),
+                **big,
+            ),
         ]
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
     corr_jobs = [  # the default preset under forced preemption; greedy ids of the fp16 preset (every layer on

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
@@ -142,6 +142,20 @@ class TurboQuantMetadata:
     dec_compressed_lens: torch.Tensor  # device int32 [num_decodes]
     dec_recent_lens: torch.Tensor  # device int32 [num_decodes]
     block_window: bool = False  # window: block (exact window = the query's own recent_tokens-token block)
+    # device copies of the eager path's host index arrays, made by the step's first layer for all (``_device_ints``)
+    device_ints: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def _device_ints(md: TurboQuantMetadata, key: str, device: torch.device, *arrays) -> list[torch.Tensor]:
+    """Device copies of host int arrays (each (array, dtype)), made once per step and shared by every layer: one
+    pinned, non-blocking copy (a pageable copy makes the host wait for the GPU's queue, in every layer)."""
+    got = md.device_ints.get(key)
+    if got is None:
+        host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a, _ in arrays]))
+        dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+        parts = dev.split([int(np.size(a)) for a, _ in arrays])
+        got = md.device_ints[key] = [x if t == torch.int64 else x.to(t) for x, (_, t) in zip(parts, arrays)]
+    return got
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
@@ -512,35 +526,42 @@ class TurboQuantAttentionImpl(AttentionImpl):
         if dec.size and self.reproducible:
             self._decode_as_prefill(query, key, value, kv_cache, md, output, dec)
         elif dec.size:
-            tok = torch.from_numpy(qsl[dec]).to(dev)
             L = seq[dec]
             rec = exact_count(L, R, md.block_window)
-            ring_rows = torch.from_numpy(rows[dec]).to(dev)
+            tok, ring_rows, cols, idx, comp_d, rec_d = _device_ints(
+                md,
+                "decode",
+                dev,
+                (qsl[dec], torch.int64),
+                (rows[dec], torch.int64),
+                ((L - 1) % max(R, 1), torch.int64),
+                (dec, torch.int64),
+                (L - rec, torch.int32),
+                (rec, torch.int32),
+            )
             if R > 0:
                 assert self.recent_k is not None and self.recent_v is not None  # _check ran
-                cols = torch.from_numpy((L - 1) % R).to(dev)
                 self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
                 self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
-            idx = torch.from_numpy(dec).to(dev)
-            kv = self._paged(
-                kv_cache,
-                md.block_table[idx],
-                torch.from_numpy(L - rec).to(dev, torch.int32),
-                torch.from_numpy(rec).to(dev, torch.int32),
-                ring_rows,
-            )
+            kv = self._paged(kv_cache, md.block_table[idx], comp_d, rec_d, ring_rows)
             output[tok] = ops.decode(query[tok], kv, self.scale).to(output.dtype)
-        for i in range(md.num_decodes, md.num_reqs):
+        pre = np.arange(md.num_decodes, md.num_reqs)
+        ctx_p = ctx[pre]
+        ring_p = ctx_p % R if md.block_window else np.minimum(ctx_p, R)  # history tokens read from the ring
+        comp_all, rec_all, row_all = _device_ints(
+            md, "prefill", dev, (ctx_p - ring_p, torch.int32), (ring_p, torch.int32), (rows[pre], torch.int64)
+        )
+        for j, i in enumerate(pre.tolist()):
             qs, qe, s = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
             if qe <= qs:
                 continue
-            r, row = (s % R if md.block_window else min(s, R)), int(rows[i])  # history tokens read from the ring
+            row = int(rows[i])
             kv = self._paged(
                 kv_cache,
                 md.block_table[i : i + 1],
-                torch.tensor([s - r], dtype=torch.int32, device=dev),
-                torch.tensor([r], dtype=torch.int32, device=dev),
-                torch.tensor([row], dtype=torch.int64, device=dev),
+                comp_all[j : j + 1],
+                rec_all[j : j + 1],
+                row_all[j : j + 1],
             )
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)
