@@ -128,9 +128,14 @@ def flash_prefill(
         segments.append((s0, subs, len(host)))
         host += [cu, [u for *_, u in subs], [b for b, *_ in subs], rows]
     sizes = [len(x) for x in host]
-    packed = torch.from_numpy(np.concatenate([np.asarray(x, dtype=np.int32) for x in host]))
+    pad = [-n % 4 for n in sizes]  # every part 16-byte aligned (Triton specializes the merge on its pointers)
+    packed = torch.from_numpy(
+        np.concatenate([np.pad(np.asarray(x, dtype=np.int32), (0, p)) for x, p in zip(host, pad)])
+    )
     packed = packed.pin_memory() if dev.type == "cuda" else packed
-    dev_parts = packed.to(dev, non_blocking=True).split(sizes)
+    dev_parts = [
+        x[:n] for x, n in zip(packed.to(dev, non_blocking=True).split([n + p for n, p in zip(sizes, pad)]), sizes)
+    ]
 
     # ---- B: exact part, every row (own block: the ring's first-block tokens, then the chunk's rows), causal
     keys: list[torch.Tensor] = []

@@ -146,15 +146,30 @@ class TurboQuantMetadata:
     device_ints: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _device_ints(md: TurboQuantMetadata, key: str, device: torch.device, *arrays) -> list[torch.Tensor]:
+def _device_ints(
+    md: TurboQuantMetadata, key: str, device: torch.device, *arrays, per_row: bool = False
+) -> list[torch.Tensor]:
     """Device copies of host int arrays (each (array, dtype)), made once per step and shared by every layer: one
-    pinned, non-blocking copy (a pageable copy makes the host wait for the GPU's queue, in every layer)."""
+    pinned, non-blocking copy (a pageable copy makes the host wait for the GPU's queue, in every layer). Every part,
+    and with ``per_row`` every row (returned as [n, 16 bytes], read as ``x[j, :1]``), starts 16-byte aligned: the
+    kernels are specialized on their pointers' alignment, which the warm-up must not see differ from a request's."""
     got = md.device_ints.get(key)
     if got is None:
-        host = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a, _ in arrays]))
-        dev = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-        parts = dev.split([int(np.size(a)) for a, _ in arrays])
-        got = md.device_ints[key] = [x if t == torch.int64 else x.to(t) for x, (_, t) in zip(parts, arrays)]
+        host, shapes = [], []
+        for a, t in arrays:
+            a = np.asarray(a, dtype=np.int64).reshape(-1)
+            if per_row:
+                w = 16 // t.itemsize
+                a = np.pad(a[:, None], ((0, 0), (0, w - 1)))
+            shapes.append(a.shape)
+            host.append(np.pad(a.reshape(-1), (0, a.size % 2)))  # whole 16-byte units of int64
+        flat = torch.from_numpy(np.concatenate(host))
+        dev = (flat.pin_memory() if device.type == "cuda" else flat).to(device, non_blocking=True)
+        parts = dev.split([h.size for h in host])
+        got = md.device_ints[key] = [
+            (x if t == torch.int64 else x.to(t))[: int(np.prod(shape))].view(shape)
+            for x, shape, (_, t) in zip(parts, shapes, arrays)
+        ]
     return got
 
 
@@ -549,7 +564,13 @@ class TurboQuantAttentionImpl(AttentionImpl):
         ctx_p = ctx[pre]
         ring_p = ctx_p % R if md.block_window else np.minimum(ctx_p, R)  # history tokens read from the ring
         comp_all, rec_all, row_all = _device_ints(
-            md, "prefill", dev, (ctx_p - ring_p, torch.int32), (ring_p, torch.int32), (rows[pre], torch.int64)
+            md,
+            "prefill",
+            dev,
+            (ctx_p - ring_p, torch.int32),
+            (ring_p, torch.int32),
+            (rows[pre], torch.int64),
+            per_row=True,
         )
         for j, i in enumerate(pre.tolist()):
             qs, qe, s = int(qsl[i]), int(qsl[i + 1]), int(ctx[i])
@@ -559,9 +580,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
             kv = self._paged(
                 kv_cache,
                 md.block_table[i : i + 1],
-                comp_all[j : j + 1],
-                rec_all[j : j + 1],
-                row_all[j : j + 1],
+                comp_all[j, :1],
+                rec_all[j, :1],
+                row_all[j, :1],
             )
             q = query[qs:qe].transpose(0, 1).unsqueeze(0)
             k = key[qs:qe].transpose(0, 1).unsqueeze(0)

@@ -246,3 +246,34 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
     Layer.kv_cache = torch.zeros(0)
     assert bound_cache(Layer()) is None
     assert hash((fmt, HQ)) == hash((KVFormat(), HQ)), "warm-up dedupes formats by value"
+
+
+def test_device_ints_once_per_step_and_aligned():
+    """The eager path's index arrays reach the device once per step (memoized on the metadata) with every part and
+    every per-row scalar 16-byte aligned (the kernels are specialized on pointer alignment)."""
+    md = TurboQuantMetadata(
+        num_actual_tokens=3,
+        num_reqs=3,
+        num_decodes=0,
+        recent_tokens=16,
+        query_start_loc=np.arange(4),
+        seq_lens=np.ones(3, np.int64),
+        context_lens=np.zeros(3, np.int64),
+        ring_rows=np.arange(3),
+        block_table=torch.zeros(3, 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(3, dtype=torch.int64),
+        dec_ring_rows=torch.zeros(0, dtype=torch.int64),
+        dec_ring_cols=torch.zeros(0, dtype=torch.int64),
+        dec_compressed_lens=torch.zeros(0, dtype=torch.int32),
+        dec_recent_lens=torch.zeros(0, dtype=torch.int32),
+    )
+    dev = torch.device("cpu")
+    a, b = [5, 6, 7], [1, 2, 3]
+    vec = backend_mod._device_ints(md, "v", dev, (a, torch.int64), (b, torch.int32), (a, torch.int64))
+    assert [x.tolist() for x in vec] == [a, b, a] and [x.dtype for x in vec] == [torch.int64, torch.int32, torch.int64]
+    assert all(x.data_ptr() % 16 == 0 for x in vec)
+    assert backend_mod._device_ints(md, "v", dev) is vec  # the step's later layers reuse the copies
+    rows = backend_mod._device_ints(md, "r", dev, (b, torch.int32), (a, torch.int64), per_row=True)
+    for x, want in zip(rows, (b, a)):
+        for j, w in enumerate(want):
+            assert x[j, :1].tolist() == [w] and x[j, :1].data_ptr() % 16 == 0
