@@ -40,7 +40,7 @@ from ...errors import ShapeError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count
 from ...paged import PagedKV
 from . import hooks
-from .flash import vllm_varlen
+from .flash import prefill_varlen
 from .settings import active_config, preferred_block_size, reproducible
 
 if TYPE_CHECKING:
@@ -595,7 +595,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 self.scale,
                 max_tokens=s + qe - qs,
                 reproducible=self.reproducible,
-                varlen=vllm_varlen(),
+                varlen=prefill_varlen(s, qe - qs),
                 history=[s],
             )
             output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)

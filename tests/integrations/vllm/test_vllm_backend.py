@@ -277,3 +277,16 @@ def test_device_ints_once_per_step_and_aligned():
     for x, want in zip(rows, (b, a)):
         for j, w in enumerate(want):
             assert x[j, :1].tolist() == [w] and x[j, :1].data_ptr() % 16 == 0
+
+
+def test_prefill_varlen_by_chunk_work(monkeypatch):
+    """FlashAttention serves a chunk once history + chunk reach FLASH_MIN_TOKENS; shorter ones stay on the Triton loop
+    (the measured crossover), and nothing without vLLM's FlashAttention (this CPU machine)."""
+    from jetson_tq.integrations.vllm import flash
+
+    assert flash.prefill_varlen(10**6, 10**4) is None  # no CUDA here: vllm_varlen() is None
+    sentinel = object()
+    monkeypatch.setattr(flash, "vllm_varlen", lambda: sentinel)
+    n = flash.FLASH_MIN_TOKENS
+    assert flash.prefill_varlen(0, n) is sentinel and flash.prefill_varlen(n - 2048, 2048) is sentinel
+    assert flash.prefill_varlen(0, 8192) is None and flash.prefill_varlen(4096, 2048) is None
