@@ -86,34 +86,17 @@ def test_flash_prefill_matches_reference(varlen_name, make, name, d, g, hist, t,
 def test_flash_unsupported_reasons():
     """What the flash path refuses (the Triton loop serves it): fp32 queries, sliding windows, prod keys, raw keys."""
     gen = torch.Generator().manual_seed(0)
-    kv = build_paged_kv(
-        fmt_for("mse_k4v3", 64).with_(buffer_tokens=16, window="block"),
-        2,
-        64,
-        [16],
-        [4],
-        torch.half,
-        gen,
-        recent_cap=16,
-    )
+
+    def paged(name: str, window: str):
+        fmt = fmt_for(name, 64).with_(buffer_tokens=16, window=window)
+        return build_paged_kv(fmt, 2, 64, [16], [4], torch.half, gen, recent_cap=16)
+
+    kv, sliding = paged("mse_k4v3", "block"), paged("mse_k4v3", "sliding")
     assert flash_unsupported_reason(kv, torch.float16) is None
     assert "fp16 / bf16" in flash_unsupported_reason(kv, torch.float32)
-    sliding = build_paged_kv(
-        fmt_for("mse_k4v3", 64).with_(buffer_tokens=16, window="sliding"),
-        2,
-        64,
-        [16],
-        [4],
-        torch.half,
-        gen,
-        recent_cap=16,
-    )
     assert "block window" in flash_unsupported_reason(sliding, torch.float16)
     for name in ("blog_k3v2", "fp16"):
-        other = build_paged_kv(
-            fmt_for(name, 64).with_(buffer_tokens=16, window="block"), 2, 64, [16], [4], torch.half, gen, recent_cap=16
-        )
-        assert "mse keys" in flash_unsupported_reason(other, torch.float16)
+        assert "mse keys" in flash_unsupported_reason(paged(name, "block"), torch.float16)
     q = torch.randn(1, 4, 3, 64).half().to(DEVICE)
     k = torch.randn(1, 2, 3, 64).half().to(DEVICE)
     with pytest.raises(ShapeError, match="history"):
