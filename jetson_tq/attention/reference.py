@@ -14,6 +14,7 @@ Scores over compressed tokens use the transformed query (Pi q, S q); keys are ne
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
@@ -178,6 +179,27 @@ def _positional_mask(mask: torch.Tensor, hist: torch.Tensor, t: int, epos: torch
     full = add.expand(b, *add.shape[1:])
     idx = epos.clamp_min(0)[:, None, None, None, :].expand(b, add.shape[1], add.shape[2], t, epos.shape[1])
     return add, full.gather(-1, idx)
+
+
+class VarlenAttention(Protocol):
+    """FlashAttention's varlen call, returning (out [total_q, Hq, D], lse [Hq, total_q] fp32, natural log);
+    ``varlen_attention_reference`` states the contract."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        softmax_scale: float,
+        causal: bool,
+        *,
+        cu_seqlens_k: torch.Tensor | None = None,
+        seqused_k: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def varlen_attention_reference(

@@ -19,39 +19,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Protocol
 
 import numpy as np
 import torch
 import triton
 
+from ..attention.reference import VarlenAttention
 from ..errors import ShapeError
 from ..paged import PagedKV
 from ._common import KEY_MSE, VAL_GROUP, codec_constants, page_spec
 from .merge_states import merge_states
 from .prefill import DEQUANT_TOKENS, WORKSPACE_BYTES, _check_inputs, dequantize_segment, workspace_segment
 from .query_transform import query_transform
-
-
-class VarlenAttention(Protocol):
-    """FlashAttention's varlen call, returning (out [total_q, Hq, D], lse [Hq, total_q] fp32, natural log);
-    ``attention.reference.varlen_attention_reference`` states the contract."""
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-        *,
-        cu_seqlens_k: torch.Tensor | None = None,
-        seqused_k: torch.Tensor | None = None,
-        block_table: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flash_unsupported_reason(kv: PagedKV, dtype: torch.dtype) -> str | None:

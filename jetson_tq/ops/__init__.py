@@ -22,7 +22,7 @@ from ..validate import StoreLimits, store_fault_code
 from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
 if TYPE_CHECKING:
-    from ..kernels.prefill_flash import VarlenAttention
+    from ..attention.reference import VarlenAttention
 
 __all__ = [
     "BACKENDS",

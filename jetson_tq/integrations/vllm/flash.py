@@ -1,5 +1,5 @@
 """vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere: the kernel stock vLLM's FLASH_ATTN backend runs) as the
-``kernels.prefill_flash.VarlenAttention`` our prefill hands its dense attention to, so prompt processing over a
+``attention.reference.VarlenAttention`` our prefill hands its dense attention to, so prompt processing over a
 compressed history runs at stock speed. ``JETSON_TQ_FLASH_PREFILL=0`` keeps prefill on our Triton loop."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from ...kernels.prefill_flash import VarlenAttention
+from ...attention.reference import VarlenAttention
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "JETSON_TQ_FLASH_PREFILL"

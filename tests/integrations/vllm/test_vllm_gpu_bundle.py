@@ -182,9 +182,12 @@ def test_ttft_plan_compares_the_first_request_with_the_next() -> None:
 def test_fa3_plan_puts_every_row_beside_stock_fa3() -> None:
     """--plan fa3: ours and stock on FlashAttention 3 run the same rows at the same memory, the 8k row first (the
     engine's first request); the summary gives ours / FA3 per row with met / missed (TTFT <= 1.1x, TPOT <= 1.0x)."""
-    ours, stock = run.plan("fa3")
-    assert ours["workloads"] == stock["workloads"] and ours["workloads"][0][0] == 8192
+    ours, stock, control = run.plan("fa3")
+    assert ours["workloads"] == stock["workloads"] == control["workloads"] and ours["workloads"][0][0] == 8192
     assert ours["gpu_util"] == stock["gpu_util"] and stock["backend"] == "FLASH_ATTN_FIXED" and ours["tq_config"]
+    # the control: ours with the Triton prefill everywhere (vLLM's FlashAttention off)
+    assert control["tq_config"] == ours["tq_config"] and control["env"]["JETSON_TQ_FLASH_PREFILL"] == "0"
+    assert "JETSON_TQ_FLASH_PREFILL" not in ours["env"]
     row = {"kind": "workload", "context": 8192, "concurrency": 8}
     results = [
         dict(row, job="fa3_ours_mse_k4v3", ttft_first_s=1.2, ttft_last_s=2.0, tpot_ms=8.0),
