@@ -1,0 +1,147 @@
+"""KLT keys (benchmarks/NOTES.md "Quality at 5x"): RoPE round trip, bit allocation, coding error, bytes, history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from jetson_tq.cache.compressed import CompressedKVCache
+from jetson_tq.config import config_from_dict
+from jetson_tq.errors import FormatError
+from jetson_tq.eval.fidelity import Variant
+from jetson_tq.eval.klt_keys import (
+    KLTKeyHistory,
+    KLTKeys,
+    KLTPlan,
+    KLTQuantizer,
+    allocate_bits,
+    calibrate,
+    distortion,
+    inv_freq,
+    query_weight,
+    rope,
+    rotation_matrices,
+)
+from jetson_tq.eval.smartmix import LayerCapture
+from jetson_tq.format import KVFormat, exact_count
+
+THETA = 1e5
+
+
+def test_rope_matches_transformers_and_round_trips():
+    d, pos = 64, torch.arange(3, 40)
+    freq = inv_freq(d, THETA)
+    x = torch.randn(2, 3, len(pos), d, generator=torch.Generator().manual_seed(0))
+    angle = torch.cat([pos[:, None] * freq[None, :]] * 2, dim=-1)
+    ref, _ = apply_rotary_pos_emb(x, x, angle.cos(), angle.sin(), unsqueeze_dim=0)
+    assert torch.allclose(rope(x, pos, freq), ref, atol=1e-5)
+    back = rope(rope(x.double(), pos, freq), pos, freq, inverse=True)
+    assert torch.allclose(back, x.double(), atol=1e-12)
+    r = rotation_matrices(pos, freq)
+    assert torch.allclose(torch.einsum("tij,bhtj->bhti", r, x.double()), rope(x.double(), pos, freq), atol=1e-12)
+
+
+def test_gaussian_lloyd_max_distortions():
+    known = [1.0, 0.3634, 0.1175, 0.03455, 0.009500, 0.002505, 0.000644]  # Max (1960) / Lloyd
+    for b, ref in enumerate(known):
+        assert distortion(b) == pytest.approx(ref, rel=2e-3)
+    assert all(distortion(b + 1) < distortion(b) for b in range(8))
+
+
+def test_allocation_sums_to_the_budget_and_follows_the_variances():
+    lam = torch.tensor([100.0, 30.0, 10.0, 1.0, 0.1, 0.01, 0.0, 5.0])
+    for budget in (0, 1, 7, 19, 40, 64):
+        bits = allocate_bits(lam, budget)
+        assert int(bits.sum()) == budget and int(bits.min()) >= 0 and int(bits.max()) <= 8
+    bits = allocate_bits(lam, 19)
+    order = lam.argsort(descending=True)
+    assert (bits[order].diff() <= 0).all()  # more variance, no fewer bits
+    assert int(bits[6]) == 0  # a zero-variance coefficient gets nothing
+    assert int(allocate_bits(lam, 1000).sum()) == 8 * len(lam)  # capped at 8 bits each
+
+
+def test_key_bytes():
+    fmt = KVFormat(key_mode="mse", key_bits=3, value_mode="mse", value_bits=3)
+    assert KLTKeys(52).code_bits(128) == 416 and KLTKeys(52).key_bytes_per_token(128) == 52
+    assert KLTKeys(52).key_bytes_per_token(64) == 26  # code bits in proportion, as split keys count them
+    assert KLTKeys(52, token_norm=True).code_bits(128) == 400
+    assert KLTKeys(52, token_norm=True).key_bytes_per_token(64) == 25 + 2
+    plan = KLTPlan(KLTKeys(52), [], THETA)
+    assert plan.format_bytes_per_token(0, fmt, 128) == 102  # + 3-bit mse values, 48 B codes + 2 B norm
+    raw = {"keys": {"mode": "mse", "bits": 3}, "values": {"mode": "mse", "bits": 3}, "buffer": {"recent_tokens": 256}}
+    row = Variant("klt", "", config_from_dict(raw, name="klt"), klt_keys=plan)
+    assert row.bytes_per_token(30, 128) == 102.0
+    with pytest.raises(FormatError):
+        KLTKeys(52, weight="diag")
+
+
+def _capture(h=2, g=3, d=64, t=300, seed=0) -> LayerCapture:
+    """Post-RoPE q, k at positions 0..t-1 of correlated, anisotropic pre-RoPE keys with a mean."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(h, d, d, generator=gen) * torch.logspace(0, -2, d)[None, None, :]
+    k_pre = torch.einsum("hij,bhtj->bhti", mix, torch.randn(2, h, t, d, generator=gen)) + 0.5
+    q_pre = torch.randn(2, h * g, t, d, generator=gen) * torch.linspace(2, 0.2, d)
+    pos, freq = torch.arange(t), inv_freq(d, THETA)
+    return LayerCapture(q=rope(q_pre, pos, freq), k=rope(k_pre, pos, freq), v=torch.zeros(2, h, t, d), h=torch.zeros(1))
+
+
+@pytest.mark.parametrize("weight", ["pair", "delta", "none"])
+def test_coding_error_falls_with_bits(weight):
+    cap = _capture()
+    pos = torch.arange(cap.k.shape[2])
+    errors = []
+    for key_bytes in (16, 32, 52, 80):
+        spec = KLTKeys(key_bytes, weight=weight)
+        layer = calibrate(spec, [cap], 64, THETA)[0]
+        assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
+        coded = KLTQuantizer(spec, layer, THETA)(cap.k, pos)
+        errors.append(float(((coded - cap.k) ** 2).mean()))
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+
+
+def test_klt_beats_its_own_budget_spread_evenly():
+    cap = _capture()
+    pos = torch.arange(cap.k.shape[2])
+    spec = KLTKeys(52, weight="none")
+    layer = calibrate(spec, [cap], 64, THETA)[0]
+    even = calibrate(spec, [cap], 64, THETA)[0]
+    even.bits = torch.full_like(even.bits, spec.code_bits(64) // 64)  # 3.25 -> 3 bits each: fewer bits, no choice
+    err = [float(((KLTQuantizer(spec, x, THETA)(cap.k, pos) - cap.k) ** 2).mean()) for x in (layer, even)]
+    assert err[0] < 0.5 * err[1]
+    assert float(layer.predicted_error().sum()) < float(even.predicted_error().sum())
+
+
+def test_pair_weight_is_the_distance_average_for_fast_pairs():
+    d = 64
+    freq = inv_freq(d, 1.0)  # theta 1: every pair turns fast
+    q = torch.randn(5000, d, generator=torch.Generator().manual_seed(2)) * torch.linspace(2, 0.2, d)
+    pair, delta = query_weight(q, "pair", freq), query_weight(q, "delta", freq, span=4096)
+    assert torch.allclose(pair, delta, atol=0.05 * float(pair.diagonal().mean()))
+
+
+def test_history_reads_klt_keys_for_compressed_positions_only():
+    fmt = KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", buffer_tokens=16, window="block")
+    cap = _capture(h=2, t=200)
+    b, h, d, n = 2, 2, 64, 45
+    spec = KLTKeys(40, token_norm=True)
+    quantizer = KLTQuantizer(spec, calibrate(spec, [cap], d, THETA)[0], THETA)
+    k, v = cap.k[:, :, : n + 1].contiguous(), torch.randn(b, h, n + 1, d, generator=torch.Generator().manual_seed(1))
+    center = torch.randn(h, d)
+    store = CompressedKVCache(fmt, h, d, b, dtype=torch.float32, seed=7)
+    hist = KLTKeyHistory(store, 0, quantizer, center)
+    kc = k - center[None, :, None, :]  # what a centered layer hands the history
+    for a, z in ((0, n), (n, n + 1)):  # a prefill, then one decode token
+        hist.note_exact(kc[:, :, a:z], v[:, :, a:z])
+        store.append(kc[:, :, a:z], v[:, :, a:z])
+    q = torch.randn(b, 3 * h, 1, d)
+    got = hist.attend(q, None, None, 0.2)
+    s = n + 1
+    old = s - int(exact_count(s, fmt.buffer_tokens, True))
+    coded = quantizer(k[:, :, :old], torch.arange(old)) - center[None, :, None, :]
+    keys = torch.cat([coded, kc[:, :, old:s]], dim=2)
+    values = torch.cat([v[:, :, :old].half().float(), v[:, :, old:s]], dim=2)  # fp16-mode values stored as fp16
+    ref = F.scaled_dot_product_attention(q, keys, values, scale=0.2, enable_gqa=True)
+    assert 0 < old < s
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
