@@ -10,7 +10,9 @@ thing, per layer and KV head:
    e^T W e with W = E_delta[R_delta^T E[q q^T] R_delta]. Averaged over relative positions whose angles spread, W is
    diagonal by rotary pair: w_c = w_{c+D/2} = E[q_c^2 + q_{c+D/2}^2] / 2 (``weight="pair"``); ``weight="delta"``
    averages numerically over distances 0..``DELTA_SPAN`` (slow pairs barely turn there, so their full block and
-   cross terms stay); ``weight="none"`` is plain PCA (the control).
+   cross terms stay); ``weight="none"`` is plain PCA (the control). ``pre_rope=False`` codes the post-RoPE key
+   instead (the control a kernel gets cheaply: one transform of the query, none per key), weighted by the full
+   E[q q^T] of post-RoPE queries (exact there: no distance to average over).
 3. **KLT.** Whiten the centered pre-RoPE keys by W^(1/2), take their PCA (eigenvectors U, variances lambda): the
    coefficients z = U^T W^(1/2) (k - m) are decorrelated and their squared error is the score error.
 4. **Bits.** Integer bits 0..``MAX_BITS`` per coefficient by greedy reverse water-filling on lambda (the marginal
@@ -44,6 +46,8 @@ from .split_keys import REFERENCE_DIM
 MAX_BITS = 8
 WEIGHTS = ("pair", "delta", "none")
 DELTA_SPAN = 4096  # relative distances the "delta" weight averages over (the evaluation's longest window)
+MIN_DISTANCE = 128  # a key counts the attention of queries this much later (they read it compressed)
+ATTENTION_FLOOR = 1.0  # attention-weighted statistics: each key's weight, floor + received / mean received
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class KLTKeys:
     key_bytes: int
     token_norm: bool = False
     weight: str = "pair"
+    pre_rope: bool = True
+    attention: bool = False
 
     def __post_init__(self) -> None:
         if self.weight not in WEIGHTS:
@@ -159,6 +165,8 @@ def query_weight(q_pre: torch.Tensor, weight: str, freq: torch.Tensor, span: int
     if weight == "none":
         return torch.eye(d, dtype=torch.float64)
     second = q_pre.double().T @ q_pre.double() / q_pre.shape[0]  # E[q q^T]
+    if weight == "full":
+        return second
     if weight == "pair":
         e = second.diagonal()
         pair = (e[: d // 2] + e[d // 2 :]) / 2
@@ -181,26 +189,46 @@ def _sqrt_and_inverse(w: torch.Tensor, ridge: float = 1e-6) -> tuple[torch.Tenso
     return (vec * val.sqrt()) @ vec.T, (vec * val.rsqrt()) @ vec.T
 
 
+def received_attention(cap: LayerCapture, min_distance: int = MIN_DISTANCE) -> torch.Tensor:
+    """Per key [B, H, T] the exact attention it receives, summed over its query heads and the queries at least
+    ``min_distance`` later (those that read it compressed)."""
+    q, k = cap.q.float(), cap.k.float()
+    g, t, d = q.shape[1] // k.shape[1], k.shape[2], k.shape[3]
+    pos = torch.arange(t)
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2) / d**0.5).masked_fill(pos[None, :] > pos[:, None], -math.inf)
+    far = pos[None, :] <= pos[:, None] - min_distance
+    got = (s.softmax(-1) * far).sum(-2)  # [B, Hq, T]
+    return got.reshape(got.shape[0], k.shape[1], g, t).sum(2).double()
+
+
 def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: float, skip: int = 1) -> list[KLTLayer]:
     """Per layer the KLT coder from a calibration capture (post-RoPE q, k at positions 0..T-1 of each row), the first
-    ``skip`` positions (an attention sink) left out."""
+    ``skip`` positions (an attention sink) left out; with ``spec.attention`` each key's statistics weighted by
+    ``ATTENTION_FLOOR`` + its received attention over the mean."""
     freq = inv_freq(head_dim, theta)
     budget = spec.code_bits(head_dim)
     out = []
     for cap in caps:
         t = cap.k.shape[2]
         pos = torch.arange(t)
-        k = rope(cap.k.double(), pos, freq, inverse=True)[:, :, skip:]  # [B, H, T', D]
-        q = rope(cap.q.double(), pos, freq, inverse=True)[:, :, skip:]
+        k, q = cap.k.double(), cap.q.double()
+        if spec.pre_rope:
+            k, q = rope(k, pos, freq, inverse=True), rope(q, pos, freq, inverse=True)
+        k, q = k[:, :, skip:], q[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
+        a = torch.ones(k.shape[:3], dtype=torch.float64)
+        if spec.attention:
+            got = received_attention(cap)[:, :, skip:]
+            a = ATTENTION_FLOOR + got / got.mean((0, 2), keepdim=True)
+        weight = "full" if not spec.pre_rope and spec.weight != "none" else spec.weight
         h, g = k.shape[1], q.shape[1] // k.shape[1]
         layer = {name: [] for name in ("mean", "encode", "decode", "sigma", "bits")}
         for i in range(h):
-            kk = k[:, i].reshape(-1, head_dim)
+            kk, ww = k[:, i].reshape(-1, head_dim), a[:, i].reshape(-1, 1) / a[:, i].sum()
             qq = q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim)
-            w_half, w_inv_half = _sqrt_and_inverse(query_weight(qq, spec.weight, freq))
-            m = kk.mean(0)
+            w_half, w_inv_half = _sqrt_and_inverse(query_weight(qq, weight, freq))
+            m = (ww * kk).sum(0)
             y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
-            lam, u = torch.linalg.eigh(y.T @ y / y.shape[0])
+            lam, u = torch.linalg.eigh(y.T @ (ww * y))
             lam, u = lam.flip(0).clamp_min(0), u.flip(1)  # descending
             layer["mean"].append(m)
             layer["encode"].append(u.T @ w_half)
@@ -247,7 +275,9 @@ class KLTQuantizer:
         lay = self.layer
         if k.shape[1] != lay.mean.shape[0] or k.shape[-1] != self.head_dim:
             raise ShapeError(f"keys: expected [B, {lay.mean.shape[0]}, T, {self.head_dim}], got {tuple(k.shape)}")
-        pre = rope(k.float(), positions, self.freq, inverse=True) - lay.mean[None, :, None, :]
+        if self.spec.pre_rope:
+            k = rope(k.float(), positions, self.freq, inverse=True)
+        pre = k.float() - lay.mean[None, :, None, :]
         z = torch.einsum("hij,bhtj->bhti", lay.encode, pre)
         scale = torch.ones(*z.shape[:-1], 1)
         if self.spec.token_norm:
@@ -255,7 +285,7 @@ class KLTQuantizer:
             scale = scale.clamp_min(1e-12)
         zq = quantize_coefficients(z / scale, lay.sigma, lay.bits) * scale
         back = torch.einsum("hij,bhtj->bhti", lay.decode, zq) + lay.mean[None, :, None, :]
-        return rope(back, positions, self.freq)
+        return rope(back, positions, self.freq) if self.spec.pre_rope else back
 
 
 class KLTKeyHistory(DecodedHistory):

@@ -21,6 +21,7 @@ from jetson_tq.eval.klt_keys import (
     distortion,
     inv_freq,
     query_weight,
+    received_attention,
     rope,
     rotation_matrices,
 )
@@ -87,13 +88,13 @@ def _capture(h=2, g=3, d=64, t=300, seed=0) -> LayerCapture:
     return LayerCapture(q=rope(q_pre, pos, freq), k=rope(k_pre, pos, freq), v=torch.zeros(2, h, t, d), h=torch.zeros(1))
 
 
-@pytest.mark.parametrize("weight", ["pair", "delta", "none"])
-def test_coding_error_falls_with_bits(weight):
+@pytest.mark.parametrize(("weight", "pre_rope"), [("pair", True), ("delta", True), ("none", True), ("pair", False)])
+def test_coding_error_falls_with_bits(weight, pre_rope):
     cap = _capture()
     pos = torch.arange(cap.k.shape[2])
     errors = []
     for key_bytes in (16, 32, 52, 80):
-        spec = KLTKeys(key_bytes, weight=weight)
+        spec = KLTKeys(key_bytes, weight=weight, pre_rope=pre_rope)
         layer = calibrate(spec, [cap], 64, THETA)[0]
         assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
         coded = KLTQuantizer(spec, layer, THETA)(cap.k, pos)
@@ -145,3 +146,21 @@ def test_history_reads_klt_keys_for_compressed_positions_only():
     ref = F.scaled_dot_product_attention(q, keys, values, scale=0.2, enable_gqa=True)
     assert 0 < old < s
     assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+def test_received_attention_counts_each_query_once():
+    cap = _capture(h=2, g=3, t=50)
+    got = received_attention(cap, min_distance=0)
+    assert got.shape == (2, 2, 50)
+    assert torch.allclose(got.sum(-1), torch.full((2, 2), 3.0 * 50, dtype=torch.float64), atol=1e-4)
+    far = received_attention(cap, min_distance=10)
+    assert (far[..., -10:] == 0).all() and (far <= got + 1e-6).all()  # the last keys have no query 10 later
+
+
+def test_attention_weighted_calibration_keeps_the_budget():
+    cap = _capture()
+    spec = KLTKeys(40, token_norm=True, attention=True)
+    layer = calibrate(spec, [cap], 64, THETA)[0]
+    assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
+    coded = KLTQuantizer(spec, layer, THETA)(cap.k, torch.arange(cap.k.shape[2]))
+    assert float(((coded - cap.k) ** 2).mean()) < 0.1 * float(cap.k.var())
