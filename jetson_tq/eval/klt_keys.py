@@ -10,9 +10,7 @@ thing, per layer and KV head:
    e^T W e with W = E_delta[R_delta^T E[q q^T] R_delta]. Averaged over relative positions whose angles spread, W is
    diagonal by rotary pair: w_c = w_{c+D/2} = E[q_c^2 + q_{c+D/2}^2] / 2 (``weight="pair"``); ``weight="delta"``
    averages numerically over distances 0..``DELTA_SPAN`` (slow pairs barely turn there, so their full block and
-   cross terms stay); ``weight="none"`` is plain PCA (the control). ``pre_rope=False`` codes the post-RoPE key
-   instead (the control a kernel gets cheaply: one transform of the query, none per key), weighted by the full
-   E[q q^T] of post-RoPE queries (exact there: no distance to average over).
+   cross terms stay).
 3. **KLT.** Whiten the centered pre-RoPE keys by W^(1/2), take their PCA (eigenvectors U, variances lambda): the
    coefficients z = U^T W^(1/2) (k - m) are decorrelated and their squared error is the score error.
 4. **Bits.** Integer bits 0..``MAX_BITS`` per coefficient by greedy reverse water-filling on lambda (the marginal
@@ -44,7 +42,7 @@ from .smartmix import LayerCapture
 from .split_keys import REFERENCE_DIM
 
 MAX_BITS = 8
-WEIGHTS = ("pair", "delta", "none")
+WEIGHTS = ("pair", "delta")
 DELTA_SPAN = 4096  # relative distances the "delta" weight averages over (the evaluation's longest window)
 MIN_DISTANCE = 128  # a key counts the attention of queries this much later (they read it compressed)
 ATTENTION_FLOOR = 1.0  # attention-weighted statistics: each key's weight, floor + received / mean received
@@ -57,7 +55,6 @@ class KLTKeys:
     key_bytes: int
     token_norm: bool = False
     weight: str = "pair"
-    pre_rope: bool = True
     attention: bool = False
 
     def __post_init__(self) -> None:
@@ -162,11 +159,7 @@ class KLTLayer:
 def query_weight(q_pre: torch.Tensor, weight: str, freq: torch.Tensor, span: int = DELTA_SPAN) -> torch.Tensor:
     """W [D, D] from pre-RoPE queries [N, D] of one KV head's group (``KLTKeys.weight``)."""
     d = q_pre.shape[-1]
-    if weight == "none":
-        return torch.eye(d, dtype=torch.float64)
     second = q_pre.double().T @ q_pre.double() / q_pre.shape[0]  # E[q q^T]
-    if weight == "full":
-        return second
     if weight == "pair":
         e = second.diagonal()
         pair = (e[: d // 2] + e[d // 2 :]) / 2
@@ -211,21 +204,18 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
     for cap in caps:
         t = cap.k.shape[2]
         pos = torch.arange(t)
-        k, q = cap.k.double(), cap.q.double()
-        if spec.pre_rope:
-            k, q = rope(k, pos, freq, inverse=True), rope(q, pos, freq, inverse=True)
-        k, q = k[:, :, skip:], q[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
+        k = rope(cap.k.double(), pos, freq, inverse=True)[:, :, skip:]
+        q = rope(cap.q.double(), pos, freq, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
         a = torch.ones(k.shape[:3], dtype=torch.float64)
         if spec.attention:
             got = received_attention(cap)[:, :, skip:]
             a = ATTENTION_FLOOR + got / got.mean((0, 2), keepdim=True)
-        weight = "full" if not spec.pre_rope and spec.weight != "none" else spec.weight
         h, g = k.shape[1], q.shape[1] // k.shape[1]
         layer = {name: [] for name in ("mean", "encode", "decode", "sigma", "bits")}
         for i in range(h):
             kk, ww = k[:, i].reshape(-1, head_dim), a[:, i].reshape(-1, 1) / a[:, i].sum()
             qq = q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim)
-            w_half, w_inv_half = _sqrt_and_inverse(query_weight(qq, weight, freq))
+            w_half, w_inv_half = _sqrt_and_inverse(query_weight(qq, spec.weight, freq))
             m = (ww * kk).sum(0)
             y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
             lam, u = torch.linalg.eigh(y.T @ (ww * y))
@@ -275,9 +265,7 @@ class KLTQuantizer:
         lay = self.layer
         if k.shape[1] != lay.mean.shape[0] or k.shape[-1] != self.head_dim:
             raise ShapeError(f"keys: expected [B, {lay.mean.shape[0]}, T, {self.head_dim}], got {tuple(k.shape)}")
-        if self.spec.pre_rope:
-            k = rope(k.float(), positions, self.freq, inverse=True)
-        pre = k.float() - lay.mean[None, :, None, :]
+        pre = rope(k.float(), positions, self.freq, inverse=True) - lay.mean[None, :, None, :]
         z = torch.einsum("hij,bhtj->bhti", lay.encode, pre)
         scale = torch.ones(*z.shape[:-1], 1)
         if self.spec.token_norm:
@@ -285,7 +273,7 @@ class KLTQuantizer:
             scale = scale.clamp_min(1e-12)
         zq = quantize_coefficients(z / scale, lay.sigma, lay.bits) * scale
         back = torch.einsum("hij,bhtj->bhti", lay.decode, zq) + lay.mean[None, :, None, :]
-        return rope(back, positions, self.freq) if self.spec.pre_rope else back
+        return rope(back, positions, self.freq)
 
 
 class KLTKeyHistory(DecodedHistory):

@@ -88,13 +88,13 @@ def _capture(h=2, g=3, d=64, t=300, seed=0) -> LayerCapture:
     return LayerCapture(q=rope(q_pre, pos, freq), k=rope(k_pre, pos, freq), v=torch.zeros(2, h, t, d), h=torch.zeros(1))
 
 
-@pytest.mark.parametrize(("weight", "pre_rope"), [("pair", True), ("delta", True), ("none", True), ("pair", False)])
-def test_coding_error_falls_with_bits(weight, pre_rope):
+@pytest.mark.parametrize("weight", ["pair", "delta"])
+def test_coding_error_falls_with_bits(weight):
     cap = _capture()
     pos = torch.arange(cap.k.shape[2])
     errors = []
     for key_bytes in (16, 32, 52, 80):
-        spec = KLTKeys(key_bytes, weight=weight, pre_rope=pre_rope)
+        spec = KLTKeys(key_bytes, weight=weight)
         layer = calibrate(spec, [cap], 64, THETA)[0]
         assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
         coded = KLTQuantizer(spec, layer, THETA)(cap.k, pos)
@@ -105,7 +105,7 @@ def test_coding_error_falls_with_bits(weight, pre_rope):
 def test_klt_beats_its_own_budget_spread_evenly():
     cap = _capture()
     pos = torch.arange(cap.k.shape[2])
-    spec = KLTKeys(52, weight="none")
+    spec = KLTKeys(52)
     layer = calibrate(spec, [cap], 64, THETA)[0]
     even = calibrate(spec, [cap], 64, THETA)[0]
     even.bits = torch.full_like(even.bits, spec.code_bits(64) // 64)  # 3.25 -> 3 bits each: fewer bits, no choice
