@@ -8,9 +8,8 @@ thing, per layer and KV head:
    codes, decodes and re-applies it (a kernel would score against the dequantized pre-RoPE key rotated at read).
 2. **Score weight.** A query at p scores a key at s by q^T R_{s-p} k (pre-RoPE q, k), so a key error e costs
    e^T W e with W = E_delta[R_delta^T E[q q^T] R_delta]. Averaged over relative positions whose angles spread, W is
-   diagonal by rotary pair: w_c = w_{c+D/2} = E[q_c^2 + q_{c+D/2}^2] / 2 (``weight="pair"``); ``weight="delta"``
-   averages numerically over distances 0..``DELTA_SPAN`` (slow pairs barely turn there, so their full block and
-   cross terms stay).
+   diagonal by rotary pair: w_c = w_{c+D/2} = E[q_c^2 + q_{c+D/2}^2] / 2 (``pair_weight``). (The numerical average
+   over distances 0..4,096, which keeps the slow pairs' full blocks, measured the same: removed.)
 3. **KLT.** Whiten the centered pre-RoPE keys by W^(1/2), take their PCA (eigenvectors U, variances lambda): the
    coefficients z = U^T W^(1/2) (k - m) are decorrelated and their squared error is the score error.
 4. **Bits.** Integer bits 0..``MAX_BITS`` per coefficient by greedy reverse water-filling on lambda (the marginal
@@ -18,6 +17,9 @@ thing, per layer and KV head:
    bits per head; each coefficient by the Gaussian Lloyd-Max codebook scaled by its calibrated sigma. With
    ``token_norm`` a per-token fp16 scale (the coefficients' norm over its expectation) divides them first and takes
    2 B of the budget.
+5. **Attention-weighted statistics** (``attention``): the mean, covariance (hence U, lambda, bits) and sigmas weight
+   each calibration key by ``ATTENTION_FLOOR`` + the attention it receives from queries that read it compressed, over
+   its mean. Without it the bulk-optimal transform gives the rare directions of the attended keys few bits.
 
 Bytes: ``KLTKeys.key_bytes`` is stated at ``REFERENCE_DIM`` = 128 (norm included); other head dims keep its code bits
 in proportion, as ``SplitKeys`` does. An evaluation format, read by the ``cpu-decoded`` history (``KLTKeyHistory``:
@@ -42,8 +44,6 @@ from .smartmix import LayerCapture
 from .split_keys import REFERENCE_DIM
 
 MAX_BITS = 8
-WEIGHTS = ("pair", "delta")
-DELTA_SPAN = 4096  # relative distances the "delta" weight averages over (the evaluation's longest window)
 MIN_DISTANCE = 128  # a key counts the attention of queries this much later (they read it compressed)
 ATTENTION_FLOOR = 1.0  # attention-weighted statistics: each key's weight, floor + received / mean received
 
@@ -54,12 +54,9 @@ class KLTKeys:
 
     key_bytes: int
     token_norm: bool = False
-    weight: str = "pair"
     attention: bool = False
 
     def __post_init__(self) -> None:
-        if self.weight not in WEIGHTS:
-            raise FormatError(f"weight: expected one of {WEIGHTS}, got {self.weight!r}")
         if self.code_bits(REFERENCE_DIM) <= 0:
             raise FormatError(f"key_bytes {self.key_bytes} leaves no code bits")
 
@@ -156,30 +153,14 @@ class KLTLayer:
         return (self.sigma**2 * table[self.bits]).sum(-1)
 
 
-def query_weight(q_pre: torch.Tensor, weight: str, freq: torch.Tensor, span: int = DELTA_SPAN) -> torch.Tensor:
-    """W [D, D] from pre-RoPE queries [N, D] of one KV head's group (``KLTKeys.weight``)."""
+def pair_weight(q_pre: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """The diagonal of W [D] from pre-RoPE queries [N, D] of one KV head's group: each rotary pair's mean query energy
+    per channel (floored at ``ridge`` x the mean, so W^(-1/2) exists)."""
     d = q_pre.shape[-1]
-    second = q_pre.double().T @ q_pre.double() / q_pre.shape[0]  # E[q q^T]
-    if weight == "pair":
-        e = second.diagonal()
-        pair = (e[: d // 2] + e[d // 2 :]) / 2
-        return torch.diag(torch.cat([pair, pair]))
-    r = rotation_matrices(torch.arange(0, span, 4), freq)  # [T, D, D]
-    return (r.transpose(1, 2) @ second @ r).mean(0)
-
-
-def rotation_matrices(positions: torch.Tensor, freq: torch.Tensor) -> torch.Tensor:
-    """R_p [T, D, D] float64 with ``rope(x, p) = R_p x`` for a single position p."""
-    angle = positions.to(torch.float64)[:, None] * freq.to(torch.float64)[None, :]
-    cos, sin = torch.diag_embed(angle.cos()), torch.diag_embed(angle.sin())
-    return torch.cat([torch.cat([cos, -sin], -1), torch.cat([sin, cos], -1)], -2)
-
-
-def _sqrt_and_inverse(w: torch.Tensor, ridge: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """W^(1/2) and W^(-1/2) of a symmetric PSD W (eigenvalues floored at ``ridge`` x their mean)."""
-    val, vec = torch.linalg.eigh(w)
-    val = val.clamp_min(ridge * float(val.mean()))
-    return (vec * val.sqrt()) @ vec.T, (vec * val.rsqrt()) @ vec.T
+    e = (q_pre.double() ** 2).mean(0)
+    pair = (e[: d // 2] + e[d // 2 :]) / 2
+    w = torch.cat([pair, pair])
+    return w.clamp_min(ridge * float(w.mean()))
 
 
 def received_attention(cap: LayerCapture, min_distance: int = MIN_DISTANCE) -> torch.Tensor:
@@ -215,7 +196,8 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
         for i in range(h):
             kk, ww = k[:, i].reshape(-1, head_dim), a[:, i].reshape(-1, 1) / a[:, i].sum()
             qq = q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim)
-            w_half, w_inv_half = _sqrt_and_inverse(query_weight(qq, spec.weight, freq))
+            w = pair_weight(qq)
+            w_half, w_inv_half = torch.diag(w.sqrt()), torch.diag(w.rsqrt())
             m = (ww * kk).sum(0)
             y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
             lam, u = torch.linalg.eigh(y.T @ (ww * y))
