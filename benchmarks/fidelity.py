@@ -198,9 +198,10 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact,
 #: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``jetson_tq/eval/klt_keys.py``: pre-RoPE,
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
-#: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives.
+#: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
+#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
 )
 
@@ -215,7 +216,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     if m["xk"] and not m["xn"]:
         return None  # _xk names the split's pair score: no split, no score
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
-    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"])) if m["ln"] else None
+    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"])) if m["ln"] else None
     # split / KLT rows: the store's own key code is unread
     key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
@@ -233,6 +234,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             f"KLT keys: {klt.key_bytes} B at D=128, pre-RoPE"
             + (", per-token scale" if klt.token_norm else ", fixed scale")
             + (", attention-weighted statistics" if klt.attention else "")
+            + (", calibrated codebooks" if klt.lloyd else "")
         )
     return F.Variant(
         name,

@@ -20,6 +20,8 @@ thing, per layer and KV head:
 5. **Attention-weighted statistics** (``attention``): the mean, covariance (hence U, lambda, bits) and sigmas weight
    each calibration key by ``ATTENTION_FLOOR`` + the attention it receives from queries that read it compressed, over
    its mean. Without it the bulk-optimal transform gives the rare directions of the attended keys few bits.
+6. **Calibrated codebooks** (``lloyd``): each coefficient's levels by a weighted 1-D Lloyd-Max on its calibration
+   values (started from the Gaussian codebook), for coefficients that are not Gaussian.
 
 Bytes: ``KLTKeys.key_bytes`` is stated at ``REFERENCE_DIM`` = 128 (norm included); other head dims keep its code bits
 in proportion, as ``SplitKeys`` does. An evaluation format, read by the ``cpu-decoded`` history (``KLTKeyHistory``:
@@ -55,6 +57,7 @@ class KLTKeys:
     key_bytes: int
     token_norm: bool = False
     attention: bool = False
+    lloyd: bool = False
 
     def __post_init__(self) -> None:
         if self.code_bits(REFERENCE_DIM) <= 0:
@@ -139,15 +142,17 @@ def allocate_bits(variances: torch.Tensor, budget: int, max_bits: int = MAX_BITS
 @dataclass
 class KLTLayer:
     """One layer's coder per KV head: mean m [H, D] (pre-RoPE), encode A = U^T W^(1/2) [H, D, D], decode
-    B = W^(-1/2) U [H, D, D], coefficient sigmas [H, D] and bits [H, D]."""
+    B = W^(-1/2) U [H, D, D], coefficient sigmas [H, D], bits [H, D] and, with calibrated codebooks, each
+    coefficient's levels [H, D, 2^MAX_BITS] (the first 2^bits used)."""
 
     mean: torch.Tensor
     encode: torch.Tensor
     decode: torch.Tensor
     sigma: torch.Tensor
     bits: torch.Tensor
+    levels: torch.Tensor | None = None
 
-    def predicted_error(self, token_norm: bool = False) -> torch.Tensor:
+    def predicted_error(self) -> torch.Tensor:
         """Score-error variance per head [H]: sum_i lambda_i D(b_i) (Gaussian coefficients, fixed scale)."""
         table = torch.tensor([distortion(b) for b in range(MAX_BITS + 1)])
         return (self.sigma**2 * table[self.bits]).sum(-1)
@@ -192,7 +197,7 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
             got = received_attention(cap)[:, :, skip:]
             a = ATTENTION_FLOOR + got / got.mean((0, 2), keepdim=True)
         h, g = k.shape[1], q.shape[1] // k.shape[1]
-        layer = {name: [] for name in ("mean", "encode", "decode", "sigma", "bits")}
+        layer = {name: [] for name in ("mean", "encode", "decode", "sigma", "bits", "levels")}
         for i in range(h):
             kk, ww = k[:, i].reshape(-1, head_dim), a[:, i].reshape(-1, 1) / a[:, i].sum()
             qq = q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim)
@@ -207,12 +212,38 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
             layer["decode"].append(w_inv_half @ u)
             layer["sigma"].append(lam.sqrt())
             layer["bits"].append(allocate_bits(lam, budget))
+            if spec.lloyd:
+                layer["levels"].append(lloyd_levels(y @ u, ww[:, 0], lam.sqrt(), layer["bits"][-1]))
         out.append(
             KLTLayer(
                 *(torch.stack(layer[n]).float() for n in ("mean", "encode", "decode", "sigma")),
                 torch.stack(layer["bits"]),
+                torch.stack(layer["levels"]).float() if spec.lloyd else None,
             )
         )
+    return out
+
+
+def lloyd_levels(
+    z: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: int = 30
+) -> torch.Tensor:
+    """Per coefficient the levels [D, 2^MAX_BITS] of a weighted 1-D Lloyd-Max on calibration coefficients z [N, D]
+    (``weight`` [N]), started from the Gaussian codebook at its sigma; unused slots repeat the last level."""
+    out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64)
+    for b in range(1, MAX_BITS + 1):
+        cols = torch.nonzero(bits == b).squeeze(1)
+        if not len(cols):
+            continue
+        x = z[:, cols].T.contiguous()  # [n, N]
+        c = gaussian_codebook(b)[0].double()[None, :] * sigma[cols, None]  # [n, 2^b]
+        w = weight[None, :].expand_as(x)
+        for _ in range(steps):
+            idx = torch.searchsorted(((c[:, 1:] + c[:, :-1]) / 2).contiguous(), x)
+            num = torch.zeros_like(c).scatter_add_(1, idx, w * x)
+            den = torch.zeros_like(c).scatter_add_(1, idx, w)
+            c = torch.where(den > 0, num / den.clamp_min(1e-300), c)
+        out[cols, : 1 << b] = c
+        out[cols, 1 << b :] = c[:, -1:]
     return out
 
 
@@ -231,6 +262,21 @@ def quantize_coefficients(z: torch.Tensor, sigma: torch.Tensor, bits: torch.Tens
         coded = c[torch.bucketize(x.contiguous(), edges)] * sigma[:, None, :]
         out = torch.where(mask[:, None, :], coded, out)
     return out
+
+
+def quantize_to_levels(z: torch.Tensor, levels: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """z^ [B, H, T, D]: each coefficient by its own levels [H, D, 2^MAX_BITS] (the first 2^bits; 0 bits: zero)."""
+    b_, h, t, d = z.shape
+    x = z.permute(1, 3, 0, 2).reshape(h, d, b_ * t).contiguous()  # [H, D, N]
+    out = torch.zeros_like(x)
+    for b in range(1, MAX_BITS + 1):
+        mask = bits == b
+        if not bool(mask.any()):
+            continue
+        lv = levels[:, :, : 1 << b]
+        coded = lv.gather(2, torch.searchsorted(((lv[..., 1:] + lv[..., :-1]) / 2).contiguous(), x))
+        out = torch.where(mask[:, :, None], coded, out)
+    return out.reshape(h, d, b_, t).permute(2, 0, 3, 1)
 
 
 class KLTQuantizer:
@@ -253,7 +299,10 @@ class KLTQuantizer:
         if self.spec.token_norm:
             scale = (z.norm(dim=-1, keepdim=True) / self.expected_norm[None, :, None, None]).to(self.norm_dtype).float()
             scale = scale.clamp_min(1e-12)
-        zq = quantize_coefficients(z / scale, lay.sigma, lay.bits) * scale
+        if lay.levels is None:
+            zq = quantize_coefficients(z / scale, lay.sigma, lay.bits) * scale
+        else:
+            zq = quantize_to_levels(z / scale, lay.levels, lay.bits) * scale
         back = torch.einsum("hij,bhtj->bhti", lay.decode, zq) + lay.mean[None, :, None, :]
         return rope(back, positions, self.freq)
 

@@ -20,7 +20,10 @@ from jetson_tq.eval.klt_keys import (
     calibrate,
     distortion,
     inv_freq,
+    lloyd_levels,
     pair_weight,
+    quantize_coefficients,
+    quantize_to_levels,
     received_attention,
     rope,
 )
@@ -160,3 +163,20 @@ def test_attention_weighted_calibration_keeps_the_budget():
     assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
     coded = KLTQuantizer(spec, layer, THETA)(cap.k, torch.arange(cap.k.shape[2]))
     assert float(((coded - cap.k) ** 2).mean()) < 0.1 * float(cap.k.var())
+
+
+def test_levels_path_matches_the_gaussian_path_and_lloyd_fits_the_data():
+    torch.manual_seed(3)
+    z = torch.distributions.Laplace(0.0, 1.0).sample((4000, 6)).double() * torch.tensor([3.0, 2, 1, 1, 0.5, 0.2])
+    bits = torch.tensor([4, 3, 3, 2, 1, 0])
+    sigma = z.std(0)
+    gauss = lloyd_levels(z, torch.ones(4000, dtype=torch.float64), sigma, bits, steps=0)
+    fitted = lloyd_levels(z, torch.ones(4000, dtype=torch.float64), sigma, bits)
+    x = z.float().T[None, None].permute(0, 1, 3, 2)  # [1, 1, N, D]: one head
+    a = quantize_coefficients(x, sigma.float()[None], bits[None])
+    b = quantize_to_levels(x, gauss.float()[None], bits[None])
+    assert torch.allclose(a, b, atol=1e-5)
+    c = quantize_to_levels(x, fitted.float()[None], bits[None])
+    err_g, err_f = ((a - x) ** 2).sum((0, 1, 2)), ((c - x) ** 2).sum((0, 1, 2))
+    assert (err_f[:5] < err_g[:5]).all()  # heavier tails than the Gaussian: the fitted levels do better
+    assert torch.allclose(err_f[5], err_g[5])  # 0 bits: zero either way
