@@ -213,7 +213,10 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
             layer["sigma"].append(lam.sqrt())
             layer["bits"].append(allocate_bits(lam, budget))
             if spec.lloyd:
-                layer["levels"].append(lloyd_levels(y @ u, ww[:, 0], lam.sqrt(), layer["bits"][-1]))
+                z = y @ u
+                if spec.token_norm:  # fit what the coder quantizes: coefficients over their token's scale
+                    z = z / (z.norm(dim=-1, keepdim=True) / lam.sum().sqrt()).clamp_min(1e-12)
+                layer["levels"].append(lloyd_levels(z, ww[:, 0], lam.sqrt(), layer["bits"][-1]))
         out.append(
             KLTLayer(
                 *(torch.stack(layer[n]).float() for n in ("mean", "encode", "decode", "sigma")),
