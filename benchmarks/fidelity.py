@@ -32,6 +32,8 @@ import torch
 
 from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
 from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.klt_keys import KLTKeys, KLTPlan, rope_theta
+from jetson_tq.eval.klt_keys import calibrate as calibrate_klt
 from jetson_tq.eval.simulated_caches import SimulatedFormat
 from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
 from jetson_tq.eval.split_keys import (
@@ -194,9 +196,12 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: rotation and norm; ``kxa<N>``: N on average, each head's count from the output-error model; ``_xk`` ranks by
 #: E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own
 #: block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact,
-#: ``_seed<N>`` rotation seed N (default 0).
+#: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``jetson_tq/eval/klt_keys.py``: pre-RoPE,
+#: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
+#: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
+#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8]))v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
 )
 
@@ -211,7 +216,9 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     if m["xk"] and not m["xn"]:
         return None  # _xk names the split's pair score: no split, no score
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
-    key_bits = int(m["k"]) if split is None else split.lo_bits  # split rows: the store's own key code is unread
+    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"])) if m["ln"] else None
+    # split / KLT rows: the store's own key code is unread
+    key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
     plan = None if split is None else split_plan(split, m, buffer, sinks)
     cfg = _tq(name, ("mse", key_bits), values, buffer, seed=int(m["seed"] or 0), window=window)
@@ -222,6 +229,13 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             f" at {split.hi_bits} bits, the rest at {split.lo_bits}"
             + (" (mean; per-head counts from the output-error model)" if m["xa"] else "")
         )
+    if klt is not None:
+        notes.append(
+            f"KLT keys: {klt.key_bytes} B at D=128, pre-RoPE"
+            + (", per-token scale" if klt.token_norm else ", fixed scale")
+            + (", attention-weighted statistics" if klt.attention else "")
+            + (", calibrated codebooks" if klt.lloyd else "")
+        )
     return F.Variant(
         name,
         "levers",
@@ -231,7 +245,15 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         centers=CENTERS if m["c"] else None,
         sink_tokens=sinks,
         split_keys=plan,
+        klt_keys=None if klt is None else klt_plan(klt),
     )
+
+
+def klt_plan(spec: KLTKeys) -> KLTPlan:
+    """A KLT-key row's coders from the calibration capture (``CALIBRATION``, filled by main())."""
+    if not CALIBRATION:
+        raise SystemExit("KLT-key rows need the calibration capture (main() computes it)")
+    return KLTPlan(spec, calibrate_klt(spec, CALIBRATION, HEAD_DIM, ROPE_THETA), ROPE_THETA)
 
 
 def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKeyPlan:
@@ -250,6 +272,7 @@ def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKe
 CENTERS: list = []  # filled by main() from --centers before rows are built
 CALIBRATION: list = []  # per-layer capture of the calibration text, filled by main() for split rows
 HEAD_DIM = 64  # the model's head dim, set by main()
+ROPE_THETA = 1e5  # the model's RoPE theta, set by main()
 
 
 QUICK_ROWS = ("blog_k3v2", "mse_k3v2", "int2_kivi")
@@ -574,9 +597,9 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok = load_smollm2()
     n_layers, head_dim = F.model_shape(model)
     CENTERS[:] = load_centers(Path(args.centers), model, tok)
-    global HEAD_DIM
-    HEAD_DIM = head_dim
-    if any((m := SPEC_ROW.match(n)) and m["xn"] for n in args.rows.split(",")):
+    global HEAD_DIM, ROPE_THETA
+    HEAD_DIM, ROPE_THETA = head_dim, rope_theta(model.config)
+    if any((m := SPEC_ROW.match(n)) and (m["xn"] or m["ln"]) for n in args.rows.split(",")):
         CALIBRATION[:] = calibration_capture(model, tok)
     variants = all_rows(args.backend)
     extra = [

@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer
 from ..config import TurboQuantConfig
 from ..format import fp16_bytes_per_token
 from ..integrations.transformers import TurboQuantCache, enable_turboquant, model_dims
+from .klt_keys import KLTKeyCache, KLTPlan
 from .simulated_caches import SimulatedFormat, SimulatedQuantCache
 from .split_keys import SplitKeyCache, SplitKeyPlan
 
@@ -53,6 +54,7 @@ class Variant:
     centers: list | None = None  # per-layer (key, value) offsets [H, D] of a centered cache (TurboQuantCache)
     sink_tokens: int = 0  # first positions read exactly (cpu-decoded backend)
     split_keys: SplitKeyPlan | None = None  # keys coded in two channel sets (cpu-decoded backend, split_keys.py)
+    klt_keys: KLTPlan | None = None  # keys transform-coded pre-RoPE (cpu-decoded backend, klt_keys.py)
 
     def make_cache(self, model):
         """A fresh cache of this variant for ``model`` (a DynamicCache for the reference)."""
@@ -62,6 +64,8 @@ class Variant:
             return SimulatedQuantCache(self.spec, model.config.num_hidden_layers)
         if self.split_keys is not None:
             return SplitKeyCache(model, self.spec, self.split_keys, centers=self.centers, sink_tokens=self.sink_tokens)
+        if self.klt_keys is not None:
+            return KLTKeyCache(model, self.spec, self.klt_keys, centers=self.centers, sink_tokens=self.sink_tokens)
         return TurboQuantCache(
             model, self.spec, backend=self.backend, centers=self.centers, sink_tokens=self.sink_tokens
         )
@@ -73,8 +77,8 @@ class Variant:
         if isinstance(self.spec, SimulatedFormat):
             return [self.spec.layer_bytes_per_token(i, num_layers, head_dim) for i in range(num_layers)]
         formats = [self.spec.format_for_layer(i, num_layers) for i in range(num_layers)]
-        if self.split_keys is not None:
-            split = self.split_keys
+        split = self.split_keys or self.klt_keys
+        if split is not None:
             return [
                 float(f.bytes_per_token(head_dim) if f.is_passthrough else split.format_bytes_per_token(i, f, head_dim))
                 for i, f in enumerate(formats)

@@ -1,0 +1,182 @@
+"""KLT keys (benchmarks/NOTES.md "Quality at 5x"): RoPE round trip, bit allocation, coding error, bytes, history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from jetson_tq.cache.compressed import CompressedKVCache
+from jetson_tq.config import config_from_dict
+from jetson_tq.errors import FormatError
+from jetson_tq.eval.fidelity import Variant
+from jetson_tq.eval.klt_keys import (
+    KLTKeyHistory,
+    KLTKeys,
+    KLTPlan,
+    KLTQuantizer,
+    allocate_bits,
+    calibrate,
+    distortion,
+    inv_freq,
+    lloyd_levels,
+    pair_weight,
+    quantize_coefficients,
+    quantize_to_levels,
+    received_attention,
+    rope,
+)
+from jetson_tq.eval.smartmix import LayerCapture
+from jetson_tq.format import KVFormat, exact_count
+
+THETA = 1e5
+
+
+def test_rope_matches_transformers_and_round_trips():
+    d, pos = 64, torch.arange(3, 40)
+    freq = inv_freq(d, THETA)
+    x = torch.randn(2, 3, len(pos), d, generator=torch.Generator().manual_seed(0))
+    angle = torch.cat([pos[:, None] * freq[None, :]] * 2, dim=-1)
+    ref, _ = apply_rotary_pos_emb(x, x, angle.cos(), angle.sin(), unsqueeze_dim=0)
+    assert torch.allclose(rope(x, pos, freq), ref, atol=1e-5)
+    back = rope(rope(x.double(), pos, freq), pos, freq, inverse=True)
+    assert torch.allclose(back, x.double(), atol=1e-12)
+
+
+def test_gaussian_lloyd_max_distortions():
+    known = [1.0, 0.3634, 0.1175, 0.03455, 0.009500, 0.002505, 0.000644]  # Max (1960) / Lloyd
+    for b, ref in enumerate(known):
+        assert distortion(b) == pytest.approx(ref, rel=2e-3)
+    assert all(distortion(b + 1) < distortion(b) for b in range(8))
+
+
+def test_allocation_sums_to_the_budget_and_follows_the_variances():
+    lam = torch.tensor([100.0, 30.0, 10.0, 1.0, 0.1, 0.01, 0.0, 5.0])
+    for budget in (0, 1, 7, 19, 40, 64):
+        bits = allocate_bits(lam, budget)
+        assert int(bits.sum()) == budget and int(bits.min()) >= 0 and int(bits.max()) <= 8
+    bits = allocate_bits(lam, 19)
+    order = lam.argsort(descending=True)
+    assert (bits[order].diff() <= 0).all()  # more variance, no fewer bits
+    assert int(bits[6]) == 0  # a zero-variance coefficient gets nothing
+    assert int(allocate_bits(lam, 1000).sum()) == 8 * len(lam)  # capped at 8 bits each
+
+
+def test_key_bytes():
+    fmt = KVFormat(key_mode="mse", key_bits=3, value_mode="mse", value_bits=3)
+    assert KLTKeys(52).code_bits(128) == 416 and KLTKeys(52).key_bytes_per_token(128) == 52
+    assert KLTKeys(52).key_bytes_per_token(64) == 26  # code bits in proportion, as split keys count them
+    assert KLTKeys(52, token_norm=True).code_bits(128) == 400
+    assert KLTKeys(52, token_norm=True).key_bytes_per_token(64) == 25 + 2
+    plan = KLTPlan(KLTKeys(52), [], THETA)
+    assert plan.format_bytes_per_token(0, fmt, 128) == 102  # + 3-bit mse values, 48 B codes + 2 B norm
+    raw = {"keys": {"mode": "mse", "bits": 3}, "values": {"mode": "mse", "bits": 3}, "buffer": {"recent_tokens": 256}}
+    row = Variant("klt", "", config_from_dict(raw, name="klt"), klt_keys=plan)
+    assert row.bytes_per_token(30, 128) == 102.0
+    with pytest.raises(FormatError):
+        KLTKeys(1, token_norm=True)  # the scale takes every byte
+
+
+def _capture(h=2, g=3, d=64, t=300, seed=0) -> LayerCapture:
+    """Post-RoPE q, k at positions 0..t-1 of correlated, anisotropic pre-RoPE keys with a mean."""
+    gen = torch.Generator().manual_seed(seed)
+    mix = torch.randn(h, d, d, generator=gen) * torch.logspace(0, -2, d)[None, None, :]
+    k_pre = torch.einsum("hij,bhtj->bhti", mix, torch.randn(2, h, t, d, generator=gen)) + 0.5
+    q_pre = torch.randn(2, h * g, t, d, generator=gen) * torch.linspace(2, 0.2, d)
+    pos, freq = torch.arange(t), inv_freq(d, THETA)
+    return LayerCapture(q=rope(q_pre, pos, freq), k=rope(k_pre, pos, freq), v=torch.zeros(2, h, t, d), h=torch.zeros(1))
+
+
+@pytest.mark.parametrize("attention", [False, True])
+def test_coding_error_falls_with_bits(attention):
+    cap = _capture()
+    pos = torch.arange(cap.k.shape[2])
+    errors = []
+    for key_bytes in (16, 32, 52, 80):
+        spec = KLTKeys(key_bytes, attention=attention)
+        layer = calibrate(spec, [cap], 64, THETA)[0]
+        assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
+        coded = KLTQuantizer(spec, layer, THETA)(cap.k, pos)
+        errors.append(float(((coded - cap.k) ** 2).mean()))
+    assert all(b < a for a, b in zip(errors, errors[1:])), errors
+
+
+def test_klt_beats_its_own_budget_spread_evenly():
+    cap = _capture()
+    pos = torch.arange(cap.k.shape[2])
+    spec = KLTKeys(52)
+    layer = calibrate(spec, [cap], 64, THETA)[0]
+    even = calibrate(spec, [cap], 64, THETA)[0]
+    even.bits = torch.full_like(even.bits, spec.code_bits(64) // 64)  # 3.25 -> 3 bits each: fewer bits, no choice
+    err = [float(((KLTQuantizer(spec, x, THETA)(cap.k, pos) - cap.k) ** 2).mean()) for x in (layer, even)]
+    assert err[0] < 0.5 * err[1]
+    assert float(layer.predicted_error().sum()) < float(even.predicted_error().sum())
+
+
+def test_pair_weight_is_per_rotary_pair():
+    q = torch.randn(5000, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(2, 0.2, 64)
+    w = pair_weight(q)
+    e = (q.double() ** 2).mean(0)
+    assert torch.allclose(w[:32], (e[:32] + e[32:]) / 2) and torch.equal(w[:32], w[32:])
+
+
+def test_history_reads_klt_keys_for_compressed_positions_only():
+    fmt = KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", buffer_tokens=16, window="block")
+    cap = _capture(h=2, t=200)
+    b, h, d, n = 2, 2, 64, 45
+    spec = KLTKeys(40, token_norm=True)
+    quantizer = KLTQuantizer(spec, calibrate(spec, [cap], d, THETA)[0], THETA)
+    k, v = cap.k[:, :, : n + 1].contiguous(), torch.randn(b, h, n + 1, d, generator=torch.Generator().manual_seed(1))
+    center = torch.randn(h, d)
+    store = CompressedKVCache(fmt, h, d, b, dtype=torch.float32, seed=7)
+    hist = KLTKeyHistory(store, 0, quantizer, center)
+    kc = k - center[None, :, None, :]  # what a centered layer hands the history
+    for a, z in ((0, n), (n, n + 1)):  # a prefill, then one decode token
+        hist.note_exact(kc[:, :, a:z], v[:, :, a:z])
+        store.append(kc[:, :, a:z], v[:, :, a:z])
+    q = torch.randn(b, 3 * h, 1, d)
+    got = hist.attend(q, None, None, 0.2)
+    s = n + 1
+    old = s - int(exact_count(s, fmt.buffer_tokens, True))
+    coded = quantizer(k[:, :, :old], torch.arange(old)) - center[None, :, None, :]
+    keys = torch.cat([coded, kc[:, :, old:s]], dim=2)
+    values = torch.cat([v[:, :, :old].half().float(), v[:, :, old:s]], dim=2)  # fp16-mode values stored as fp16
+    ref = F.scaled_dot_product_attention(q, keys, values, scale=0.2, enable_gqa=True)
+    assert 0 < old < s
+    assert torch.allclose(got, ref, atol=2e-5), (got - ref).abs().max()
+
+
+def test_received_attention_counts_each_query_once():
+    cap = _capture(h=2, g=3, t=50)
+    got = received_attention(cap, min_distance=0)
+    assert got.shape == (2, 2, 50)
+    assert torch.allclose(got.sum(-1), torch.full((2, 2), 3.0 * 50, dtype=torch.float64), atol=1e-4)
+    far = received_attention(cap, min_distance=10)
+    assert (far[..., -10:] == 0).all() and (far <= got + 1e-6).all()  # the last keys have no query 10 later
+
+
+def test_attention_weighted_calibration_keeps_the_budget():
+    cap = _capture()
+    spec = KLTKeys(40, token_norm=True, attention=True)
+    layer = calibrate(spec, [cap], 64, THETA)[0]
+    assert (layer.bits.sum(-1) == spec.code_bits(64)).all()
+    coded = KLTQuantizer(spec, layer, THETA)(cap.k, torch.arange(cap.k.shape[2]))
+    assert float(((coded - cap.k) ** 2).mean()) < 0.1 * float(cap.k.var())
+
+
+def test_levels_path_matches_the_gaussian_path_and_lloyd_fits_the_data():
+    torch.manual_seed(3)
+    z = torch.distributions.Laplace(0.0, 1.0).sample((4000, 6)).double() * torch.tensor([3.0, 2, 1, 1, 0.5, 0.2])
+    bits = torch.tensor([4, 3, 3, 2, 1, 0])
+    sigma = z.std(0)
+    gauss = lloyd_levels(z, torch.ones(4000, dtype=torch.float64), sigma, bits, steps=0)
+    fitted = lloyd_levels(z, torch.ones(4000, dtype=torch.float64), sigma, bits)
+    x = z.float().T[None, None].permute(0, 1, 3, 2)  # [1, 1, N, D]: one head
+    a = quantize_coefficients(x, sigma.float()[None], bits[None])
+    b = quantize_to_levels(x, gauss.float()[None], bits[None])
+    assert torch.allclose(a, b, atol=1e-5)
+    c = quantize_to_levels(x, fitted.float()[None], bits[None])
+    err_g, err_f = ((a - x) ** 2).sum((0, 1, 2)), ((c - x) ** 2).sum((0, 1, 2))
+    assert (err_f[:5] < err_g[:5]).all()  # heavier tails than the Gaussian: the fitted levels do better
+    assert torch.allclose(err_f[5], err_g[5])  # 0 bits: zero either way
