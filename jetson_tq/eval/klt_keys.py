@@ -197,7 +197,7 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
             got = received_attention(cap)[:, :, skip:]
             a = ATTENTION_FLOOR + got / got.mean((0, 2), keepdim=True)
         h, g = k.shape[1], q.shape[1] // k.shape[1]
-        layer = {name: [] for name in ("mean", "encode", "decode", "sigma", "bits", "levels")}
+        layer: dict[str, list[torch.Tensor]] = {n: [] for n in ("mean", "encode", "decode", "sigma", "bits", "levels")}
         for i in range(h):
             kk, ww = k[:, i].reshape(-1, head_dim), a[:, i].reshape(-1, 1) / a[:, i].sum()
             qq = q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim)
@@ -219,9 +219,12 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
                 layer["levels"].append(lloyd_levels(z, ww[:, 0], lam.sqrt(), layer["bits"][-1]))
         out.append(
             KLTLayer(
-                *(torch.stack(layer[n]).float() for n in ("mean", "encode", "decode", "sigma")),
-                torch.stack(layer["bits"]),
-                torch.stack(layer["levels"]).float() if spec.lloyd else None,
+                mean=torch.stack(layer["mean"]).float(),
+                encode=torch.stack(layer["encode"]).float(),
+                decode=torch.stack(layer["decode"]).float(),
+                sigma=torch.stack(layer["sigma"]).float(),
+                bits=torch.stack(layer["bits"]),
+                levels=torch.stack(layer["levels"]).float() if spec.lloyd else None,
             )
         )
     return out
