@@ -19,6 +19,8 @@ the fidelity harness; ``tests/eval/test_decoded_history.py`` checks it against t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +30,7 @@ from ..codec.packing import unpack_bits
 from ..codec.prod import TurboQuantProd
 from ..errors import ShapeError
 from ..format import exact_count, exact_start
-from ..integrations.transformers import register_history_backend
+from ..integrations.transformers import TurboQuantLayer, register_history_backend
 
 
 class DecodedHistory:
@@ -172,3 +174,19 @@ class DecodedHistory:
 
 
 register_history_backend("cpu-decoded", DecodedHistory)
+
+
+class CodedKeyLayer(TurboQuantLayer):
+    """A ``cpu-decoded`` TurboQuant layer whose compressed keys another key coder reads: its history comes from
+    ``history(store, sink_tokens, center)`` (the layer's key center or None) instead of ``DecodedHistory``."""
+
+    def __init__(
+        self, base: TurboQuantLayer, history: Callable[[CompressedKVCache, int, torch.Tensor | None], DecodedHistory]
+    ) -> None:
+        super().__init__(base.fmt, base.layer_idx, base.seed, base.backend, base.center, base.sink_tokens)
+        self.history = history
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        assert self.store is not None  # the base built it
+        self.decoded = self.history(self.store, self.sink_tokens, None if self.center is None else self.center[0])

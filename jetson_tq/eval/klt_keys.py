@@ -33,15 +33,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 
 from ..cache.compressed import CompressedKVCache
 from ..errors import FormatError, ShapeError
 from ..format import Field, KVFormat
-from ..integrations.transformers import TurboQuantCache, TurboQuantLayer, model_dims
-from .decoded_history import DecodedHistory
+from ..integrations.transformers import TurboQuantCache, model_dims
+from .decoded_history import CodedKeyLayer, DecodedHistory
 from .smartmix import LayerCapture
 from .split_keys import REFERENCE_DIM
 
@@ -361,18 +361,9 @@ class KLTPlan:
         )
 
 
-class KLTKeyLayer(TurboQuantLayer):
-    """A ``cpu-decoded`` TurboQuant layer whose compressed keys are read through a ``KLTKeyHistory``."""
-
-    def __init__(self, base: TurboQuantLayer, quantizer: KLTQuantizer) -> None:
-        super().__init__(base.fmt, base.layer_idx, base.seed, base.backend, base.center, base.sink_tokens)
-        self.quantizer = quantizer
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        assert self.store is not None  # the base built it
-        center = None if self.center is None else self.center[0]
-        self.decoded = KLTKeyHistory(self.store, self.sink_tokens, self.quantizer, center)
+def _history(store: CompressedKVCache, sinks: int, center: torch.Tensor | None, quantizer) -> KLTKeyHistory:
+    """A ``CodedKeyLayer`` history for KLT keys."""
+    return KLTKeyHistory(store, sinks, quantizer, center)
 
 
 class KLTKeyCache(TurboQuantCache):
@@ -385,7 +376,7 @@ class KLTKeyCache(TurboQuantCache):
         for i, layer in enumerate(self._tq_layers):
             if not layer.fmt.is_passthrough:
                 q = KLTQuantizer(plan.spec, plan.layers[i], plan.theta, layer.fmt.norm_torch_dtype)
-                self.layers[i] = KLTKeyLayer(layer, q)
+                self.layers[i] = CodedKeyLayer(layer, partial(_history, quantizer=q))
 
 
 def rope_theta(config) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -28,8 +29,8 @@ from ..codec.mse import TurboQuantMSE
 from ..codec.rotation import derive_seed
 from ..errors import FormatError, ShapeError
 from ..format import Field, KVFormat, packed_bytes
-from ..integrations.transformers import TurboQuantCache, TurboQuantLayer, model_dims
-from .decoded_history import DecodedHistory
+from ..integrations.transformers import TurboQuantCache, model_dims
+from .decoded_history import CodedKeyLayer, DecodedHistory
 from .smartmix import LayerCapture
 
 #: The head dim a ``SplitKeys.hi_channels`` count is stated at (other head dims scale it in proportion).
@@ -323,17 +324,9 @@ def plan_allocated(
     return SplitKeyPlan(spec, hi, sizes)
 
 
-class SplitKeyLayer(TurboQuantLayer):
-    """A ``cpu-decoded`` TurboQuant layer whose compressed keys are read through a ``SplitKeyHistory``."""
-
-    def __init__(self, base: TurboQuantLayer, quantizer: SplitKeyQuantizer) -> None:
-        super().__init__(base.fmt, base.layer_idx, base.seed, base.backend, base.center, base.sink_tokens)
-        self.quantizer = quantizer
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        assert self.store is not None  # the base built it
-        self.decoded = SplitKeyHistory(self.store, self.sink_tokens, self.quantizer)
+def _history(store: CompressedKVCache, sinks: int, center: torch.Tensor | None, quantizer) -> SplitKeyHistory:
+    """A ``CodedKeyLayer`` history for split keys (centering is the quantizer's: the center is not needed here)."""
+    return SplitKeyHistory(store, sinks, quantizer)
 
 
 class SplitKeyCache(TurboQuantCache):
@@ -345,4 +338,4 @@ class SplitKeyCache(TurboQuantCache):
         for i, layer in enumerate(self._tq_layers):
             if not layer.fmt.is_passthrough:
                 q = SplitKeyQuantizer(split.spec, split.hi[i], layer.seed, layer.fmt.norm_torch_dtype, head_dim)
-                self.layers[i] = SplitKeyLayer(layer, q)
+                self.layers[i] = CodedKeyLayer(layer, partial(_history, quantizer=q))

@@ -1,0 +1,64 @@
+"""CI slice of issue 22's harness (docs/fidelity.md, "Quality at 5x") on the real SmolLM2-135M: the 102 B rows built by
+``benchmarks/fidelity.py``'s own row grammar, calibrated on the essays' end, scored on Newton's Opticks (held out).
+
+Full run (4 x 1,024 tokens, 3 seeds): KL 0.0048 transform-coded keys, 0.0100 split keys, 0.0169 the 122 B default.
+On this 2 x 512-token slice the order must hold with margin, and the transform-coded row must stay near the
+uncompressed model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jetson_tq.config import load_config
+from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.decoded_history import CodedKeyLayer
+from jetson_tq.eval.klt_keys import KLTKeyHistory, rope_theta
+from jetson_tq.eval.split_keys import SplitKeyHistory
+from jetson_tq.models.smollm2 import load_smollm2
+from jetson_tq.models.text import opticks_text
+
+pytestmark = pytest.mark.slow  # the real model on CPU, with calibration: a few minutes on 2 cores
+
+KLT, SPLIT = "kl52alv3m_b256_c_e1", "kx64h4l2v3m_b256_c_e1"
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    import benchmarks.fidelity as bf
+
+    torch.manual_seed(0)
+    model, tok = load_smollm2()
+    bf.HEAD_DIM, bf.ROPE_THETA = F.model_shape(model)[1], rope_theta(model.config)
+    bf.CENTERS[:] = bf.load_centers(Path(tmp_path_factory.mktemp("centers")) / "c.safetensors", model, tok)
+    bf.CALIBRATION[:] = bf.calibration_capture(model, tok)
+    yield bf, model, tok
+    bf.CENTERS.clear()
+    bf.CALIBRATION.clear()
+
+
+def test_transform_coded_keys_lead_on_held_out_text(harness):
+    bf, model, tok = harness
+    rows = {name: bf.spec_row(name, "cpu-decoded") for name in (KLT, SPLIT)}
+    assert all(v is not None for v in rows.values())
+    n_layers, head_dim = F.model_shape(model)
+    for v in rows.values():  # both 5x rows: <= 102 B per token per KV head at head dim 128
+        assert v.bytes_per_token(n_layers, 128) <= 102
+    default = F.Variant("mse_k4v3", "default", load_config("mse_k4v3"), backend="cpu-decoded")
+    ids = tok(opticks_text(), return_tensors="pt").input_ids[0]
+    windows = F.token_windows(ids, 2, 513)
+    stats = F.teacher_forced(model, windows, [*rows.values(), default], chunk=128, batch=2)
+    kl = {name: s["kl"] for name, s in stats.items() if name != "reference"}
+    assert kl[KLT] < 0.75 * kl[SPLIT] < 0.75 * kl["mse_k4v3"], kl
+    assert stats[KLT]["top1"] >= 0.93 and stats[KLT]["ppl"] < stats["reference"]["ppl"] * 1.02, stats
+
+    # the coded-key rows really read their own key coders (one shared layer wrapper)
+    for name, history in ((KLT, KLTKeyHistory), (SPLIT, SplitKeyHistory)):
+        cache = rows[name].make_cache(model)
+        with torch.no_grad():
+            model(windows[:1, :300], past_key_values=cache)
+        coded = [layer for layer in cache.layers if isinstance(layer, CodedKeyLayer)]
+        assert len(coded) == n_layers and all(isinstance(layer.decoded, history) for layer in coded)
