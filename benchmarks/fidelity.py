@@ -376,6 +376,8 @@ _MARKERS = {
     "int per-token / KIVI (simulated)": "v",
     "vLLM 0.26 TurboQuant (simulated)": "D",
     "TurboQuant + exact sink (reference path only)": "*",
+    "split keys (harness only)": "P",
+    "transform-coded keys, pre-RoPE KLT (harness only)": "X",
 }
 
 
@@ -386,11 +388,30 @@ _COLORS = {
     "int per-token / KIVI (simulated)": "tab:green",
     "vLLM 0.26 TurboQuant (simulated)": "tab:red",
     "TurboQuant + exact sink (reference path only)": "tab:purple",
+    "split keys (harness only)": "tab:olive",
+    "transform-coded keys, pre-RoPE KLT (harness only)": "tab:cyan",
 }
+
+
+def key_coder_family(name: str) -> str | None:
+    """The plot family of a row whose keys another coder replaces (split or transform-coded keys), else None."""
+    m = SPEC_ROW.match(name)
+    if m is None:
+        return None
+    return (
+        "transform-coded keys, pre-RoPE KLT (harness only)"
+        if m["ln"]
+        else "split keys (harness only)"
+        if m["xn"]
+        else None
+    )
 
 
 def plot_family(v: F.Variant) -> str:
     """The format family a row belongs to in the plot (key coding for ours, the layout for baselines)."""
+    coder = key_coder_family(v.name)
+    if coder:
+        return coder
     if isinstance(v.spec, VLLMTurboQuantFormat):
         return "vLLM 0.26 TurboQuant (simulated)"
     if isinstance(v.spec, SimulatedFormat):
@@ -578,6 +599,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.frontier:
         runs = [json.loads((Path(d) / "fidelity.json").read_text()) for d in args.frontier.split(",")]
+        for run in runs:  # rows measured before their coder had a family of its own
+            for name, fact in run["rows"].items():
+                fact["plot_family"] = key_coder_family(name) or fact.get("plot_family", fact["family"])
         frontier_plot(runs, out / "fidelity_frontier.png", args.mark.split(","))
         return {"runs": runs}
     if args.replot:

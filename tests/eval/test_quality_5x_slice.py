@@ -62,3 +62,11 @@ def test_transform_coded_keys_lead_on_held_out_text(harness):
             model(windows[:1, :300], past_key_values=cache)
         coded = [layer for layer in cache.layers if isinstance(layer, CodedKeyLayer)]
         assert len(coded) == n_layers and all(isinstance(layer.decoded, history) for layer in coded)
+
+
+def test_key_coder_rows_have_their_own_plot_family():
+    """The frontier plot shows split and transform-coded keys as their own series (harness-only formats)."""
+    import benchmarks.fidelity as bf
+
+    assert "KLT" in bf.key_coder_family(KLT) and "split" in bf.key_coder_family(SPLIT)
+    assert bf.key_coder_family("k3v3g128_b256") is None and bf.key_coder_family("mse_k4v3") is None
