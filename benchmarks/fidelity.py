@@ -32,6 +32,7 @@ import torch
 
 from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
 from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.calibrate_keys import model_rotary, to_key_transform
 from jetson_tq.eval.klt_keys import KLTKeys, KLTPlan, rope_theta
 from jetson_tq.eval.klt_keys import calibrate as calibrate_klt
 from jetson_tq.eval.simulated_caches import SimulatedFormat
@@ -199,10 +200,11 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``jetson_tq/eval/klt_keys.py``: pre-RoPE,
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
-#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
+#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian;
+#: ``_tq`` (with ``al``, no ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages.
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?:_seed(?P<seed>\d+))?$"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -217,6 +219,8 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         return None  # _xk names the split's pair score: no split, no score
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"])) if m["ln"] else None
+    if m["tq"] and (klt is None or klt.token_norm or not (klt.attention and klt.lloyd)):
+        return None  # _tq: the product's klt format, which stores the attention-weighted, fitted-level coder
     # split / KLT rows: the store's own key code is unread
     key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
@@ -235,6 +239,23 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             + (", per-token scale" if klt.token_norm else ", fixed scale")
             + (", attention-weighted statistics" if klt.attention else "")
             + (", calibrated codebooks" if klt.lloyd else "")
+        )
+    if m["tq"]:
+        assert klt is not None  # checked above
+        fmt = cfg.default.with_(key_mode="klt", key_code_bytes=klt.key_bytes)
+        notes.append("stored by the product's klt format (codec.klt), decoded from the pages")
+        if not CALIBRATION:
+            raise SystemExit("KLT-key rows need the calibration capture (main() computes it)")
+        layers = calibrate_klt(klt, CALIBRATION, HEAD_DIM, ROPE_THETA, rotary=MODEL_ROTARY[0])
+        return F.Variant(
+            name,
+            "levers",
+            TurboQuantConfig(name=name, default=fmt),
+            "; ".join(n for n in notes if n),
+            backend,
+            centers=CENTERS if m["c"] else None,
+            sink_tokens=sinks,
+            key_transforms=[to_key_transform(layer, MODEL_ROTARY[0]) for layer in layers],
         )
     return F.Variant(
         name,
@@ -271,6 +292,7 @@ def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKe
 
 CENTERS: list = []  # filled by main() from --centers before rows are built
 CALIBRATION: list = []  # per-layer capture of the calibration text, filled by main() for split rows
+MODEL_ROTARY: list = []  # the model's RoPE (codec.klt.RotaryParams), filled by main()
 HEAD_DIM = 64  # the model's head dim, set by main()
 ROPE_THETA = 1e5  # the model's RoPE theta, set by main()
 
@@ -623,6 +645,7 @@ def main(argv: list[str] | None = None) -> dict:
     CENTERS[:] = load_centers(Path(args.centers), model, tok)
     global HEAD_DIM, ROPE_THETA
     HEAD_DIM, ROPE_THETA = head_dim, rope_theta(model.config)
+    MODEL_ROTARY[:] = [model_rotary(model)]
     if any((m := SPEC_ROW.match(n)) and (m["xn"] or m["ln"]) for n in args.rows.split(",")):
         CALIBRATION[:] = calibration_capture(model, tok)
     variants = all_rows(args.backend)

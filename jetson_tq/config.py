@@ -5,7 +5,10 @@ Schema (every key optional; unknown keys are errors)::
     name: mse_k4v3                                # omitted keys take these values (KVFormat's defaults)
     description: free text
     keys:   {mode: mse, bits: 4}                  # mse = Lloyd-Max; prod = (bits-1)-bit MSE + 1-bit QJL;
-                                                  # codebook: lloyd_max | uniform
+                                                  # codebook: lloyd_max | uniform; klt = calibrated transform
+                                                  # code of code_bytes bytes at head dim 128 (needs key_transform)
+    key_transform: ~/.cache/jetson_tq/model.kt    # klt keys: the calibration file (python -m jetson_tq calibrate);
+                                                  # a relative path is read from the YAML file's folder
     values: {mode: group, bits: 3, group_size: 64}
     norm_dtype: float16
     rotation: auto                                # auto | hadamard | dense
@@ -47,8 +50,9 @@ _TOP_KEYS = {
     "layers",
     "notes",
     "reproducible",
+    "key_transform",
 }
-_KEY_KEYS = {"mode": "key_mode", "bits": "key_bits", "codebook": "key_codebook"}
+_KEY_KEYS = {"mode": "key_mode", "bits": "key_bits", "codebook": "key_codebook", "code_bytes": "key_code_bytes"}
 _VALUE_KEYS = {"mode": "value_mode", "bits": "value_bits", "group_size": "value_group"}
 _BUFFER_KEYS = {"recent_tokens": "buffer_tokens", "window": "window", "flush_chunk": "flush_chunk"}
 _LAYER_KEYS = {"keep_fp16_first", "keep_fp16_last", "overrides"}
@@ -69,6 +73,12 @@ class TurboQuantConfig:
     overrides: dict[int, KVFormat] = field(default_factory=dict)
     description: str = ""
     reproducible: bool = False  # the vLLM backend's reproducible mode (``integrations.vllm.settings.reproducible``)
+    key_transform: str = ""  # klt keys: the calibration file (``codec.klt.load_transforms``)
+
+    @property
+    def needs_key_transform(self) -> bool:
+        """True when some layer's format codes its keys through a calibrated transform."""
+        return any(f.key_mode == "klt" for f in self.named_formats)
 
     @property
     def named_formats(self) -> tuple[KVFormat, ...]:
@@ -139,8 +149,9 @@ def _build_format(base: KVFormat, changes: dict[str, Any], where: str) -> KVForm
         raise ConfigError(f"{where or 'config'}: {e}") from e
 
 
-def config_from_dict(raw: dict, name: str = "custom") -> TurboQuantConfig:
-    """Validate a parsed YAML mapping and build the config (ConfigError names the bad key)."""
+def config_from_dict(raw: dict, name: str = "custom", base_dir: Path | None = None) -> TurboQuantConfig:
+    """Validate a parsed YAML mapping and build the config (ConfigError names the bad key); a relative
+    ``key_transform`` path is taken from ``base_dir`` (the YAML file's folder)."""
     raw = _as_mapping("config", raw)
     _reject_unknown("config", raw, _TOP_KEYS)
     default = _build_format(KVFormat(), _format_changes(raw, ""), "")
@@ -166,12 +177,19 @@ def config_from_dict(raw: dict, name: str = "custom") -> TurboQuantConfig:
     reproducible = raw.get("reproducible", False)
     if not isinstance(reproducible, bool):
         raise ConfigError(f"reproducible: expected true or false, got {type(reproducible).__name__} {reproducible!r}")
+    transform = raw.get("key_transform", "")
+    if not isinstance(transform, str):
+        raise ConfigError(f"key_transform: expected a path, got {type(transform).__name__} {transform!r}")
+    if transform:
+        path = Path(transform).expanduser()
+        transform = str(path if path.is_absolute() or base_dir is None else base_dir / path)
     return TurboQuantConfig(
         name=raw.get("name", name),
         default=default,
         overrides=overrides,
         description=raw.get("description", ""),
         reproducible=reproducible,
+        key_transform=transform,
         **keep,
     )
 
@@ -273,4 +291,4 @@ def read_yaml(path: Path) -> dict:
 def load_config(name_or_path: str | os.PathLike = DEFAULT_PRESET) -> TurboQuantConfig:
     """Load and validate a preset by name or a YAML file by path."""
     path = resolve_config_path(name_or_path)
-    return config_from_dict(read_yaml(path), name=path.stem)
+    return config_from_dict(read_yaml(path), name=path.stem, base_dir=path.parent)

@@ -15,6 +15,7 @@ field            dtype      elements per token                          present 
 ``key_norm``     norm       1   ||k||                                     prod, mse
 ``key_rnorm``    norm       1   ||r|| = ||k|| * ||k/||k|| - k_mse||       prod
 ``key_raw``      float16    D                                             key_mode fp16
+``key_code``     uint8      ceil(key_code_bits(D) / 8)  transform code    key_mode klt
 ``val_codes``    uint8      ceil(D / 8) * value_bits  packed group codes  value_mode group
 ``val_scale``    float16    D / G   (G = ``value_group_for(D)``)          value_mode group
 ``val_zero``     float16    D / G                                         value_mode group
@@ -49,19 +50,21 @@ import torch
 
 from .errors import FormatError, UnsupportedPlatformError
 
-KeyMode = Literal["prod", "mse", "fp16"]
+KeyMode = Literal["prod", "mse", "fp16", "klt"]
 ValueMode = Literal["group", "mse", "fp16"]
 RotationKind = Literal["auto", "hadamard", "dense"]
 KeyCodebook = Literal["lloyd_max", "uniform"]
 Window = Literal["sliding", "block"]
 
-KEY_MODES: tuple[str, ...] = ("prod", "mse", "fp16")
+KEY_MODES: tuple[str, ...] = ("prod", "mse", "fp16", "klt")
 VALUE_MODES: tuple[str, ...] = ("group", "mse", "fp16")
 ROTATIONS: tuple[str, ...] = ("auto", "hadamard", "dense")
 KEY_CODEBOOKS: tuple[str, ...] = ("lloyd_max", "uniform")
 WINDOWS: tuple[str, ...] = ("sliding", "block")
 NORM_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
 MAX_BITS = 8
+#: Head dim at which ``KVFormat.key_code_bytes`` is stated; other head dims keep its bits per coordinate.
+KEY_CODE_REFERENCE_DIM = 128
 #: Key / value modes as kernels see them (``PageSpec.KEY_MODE`` / ``VAL_MODE``).
 KEY_RAW, KEY_MSE, KEY_PROD = 0, 1, 2
 VAL_RAW, VAL_GROUP = 0, 1
@@ -124,7 +127,9 @@ class KVFormat:
     own R-token block ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a
     prefix-cache hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
     ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their buffer (the
-    paged cache does not use it).
+    paged cache does not use it). ``key_mode: klt`` codes each key before RoPE by a calibrated per-head transform
+    (``codec.klt``) into ``key_code_bytes`` bytes at head dim 128 (in proportion at other head dims); the transform
+    comes from a calibration file, not from the format.
     """
 
     key_mode: KeyMode = "mse"
@@ -139,6 +144,7 @@ class KVFormat:
     window: Window = "block"
     flush_chunk: int = 64
     seed: int = 0
+    key_code_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -156,6 +162,12 @@ class KVFormat:
         _check_int("buffer_tokens", self.buffer_tokens, 0, 1 << 24)
         _check_int("flush_chunk", self.flush_chunk, 1, 1 << 24)
         _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.key_mode == "klt":
+            _check_int("key_code_bytes", self.key_code_bytes, 1, KEY_CODE_REFERENCE_DIM * MAX_BITS // 8)
+        elif self.key_code_bytes:
+            raise FormatError(
+                f"key_code_bytes: only key_mode 'klt' has a transform code, this format has {self.key_mode!r}"
+            )
 
     # ----------------------------------------------------------------------------------------
     @property
@@ -164,6 +176,10 @@ class KVFormat:
         if self.key_mode == "prod":
             return self.key_bits - 1
         return self.key_bits if self.key_mode == "mse" else 0
+
+    def key_code_bits(self, head_dim: int) -> int:
+        """Bits of one key's transform code at ``head_dim`` (key_mode klt; 0 otherwise)."""
+        return self.key_code_bytes * 8 * head_dim // KEY_CODE_REFERENCE_DIM
 
     @property
     def norm_torch_dtype(self) -> torch.dtype:
@@ -199,6 +215,8 @@ class KVFormat:
                     f"does and is not larger ({group}) stores {values} B of values per token, not less than fp16's "
                     f"{head_dim * FP16_BYTES_PER_ELEMENT} B; set values.group_size to a divisor of {head_dim}"
                 )
+        if self.key_mode == "klt" and self.key_code_bits(head_dim) < 1:
+            raise FormatError(f"key_code_bytes {self.key_code_bytes} leaves no code bits at head_dim {head_dim}")
         if self.rotation == "hadamard" and not is_power_of_two(head_dim):
             raise FormatError(
                 f"rotation 'hadamard' needs a power-of-two head_dim, got {head_dim}; use 'dense' or 'auto'"
@@ -223,6 +241,8 @@ class KVFormat:
         nd = self.norm_torch_dtype
         if self.key_mode == "fp16":
             return [Field("key_raw", torch.float16, head_dim)]
+        if self.key_mode == "klt":
+            return [Field("key_code", torch.uint8, (self.key_code_bits(head_dim) + 7) // 8)]
         fields: list[Field] = []
         if self.key_mse_bits > 0:
             fields.append(Field("key_idx", torch.uint8, packed_bytes(head_dim, self.key_mse_bits)))
@@ -507,6 +527,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
 
 def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     """Why no kernel handles ``layout`` (None when one does)."""
+    if layout.fmt.key_mode == "klt":
+        return "key_mode 'klt' (keys decoded through a calibrated transform and RoPE) is served by the reference path"
     if layout.fmt.value_mode == "mse":
         return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
     return None

@@ -350,7 +350,7 @@ def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt:
             cls = torch.where(torch.isnan(x), 0, torch.where(x > 0, 1, 2))
             best = min(best, int(torch.where(bad, (rank << FAULT_RANK_SHIFT) | elem | cls, FAULT_NONE).min()))
     token_bad = [(RANK_K_ABS, ~(kf.abs() <= limits.k_abs).all(-1)), (RANK_V_ABS, ~(vf.abs() <= limits.v_abs).all(-1))]
-    if fmt.key_mode != "fp16":
+    if fmt.key_mode in ("prod", "mse"):
         token_bad.append((RANK_KEY_NORM, ~(kf.norm(dim=-1) <= limits.key_norm)))
     if fmt.value_mode == "group":
         g = vf.unflatten(-1, (-1, fmt.value_group_for(d)))

@@ -47,7 +47,8 @@ def history_scores_and_values(qg: torch.Tensor, kv: PagedKV) -> tuple[torch.Tens
     fields = kv.gather_compressed(nc)
     q_rot, q_sketch = codec.transform_query(qg)
     expand = {name: t.unsqueeze(2) for name, t in fields.items()}  # broadcast over the G query heads
-    s_comp = codec.key_scores(q_rot, q_sketch, expand)  # [B, Hkv, G, T, nc]
+    cpos = torch.arange(nc, device=qg.device)  # the compressed part holds positions [0, nc) of each sequence
+    s_comp = codec.key_scores(q_rot, q_sketch, expand, cpos, head_axis=1)  # [B, Hkv, G, T, nc]
     rec_k = kv.recent_k[kv.recent_index.long(), :, :nb].float()
     rec_v = kv.recent_v[kv.recent_index.long(), :, :nb].float()
     s_buf = qg @ rec_k.unsqueeze(2).transpose(-1, -2)
@@ -130,8 +131,10 @@ def paged_attention_prefill(
     nc = int(hist.max()) + t
     fields = kv.gather_compressed(nc)
     q_rot, q_sketch = codec.transform_query(qg)
-    s_comp = codec.key_scores(q_rot, q_sketch, {n: f.unsqueeze(2) for n, f in fields.items()})  # [B,Hkv,G,T,nc]
     cpos = torch.arange(nc, device=dev)
+    s_comp = codec.key_scores(
+        q_rot, q_sketch, {n: f.unsqueeze(2) for n, f in fields.items()}, cpos, 1
+    )  # [B,Hkv,G,T,nc]
     ok_comp = cpos[None, None, :] < oldest_exact[:, :, None]  # [B, T, nc]
     # exact candidates: the ring (history) and the chunk itself
     rpos = _ring_positions(kv, dev)  # [B, R]

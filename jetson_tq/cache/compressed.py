@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..codec.klt import KeyTransform
 from ..codec.kv import Fields, KVCodec
 from ..errors import DTypeError, JetsonTQError, ShapeError, expect_float, expect_int, expect_same_device, expect_tensor
 from ..format import KVFormat, PagedLayout, exact_count
@@ -75,6 +76,7 @@ class CompressedKVCache:
         initial_capacity: int = _MIN_CAPACITY,
         block_size: int = DEFAULT_BLOCK_SIZE,
         validate: bool = True,
+        key_transform: KeyTransform | None = None,
     ) -> None:
         device = check_cache_args(
             fmt, num_kv_heads, head_dim, batch_size, device, seed, initial_capacity, block_size, validate
@@ -96,7 +98,8 @@ class CompressedKVCache:
             page_bytes + ring_bytes,
             self.device,
         )
-        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=dtype if dtype != torch.float32 else torch.float16)
+        raw_dtype = dtype if dtype != torch.float32 else torch.float16
+        self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=raw_dtype, key_transform=key_transform)
         self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
@@ -356,6 +359,9 @@ class CompressedKVCache:
         and the commit is its own launch after it, skipped on the device when the record holds a fault (the whole
         append or nothing): one ``append_rows`` call per step, none that does nothing."""
         nb, h, t, d = k.shape
+        positions = None
+        if stage and self.codec.key_coder is not None:  # before the bookkeeping launch moves the lengths
+            positions = self._lens[rows.start : rows.stop].long()[:, None] + torch.arange(t, device=self.device)
         plain_commit = commit and guard is None  # the commit goes with the slots (no write to wait for)
         steps: list[tuple[bool, bool, torch.Tensor | None]] = [(True, plain_commit, None)] if stage else []
         if commit and not plain_commit or not stage:
@@ -392,6 +398,7 @@ class CompressedKVCache:
                     self.codec,
                     fault=guard,
                     limits=self._limits if guard is not None else None,
+                    positions=positions,
                 )
 
     def _inputs(self, k: torch.Tensor, v: torch.Tensor, seq: int | None) -> tuple[range, torch.Tensor, torch.Tensor]:
@@ -466,7 +473,8 @@ class CompressedKVCache:
         total = int(self.lengths.max())
         k = torch.zeros(self.batch_size, self.num_kv_heads, total, self.head_dim, device=self.device)
         v = torch.zeros_like(k)
-        kc, vc = self.codec.decode_keys(f), self.codec.decode_values(f)
+        kc = self.codec.decode_keys(f, torch.arange(int(comp.max()), device=self.device), head_axis=1)
+        vc = self.codec.decode_values(f)
         rk, rv = self.recent_in_order()
         for b in range(self.batch_size):
             c, r = int(comp[b]), int(rec[b])

@@ -7,13 +7,13 @@ import os
 import sys
 
 from ..errors import JetsonTQError, MissingComponentError, UnsupportedPlatformError
-from . import capacity_cmd, demo_cmd, exit_codes, platform_cmd, vllm_cmd
+from . import calibrate_cmd, capacity_cmd, demo_cmd, exit_codes, platform_cmd, vllm_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jetson_tq", description="TurboQuant KV cache tools")
     sub = parser.add_subparsers(dest="mode", required=True)
-    for module in (demo_cmd, capacity_cmd, platform_cmd, vllm_cmd):
+    for module in (demo_cmd, capacity_cmd, platform_cmd, vllm_cmd, calibrate_cmd):
         module.register(sub)
     return parser
 

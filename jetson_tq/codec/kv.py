@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ArgTypeError, DTypeError, ShapeError, expect_float, expect_last_dim
+from ..errors import ArgTypeError, ConfigError, DTypeError, ShapeError, expect_float, expect_last_dim
 from ..format import KVFormat
 from ..validate import check_seed
+from .klt import KeyTransform, KeyTransformCoder
 from .mse import MSECode, TurboQuantMSE
 from .packing import unpack_bits
 from .prod import ProdCode, TurboQuantProd
@@ -22,10 +23,19 @@ Fields = dict[str, torch.Tensor]
 
 
 class KVCodec:
-    """Encode/decode one layer's keys and values in ``fmt`` for head dim ``head_dim``."""
+    """Encode/decode one layer's keys and values in ``fmt`` for head dim ``head_dim``.
+
+    Keys of ``key_mode: klt`` are coded at their positions through the layer's ``key_transform``: their encode,
+    decode and score calls take ``positions`` (broadcast to the fields' leading shape) and ``head_axis`` (the
+    KV-head axis of the tensor they pass); other modes ignore both."""
 
     def __init__(
-        self, fmt: KVFormat, head_dim: int, seed: int | None = None, raw_dtype: torch.dtype = torch.float16
+        self,
+        fmt: KVFormat,
+        head_dim: int,
+        seed: int | None = None,
+        raw_dtype: torch.dtype = torch.float16,
+        key_transform: KeyTransform | None = None,
     ) -> None:
         if not isinstance(fmt, KVFormat):
             raise ArgTypeError(f"fmt: expected a KVFormat, got {type(fmt).__name__} {fmt!r}")
@@ -39,7 +49,16 @@ class KVCodec:
         self.seed = fmt.seed if seed is None else check_seed("seed", seed)
         rot, nd = fmt.rotation_for(head_dim), fmt.norm_torch_dtype
         self.keys: TurboQuantProd | TurboQuantMSE | None = None
-        if fmt.key_mode == "prod":
+        self.key_coder: KeyTransformCoder | None = None
+        if fmt.key_mode == "klt":
+            if key_transform is None:
+                raise ConfigError("key_mode 'klt' needs the layer's calibrated key transform (config key_transform)")
+            if key_transform.head_dim != head_dim:
+                raise ConfigError(
+                    f"key transform head dim {key_transform.head_dim} differs from the layer's {head_dim}"
+                )
+            self.key_coder = KeyTransformCoder(key_transform, fmt.key_fields(head_dim)[0].count)
+        elif fmt.key_mode == "prod":
             self.keys = TurboQuantProd(head_dim, fmt.key_bits, self.seed, rot, nd, fmt.key_codebook)
         elif fmt.key_mode == "mse":
             self.keys = TurboQuantMSE(head_dim, fmt.key_bits, self.seed, rot, nd, fmt.key_codebook)
@@ -79,9 +98,18 @@ class KVCodec:
         return pi
 
     # ---------------------------------------------------------------- write path
-    def encode_keys(self, k: torch.Tensor) -> Fields:
+    def _where(self, positions: torch.Tensor | None, head_axis: int | None) -> tuple[torch.Tensor, int]:
+        if positions is None or head_axis is None:
+            raise ShapeError("klt keys are coded at their positions: pass positions and head_axis")
+        return positions, head_axis
+
+    def encode_keys(
+        self, k: torch.Tensor, positions: torch.Tensor | None = None, head_axis: int | None = None
+    ) -> Fields:
         expect_float("k", k)
         expect_last_dim("k", k, self.head_dim)
+        if self.key_coder is not None:
+            return {"key_code": self.key_coder.quantize(k, *self._where(positions, head_axis))}
         if self.keys is None:
             return {"key_raw": k.to(self.raw_dtype)}
         code = self.keys.quantize(k)
@@ -105,15 +133,21 @@ class KVCodec:
             return {"val_codes": code.codes, "val_scale": code.scale, "val_zero": code.zero}
         return {"val_idx": code.idx, "val_norm": code.norm.unsqueeze(-1)}
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> Fields:
+    def encode(
+        self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None, head_axis: int | None = None
+    ) -> Fields:
         """All fields of ``fmt`` for keys and values shaped [..., D] (same leading shape)."""
         if k.shape != v.shape:
             raise ShapeError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        return {**self.encode_keys(k), **self.encode_values(v)}
+        return {**self.encode_keys(k, positions, head_axis), **self.encode_values(v)}
 
     # ---------------------------------------------------------------- read path
-    def decode_keys(self, fields: Fields) -> torch.Tensor:
+    def decode_keys(
+        self, fields: Fields, positions: torch.Tensor | None = None, head_axis: int | None = None
+    ) -> torch.Tensor:
         """Reconstructed keys in float32 [..., D] (tests and naive paths; the hot path never does this)."""
+        if self.key_coder is not None:
+            return self.key_coder.dequantize(fields["key_code"], *self._where(positions, head_axis))
         if self.keys is None:
             return fields["key_raw"].float()
         if isinstance(self.keys, TurboQuantProd):
@@ -140,17 +174,27 @@ class KVCodec:
     def transform_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(Pi q, S q) in float32, computed once per query; (q, None) for fp16 keys."""
         qf = q.float()
-        if self.keys is None:
+        if self.keys is None:  # fp16 keys, and klt keys (scored after decoding)
             return qf, None
         q_rot = self.keys.rotation.apply(qf)
         q_sketch = qf @ self.keys.sketch_matrix(q.device).T if isinstance(self.keys, TurboQuantProd) else None
         return q_rot, q_sketch
 
-    def key_scores(self, q_rot: torch.Tensor, q_sketch: torch.Tensor | None, fields: Fields) -> torch.Tensor:
+    def key_scores(
+        self,
+        q_rot: torch.Tensor,
+        q_sketch: torch.Tensor | None,
+        fields: Fields,
+        positions: torch.Tensor | None = None,
+        head_axis: int | None = None,
+    ) -> torch.Tensor:
         """<q, k~> for queries [..., G, D] against stored keys [..., N, *] -> [..., G, N], no key reconstructed.
 
-        Uses the rotated query: ||k|| <Pi q, c[idx]> (+ sqrt(pi/2)/d ||r|| <S q, signs> for prod).
+        Uses the rotated query: ||k|| <Pi q, c[idx]> (+ sqrt(pi/2)/d ||r|| <S q, signs> for prod); klt keys are
+        decoded at ``positions`` (of the N axis) first.
         """
+        if self.key_coder is not None:
+            return q_rot @ self.decode_keys(fields, positions, head_axis).transpose(-1, -2)
         if self.keys is None:
             return q_rot @ fields["key_raw"].float().transpose(-1, -2)
         norm = fields["key_norm"][..., 0].float().unsqueeze(-2)

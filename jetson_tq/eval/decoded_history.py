@@ -68,6 +68,9 @@ class DecodedHistory:
 
     def _decode_keys(self, fields: dict) -> torch.Tensor:
         keys, d = self.codec.keys, self.store.head_dim
+        if self.codec.key_coder is not None:  # klt: post-RoPE keys at their positions (fields from ``count`` on)
+            n = fields["key_code"].shape[2]
+            return self.codec.decode_keys(fields, torch.arange(self.count, self.count + n, device=self.store.device), 1)
         if keys is None:
             return fields["key_raw"].float()
         norm = fields["key_norm"].float()
@@ -183,7 +186,9 @@ class CodedKeyLayer(TurboQuantLayer):
     def __init__(
         self, base: TurboQuantLayer, history: Callable[[CompressedKVCache, int, torch.Tensor | None], DecodedHistory]
     ) -> None:
-        super().__init__(base.fmt, base.layer_idx, base.seed, base.backend, base.center, base.sink_tokens)
+        super().__init__(
+            base.fmt, base.layer_idx, base.seed, base.backend, base.center, base.sink_tokens, base.key_transform
+        )
         self.history = history
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -55,6 +55,7 @@ class Variant:
     sink_tokens: int = 0  # first positions read exactly (cpu-decoded backend)
     split_keys: SplitKeyPlan | None = None  # keys coded in two channel sets (cpu-decoded backend, split_keys.py)
     klt_keys: KLTPlan | None = None  # keys transform-coded pre-RoPE (cpu-decoded backend, klt_keys.py)
+    key_transforms: list | None = None  # klt formats: per-layer codec.klt.KeyTransform (else the config's file)
 
     def make_cache(self, model):
         """A fresh cache of this variant for ``model`` (a DynamicCache for the reference)."""
@@ -67,7 +68,12 @@ class Variant:
         if self.klt_keys is not None:
             return KLTKeyCache(model, self.spec, self.klt_keys, centers=self.centers, sink_tokens=self.sink_tokens)
         return TurboQuantCache(
-            model, self.spec, backend=self.backend, centers=self.centers, sink_tokens=self.sink_tokens
+            model,
+            self.spec,
+            backend=self.backend,
+            centers=self.centers,
+            sink_tokens=self.sink_tokens,
+            key_transforms=self.key_transforms,
         )
 
     def layer_bytes(self, num_layers: int, head_dim: int) -> list[float]:

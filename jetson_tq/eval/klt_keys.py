@@ -38,6 +38,7 @@ from functools import cache, partial
 import torch
 
 from ..cache.compressed import CompressedKVCache
+from ..codec.klt import RotaryParams
 from ..errors import FormatError, ShapeError
 from ..format import Field, KVFormat
 from ..integrations.transformers import TurboQuantCache, model_dims
@@ -180,18 +181,30 @@ def received_attention(cap: LayerCapture, min_distance: int = MIN_DISTANCE) -> t
     return got.reshape(got.shape[0], k.shape[1], g, t).sum(2).double()
 
 
-def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: float, skip: int = 1) -> list[KLTLayer]:
+def calibrate(
+    spec: KLTKeys,
+    caps: list[LayerCapture],
+    head_dim: int,
+    theta: float,
+    skip: int = 1,
+    rotary: RotaryParams | None = None,
+) -> list[KLTLayer]:
     """Per layer the KLT coder from a calibration capture (post-RoPE q, k at positions 0..T-1 of each row), the first
     ``skip`` positions (an attention sink) left out; with ``spec.attention`` each key's statistics weighted by
-    ``ATTENTION_FLOOR`` + its received attention over the mean."""
+    ``ATTENTION_FLOOR`` + its received attention over the mean. RoPE is the default one at ``theta`` unless the
+    model's own ``rotary`` is given."""
     freq = inv_freq(head_dim, theta)
     budget = spec.code_bits(head_dim)
     out = []
     for cap in caps:
         t = cap.k.shape[2]
         pos = torch.arange(t)
-        k = rope(cap.k.double(), pos, freq, inverse=True)[:, :, skip:]
-        q = rope(cap.q.double(), pos, freq, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
+        if rotary is None:
+            k = rope(cap.k.double(), pos, freq, inverse=True)[:, :, skip:]
+            q = rope(cap.q.double(), pos, freq, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
+        else:
+            k = rotary.apply(cap.k.double(), pos, inverse=True)[:, :, skip:]
+            q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]
         a = torch.ones(k.shape[:3], dtype=torch.float64)
         if spec.attention:
             got = received_attention(cap)[:, :, skip:]

@@ -37,6 +37,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .. import ops
 from ..cache.compressed import CompressedKVCache
+from ..codec.klt import KeyTransform, load_transforms
 from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError
@@ -145,6 +146,7 @@ class TurboQuantLayer(CacheLayerMixin):
         backend: str | None = None,
         center: tuple[torch.Tensor, torch.Tensor] | None = None,
         sink_tokens: int = 0,
+        key_transform: KeyTransform | None = None,
     ) -> None:
         super().__init__()
         if backend not in backend_names():
@@ -154,6 +156,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if sink_tokens and backend != "cpu-decoded":
             raise ConfigError(f"sink_tokens: only the cpu-decoded backend reads sinks exactly, got backend {backend!r}")
         self.sink_tokens = sink_tokens
+        self.key_transform = key_transform  # klt keys: the layer's calibrated transform
         self.store: CompressedKVCache | None = None
         self.decoded: Any = None
 
@@ -165,7 +168,14 @@ class TurboQuantLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.store = CompressedKVCache(
-            self.fmt, h, d, b, device=key_states.device, dtype=key_states.dtype, seed=self.seed
+            self.fmt,
+            h,
+            d,
+            b,
+            device=key_states.device,
+            dtype=key_states.dtype,
+            seed=self.seed,
+            key_transform=self.key_transform,
         )
         factory = HISTORY_BACKENDS.get(self.backend) if self.backend is not None else None
         self.decoded = factory(self.store, self.sink_tokens) if factory is not None else None
@@ -293,10 +303,13 @@ class TurboQuantCache(Cache):
         enable: bool = True,
         centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         sink_tokens: int = 0,
+        key_transforms: list[KeyTransform | None] | None = None,
     ) -> None:
         """``centers``: per-layer (key, value) offsets [H, D] subtracted from every stored token (exact under the
-        softmax; the value offset is added back) and ``sink_tokens``: the first positions read exactly (cpu-decoded
-        backend only) are the measurement levers of docs/fidelity.md "Quality at 5x", not served by the kernels."""
+        softmax; the value offset is added back; klt layers take only the value offset, their transform centers the
+        keys) and ``sink_tokens``: the first positions read exactly (cpu-decoded backend only) are the measurement
+        levers of docs/fidelity.md "Quality at 5x", not served by the kernels. ``key_transforms``: per-layer
+        calibrated key transforms for klt formats (default: the config's ``key_transform`` file)."""
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
@@ -305,12 +318,16 @@ class TurboQuantCache(Cache):
         self.tq_config = resolve_config(config)
         self.tq_config.check_model(n_layers, head_dim)
         self.head_dim = head_dim
+        transforms = _key_transforms(self.tq_config, hf_config, model, key_transforms)
         layers: list[TurboQuantLayer] = []
         for i in range(n_layers):
             fmt = self.tq_config.format_for_layer(i, n_layers)
             center = None if centers is None or fmt.is_passthrough else centers[i]
+            if center is not None and fmt.key_mode == "klt":
+                center = (torch.zeros_like(center[0]), center[1])
             sinks = 0 if fmt.is_passthrough else sink_tokens
-            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center, sinks))
+            transform = transforms[i] if fmt.key_mode == "klt" else None
+            layers.append(TurboQuantLayer(fmt, i, derive_seed(fmt.seed, layer=i), backend, center, sinks, transform))
         super().__init__(layers=cast(list, layers))  # Cache types its list as the base layer classes
         if model is not None and enable:
             enable_turboquant(model)
@@ -341,6 +358,43 @@ class TurboQuantCache(Cache):
     def used_bytes(self) -> int:
         """Bytes the stored tokens occupy (compressed tokens at their format's size + fp buffers)."""
         return sum(layer.used_bytes() for layer in self._tq_layers)
+
+
+def _key_transforms(
+    cfg: TurboQuantConfig, hf_config, model, given: list[KeyTransform | None] | None
+) -> list[KeyTransform | None]:
+    """Per layer the calibrated key transform of the klt layers (None elsewhere), from ``given`` or the config's
+    file, checked against the model's layers, KV heads, head dim and RoPE frequencies."""
+    n_layers, _, kv_heads, head_dim = model_dims(hf_config)
+    if not cfg.needs_key_transform:
+        return [None] * n_layers
+    if given is None:
+        if not cfg.key_transform:
+            raise ConfigError(
+                f"config {cfg.name!r} codes keys by a calibrated transform (keys.mode klt) but names no key_transform "
+                f"file; make one with `python -m jetson_tq calibrate --model DIR --out FILE` and set key_transform"
+            )
+        given = load_transforms(cfg.key_transform)[0]
+    if len(given) != n_layers:
+        raise ConfigError(f"key transforms: {len(given)} layers for a model of {n_layers}")
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    for i, t in enumerate(given):
+        if cfg.format_for_layer(i, n_layers).key_mode != "klt":
+            continue
+        if t is None:
+            raise ConfigError(f"key transforms: layer {i} codes klt keys but the calibration has no transform for it")
+        if (t.num_heads, t.head_dim) != (kv_heads, head_dim):
+            raise ConfigError(
+                f"key transforms: layer {i} was calibrated for {t.num_heads} KV heads of dim {t.head_dim}, "
+                f"the model has {kv_heads} of dim {head_dim}"
+            )
+        freq = getattr(rotary, "inv_freq", None)
+        if freq is not None and (
+            freq.numel() != t.rotary.inv_freq.numel()
+            or not torch.allclose(freq.detach().float().cpu(), t.rotary.inv_freq.float(), rtol=1e-6)
+        ):
+            raise ConfigError("key transforms: calibrated for other RoPE frequencies than this model's")
+    return given
 
 
 # ---------------------------------------------------------------------------------------------- attention + mask

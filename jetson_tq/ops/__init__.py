@@ -92,9 +92,11 @@ def write(
     backend: str | None = None,
     fault: torch.Tensor | None = None,
     limits: StoreLimits | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Compress k, v [N, H, D] and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped, as vLLM pads); k, v
     may also be rows [R, T, H, D] (slots [R * T] row by row), which the kernel reads in place in one launch.
+    ``positions`` (shaped like ``slots``): each token's position in its sequence, which klt keys are coded at.
 
     ``fault`` (int64 [2]) with ``limits``: also check the tokens against ``limits`` (``validate.check_kv_storable``'s
     bounds) and keep the smallest store fault code in fault[0] unless fault[1] (closed) is set — on the device
@@ -109,9 +111,11 @@ def write(
     if fault is not None and int(fault[1]) == 0:
         assert limits is not None  # a fault record always comes with the store's limits
         fault[0] = min(int(fault[0]), store_fault_code(k, v, slots, layout.fmt, limits))
+    pos = None if positions is None else positions.reshape(-1, 1)
     step = max(1, WRITE_CHUNK_ELEMENTS // max(1, k.shape[1] * k.shape[2]))
     for i in range(0, k.shape[0], step):
-        write_slots(pages, layout, slots[i : i + step], codec.encode(k[i : i + step], v[i : i + step]))
+        at = None if pos is None else pos[i : i + step]
+        write_slots(pages, layout, slots[i : i + step], codec.encode(k[i : i + step], v[i : i + step], at, 1))
 
 
 def decode(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..cache.compressed import CompressedKVCache
+from ..codec.klt import spread_transform
 from ..config import TurboQuantConfig
 from ..format import FP16_FORMAT, KVFormat
 from ..models.specs import ModelSpec
@@ -225,16 +226,28 @@ def measure_cache(
     k = torch.randn(num_kv_heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype)
     v = torch.randn(num_kv_heads, tokens, head_dim, generator=g).to(device=device, dtype=dtype)
     cuda = device.type == "cuda"
+    # klt keys: sizes do not depend on the calibration, so an uncalibrated transform measures them
+    transform = spread_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim)) if fmt.key_mode == "klt" else None
     if cuda:
         # Warm-up: the first matmul on a stream makes cuBLAS take its workspace (32 MiB by default) from torch's
         # allocator, and the QJL matrix is cached per process; a throwaway cache keeps both out of the figure.
-        warm = CompressedKVCache(fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed)
+        warm = CompressedKVCache(
+            fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed, key_transform=transform
+        )
         warm.append(k[:, : fmt.buffer_capacity], v[:, : fmt.buffer_capacity], seq=0)
         del warm
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
     cache = CompressedKVCache(
-        fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed, initial_capacity=tokens
+        fmt,
+        num_kv_heads,
+        head_dim,
+        1,
+        device=device,
+        dtype=dtype,
+        seed=seed,
+        initial_capacity=tokens,
+        key_transform=transform,
     )
     cache.append(k, v, seq=0)
     allocator = None
@@ -327,7 +340,7 @@ def format_report(rep: dict) -> str:
         desc = (
             "fp16 passthrough"
             if f["key_mode"] == "fp16" and f["value_mode"] == "fp16"
-            else f"keys {f['key_mode']} {f['key_bits']}b, values {f['value_mode']} {f['value_bits']}b"
+            else f"keys {_key_desc(f)}, values {f['value_mode']} {f['value_bits']}b"
             f"{'' if g['value_group'] is None else ' groups of ' + str(g['value_group'])}, "
             f"buffer {f['buffer_tokens']}+{f['flush_chunk']}"
         )
@@ -372,7 +385,7 @@ def format_measurement(meas: dict) -> str:
         name = (
             "fp16"
             if f["key_mode"] == "fp16" and f["value_mode"] == "fp16"
-            else f"{f['key_mode']}{f['key_bits']}/{f['value_mode']}{f['value_bits']}"
+            else f"{_key_desc(f, short=True)}/{f['value_mode']}{f['value_bits']}"
         )
         alloc = "" if m["allocator_bytes"] is None else f", allocator {m['allocator_bytes']:,}"
         lines.append(
@@ -385,3 +398,10 @@ def format_measurement(meas: dict) -> str:
         f"({100 * meas['rel_diff']:+.3f} %)"
     )
     return "\n".join(lines)
+
+
+def _key_desc(f: dict, short: bool = False) -> str:
+    """A format dict's keys in words: mode and bits, or a klt code's bytes at head dim 128."""
+    if f["key_mode"] == "klt":
+        return f"klt{f['key_code_bytes']}B" if short else f"klt {f['key_code_bytes']} B at D=128"
+    return f"{f['key_mode']}{f['key_bits']}" if short else f"{f['key_mode']} {f['key_bits']}b"

