@@ -201,7 +201,8 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
 #: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian;
-#: ``_tq`` (with ``al``, no ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages.
+#: ``_tq`` (with ``al``, no ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages,
+#: ``_e<S>`` then the format's own ``sink_tokens``.
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
@@ -242,7 +243,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         )
     if m["tq"]:
         assert klt is not None  # checked above
-        fmt = cfg.default.with_(key_mode="klt", key_code_bytes=klt.key_bytes)
+        fmt = cfg.default.with_(key_mode="klt", key_code_bytes=klt.key_bytes, sink_tokens=sinks)
         notes.append("stored by the product's klt format (codec.klt), decoded from the pages")
         if not CALIBRATION:
             raise SystemExit("KLT-key rows need the calibration capture (main() computes it)")
@@ -254,7 +255,6 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             "; ".join(n for n in notes if n),
             backend,
             centers=CENTERS if m["c"] else None,
-            sink_tokens=sinks,
             key_transforms=[to_key_transform(layer, MODEL_ROTARY[0]) for layer in layers],
         )
     return F.Variant(
@@ -421,7 +421,9 @@ def key_coder_family(name: str) -> str | None:
     if m is None:
         return None
     return (
-        "transform-coded keys, pre-RoPE KLT (harness only)"
+        "transform-coded keys, pre-RoPE KLT (key_mode klt, reference path)"
+        if m["ln"] and m["tq"]
+        else "transform-coded keys, pre-RoPE KLT (harness only)"
         if m["ln"]
         else "split keys (harness only)"
         if m["xn"]

@@ -12,7 +12,8 @@ Schema (every key optional; unknown keys are errors)::
     values: {mode: group, bits: 3, group_size: 64}
     norm_dtype: float16
     rotation: auto                                # auto | hadamard | dense
-    buffer: {recent_tokens: 128, window: block, flush_chunk: 64}   # window: block (own block exact) | sliding
+    buffer: {recent_tokens: 128, window: block, flush_chunk: 64}   # window: block (own block exact) | sliding;
+                                                  # sink_tokens: S first positions always read exactly
     seed: 0
     layers: {keep_fp16_first: 0, keep_fp16_last: 0, overrides: {5: {keys: {bits: 4}}}}
     reproducible: false                           # vLLM: greedy outputs independent of batch, chunking, preemption
@@ -54,7 +55,12 @@ _TOP_KEYS = {
 }
 _KEY_KEYS = {"mode": "key_mode", "bits": "key_bits", "codebook": "key_codebook", "code_bytes": "key_code_bytes"}
 _VALUE_KEYS = {"mode": "value_mode", "bits": "value_bits", "group_size": "value_group"}
-_BUFFER_KEYS = {"recent_tokens": "buffer_tokens", "window": "window", "flush_chunk": "flush_chunk"}
+_BUFFER_KEYS = {
+    "recent_tokens": "buffer_tokens",
+    "window": "window",
+    "flush_chunk": "flush_chunk",
+    "sink_tokens": "sink_tokens",
+}
 _LAYER_KEYS = {"keep_fp16_first", "keep_fp16_last", "overrides"}
 _FORMAT_SECTIONS = {"keys", "values", "norm_dtype", "rotation", "buffer", "seed"}
 MAX_LAYERS = 4096  # more than any model has: a larger keep_fp16_* count is a typo, not a policy

@@ -129,7 +129,8 @@ class KVFormat:
     ``flush_chunk`` is the batch in which the simulated baselines of the fidelity harness quantize their buffer (the
     paged cache does not use it). ``key_mode: klt`` codes each key before RoPE by a calibrated per-head transform
     (``codec.klt``) into ``key_code_bytes`` bytes at head dim 128 (in proportion at other head dims); the transform
-    comes from a calibration file, not from the format.
+    comes from a calibration file, not from the format. ``sink_tokens`` (S): the first S positions of a sequence are
+    also kept exact (an attention sink: its key is atypical) and every query reads them exactly.
     """
 
     key_mode: KeyMode = "mse"
@@ -145,6 +146,7 @@ class KVFormat:
     flush_chunk: int = 64
     seed: int = 0
     key_code_bytes: int = 0
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name, choices in (
@@ -162,6 +164,7 @@ class KVFormat:
         _check_int("buffer_tokens", self.buffer_tokens, 0, 1 << 24)
         _check_int("flush_chunk", self.flush_chunk, 1, 1 << 24)
         _check_int("seed", self.seed, 0, 2**63 - 1)
+        _check_int("sink_tokens", self.sink_tokens, 0, 1 << 16)
         if self.key_mode == "klt":
             _check_int("key_code_bytes", self.key_code_bytes, 1, KEY_CODE_REFERENCE_DIM * MAX_BITS // 8)
         elif self.key_code_bytes:
@@ -313,7 +316,7 @@ class KVFormat:
         """Bytes one sequence of ``tokens`` tokens takes per KV head: every token compressed + the exact ring."""
         if self.is_passthrough:
             return tokens * fp16_bytes_per_token(head_dim)
-        exact = min(tokens, self.buffer_tokens)  # the ring holds the last R (block mode reads fewer of them)
+        exact = min(tokens, self.buffer_tokens) + min(tokens, self.sink_tokens)  # the ring's last R, the sink's first S
         return tokens * self.bytes_per_token(head_dim) + exact * 2 * head_dim * buffer_element_bytes
 
 
@@ -527,6 +530,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
 
 def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     """Why no kernel handles ``layout`` (None when one does)."""
+    if layout.fmt.sink_tokens:
+        return "sink_tokens (the first positions read exactly by every query) are served by the reference path"
     if layout.fmt.key_mode == "klt":
         return "key_mode 'klt' (keys decoded through a calibrated transform and RoPE) is served by the reference path"
     if layout.fmt.value_mode == "mse":

@@ -73,7 +73,8 @@ class PagedKV:
 
     Sequence b attends to positions [0, compressed_lens[b]) read from ``pages`` through
     ``block_table[b]``, plus ``recent_lens[b]`` uncompressed tokens in rows [0, recent_lens[b]) of
-    ``recent_k/recent_v[recent_index[b]]`` (order inside the buffer does not matter to attention).
+    ``recent_k/recent_v[recent_index[b]]`` (order inside the buffer does not matter to attention). With
+    ``fmt.sink_tokens`` S, positions < S of the compressed part are read from ``sink_k/sink_v[b]`` instead.
     """
 
     pages: torch.Tensor  # uint8 [num_blocks, H, page_bytes]
@@ -85,6 +86,8 @@ class PagedKV:
     recent_index: torch.Tensor  # int32 [B]
     layout: PagedLayout
     codec: KVCodec
+    sink_k: torch.Tensor | None = None  # [B, H, S, D]: exact copies of positions < S (``fmt.sink_tokens``)
+    sink_v: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

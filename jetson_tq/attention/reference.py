@@ -17,6 +17,7 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ShapeError, expect_float, expect_same_device
 from ..format import exact_start
@@ -52,12 +53,32 @@ def history_scores_and_values(qg: torch.Tensor, kv: PagedKV) -> tuple[torch.Tens
     rec_k = kv.recent_k[kv.recent_index.long(), :, :nb].float()
     rec_v = kv.recent_v[kv.recent_index.long(), :, :nb].float()
     s_buf = qg @ rec_k.unsqueeze(2).transpose(-1, -2)
-    mask_c = torch.arange(nc, device=qg.device).unsqueeze(0) >= comp_lens.unsqueeze(1)  # [B, nc]
+    sinks = _sink_count(kv)
+    mask_c = (cpos.unsqueeze(0) >= comp_lens.unsqueeze(1)) | (cpos.unsqueeze(0) < sinks)  # [B, nc]
     mask_b = torch.arange(nb, device=qg.device).unsqueeze(0) >= rec_lens.unsqueeze(1)
     s_comp = s_comp.masked_fill(mask_c[:, None, None, None, :], float("-inf"))
     s_buf = s_buf.masked_fill(mask_b[:, None, None, None, :], float("-inf"))
-    values = torch.cat([codec.decode_values(fields), rec_v], dim=2)
-    return torch.cat([s_comp, s_buf], dim=-1), values
+    scores, values = [s_comp, s_buf], [codec.decode_values(fields), rec_v]
+    if sinks:
+        s_sink, v_sink = _sink_candidates(qg, kv, comp_lens)
+        scores.append(s_sink)
+        values.append(v_sink)
+    return torch.cat(scores, dim=-1), torch.cat(values, dim=2)
+
+
+def _sink_count(kv: PagedKV) -> int:
+    """S: positions < S are read exactly from the sink copy (``fmt.sink_tokens``; 0 without one)."""
+    return 0 if kv.sink_k is None else kv.sink_k.shape[2]
+
+
+def _sink_candidates(qg: torch.Tensor, kv: PagedKV, comp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unscaled scores [B, Hkv, G, T, S] against the sink copy, -inf past each sequence's compressed part (younger
+    positions are still in the ring), and its values [B, Hkv, S, D]."""
+    assert kv.sink_k is not None and kv.sink_v is not None  # callers check _sink_count first
+    sk, sv = kv.sink_k.float(), kv.sink_v.float()
+    s = qg @ sk.unsqueeze(2).transpose(-1, -2)
+    stale = torch.arange(sk.shape[2], device=qg.device).unsqueeze(0) >= comp_lens.unsqueeze(1)  # [B, S]
+    return s.masked_fill(stale[:, None, None, None, :], float("-inf")), sv
 
 
 def _finish(scores: torch.Tensor, values: torch.Tensor, out_shape, dtype) -> torch.Tensor:
@@ -135,7 +156,8 @@ def paged_attention_prefill(
     s_comp = codec.key_scores(
         q_rot, q_sketch, {n: f.unsqueeze(2) for n, f in fields.items()}, cpos, 1
     )  # [B,Hkv,G,T,nc]
-    ok_comp = cpos[None, None, :] < oldest_exact[:, :, None]  # [B, T, nc]
+    sinks = _sink_count(kv)
+    ok_comp = (cpos[None, None, :] < oldest_exact[:, :, None]) & (cpos[None, None, :] >= sinks)  # [B, T, nc]
     # exact candidates: the ring (history) and the chunk itself
     rpos = _ring_positions(kv, dev)  # [B, R]
     rk = kv.recent_k[kv.recent_index.long()].float()  # [B, Hkv, R, D]
@@ -146,16 +168,22 @@ def paged_attention_prefill(
     s_exact = qg @ ek.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, R + T]
     ok_exact = (
         (epos[:, None, :] >= 0)
-        & (epos[:, None, :] >= oldest_exact[:, :, None])
+        & ((epos[:, None, :] >= oldest_exact[:, :, None]) | (epos[:, None, :] < sinks))
         & (epos[:, None, :] <= qpos[:, :, None])
     )
     s_comp = s_comp.masked_fill(~ok_comp[:, None, None], float("-inf")) * scale
     s_exact = s_exact.masked_fill(~ok_exact[:, None, None], float("-inf")) * scale
+    scores, values = [s_comp, s_exact], [codec.decode_values(fields), ev]
+    if sinks:
+        s_sink, v_sink = _sink_candidates(qg, kv, kv.compressed_lens.long().to(dev))
+        scores.append(s_sink * scale)
+        values.append(v_sink)
     if attn_mask is not None:
         add_c, add_e = _positional_mask(attn_mask, hist, t, epos, qg.shape)
-        s_comp, s_exact = s_comp + add_c, s_exact + add_e
-    values = torch.cat([codec.decode_values(fields), ev], dim=2)
-    out = _finish(torch.cat([s_comp, s_exact], dim=-1), values, q.shape, torch.float32)
+        scores[0], scores[1] = scores[0] + add_c, scores[1] + add_e
+        if sinks:  # sink copy j carries the mask of position j (positions past the mask's reach are stale anyway)
+            scores[2] = scores[2] + F.pad(add_c[..., :sinks], (0, max(0, sinks - add_c.shape[-1])))
+    out = _finish(torch.cat(scores, dim=-1), torch.cat(values, dim=2), q.shape, torch.float32)
     return (out.nan_to_num(0.0) if attn_mask is not None else out).to(q.dtype)
 
 

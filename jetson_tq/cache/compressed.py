@@ -102,6 +102,9 @@ class CompressedKVCache:
         self.codec = KVCodec(fmt, head_dim, seed, raw_dtype=raw_dtype, key_transform=key_transform)
         self.ring_k = torch.zeros(ring_shape, dtype=dtype, device=self.device)
         self.ring_v = torch.zeros(ring_shape, dtype=dtype, device=self.device)
+        sink_shape = (batch_size, num_kv_heads, fmt.sink_tokens, head_dim)
+        self.sink_k = torch.zeros(sink_shape, dtype=dtype, device=self.device) if fmt.sink_tokens else None
+        self.sink_v = torch.zeros(sink_shape, dtype=dtype, device=self.device) if fmt.sink_tokens else None
         i32: dict[str, Any] = dict(dtype=torch.int32, device=self.device)
         self._lens = torch.zeros(batch_size, **i32)  # tokens per sequence: the truth, on the device
         self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
@@ -148,7 +151,17 @@ class CompressedKVCache:
         j = torch.arange(blocks_per_seq, device=self.device, dtype=torch.int32).unsqueeze(0)
         table = b * blocks_per_seq + j
         self._view = PagedKV(
-            self.pages, table, self._comp, self.ring_k, self.ring_v, self._rec, self._rows, self.layout, self.codec
+            self.pages,
+            table,
+            self._comp,
+            self.ring_k,
+            self.ring_v,
+            self._rec,
+            self._rows,
+            self.layout,
+            self.codec,
+            self.sink_k,
+            self.sink_v,
         )
 
     def reserve(self, tokens: int) -> None:
@@ -261,14 +274,16 @@ class CompressedKVCache:
 
     def nbytes(self) -> int:
         """Bytes of real tensor storage this cache holds (allocated, not only used)."""
-        return sum(t.untyped_storage().nbytes() for t in (self.pages, self.ring_k, self.ring_v))
+        held = (self.pages, self.ring_k, self.ring_v, *(t for t in (self.sink_k, self.sink_v) if t is not None))
+        return sum(t.untyped_storage().nbytes() for t in held)
 
     def used_bytes(self) -> int:
-        """Bytes the stored tokens occupy: every token at the format's size plus the exact ring copies."""
+        """Bytes the stored tokens occupy: every token at the format's size plus the exact ring and sink copies."""
         per_token = self.fmt.bytes_per_token(self.head_dim) * self.num_kv_heads
         exact = 2 * self.head_dim * self.ring_k.element_size() * self.num_kv_heads
         held = self.lengths.clamp(max=self.recent_window)  # the ring holds the last R (block mode reads fewer)
-        return int(self.lengths.sum()) * per_token + int(held.sum()) * exact
+        sinks = self.lengths.clamp(max=self.fmt.sink_tokens)
+        return int(self.lengths.sum()) * per_token + int(held.sum() + sinks.sum()) * exact
 
     # ------------------------------------------------------------------ write path
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
@@ -332,6 +347,8 @@ class CompressedKVCache:
             if guard is None:
                 self._validate(k, v, rows)
             self._make_room(rows, t)
+        if commit and self.sink_k is not None:
+            self._keep_sinks(rows, k, v)
         self._put_rows(rows, k, v, stage, commit, guard)
         if commit:
             if _capturing(self._lens):
@@ -340,6 +357,17 @@ class CompressedKVCache:
                 self._host_lens[rows.start : rows.stop] += t
         if guard is not None and stage:
             self._checked_write_issued(block=not commit and check_now)  # staging feeds prefill: raise now (check)
+
+    def _keep_sinks(self, rows: range, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Exact copies of the tokens k, v [nb, H, T, D] that land on positions < ``fmt.sink_tokens`` (formats with a
+        sink are served by the reference path: the lengths are read on the host)."""
+        assert self.sink_k is not None and self.sink_v is not None  # the format has a sink
+        s, t = self.sink_k.shape[2], k.shape[2]
+        for i, start in enumerate(self.lengths[rows.start : rows.stop].tolist()):
+            n = min(t, s - int(start))
+            if n > 0:
+                self.sink_k[rows.start + i, :, start : start + n] = k[i, :, :n].to(self.dtype)
+                self.sink_v[rows.start + i, :, start : start + n] = v[i, :, :n].to(self.dtype)
 
     def _slots_out(self, n: int, device_capturing: bool) -> torch.Tensor | None:
         """A reused int64 buffer for ``n`` page slots (eager calls: no allocation per append; the calls of one stream

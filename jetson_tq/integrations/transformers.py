@@ -178,7 +178,8 @@ class TurboQuantLayer(CacheLayerMixin):
             key_transform=self.key_transform,
         )
         factory = HISTORY_BACKENDS.get(self.backend) if self.backend is not None else None
-        self.decoded = factory(self.store, self.sink_tokens) if factory is not None else None
+        sinks = max(self.sink_tokens, self.fmt.sink_tokens)
+        self.decoded = factory(self.store, sinks) if factory is not None else None
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

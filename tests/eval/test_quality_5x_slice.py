@@ -1,5 +1,6 @@
 """CI slice of issue 22's harness (docs/fidelity.md, "Quality at 5x") on the real SmolLM2-135M: the 102 B rows built by
 ``benchmarks/fidelity.py``'s own row grammar, calibrated on the essays' end, scored on Newton's Opticks (held out).
+The transform-coded row is the product's ``key_mode: klt`` format (``_tq``: codes stored in the pages, read back).
 
 Full run (4 x 1,024 tokens, 3 seeds): KL 0.0048 transform-coded keys, 0.0100 split keys, 0.0169 the 122 B default.
 On this 2 x 512-token slice the order must hold with margin, and the transform-coded row must stay near the
@@ -15,15 +16,16 @@ import torch
 
 from jetson_tq.config import load_config
 from jetson_tq.eval import fidelity as F
+from jetson_tq.eval.calibrate_keys import model_rotary
 from jetson_tq.eval.decoded_history import CodedKeyLayer
-from jetson_tq.eval.klt_keys import KLTKeyHistory, rope_theta
+from jetson_tq.eval.klt_keys import rope_theta
 from jetson_tq.eval.split_keys import SplitKeyHistory
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import opticks_text
 
 pytestmark = pytest.mark.slow  # the real model on CPU, with calibration: a few minutes on 2 cores
 
-KLT, SPLIT = "kl52alv3m_b256_c_e1", "kx64h4l2v3m_b256_c_e1"
+KLT, SPLIT = "kl52alv3m_b256_c_e1_tq", "kx64h4l2v3m_b256_c_e1"
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +35,13 @@ def harness(tmp_path_factory):
     torch.manual_seed(0)
     model, tok = load_smollm2()
     bf.HEAD_DIM, bf.ROPE_THETA = F.model_shape(model)[1], rope_theta(model.config)
+    bf.MODEL_ROTARY[:] = [model_rotary(model)]
     bf.CENTERS[:] = bf.load_centers(Path(tmp_path_factory.mktemp("centers")) / "c.safetensors", model, tok)
     bf.CALIBRATION[:] = bf.calibration_capture(model, tok)
     yield bf, model, tok
     bf.CENTERS.clear()
     bf.CALIBRATION.clear()
+    bf.MODEL_ROTARY.clear()
 
 
 def test_transform_coded_keys_lead_on_held_out_text(harness):
@@ -55,18 +59,24 @@ def test_transform_coded_keys_lead_on_held_out_text(harness):
     assert kl[KLT] < 0.75 * kl[SPLIT] < 0.75 * kl["mse_k4v3"], kl
     assert stats[KLT]["top1"] >= 0.93 and stats[KLT]["ppl"] < stats["reference"]["ppl"] * 1.02, stats
 
-    # the coded-key rows really read their own key coders (one shared layer wrapper)
-    for name, history in ((KLT, KLTKeyHistory), (SPLIT, SplitKeyHistory)):
-        cache = rows[name].make_cache(model)
-        with torch.no_grad():
-            model(windows[:1, :300], past_key_values=cache)
-        coded = [layer for layer in cache.layers if isinstance(layer, CodedKeyLayer)]
-        assert len(coded) == n_layers and all(isinstance(layer.decoded, history) for layer in coded)
+    # split keys read their own key coder (the shared layer wrapper); KLT keys are the product format's stored codes
+    cache = rows[SPLIT].make_cache(model)
+    with torch.no_grad():
+        model(windows[:1, :300], past_key_values=cache)
+    coded = [layer for layer in cache.layers if isinstance(layer, CodedKeyLayer)]
+    assert len(coded) == n_layers and all(isinstance(layer.decoded, SplitKeyHistory) for layer in coded)
+    cache = rows[KLT].make_cache(model)
+    with torch.no_grad():
+        model(windows[:1, :300], past_key_values=cache)
+    stores = [layer.store for layer in cache.layers]
+    assert all(s is not None and s.fmt.key_mode == "klt" and s.codec.key_coder is not None for s in stores)
+    assert all(s.compressed_fields(1)["key_code"].shape[-1] == 26 for s in stores)  # 52 B at D=128 = 26 B at D=64
 
 
 def test_key_coder_rows_have_their_own_plot_family():
     """The frontier plot shows split and transform-coded keys as their own series (harness-only formats)."""
     import benchmarks.fidelity as bf
 
-    assert "KLT" in bf.key_coder_family(KLT) and "split" in bf.key_coder_family(SPLIT)
+    assert "key_mode klt" in bf.key_coder_family(KLT) and "harness only" in bf.key_coder_family(KLT[:-3])
+    assert "split" in bf.key_coder_family(SPLIT)
     assert bf.key_coder_family("k3v3g128_b256") is None and bf.key_coder_family("mse_k4v3") is None

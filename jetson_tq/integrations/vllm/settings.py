@@ -47,10 +47,10 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=8)
 def _load(name: str) -> TurboQuantConfig:
     cfg = load_config(name)
-    if cfg.needs_key_transform:
+    if cfg.needs_key_transform or any(f.sink_tokens for f in cfg.named_formats):
         raise ConfigError(
-            f"config {cfg.name!r}: transform-coded keys (keys.mode klt) are served by TurboQuantCache (transformers), "
-            f"not yet inside vLLM; pick another config for vLLM"
+            f"config {cfg.name!r}: transform-coded keys (keys.mode klt) and exact sink tokens (buffer.sink_tokens) "
+            f"are served by TurboQuantCache (transformers), not yet inside vLLM; pick another config for vLLM"
         )
     return cfg
 

@@ -136,3 +136,27 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     assert torch.isfinite(logits).all()
     assert main([*argv[:5], "--windows", "9", "--out", str(out)]) == 2  # too few tokens: a usage error
     assert "needed" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", [KLT.with_(sink_tokens=2), KVFormat(buffer_tokens=16, sink_tokens=3)])
+def test_format_sink_is_read_exactly_on_every_path(fmt):
+    """``sink_tokens``: the reference path (codes decoded per call, the sink copy scored exactly) equals the
+    cpu-decoded history's sink lever, for any chunking; without it the result differs."""
+    model = _model()
+    spread = [spread_transform(2, 32, KLT.key_code_bits(32))] * 3 if fmt.key_mode == "klt" else None
+    cfg = TurboQuantConfig(name="sink", default=fmt)
+    ids = torch.randint(0, 256, (2, 60))
+    want = _chunked(model, TurboQuantCache(model, cfg, backend="cpu-decoded", key_transforms=spread), ids, 60)
+    for chunk in (60, 7, 1):
+        got = _chunked(model, TurboQuantCache(model, cfg, backend="reference", key_transforms=spread), ids, chunk)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    plain = TurboQuantConfig(name="plain", default=fmt.with_(sink_tokens=0))
+    other = _chunked(model, TurboQuantCache(model, plain, backend="reference", key_transforms=spread), ids, 60)
+    assert (other[:, 20:] - want[:, 20:]).abs().max() > 1e-3
+    cache = TurboQuantCache(model, cfg, backend="reference", key_transforms=spread)
+    _chunked(model, cache, ids, 60)
+    store = cache.layers[0].store
+    assert store.sink_k.shape == (2, 2, fmt.sink_tokens, 32) and bool(store.sink_k.abs().sum() > 0)
+    exact_row = 2 * 32 * 4 * 2  # K and V, fp32 model, 2 KV heads
+    assert store.used_bytes() == 2 * 60 * 2 * fmt.bytes_per_token(32) + 2 * (16 + fmt.sink_tokens) * exact_row
