@@ -78,5 +78,21 @@ def _run(args: argparse.Namespace) -> int:
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
     transforms = calibrate_model(model, rows, args.key_bytes, lambda msg: print(f"  {msg}", file=sys.stderr))
     write_calibration(out, transforms, args.key_bytes, name, args.text, need)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB); name it as key_transform in a klt config")
+    config = out.with_suffix(".yaml")
+    config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name))
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) and its config {config}")
+    print(f"use it: TurboQuantCache(model, {str(config)!r})")
     return 0
+
+
+def config_yaml(name: str, key_bytes: int, transform_file: str, model: str) -> str:
+    """The config of the measured 5x recipe (docs/fidelity.md, "Quality at 5x") around a calibration file: klt keys,
+    3-bit TurboQuant_mse values, the own 256-token block and position 0 exact."""
+    return (
+        f"name: {name}\n"
+        f"description: transform-coded keys calibrated for {model} (python -m jetson_tq calibrate)\n"
+        f"keys: {{mode: klt, code_bytes: {key_bytes}}}\n"
+        "values: {mode: mse, bits: 3}\n"
+        "buffer: {recent_tokens: 256, window: block, sink_tokens: 1}\n"
+        f"key_transform: {transform_file}\n"
+    )

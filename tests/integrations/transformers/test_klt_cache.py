@@ -122,7 +122,11 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     out = tmp_path / "kt.pt"
     argv = ["calibrate", "--model", str(model_dir), "--text", str(text), "--windows", "2", "--window-len", "256"]
     assert main([*argv, "--out", str(out), "--key-bytes", "40"]) == 0
-    assert f"wrote {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and str(tmp_path / "kt.yaml") in printed
+    written = load_config(tmp_path / "kt.yaml")
+    assert written.default.key_code_bytes == 40 and written.default.sink_tokens == 1
+    assert written.key_transform == str(out)
     layers, meta = load_transforms(out)
     assert len(layers) == 2 and meta["key_code_bytes"] == 40 and meta["tokens"] == 512
     assert all(t is not None and t.code_bits == 40 * 8 * 32 // 128 for t in layers)
