@@ -35,8 +35,8 @@ from .format import FP16_FORMAT, KVFormat
 
 CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
 #: Chosen from docs/fidelity.md: on held-out essays / Opticks +1.44 % / +1.27 % PPL at 122 B/token/head (D=128, 4.2x),
-#: own-block window. The 5x preset ``mse_k3v3w256`` (102 B) costs +1.11 % / +2.35 %, so it is not the default
-#: (issue 22).
+#: own-block window, served by every path. The 5x preset ``kl52_smollm2`` (102 B, +0.10 % / +0.63 %) needs a per-model
+#: calibration and runs on the reference path only (no kernel, no vLLM yet), so it is not the default (issue 22).
 DEFAULT_PRESET = "mse_k4v3"
 
 _TOP_KEYS = {
