@@ -202,7 +202,8 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
 #: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian;
 #: ``_tq`` (with ``al``, no ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages,
-#: ``_e<S>`` then the format's own ``sink_tokens``.
+#: ``_e<S>`` then the format's own ``sink_tokens``, and the calibration leaves out exactly those S positions (as
+#: ``python -m jetson_tq calibrate --sink-tokens S`` does).
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
@@ -247,7 +248,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         notes.append("stored by the product's klt format (codec.klt), decoded from the pages")
         if not CALIBRATION:
             raise SystemExit("KLT-key rows need the calibration capture (main() computes it)")
-        layers = calibrate_klt(klt, CALIBRATION, HEAD_DIM, ROPE_THETA, rotary=MODEL_ROTARY[0])
+        layers = calibrate_klt(klt, CALIBRATION, HEAD_DIM, ROPE_THETA, skip=sinks, rotary=MODEL_ROTARY[0])
         return F.Variant(
             name,
             "levers",

@@ -29,6 +29,12 @@ def register(sub) -> None:
     p.add_argument(
         "--key-bytes", type=positive_int, default=DEFAULT_KEY_BYTES, help="key code bytes at head dim 128 (default 52)"
     )
+    p.add_argument(
+        "--sink-tokens",
+        type=int,
+        default=0,
+        help="first positions the config keeps exact (0, the default, fits them into the transform instead)",
+    )
     p.add_argument("--out", help=f"output file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt)")
     p.set_defaults(func=_run)
 
@@ -66,6 +72,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--key-bytes {args.key_bytes}: at most {KEY_CODE_REFERENCE_DIM * MAX_BITS // 8}")
     if args.window_len < 256:
         raise ConfigError(f"--window-len {args.window_len}: expected >= 256 tokens")
+    if not 0 <= args.sink_tokens < args.window_len // 2:
+        raise ConfigError(f"--sink-tokens {args.sink_tokens}: expected 0 <= S < window-len / 2")
     from ..eval.calibrate_keys import calibrate_model, write_calibration
 
     model, tok, name = _load(args.model)
@@ -76,23 +84,24 @@ def _run(args: argparse.Namespace) -> int:
     rows = ids[-need:].reshape(args.windows, args.window_len)
     out = Path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt").expanduser()
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
-    transforms = calibrate_model(model, rows, args.key_bytes, lambda msg: print(f"  {msg}", file=sys.stderr))
-    write_calibration(out, transforms, args.key_bytes, name, args.text, need)
+    say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
+    transforms = calibrate_model(model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens)
+    write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens)
     config = out.with_suffix(".yaml")
-    config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name))
+    config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name, args.sink_tokens))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) and its config {config}")
     print(f"use it: TurboQuantCache(model, {str(config)!r})")
     return 0
 
 
-def config_yaml(name: str, key_bytes: int, transform_file: str, model: str) -> str:
+def config_yaml(name: str, key_bytes: int, transform_file: str, model: str, sink_tokens: int = 0) -> str:
     """The config of the measured 5x recipe (docs/fidelity.md, "Quality at 5x") around a calibration file: klt keys,
-    3-bit TurboQuant_mse values, the own 256-token block and position 0 exact."""
+    3-bit TurboQuant_mse values, the own 256-token block exact (and the first ``sink_tokens`` positions)."""
     return (
         f"name: {name}\n"
         f"description: transform-coded keys calibrated for {model} (python -m jetson_tq calibrate)\n"
         f"keys: {{mode: klt, code_bytes: {key_bytes}}}\n"
         "values: {mode: mse, bits: 3}\n"
-        "buffer: {recent_tokens: 256, window: block, sink_tokens: 1}\n"
+        f"buffer: {{recent_tokens: 256, window: block, sink_tokens: {sink_tokens}}}\n"
         f"key_transform: {transform_file}\n"
     )

@@ -59,9 +59,12 @@ def calibrate_model(
     ids: torch.Tensor,
     code_bytes: int,
     progress: Callable[[str], None] | None = None,
+    sink_tokens: int = 0,
 ) -> list[KeyTransform]:
     """Per layer the key transform of ``model`` for klt keys of ``code_bytes`` bytes at head dim 128, fitted on token
-    ids [rows, T] (each row one calibration window from position 0)."""
+    ids [rows, T] (each row one calibration window from position 0). Positions < ``sink_tokens`` are left out (a
+    format that keeps them exact never codes them); with none, the first position's atypical key is fitted too, which
+    is what lets a format without a sink code it well (docs/fidelity.md, "The 5x preset")."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     check_model_supported(config)
     if ids.dim() != 2 or ids.shape[1] < 256:
@@ -76,17 +79,24 @@ def calibrate_model(
     say(f"captured {len(caps)} layers over {ids.numel():,} tokens in {time.monotonic() - t0:.1f} s")
     out = []
     for i, cap in enumerate(caps):
-        layer = calibrate(spec, [cap], head_dim, 0.0, rotary=rotary)[0]
+        layer = calibrate(spec, [cap], head_dim, 0.0, skip=sink_tokens, rotary=rotary)[0]
         out.append(to_key_transform(layer, rotary))
         say(f"layer {i + 1}/{len(caps)} calibrated ({time.monotonic() - t0:.1f} s)")
     return out
 
 
 def write_calibration(
-    path: str | Path, transforms: list[KeyTransform], code_bytes: int, model_name: str, text_name: str, tokens: int
+    path: str | Path,
+    transforms: list[KeyTransform],
+    code_bytes: int,
+    model_name: str,
+    text_name: str,
+    tokens: int,
+    sink_tokens: int = 0,
 ) -> None:
     """Save ``transforms`` with what they were fitted on."""
     meta = {
+        "sink_tokens": sink_tokens,
         "model": model_name,
         "text": text_name,
         "tokens": tokens,

@@ -41,7 +41,7 @@ from ...format import KVFormat, PagedLayout, exact_count
 from ...paged import PagedKV
 from . import hooks
 from .flash import prefill_varlen
-from .settings import active_config, preferred_block_size, reproducible
+from .settings import active_config, layer_key_transform, preferred_block_size, reproducible
 
 if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
@@ -353,6 +353,12 @@ class TurboQuantAttentionImpl(AttentionImpl):
         if self.layer_name == layer_name and self.layout is not None:
             return
         fmt, index = self.pick_format(layer_name, vllm_config)
+        device = torch.device(cast("torch.device | str", vllm_config.device_config.device))
+        if device.type == "cuda" and fmt.key_mode == "klt":
+            raise UnsupportedPlatformError(
+                "transform-coded keys (keys.mode klt) run inside vLLM on its CPU backend only: no Triton kernel serves "
+                "them yet (use TurboQuantCache on the GPU, or another config)"
+            )
         block_size, page_stride = hooks.model_plan(vllm_config)[layer_name]
         dtype = cast(torch.dtype, vllm_config.model_config.dtype)  # a torch.dtype once vLLM resolved the config
         self.set_format(fmt, index, block_size, dtype, page_stride)
@@ -364,7 +370,10 @@ class TurboQuantAttentionImpl(AttentionImpl):
         """Use ``fmt`` for this layer (codec seeded per layer index; raw fields in the model's 16-bit dtype)."""
         self.layout = layout_for(fmt, self.head_size, block_size, page_stride)
         raw = model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.float16
-        self.codec = KVCodec(fmt, self.head_size, seed=derive_seed(fmt.seed, index), raw_dtype=raw)
+        transform = layer_key_transform(index) if fmt.key_mode == "klt" else None
+        self.codec = KVCodec(
+            fmt, self.head_size, seed=derive_seed(fmt.seed, index), raw_dtype=raw, key_transform=transform
+        )
         self.fmt = fmt
         self.index = index
         self._checked_pages = False
@@ -471,7 +480,26 @@ class TurboQuantAttentionImpl(AttentionImpl):
     ) -> None:
         n = min(key.shape[0], slot_mapping.shape[0])
         assert self.layout is not None and self.codec is not None  # configure() ran
-        ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec)
+        positions = self._write_positions(n, key.device) if self.codec.key_coder is not None else None
+        ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec, positions=positions)
+
+    def _write_positions(self, n: int, device: torch.device) -> torch.Tensor:
+        """Each written token's position in its request (klt keys are coded at it), from the step's metadata; zeros
+        in the profile run (no metadata: nothing is kept)."""
+        from vllm.forward_context import get_forward_context
+
+        raw = get_forward_context().attn_metadata
+        per_layer = (raw[0] if isinstance(raw, list) else raw) or {}
+        md = per_layer.get(self.layer_name) if self.layer_name is not None else None
+        if not isinstance(md, TurboQuantMetadata):
+            return torch.zeros(n, dtype=torch.int64, device=device)
+        qsl = md.query_start_loc
+        q_lens = np.diff(qsl)
+        req = np.repeat(np.arange(md.num_reqs), q_lens)
+        pos = md.context_lens[req] + (np.arange(req.size) - qsl[req])
+        out = np.zeros(n, dtype=np.int64)
+        out[: min(n, pos.size)] = pos[:n]
+        return torch.from_numpy(out).to(device)
 
     # ---------------------------------------------------------------- read path
     def _paged(self, pages, block_table, comp, rec, rows) -> PagedKV:

@@ -14,6 +14,7 @@ import functools
 import math
 import os
 
+from ...codec.klt import KeyTransform, load_transforms
 from ...config import TurboQuantConfig, load_config
 from ...errors import ConfigError
 
@@ -47,10 +48,11 @@ def enabled() -> bool:
 @functools.lru_cache(maxsize=8)
 def _load(name: str) -> TurboQuantConfig:
     cfg = load_config(name)
-    if cfg.needs_key_transform or any(f.sink_tokens for f in cfg.named_formats):
+    if any(f.sink_tokens for f in cfg.named_formats):
         raise ConfigError(
-            f"config {cfg.name!r}: transform-coded keys (keys.mode klt) and exact sink tokens (buffer.sink_tokens) "
-            f"are served by TurboQuantCache (transformers), not yet inside vLLM; pick another config for vLLM"
+            f"config {cfg.name!r}: exact sink tokens (buffer.sink_tokens) are served by TurboQuantCache "
+            f"(transformers), not yet inside vLLM, whose prefix cache shares pages between requests; pick another "
+            f"config for vLLM"
         )
     return cfg
 
@@ -61,6 +63,22 @@ def active_config() -> TurboQuantConfig:
     if name is None:
         raise ConfigError(f"{ENV_CONFIG} is not set: jetson-tq's vLLM backend is off")
     return _load(name)
+
+
+@functools.lru_cache(maxsize=4)
+def _transforms(path: str) -> list:
+    return load_transforms(path)[0]
+
+
+def layer_key_transform(index: int) -> KeyTransform:
+    """The active config's calibrated key transform of layer ``index`` (klt keys; ConfigError when it has none)."""
+    cfg = active_config()
+    if not cfg.key_transform:
+        raise ConfigError(f"config {cfg.name!r} codes keys by a calibrated transform but names no key_transform file")
+    layers = _transforms(cfg.key_transform)
+    if index >= len(layers) or layers[index] is None:
+        raise ConfigError(f"{cfg.key_transform}: no key transform for layer {index} ({len(layers)} layers calibrated)")
+    return layers[index]
 
 
 def _ringed(cfg: TurboQuantConfig) -> list:

@@ -82,14 +82,29 @@ def test_named_errors(tmp_path):
         model_rotary(dynamic)
 
 
-def test_vllm_refuses_klt_configs(tmp_path, monkeypatch):
+def test_vllm_settings_for_klt_configs(tmp_path, monkeypatch):
+    """vLLM takes klt keys (its transforms from the config's file, by layer) but refuses sink tokens by name."""
+    from jetson_tq.codec.klt import save_transforms
     from jetson_tq.integrations.vllm import settings
 
-    yaml = tmp_path / "k.yaml"
-    yaml.write_text("keys: {mode: klt, code_bytes: 52}\nkey_transform: none.pt\n")
+    sink = tmp_path / "s.yaml"
+    sink.write_text("keys: {mode: klt, code_bytes: 52}\nbuffer: {sink_tokens: 1}\nkey_transform: kt.pt\n")
     settings._load.cache_clear()
-    with pytest.raises(ConfigError, match="not yet inside vLLM"):
-        settings._load(str(yaml))
+    with pytest.raises(ConfigError, match="sink tokens"):
+        settings._load(str(sink))
+    klt = tmp_path / "k.yaml"
+    klt.write_text("keys: {mode: klt, code_bytes: 52}\nkey_transform: kt.pt\n")
+    monkeypatch.setenv(settings.ENV_CONFIG, str(klt))
+    settings._load.cache_clear()
+    with pytest.raises(ConfigError, match="not found"):
+        settings.layer_key_transform(0)
+    save_transforms(tmp_path / "kt.pt", [spread_transform(2, 32, 104), None], {})
+    settings._transforms.cache_clear()
+    assert settings.layer_key_transform(0).code_bits == 104
+    with pytest.raises(ConfigError, match="no key transform for layer 1"):
+        settings.layer_key_transform(1)
+    settings._load.cache_clear()
+    settings._transforms.cache_clear()
 
 
 @pytest.mark.slow
@@ -101,7 +116,7 @@ def test_calibrated_product_codes_reproduce_the_eval_coder():
     transforms = calibrate_model(model, ids, 52)
     theta = model.config.rope_parameters["rope_theta"]
     spec = KLTKeys(52, attention=True, lloyd=True)
-    plan = KLTPlan(spec, calibrate(spec, capture(model, ids), 32, theta), theta)
+    plan = KLTPlan(spec, calibrate(spec, capture(model, ids), 32, theta, skip=0), theta)
     test_ids = torch.randint(0, 256, (1, 96))
     tq_cfg = TurboQuantConfig(name="klt", default=KLT.with_(key_mode="mse", key_code_bytes=0, key_bits=3))
     want = _chunked(model, KLTKeyCache(model, tq_cfg, plan), test_ids, 32)
@@ -125,10 +140,10 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and str(tmp_path / "kt.yaml") in printed
     written = load_config(tmp_path / "kt.yaml")
-    assert written.default.key_code_bytes == 40 and written.default.sink_tokens == 1
+    assert written.default.key_code_bytes == 40 and written.default.sink_tokens == 0
     assert written.key_transform == str(out)
     layers, meta = load_transforms(out)
-    assert len(layers) == 2 and meta["key_code_bytes"] == 40 and meta["tokens"] == 512
+    assert len(layers) == 2 and meta["key_code_bytes"] == 40 and meta["tokens"] == 512 and meta["sink_tokens"] == 0
     assert all(t is not None and t.code_bits == 40 * 8 * 32 // 128 for t in layers)
     yaml = tmp_path / "tiny_klt.yaml"
     yaml.write_text("keys: {mode: klt, code_bytes: 40}\nvalues: {mode: mse, bits: 3}\nkey_transform: kt.pt\n")
