@@ -489,10 +489,12 @@ class TurboQuantAttentionImpl(AttentionImpl):
         from vllm.forward_context import get_forward_context
 
         raw = get_forward_context().attn_metadata
-        per_layer = (raw[0] if isinstance(raw, list) else raw) or {}
-        md = per_layer.get(self.layer_name) if self.layer_name is not None else None
-        if not isinstance(md, TurboQuantMetadata):
+        if raw is None:
             return torch.zeros(n, dtype=torch.int64, device=device)
+        per_layer = raw[0] if isinstance(raw, list) else raw
+        md = per_layer.get(self.layer_name) if isinstance(per_layer, dict) else None
+        if not isinstance(md, TurboQuantMetadata):
+            raise ShapeError(f"{self.layer_name}: no jetson-tq metadata in this step to place its klt keys")
         qsl = md.query_start_loc
         q_lens = np.diff(qsl)
         req = np.repeat(np.arange(md.num_reqs), q_lens)

@@ -45,9 +45,25 @@ def _schedule():
 HIT_STEP = [("A", 1), ("E", 10)]  # E arrives with a prefix-cache hit on A's first block (16 tokens)
 
 
-def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False, reproducible: bool = False) -> float:
+def _run(
+    fmt: KVFormat,
+    dtype=torch.float32,
+    seed: int = 0,
+    hit: bool = False,
+    reproducible: bool = False,
+    key_transform=None,
+    monkeypatch=None,
+) -> float:
     g = torch.Generator().manual_seed(seed)
     impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
+    step_md: dict = {}
+    if key_transform is not None:  # klt keys: the layer's transform, and the step's metadata where vLLM keeps it
+        import vllm.forward_context
+
+        impl.layer_name = f"model.layers.{LAYER}.self_attn.attn"
+        monkeypatch.setattr(backend_mod, "layer_key_transform", lambda index: key_transform)
+        context = type("Context", (), {"attn_metadata": step_md})()
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     impl.reproducible = reproducible  # decode rows as one-token prefill chunks (the reproducible mode's route)
     impl.set_format(fmt, LAYER, BS, dtype)
     impl.allocate_recent(4, torch.device("cpu"), dtype)
@@ -66,7 +82,14 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False, r
             tables["E"], lens["E"] = [tables["A"][0]], BS
             ka, va = (torch.cat(x, dim=1)[:, :BS] for x in zip(*seen["A"]))
             refs["E"] = CompressedKVCache(
-                ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS
+                ref_fmt,
+                HKV,
+                D,
+                1,
+                dtype=dtype,
+                seed=derive_seed(fmt.seed, LAYER),
+                block_size=BS,
+                key_transform=key_transform,
             )
             refs["E"].append(ka.unsqueeze(0), va.unsqueeze(0))
         reqs = [r for r, _ in step]
@@ -115,13 +138,23 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False, r
             dec_recent_lens=empty32,
         )
         out = torch.empty(n_tok, HQ, D, dtype=dtype)
+        step_md.clear()
+        step_md[impl.layer_name] = md
         impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
         impl.forward(None, q, k, v, pages, md, out)
         for i, r in enumerate(reqs):
             a, b = int(qsl[i]), int(qsl[i + 1])
-            cache = refs.setdefault(
-                r, CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS)
+            cache = refs.get(r) or CompressedKVCache(
+                ref_fmt,
+                HKV,
+                D,
+                1,
+                dtype=dtype,
+                seed=derive_seed(fmt.seed, LAYER),
+                block_size=BS,
+                key_transform=key_transform,
             )
+            refs[r] = cache
             kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
             seen.setdefault(r, []).append((kk, vv))
             if i < nd:
@@ -150,6 +183,16 @@ def _run(fmt: KVFormat, dtype=torch.float32, seed: int = 0, hit: bool = False, r
 )
 def test_impl_matches_standalone_reference(fmt):
     assert _run(fmt) < 2e-5
+
+
+def test_klt_keys_are_placed_at_their_positions(monkeypatch):
+    """klt keys: every write is coded at its token's position from the step's metadata (chunked prefill, decode rows,
+    a prefix hit), so the impl matches the standalone cache."""
+    from jetson_tq.codec.klt import spread_transform
+
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
+    transform = spread_transform(HKV, D, fmt.key_code_bits(D))
+    assert _run(fmt, hit=True, key_transform=transform, monkeypatch=monkeypatch) < 2e-5
 
 
 @pytest.mark.parametrize("ring", [8, 16])
