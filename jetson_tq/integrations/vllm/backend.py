@@ -492,7 +492,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         if raw is None:
             return torch.zeros(n, dtype=torch.int64, device=device)
         per_layer = raw[0] if isinstance(raw, list) else raw
-        md = per_layer.get(self.layer_name) if isinstance(per_layer, dict) else None
+        md = per_layer.get(self.layer_name or "") if isinstance(per_layer, dict) else None
         if not isinstance(md, TurboQuantMetadata):
             raise ShapeError(f"{self.layer_name}: no jetson-tq metadata in this step to place its klt keys")
         qsl = md.query_start_loc
