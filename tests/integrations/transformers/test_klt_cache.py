@@ -16,17 +16,9 @@ from jetson_tq.eval.klt_keys import KLTKeyCache, KLTKeys, KLTPlan, calibrate
 from jetson_tq.eval.smartmix import capture
 from jetson_tq.format import KVFormat
 from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
+from tests.integrations.transformers.test_transformers_cache import SMALL as BASE_SMALL
 
-SMALL = dict(
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=256,
-    max_position_embeddings=2048,
-)
+SMALL = dict(BASE_SMALL, max_position_embeddings=2048)
 KLT = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=16)
 CFG = TurboQuantConfig(name="klt", default=KLT)
 

@@ -75,22 +75,19 @@ def _run(
     slots = RecentSlots(4)
     ref_fmt = fmt
     refs = {}
+
+    def ref_cache() -> CompressedKVCache:
+        """The standalone cache a request is compared with (same format, seed, block size and key transform)."""
+        seed = derive_seed(fmt.seed, LAYER)
+        return CompressedKVCache(ref_fmt, HKV, D, 1, dtype=dtype, seed=seed, block_size=BS, key_transform=key_transform)
+
     seen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (k, v) [H, T, D] chunks per request
     worst = 0.0
     for step in _schedule() + ([HIT_STEP] if hit else []):
         if hit and "E" in dict(step):  # vLLM hands E A's cached first block: E starts at position BS
             tables["E"], lens["E"] = [tables["A"][0]], BS
             ka, va = (torch.cat(x, dim=1)[:, :BS] for x in zip(*seen["A"]))
-            refs["E"] = CompressedKVCache(
-                ref_fmt,
-                HKV,
-                D,
-                1,
-                dtype=dtype,
-                seed=derive_seed(fmt.seed, LAYER),
-                block_size=BS,
-                key_transform=key_transform,
-            )
+            refs["E"] = ref_cache()
             refs["E"].append(ka.unsqueeze(0), va.unsqueeze(0))
         reqs = [r for r, _ in step]
         q_lens = np.array([n for _, n in step])
@@ -144,16 +141,7 @@ def _run(
         impl.forward(None, q, k, v, pages, md, out)
         for i, r in enumerate(reqs):
             a, b = int(qsl[i]), int(qsl[i + 1])
-            cache = refs.get(r) or CompressedKVCache(
-                ref_fmt,
-                HKV,
-                D,
-                1,
-                dtype=dtype,
-                seed=derive_seed(fmt.seed, LAYER),
-                block_size=BS,
-                key_transform=key_transform,
-            )
+            cache = refs.get(r) or ref_cache()
             refs[r] = cache
             kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
             seen.setdefault(r, []).append((kk, vv))
