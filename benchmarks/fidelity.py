@@ -201,16 +201,15 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
 #: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
-#: KLT rows only: ``_bd<N>`` / ``_be<N>`` / ``_bg<N>`` a block-diagonal KLT of N channels a block (N/2 rotary pairs,
-#: each pair's two channels in one block; decode cost N/D of the full KLT), pairs grouped by frequency (consecutive),
-#: by energy or by coding gain (``klt_keys.pair_blocks``); ``_cal<N>`` calibrated on the essays' last N x 1,024 tokens
-#: (default 2); ``_skip<S>`` calibration leaves out the first S positions of each window (default: the exact ones, S).
+#: KLT rows only: ``_bd<N>`` a block-diagonal KLT of N channels a block (N/2 consecutive rotary pairs, each pair's two
+#: channels in one block; decode cost N/D of the full KLT; N = 1: no transform, ``klt_keys.pair_blocks``);
+#: ``_cal<N>`` calibrated on the essays' last N x 1,024 tokens (default 2). The calibration leaves out the positions a
+#: row reads exactly (``_e<S>``), so a row without the sink calibrates on position 0 too.
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?"
-    r"(?:_b(?P<bg>[deg])(?P<bn>\d+))?(?:_cal(?P<cal>\d+))?(?:_skip(?P<skip>\d+))?(?:_seed(?P<seed>\d+))?$"
+    r"(?:_bd(?P<bn>\d+))?(?:_cal(?P<cal>\d+))?(?:_seed(?P<seed>\d+))?$"
 )
-BLOCK_GROUPING = {"d": "frequency", "e": "energy", "g": "gain"}  # the letter after _b in a block-diagonal KLT row
 
 
 def spec_row(name: str, backend: str) -> F.Variant | None:
@@ -222,13 +221,10 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
     if m["xk"] and not m["xn"]:
         return None  # _xk names the split's pair score: no split, no score
-    if (m["bn"] or m["cal"] or m["skip"]) and not m["ln"]:
-        return None  # blocks, calibration windows and skips are the KLT coder's
+    if (m["bn"] or m["cal"]) and not m["ln"]:
+        return None  # blocks and calibration windows are the KLT coder's
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
-    klt = None
-    if m["ln"]:
-        block, grouping = (int(m["bn"]), BLOCK_GROUPING[m["bg"]]) if m["bn"] else (0, "frequency")
-        klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"]), block, grouping)
+    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"]), int(m["bn"] or 0)) if m["ln"] else None
     # split / KLT rows: the store's own key code is unread
     key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
@@ -248,7 +244,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             + (", attention-weighted statistics" if klt.attention else "")
             + (", calibrated codebooks" if klt.lloyd else "")
             + (
-                f", block-diagonal ({klt.block} channels, pairs by {klt.grouping}; decode"
+                f", block-diagonal ({klt.block} channels; decode"
                 f" {klt.decode_cost(HEAD_DIM):.3g} of the full KLT's FLOPs)"
                 if klt.block
                 else ""
@@ -264,7 +260,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         centers=CENTERS if m["c"] else None,
         sink_tokens=sinks,
         split_keys=plan,
-        klt_keys=None if klt is None else klt_plan(klt, int(m["cal"] or 2), int(m["skip"] or sinks)),
+        klt_keys=None if klt is None else klt_plan(klt, int(m["cal"] or 2), sinks),
     )
 
 

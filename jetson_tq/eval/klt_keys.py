@@ -22,11 +22,13 @@ thing, per layer and KV head:
    its mean. Without it the bulk-optimal transform gives the rare directions of the attended keys few bits.
 6. **Calibrated codebooks** (``lloyd``): each coefficient's levels by a weighted 1-D Lloyd-Max on its calibration
    values (started from the Gaussian codebook), for coefficients that are not Gaussian.
-7. **Block-diagonal KLT** (``block`` N < D): the whitened covariance restricted to blocks of N channels, N/2 rotary
-   pairs each, a pair's two channels (c, c + D/2) always in one block, so a block is closed under RoPE's pairing
-   and a kernel decodes (and rotates) one block of a key from that block's coefficients alone: 2 D N FLOPs a key
-   instead of 2 D^2 (``pair_blocks``: pairs grouped by ``grouping``). Bits still by water-filling over all D
-   coefficients of the head.
+7. **Block-diagonal KLT** (``block`` N < D): the whitened covariance restricted to blocks of N channels, N/2
+   consecutive rotary pairs each, a pair's two channels (c, c + D/2) always in one block, so a block is closed under
+   RoPE's pairing and a kernel decodes (and rotates) one block of a key from that block's coefficients alone: 2 D N
+   FLOPs a key instead of 2 D^2 (``pair_blocks``). N = 1: no transform, each whitened channel its own coefficient
+   (its mean and scale fold into its levels). Bits still by water-filling over all D coefficients of the head.
+   (Pairs grouped by whitened energy or by greedy Gaussian coding gain measured the same as consecutive pairs on the
+   dev split: removed, benchmarks/NOTES.md.)
 
 Bytes: ``KLTKeys.key_bytes`` is stated at ``REFERENCE_DIM`` = 128 (norm included); other head dims keep its code bits
 in proportion, as ``SplitKeys`` does. An evaluation format, read by the ``cpu-decoded`` history (``KLTKeyHistory``:
@@ -51,7 +53,6 @@ from .smartmix import LayerCapture
 from .split_keys import REFERENCE_DIM
 
 MAX_BITS = 8
-GROUPINGS = ("frequency", "energy", "gain")  # rotary pairs into blocks: consecutive, by energy, by coding gain
 MIN_DISTANCE = 128  # a key counts the attention of queries this much later (they read it compressed)
 ATTENTION_FLOOR = 1.0  # attention-weighted statistics: each key's weight, floor + received / mean received
 
@@ -65,15 +66,12 @@ class KLTKeys:
     attention: bool = False
     lloyd: bool = False
     block: int = 0  # channels per diagonal block (an even divisor of D; 1: no transform); 0: one block, the full KLT
-    grouping: str = "frequency"  # how rotary pairs fill the blocks (``GROUPINGS``)
 
     def __post_init__(self) -> None:
         if self.code_bits(REFERENCE_DIM) <= 0:
             raise FormatError(f"key_bytes {self.key_bytes} leaves no code bits")
         if self.block < 0 or (self.block % 2 and self.block != 1):
             raise FormatError(f"block {self.block}: expected 0 (full KLT), 1 (no transform) or an even channel count")
-        if self.grouping not in GROUPINGS:
-            raise FormatError(f"grouping {self.grouping!r}: expected one of {GROUPINGS}")
 
     def decode_cost(self, head_dim: int) -> float:
         """Decode FLOPs of one key as a fraction of the full KLT's 2 D^2: N / D."""
@@ -222,7 +220,7 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
             m = (ww * kk).sum(0)
             y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
             cov = y.T @ (ww * y)
-            lam, u = block_klt(cov, pair_blocks(cov, spec.block, spec.grouping))
+            lam, u = block_klt(cov, pair_blocks(head_dim, spec.block))
             layer["mean"].append(m)
             layer["encode"].append(u.T @ w_half)
             layer["decode"].append(w_inv_half @ u)
@@ -246,62 +244,18 @@ def calibrate(spec: KLTKeys, caps: list[LayerCapture], head_dim: int, theta: flo
     return out
 
 
-def pair_blocks(cov: torch.Tensor, block: int, grouping: str = "frequency") -> list[torch.Tensor]:
-    """Channel indices of each diagonal block of the transform: ``block`` channels (block / 2 rotary pairs p, each with
-    its channels p and p + D/2), from the whitened covariance ``cov`` [D, D]; ``block`` 0 or D: one block, in order.
-
-    ``grouping``: "frequency" takes consecutive pairs (neighbouring RoPE frequencies); "energy" ranks pairs by their
-    whitened variance and chunks the ranking (the pairs that take the bits share blocks); "gain" fills each block
-    greedily, from the most energetic pair left, with the pair of most Gaussian mutual information with the block so
-    far (the coding gain a joint transform adds)."""
-    d = cov.shape[0]
+def pair_blocks(head_dim: int, block: int) -> list[torch.Tensor]:
+    """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
+    p (each with its channels p and p + D/2, ``rotate_half``); ``block`` 0 or D: one block, in order; 1: each channel
+    its own block (no transform)."""
+    d = head_dim
     if block in (0, d):
         return [torch.arange(d)]
-    if block == 1:  # no transform: each (whitened, centered) channel its own coefficient
+    if block == 1:
         return list(torch.arange(d).split(1))
-    half, per = d // 2, block // 2
     if block % 2 or d % block:
         raise FormatError(f"block {block}: expected an even divisor of head dim {d}")
-    diag = cov.diagonal()
-    energy = diag[:half] + diag[half:]
-    if grouping == "frequency":
-        groups = list(torch.arange(half).split(per))
-    elif grouping == "energy":
-        groups = list(energy.argsort(descending=True, stable=True).split(per))
-    elif grouping == "gain":
-        groups = _gain_groups(cov, per)
-    else:
-        raise FormatError(f"grouping {grouping!r}: expected one of {GROUPINGS}")
-    out = []
-    for g in groups:
-        pairs = g.sort().values
-        out.append(torch.cat([pairs, pairs + half]))
-    return out
-
-
-def _gain_groups(cov: torch.Tensor, per: int) -> list[torch.Tensor]:
-    """Rotary pairs in groups of ``per``: each seeded by the most energetic pair left, then grown by the pair that
-    maximises log det C_g + log det C_p - log det C_(g + p) (twice the Gaussian mutual information)."""
-    d = cov.shape[0]
-    half = d // 2
-    c = cov.double() + 1e-9 * float(cov.diagonal().mean()) * torch.eye(d, dtype=torch.float64)
-
-    def logdet(pairs: list[int]) -> float:
-        idx = torch.tensor(pairs + [p + half for p in pairs])
-        return float(torch.linalg.slogdet(c[idx][:, idx])[1])
-
-    energy = (c.diagonal()[:half] + c.diagonal()[half:]).tolist()
-    left, groups = set(range(half)), []
-    while left:
-        group = [max(left, key=lambda p: energy[p])]
-        left.discard(group[0])
-        while len(group) < per:
-            base = logdet(group)
-            best = max(sorted(left), key=lambda p: base + logdet([p]) - logdet(group + [p]))
-            group.append(best)
-            left.discard(best)
-        groups.append(torch.tensor(group))
-    return groups
+    return [torch.cat([pairs, pairs + d // 2]) for pairs in torch.arange(d // 2).split(block // 2)]
 
 
 def block_klt(cov: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
