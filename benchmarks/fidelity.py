@@ -37,6 +37,7 @@ from jetson_tq.eval.klt_keys import KLTKeys, KLTPlan, rope_theta
 from jetson_tq.eval.klt_keys import calibrate as calibrate_klt
 from jetson_tq.eval.simulated_caches import SimulatedFormat
 from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
+from jetson_tq.eval.smartmix import LayerCapture
 from jetson_tq.eval.split_keys import (
     SplitKeyPlan,
     SplitKeys,
@@ -200,13 +201,17 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``jetson_tq/eval/klt_keys.py``: pre-RoPE,
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
-#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian;
-#: ``_tq`` (with ``al``, no ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages,
-#: ``_e<S>`` then the format's own ``sink_tokens``, and the calibration leaves out exactly those S positions (as
-#: ``python -m jetson_tq calibrate --sink-tokens S`` does).
+#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
+#: KLT rows only: ``_bd<N>`` a block-diagonal KLT of N channels a block (N/2 consecutive rotary pairs, each pair's two
+#: channels in one block; decode cost N/D of the full KLT; N = 1: no transform, ``klt_keys.pair_blocks``);
+#: ``_cal<N>`` calibrated on the essays' last N x 1,024 tokens (default 2). The calibration leaves out the positions a
+#: row reads exactly (``_e<S>``), so a row without the sink calibrates on position 0 too. ``_tq`` (with ``al``, no
+#: ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages, ``_e<S>`` then the format's
+#: own ``sink_tokens`` (as ``python -m jetson_tq calibrate --sink-tokens S`` calibrates).
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?"
+    r"(?:_bd(?P<bn>\d+))?(?:_cal(?P<cal>\d+))?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -219,8 +224,10 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
     if m["xk"] and not m["xn"]:
         return None  # _xk names the split's pair score: no split, no score
+    if (m["bn"] or m["cal"]) and not m["ln"]:
+        return None  # blocks and calibration windows are the KLT coder's
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
-    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"])) if m["ln"] else None
+    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"]), int(m["bn"] or 0)) if m["ln"] else None
     if m["tq"] and (klt is None or klt.token_norm or not (klt.attention and klt.lloyd)):
         return None  # _tq: the product's klt format, which stores the attention-weighted, fitted-level coder
     # split / KLT rows: the store's own key code is unread
@@ -241,14 +248,20 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             + (", per-token scale" if klt.token_norm else ", fixed scale")
             + (", attention-weighted statistics" if klt.attention else "")
             + (", calibrated codebooks" if klt.lloyd else "")
+            + (
+                f", block-diagonal ({klt.block} channels; decode"
+                f" {klt.decode_cost(HEAD_DIM):.3g} of the full KLT's FLOPs)"
+                if klt.block
+                else ""
+            )
+            + f", calibrated on {int(m['cal'] or 2)} x 1,024 essay tokens"
         )
     if m["tq"]:
         assert klt is not None  # checked above
         fmt = cfg.default.with_(key_mode="klt", key_code_bytes=klt.key_bytes, sink_tokens=sinks)
         notes.append("stored by the product's klt format (codec.klt), decoded from the pages")
-        if not CALIBRATION:
-            raise SystemExit("KLT-key rows need the calibration capture (main() computes it)")
-        layers = calibrate_klt(klt, CALIBRATION, HEAD_DIM, ROPE_THETA, skip=sinks, rotary=MODEL_ROTARY[0])
+        windows = calibration(int(m["cal"] or 2))
+        layers = calibrate_klt(klt, windows, HEAD_DIM, ROPE_THETA, skip=sinks, rotary=MODEL_ROTARY[0])
         return F.Variant(
             name,
             "levers",
@@ -267,15 +280,21 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         centers=CENTERS if m["c"] else None,
         sink_tokens=sinks,
         split_keys=plan,
-        klt_keys=None if klt is None else klt_plan(klt),
+        klt_keys=None if klt is None else klt_plan(klt, int(m["cal"] or 2), sinks),
     )
 
 
-def klt_plan(spec: KLTKeys) -> KLTPlan:
-    """A KLT-key row's coders from the calibration capture (``CALIBRATION``, filled by main())."""
-    if not CALIBRATION:
-        raise SystemExit("KLT-key rows need the calibration capture (main() computes it)")
-    return KLTPlan(spec, calibrate_klt(spec, CALIBRATION, HEAD_DIM, ROPE_THETA), ROPE_THETA)
+def klt_plan(spec: KLTKeys, windows: int = 2, skip: int = 1) -> KLTPlan:
+    """A KLT-key row's coders from the last ``windows`` rows of the calibration capture (``CALIBRATION``, filled by
+    main()), the first ``skip`` positions of each left out."""
+    return KLTPlan(spec, calibrate_klt(spec, calibration(windows), HEAD_DIM, ROPE_THETA, skip), ROPE_THETA)
+
+
+def calibration(windows: int = 2) -> list[LayerCapture]:
+    """Per layer the capture of the essays' last ``windows`` x 1,024 tokens (the last rows of ``CALIBRATION``)."""
+    if not CALIBRATION or CALIBRATION[0].k.shape[0] < windows:
+        raise SystemExit(f"this row needs {windows} calibration windows (main() captures them)")
+    return [LayerCapture(c.q[-windows:], c.k[-windows:], c.v[-windows:], c.h[-windows:]) for c in CALIBRATION]
 
 
 def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKeyPlan:
@@ -284,17 +303,18 @@ def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKe
     if not CALIBRATION:
         raise SystemExit("split-key rows need the calibration capture (main() computes it)")
     centered = bool(m["c"])
-    energy = pair_energies(CALIBRATION, CENTERS)
+    energy = pair_energies(calibration(), CENTERS)
     if not m["xa"]:
         return plan_split(split, energy, HEAD_DIM, centered)
-    sizes = allocate(split, energy, HEAD_DIM, centered, key_weight=output_weights(CALIBRATION, block, sinks))
+    sizes = allocate(split, energy, HEAD_DIM, centered, key_weight=output_weights(calibration(), block, sinks))
     return plan_allocated(split, energy, HEAD_DIM, centered, sizes)
 
 
 CENTERS: list = []  # filled by main() from --centers before rows are built
-CALIBRATION: list = []  # per-layer capture of the calibration text, filled by main() for split rows
+CALIBRATION: list = []  # per-layer capture of the calibration text (windows oldest first), filled by main()
 MODEL_ROTARY: list = []  # the model's RoPE (codec.klt.RotaryParams), filled by main()
 HEAD_DIM = 64  # the model's head dim, set by main()
+CALIBRATION_START = 45_000  # calibration windows start after every essay token a run scores (dev split: to 44,100)
 ROPE_THETA = 1e5  # the model's RoPE theta, set by main()
 
 
@@ -494,14 +514,26 @@ def load_centers(path: Path, model, tok) -> list:
     return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
 
 
-def calibration_capture(model, tok) -> list:
-    """Per-layer attention inputs over the essays' last 2 x 1024 tokens (the calibration region of ``load_centers``,
-    never scored)."""
+def calibration_capture(model, tok, windows: int = 2) -> list[LayerCapture]:
+    """Per-layer attention inputs over the essays' last ``windows`` x 1,024 tokens (never scored: the essays hold
+    154,036 tokens; held-out runs read the first 4,100, the dev split 40,000-44,100), oldest window first. Captured
+    two windows a forward, from the end: the last two (the calibration region of ``load_centers``) exactly as a
+    two-window capture."""
     from jetson_tq.eval.smartmix import capture
 
     ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
+    room = (ids.numel() - CALIBRATION_START) // 1024
+    if not 1 <= windows <= room:
+        raise SystemExit(f"{windows} calibration windows: the essays' end holds 1 to {room} after the scored tokens")
+    parts = []
     with torch.no_grad():
-        return capture(model, ids[-2048:].reshape(2, 1024))
+        for end in range(ids.numel(), ids.numel() - windows * 1024, -2048):
+            n = min(2, (end - ids.numel() + windows * 1024) // 1024)
+            parts.insert(0, capture(model, ids[end - n * 1024 : end].reshape(n, 1024)))
+    return [
+        LayerCapture(*(torch.cat([getattr(p[i], f) for p in parts]) for f in ("q", "k", "v", "h")))
+        for i in range(len(parts[0]))
+    ]
 
 
 def frontier_plot(runs: list[dict], path: Path, marked: list[str]) -> None:
@@ -649,8 +681,9 @@ def main(argv: list[str] | None = None) -> dict:
     global HEAD_DIM, ROPE_THETA
     HEAD_DIM, ROPE_THETA = head_dim, rope_theta(model.config)
     MODEL_ROTARY[:] = [model_rotary(model)]
-    if any((m := SPEC_ROW.match(n)) and (m["xn"] or m["ln"]) for n in args.rows.split(",")):
-        CALIBRATION[:] = calibration_capture(model, tok)
+    coded = [m for n in args.rows.split(",") if (m := SPEC_ROW.match(n)) and (m["xn"] or m["ln"])]
+    if coded:
+        CALIBRATION[:] = calibration_capture(model, tok, max(int(m["cal"] or 2) for m in coded))
     variants = all_rows(args.backend)
     extra = [
         F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)

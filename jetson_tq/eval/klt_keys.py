@@ -22,6 +22,13 @@ thing, per layer and KV head:
    its mean. Without it the bulk-optimal transform gives the rare directions of the attended keys few bits.
 6. **Calibrated codebooks** (``lloyd``): each coefficient's levels by a weighted 1-D Lloyd-Max on its calibration
    values (started from the Gaussian codebook), for coefficients that are not Gaussian.
+7. **Block-diagonal KLT** (``block`` N < D): the whitened covariance restricted to blocks of N channels, N/2
+   consecutive rotary pairs each, a pair's two channels (c, c + D/2) always in one block, so a block is closed under
+   RoPE's pairing and a kernel decodes (and rotates) one block of a key from that block's coefficients alone: 2 D N
+   FLOPs a key instead of 2 D^2 (``pair_blocks``). N = 1: no transform, each whitened channel its own coefficient
+   (its mean and scale fold into its levels). Bits still by water-filling over all D coefficients of the head.
+   (Pairs grouped by whitened energy or by greedy Gaussian coding gain measured the same as consecutive pairs on the
+   dev split: removed, benchmarks/NOTES.md.)
 
 Bytes: ``KLTKeys.key_bytes`` is stated at ``REFERENCE_DIM`` = 128 (norm included); other head dims keep its code bits
 in proportion, as ``SplitKeys`` does. An evaluation format, read by the ``cpu-decoded`` history (``KLTKeyHistory``:
@@ -59,10 +66,17 @@ class KLTKeys:
     token_norm: bool = False
     attention: bool = False
     lloyd: bool = False
+    block: int = 0  # channels per diagonal block (an even divisor of D; 1: no transform); 0: one block, the full KLT
 
     def __post_init__(self) -> None:
         if self.code_bits(REFERENCE_DIM) <= 0:
             raise FormatError(f"key_bytes {self.key_bytes} leaves no code bits")
+        if self.block < 0 or (self.block % 2 and self.block != 1):
+            raise FormatError(f"block {self.block}: expected 0 (full KLT), 1 (no transform) or an even channel count")
+
+    def decode_cost(self, head_dim: int) -> float:
+        """Decode FLOPs of one key as a fraction of the full KLT's 2 D^2: N / D."""
+        return 1.0 if self.block in (0, head_dim) else self.block / head_dim
 
     def norm_bytes(self, norm_dtype: torch.dtype = torch.float16) -> int:
         """Bytes of the per-token scale (0 without one)."""
@@ -218,8 +232,8 @@ def calibrate(
             w_half, w_inv_half = torch.diag(w.sqrt()), torch.diag(w.rsqrt())
             m = (ww * kk).sum(0)
             y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
-            lam, u = torch.linalg.eigh(y.T @ (ww * y))
-            lam, u = lam.flip(0).clamp_min(0), u.flip(1)  # descending
+            cov = y.T @ (ww * y)
+            lam, u = block_klt(cov, pair_blocks(head_dim, spec.block))
             layer["mean"].append(m)
             layer["encode"].append(u.T @ w_half)
             layer["decode"].append(w_inv_half @ u)
@@ -241,6 +255,36 @@ def calibrate(
             )
         )
     return out
+
+
+def pair_blocks(head_dim: int, block: int) -> list[torch.Tensor]:
+    """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
+    p (each with its channels p and p + D/2, ``rotate_half``); ``block`` 0 or D: one block, in order; 1: each channel
+    its own block (no transform)."""
+    d = head_dim
+    if block in (0, d):
+        return [torch.arange(d)]
+    if block == 1:
+        return list(torch.arange(d).split(1))
+    if block % 2 or d % block:
+        raise FormatError(f"block {block}: expected an even divisor of head dim {d}")
+    return [torch.cat([pairs, pairs + d // 2]) for pairs in torch.arange(d // 2).split(block // 2)]
+
+
+def block_klt(cov: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KLT of ``cov`` [D, D] restricted to diagonal ``blocks`` (channel indices): variances lambda [D], descending,
+    and the orthogonal U [D, D] whose columns are each block's eigenvectors (zero outside their block)."""
+    d = cov.shape[0]
+    lams, u = [], torch.zeros(d, d, dtype=cov.dtype)
+    col = 0
+    for idx in blocks:
+        lam, vec = torch.linalg.eigh(cov[idx][:, idx])
+        lams.append(lam.flip(0).clamp_min(0))
+        u[idx, col : col + len(idx)] = vec.flip(1)
+        col += len(idx)
+    lam = torch.cat(lams)
+    order = lam.argsort(descending=True, stable=True)
+    return lam[order], u[:, order]
 
 
 def lloyd_levels(

@@ -17,10 +17,12 @@ from jetson_tq.eval.klt_keys import (
     KLTPlan,
     KLTQuantizer,
     allocate_bits,
+    block_klt,
     calibrate,
     distortion,
     inv_freq,
     lloyd_levels,
+    pair_blocks,
     pair_weight,
     quantize_coefficients,
     quantize_to_levels,
@@ -180,3 +182,76 @@ def test_levels_path_matches_the_gaussian_path_and_lloyd_fits_the_data():
     err_g, err_f = ((a - x) ** 2).sum((0, 1, 2)), ((c - x) ** 2).sum((0, 1, 2))
     assert (err_f[:5] < err_g[:5]).all()  # heavier tails than the Gaussian: the fitted levels do better
     assert torch.allclose(err_f[5], err_g[5])  # 0 bits: zero either way
+
+
+# ---------------------------------------------------------------------------------------------- block-diagonal KLT
+def test_pair_blocks_partition_the_head_into_rotary_closed_blocks():
+    d = 64
+    for block in (2, 8, 16, 32):
+        blocks = pair_blocks(d, block)
+        assert len(blocks) == d // block and all(len(b) == block for b in blocks)
+        assert sorted(torch.cat(blocks).tolist()) == list(range(d))
+        for j, b in enumerate(blocks):  # consecutive rotary pairs (c, c + D/2), both channels in one block
+            pairs = torch.arange(j * block // 2, (j + 1) * block // 2)
+            assert torch.equal(b, torch.cat([pairs, pairs + d // 2]))
+    assert torch.equal(pair_blocks(d, 0)[0], torch.arange(d)) and torch.equal(pair_blocks(d, d)[0], torch.arange(d))
+    assert [b.tolist() for b in pair_blocks(d, 1)] == [[c] for c in range(d)]
+    with pytest.raises(FormatError):
+        pair_blocks(d, 12)  # not a divisor of 64
+
+
+def test_block_klt_of_one_block_is_the_full_klt():
+    y = torch.randn(300, 16, generator=torch.Generator().manual_seed(6)).double() @ torch.randn(16, 16).double()
+    cov = y.T @ y
+    lam, u = block_klt(cov, [torch.arange(16)])
+    ref_lam, ref_u = torch.linalg.eigh(cov)
+    assert torch.equal(lam, ref_lam.flip(0).clamp_min(0)) and torch.equal(u, ref_u.flip(1))
+
+
+@pytest.mark.parametrize("block", [1, 2, 16])
+def test_block_diagonal_calibration_codes_within_its_blocks(block):
+    cap = _capture(h=2, d=64)
+    pos = torch.arange(cap.k.shape[2])
+    spec = KLTKeys(52, attention=True, lloyd=True, block=block)
+    layer = calibrate(spec, [cap], 64, THETA)[0]
+    assert (layer.bits.sum(-1) == spec.code_bits(64)).all()  # water-filling over all blocks: the whole budget
+    blocks = [set(b.tolist()) for b in pair_blocks(64, block)]
+    for h in range(2):
+        enc, dec = layer.encode[h], layer.decode[h]
+        assert torch.allclose(enc @ dec, torch.eye(64), atol=1e-4)
+        for i in range(64):  # each coefficient reads and writes the channels of one block
+            read = set(torch.nonzero(enc[i]).squeeze(1).tolist())
+            assert read == set(torch.nonzero(dec[:, i]).squeeze(1).tolist())
+            assert any(read <= b for b in blocks)
+    full = calibrate(KLTKeys(52, attention=True, lloyd=True), [cap], 64, THETA)[0]
+    one_block = calibrate(KLTKeys(52, block=64), [cap], 64, THETA)[0]
+    assert torch.equal(one_block.decode, calibrate(KLTKeys(52), [cap], 64, THETA)[0].decode)
+    err = [float(((KLTQuantizer(spec, x, THETA)(cap.k, pos) - cap.k) ** 2).mean()) for x in (layer, full)]
+    assert err[1] <= err[0] < 0.1 * float(cap.k.var()), err  # fewer cross terms decorrelated, still a good coder
+    fine = KLTKeys(200, block=block)  # 8 bits a coefficient: near-exact through the block transform
+    coded = KLTQuantizer(fine, calibrate(fine, [cap], 64, THETA)[0], THETA)(cap.k, pos)
+    assert float(((coded - cap.k) ** 2).mean()) < 1e-3 * float(cap.k.var())
+
+
+def test_blocks_lose_nothing_when_the_keys_are_block_diagonal():
+    """Keys that mix rotary pairs only within groups of 4 consecutive pairs: blocks of 8 channels code them as well as
+    the full KLT, blocks of 2 do not."""
+    gen, d, t = torch.Generator().manual_seed(5), 32, 400
+    k_pre = torch.zeros(2, 1, t, d)
+    for j, idx in enumerate(pair_blocks(d, 8)):
+        mix = torch.randn(8, 8, generator=gen) * 2.0**-j
+        k_pre[..., idx] = torch.randn(2, 1, t, 8, generator=gen) @ mix.T
+    pos, freq = torch.arange(t), inv_freq(d, THETA)
+    q = rope(torch.randn(2, 2, t, d, generator=gen), pos, freq)
+    cap = LayerCapture(q=q, k=rope(k_pre, pos, freq), v=torch.zeros(1), h=torch.zeros(1))
+    err = {n: float(calibrate(KLTKeys(52, block=n), [cap], d, THETA)[0].predicted_error().sum()) for n in (0, 8, 2)}
+    assert err[8] == pytest.approx(err[0], rel=0.03) and err[2] > 2 * err[0], err  # (sample cross terms: ~2 %)
+
+
+def test_block_spec_is_checked_and_costed():
+    assert KLTKeys(52).decode_cost(64) == 1.0 and KLTKeys(52, block=64).decode_cost(64) == 1.0
+    assert KLTKeys(52, block=16).decode_cost(64) == 0.25 and KLTKeys(52, block=16).decode_cost(128) == 0.125
+    with pytest.raises(FormatError):
+        KLTKeys(52, block=7)
+    with pytest.raises(FormatError):
+        KLTKeys(52, block=-2)
