@@ -412,6 +412,7 @@ def _f(x, spec: str) -> str:
     return "" if x is None else format(x, spec)
 
 
+KLT_PRODUCT_FAMILY = "transform-coded keys, pre-RoPE KLT (key_mode klt, reference path)"
 _MARKERS = {
     "TurboQuant, prod keys (QJL)": "s",
     "TurboQuant, mse keys (no QJL)": "o",
@@ -421,6 +422,7 @@ _MARKERS = {
     "TurboQuant + exact sink (reference path only)": "*",
     "split keys (harness only)": "P",
     "transform-coded keys, pre-RoPE KLT (harness only)": "X",
+    KLT_PRODUCT_FAMILY: "h",
 }
 
 
@@ -433,6 +435,7 @@ _COLORS = {
     "TurboQuant + exact sink (reference path only)": "tab:purple",
     "split keys (harness only)": "tab:olive",
     "transform-coded keys, pre-RoPE KLT (harness only)": "tab:cyan",
+    KLT_PRODUCT_FAMILY: "tab:pink",
 }
 
 
@@ -442,7 +445,7 @@ def key_coder_family(name: str) -> str | None:
     if m is None:
         return None
     return (
-        "transform-coded keys, pre-RoPE KLT (key_mode klt, reference path)"
+        KLT_PRODUCT_FAMILY
         if m["ln"] and m["tq"]
         else "transform-coded keys, pre-RoPE KLT (harness only)"
         if m["ln"]
