@@ -3,6 +3,8 @@ and the cpu-decoded paths, the eval coder reproduced, calibration from the comma
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -49,6 +51,26 @@ def test_reference_and_decoded_paths_read_the_same_codes():
     out = model.generate(ids[:1, :40], max_new_tokens=8, do_sample=False, past_key_values=cache)
     assert out.shape == (1, 48) and cache.get_seq_length() == 47
     assert cache.used_bytes() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen2_and_bf16_models(dtype):
+    """Another architecture (Qwen2: biased q/k/v projections, another RoPE theta) and a bf16 model: the klt codes are
+    written and read at the keys' positions, finite, and the two read paths agree."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**dict(SMALL, rope_theta=1e6))).eval().to(dtype)
+    # the model's own RoPE (a bf16 model's frequencies are bf16-rounded: a float32 calibration would be refused)
+    spread = [dataclasses.replace(spread_transform(2, 32, KLT.key_code_bits(32)), rotary=model_rotary(model))] * 3
+    ids = torch.randint(0, 256, (1, 50))
+    got = {
+        backend: _chunked(model, TurboQuantCache(model, CFG, backend=backend, key_transforms=spread), ids, 20)
+        for backend in ("reference", "cpu-decoded")
+    }
+    assert all(bool(torch.isfinite(x.float()).all()) for x in got.values())
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got["reference"].float(), got["cpu-decoded"].float(), rtol=tol, atol=tol)
 
 
 def test_named_errors(tmp_path):
