@@ -14,6 +14,7 @@ structure is stable, so the transform concentrates them in few coefficients (doc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,11 @@ from ..errors import ConfigError, ShapeError
 MAX_CODE_BITS = 8
 FILE_KIND = "jetson_tq.key_transform"
 FILE_VERSION = 1
+
+
+def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """transformers' default RoPE frequencies [head_dim // 2]: theta^(-2i / head_dim)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim - head_dim % 2, 2, dtype=torch.float) / head_dim))
 
 
 @dataclass(frozen=True)
@@ -230,8 +236,8 @@ def spread_transform(num_heads: int, head_dim: int, code_bits: int, theta: float
         n[..., None] > 1, -4 + 8 * j.clamp(max=n[..., None] - 1) / (n[..., None] - 1).clamp(min=1), 0.0
     )
     eye = torch.eye(head_dim).expand(num_heads, -1, -1).clone()
-    freq = 1.0 / (theta ** (torch.arange(0, head_dim - head_dim % 2, 2, dtype=torch.float) / head_dim))
-    return KeyTransform(torch.zeros(num_heads, head_dim), eye, eye.clone(), bits, levels.float(), RotaryParams(freq))
+    rotary = RotaryParams(default_inv_freq(head_dim, theta))
+    return KeyTransform(torch.zeros(num_heads, head_dim), eye, eye.clone(), bits, levels.float(), rotary)
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -253,6 +259,19 @@ def save_transforms(path: str | Path, layers: list[KeyTransform | None], meta: d
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, str(path))
+
+
+def load_transforms_cached(path: str | Path) -> list[KeyTransform | None]:
+    """``load_transforms``'s layers, read once per file version (path, modification time, size): every cache and
+    vLLM layer built from one config shares them."""
+    p = Path(path).expanduser()
+    stat = p.stat() if p.is_file() else None
+    return _load_layers(str(p), stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_layers(path: str, mtime_ns: int, size: int) -> list[KeyTransform | None]:
+    return load_transforms(path)[0]
 
 
 def load_transforms(path: str | Path) -> tuple[list[KeyTransform | None], dict]:

@@ -46,6 +46,7 @@ import torch
 
 from ..cache.compressed import CompressedKVCache
 from ..codec.klt import RotaryParams
+from ..codec.klt import default_inv_freq as inv_freq
 from ..errors import FormatError, ShapeError
 from ..format import Field, KVFormat
 from ..integrations.transformers import TurboQuantCache, model_dims
@@ -92,20 +93,9 @@ class KLTKeys:
 
 
 # ---------------------------------------------------------------------------------------------- RoPE
-def inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """transformers' default RoPE frequencies [D/2]: theta^(-2i/D)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [..., T, D] rotated by RoPE at ``positions`` [T] (``rotate_half`` pairs c, c + D/2); ``inverse`` undoes it."""
-    angle = positions.to(torch.float64)[:, None] * freq.to(torch.float64)[None, :]
-    cos, sin = angle.cos(), angle.sin()
-    if inverse:
-        sin = -sin
-    x64 = x.to(torch.float64)
-    a, b = x64[..., : freq.numel()], x64[..., freq.numel() :]
-    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+    return RotaryParams(freq).apply(x, positions, inverse)
 
 
 # ---------------------------------------------------------------------------------------------- codebooks
@@ -207,18 +197,14 @@ def calibrate(
     ``skip`` positions (an attention sink) left out; with ``spec.attention`` each key's statistics weighted by
     ``ATTENTION_FLOOR`` + its received attention over the mean. RoPE is the default one at ``theta`` unless the
     model's own ``rotary`` is given."""
-    freq = inv_freq(head_dim, theta)
+    rotary = rotary or RotaryParams(inv_freq(head_dim, theta))
     budget = spec.code_bits(head_dim)
     out = []
     for cap in caps:
         t = cap.k.shape[2]
         pos = torch.arange(t)
-        if rotary is None:
-            k = rope(cap.k.double(), pos, freq, inverse=True)[:, :, skip:]
-            q = rope(cap.q.double(), pos, freq, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
-        else:
-            k = rotary.apply(cap.k.double(), pos, inverse=True)[:, :, skip:]
-            q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]
+        k = rotary.apply(cap.k.double(), pos, inverse=True)[:, :, skip:]
+        q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
         a = torch.ones(k.shape[:3], dtype=torch.float64)
         if spec.attention:
             got = received_attention(cap)[:, :, skip:]

@@ -37,7 +37,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .. import ops
 from ..cache.compressed import CompressedKVCache
-from ..codec.klt import KeyTransform, load_transforms
+from ..codec.klt import KeyTransform, load_transforms_cached
 from ..codec.rotation import derive_seed
 from ..config import TurboQuantConfig, load_config
 from ..errors import ConfigError, JetsonTQError, ShapeError
@@ -375,7 +375,7 @@ def _key_transforms(
                 f"config {cfg.name!r} codes keys by a calibrated transform (keys.mode klt) but names no key_transform "
                 f"file; make one with `python -m jetson_tq calibrate --model DIR --out FILE` and set key_transform"
             )
-        given = load_transforms(cfg.key_transform)[0]
+        given = load_transforms_cached(cfg.key_transform)
     if len(given) != n_layers:
         raise ConfigError(f"key transforms: {len(given)} layers for a model of {n_layers}")
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)

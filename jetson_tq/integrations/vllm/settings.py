@@ -14,7 +14,7 @@ import functools
 import math
 import os
 
-from ...codec.klt import KeyTransform, load_transforms
+from ...codec.klt import KeyTransform, load_transforms_cached
 from ...config import TurboQuantConfig, load_config
 from ...errors import ConfigError
 
@@ -65,20 +65,16 @@ def active_config() -> TurboQuantConfig:
     return _load(name)
 
 
-@functools.lru_cache(maxsize=4)
-def _transforms(path: str) -> list:
-    return load_transforms(path)[0]
-
-
 def layer_key_transform(index: int) -> KeyTransform:
     """The active config's calibrated key transform of layer ``index`` (klt keys; ConfigError when it has none)."""
     cfg = active_config()
     if not cfg.key_transform:
         raise ConfigError(f"config {cfg.name!r} codes keys by a calibrated transform but names no key_transform file")
-    layers = _transforms(cfg.key_transform)
-    if index >= len(layers) or layers[index] is None:
+    layers = load_transforms_cached(cfg.key_transform)
+    transform = layers[index] if index < len(layers) else None
+    if transform is None:
         raise ConfigError(f"{cfg.key_transform}: no key transform for layer {index} ({len(layers)} layers calibrated)")
-    return layers[index]
+    return transform
 
 
 def _ringed(cfg: TurboQuantConfig) -> list:

@@ -113,12 +113,10 @@ def test_vllm_settings_for_klt_configs(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="not found"):
         settings.layer_key_transform(0)
     save_transforms(tmp_path / "kt.pt", [spread_transform(2, 32, 104), None], {})
-    settings._transforms.cache_clear()
     assert settings.layer_key_transform(0).code_bits == 104
     with pytest.raises(ConfigError, match="no key transform for layer 1"):
         settings.layer_key_transform(1)
     settings._load.cache_clear()
-    settings._transforms.cache_clear()
 
 
 @pytest.mark.slow
