@@ -66,7 +66,7 @@ MAX_BITS = 8
 #: Head dim at which ``KVFormat.key_code_bytes`` is stated; other head dims keep its bits per coordinate.
 KEY_CODE_REFERENCE_DIM = 128
 #: Key / value modes as kernels see them (``PageSpec.KEY_MODE`` / ``VAL_MODE``).
-KEY_RAW, KEY_MSE, KEY_PROD = 0, 1, 2
+KEY_RAW, KEY_MSE, KEY_PROD, KEY_KLT = 0, 1, 2, 3
 VAL_RAW, VAL_GROUP = 0, 1
 FP16_BYTES_PER_ELEMENT = 2
 
@@ -452,6 +452,8 @@ class PageSpec:
     OFF_KNORM: int
     OFF_KRNORM: int
     OFF_KRAW: int
+    OFF_KCODE: int  # klt keys: the transform code's region
+    KCB: int  # klt keys: bytes of one key's code (0 otherwise)
     NORM_F32: bool
     VAL_MODE: int
     VB: int
@@ -483,8 +485,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
         raise UnsupportedPlatformError(f"no Triton kernel for this format: {reason}")
     off = layout.offsets()
     ch = (d + 7) // 8
-    key_mode = {"fp16": KEY_RAW, "mse": KEY_MSE, "prod": KEY_PROD}[fmt.key_mode]
-    kb = fmt.key_mse_bits if key_mode != KEY_RAW else 0
+    key_mode = {"fp16": KEY_RAW, "mse": KEY_MSE, "prod": KEY_PROD, "klt": KEY_KLT}[fmt.key_mode]
+    kb = fmt.key_mse_bits if key_mode in (KEY_MSE, KEY_PROD) else 0
     kw = _widths(kb)
     kmin = min(w for w in kw if w) if kb else 8
     val_mode = VAL_GROUP if fmt.value_mode == "group" else VAL_RAW
@@ -510,6 +512,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
         OFF_KNORM=off.get("key_norm", 0),
         OFF_KRNORM=off.get("key_rnorm", 0),
         OFF_KRAW=off.get("key_raw", 0),
+        OFF_KCODE=off.get("key_code", 0),
+        KCB=fmt.key_fields(d)[0].count if key_mode == KEY_KLT else 0,
         NORM_F32=fmt.norm_dtype == "float32",
         VAL_MODE=val_mode,
         VB=vb,
@@ -532,8 +536,6 @@ def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     """Why no kernel handles ``layout`` (None when one does)."""
     if layout.fmt.sink_tokens:
         return "sink_tokens (the first positions read exactly by every query) are served by the reference path"
-    if layout.fmt.key_mode == "klt":
-        return "key_mode 'klt' (keys decoded through a calibrated transform and RoPE) is served by the reference path"
     if layout.fmt.value_mode == "mse":
         return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
     return None

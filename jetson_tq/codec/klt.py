@@ -143,6 +143,11 @@ class KeyTransformCoder:
         used = torch.arange((1 << MAX_CODE_BITS) - 1) < ((1 << bits) - 1)[..., None]
         self._mid = torch.where(used, mid, torch.inf)
 
+    @property
+    def thresholds(self) -> torch.Tensor:
+        """Decision thresholds [H, D, 255] between each coefficient's used levels (+inf past them)."""
+        return self._mid
+
     def _on(self, device: torch.device) -> KeyTransformCoder:
         if self.t.mean.device != device:
             self.t = self.t.to(device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 
 import torch
@@ -20,6 +21,7 @@ import triton.language as tl
 from ..codec.kv import KVCodec
 from ..errors import UnsupportedPlatformError
 from ..format import (  # noqa: F401 (re-used by kernels)
+    KEY_KLT,
     KEY_MSE,
     KEY_PROD,
     KEY_RAW,
@@ -91,6 +93,7 @@ def page_spec(layout: PagedLayout, codec: KVCodec) -> tuple[PageSpec, tuple]:
 
 # ------------------------------------------------------------------ cached device constants / buffers
 _CONSTANTS: dict = {}
+_KLT_CONSTANTS: dict = {}
 _WORKSPACES: dict = {}
 
 
@@ -128,6 +131,86 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
         out["codebook"] = torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous().to(device)
         _CONSTANTS[key] = out
     return _CONSTANTS[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class KltSpec:
+    """Compile-time facts of a layer's transform-coded keys (``codec.klt``) that kernels are specialized on, as the
+    ``KLT`` bundle: RoPE rotates pairs (i, RH + i) for i < RH; the RR channels past 2 RH are not rotated. Tiles of
+    those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands)."""
+
+    RH: int  # rotary pairs (rotary_dim / 2)
+    RHP: int
+    RR: int  # channels past the rotary ones
+    RRP: int
+
+    @staticmethod
+    def of(rotary_dim: int, head_dim: int) -> KltSpec:
+        rh, rr = rotary_dim // 2, head_dim - rotary_dim
+        return KltSpec(RH=rh, RHP=max(16, next_pow2(max(rh, 1))), RR=rr, RRP=max(16, next_pow2(max(rr, 1))))
+
+
+#: A spec for formats without klt keys (kernels take the bundle whole and ignore it).
+NO_KLT = KltSpec(RH=0, RHP=16, RR=0, RRP=16)
+
+
+def klt_constants(codec: KVCodec, device: torch.device) -> dict:
+    """Device copies of a klt codec's transform in the layouts the kernels read (made once per codec and device):
+
+    ``meta`` int32 [H, 2, DP]: each coefficient's first bit in a key's LSB-first code (row 0) and its width (row 1);
+    ``levels`` fp32 [H, D, 256]; ``dec`` fp16 [H, DP, DP]: the decode matrix transposed (row = coefficient, column =
+    channel), so a tile of levels [N, DP] @ dec[h] is the pre-RoPE keys; ``enc`` fp32 [H, DP, DP]: the encode matrix
+    transposed, so pre-RoPE keys [N, DP] @ enc[h] are the coefficients; ``mid`` fp32 [H, D, 255]: the decision
+    thresholds between used levels (+inf past them); ``mean`` fp32 [H, DP]; ``turns`` fp64 [RHP]: the RoPE
+    frequencies in turns per position (inv_freq / 2 pi: ``rope_cos_sin`` reduces angles exactly); ``scale``: RoPE's
+    attention scaling; ``read``: the read kernels' arguments (meta, levels, dec, mean, turns, scale); ``bundle``: the
+    ``KltSpec`` as a constexpr bundle. Padding entries are zero. A codec without klt keys gets placeholders of the
+    same dtypes and ``NO_KLT``."""
+    coder = codec.key_coder
+    key = (id(coder), str(device))
+    hit = _KLT_CONSTANTS.get(key)
+    if hit is not None and hit[0] is coder:
+        return hit[1]
+    if coder is None:
+        one = {dt: torch.zeros(1, dtype=dt, device=device) for dt in (torch.int32, torch.float32, torch.float16)}
+        turns0 = torch.zeros(1, dtype=torch.float64, device=device)
+        out = {"read": (one[torch.int32], one[torch.float32], one[torch.float16], one[torch.float32], turns0, 1.0)}
+        out["bundle"] = constexpr_bundle(NO_KLT)
+        _KLT_CONSTANTS[key] = (coder, out)
+        return out
+    t = coder.t.to("cpu")
+    h, d = t.num_heads, t.head_dim
+    dp = max(16, next_pow2(d))
+    bits = t.bits.long()
+    meta = torch.zeros(h, 2, dp, dtype=torch.int32)
+    meta[:, 0, :d] = (torch.cumsum(bits, -1) - bits).int()
+    meta[:, 1, :d] = bits.int()
+
+    def padded(m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        full = torch.zeros(h, dp, dp, dtype=torch.float64)
+        full[:, :d, :d] = m.double()
+        return full.to(dtype).contiguous().to(device)
+
+    spec = KltSpec.of(t.rotary.rotary_dim, d)
+    turns = torch.zeros(spec.RHP, dtype=torch.float64)
+    turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
+    mean = torch.zeros(h, dp, dtype=torch.float32)
+    mean[:, :d] = t.mean.float()
+    out = {
+        "meta": meta.to(device),
+        "levels": t.levels.float().contiguous().to(device),
+        "dec": padded(t.decode.transpose(1, 2), torch.float16),
+        "enc": padded(t.encode.transpose(1, 2), torch.float32),
+        "mid": coder.thresholds.to("cpu").float().contiguous().to(device),
+        "mean": mean.to(device),
+        "turns": turns.to(device),
+        "scale": float(t.rotary.attention_scaling),
+        "spec": spec,
+        "bundle": constexpr_bundle(spec),
+    }
+    out["read"] = (out["meta"], out["levels"], out["dec"], out["mean"], out["turns"], out["scale"])
+    _KLT_CONSTANTS[key] = (coder, out)
+    return out
 
 
 def _split16(m: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

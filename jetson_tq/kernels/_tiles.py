@@ -14,12 +14,13 @@ kernel masks a plane in place, feeds it to ``tl.dot`` and scales the fp32 result
 import triton
 import triton.language as tl
 
-from ._common import KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW
+from ._common import KEY_KLT, KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW
 
 # mode numbers as compile-time constants a @triton.jit function may read
 K_RAW = tl.constexpr(KEY_RAW)
 K_MSE = tl.constexpr(KEY_MSE)
 K_PROD = tl.constexpr(KEY_PROD)
+K_KLT = tl.constexpr(KEY_KLT)
 V_RAW = tl.constexpr(VAL_RAW)
 V_GROUP = tl.constexpr(VAL_GROUP)
 
@@ -300,3 +301,66 @@ def field_tile(ptrs, mask, j, CH: tl.constexpr, W0: tl.constexpr, W1: tl.constex
     if W2 > 0:
         code = code | (run_bits(ptrs + CH * (W0 + W1), mask, j, CH, W2) << (W0 + W1))
     return code
+
+
+# ---------------------------------------------------------------------------------------------- klt keys
+@triton.jit
+def rope_cos_sin(pos, turns):
+    """cos, sin of RoPE's angle at integer positions ``pos`` for frequencies ``turns`` (fp64, turns per position;
+    broadcast together): the angle is reduced to [0, 2 pi) in float64 first, so it stays exact to fp32 at any
+    position (an fp32 angle loses ~4e-3 rad at 128k tokens)."""
+    a = pos.to(tl.float64) * turns
+    r = (a - a.to(tl.int64).to(tl.float64)).to(tl.float32) * 6.283185307179586
+    return tl.cos(r), tl.sin(r)
+
+
+@triton.jit
+def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
+    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program: each coefficient's first
+    code bit and width [DP], the decode matrix's column blocks [DP, RHP] x 2 (rotary pairs' first and second
+    halves) and [DP, RRP] (unrotated channels) in fp16, and the mean's same three parts."""
+    j = tl.arange(0, PAGE.DP)
+    ia = tl.arange(0, KLT.RHP)
+    ir = tl.arange(0, KLT.RRP)
+    h64 = h.to(tl.int64)
+    bo = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + j)
+    w = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + PAGE.DP + j)
+    dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[:, None] * PAGE.DP
+    mrow = mean_ptr + h64 * PAGE.DP
+    da = tl.load(dec + ia[None, :], mask=(ia < KLT.RH)[None, :], other=0.0)
+    db = tl.load(dec + KLT.RH + ia[None, :], mask=(ia < KLT.RH)[None, :], other=0.0)
+    dr = tl.load(dec + 2 * KLT.RH + ir[None, :], mask=(ir < KLT.RR)[None, :], other=0.0)
+    ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
+    mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
+    mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
+    return bo, w, da, db, dr, ma, mb, mr
+
+
+@triton.jit
+def klt_levels(rows, nmask, h, bo, w, levels_ptr, PAGE: tl.constexpr):
+    """Coefficient levels z [N, DP] fp32 of the keys whose codes start at byte pointers ``rows`` [N]: each
+    coefficient's ``w``-bit code read from its bit offset ``bo`` (at most two bytes: widths <= 8), then looked up in
+    head ``h``'s level table (fp32 [H, D, 256])."""
+    j = tl.arange(0, PAGE.DP)
+    byte = bo >> 3
+    sh = bo & 7
+    lo = tl.load(rows[:, None] + byte[None, :], mask=nmask[:, None] & (w > 0)[None, :], other=0).to(tl.int32)
+    hi = tl.load(rows[:, None] + byte[None, :] + 1, mask=nmask[:, None] & (sh + w > 8)[None, :], other=0)
+    code = ((lo | (hi.to(tl.int32) << 8)) >> sh[None, :]) & ((1 << w) - 1)[None, :]
+    lv = levels_ptr + (h.to(tl.int64) * PAGE.D + j) * 256
+    return tl.load(lv[None, :] + code, mask=nmask[:, None] & (j < PAGE.D)[None, :], other=0.0)
+
+
+@triton.jit
+def klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Post-RoPE keys of coefficient levels z [N, DP] as three fp32 parts: rotary first halves [N, RHP], second
+    halves [N, RHP] and unrotated channels [N, RRP]: s R_p (m + B z) with cos, sin [N, RHP] of each key's angles
+    (``rope_cos_sin``) and s RoPE's attention ``scale``."""
+    z16 = z.to(tl.float16)
+    n: tl.constexpr = z.shape[0]
+    ka = mma(z16, da, tl.zeros([n, KLT.RHP], tl.float32), INTERP) + ma[None, :]
+    kb = mma(z16, db, tl.zeros([n, KLT.RHP], tl.float32), INTERP) + mb[None, :]
+    kr = tl.zeros([n, KLT.RRP], tl.float32)
+    if KLT.RR > 0:
+        kr = (mma(z16, dr, kr, INTERP) + mr[None, :]) * scale
+    return (ka * cos - kb * sin) * scale, (kb * cos + ka * sin) * scale, kr

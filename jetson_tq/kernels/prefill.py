@@ -33,9 +33,34 @@ import triton.language as tl
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ..format import PREFILL_WORKSPACE_BYTES
 from ..paged import PagedKV
-from ._common import INTERPRET, KEY_PROD, KEY_RAW, LOG2E, VAL_RAW, codec_constants, cuda_or_interpreter, page_spec
+from ._common import (
+    INTERPRET,
+    KEY_PROD,
+    KEY_RAW,
+    LOG2E,
+    VAL_RAW,
+    codec_constants,
+    cuda_or_interpreter,
+    klt_constants,
+    page_spec,
+)
 from ._launch import FastLauncher
-from ._tiles import K_PROD, K_RAW, V_RAW, centroid_lookup, field_tile, load_norms, mma, online_softmax, run_bits
+from ._tiles import (
+    K_KLT,
+    K_PROD,
+    K_RAW,
+    V_RAW,
+    centroid_lookup,
+    field_tile,
+    klt_keys,
+    klt_levels,
+    klt_operands,
+    load_norms,
+    mma,
+    online_softmax,
+    rope_cos_sin,
+    run_bits,
+)
 from .query_transform import query_transform
 
 
@@ -55,6 +80,11 @@ def _dequant_kernel(
     clen_ptr,  # int32 [B]: compressed tokens per sequence
     rlen_ptr,  # int32 [B]: recent tokens per sequence
     cb_ptr,  # fp32: key codebook
+    klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
+    klt_lv_ptr,  # levels
+    klt_dec_ptr,  # decode matrix
+    klt_mean_ptr,  # mean
+    klt_turns_ptr,  # RoPE frequencies
     wk_ptr,  # [B * HKV, seg, KW]: key workspace
     wv_ptr,  # [B * HKV, seg, DP]: value workspace
     # ---- sizes, strides, scalars
@@ -64,16 +94,20 @@ def _dequant_kernel(
     ring,  # the recent window R
     stride_bt,
     qjl_scale,  # sqrt(pi / 2) / D
+    klt_scale,  # klt keys: RoPE's attention scaling
     # ---- compile time
     HKV: tl.constexpr,  # KV heads
     KW: tl.constexpr,  # workspace key row width: DP, or 2 DP for prod keys (signs at DP)
     BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
     BLOCK_T: tl.constexpr,  # tokens per program
     TOKEN_MAJOR: tl.constexpr,  # workspace rows ordered (sequence, token, KV head), else (sequence, KV head, token)
-    PAGE: tl.constexpr,
-):  # ``PageSpec`` bundle
+    PAGE: tl.constexpr,  # ``PageSpec`` bundle
+    KLT: tl.constexpr,  # ``KltSpec`` bundle
+    INTERP: tl.constexpr,
+):
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
-    row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP),
+    row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP;
+    klt: the post-RoPE key),
     value [DP] (code * scale + zero); padding columns zero. ``TOKEN_MAJOR`` lays the rows out as the paged
     [pages, page tokens, KV heads, DP] cache an external flash-attention kernel reads (``prefill_flash``)."""
     D: tl.constexpr = PAGE.D
@@ -102,6 +136,23 @@ def _dequant_kernel(
         kdst = wk_ptr + row * KW + j
         if PAGE.KEY_MODE == K_RAW:
             kt = tl.load((page + PAGE.OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
+        elif PAGE.KEY_MODE == K_KLT:
+            _klt_workspace_keys(
+                base + PAGE.OFF_KCODE + offn * PAGE.KCB,
+                nmask,
+                n,
+                h,
+                wk_ptr + row * KW,
+                klt_meta_ptr,
+                klt_lv_ptr,
+                klt_dec_ptr,
+                klt_mean_ptr,
+                klt_turns_ptr,
+                klt_scale,
+                PAGE,
+                KLT,
+                INTERP,
+            )
         else:
             code = field_tile(page + PAGE.OFF_KIDX + off * (CH * PAGE.KB), tmask, j, CH, PAGE.KW0, PAGE.KW1, PAGE.KW2)
             knorm = load_norms(base + PAGE.OFF_KNORM, offn, nmask, PAGE.NORM_F32)
@@ -112,7 +163,8 @@ def _dequant_kernel(
                 sgn = (2 * run_bits(page + PAGE.OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float32)
                 ks = tl.where(j < D, sgn * (qjl_scale * rnorm)[:, None], 0.0)
                 tl.store(kdst + DP, ks.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
-        tl.store(kdst, kt.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
+        if PAGE.KEY_MODE != K_KLT:
+            tl.store(kdst, kt.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
         if PAGE.VAL_MODE == V_RAW:
             vt = tl.load((page + PAGE.OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
         else:
@@ -128,6 +180,42 @@ def _dequant_kernel(
                 vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
             vt = tl.where(j < D, code.to(tl.float32) * vs + vz, 0.0)
         tl.store(wv_ptr + row * DP + j, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+@triton.jit
+def _klt_workspace_keys(
+    rows,
+    nmask,
+    n,
+    h,
+    dst,
+    meta_ptr,
+    lv_ptr,
+    dec_ptr,
+    mean_ptr,
+    turns_ptr,
+    scale,
+    PAGE: tl.constexpr,
+    KLT: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """klt keys at positions ``n`` [N] (codes at byte pointers ``rows``) decoded to post-RoPE keys in workspace rows
+    ``dst`` [N, 1]: channels in their own order, padding columns zero."""
+    bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    z = klt_levels(rows, nmask, h, bo, w, lv_ptr, PAGE)
+    ia = tl.arange(0, KLT.RHP)
+    ir = tl.arange(0, KLT.RRP)
+    cos, sin = rope_cos_sin(n[:, None], tl.load(turns_ptr + ia)[None, :])
+    ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, INTERP)
+    ty = dst.dtype.element_ty
+    rmask = nmask[:, None]
+    tl.store(dst + ia[None, :], ka.to(ty), mask=rmask & (ia < KLT.RH)[None, :])
+    tl.store(dst + KLT.RH + ia[None, :], kb.to(ty), mask=rmask & (ia < KLT.RH)[None, :])
+    if KLT.RR > 0:
+        tl.store(dst + 2 * KLT.RH + ir[None, :], kr.to(ty), mask=rmask & (ir < KLT.RR)[None, :])
+    j = tl.arange(0, PAGE.DP)
+    if PAGE.D < PAGE.DP:
+        tl.store(dst + j[None, :], tl.zeros([n.shape[0], PAGE.DP], ty), mask=rmask & (j >= PAGE.D)[None, :])
 
 
 @triton.jit
@@ -589,6 +677,8 @@ def dequantize_segment(
     ``wv`` (``_dequant_kernel``; rows (sequence, KV head, token), or (sequence, token, KV head) if ``token_major``)."""
     hkv = kv.num_kv_heads
     spec, page = page_spec(kv.layout, kv.codec)
+    klt = klt_constants(kv.codec, kv.pages.device)
+    meta, levels, dec, mean, turns, klt_scale = klt["read"]
     _DEQUANT(
         (kv.batch_size * hkv, seg // tokens_per_program),
         (
@@ -597,6 +687,11 @@ def dequantize_segment(
             kv.compressed_lens,
             kv.recent_lens,
             codebook,
+            meta,
+            levels,
+            dec,
+            mean,
+            turns,
             wk,
             wv,
             s0,
@@ -605,6 +700,7 @@ def dequantize_segment(
             ring,
             kv.block_table.stride(0),
             kv.codec.qjl_scale,
+            klt_scale,
         ),
         dict(
             HKV=hkv,
@@ -613,8 +709,10 @@ def dequantize_segment(
             BLOCK_T=tokens_per_program,
             TOKEN_MAJOR=token_major,
             PAGE=page,
+            KLT=klt["bundle"],
+            INTERP=INTERPRET,
         ),
-        (spec, hkv, wk.shape[-1], block_window, tokens_per_program, token_major),
+        (spec, klt.get("spec"), hkv, wk.shape[-1], block_window, tokens_per_program, token_major),
         num_warps=4,
     )
 
