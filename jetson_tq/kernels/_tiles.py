@@ -354,13 +354,13 @@ def klt_levels(rows, nmask, h, bo, w, levels_ptr, PAGE: tl.constexpr):
 @triton.jit
 def klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
     """Post-RoPE keys of coefficient levels z [N, DP] as three fp32 parts: rotary first halves [N, RHP], second
-    halves [N, RHP] and unrotated channels [N, RRP]: s R_p (m + B z) with cos, sin [N, RHP] of each key's angles
-    (``rope_cos_sin``) and s RoPE's attention ``scale``."""
+    halves [N, RHP] and unrotated channels [N, RRP]: R_p (m + B z) with cos, sin [N, RHP] of each key's angles
+    (``rope_cos_sin``), the rotary parts times RoPE's attention ``scale`` (as transformers scales cos and sin)."""
     z16 = z.to(tl.float16)
     n: tl.constexpr = z.shape[0]
     ka = mma(z16, da, tl.zeros([n, KLT.RHP], tl.float32), INTERP) + ma[None, :]
     kb = mma(z16, db, tl.zeros([n, KLT.RHP], tl.float32), INTERP) + mb[None, :]
     kr = tl.zeros([n, KLT.RRP], tl.float32)
     if KLT.RR > 0:
-        kr = (mma(z16, dr, kr, INTERP) + mr[None, :]) * scale
+        kr = mma(z16, dr, kr, INTERP) + mr[None, :]
     return (ka * cos - kb * sin) * scale, (kb * cos + ka * sin) * scale, kr

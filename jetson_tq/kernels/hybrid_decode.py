@@ -42,6 +42,7 @@ from ..errors import DTypeError, ShapeError, expect_same_device
 from ..paged import PagedKV
 from ._common import (
     INTERPRET,
+    KEY_KLT,
     KEY_MSE,
     KEY_RAW,
     LOG2E,
@@ -51,12 +52,14 @@ from ._common import (
     constexpr_bundle,
     counters,
     cuda_or_interpreter,
+    klt_constants,
     next_pow2,
     page_spec,
     workspace,
 )
 from ._launch import FastLauncher, resident_programs
 from ._tiles import (
+    K_KLT,
     K_PROD,
     K_RAW,
     TWO24,
@@ -65,11 +68,15 @@ from ._tiles import (
     chunk_codes,
     folded_value_tile,
     fwht_rows,
+    klt_keys,
+    klt_levels,
+    klt_operands,
     load_norms,
     mma,
     nibble_centroids,
     nibble_lut_asm,
     online_softmax,
+    rope_cos_sin,
     subnormal16,
     value_unit,
 )
@@ -118,6 +125,11 @@ def _hybrid_decode_kernel(
     rlen_ptr,  # int32 [B]: recent tokens per sequence
     ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
     cb_ptr,  # fp32 [>= 4]: key codebook (the centroid lookup)
+    klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
+    klt_lv_ptr,  # levels
+    klt_dec_ptr,  # decode matrix
+    klt_mean_ptr,  # mean
+    klt_turns_ptr,  # RoPE frequencies
     hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
     out_ptr,  # [B, Hq, D]: output
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
@@ -148,10 +160,12 @@ def _hybrid_decode_kernel(
     k_beta,
     k_gamma,
     zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
+    klt_scale,  # klt keys: RoPE's attention scaling
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
-    CFG: tl.constexpr,
-):  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
+    CFG: tl.constexpr,  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
+    KLT: tl.constexpr,  # ``KltSpec`` bundle (klt keys)
+):
     # One program = one (sequence, KV head, split). Tiles are kept transposed: scores sT [tokens, GP query heads] =
     # codes [tokens, chunk] @ q^T, so packed bytes load as (tokens, bytes) rows and feed the tensor cores as they are.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
@@ -167,7 +181,8 @@ def _hybrid_decode_kernel(
     # the transformed query as tensor-core operands, loaded once; index vectors along the tiles' coordinate axes
     # are made once here too (the steps share them)
     kc = tl.arange(0, CFG.KCWP)  # columns of a key chunk
-    qk, qh, kadd = _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE, CFG)
+    qk, qh, kadd = _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE, CFG, KLT)
+    kops = _klt_read_operands(h, klt_meta_ptr, klt_dec_ptr, klt_mean_ptr, klt_turns_ptr, PAGE, CFG, KLT)
     sc = tl.arange(0, CFG.CHP)  # columns of a sign plane
     qs, ssub = _sign_operands(qt_ptr, qrow, gmask, sc, PAGE, CFG)
     vu = tl.arange(0, CFG.VSUBP)  # columns of a value sub-chunk
@@ -185,7 +200,10 @@ def _hybrid_decode_kernel(
     head_off = h.to(tl.int64) * page_bytes
     for n0 in range(start, end, CFG.BLOCK_N):
         page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
-        s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
+        if PAGE.KEY_MODE == K_KLT:
+            s = _klt_scores(page, off, nmask, n0, h, qk, kops, klt_lv_ptr, klt_scale, PAGE, CFG, KLT)
+        else:
+            s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
         s = tl.where(nmask[:, None], s, float("-inf"))
         # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
         # the loop, instead of a shuffle reduction per tile
@@ -271,9 +289,12 @@ def _rotate_query(
 
 
 @triton.jit
-def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _key_operands(
+    qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
+):
     """The transformed query Pi q as B operands [key chunk, GP] in fp16 (raw keys: their dtype), one per chunk:
-    (operands, (k >> 1)-plane operands (K_HIGH), alpha sum(q) (FAST_K)).
+    (operands, (k >> 1)-plane operands (K_HIGH), alpha sum(q) (FAST_K)). klt keys: the query's rotary first halves,
+    second halves and unrotated channels ([RHP, GP], [RHP, GP], [RRP, GP]) as the operands.
 
     Fast path (affine codebooks: c[k] = alpha + beta k (+ gamma (k >> 1) for 2-bit Lloyd-Max)):
     <q, c[idx]> = alpha sum(q) + beta <q, k> (+ gamma <q, k >> 1>) with k read as an fp16 subnormal plane
@@ -283,6 +304,14 @@ def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.co
     kadd = tl.zeros([CFG.GP], tl.float32)
     qk = ()
     qh = ()
+    if PAGE.KEY_MODE == K_KLT:
+        ia = tl.arange(0, KLT.RHP)
+        ir = tl.arange(0, KLT.RRP)
+        rows = qt_ptr + qrow[None, :] * CFG.QW
+        for col0, width, idx in ((0, KLT.RH, ia), (KLT.RH, KLT.RH, ia), (2 * KLT.RH, KLT.RR, ir)):
+            qc = tl.load(rows + col0 + idx[:, None], mask=gmask[None, :] & (idx[:, None] < width), other=0.0)
+            qk = qk + (qc.to(tl.float16),)
+        return qk, qh, kadd
     for c in tl.static_range(PAGE.KCH):
         kcol = c * PAGE.KCW + kc
         qc = tl.load(
@@ -298,6 +327,39 @@ def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.co
         else:
             qk = qk + (qc.to(KDOT_T),)
     return qk, qh, kadd
+
+
+@triton.jit
+def _klt_read_operands(
+    h, meta_ptr, dec_ptr, mean_ptr, turns_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
+):
+    """klt keys: this KV head's transform operands (``klt_operands``), the RoPE frequencies [RHP] and cos, sin
+    [BLOCK_N, RHP] of the angle offsets t theta of a tile's tokens t from its first, loaded once per program (a
+    tile's angles then take four FMAs an element, ``_klt_scores``). Other keys: empty."""
+    if PAGE.KEY_MODE == K_KLT:
+        turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
+        ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[:, None], turns[None, :])
+        return klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT) + (turns, ct, st)
+    return ()
+
+
+@triton.jit
+def _klt_scores(
+    page, off, nmask, n0, h, qk, kops, lv_ptr, scale, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
+):
+    """Log2-domain scores [BLOCK_N, GP] of one tile of klt keys (positions n0 + t): the keys decoded through the
+    transform and RoPE (``klt_levels``, ``klt_keys``), then three products with the query's parts."""
+    bo, w, da, db, dr, ma, mb, mr, turns, ct, st = kops
+    z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE)
+    cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
+    cos = cb[None, :] * ct - sb[None, :] * st
+    sin = sb[None, :] * ct + cb[None, :] * st
+    ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, CFG.INTERP)
+    s = mma(ka.to(tl.float16), qk[0], tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
+    s = mma(kb.to(tl.float16), qk[1], s, CFG.INTERP)
+    if KLT.RR > 0:
+        s = mma(kr.to(tl.float16), qk[2], s, CFG.INTERP)
+    return s
 
 
 @triton.jit
@@ -796,6 +858,8 @@ WIDE_NUM_WARPS = 1
 # mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
 WIDE_MAXNREG = 128
 NUM_STAGES = 1
+KLT_BLOCK_N = 64  # klt keys (not yet swept on a GPU)
+KLT_NUM_WARPS = 4
 # one-warp programs of 3/4-bit keys pipeline their tile loads (num_stages=2: the next tile's key and value bytes go
 # to shared memory by cp.async while this one is scored; run 8: 345 -> 308 us at B=8/64k, 109 -> 90.5 at B=1/128k)
 WIDE_NUM_STAGES = 2
@@ -827,6 +891,14 @@ class DecodeTuning:
     def for_format(self, spec: PageSpec) -> DecodeTuning:
         """These knobs with every None that has a per-format default filled in (``num_splits``, ``waves`` stay)."""
         wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
+        if spec.KEY_MODE == KEY_KLT:  # a [BLOCK_N, D] x [D, D] decode product per tile: wider tiles, more warps
+            return replace(
+                self,
+                block_n=self.block_n or KLT_BLOCK_N,
+                num_warps=self.num_warps or KLT_NUM_WARPS,
+                maxnreg=self.maxnreg if self.maxnreg is not None else 0,
+                num_stages=self.num_stages if self.num_stages is not None else NUM_STAGES,
+            )
         num_warps = self.num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
         one_warp_wide = wide and num_warps == WIDE_NUM_WARPS
         return replace(
@@ -891,6 +963,7 @@ class _DecodePlan:
     __slots__ = (
         "codec",
         "consts",
+        "klt",
         "tuning",
         "fuse",
         "qt",
@@ -958,6 +1031,7 @@ def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
     )
     plan = _DecodePlan()
     plan.codec, plan.consts, plan.tuning = kv.codec, consts, tuning
+    plan.klt = klt_constants(kv.codec, q.device)
     plan.fuse = tuning.fuse_query and fused_query(spec, kv.codec)
     plan.scale_qt = scale * LOG2E
     plan.qt = workspace(
@@ -1007,7 +1081,16 @@ def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
         splits,
         group_size,
     )
-    plan.floats = (scale * LOG2E, scale * LOG2E / math.sqrt(d), kv.codec.qjl_scale, ka, kb_, kg, 0.0)
+    plan.floats = (
+        scale * LOG2E,
+        scale * LOG2E / math.sqrt(d),
+        kv.codec.qjl_scale,
+        ka,
+        kb_,
+        kg,
+        0.0,
+        plan.klt["read"][5],
+    )
     cfg = DecodeConstexprs(
         HKV=hkv,
         G=g,
@@ -1033,7 +1116,7 @@ def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
         FUSED_REDUCE=plan.fused_reduce,
         INTERP=INTERPRET,
     )
-    plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg))
+    plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg), KLT=plan.klt["bundle"])
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
     plan.key = (next(_SERIAL),)  # unique per plan (an id() could be reused by a later plan)
     if tuning.waves is None and tuning.num_splits is None and splits > 1:  # one full wave of the compiled kernel
@@ -1063,6 +1146,7 @@ def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
         kv.recent_lens,
         kv.recent_index,
         plan.consts["codebook"],
+        *plan.klt["read"][:5],
         plan.consts["hsigns"],
         out,
         po,

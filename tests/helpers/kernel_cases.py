@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from jetson_tq.codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams, default_inv_freq
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import load_config
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
@@ -27,10 +28,14 @@ def fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
 
 
+#: Kernel test formats that are no preset: klt keys of 52 B at D=128 with 3-bit group values.
+TEST_FORMATS = {"klt52_g3": KVFormat(key_mode="klt", key_code_bytes=52, value_mode="group", value_bits=3)}
+
+
 def fmt_for(name: str, head_dim: int) -> KVFormat:
-    """A named preset (configs/*.yaml), unchanged: the format fits its value group to ``head_dim`` itself
-    (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96)."""
-    fmt = FP16_FORMAT if name == "fp16" else load_config(name).default
+    """A named preset (configs/*.yaml) or ``TEST_FORMATS`` entry, unchanged: the format fits its value group to
+    ``head_dim`` itself (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96)."""
+    fmt = FP16_FORMAT if name == "fp16" else TEST_FORMATS.get(name) or load_config(name).default
     fmt.check_head_dim(head_dim)
     return fmt
 
@@ -77,14 +82,18 @@ def build_paged_kv(
     recent_rows: int | None = None,
     recent_cap: int | None = None,
     pages_hold: list[int] | None = None,
+    key_transform: KeyTransform | None = None,
 ) -> PagedKV:
     """A PagedKV as vLLM would hand it over: compressed tokens written through a shuffled block table and a
     padded slot mapping (reference encoder), pages' unwritten bytes random, recent rows picked by a
     permuted ``recent_index`` from a larger buffer. ``pages_hold``: positions written per sequence (default
-    ``comp_lens``; prefill passes history + chunk, as vLLM writes the chunk before attention)."""
+    ``comp_lens``; prefill passes history + chunk, as vLLM writes the chunk before attention). ``key_transform``:
+    klt keys' calibrated transform (each key coded at its position; default ``random_transform``)."""
     hold = list(comp_lens) if pages_hold is None else list(pages_hold)
     raw = dtype if dtype != torch.float32 else torch.float16
-    codec = KVCodec(fmt, head_dim, raw_dtype=raw)
+    if fmt.key_mode == "klt" and key_transform is None:
+        key_transform = random_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim), gen)
+    codec = KVCodec(fmt, head_dim, raw_dtype=raw, key_transform=key_transform)
     layout = PagedLayout(fmt, head_dim, block_size)
     table = vllm_block_table(hold, block_size, pad_blocks=2, gen=gen)
     num_blocks = int(table.max()) + 4
@@ -96,7 +105,7 @@ def build_paged_kv(
     k = torch.randn(n, num_kv_heads, head_dim, generator=gen) * 2
     v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
     if n:
-        write_slots(pages, layout, slots, codec.encode(k.to(dtype), v.to(dtype)))
+        write_slots(pages, layout, slots, codec.encode(k.to(dtype), v.to(dtype), who[:, 1:].clamp_min(0), 1))
     bsz = len(comp_lens)
     rows = recent_rows if recent_rows is not None else bsz + 2
     cap = recent_cap if recent_cap is not None else max(rec_lens + [1]) + 3
@@ -114,6 +123,35 @@ def build_paged_kv(
         layout,
         codec,
     )
+
+
+def random_transform(
+    num_heads: int,
+    head_dim: int,
+    code_bits: int,
+    gen: torch.Generator,
+    rotary_dim: int | None = None,
+    scaling: float = 1.0,
+    key_scale: float = 2.0,
+) -> KeyTransform:
+    """A calibrated-like klt transform: random orthogonal encode (decode its transpose), a random mean, uneven bits
+    (0..8, more on the first coefficients, ``code_bits`` per head), random sorted levels spread like coefficients of
+    keys ~ ``key_scale`` N(0, 1); RoPE over ``rotary_dim`` channels (default all) with attention ``scaling``."""
+    h, d = num_heads, head_dim
+    q, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
+    weights = torch.linspace(2.0, 0.1, d)
+    bits = torch.zeros(h, d, dtype=torch.long)
+    for _ in range(code_bits):  # greedy water-filling on a decaying spectrum
+        score = weights - 0.5 * bits[0].float()
+        score[bits[0] >= MAX_CODE_BITS] = -1e9
+        bits[:, int(score.argmax())] += 1
+    steps = torch.rand(h, d, 1 << MAX_CODE_BITS, generator=gen) + 0.05
+    levels = torch.cumsum(steps, -1)
+    last = levels.gather(-1, (1 << bits)[..., None] - 1)
+    levels = torch.where(bits[..., None] > 0, (levels / last * 2 - 1) * 3 * key_scale, 0.0)
+    rot = RotaryParams(default_inv_freq(rotary_dim or d, 10000.0), scaling)
+    mean = torch.randn(h, d, generator=gen) * key_scale / 2
+    return KeyTransform(mean, q.float(), q.transpose(1, 2).float(), bits, levels.float(), rot)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

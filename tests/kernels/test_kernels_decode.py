@@ -36,6 +36,9 @@ SMALL = [
     ("mse_k4v3u", 64, 4, [50, 0], [3, 4]),  # uniform 4-bit keys: one index plane per 4*CH coordinates
     ("mse_k3v3w256", 128, 4, [40, 3], [200, 0]),  # the 5x preset: one value group per token, a 256-row ring
     ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
+    ("klt52_g3", 128, 4, [150, 37, 0], [20, 0, 7]),  # klt keys: decoded through their transform and RoPE per tile
+    ("klt52_g3", 64, 7, [70, 1], [1, 0]),
+    ("klt52_g3", 96, 4, [33, 70], [5, 2]),
 ]
 LARGE = [
     ("blog_k3v2", 128, 4, [4099, 1000, 17, 0], [128, 0, 64, 3]),
@@ -54,6 +57,9 @@ LARGE = [
     ("mse_k4v3u", 64, 3, [1000], [1]),
     ("mse_k3v3w256", 128, 4, [3000, 40], [256, 7]),
     ("fp16", 128, 4, [500, 1], [0, 1]),
+    ("klt52_g3", 128, 4, [4099, 1000, 17, 0], [128, 0, 64, 3]),
+    ("klt52_g3", 64, 3, [3000], [127]),
+    ("klt52_g3", 80, 4, [640, 3], [9, 1]),
 ]
 CASES = LARGE if GPU else SMALL
 

@@ -40,6 +40,9 @@ SMALL = [
     ("mse_k4v3u", 64, 4, [30], [2], 5),
     ("mse_k3v3w256", 128, 4, [30], [200], 6),  # the 5x preset: one value group per token, a 256-row ring
     ("fp16", 64, 4, [25], [1], 10),
+    ("klt52_g3", 128, 4, [40], [3], 6),  # klt keys: decoded through their transform and RoPE at their positions
+    ("klt52_g3", 64, 7, [33], [0], 9),
+    ("klt52_g3", 80, 2, [30], [4], 5),
 ]
 LARGE = [
     ("blog_k3v2", 128, 4, [3000, 77, 0], [128, 0, 5], 300),
@@ -56,6 +59,9 @@ LARGE = [
     ("mse_k4v3u", 128, 4, [900], [30], 70),
     ("mse_k3v3w256", 128, 4, [900], [256], 70),
     ("fp16", 128, 4, [300], [2], 30),
+    ("klt52_g3", 128, 4, [900], [30], 70),
+    ("klt52_g3", 64, 7, [1500], [64], 129),
+    ("klt52_g3", 96, 4, [700], [5], 33),
 ]
 CASES = LARGE if GPU else SMALL
 

@@ -42,12 +42,14 @@ CASES = [
     ("mse_k4v3", 128, 4, [0], 40, 16, "cache", None),  # empty history, the chunk reads its own older blocks
     ("mse_k4v3", 64, 1, [37], 5, 32, "cache", None),  # one block, history in the ring
     ("mse_k3v3w256", 64, 2, [150, 20], 30, 16, "vllm", 64),  # segments of 64 tokens: the merge across segments
+    ("klt52_g3", 64, 2, [56, 48], 21, 16, "vllm", None),  # klt keys: the workspace holds post-RoPE keys
 ]
 if GPU:
     CASES += [
         ("mse_k4v3", 128, 4, [3000, 700], 300, 128, "vllm", None),
         ("mse_k4v3", 128, 7, [5000], 257, 128, "cache", 1024),
         ("mse_k3v3w256", 128, 4, [2048], 600, 256, "vllm", None),
+        ("klt52_g3", 128, 4, [3000, 700], 300, 128, "vllm", None),
     ]
 
 
@@ -96,7 +98,7 @@ def test_flash_unsupported_reasons():
     assert "fp16 / bf16" in flash_unsupported_reason(kv, torch.float32)
     assert "block window" in flash_unsupported_reason(sliding, torch.float16)
     for name in ("blog_k3v2", "fp16"):
-        assert "mse keys" in flash_unsupported_reason(paged(name, "block"), torch.float16)
+        assert "mse or klt keys" in flash_unsupported_reason(paged(name, "block"), torch.float16)
     q = torch.randn(1, 4, 3, 64).half().to(DEVICE)
     k = torch.randn(1, 2, 3, 64).half().to(DEVICE)
     with pytest.raises(ShapeError, match="history"):

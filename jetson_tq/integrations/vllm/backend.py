@@ -37,7 +37,7 @@ from ... import ops
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
 from ...errors import ShapeError, UnsupportedPlatformError
-from ...format import KVFormat, PagedLayout, exact_count
+from ...format import KVFormat, PagedLayout, exact_count, kernel_unsupported_reason
 from ...paged import PagedKV
 from . import hooks
 from .flash import prefill_varlen
@@ -141,6 +141,7 @@ class TurboQuantMetadata:
     dec_ring_cols: torch.Tensor  # device int64 [num_decodes]: position % R of the new token
     dec_compressed_lens: torch.Tensor  # device int32 [num_decodes]
     dec_recent_lens: torch.Tensor  # device int32 [num_decodes]
+    dec_positions: torch.Tensor | None = None  # device int64 [>= tokens]: the decode rows' new-token positions first
     block_window: bool = False  # window: block (exact window = the query's own recent_tokens-token block)
     # device copies of the eager path's host index arrays, made by the step's first layer for all (``_device_ints``)
     device_ints: dict = field(default_factory=dict, repr=False, compare=False)
@@ -195,6 +196,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         self._cols = torch.zeros(cap, dtype=torch.int64, device=device)
         self._comp = torch.zeros(cap, dtype=torch.int32, device=device)
         self._rec = torch.zeros(cap, dtype=torch.int32, device=device)
+        self._pos = torch.zeros(cap, dtype=torch.int64, device=device)
         self._slots = hooks.recent_slots(vllm_config)
         if self.recent_tokens > 0 and hooks.current_runner() is None:
             raise UnsupportedPlatformError(
@@ -234,7 +236,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         L = seq[:nd]
         rec = exact_count(L, R, self.block_window)
         cols = (L - 1) % R if R > 0 else np.zeros_like(L)
-        for buf, values in ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec)):
+        bufs = ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec))
+        for buf, values in (*bufs, (self._pos, L - 1)):
             buf[:nd].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
         return TurboQuantMetadata(
             num_actual_tokens=cm.num_actual_tokens,
@@ -252,6 +255,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             dec_ring_cols=self._cols[:nd],
             dec_compressed_lens=self._comp[:nd],
             dec_recent_lens=self._rec[:nd],
+            dec_positions=self._pos,
         )
 
 
@@ -354,12 +358,13 @@ class TurboQuantAttentionImpl(AttentionImpl):
             return
         fmt, index = self.pick_format(layer_name, vllm_config)
         device = torch.device(cast("torch.device | str", vllm_config.device_config.device))
-        if device.type == "cuda" and fmt.key_mode == "klt":
-            raise UnsupportedPlatformError(
-                "transform-coded keys (keys.mode klt) run inside vLLM on its CPU backend only: no Triton kernel serves "
-                "them yet (use TurboQuantCache on the GPU, or another config)"
-            )
         block_size, page_stride = hooks.model_plan(vllm_config)[layer_name]
+        why = kernel_unsupported_reason(layout_for(fmt, self.head_size, block_size, page_stride))
+        if device.type == "cuda" and why:
+            raise UnsupportedPlatformError(
+                f"{layer_name}: this format runs inside vLLM on its CPU backend only, no Triton kernel serves it: "
+                f"{why} (use TurboQuantCache on the GPU, or another config)"
+            )
         dtype = cast(torch.dtype, vllm_config.model_config.dtype)  # a torch.dtype once vLLM resolved the config
         self.set_format(fmt, index, block_size, dtype, page_stride)
         self.layer_name = layer_name
@@ -484,8 +489,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
         ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec, positions=positions)
 
     def _write_positions(self, n: int, device: torch.device) -> torch.Tensor:
-        """Each written token's position in its request (klt keys are coded at it), from the step's metadata; zeros
-        in the profile run (no metadata: nothing is kept)."""
+        """Each written token's position in its request (klt keys are coded at it), from the step's metadata: in a
+        decode-only step (the one CUDA graphs capture) the builder's persistent device buffer, else one device copy
+        per step shared by every layer; zeros in the profile run (no metadata: nothing is kept)."""
         from vllm.forward_context import get_forward_context
 
         raw = get_forward_context().attn_metadata
@@ -495,13 +501,15 @@ class TurboQuantAttentionImpl(AttentionImpl):
         md = per_layer.get(self.layer_name or "") if isinstance(per_layer, dict) else None
         if not isinstance(md, TurboQuantMetadata):
             raise ShapeError(f"{self.layer_name}: no jetson-tq metadata in this step to place its klt keys")
+        if md.dec_positions is not None and md.num_decodes == md.num_reqs and n <= md.dec_positions.shape[0]:
+            return md.dec_positions[:n]  # padding rows past num_decodes write to slot -1: never stored
         qsl = md.query_start_loc
         q_lens = np.diff(qsl)
         req = np.repeat(np.arange(md.num_reqs), q_lens)
         pos = md.context_lens[req] + (np.arange(req.size) - qsl[req])
         out = np.zeros(n, dtype=np.int64)
         out[: min(n, pos.size)] = pos[:n]
-        return torch.from_numpy(out).to(device)
+        return _device_ints(md, f"positions{n}", device, (out, torch.int64))[0]
 
     # ---------------------------------------------------------------- read path
     def _paged(self, pages, block_table, comp, rec, rows) -> PagedKV:

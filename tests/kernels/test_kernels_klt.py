@@ -1,0 +1,88 @@
+"""klt keys in the kernels (``_tiles.klt_*``, ``rope_cos_sin``): RoPE angles exact at any position, keys decoded
+through partial rotary and RoPE attention scaling, checked against the codec (``KeyTransformCoder.dequantize``) and
+the reference attention. The format-wide decode / prefill cases are in test_kernels_decode.py / _prefill.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from jetson_tq.attention.reference import paged_attention_decode, paged_attention_prefill
+from jetson_tq.kernels._common import codec_constants
+from jetson_tq.kernels._tiles import rope_cos_sin
+from jetson_tq.kernels.hybrid_decode import hybrid_decode
+from jetson_tq.kernels.prefill import chunked_prefill, dequantize_segment
+from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, random_transform, rel_err
+
+pytestmark = pytest.mark.kernel
+
+
+@triton.jit
+def _rope_kernel(pos_ptr, turns_ptr, cos_ptr, sin_ptr, N: tl.constexpr, R: tl.constexpr):
+    n = tl.arange(0, N)
+    r = tl.arange(0, R)
+    cos, sin = rope_cos_sin(tl.load(pos_ptr + n)[:, None], tl.load(turns_ptr + r)[None, :])
+    tl.store(cos_ptr + n[:, None] * R + r[None, :], cos)
+    tl.store(sin_ptr + n[:, None] * R + r[None, :], sin)
+
+
+def test_rope_angles_stay_exact_at_large_positions():
+    """cos / sin of p theta at positions up to 2^20 within 2e-6 of float64 (an fp32 angle would be off by ~0.03)."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    pos = torch.tensor([0, 1, 17, 4095, 65535, 131071, 500000, (1 << 20) - 1] * 2, dtype=torch.int32)
+    cos = torch.empty(16, 64, device=DEVICE)
+    sin = torch.empty_like(cos)
+    _rope_kernel[(1,)](pos.to(DEVICE), (inv_freq / (2 * math.pi)).to(DEVICE), cos, sin, N=16, R=64)
+    angle = pos.double()[:, None] * inv_freq
+    assert (cos.cpu().double() - angle.cos()).abs().max() < 2e-6
+    assert (sin.cpu().double() - angle.sin()).abs().max() < 2e-6
+
+
+# (head dim, rotary dim, attention scaling)
+ROTARY = [(80, 40, 1.3), (128, 32, 1.0), (64, 64, 0.7)]
+
+
+@pytest.mark.parametrize("d,rotary,scaling", ROTARY, ids=[f"D{c[0]}-rot{c[1]}" for c in ROTARY])
+def test_dequantized_keys_equal_the_codec(d, rotary, scaling):
+    """The workspace keys of the dequant kernel are the codec's post-RoPE keys (fp16 rounding apart)."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fmt_for("klt52_g3", d)
+    kt = random_transform(2, d, fmt.key_code_bits(d), gen, rotary_dim=rotary, scaling=scaling)
+    n = 40
+    kv = build_paged_kv(fmt, 2, d, [n], [0], torch.float16, gen, key_transform=kt)
+    dp = max(16, 1 << (d - 1).bit_length())
+    wk = torch.zeros(2, 64, dp, dtype=torch.float16, device=DEVICE)
+    wv = torch.zeros_like(wk)
+    cb = codec_constants(kv.codec, kv.pages.device)["codebook"]
+    dequantize_segment(kv, cb, wk, wv, 0, 64, 1, 1, False, 16, False)  # sliding window of 1: every token compressed
+    codes = kv.gather_compressed(n)["key_code"][0]  # [H, n, bytes]
+    ref = kv.codec.key_coder.dequantize(codes.cpu(), torch.arange(n)[None, :], 0)
+    got = wk[:, :n, :d].float().cpu()
+    assert rel_err(got, ref) < 1e-3, f"seed={seed}"
+    assert bool((wk[:, :n, d:] == 0).all()), "padding columns must be zero"
+
+
+@pytest.mark.parametrize("d,rotary,scaling", ROTARY, ids=[f"D{c[0]}-rot{c[1]}" for c in ROTARY])
+def test_partial_rotary_attention_matches_reference(d, rotary, scaling):
+    """Decode and prefill over klt keys with partial rotary and RoPE scaling equal the reference attention."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fmt_for("klt52_g3", d).with_(buffer_tokens=4)
+    kt = random_transform(2, d, fmt.key_code_bits(d), gen, rotary_dim=rotary, scaling=scaling)
+    comp, rec, t = [70, 9], [4, 4], 3
+    kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4)
+    q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)
+    err = rel_err(hybrid_decode(q, kv), paged_attention_decode(q, kv))
+    assert err < 2e-3, f"decode seed={seed}: {err:.2e}"
+    hold = [c + r + t for c, r in zip(comp, rec)]
+    kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4, pages_hold=hold)
+    qp = (torch.randn(2, 8, t, d, generator=gen) * 3).half().to(DEVICE)
+    k = (torch.randn(2, 2, t, d, generator=gen) * 2).half().to(DEVICE)
+    v = torch.randn(2, 2, t, d, generator=gen).half().to(DEVICE)
+    err = rel_err(chunked_prefill(qp, k, v, kv), paged_attention_prefill(qp, k, v, kv))
+    assert err < 2e-3, f"prefill seed={seed}: {err:.2e}"
