@@ -133,6 +133,7 @@ def _run(
             dec_ring_cols=empty64,
             dec_compressed_lens=empty32,
             dec_recent_lens=empty32,
+            dec_positions=torch.from_numpy(np.pad(seq[:nd] - 1, (0, 4))),  # as the builder fills its buffer
         )
         out = torch.empty(n_tok, HQ, D, dtype=dtype)
         step_md.clear()
