@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernel_bench import timing_transform
 
 import jetson_tq as jt
 from jetson_tq.config import DEFAULT_PRESET, load_config
@@ -85,7 +88,10 @@ def eager_us(fn, calls: int = 200) -> tuple[float, float]:
 
 
 def filled_cache(fmt, b: int, hkv: int, ctx: int, d: int = 128):
-    cache = jt.CompressedKVCache(fmt, hkv, d, b, device="cuda", dtype=torch.float16, initial_capacity=ctx + 64)
+    kt = timing_transform(fmt, hkv, d)
+    cache = jt.CompressedKVCache(
+        fmt, hkv, d, b, device="cuda", dtype=torch.float16, initial_capacity=ctx + 64, key_transform=kt
+    )
     step = 8192
     for t0 in range(0, ctx, step):
         n = min(step, ctx - t0)

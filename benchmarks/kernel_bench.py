@@ -218,6 +218,16 @@ def resolve_format(fmt: KVFormat | str | None) -> KVFormat:
     return load_config(fmt).default
 
 
+def timing_transform(fmt: KVFormat, num_kv_heads: int, head_dim: int):
+    """klt keys: an uncalibrated transform of the format's code size (``codec.klt.spread_transform``) — a kernel's
+    time does not depend on the calibration; None for other formats."""
+    if fmt.key_mode != "klt":
+        return None
+    from jetson_tq.codec.klt import spread_transform
+
+    return spread_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim))
+
+
 def decode_vs_sdpa(
     shapes: list[tuple[int, int, int, int]] | None = None,
     *,
@@ -420,8 +430,9 @@ def append_bench(
     k = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
     v = torch.randn(batch, hkv, tokens, head_dim, device=dev, generator=gen).to(dtype)
     k1, v1 = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
+    kt_ = timing_transform(fmt, hkv, head_dim)
     caches = {
-        val: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, validate=val)
+        val: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, validate=val, key_transform=kt_)
         for val in (True, False)
     }
     for c in caches.values():
@@ -431,6 +442,7 @@ def append_bench(
     kt = k.permute(0, 2, 1, 3).reshape(batch * tokens, hkv, head_dim).contiguous()
     vt = v.permute(0, 2, 1, 3).reshape(batch * tokens, hkv, head_dim).contiguous()
     slots = (torch.arange(batch, device=dev)[:, None] * c.capacity + torch.arange(tokens, device=dev)).flatten()
+    positions = torch.arange(tokens, device=dev).repeat(batch)  # klt keys are coded at them
     rows = []
 
     def row(name, t_tokens, wall_dev, base=None):
@@ -441,13 +453,15 @@ def append_bench(
             r["x ops.write (device)"] = gpu / base[1]
         return r
 
-    write = _timed(lambda: ops.write(kt, vt, slots, c.pages, c.layout, c.codec))
+    write = _timed(lambda: ops.write(kt, vt, slots, c.pages, c.layout, c.codec, positions=positions))
     rows.append(row("ops.write (compress-on-write alone)", tokens, write))
     for val, name in ((True, "append, validate=True (device-side checks)"), (False, "append, validate=False")):
         cache = caches[val]
         timed = _timed(lambda cache=cache: cache.append(k, v), lambda cache=cache: _rewind(cache))
         rows.append(row(name, tokens, timed, write))
-    fresh = _timed(lambda: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype).append(k, v))
+    fresh = _timed(
+        lambda: CompressedKVCache(fmt, hkv, head_dim, batch, device=dev, dtype=dtype, key_transform=kt_).append(k, v)
+    )
     rows.append(row("new cache + append, validate=True (pages grow: allocation)", tokens, fresh, write))
     for val in (True, False):  # one decode step's append (what an eager generate loop pays per layer)
         cache = caches[val]
