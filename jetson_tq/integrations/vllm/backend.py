@@ -465,7 +465,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             n = md.num_actual_tokens
             q = torch.zeros(n, self.num_heads, self.head_size, dtype=dtype, device=dev)
             kv = torch.zeros(n, self.num_kv_heads, self.head_size, dtype=dtype, device=dev)
-            self.do_kv_cache_update(None, kv, kv, kv_cache, md.slot_mapping)
+            self._write(kv, kv, kv_cache, md.slot_mapping, md)
             self._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
 
         for n in lengths:  # a first chunk, one over a short history, one ending at the table's capacity
@@ -483,24 +483,37 @@ class TurboQuantAttentionImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        self._write(key, value, kv_cache, slot_mapping, None)
+
+    def _write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        md: TurboQuantMetadata | None,
+    ) -> None:
+        """Compress-on-write of the step's tokens; ``md``: the step's metadata (None: vLLM's forward context)."""
         n = min(key.shape[0], slot_mapping.shape[0])
         assert self.layout is not None and self.codec is not None  # configure() ran
-        positions = self._write_positions(n, key.device) if self.codec.key_coder is not None else None
+        positions = self._write_positions(n, key.device, md) if self.codec.key_coder is not None else None
         ops.write(key[:n], value[:n], slot_mapping[:n], kv_cache, self.layout, self.codec, positions=positions)
 
-    def _write_positions(self, n: int, device: torch.device) -> torch.Tensor:
+    def _write_positions(self, n: int, device: torch.device, md: TurboQuantMetadata | None) -> torch.Tensor:
         """Each written token's position in its request (klt keys are coded at it), from the step's metadata: in a
         decode-only step (the one CUDA graphs capture) the builder's persistent device buffer, else one device copy
         per step shared by every layer; zeros in the profile run (no metadata: nothing is kept)."""
-        from vllm.forward_context import get_forward_context
+        if md is None:
+            from vllm.forward_context import get_forward_context
 
-        raw = get_forward_context().attn_metadata
-        if raw is None:
-            return torch.zeros(n, dtype=torch.int64, device=device)
-        per_layer = raw[0] if isinstance(raw, list) else raw
-        md = per_layer.get(self.layer_name or "") if isinstance(per_layer, dict) else None
-        if not isinstance(md, TurboQuantMetadata):
-            raise ShapeError(f"{self.layer_name}: no jetson-tq metadata in this step to place its klt keys")
+            raw = get_forward_context().attn_metadata
+            if raw is None:
+                return torch.zeros(n, dtype=torch.int64, device=device)
+            per_layer = raw[0] if isinstance(raw, list) else raw
+            found = per_layer.get(self.layer_name or "") if isinstance(per_layer, dict) else None
+            if not isinstance(found, TurboQuantMetadata):
+                raise ShapeError(f"{self.layer_name}: no jetson-tq metadata in this step to place its klt keys")
+            md = found
         if md.dec_positions is not None and md.num_decodes == md.num_reqs and n <= md.dec_positions.shape[0]:
             return md.dec_positions[:n]  # padding rows past num_decodes write to slot -1: never stored
         qsl = md.query_start_loc
