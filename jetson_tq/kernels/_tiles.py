@@ -14,7 +14,7 @@ kernel masks a plane in place, feeds it to ``tl.dot`` and scales the fp32 result
 import triton
 import triton.language as tl
 
-from ._common import KEY_KLT, KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW
+from ._common import KEY_KLT, KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_MSE, VAL_RAW
 
 # mode numbers as compile-time constants a @triton.jit function may read
 K_RAW = tl.constexpr(KEY_RAW)
@@ -23,6 +23,7 @@ K_PROD = tl.constexpr(KEY_PROD)
 K_KLT = tl.constexpr(KEY_KLT)
 V_RAW = tl.constexpr(VAL_RAW)
 V_GROUP = tl.constexpr(VAL_GROUP)
+V_MSE = tl.constexpr(VAL_MSE)
 
 
 @triton.jit
