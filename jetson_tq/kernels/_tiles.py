@@ -109,6 +109,16 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
 
 
 @triton.jit
+def unrotate_rows(y, pi_ptr, D: tl.constexpr, DP: tl.constexpr):
+    """Pi^T y of every row y of an fp32 [R, DP] tile (the row form y @ Pi), Pi an fp32 [D, D] rotation in memory
+    whose padding rows and columns read as zero (so y's padding columns do not count, and the result's are zero).
+    One fp32 product (``ieee``: no tf32 rounding of y or Pi)."""
+    i = tl.arange(0, DP)
+    pi = tl.load(pi_ptr + i[:, None] * D + i[None, :], mask=(i[:, None] < D) & (i[None, :] < D), other=0.0)
+    return tl.dot(y, pi, input_precision="ieee")
+
+
+@triton.jit
 def column_chunk(x, C: tl.constexpr, R: tl.constexpr, NCH: tl.constexpr, CW: tl.constexpr):
     """Columns [C*CW, (C+1)*CW) of an [R, NCH*CW] tile, as an [R, CW] tile (a masked sum over the chunk axis)."""
     x3 = tl.reshape(x, [R, NCH, CW])
