@@ -29,8 +29,12 @@ def fresh_seed() -> int:
 
 def fmt_for(name: str, head_dim: int) -> KVFormat:
     """A named preset (configs/*.yaml), unchanged: the format fits its value group to ``head_dim`` itself
-    (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96)."""
-    fmt = FP16_FORMAT if name == "fp16" else load_config(name).default
+    (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96). ``<preset>+vmse<b>``:
+    the preset's keys with b-bit TurboQuant_mse values (no preset pairs them with kernel keys)."""
+    preset, _, value_bits = name.partition("+vmse")
+    fmt = FP16_FORMAT if preset == "fp16" else load_config(preset).default
+    if value_bits:
+        fmt = fmt.with_(value_mode="mse", value_bits=int(value_bits))
     fmt.check_head_dim(head_dim)
     return fmt
 

@@ -36,6 +36,11 @@ SMALL = [
     ("mse_k4v3u", 64, 4, [50, 0], [3, 4]),  # uniform 4-bit keys: one index plane per 4*CH coordinates
     ("mse_k3v3w256", 128, 4, [40, 3], [200, 0]),  # the 5x preset: one value group per token, a 256-row ring
     ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
+    ("mse_k4v3+vmse3", 128, 4, [60, 8], [5, 0]),  # mse values: rotated sums (Hadamard Pi_v), 2+1-bit runs
+    ("mse_k4v3+vmse3", 64, 4, [40], [3]),
+    ("mse_k4v3+vmse3", 96, 2, [33, 0], [4, 2]),  # dense Pi_v; one buffer-only sequence
+    ("blog_k3v2+vmse2", 80, 1, [30], [2]),  # prod keys, one 2-bit value run
+    ("fp16+vmse4", 64, 4, [20, 3], [0, 2]),  # raw keys
 ]
 LARGE = [
     ("blog_k3v2", 128, 4, [4099, 1000, 17, 0], [128, 0, 64, 3]),
@@ -54,6 +59,11 @@ LARGE = [
     ("mse_k4v3u", 64, 3, [1000], [1]),
     ("mse_k3v3w256", 128, 4, [3000, 40], [256, 7]),
     ("fp16", 128, 4, [500, 1], [0, 1]),
+    ("mse_k4v3+vmse3", 128, 4, [3000, 40], [128, 7]),
+    ("mse_k4v3+vmse3", 64, 3, [1000], [1]),
+    ("mse_k4v3+vmse3", 96, 4, [700], [30]),
+    ("blog_k3v2+vmse2", 80, 4, [640, 3], [9, 1]),
+    ("fp16+vmse4", 128, 4, [500, 1], [0, 1]),
 ]
 CASES = LARGE if GPU else SMALL
 

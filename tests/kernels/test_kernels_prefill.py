@@ -40,6 +40,10 @@ SMALL = [
     ("mse_k4v3u", 64, 4, [30], [2], 5),
     ("mse_k3v3w256", 128, 4, [30], [200], 6),  # the 5x preset: one value group per token, a 256-row ring
     ("fp16", 64, 4, [25], [1], 10),
+    ("mse_k4v3+vmse3", 128, 4, [35], [2], 6),  # mse values: ||v|| Pi_v^T c[idx] in the workspace (Hadamard Pi_v)
+    ("mse_k4v3+vmse3", 64, 4, [30], [2], 5),
+    ("mse_k4v3+vmse3", 96, 2, [25], [3], 4),  # dense Pi_v
+    ("blog_k3v2+vmse2", 80, 1, [20], [3], 3),
 ]
 LARGE = [
     ("blog_k3v2", 128, 4, [3000, 77, 0], [128, 0, 5], 300),
@@ -56,6 +60,9 @@ LARGE = [
     ("mse_k4v3u", 128, 4, [900], [30], 70),
     ("mse_k3v3w256", 128, 4, [900], [256], 70),
     ("fp16", 128, 4, [300], [2], 30),
+    ("mse_k4v3+vmse3", 128, 4, [900], [30], 70),
+    ("mse_k4v3+vmse3", 96, 4, [900], [1], 50),
+    ("blog_k3v2+vmse2", 80, 4, [512], [0], 1),
 ]
 CASES = LARGE if GPU else SMALL
 
