@@ -7,8 +7,9 @@ the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u -
 combined matrices, so the residual is never formed), packs
 indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
 zero, one reciprocal per group, round-half-even) or, for TurboQuant_mse values, by the key path's steps with the
-values' own rotation and codebook (norm, dense hi+lo rotation, bucketize, planar packing), and writes every field at ``slot = block * block_size + offset``
-(vLLM's ``slot_mapping``; slots < 0 are skipped). Each program handles BLOCK_T tokens of one KV head.
+values' own rotation and codebook (norm, dense hi+lo rotation, bucketize, planar packing), and writes every
+field at ``slot = block * block_size + offset`` (vLLM's ``slot_mapping``; slots < 0 are skipped). Each program
+handles BLOCK_T tokens of one KV head.
 """
 
 from __future__ import annotations
@@ -602,9 +603,7 @@ def _qjl_signs(
 
 
 @triton.jit
-def _encode_values(
-    v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAGE: tl.constexpr, CFG: tl.constexpr
-):
+def _encode_values(v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAGE: tl.constexpr, CFG: tl.constexpr):
     """TurboQuant_mse values v [BLOCK_T, DP] (padding columns zero) -> norm and the codebook indices of the rotated
     unit vector Pi_v v / ||v|| (values' own rotation and codebook), stored packed at the tokens' page offsets. Each
     value chunk's rotated coordinates come from hi+lo split products with the chunk's rows of Pi_v (the dense key

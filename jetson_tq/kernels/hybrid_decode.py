@@ -24,9 +24,9 @@ graph.
 
 The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then
 per tile
-``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_recent_tokens`` and
-``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and ``CFG``
-(``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
+``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_unrotate_values`` (mse values),
+``_recent_tokens`` and ``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and
+``CFG`` (``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
 """
 
 from __future__ import annotations
@@ -415,9 +415,7 @@ def _key_scores(
 
 
 @triton.jit
-def _value_tile(
-    page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, vcb_ptr, PAGE: tl.constexpr, CFG: tl.constexpr
-):
+def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, vcb_ptr, PAGE: tl.constexpr, CFG: tl.constexpr):
     """One tile's values into the accumulators (rescaled by ``alpha``): v^T tiles [coords, N] (loaded transposed: the
     bytes of one token are a column) times the probabilities p [N, GP]. -> (acc, zacc)."""
     RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16

@@ -113,8 +113,9 @@ def _dequant_kernel(
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
     row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP;
     klt: the post-RoPE key),
-    value [DP] (code * scale + zero; mse values in the original domain, ||v|| Pi_v^T c[idx]); padding columns zero. ``TOKEN_MAJOR`` lays the rows out as the paged
-    [pages, page tokens, KV heads, DP] cache an external flash-attention kernel reads (``prefill_flash``)."""
+    value [DP] (code * scale + zero; mse values in the original domain, ||v|| Pi_v^T c[idx]); padding columns zero.
+    ``TOKEN_MAJOR`` lays the rows out as the paged [pages, page tokens, KV heads, DP] cache an external
+    flash-attention kernel reads (``prefill_flash``)."""
     D: tl.constexpr = PAGE.D
     DP: tl.constexpr = PAGE.DP
     CH: tl.constexpr = PAGE.CH

@@ -133,7 +133,8 @@ def _check(name, d, lens, dtype, exact_signs):
             mse = codec.keys.mse if hasattr(codec.keys, "mse") else codec.keys
             _expect_ties_only(g, w, _mse_tie_distance(mse, k[order]), 1e-5, fmt.key_mse_bits, d, f"{msg}: key_idx")
         elif f.name == "val_idx":
-            _expect_ties_only(g, w, _mse_tie_distance(codec.values, v[order]), 1e-5, fmt.value_bits, d, f"{msg}: val_idx")
+            tie = _mse_tie_distance(codec.values, v[order])
+            _expect_ties_only(g, w, tie, 1e-5, fmt.value_bits, d, f"{msg}: val_idx")
         elif f.name == "val_codes":
             _expect_ties_only(g, w, _value_tie_distance(codec, v[order]), 1e-3, fmt.value_bits, d, f"{msg}: val_codes")
         elif f.name == "key_signs":
