@@ -109,13 +109,15 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
 
 
 @triton.jit
-def unrotate_rows(y, pi_ptr, D: tl.constexpr, DP: tl.constexpr):
-    """Pi^T y of every row y of an fp32 [R, DP] tile (the row form y @ Pi), Pi an fp32 [D, D] rotation in memory
-    whose padding rows and columns read as zero (so y's padding columns do not count, and the result's are zero).
-    One fp32 product (``ieee``: no tf32 rounding of y or Pi)."""
-    i = tl.arange(0, DP)
-    pi = tl.load(pi_ptr + i[:, None] * D + i[None, :], mask=(i[:, None] < D) & (i[None, :] < D), other=0.0)
-    return tl.dot(y, pi, input_precision="ieee")
+def unrotate_rows(y, pi_ptr, C0: tl.constexpr, CW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Columns [C0, C0 + CW) of Pi^T y for every row y of an fp32 [R, DP] tile (the row form y @ Pi[:, C0:C0+CW]),
+    Pi an fp32 [D, D] rotation in memory whose padding rows and columns read as zero (so y's padding columns do not
+    count, and the result's are zero). Three-pass TF32 tensor-core products (``tf32x3``: ~fp32 accurate, fp32's
+    range); a block of columns keeps the fp32 operand at DP x CW (all of Pi at D = 256 is 256 KB)."""
+    k = tl.arange(0, DP)
+    i = C0 + tl.arange(0, CW)
+    pi = tl.load(pi_ptr + k[:, None] * D + i[None, :], mask=(k[:, None] < D) & (i[None, :] < D), other=0.0)
+    return tl.dot(y, pi, input_precision="tf32x3")
 
 
 @triton.jit

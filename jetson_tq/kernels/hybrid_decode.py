@@ -520,7 +520,8 @@ def _mse_value_tile(page, off, nmask, vu, p, alpha, acc, vcb_ptr, PAGE: tl.const
 @triton.jit
 def _unrotate_values(acc, vpi_ptr, vu, PAGE: tl.constexpr, CFG: tl.constexpr):
     """mse values: the chunk accumulators [VSUBP, GP] summed in the rotated domain, turned back: output chunk c' =
-    sum over chunks c of (Pi_v[chunk c, chunk c'])^T @ acc[c] (fp32 products; padding rows and columns of Pi_v read
+    sum over chunks c of (Pi_v[chunk c, chunk c'])^T @ acc[c] (three-pass TF32 tensor-core products, ``tf32x3``:
+    ~fp32 accurate, and fp32's range, which sums of thousands of tokens need; padding rows and columns of Pi_v read
     as zero, so the padding coordinates' sums do not count). Linear, so it commutes with the online softmax's
     rescaling: the recent tokens then add to the same accumulators in the original domain, and the split partials
     merge as they are."""
@@ -536,7 +537,7 @@ def _unrotate_values(acc, vpi_ptr, vu, PAGE: tl.constexpr, CFG: tl.constexpr):
                 mask=cmask & (vu[None, :] < PAGE.VCW) & (row[None, :] < PAGE.D),
                 other=0.0,
             )
-            o = tl.dot(pit, acc[c], o, input_precision="ieee")
+            o = tl.dot(pit, acc[c], o, input_precision="tf32x3")
         out = out + (o,)
     return out
 

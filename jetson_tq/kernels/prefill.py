@@ -185,11 +185,23 @@ def _dequant_kernel(
                 vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
                 vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
             vt = tl.where(j < D, code.to(tl.float32) * vs + vz, 0.0)
-        elif PAGE.VAL_MODE == V_MSE:  # the fp32 centroids rotated back: ||v|| Pi_v^T c[idx]
+        else:  # mse: the fp32 centroids rotated back, ||v|| Pi_v^T c[idx], stored a block of columns at a time
             code = field_tile(page + PAGE.OFF_VIDX + off * (CH * PAGE.VB), tmask, j, CH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
             vnorm = load_norms(base + PAGE.OFF_VNORM, offn, nmask, PAGE.NORM_F32)
-            vt = unrotate_rows(tl.load(vcb_ptr + code), vpi_ptr, D, DP) * vnorm[:, None]
-        tl.store(wv_ptr + row * DP + j, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+            cent = tl.load(vcb_ptr + code)
+            UW: tl.constexpr = _unrotate_width(DP)
+            for u in tl.static_range(DP // UW):
+                vt = unrotate_rows(cent, vpi_ptr, u * UW, UW, D, DP) * vnorm[:, None]
+                cols = u * UW + tl.arange(0, UW)[None, :]
+                tl.store(wv_ptr + row * DP + cols, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+        if PAGE.VAL_MODE != V_MSE:
+            tl.store(wv_ptr + row * DP + j, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+@triton.constexpr_function
+def _unrotate_width(dp):
+    """Workspace columns of mse values rotated back per product: at most 64 (an fp32 [DP, 64] operand)."""
+    return min(dp, 64)
 
 
 @triton.jit

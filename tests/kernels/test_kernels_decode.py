@@ -130,9 +130,9 @@ def test_decode_one_token_and_no_buffer_storage():
     _check("blog_k3v2", 64, 4, [40, 17], [0, 0], torch.float16, 2, seed, recent_cap=0)  # buffer of width 0
 
 
-# CPU CI (Triton's interpreter, ~50 s per format) keeps two formats; the GPU runs all four
+# CPU CI (Triton's interpreter, ~50 s per format) keeps two formats; the GPU runs all five
 VARIANT_FORMATS = (
-    [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)]
+    [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64), ("mse_k4v3+vmse3", 128)]
     if GPU
     else [("mse_k4v3", 128), ("k4v4", 64)]
 )
