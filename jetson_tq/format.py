@@ -67,7 +67,7 @@ MAX_BITS = 8
 KEY_CODE_REFERENCE_DIM = 128
 #: Key / value modes as kernels see them (``PageSpec.KEY_MODE`` / ``VAL_MODE``).
 KEY_RAW, KEY_MSE, KEY_PROD, KEY_KLT = 0, 1, 2, 3
-VAL_RAW, VAL_GROUP = 0, 1
+VAL_RAW, VAL_GROUP, VAL_MSE = 0, 1, 2
 FP16_BYTES_PER_ELEMENT = 2
 
 
@@ -468,6 +468,8 @@ class PageSpec:
     OFF_VSCALE: int
     OFF_VZERO: int
     OFF_VRAW: int
+    OFF_VIDX: int  # mse values: the packed codebook indices' region
+    OFF_VNORM: int  # ... and the norms'
     RAW_BF16: bool
 
     @staticmethod
@@ -489,8 +491,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
     kb = fmt.key_mse_bits if key_mode in (KEY_MSE, KEY_PROD) else 0
     kw = _widths(kb)
     kmin = min(w for w in kw if w) if kb else 8
-    val_mode = VAL_GROUP if fmt.value_mode == "group" else VAL_RAW
-    vb = fmt.value_bits if val_mode == VAL_GROUP else 0
+    val_mode = {"fp16": VAL_RAW, "group": VAL_GROUP, "mse": VAL_MSE}[fmt.value_mode]
+    vb = fmt.value_bits if val_mode != VAL_RAW else 0
     vw = _widths(vb)
     vmin = min(w for w in vw if w) if vb else 8
     group = fmt.value_group_for(d) if val_mode == VAL_GROUP else d
@@ -528,6 +530,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
         OFF_VSCALE=off.get("val_scale", 0),
         OFF_VZERO=off.get("val_zero", 0),
         OFF_VRAW=off.get("val_raw", 0),
+        OFF_VIDX=off.get("val_idx", 0),
+        OFF_VNORM=off.get("val_norm", 0),
         RAW_BF16=raw_dtype == torch.bfloat16,
     )
 
@@ -536,8 +540,6 @@ def kernel_unsupported_reason(layout: PagedLayout) -> str | None:
     """Why no kernel handles ``layout`` (None when one does)."""
     if layout.fmt.sink_tokens:
         return "sink_tokens (the first positions read exactly by every query) are served by the reference path"
-    if layout.fmt.value_mode == "mse":
-        return "value_mode 'mse' (values rotated with their own codebook) is served by the reference path"
     return None
 
 

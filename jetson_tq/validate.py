@@ -311,13 +311,15 @@ FAULT_CLASS_BOUND = 3
 @dataclass(frozen=True)
 class StoreLimits:
     """The bounds ``check_kv_storable`` holds K/V to, as numbers a kernel compares with (x <= bound fails for NaN; a
-    bound of FP32_MAX means only "finite"). Group bounds hold |group minimum| and group scale (max - min) / levels."""
+    bound of FP32_MAX means only "finite"). Group bounds hold |group minimum| and group scale (max - min) / levels;
+    ``value_norm`` holds ||v|| of mse values."""
 
     k_abs: float
     v_abs: float
     key_norm: float
     value_group: float
     value_levels: int
+    value_norm: float = FP32_MAX
 
     @staticmethod
     def of(fmt: KVFormat, cache_dtype: torch.dtype, raw_dtype: torch.dtype) -> StoreLimits:
@@ -329,6 +331,7 @@ class StoreLimits:
             key_norm=bound.get(RANK_KEY_NORM, FP32_MAX),
             value_group=bound.get(RANK_GROUP_MIN, FP32_MAX),
             value_levels=(1 << fmt.value_bits) - 1,
+            value_norm=bound.get(RANK_VALUE_NORM, FP32_MAX),
         )
 
 
@@ -352,6 +355,8 @@ def store_fault_code(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, fmt:
     token_bad = [(RANK_K_ABS, ~(kf.abs() <= limits.k_abs).all(-1)), (RANK_V_ABS, ~(vf.abs() <= limits.v_abs).all(-1))]
     if fmt.key_mode in ("prod", "mse"):
         token_bad.append((RANK_KEY_NORM, ~(kf.norm(dim=-1) <= limits.key_norm)))
+    if fmt.value_mode == "mse":
+        token_bad.append((RANK_VALUE_NORM, ~(vf.norm(dim=-1) <= limits.value_norm)))
     if fmt.value_mode == "group":
         g = vf.unflatten(-1, (-1, fmt.value_group_for(d)))
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)

@@ -19,6 +19,7 @@ import torch
 import triton.language as tl
 
 from ..codec.kv import KVCodec
+from ..codec.mse import TurboQuantMSE
 from ..errors import UnsupportedPlatformError
 from ..format import (  # noqa: F401 (re-used by kernels)
     KEY_KLT,
@@ -26,6 +27,7 @@ from ..format import (  # noqa: F401 (re-used by kernels)
     KEY_PROD,
     KEY_RAW,
     VAL_GROUP,
+    VAL_MSE,
     VAL_RAW,
     PagedLayout,
     PageSpec,
@@ -105,6 +107,9 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
     ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: the key centroids and
     their decision boundaries; ``kfit``: the codebook as c[k] = alpha + beta k + gamma (k >> 1) when it is
     one (``_linear_codebook_fit``); ``hsigns``: the Hadamard rotation's signs (one zero when it is dense).
+    mse values (placeholders otherwise): ``vpi`` their own rotation Pi_v (fp32 [D, D], seeded by ``value_seed``),
+    ``vwrite`` it as an fp16 (hi, lo) pair for the write kernel, ``vcodebook`` / ``vbounds`` their centroids (at
+    least 4 entries) and decision boundaries.
     """
     key = (codec.fmt, codec.head_dim, codec.seed, device)
     if key not in _CONSTANTS:
@@ -129,6 +134,7 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
         out["bounds"] = (0.5 * (cb[1:] + cb[:-1]) if cb.numel() > 1 else torch.zeros(1)).contiguous().to(device)
         # at least 4 entries: kernels read c0..c3 unconditionally for their 1-2 bit select paths
         out["codebook"] = torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous().to(device)
+        out.update(_value_constants(codec, device))
         _CONSTANTS[key] = out
     return _CONSTANTS[key]
 
@@ -228,6 +234,24 @@ def _write_matrices(codec: KVCodec, device) -> tuple[torch.Tensor, ...]:
     sketch = getattr(codec.keys, "sketch_matrix", None)
     s = sketch("cpu", torch.float64) if sketch else torch.zeros(d, d, dtype=torch.float64)
     return (*_split16(pi, device), *_split16(s, device), *_split16(s @ pi.T, device))
+
+
+def _value_constants(codec: KVCodec, device) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """``vpi``, ``vwrite``, ``vcodebook``, ``vbounds`` of ``codec_constants`` (one-element zeros unless values are
+    TurboQuant_mse)."""
+    values = codec.values
+    if codec.fmt.value_mode != "mse" or not isinstance(values, TurboQuantMSE):
+        zero = torch.zeros(1, device=device)
+        return {"vpi": zero, "vwrite": (zero.half(), zero.half()), "vcodebook": zero, "vbounds": zero}
+    pi = values.rotation.matrix64()
+    cb = values.codebook.float()
+    bounds = values.boundaries.float() if cb.numel() > 1 else torch.zeros(1)
+    return {
+        "vpi": pi.float().contiguous().to(device),
+        "vwrite": _split16(pi, device),
+        "vcodebook": torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous().to(device),
+        "vbounds": bounds.contiguous().to(device),
+    }
 
 
 def _linear_codebook_fit(cb: torch.Tensor) -> tuple[float, float, float] | None:

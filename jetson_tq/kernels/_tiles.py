@@ -14,7 +14,7 @@ kernel masks a plane in place, feeds it to ``tl.dot`` and scales the fp32 result
 import triton
 import triton.language as tl
 
-from ._common import KEY_KLT, KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_RAW
+from ._common import KEY_KLT, KEY_MSE, KEY_PROD, KEY_RAW, VAL_GROUP, VAL_MSE, VAL_RAW
 
 # mode numbers as compile-time constants a @triton.jit function may read
 K_RAW = tl.constexpr(KEY_RAW)
@@ -23,6 +23,7 @@ K_PROD = tl.constexpr(KEY_PROD)
 K_KLT = tl.constexpr(KEY_KLT)
 V_RAW = tl.constexpr(VAL_RAW)
 V_GROUP = tl.constexpr(VAL_GROUP)
+V_MSE = tl.constexpr(VAL_MSE)
 
 
 @triton.jit
@@ -105,6 +106,18 @@ def fwht_rows(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, D])
     return x
+
+
+@triton.jit
+def unrotate_rows(y, pi_ptr, C0: tl.constexpr, CW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Columns [C0, C0 + CW) of Pi^T y for every row y of an fp32 [R, DP] tile (the row form y @ Pi[:, C0:C0+CW]),
+    Pi an fp32 [D, D] rotation in memory whose padding rows and columns read as zero (so y's padding columns do not
+    count, and the result's are zero). Three-pass TF32 tensor-core products (``tf32x3``: ~fp32 accurate, fp32's
+    range); a block of columns keeps the fp32 operand at DP x CW (all of Pi at D = 256 is 256 KB)."""
+    k = tl.arange(0, DP)
+    i = C0 + tl.arange(0, CW)
+    pi = tl.load(pi_ptr + k[:, None] * D + i[None, :], mask=(k[:, None] < D) & (i[None, :] < D), other=0.0)
+    return tl.dot(y, pi, input_precision="tf32x3")
 
 
 @triton.jit

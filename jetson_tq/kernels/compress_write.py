@@ -6,8 +6,10 @@ rotation, else fp16 hi+lo split products, ~fp32 accurate), picks
 the codebook indices, takes the QJL signs of the residual's sketch ``S r = S u - (S Pi^T) c`` (the
 combined matrices, so the residual is never formed), packs
 indices and signs in the planar layout, quantizes the value per group (min/max, fp16 scale and
-zero, one reciprocal per group, round-half-even), and writes every field at ``slot = block * block_size + offset``
-(vLLM's ``slot_mapping``; slots < 0 are skipped). Each program handles BLOCK_T tokens of one KV head.
+zero, one reciprocal per group, round-half-even) or, for TurboQuant_mse values, by the key path's steps with the
+values' own rotation and codebook (norm, dense hi+lo rotation, bucketize, planar packing), and writes every
+field at ``slot = block * block_size + offset`` (vLLM's ``slot_mapping``; slots < 0 are skipped). Each program
+handles BLOCK_T tokens of one KV head.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from ..validate import (
     RANK_KEY_NORM,
     RANK_V_ABS,
     RANK_V_FINITE,
+    RANK_VALUE_NORM,
     StoreLimits,
 )
 from ._common import (
@@ -54,7 +57,7 @@ from ._common import (
     page_spec,
 )
 from ._launch import FastLauncher, resident_programs
-from ._tiles import K_MSE, K_PROD, K_RAW, V_RAW, mma
+from ._tiles import K_MSE, K_PROD, K_RAW, V_MSE, V_RAW, mma
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
@@ -72,6 +75,7 @@ R_V_FINITE = tl.constexpr(RANK_V_FINITE)
 R_K_ABS = tl.constexpr(RANK_K_ABS)
 R_V_ABS = tl.constexpr(RANK_V_ABS)
 R_KEY_NORM = tl.constexpr(RANK_KEY_NORM)
+R_VALUE_NORM = tl.constexpr(RANK_VALUE_NORM)
 R_GROUP_MIN = tl.constexpr(RANK_GROUP_MIN)
 R_GROUP_SCALE = tl.constexpr(RANK_GROUP_SCALE)
 
@@ -203,6 +207,7 @@ class WriteConstexprs:
     # tells a non-finite key
     V_ABS: float = FP32_MAX  # bound on |v| (group values: from each group's minimum and maximum)
     KEY_NORM: float = FP32_MAX  # bound on ||k||
+    VALUE_NORM: float = FP32_MAX  # bound on ||v|| (mse values)
     VALUE_GROUP: float = FP32_MAX  # bound on |group minimum| and group scale
     ROWS: bool = False  # the input is rows [R, T, H, D] (a cache append of several sequences), not [N, H, D]
 
@@ -223,6 +228,9 @@ def _compress_write_kernel(
     cb_ptr,  # fp32: key codebook
     bnd_ptr,  # fp32: its decision boundaries
     mt_ptr,  # [D, D] in k's dtype: (sqrt(D) Pi)^T, entries +-1 (SIGN_MMA > 0)
+    vpi_hi_ptr,  # fp16 [D, D]: the value rotation Pi_v, high part (mse values)
+    vpi_lo_ptr,  # fp16 [D, D]: ... low part
+    vbnd_ptr,  # fp32: the value codebook's decision boundaries (mse values)
     fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
     # ---- sizes, strides, scalars
     sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
@@ -298,6 +306,13 @@ def _compress_write_kernel(
         gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
         if CFG.CHECK:
             bad = bad | _over(v, dmask, CFG.V_ABS)
+    elif PAGE.VAL_MODE == V_MSE:
+        v = tl.load(v_ptr + voff + h * stride_vh + d[None, :], mask=dmask, other=0.0)
+        vnrm = _encode_values(v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAGE, CFG)
+        gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
+        if CFG.CHECK:  # bit 2: the value norm past its bound (a non-finite value has a non-finite norm)
+            gbad = tl.where(~(vnrm <= CFG.VALUE_NORM), 4, 0)
+            bad = bad | _over(v, dmask, CFG.V_ABS) | (gbad != 0)
     else:
         gbad = _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE, CFG)
         bad = bad | (gbad != 0)
@@ -365,6 +380,7 @@ def _record_fault(
     # each failing check lowers the token's code (the rank is its top bits: the smallest code is the first check)
     code = tl.where((gbad & 2) != 0, (R_GROUP_SCALE << F_RANK) | base, F_NONE)
     code = tl.where((gbad & 1) != 0, (R_GROUP_MIN << F_RANK) | base, code)
+    code = tl.where((gbad & 4) != 0, (R_VALUE_NORM << F_RANK) | base, code)
     if PAGE.KEY_MODE != K_RAW:
         code = tl.where(~(nrm <= CFG.KEY_NORM), (R_KEY_NORM << F_RANK) | base, code)
     for c in tl.static_range(PAGE.DP // CHECK_COLS):  # column blocks of the reloaded tiles: few live registers
@@ -587,6 +603,56 @@ def _qjl_signs(
 
 
 @triton.jit
+def _encode_values(v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """TurboQuant_mse values v [BLOCK_T, DP] (padding columns zero) -> norm and the codebook indices of the rotated
+    unit vector Pi_v v / ||v|| (values' own rotation and codebook), stored packed at the tokens' page offsets. Each
+    value chunk's rotated coordinates come from hi+lo split products with the chunk's rows of Pi_v (the dense key
+    path's ``_dot3``, ~22 bits, for both rotation kinds), so a code differs from the reference only where the
+    coordinate is within rounding of a boundary. Returns the norms (fp32, before rounding to the stored dtype)."""
+    NORM_T: tl.constexpr = tl.float32 if PAGE.NORM_F32 else tl.float16
+    NB: tl.constexpr = 4 if PAGE.NORM_F32 else 2
+    VFULL: tl.constexpr = PAGE.VCW == CFG.VCWP and PAGE.VCH * PAGE.VCW == PAGE.D  # no padding chunk columns
+    vf = v.to(tl.float32)
+    nrm = tl.sqrt_rn(tl.sum(vf * vf, 1))
+    unit = vf / tl.maximum(nrm, TINY)[:, None]
+    u_hi = unit.to(tl.float16)
+    u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
+    vc = tl.arange(0, CFG.VCWP)
+    codes = ()
+    vbyte = tl.zeros([CFG.BLOCK_T, CFG.VCWP], tl.int32)
+    for c in tl.static_range(PAGE.VCH):
+        row = c * PAGE.VCW + vc  # rows of Pi_v that give this chunk's rotated coordinates (planar chunk c)
+        inside = (vc[None, :] < PAGE.VCW) & (row[None, :] < PAGE.D)
+        y = _dot3(
+            u_hi,
+            u_lo,
+            vpi_hi_ptr,
+            vpi_lo_ptr,
+            row,
+            d,
+            inside & (d[:, None] < PAGE.D),
+            PAGE.D,
+            tl.zeros([CFG.BLOCK_T, CFG.VCWP], tl.float32),
+            CFG.INTERP,
+        )
+        code = _bucketize(y, vbnd_ptr, PAGE.VB)
+        if not VFULL:
+            code = tl.where(inside, code, 0)  # padding coordinates pack as 0
+        if PAGE.VW1 == 0:
+            vbyte |= code << (c * PAGE.VW0)
+        else:
+            codes = codes + (code,)
+    vptrs = (page + PAGE.OFF_VIDX + off * (PAGE.CH * PAGE.VB))[:, None] + vc[None, :]
+    vmask = valid[:, None] & (vc[None, :] < PAGE.VCW)
+    if PAGE.VW1 == 0:
+        tl.store(vptrs, vbyte.to(tl.uint8), mask=vmask)
+    else:
+        _store_packed(codes, vptrs, vmask, PAGE.CH, PAGE.VCW, PAGE.VCH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+    tl.store((page + PAGE.OFF_VNORM + off * NB).to(tl.pointer_type(NORM_T)), nrm.to(NORM_T), mask=valid)
+    return nrm
+
+
+@triton.jit
 def _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Group-quantize and store values from the packing's chunk tiles [BLOCK_T, VCWP] (loaded once, no re-layout):
     min/max across whole chunks, one reciprocal per row and group instead of a division per element, and
@@ -789,6 +855,8 @@ def compress_write(
         setup.consts["codebook"],
         setup.consts["bounds"],
         setup.signs,
+        *setup.consts["vwrite"],
+        setup.consts["vbounds"],
         slots if fault is None else fault,
         setup.sqrt_d,
         n,
@@ -942,6 +1010,7 @@ def _setup(
             K_ELEMS=spec.KEY_MODE == KEY_RAW or wide,
             V_ABS=limits.v_abs,
             KEY_NORM=limits.key_norm,
+            VALUE_NORM=limits.value_norm,
             VALUE_GROUP=limits.value_group,
         )
     fit_key = (

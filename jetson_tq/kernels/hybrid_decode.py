@@ -6,6 +6,7 @@ scoring every tile for all G query heads of the KV head at once (GQA: the tile i
 
     score = ||k|| <Pi q, c[idx]> + sqrt(pi/2)/D ||r|| <S q, signs>      (keys never rebuilt)
     value = code * scale + zero                                         (per group of coordinates)
+    value = Pi_v^T sum_n p_n ||v_n|| c[idx_n]                           (mse values: summed rotated, turned back once)
 
 with (Pi q, S q) computed once per query (scaled by softmax_scale*log2 e): inside this launch for mse
 keys under a randomized Hadamard rotation (a Walsh-Hadamard transform of q in registers), else by
@@ -23,9 +24,9 @@ graph.
 
 The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then
 per tile
-``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_recent_tokens`` and
-``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and ``CFG``
-(``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
+``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_unrotate_values`` (mse values),
+``_recent_tokens`` and ``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and
+``CFG`` (``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from ._tiles import (
     K_PROD,
     K_RAW,
     TWO24,
+    V_MSE,
     V_RAW,
     centroid_lookup,
     chunk_codes,
@@ -131,6 +133,8 @@ def _hybrid_decode_kernel(
     klt_mean_ptr,  # mean
     klt_turns_ptr,  # RoPE frequencies
     hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
+    vcb_ptr,  # fp32 [>= 4]: value codebook (mse values)
+    vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
     out_ptr,  # [B, Hq, D]: output
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
     plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
@@ -208,8 +212,10 @@ def _hybrid_decode_kernel(
         # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
         # the loop, instead of a shuffle reduction per tile
         m_i, alpha, p, l_t = online_softmax(s, m_i, l_t, 0, False)
-        acc, zacc = _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE, CFG)
+        acc, zacc = _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, vcb_ptr, PAGE, CFG)
     l_i = tl.sum(l_t, 0)
+    if PAGE.VAL_MODE == V_MSE:  # the compressed part's sums back in the original domain, where the recent tokens add
+        acc = _unrotate_values(acc, vpi_ptr, vu, PAGE, CFG)
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
     # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
@@ -471,7 +477,7 @@ def _key_scores(
 
 
 @triton.jit
-def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, vcb_ptr, PAGE: tl.constexpr, CFG: tl.constexpr):
     """One tile's values into the accumulators (rescaled by ``alpha``): v^T tiles [coords, N] (loaded transposed: the
     bytes of one token are a column) times the probabilities p [N, GP]. -> (acc, zacc)."""
     RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
@@ -482,6 +488,8 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
             other=0.0,
         )
         acc = (mma(vraw, p.to(RAW_T), acc[0] * alpha[None, :], CFG.INTERP),)
+    elif PAGE.VAL_MODE == V_MSE:
+        acc = _mse_value_tile(page, off, nmask, vu, p, alpha, acc, vcb_ptr, PAGE, CFG)
     else:
         p16 = p.to(tl.float16)
         vrow = page + PAGE.OFF_VCODES + off * (PAGE.CH * PAGE.VB)
@@ -547,6 +555,53 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, PAGE: tl
             zt = tl.load(zrow[None, :] + ng[:, None], mask=nmask[None, :] & (ng[:, None] < PAGE.NG), other=0.0)
             zacc = zacc * alpha[None, :] + mma(zt, p16, tl.zeros([CFG.NGP, CFG.GP], tl.float32) + zero_rt, CFG.INTERP)
     return acc, zacc
+
+
+@triton.jit
+def _mse_value_tile(page, off, nmask, vu, p, alpha, acc, vcb_ptr, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """mse values: one tile's ||v|| c[idx] in the rotated domain, chunk by chunk ([VCW coordinates, N], the centroids
+    by ``centroid_lookup``: a 3-bit Lloyd-Max codebook is not affine) times p into the chunk accumulators (rescaled
+    by ``alpha``). ``_unrotate_values`` turns the sums back once per program."""
+    p16 = p.to(tl.float16)
+    vptr = (page + PAGE.OFF_VIDX + off * (PAGE.CH * PAGE.VB))[None, :] + vu[:, None]
+    vmask = nmask[None, :] & (vu[:, None] < PAGE.VCW)
+    vnorm = load_norms(page + PAGE.OFF_VNORM, off, nmask, PAGE.NORM_F32)
+    if PAGE.VW1 == 0:
+        xv = tl.load(vptr, mask=vmask, other=0)
+    new_acc = ()
+    for c in tl.static_range(PAGE.VCH):
+        if PAGE.VW1 == 0:
+            code = (xv >> (c * PAGE.VW0)) & ((1 << PAGE.VW0) - 1)
+        else:
+            code = chunk_codes(vptr, vmask, c, PAGE.CH, PAGE.VCW // PAGE.CH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+        v = (centroid_lookup(code, vcb_ptr, PAGE.VB, 1).to(tl.float32) * vnorm[None, :]).to(tl.float16)
+        new_acc = new_acc + (mma(v, p16, acc[c] * alpha[None, :], CFG.INTERP),)
+    return new_acc
+
+
+@triton.jit
+def _unrotate_values(acc, vpi_ptr, vu, PAGE: tl.constexpr, CFG: tl.constexpr):
+    """mse values: the chunk accumulators [VSUBP, GP] summed in the rotated domain, turned back: output chunk c' =
+    sum over chunks c of (Pi_v[chunk c, chunk c'])^T @ acc[c] (three-pass TF32 tensor-core products, ``tf32x3``:
+    ~fp32 accurate, and fp32's range, which sums of thousands of tokens need; padding rows and columns of Pi_v read
+    as zero, so the padding coordinates' sums do not count). Linear, so it commutes with the online softmax's
+    rescaling: the recent tokens then add to the same accumulators in the original domain, and the split partials
+    merge as they are."""
+    out = ()
+    for co in tl.static_range(PAGE.VCH):
+        col = co * PAGE.VCW + vu  # original coordinates of output chunk co
+        cmask = (vu[:, None] < PAGE.VCW) & (col[:, None] < PAGE.D)
+        o = tl.zeros([CFG.VSUBP, CFG.GP], tl.float32)
+        for c in tl.static_range(PAGE.VCH):
+            row = c * PAGE.VCW + vu  # rotated coordinates of chunk c
+            pit = tl.load(
+                vpi_ptr + row[None, :] * PAGE.D + col[:, None],
+                mask=cmask & (vu[None, :] < PAGE.VCW) & (row[None, :] < PAGE.D),
+                other=0.0,
+            )
+            o = tl.dot(pit, acc[c], o, input_precision="tf32x3")
+        out = out + (o,)
+    return out
 
 
 @triton.jit
@@ -1148,6 +1203,8 @@ def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
         plan.consts["codebook"],
         *plan.klt["read"][:5],
         plan.consts["hsigns"],
+        plan.consts["vcodebook"],
+        plan.consts["vpi"],
         out,
         po,
         plse,

@@ -9,7 +9,7 @@ Two launches per history segment (H200 run 8: the run-7 kernel, which dequantize
 
 1. ``_dequant_kernel`` decompresses the segment's compressed tokens once into an fp16 workspace: keys in the
    rotated domain with the norm folded in (``||k|| c[idx]``; prod keys also ``qjl ||r|| signs``, scored
-   against S q), values ``code * scale + zero``.
+   against S q), values ``code * scale + zero`` (mse values rotated back: ``||v|| Pi_v^T c[idx]``).
 2. ``_prefill_kernel`` runs a plain fp16 flash-attention loop over it (one program = BLOCK_M rows of one
    (sequence, KV head); a row is a (token, query head) pair, so the G query heads of a KV head share every
    tile): tiles every row reads whole without masks, then the tiles at the rows' window bound masked, then
@@ -49,6 +49,8 @@ from ._tiles import (
     K_KLT,
     K_PROD,
     K_RAW,
+    V_GROUP,
+    V_MSE,
     V_RAW,
     centroid_lookup,
     field_tile,
@@ -60,6 +62,7 @@ from ._tiles import (
     online_softmax,
     rope_cos_sin,
     run_bits,
+    unrotate_rows,
 )
 from .query_transform import query_transform
 
@@ -80,6 +83,8 @@ def _dequant_kernel(
     clen_ptr,  # int32 [B]: compressed tokens per sequence
     rlen_ptr,  # int32 [B]: recent tokens per sequence
     cb_ptr,  # fp32: key codebook
+    vcb_ptr,  # fp32: value codebook (mse values)
+    vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
     klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
     klt_lv_ptr,  # levels
     klt_dec_ptr,  # decode matrix
@@ -108,8 +113,9 @@ def _dequant_kernel(
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
     row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP;
     klt: the post-RoPE key),
-    value [DP] (code * scale + zero); padding columns zero. ``TOKEN_MAJOR`` lays the rows out as the paged
-    [pages, page tokens, KV heads, DP] cache an external flash-attention kernel reads (``prefill_flash``)."""
+    value [DP] (code * scale + zero; mse values in the original domain, ||v|| Pi_v^T c[idx]); padding columns zero.
+    ``TOKEN_MAJOR`` lays the rows out as the paged [pages, page tokens, KV heads, DP] cache an external
+    flash-attention kernel reads (``prefill_flash``)."""
     D: tl.constexpr = PAGE.D
     DP: tl.constexpr = PAGE.DP
     CH: tl.constexpr = PAGE.CH
@@ -167,7 +173,7 @@ def _dequant_kernel(
             tl.store(kdst, kt.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
         if PAGE.VAL_MODE == V_RAW:
             vt = tl.load((page + PAGE.OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
-        else:
+        elif PAGE.VAL_MODE == V_GROUP:
             code = field_tile(page + PAGE.OFF_VCODES + off * (CH * PAGE.VB), tmask, j, CH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
             srow = (page + PAGE.OFF_VSCALE + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
             zrow = (page + PAGE.OFF_VZERO + off * (2 * PAGE.NG)).to(tl.pointer_type(tl.float16))
@@ -179,7 +185,23 @@ def _dequant_kernel(
                 vs = tl.where(sel, tl.load(srow + g, mask=rmask, other=0.0).to(tl.float32), vs)
                 vz = tl.where(sel, tl.load(zrow + g, mask=rmask, other=0.0).to(tl.float32), vz)
             vt = tl.where(j < D, code.to(tl.float32) * vs + vz, 0.0)
-        tl.store(wv_ptr + row * DP + j, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+        else:  # mse: the fp32 centroids rotated back, ||v|| Pi_v^T c[idx], stored a block of columns at a time
+            code = field_tile(page + PAGE.OFF_VIDX + off * (CH * PAGE.VB), tmask, j, CH, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+            vnorm = load_norms(base + PAGE.OFF_VNORM, offn, nmask, PAGE.NORM_F32)
+            cent = tl.load(vcb_ptr + code)
+            UW: tl.constexpr = _unrotate_width(DP)
+            for u in tl.static_range(DP // UW):
+                vt = unrotate_rows(cent, vpi_ptr, u * UW, UW, D, DP) * vnorm[:, None]
+                cols = u * UW + tl.arange(0, UW)[None, :]
+                tl.store(wv_ptr + row * DP + cols, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+        if PAGE.VAL_MODE != V_MSE:
+            tl.store(wv_ptr + row * DP + j, vt.to(wv_ptr.dtype.element_ty), mask=nmask[:, None])
+
+
+@triton.constexpr_function
+def _unrotate_width(dp):
+    """Workspace columns of mse values rotated back per product: at most 64 (an fp32 [DP, 64] operand)."""
+    return min(dp, 64)
 
 
 @triton.jit
@@ -679,6 +701,7 @@ def dequantize_segment(
     spec, page = page_spec(kv.layout, kv.codec)
     klt = klt_constants(kv.codec, kv.pages.device)
     meta, levels, dec, mean, turns, klt_scale = klt["read"]
+    consts = codec_constants(kv.codec, kv.pages.device)
     _DEQUANT(
         (kv.batch_size * hkv, seg // tokens_per_program),
         (
@@ -687,6 +710,8 @@ def dequantize_segment(
             kv.compressed_lens,
             kv.recent_lens,
             codebook,
+            consts["vcodebook"],
+            consts["vpi"],
             meta,
             levels,
             dec,

@@ -27,7 +27,7 @@ import triton
 from ..attention.reference import VarlenAttention
 from ..errors import ShapeError
 from ..paged import PagedKV
-from ._common import KEY_KLT, KEY_MSE, VAL_GROUP, codec_constants, page_spec
+from ._common import KEY_KLT, KEY_MSE, VAL_GROUP, VAL_MSE, codec_constants, page_spec
 from .merge_states import merge_states
 from .prefill import DEQUANT_TOKENS, WORKSPACE_BYTES, _check_inputs, dequantize_segment, workspace_segment
 from .query_transform import query_transform
@@ -39,8 +39,8 @@ def flash_unsupported_reason(kv: PagedKV, dtype: torch.dtype) -> str | None:
     ring = kv.recent_k.shape[2]
     if dtype not in (torch.float16, torch.bfloat16):
         return f"FlashAttention takes fp16 / bf16 queries, got {dtype}"
-    if spec.KEY_MODE not in (KEY_MSE, KEY_KLT) or spec.VAL_MODE != VAL_GROUP:
-        return "only mse or klt keys with group values are dequantized into an fp16 workspace of one dtype"
+    if spec.KEY_MODE not in (KEY_MSE, KEY_KLT) or spec.VAL_MODE not in (VAL_GROUP, VAL_MSE):
+        return "only mse or klt keys with group or mse values are dequantized into an fp16 workspace of one dtype"
     if not (kv.layout.fmt.block_window and ring > 0 and ring % 16 == 0):
         return f"needs the block window with a ring of a multiple of 16 tokens (got {kv.layout.fmt.window}, R={ring})"
     if kv.recent_k.dtype not in (torch.float16, torch.bfloat16):

@@ -121,3 +121,23 @@ def test_attention_prefill_names_a_refused_chunk_and_keeps_the_cache():
     assert cache.lengths.tolist() == [5, 5] and torch.equal(cache.ring_k, ring)
     out = attention_prefill(torch.randn(B, 4, 4, D).to(DEVICE), *_kv(4, 8), cache)
     assert bool(torch.isfinite(out).all()) and cache.lengths.tolist() == [9, 9]
+
+
+def test_mse_values_name_their_norm_bound():
+    """mse values store ||v|| in fp16: a bf16 cache (no element bound) refuses a value whose norm is past 65504, and
+    the kernel path's attention over mse values matches the reference."""
+    fmt = KVFormat(value_mode="mse", value_bits=3, buffer_tokens=4)
+    cache = CompressedKVCache(fmt, H, D, B, device=DEVICE, dtype=torch.bfloat16)
+    cache.append(*_kv(6, 0, torch.bfloat16))
+    q = torch.randn(B, 4, D).to(DEVICE)
+    want = attention_decode(q, cache, backend="reference")
+    got = attention_decode(q, cache)
+    assert (got.float() - want.float()).norm() <= 1.5e-2 * want.float().norm()
+    k, v = _kv(2, 9, torch.bfloat16)
+    v[1, 0, 1] = 9e3  # norm 9e3 * sqrt(64) = 72000: finite in bf16, past the fp16 norm
+    cache.append(k, v)
+    with pytest.raises(ValueRangeError) as e:
+        cache.check()
+    msg = str(e.value)
+    assert "v: expected value norm <= 65504" in msg and "sequence 1, KV head 0, position 7" in msg, msg
+    assert cache.lengths.tolist() == [6, 6]

@@ -34,8 +34,12 @@ TEST_FORMATS = {"klt52_g3": KVFormat(key_mode="klt", key_code_bytes=52, value_mo
 
 def fmt_for(name: str, head_dim: int) -> KVFormat:
     """A named preset (configs/*.yaml) or ``TEST_FORMATS`` entry, unchanged: the format fits its value group to
-    ``head_dim`` itself (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96)."""
-    fmt = FP16_FORMAT if name == "fp16" else TEST_FORMATS.get(name) or load_config(name).default
+    ``head_dim`` itself (``KVFormat.value_group_for``: 32 -> 25 at D=50, 20 at D=80; 64 -> 40 at D=80, 48 at D=96).
+    ``<name>+vmse<b>``: that format's keys with b-bit TurboQuant_mse values."""
+    preset, _, value_bits = name.partition("+vmse")
+    fmt = FP16_FORMAT if preset == "fp16" else TEST_FORMATS.get(preset) or load_config(preset).default
+    if value_bits:
+        fmt = fmt.with_(value_mode="mse", value_bits=int(value_bits))
     fmt.check_head_dim(head_dim)
     return fmt
 

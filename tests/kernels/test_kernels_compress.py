@@ -7,10 +7,11 @@ only by one level, only where the reference's input lies within rounding of that
 product of k with the exact +-1 matrix sqrt(D) Pi compared against the boundaries times sqrt(D) ||k||, where
 the key norm may differ by an ulp; a dense one
 uses hi+lo fp16 tensor-core products, ~22 bits, in another order; value position (v - zero) / scale (the kernel
-multiplies by 1 / scale) within 1e-3 of a half-integer), and in at most 0.1 % of the entries: at the GPU sizes (~10^6
-coordinates)
-a handful of such ties occur (seen on the H200), at CPU sizes none. The key norm and
-residual norm may differ by one fp16 ulp (fp32 sums in another order). QJL sign bits may differ
+multiplies by 1 / scale) within 1e-3 of a half-integer; mse values (``+vmse``): rotated unit-value coordinate within
+1e-5 of a boundary of the values' codebook, rotated by hi+lo split products for both rotation kinds), and in at most
+0.1 % of the entries: at the GPU sizes (~10^6 coordinates)
+a handful of such ties occur (seen on the H200), at CPU sizes none. The key norm,
+residual norm and value norm may differ by one fp16 ulp (fp32 sums in another order). QJL sign bits may differ
 only where the sketch ``S r`` of a coordinate is within rounding of 0: the kernel forms it as
 ``S u - (S Pi^T) c`` with hi+lo split fp16 tensor-core products (~22 bits), bound 0.02 % of the
 bits (measured 0 in these sizes); with ``exact_signs=False`` (single fp16 products) the bound is
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from jetson_tq.codec.kv import KVCodec
+from jetson_tq.codec.mse import TurboQuantMSE
 from jetson_tq.codec.packing import unpack_bits
 from jetson_tq.format import PagedLayout
 from jetson_tq.kernels.compress_write import WriteTuning, compress_write
@@ -47,6 +49,11 @@ SMALL = [
     ("mse_k4v3u", 64, [15]),
     ("mse_k3v3w256", 128, [11]),
     ("fp16", 128, [10, 5]),
+    ("mse_k4v3+vmse3", 128, [13, 4]),  # mse values: Hadamard value rotation, 3-bit codes (2+1 runs)
+    ("mse_k4v3+vmse3", 64, [15]),
+    ("mse_k4v3+vmse3", 80, [12]),  # dense value rotation
+    ("blog_k3v2+vmse2", 96, [11]),  # prod keys, one 2-bit value run
+    ("fp16+vmse4", 64, [9]),  # raw keys
 ]
 LARGE = [
     ("blog_k3v2", 128, [4096, 1000, 7]),
@@ -63,6 +70,11 @@ LARGE = [
     ("mse_k4v3", 64, [2000]),
     ("mse_k4v3u", 128, [1500]),
     ("fp16", 128, [300]),
+    ("mse_k4v3+vmse3", 128, [2000, 31]),
+    ("mse_k4v3+vmse3", 64, [1500]),
+    ("mse_k4v3+vmse3", 96, [1300]),
+    ("blog_k3v2+vmse2", 80, [1000]),
+    ("fp16+vmse4", 128, [700]),
 ]
 
 
@@ -118,7 +130,11 @@ def _check(name, d, lens, dtype, exact_signs):
     for f in fmt.fields(d):
         g, w = got[f.name], want[f.name]
         if f.name == "key_idx":
-            _expect_ties_only(g, w, _key_tie_distance(codec, k[order]), 1e-5, fmt.key_mse_bits, d, f"{msg}: key_idx")
+            mse = codec.keys.mse if hasattr(codec.keys, "mse") else codec.keys
+            _expect_ties_only(g, w, _mse_tie_distance(mse, k[order]), 1e-5, fmt.key_mse_bits, d, f"{msg}: key_idx")
+        elif f.name == "val_idx":
+            tie = _mse_tie_distance(codec.values, v[order])
+            _expect_ties_only(g, w, tie, 1e-5, fmt.value_bits, d, f"{msg}: val_idx")
         elif f.name == "val_codes":
             _expect_ties_only(g, w, _value_tie_distance(codec, v[order]), 1e-3, fmt.value_bits, d, f"{msg}: val_codes")
         elif f.name == "key_signs":
@@ -128,7 +144,7 @@ def _check(name, d, lens, dtype, exact_signs):
             assert flips <= (2e-4 if exact_signs else 5e-3) or int(bits.sum()) <= 2, (
                 f"{msg}: {flips:.3%} of sign bits differ"
             )
-        elif f.name in ("key_norm", "key_rnorm"):
+        elif f.name in ("key_norm", "key_rnorm", "val_norm"):
             assert bool(((g.float() - w.float()).abs() <= _ulp16(w) + 1e-30).all()), f"{msg}: {f.name} off by > 1 ulp"
         else:
             assert torch.equal(g, w), f"{msg}: {f.name} differs in {(g != w).float().mean().item():.3%} of entries"
@@ -147,11 +163,11 @@ def _check(name, d, lens, dtype, exact_signs):
         )
 
 
-def _key_tie_distance(codec: KVCodec, k: torch.Tensor) -> torch.Tensor:
-    """|rotated unit-key coordinate - nearest Lloyd-Max decision boundary| as the reference computes it, [..., D]."""
-    mse = codec.keys.mse if hasattr(codec.keys, "mse") else codec.keys
-    kf = k.float()
-    y = mse.rotation.apply(kf / kf.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+def _mse_tie_distance(mse: TurboQuantMSE, x: torch.Tensor) -> torch.Tensor:
+    """|rotated unit-vector coordinate - nearest decision boundary| of a TurboQuant_mse quantizer (keys or values) as
+    the reference computes it, [..., D]."""
+    xf = x.float()
+    y = mse.rotation.apply(xf / xf.norm(dim=-1, keepdim=True).clamp_min(1e-30))
     return (y.unsqueeze(-1) - mse.boundaries.float()).abs().amin(-1)
 
 
@@ -203,6 +219,8 @@ CHECK_CASES = [
     ("blog_k3v2", 80, torch.bfloat16, [("v", 2e5)]),  # bf16 cache: group minimum / scale past fp16
     ("fp16", 64, torch.float32, [("k", math.inf), ("v", 1e5)]),  # raw fields: per element
     ("k4v4", 128, torch.float16, []),  # clean input: no fault
+    ("mse_k4v3+vmse3", 128, torch.float16, [("v", math.nan)]),  # mse values: the value norm carries NaN
+    ("mse_k4v3+vmse3", 64, torch.bfloat16, [("v", 9e3)]),  # bf16 cache: value norm past fp16, no element bound
 ]
 
 
@@ -260,7 +278,13 @@ def test_store_checks_record_the_reference_fault(name, d, dtype, poison):
 
 
 @pytest.mark.parametrize(
-    "name,d,dtype", [("mse_k4v3", 128, torch.float16), ("blog_k3v2", 64, torch.float32), ("fp16", 64, torch.bfloat16)]
+    "name,d,dtype",
+    [
+        ("mse_k4v3", 128, torch.float16),
+        ("blog_k3v2", 64, torch.float32),
+        ("fp16", 64, torch.bfloat16),
+        ("mse_k4v3+vmse3", 80, torch.float16),
+    ],
 )
 def test_store_checks_leave_the_pages_as_without_them(name, d, dtype):
     """Checking changes nothing that is stored: the same bytes with and without the fault record."""

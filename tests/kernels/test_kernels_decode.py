@@ -39,6 +39,12 @@ SMALL = [
     ("klt52_g3", 128, 4, [150, 37, 0], [20, 0, 7]),  # klt keys: decoded through their transform and RoPE per tile
     ("klt52_g3", 64, 7, [70, 1], [1, 0]),
     ("klt52_g3", 96, 4, [33, 70], [5, 2]),
+    ("kl52_smollm2", 64, 3, [60, 8], [5, 0]),  # the 5x preset's format: klt keys, 3-bit mse values
+    ("mse_k4v3+vmse3", 128, 4, [60, 8], [5, 0]),  # mse values: rotated sums (Hadamard Pi_v), 2+1-bit runs
+    ("mse_k4v3+vmse3", 64, 4, [40], [3]),
+    ("mse_k4v3+vmse3", 96, 2, [33, 0], [4, 2]),  # dense Pi_v; one buffer-only sequence
+    ("blog_k3v2+vmse2", 80, 1, [30], [2]),  # prod keys, one 2-bit value run
+    ("fp16+vmse4", 64, 4, [20, 3], [0, 2]),  # raw keys
 ]
 LARGE = [
     ("blog_k3v2", 128, 4, [4099, 1000, 17, 0], [128, 0, 64, 3]),
@@ -60,6 +66,13 @@ LARGE = [
     ("klt52_g3", 128, 4, [4099, 1000, 17, 0], [128, 0, 64, 3]),
     ("klt52_g3", 64, 3, [3000], [127]),
     ("klt52_g3", 80, 4, [640, 3], [9, 1]),
+    ("kl52_smollm2", 64, 3, [2000, 40], [256, 7]),
+    ("kl52_smollm2", 128, 4, [3000], [100]),
+    ("mse_k4v3+vmse3", 128, 4, [3000, 40], [128, 7]),
+    ("mse_k4v3+vmse3", 64, 3, [1000], [1]),
+    ("mse_k4v3+vmse3", 96, 4, [700], [30]),
+    ("blog_k3v2+vmse2", 80, 4, [640, 3], [9, 1]),
+    ("fp16+vmse4", 128, 4, [500, 1], [0, 1]),
 ]
 CASES = LARGE if GPU else SMALL
 
@@ -126,9 +139,9 @@ def test_decode_one_token_and_no_buffer_storage():
     _check("blog_k3v2", 64, 4, [40, 17], [0, 0], torch.float16, 2, seed, recent_cap=0)  # buffer of width 0
 
 
-# CPU CI (Triton's interpreter, ~50 s per format) keeps two formats; the GPU runs all four
+# CPU CI (Triton's interpreter, ~50 s per format) keeps two formats; the GPU runs all five
 VARIANT_FORMATS = (
-    [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64)]
+    [("mse_k4v3", 128), ("mse_k4v3u", 128), ("k4v4", 64), ("mse_k3v2", 64), ("mse_k4v3+vmse3", 128)]
     if GPU
     else [("mse_k4v3", 128), ("k4v4", 64)]
 )

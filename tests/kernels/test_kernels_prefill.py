@@ -43,6 +43,11 @@ SMALL = [
     ("klt52_g3", 128, 4, [40], [3], 6),  # klt keys: decoded through their transform and RoPE at their positions
     ("klt52_g3", 64, 7, [33], [0], 9),
     ("klt52_g3", 80, 2, [30], [4], 5),
+    ("kl52_smollm2", 64, 3, [40], [3], 6),  # the 5x preset's format: klt keys, 3-bit mse values
+    ("mse_k4v3+vmse3", 128, 4, [35], [2], 6),  # mse values: ||v|| Pi_v^T c[idx] in the workspace (Hadamard Pi_v)
+    ("mse_k4v3+vmse3", 64, 4, [30], [2], 5),
+    ("mse_k4v3+vmse3", 96, 2, [25], [3], 4),  # dense Pi_v
+    ("blog_k3v2+vmse2", 80, 1, [20], [3], 3),
 ]
 LARGE = [
     ("blog_k3v2", 128, 4, [3000, 77, 0], [128, 0, 5], 300),
@@ -62,6 +67,10 @@ LARGE = [
     ("klt52_g3", 128, 4, [900], [30], 70),
     ("klt52_g3", 64, 7, [1500], [64], 129),
     ("klt52_g3", 96, 4, [700], [5], 33),
+    ("kl52_smollm2", 64, 3, [1500], [256], 100),
+    ("mse_k4v3+vmse3", 128, 4, [900], [30], 70),
+    ("mse_k4v3+vmse3", 96, 4, [900], [1], 50),
+    ("blog_k3v2+vmse2", 80, 4, [512], [0], 1),
 ]
 CASES = LARGE if GPU else SMALL
 

@@ -43,6 +43,7 @@ CASES = [
     ("mse_k4v3", 64, 1, [37], 5, 32, "cache", None),  # one block, history in the ring
     ("mse_k3v3w256", 64, 2, [150, 20], 30, 16, "vllm", 64),  # segments of 64 tokens: the merge across segments
     ("klt52_g3", 64, 2, [56, 48], 21, 16, "vllm", None),  # klt keys: the workspace holds post-RoPE keys
+    ("mse_k4v3+vmse3", 64, 2, [56, 48], 21, 16, "vllm", None),  # mse values, dequantized in the original domain
 ]
 if GPU:
     CASES += [
@@ -50,6 +51,7 @@ if GPU:
         ("mse_k4v3", 128, 7, [5000], 257, 128, "cache", 1024),
         ("mse_k3v3w256", 128, 4, [2048], 600, 256, "vllm", None),
         ("klt52_g3", 128, 4, [3000, 700], 300, 128, "vllm", None),
+        ("mse_k4v3+vmse3", 128, 4, [3000, 700], 300, 128, "vllm", None),
     ]
 
 

@@ -54,9 +54,9 @@ def test_setting_is_read_once(monkeypatch):
 
 def test_unsupported_format_falls_back_or_raises(monkeypatch):
     _setting(monkeypatch, None)
-    lay = PagedLayout(KVFormat(value_mode="mse"), 64, 16)
+    lay = PagedLayout(KVFormat(sink_tokens=4), 64, 16)
     assert ops.resolve(CUDA, lay) == "reference"
-    with pytest.raises(UnsupportedPlatformError, match="value_mode 'mse'"):
+    with pytest.raises(UnsupportedPlatformError, match="sink_tokens"):
         ops.resolve(CUDA, lay, "triton")
     assert not ops.graph_safe(CUDA, lay)
 
