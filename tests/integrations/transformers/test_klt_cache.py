@@ -191,3 +191,28 @@ def test_format_sink_is_read_exactly_on_every_path(fmt):
     assert store.sink_k.shape == (2, 2, fmt.sink_tokens, 32) and bool(store.sink_k.abs().sum() > 0)
     exact_row = 2 * 32 * 4 * 2  # K and V, fp32 model, 2 KV heads
     assert store.used_bytes() == 2 * 60 * 2 * fmt.bytes_per_token(32) + 2 * (16 + fmt.sink_tokens) * exact_row
+
+
+@pytest.mark.kernel
+def test_triton_kernels_serve_klt_keys_like_the_reference():
+    """The 5x preset's format (klt keys, mse values) through the Triton kernels — compress-on-write at the keys'
+    positions, chunked prefill, decode steps (the interpreter on CPU) — gives the reference path's logits."""
+    from tests.helpers.kernel_cases import random_transform
+
+    model = _model()
+    gen = torch.Generator().manual_seed(0)
+    rot = model_rotary(model)
+    transforms = [
+        dataclasses.replace(random_transform(2, 32, KLT.key_code_bits(32), gen, key_scale=0.5), rotary=rot)
+        for _ in range(3)
+    ]
+    ids = torch.randint(0, 256, (2, 58), generator=gen)
+    logits = {}
+    for backend in ("reference", "triton"):
+        cache = TurboQuantCache(model, CFG, backend=backend, key_transforms=transforms)
+        with torch.no_grad():
+            prefill = _chunked(model, cache, ids[:, :50], 25)
+            steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(50, 58)]
+        logits[backend] = torch.cat([prefill, *steps], 1)
+    assert bool(torch.isfinite(logits["triton"]).all())
+    torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-2, atol=1e-2)
