@@ -418,9 +418,11 @@ def _record_fault(
 @triton.jit
 def _first_nonfinite(x, mask, d, base, RANK: tl.constexpr, code):
     """``code`` [T], lowered for each token that holds a non-finite element of x [T, DP] to that fault: its first
-    such coordinate and its class (0 NaN, 1 +inf, 2 -inf). x - x == 0 holds exactly for finite x in any float dtype."""
+    such coordinate and its class (0 NaN, 1 +inf, 2 -inf). x - x == 0 holds exactly for finite x (compared in fp32,
+    exact for every input dtype: Triton's interpreter keeps bf16 as raw bits, whose difference is 0 for inf too)."""
+    x = x.to(tl.float32)
     first = tl.min(tl.where(mask & ~((x - x) == 0), d[None, :], NO_COORD), 1)  # [T] int32
-    xv = tl.sum(tl.where(d[None, :] == first[:, None], x, 0.0).to(tl.float32), 1)  # that element (NaN/inf kept)
+    xv = tl.sum(tl.where(d[None, :] == first[:, None], x, 0.0), 1)  # that element (NaN/inf kept)
     cls = tl.where(xv != xv, 0, tl.where(xv > 0, 1, 2)).to(tl.int64)
     found = (RANK << F_RANK) | base | (first.to(tl.int64) << F_COORD) | cls
     return tl.where(first < NO_COORD, tl.minimum(code, found), code)
