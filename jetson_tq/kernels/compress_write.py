@@ -210,6 +210,7 @@ class WriteConstexprs:
     # ---- klt keys (``codec.klt``)
     KLT_STEPS: int = 0  # steps of the nearest-level binary search: the transform's most bits of a coefficient
     KCBP: int = 16  # code bytes padded to a power of two >= 16 (the width of the packing products)
+    KLT_CW: int = 16  # coefficients per step of the encode product (a power of two >= 16, <= DP)
     KLT_DOT: str = "ieee"  # tl.dot input precision of the encode product (``WriteTuning.klt_precision``)
 
 
@@ -580,7 +581,8 @@ def _encode_klt_keys(
 ):
     """Post-RoPE keys kin [BLOCK_T, DP] at positions ``pos`` [BLOCK_T] (``krow``: their [BLOCK_T, 1] element
     pointers) -> transform codes (``KeyTransformCoder.quantize``), stored at byte pointers ``code_rows`` [BLOCK_T]:
-    z = A (R_p^-1 k / s - m) by one fp32 product with head h's encode matrix, each coefficient's nearest level."""
+    z = A (R_p^-1 k / s - m), KLT_CW coefficients at a time (one fp32-accurate product with those columns of head h's
+    transposed encode matrix), each coefficient's nearest level, its code routed into the token's stream bytes."""
     d = tl.arange(0, PAGE.DP)
     h64 = h.to(tl.int64)
     k = kin.to(tl.float32)
@@ -591,17 +593,28 @@ def _encode_klt_keys(
         cos, sin = rope_cos_sin(pos[:, None], tl.load(turns_ptr + d % KLT.RH, mask=rot, other=0.0)[None, :])
         k = k * cos + kp * tl.where((d < KLT.RH)[None, :], sin, -sin)
         k = tl.where(rot[None, :], tl.math.div_rn(k, tl.zeros_like(k) + scale), k)
-    x = k - tl.load(mean_ptr + h64 * PAGE.DP + d)[None, :]
-    enc = tl.load(enc_ptr + h64 * (PAGE.DP * PAGE.DP) + d[:, None] * PAGE.DP + d[None, :])
-    z = tl.dot(x, enc, input_precision=CFG.KLT_DOT)  # [BLOCK_T, DP] coefficients (padding columns 0)
-    idx = _nearest_level(z, mid_ptr + (h64 * PAGE.D + tl.where(d < PAGE.D, d, 0)) * 255, CFG.KLT_STEPS)
+    x = k - tl.load(mean_ptr + h64 * PAGE.DP + d)[None, :]  # padding channels 0
+    cc = tl.arange(0, CFG.KLT_CW)
     meta = meta_ptr + h64 * (2 * PAGE.DP)
-    _store_code_stream(idx, tl.load(meta + d), tl.load(meta + PAGE.DP + d), code_rows, valid, PAGE, CFG)
+    stream = tl.zeros([CFG.BLOCK_T, CFG.KCBP], tl.float32)  # the codes' bytes, summed piece by piece
+    for c in tl.static_range(PAGE.DP // CFG.KLT_CW):
+        if c * CFG.KLT_CW < PAGE.D:  # (steps wholly past the head dim hold no coefficient)
+            col = c * CFG.KLT_CW + cc
+            enc = tl.load(enc_ptr + h64 * (PAGE.DP * PAGE.DP) + d[:, None] * PAGE.DP + col[None, :])
+            z = tl.dot(x, enc, input_precision=CFG.KLT_DOT)  # [BLOCK_T, KLT_CW] coefficients
+            idx = _nearest_level(z, mid_ptr + (h64 * PAGE.D + tl.where(col < PAGE.D, col, 0)) * 255, CFG.KLT_STEPS)
+            stream = _route_code_bytes(idx, tl.load(meta + col), tl.load(meta + PAGE.DP + col), stream, CFG)
+    q = tl.arange(0, CFG.KCBP)
+    tl.store(
+        code_rows[:, None] + q[None, :],
+        stream.to(tl.int32).to(tl.uint8),
+        mask=valid[:, None] & (q < PAGE.KCB)[None, :],
+    )
 
 
 @triton.jit
 def _nearest_level(z, rows, STEPS: tl.constexpr):
-    """Per coefficient of z [N, DP] the number of its thresholds below it (rows [DP]: each coefficient's sorted
+    """Per coefficient of z [N, C] the number of its thresholds below it (rows [C]: each coefficient's sorted
     thresholds, +inf past the used ones): a binary search of STEPS steps (2^STEPS - 1 thresholds reachable), as
     ``KeyTransformCoder._nearest_level``; NaN counts none, +inf every used one."""
     idx = tl.zeros(z.shape, tl.int32)
@@ -612,22 +625,16 @@ def _nearest_level(z, rows, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _store_code_stream(codes, bo, w, rows, valid, PAGE: tl.constexpr, CFG: tl.constexpr):
-    """Pack codes [N, DP] (coefficient i: ``w[i]`` bits from stream bit ``bo[i]``; w = 0: nothing) into each row's
-    LSB-first stream of KCB bytes and store it at byte pointers ``rows`` [N]. A code spans at most two bytes;
-    the pieces of one byte hold disjoint bits, so the byte is their sum: two products with 0/1 matrices that route
-    each coefficient's low and high piece to its byte (fp16 integers <= 255, fp32 sums: exact)."""
+def _route_code_bytes(codes, bo, w, stream, CFG: tl.constexpr):
+    """``stream`` [N, KCBP] (fp32 byte values) plus codes [N, C] packed LSB-first (coefficient i: ``w[i]`` bits from
+    stream bit ``bo[i]``; w = 0: nothing). A code spans at most two bytes and the pieces in one byte hold disjoint
+    bits, so a byte is the sum of its pieces: two products with 0/1 matrices that route each code's low and high
+    piece to its byte (fp16 integers <= 255, fp32 sums: exact)."""
     shifted = tl.where((w > 0)[None, :], codes, 0) << (bo & 7)[None, :]  # < 2^15
     q = tl.arange(0, CFG.KCBP)
     byte = (bo >> 3)[:, None]
-    out = mma(
-        (shifted & 255).to(tl.float16),
-        (byte == q[None, :]).to(tl.float16),
-        tl.zeros([codes.shape[0], CFG.KCBP], tl.float32),
-        CFG.INTERP,
-    )
-    out = mma((shifted >> 8).to(tl.float16), (byte + 1 == q[None, :]).to(tl.float16), out, CFG.INTERP)
-    tl.store(rows[:, None] + q[None, :], out.to(tl.int32).to(tl.uint8), mask=valid[:, None] & (q < PAGE.KCB)[None, :])
+    stream = mma((shifted & 255).to(tl.float16), (byte == q[None, :]).to(tl.float16), stream, CFG.INTERP)
+    return mma((shifted >> 8).to(tl.float16), (byte + 1 == q[None, :]).to(tl.float16), stream, CFG.INTERP)
 
 
 @triton.jit
@@ -792,6 +799,7 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+KLT_COEFFS_PER_STEP = 32  # klt keys: coefficients per step (few live [BLOCK_T, 32] tiles; not measured on a GPU)
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
 _FITTED_BLOCK_T: dict = {}  # (format, head dim, device) -> the largest tile that fit in shared memory
 
@@ -1078,6 +1086,7 @@ def _setup(
         CHECK=limits is not None,
         KLT_STEPS=klt_steps,
         KCBP=max(16, next_pow2(spec.KCB)),
+        KLT_CW=min(KLT_COEFFS_PER_STEP, spec.DP),
         KLT_DOT="ieee" if INTERPRET else tuning.klt_precision,
     )
     if limits is not None:
