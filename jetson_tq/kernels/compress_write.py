@@ -821,8 +821,9 @@ class WriteTuning:
     # but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the fp32 reference —
     # harmless for the estimator, visible as ~1 % output differences against it
     maxnreg: int | None = None  # register cap per thread (128: two 8-warp programs per SM)
-    klt_precision: str = "tf32x3"  # klt keys: tl.dot input precision of the encode product on the GPU ("ieee": fp32
-    # FMAs, which unroll the whole [BLOCK_T, D] x [D, D] product into registers); the interpreter computes in fp32
+    klt_precision: str = "tf32x3"  # klt keys: tl.dot input precision of the encode product on the GPU (3 tensor-core
+    # products, ~fp32 accurate; "ieee": fp32 FMAs, whose lowering holds a thread's whole operand rows and columns in
+    # registers); the interpreter computes in fp32
 
 
 DEFAULT_TUNING = WriteTuning()
