@@ -319,3 +319,32 @@ def test_klt_codes_read_back_by_the_read_helpers(d, rotary_dim):
         pytest.xfail("klt_keys scales the channels past rotary_dim by s; RotaryParams.apply (the reference) does not")
     err = (kk - want_k).abs().max().item()
     assert err <= 2e-2 * want_k.abs().max().item(), f"seed={seed} D={d}: keys off by {err:.3g}"
+
+
+def test_klt_cache_appends_through_the_kernels(monkeypatch):
+    """A klt ``CompressedKVCache`` whose appends go through the kernels (rows [B, T, H, D] with positions [B, T],
+    single tokens, a batch of one) stores the pages the reference path stores (up to ties: <= 0.1 % of the bytes)."""
+    from jetson_tq.cache.compressed import CompressedKVCache
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="group", value_bits=3, buffer_tokens=16)
+    t = uneven_transform(2, 64, fmt.key_code_bits(64), 32, SCALE, gen)
+    chunks = [
+        (torch.randn(3, 2, n, 64, generator=gen).half(), torch.randn(3, 2, n, 64, generator=gen).half())
+        for n in (5, 1, 40, 3)
+    ]
+    pages = {}
+    try:
+        for backend in ("reference", "triton"):
+            monkeypatch.setenv(ops.ENV_VAR, backend)
+            ops.configured.cache_clear()
+            cache = CompressedKVCache(fmt, 2, 64, batch_size=3, device=DEVICE, key_transform=t)
+            for k, v in chunks:
+                cache.append(k.to(DEVICE), v.to(DEVICE))
+            cache.append(chunks[1][0][1].to(DEVICE), chunks[1][1][1].to(DEVICE), seq=1)  # one sequence
+            pages[backend] = cache.pages.cpu()
+    finally:
+        ops.configured.cache_clear()  # re-read once the environment is restored
+    differ = (pages["reference"] != pages["triton"]).float().mean().item()
+    assert differ <= 1e-3, f"seed={seed}: {differ:.3%} of the page bytes differ from the reference path's"
