@@ -282,9 +282,7 @@ def _compress_write_kernel(
         nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (nothing to bound)
     elif PAGE.KEY_MODE == K_KLT:
         _encode_klt_keys(
-            kin,
             k_ptr + koff + h * stride_kh,
-            dmask,
             tl.load(pos_ptr + t, mask=t < n_tokens, other=0),
             page + PAGE.OFF_KCODE + off * PAGE.KCB,
             valid,
@@ -562,9 +560,7 @@ def _encode_keys(
 
 @triton.jit
 def _encode_klt_keys(
-    kin,
     krow,
-    dmask,
     pos,
     code_rows,
     valid,
@@ -579,31 +575,45 @@ def _encode_klt_keys(
     CFG: tl.constexpr,
     KLT: tl.constexpr,
 ):
-    """Post-RoPE keys kin [BLOCK_T, DP] at positions ``pos`` [BLOCK_T] (``krow``: their [BLOCK_T, 1] element
-    pointers) -> transform codes (``KeyTransformCoder.quantize``), stored at byte pointers ``code_rows`` [BLOCK_T]:
-    z = A (R_p^-1 k / s - m), KLT_CW coefficients at a time (one fp32-accurate product with those columns of head h's
-    transposed encode matrix), each coefficient's nearest level, its code routed into the token's stream bytes."""
-    d = tl.arange(0, PAGE.DP)
+    """Post-RoPE keys at element pointers ``krow`` [BLOCK_T, 1] and positions ``pos`` [BLOCK_T] -> transform codes
+    (``KeyTransformCoder.quantize``), stored at byte pointers ``code_rows`` [BLOCK_T]: the centered pre-RoPE key
+    x = R_p^-1 k / s - m as three tiles (rotary pairs' first halves a, second halves b [BLOCK_T, RHP], channels past
+    them [BLOCK_T, RRP]: neither rotated nor scaled, as transformers' partial RoPE), then z = A x KLT_CW coefficients
+    at a time (fp32-accurate products with the row blocks of head h's transposed encode matrix), each coefficient's
+    nearest level, its code routed into the token's stream bytes."""
     h64 = h.to(tl.int64)
-    k = kin.to(tl.float32)
-    if KLT.RH > 0:  # RoPE undone in place: a' = (a cos + b sin) / s, b' = (b cos - a sin) / s on pairs (i, RH + i)
-        rot = d < 2 * KLT.RH  # the channels past them are neither rotated nor scaled (transformers' partial RoPE)
-        partner = tl.where(d < KLT.RH, d + KLT.RH, d - KLT.RH)
-        kp = tl.load(krow + partner[None, :], mask=dmask & rot[None, :], other=0.0).to(tl.float32)
-        cos, sin = rope_cos_sin(pos[:, None], tl.load(turns_ptr + d % KLT.RH, mask=rot, other=0.0)[None, :])
-        k = k * cos + kp * tl.where((d < KLT.RH)[None, :], sin, -sin)
-        k = tl.where(rot[None, :], tl.math.div_rn(k, tl.zeros_like(k) + scale), k)
-    x = k - tl.load(mean_ptr + h64 * PAGE.DP + d)[None, :]  # padding channels 0
+    ia = tl.arange(0, KLT.RHP)
+    ir = tl.arange(0, KLT.RRP)
+    mrow = mean_ptr + h64 * PAGE.DP
+    if KLT.RH > 0:  # a' = (a cos + b sin) / s, b' = (b cos - a sin) / s, angles reduced in fp64 (``rope_cos_sin``)
+        amask = valid[:, None] & (ia < KLT.RH)[None, :]
+        a = tl.load(krow + ia[None, :], mask=amask, other=0.0).to(tl.float32)
+        b = tl.load(krow + KLT.RH + ia[None, :], mask=amask, other=0.0).to(tl.float32)
+        cos, sin = rope_cos_sin(pos[:, None], tl.load(turns_ptr + ia)[None, :])
+        s = tl.zeros_like(a) + scale
+        xa = tl.math.div_rn(a * cos + b * sin, s) - tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)[None, :]
+        xb = tl.math.div_rn(b * cos - a * sin, s) - tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)[None, :]
+    if KLT.RR > 0:
+        xr = tl.load(krow + 2 * KLT.RH + ir[None, :], mask=valid[:, None] & (ir < KLT.RR)[None, :], other=0.0)
+        xr = xr.to(tl.float32) - tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)[None, :]
     cc = tl.arange(0, CFG.KLT_CW)
     meta = meta_ptr + h64 * (2 * PAGE.DP)
     stream = tl.zeros([CFG.BLOCK_T, CFG.KCBP], tl.float32)  # the codes' bytes, summed piece by piece
-    for c in tl.static_range(PAGE.DP // CFG.KLT_CW):
-        if c * CFG.KLT_CW < PAGE.D:  # (steps wholly past the head dim hold no coefficient)
-            col = c * CFG.KLT_CW + cc
-            enc = tl.load(enc_ptr + h64 * (PAGE.DP * PAGE.DP) + d[:, None] * PAGE.DP + col[None, :])
-            z = tl.dot(x, enc, input_precision=CFG.KLT_DOT)  # [BLOCK_T, KLT_CW] coefficients
-            idx = _nearest_level(z, mid_ptr + (h64 * PAGE.D + tl.where(col < PAGE.D, col, 0)) * 255, CFG.KLT_STEPS)
-            stream = _route_code_bytes(idx, tl.load(meta + col), tl.load(meta + PAGE.DP + col), stream, CFG)
+    STEPS: tl.constexpr = (PAGE.D + CFG.KLT_CW - 1) // CFG.KLT_CW
+    for c in range(STEPS):  # a loop, not unrolled: one step's encode block and thresholds live at a time
+        col = c * CFG.KLT_CW + cc
+        erow = enc_ptr + h64 * (PAGE.DP * PAGE.DP) + col[None, :]  # enc[h][channel, col]: channel-major rows
+        z = tl.zeros([CFG.BLOCK_T, CFG.KLT_CW], tl.float32)
+        if KLT.RH > 0:
+            ea = tl.load(erow + ia[:, None] * PAGE.DP, mask=(ia < KLT.RH)[:, None], other=0.0)
+            z = tl.dot(xa, ea, z, input_precision=CFG.KLT_DOT)
+            eb = tl.load(erow + (KLT.RH + ia[:, None]) * PAGE.DP, mask=(ia < KLT.RH)[:, None], other=0.0)
+            z = tl.dot(xb, eb, z, input_precision=CFG.KLT_DOT)
+        if KLT.RR > 0:
+            er = tl.load(erow + (2 * KLT.RH + ir[:, None]) * PAGE.DP, mask=(ir < KLT.RR)[:, None], other=0.0)
+            z = tl.dot(xr, er, z, input_precision=CFG.KLT_DOT)
+        idx = _nearest_level(z, mid_ptr + (h64 * PAGE.D + tl.where(col < PAGE.D, col, 0)) * 255, CFG.KLT_STEPS)
+        stream = _route_code_bytes(idx, tl.load(meta + col), tl.load(meta + PAGE.DP + col), stream, CFG)
     q = tl.arange(0, CFG.KCBP)
     tl.store(
         code_rows[:, None] + q[None, :],
@@ -799,7 +809,8 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-KLT_COEFFS_PER_STEP = 32  # klt keys: coefficients per step (few live [BLOCK_T, 32] tiles; not measured on a GPU)
+KLT_COEFFS_PER_STEP = 16  # klt keys: coefficients per step (offline sm_90a compiles, D=128 and 80 at 128 tokens: no
+# spills; unrolled steps of 16 or 32 spilled 48-1012 B)
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
 _FITTED_BLOCK_T: dict = {}  # (format, head dim, device) -> the largest tile that fit in shared memory
 
