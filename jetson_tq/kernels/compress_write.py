@@ -48,16 +48,18 @@ from ..validate import (
 )
 from ._common import (
     INTERPRET,
+    KEY_KLT,
     KEY_RAW,
     PageSpec,
     codec_constants,
     constexpr_bundle,
     cuda_or_interpreter,
+    klt_constants,
     next_pow2,
     page_spec,
 )
 from ._launch import FastLauncher, resident_programs
-from ._tiles import K_MSE, K_PROD, K_RAW, V_MSE, V_RAW, mma
+from ._tiles import K_KLT, K_MSE, K_PROD, K_RAW, V_MSE, V_RAW, mma, rope_cos_sin
 
 TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny, the reference norm clamp
 ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: x + it (0 <= x < 2^22) holds round-half-even(x) in its low bits
@@ -210,6 +212,11 @@ class WriteConstexprs:
     VALUE_NORM: float = FP32_MAX  # bound on ||v|| (mse values)
     VALUE_GROUP: float = FP32_MAX  # bound on |group minimum| and group scale
     ROWS: bool = False  # the input is rows [R, T, H, D] (a cache append of several sequences), not [N, H, D]
+    # ---- klt keys (``codec.klt``)
+    KLT_STEPS: int = 0  # steps of the nearest-level binary search: the transform's most bits of a coefficient
+    KCBP: int = 16  # code bytes padded to a power of two >= 16 (the width of the packing products)
+    KLT_CW: int = 16  # coefficients per step of the encode product (a power of two >= 16, <= DP)
+    KLT_DOT: str = "ieee"  # tl.dot input precision of the encode product (``WriteTuning.klt_precision``)
 
 
 @triton.jit
@@ -232,6 +239,12 @@ def _compress_write_kernel(
     vpi_lo_ptr,  # fp16 [D, D]: ... low part
     vbnd_ptr,  # fp32: the value codebook's decision boundaries (mse values)
     fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
+    pos_ptr,  # int [N]: each token's position in its sequence (klt keys; else a placeholder)
+    klt_meta_ptr,  # int32 [HKV, 2, DP]: klt keys (``_common.klt_constants``): code bit offsets and widths
+    klt_enc_ptr,  # fp32 [HKV, DP, DP]: encode matrix transposed (row = channel, column = coefficient)
+    klt_mid_ptr,  # fp32 [HKV, D, 255]: decision thresholds between used levels (+inf past them)
+    klt_mean_ptr,  # fp32 [HKV, DP]: mean
+    klt_turns_ptr,  # fp64 [RHP]: RoPE frequencies in turns per position
     # ---- sizes, strides, scalars
     sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
     n_tokens,  # N (= R * T)
@@ -240,14 +253,16 @@ def _compress_write_kernel(
     stride_vt,
     stride_vh,
     page_bytes,  # PB
+    klt_scale,  # klt keys: RoPE's attention scaling s
     # ---- rows (ROWS; last, so the flat launch's parameters keep their places)
     row_tokens,  # T
     stride_kb,
     stride_vb,
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
-    CFG: tl.constexpr,
-):  # ``WriteConstexprs`` bundle
+    CFG: tl.constexpr,  # ``WriteConstexprs`` bundle
+    KLT: tl.constexpr,  # ``KltSpec`` bundle (klt keys' RoPE split)
+):
     # One program = BLOCK_T tokens of one KV head: keys first (norm, rotation, codes, QJL signs), then values.
     pid_t, h = tl.program_id(0), tl.program_id(1)
     t = pid_t * CFG.BLOCK_T + tl.arange(0, CFG.BLOCK_T)
@@ -273,6 +288,24 @@ def _compress_write_kernel(
             mask=dmask,
         )
         nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (nothing to bound)
+    elif PAGE.KEY_MODE == K_KLT:
+        _encode_klt_keys(
+            k_ptr + koff + h * stride_kh,
+            tl.load(pos_ptr + t, mask=t < n_tokens, other=0),
+            page + PAGE.OFF_KCODE + off * PAGE.KCB,
+            valid,
+            h,
+            klt_meta_ptr,
+            klt_enc_ptr,
+            klt_mid_ptr,
+            klt_mean_ptr,
+            klt_turns_ptr,
+            klt_scale,
+            PAGE,
+            CFG,
+            KLT,
+        )
+        nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (K_ELEMS checks the elements)
     else:
         nrm = _encode_keys(
             kin,
@@ -381,7 +414,7 @@ def _record_fault(
     code = tl.where((gbad & 2) != 0, (R_GROUP_SCALE << F_RANK) | base, F_NONE)
     code = tl.where((gbad & 1) != 0, (R_GROUP_MIN << F_RANK) | base, code)
     code = tl.where((gbad & 4) != 0, (R_VALUE_NORM << F_RANK) | base, code)
-    if PAGE.KEY_MODE != K_RAW:
+    if PAGE.KEY_MODE == K_MSE or PAGE.KEY_MODE == K_PROD:
         code = tl.where(~(nrm <= CFG.KEY_NORM), (R_KEY_NORM << F_RANK) | base, code)
     for c in tl.static_range(PAGE.DP // CHECK_COLS):  # column blocks of the reloaded tiles: few live registers
         col = c * CHECK_COLS + tl.arange(0, CHECK_COLS)
@@ -400,9 +433,11 @@ def _record_fault(
 @triton.jit
 def _first_nonfinite(x, mask, d, base, RANK: tl.constexpr, code):
     """``code`` [T], lowered for each token that holds a non-finite element of x [T, DP] to that fault: its first
-    such coordinate and its class (0 NaN, 1 +inf, 2 -inf). x - x == 0 holds exactly for finite x in any float dtype."""
+    such coordinate and its class (0 NaN, 1 +inf, 2 -inf). x - x == 0 holds exactly for finite x (compared in fp32,
+    exact for every input dtype: Triton's interpreter keeps bf16 as raw bits, whose difference is 0 for inf too)."""
+    x = x.to(tl.float32)
     first = tl.min(tl.where(mask & ~((x - x) == 0), d[None, :], NO_COORD), 1)  # [T] int32
-    xv = tl.sum(tl.where(d[None, :] == first[:, None], x, 0.0).to(tl.float32), 1)  # that element (NaN/inf kept)
+    xv = tl.sum(tl.where(d[None, :] == first[:, None], x, 0.0), 1)  # that element (NaN/inf kept)
     cls = tl.where(xv != xv, 0, tl.where(xv > 0, 1, 2)).to(tl.int64)
     found = (RANK << F_RANK) | base | (first.to(tl.int64) << F_COORD) | cls
     return tl.where(first < NO_COORD, tl.minimum(code, found), code)
@@ -537,6 +572,95 @@ def _encode_keys(
         rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
         tl.store((page + PAGE.OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
     return nrm
+
+
+@triton.jit
+def _encode_klt_keys(
+    krow,
+    pos,
+    code_rows,
+    valid,
+    h,
+    meta_ptr,
+    enc_ptr,
+    mid_ptr,
+    mean_ptr,
+    turns_ptr,
+    scale,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+    KLT: tl.constexpr,
+):
+    """Post-RoPE keys at element pointers ``krow`` [BLOCK_T, 1] and positions ``pos`` [BLOCK_T] -> transform codes
+    (``KeyTransformCoder.quantize``), stored at byte pointers ``code_rows`` [BLOCK_T]: the centered pre-RoPE key
+    x = R_p^-1 k / s - m as three tiles (rotary pairs' first halves a, second halves b [BLOCK_T, RHP], channels past
+    them [BLOCK_T, RRP]: neither rotated nor scaled, as transformers' partial RoPE), then z = A x KLT_CW coefficients
+    at a time (fp32-accurate products with the row blocks of head h's transposed encode matrix), each coefficient's
+    nearest level, its code routed into the token's stream bytes."""
+    h64 = h.to(tl.int64)
+    ia = tl.arange(0, KLT.RHP)
+    ir = tl.arange(0, KLT.RRP)
+    mrow = mean_ptr + h64 * PAGE.DP
+    if KLT.RH > 0:  # a' = (a cos + b sin) / s, b' = (b cos - a sin) / s, angles reduced in fp64 (``rope_cos_sin``)
+        amask = valid[:, None] & (ia < KLT.RH)[None, :]
+        a = tl.load(krow + ia[None, :], mask=amask, other=0.0).to(tl.float32)
+        b = tl.load(krow + KLT.RH + ia[None, :], mask=amask, other=0.0).to(tl.float32)
+        cos, sin = rope_cos_sin(pos[:, None], tl.load(turns_ptr + ia)[None, :])
+        s = tl.zeros_like(a) + scale
+        xa = tl.math.div_rn(a * cos + b * sin, s) - tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)[None, :]
+        xb = tl.math.div_rn(b * cos - a * sin, s) - tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)[None, :]
+    if KLT.RR > 0:
+        xr = tl.load(krow + 2 * KLT.RH + ir[None, :], mask=valid[:, None] & (ir < KLT.RR)[None, :], other=0.0)
+        xr = xr.to(tl.float32) - tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)[None, :]
+    cc = tl.arange(0, CFG.KLT_CW)
+    meta = meta_ptr + h64 * (2 * PAGE.DP)
+    stream = tl.zeros([CFG.BLOCK_T, CFG.KCBP], tl.float32)  # the codes' bytes, summed piece by piece
+    STEPS: tl.constexpr = (PAGE.D + CFG.KLT_CW - 1) // CFG.KLT_CW
+    for c in range(STEPS):  # a loop, not unrolled: one step's encode block and thresholds live at a time
+        col = c * CFG.KLT_CW + cc
+        erow = enc_ptr + h64 * (PAGE.DP * PAGE.DP) + col[None, :]  # enc[h][channel, col]: channel-major rows
+        z = tl.zeros([CFG.BLOCK_T, CFG.KLT_CW], tl.float32)
+        if KLT.RH > 0:
+            ea = tl.load(erow + ia[:, None] * PAGE.DP, mask=(ia < KLT.RH)[:, None], other=0.0)
+            z = tl.dot(xa, ea, z, input_precision=CFG.KLT_DOT)
+            eb = tl.load(erow + (KLT.RH + ia[:, None]) * PAGE.DP, mask=(ia < KLT.RH)[:, None], other=0.0)
+            z = tl.dot(xb, eb, z, input_precision=CFG.KLT_DOT)
+        if KLT.RR > 0:
+            er = tl.load(erow + (2 * KLT.RH + ir[:, None]) * PAGE.DP, mask=(ir < KLT.RR)[:, None], other=0.0)
+            z = tl.dot(xr, er, z, input_precision=CFG.KLT_DOT)
+        idx = _nearest_level(z, mid_ptr + (h64 * PAGE.D + tl.where(col < PAGE.D, col, 0)) * 255, CFG.KLT_STEPS)
+        stream = _route_code_bytes(idx, tl.load(meta + col), tl.load(meta + PAGE.DP + col), stream, CFG)
+    q = tl.arange(0, CFG.KCBP)
+    tl.store(
+        code_rows[:, None] + q[None, :],
+        stream.to(tl.int32).to(tl.uint8),
+        mask=valid[:, None] & (q < PAGE.KCB)[None, :],
+    )
+
+
+@triton.jit
+def _nearest_level(z, rows, STEPS: tl.constexpr):
+    """Per coefficient of z [N, C] the number of its thresholds below it (rows [C]: each coefficient's sorted
+    thresholds, +inf past the used ones): a binary search of STEPS steps (2^STEPS - 1 thresholds reachable), as
+    ``KeyTransformCoder._nearest_level``; NaN counts none, +inf every used one."""
+    idx = tl.zeros(z.shape, tl.int32)
+    for s in tl.static_range(STEPS):
+        cand = idx + (1 << (STEPS - 1 - s))
+        idx = tl.where(tl.load(rows[None, :] + (cand - 1)) < z, cand, idx)
+    return idx
+
+
+@triton.jit
+def _route_code_bytes(codes, bo, w, stream, CFG: tl.constexpr):
+    """``stream`` [N, KCBP] (fp32 byte values) plus codes [N, C] packed LSB-first (coefficient i: ``w[i]`` bits from
+    stream bit ``bo[i]``; w = 0: nothing). A code spans at most two bytes and the pieces in one byte hold disjoint
+    bits, so a byte is the sum of its pieces: two products with 0/1 matrices that route each code's low and high
+    piece to its byte (fp16 integers <= 255, fp32 sums: exact)."""
+    shifted = tl.where((w > 0)[None, :], codes, 0) << (bo & 7)[None, :]  # < 2^15
+    q = tl.arange(0, CFG.KCBP)
+    byte = (bo >> 3)[:, None]
+    stream = mma((shifted & 255).to(tl.float16), (byte == q[None, :]).to(tl.float16), stream, CFG.INTERP)
+    return mma((shifted >> 8).to(tl.float16), (byte + 1 == q[None, :]).to(tl.float16), stream, CFG.INTERP)
 
 
 @triton.jit
@@ -751,6 +875,8 @@ def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
+KLT_COEFFS_PER_STEP = 16  # klt keys: coefficients per step (offline sm_90a compiles, D=128 and 80 at 128 tokens: no
+# spills; unrolled steps of 16 or 32 spilled 48-1012 B)
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
 _FITTED_BLOCK_T: dict = {}  # (format, head dim, device) -> the largest tile that fit in shared memory
 
@@ -772,6 +898,9 @@ class WriteTuning:
     # but ~0.05 % of sign bits (those whose sketch is within rounding of 0) then differ from the fp32 reference —
     # harmless for the estimator, visible as ~1 % output differences against it
     maxnreg: int | None = None  # register cap per thread (128: two 8-warp programs per SM)
+    klt_precision: str = "tf32x3"  # klt keys: tl.dot input precision of the encode product on the GPU (3 tensor-core
+    # products, ~fp32 accurate; "ieee": fp32 FMAs, whose lowering holds a thread's whole operand rows and columns in
+    # registers); the interpreter computes in fp32
 
 
 DEFAULT_TUNING = WriteTuning()
@@ -811,6 +940,7 @@ def compress_write(
     tuning: WriteTuning = DEFAULT_TUNING,
     fault: torch.Tensor | None = None,
     limits: StoreLimits | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Encode k, v [N, H, D] (fp16/bf16/fp32) and store them at ``slots`` [N] of ``pages`` (slot < 0 skipped).
     k, v may also be rows [R, T, H, D] of T tokens each (any strides, last dim contiguous; slots [R * T] row by row):
@@ -826,8 +956,14 @@ def compress_write(
     quantized from the packing's chunk tiles with one reciprocal per group. Codes differ from the reference
     only at ties (H200, run 7: 57.6 us for 16k tokens of mse_k4v3, 33.8 % of copy bandwidth). ``tuning``: launch
     knobs (``WriteTuning``).
+
+    klt keys (``codec.klt``) are coded at ``positions`` (integers, shaped like ``slots``; required): RoPE undone with
+    the angle reduced in float64, one fp32-accurate product with the encode matrix, each coefficient's nearest level
+    by binary search over its thresholds; their codes differ from the reference only where a coefficient is within
+    rounding of a threshold.
     """
     _check_inputs(k, v, slots, pages, layout)
+    pos = _klt_positions(codec, positions, slots)
     rows = k.dim() == 4
     n = k.shape[0] * k.shape[1] if rows else k.shape[0]
     if n == 0:
@@ -858,6 +994,8 @@ def compress_write(
         *setup.consts["vwrite"],
         setup.consts["vbounds"],
         slots if fault is None else fault,
+        pos,
+        *setup.klt_args,
         setup.sqrt_d,
         n,
         k.stride(-3),
@@ -865,6 +1003,7 @@ def compress_write(
         v.stride(-3),
         v.stride(-2),
         layout.page_bytes,
+        setup.klt_scale,
         k.shape[1] if rows else n,  # rows: tokens per row and the row strides
         k.stride(0) if rows else 0,
         v.stride(0) if rows else 0,
@@ -909,6 +1048,9 @@ class _WriteSetup:
     page: tuple  # the ``PageSpec`` bundle
     cfg: WriteConstexprs  # with the default tile; ``constexprs`` sets BLOCK_T
     fit_key: tuple  # key of the tile size that fit in shared memory
+    klt_args: tuple  # klt keys' device constants (meta, enc, mid, mean, turns), placeholders for other keys
+    klt_scale: float  # klt keys: RoPE's attention scaling (1.0 otherwise)
+    klt_bundle: tuple  # the ``KltSpec`` bundle
     serial: int = field(default_factory=lambda: next(_SERIAL))  # the launch key (an id() could be reused)
     bundles: dict = field(default_factory=dict)  # BLOCK_T -> constexpr kwargs
     caps: dict = field(default_factory=dict)  # (BLOCK_T, rows) -> register cap of the checked kernel
@@ -921,7 +1063,7 @@ class _WriteSetup:
         if kw is None:
             cfg = replace(self.cfg, BLOCK_T=block_t, ROWS=rows)
             cfg = cfg if check is None else replace(cfg, CHECK=check)
-            kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg))
+            kw = self.bundles[key] = dict(PAGE=self.page, CFG=constexpr_bundle(cfg), KLT=self.klt_bundle)
         return kw
 
     def check_register_cap(self, grid: tuple, args: tuple, block_t: int, rows: bool, num_warps: int) -> int | None:
@@ -950,6 +1092,22 @@ def _register_cap(programs: int, num_warps: int) -> int:
         if 4 * (16384 // warp_regs) // num_warps >= programs:
             return regs
     return 8
+
+
+def _klt_positions(codec: KVCodec, positions: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """The positions the kernel reads: klt keys' ``positions`` flattened to one integer per slot (int32 or int64);
+    the slots as a placeholder for other keys (not read)."""
+    if codec.key_coder is None:
+        return slots
+    if positions is None:
+        raise ShapeError("klt keys are coded at their positions: pass positions (one per slot)")
+    expect_same_device(slots=slots, positions=positions)
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise DTypeError(f"positions: expected integers, got {positions.dtype}")
+    if positions.numel() != slots.numel():
+        raise ShapeError(f"positions: expected {slots.numel()} (one per slot), got {tuple(positions.shape)}")
+    pos = positions.reshape(-1)
+    return (pos if pos.dtype in (torch.int32, torch.int64) else pos.long()).contiguous()
 
 
 def _check_fault_record(fault: torch.Tensor, k: torch.Tensor, limits: StoreLimits | None) -> None:
@@ -987,6 +1145,13 @@ def _setup(
         else consts["hsigns"]
     )
     sqrt_d = float(torch.tensor(math.sqrt(layout.head_dim), dtype=torch.float32))  # the reference divides by this
+    klt = klt_constants(codec, device)
+    if codec.key_coder is not None:
+        klt_args = (klt["meta"], klt["enc"], klt["mid"], klt["mean"], klt["turns"])
+        klt_steps = int(codec.key_coder.t.bits.max())
+    else:  # placeholders of the same dtypes (never read)
+        meta, _, _, mean, turns, _ = klt["read"]
+        klt_args, klt_steps = (meta, mean, mean, mean, turns), 0
     cfg = WriteConstexprs(
         HKV=hkv,
         KCWP=max(16, next_pow2(spec.KCW)),
@@ -999,6 +1164,10 @@ def _setup(
         BLOCK_T=default_block_t(layout.head_dim),
         INTERP=INTERPRET,
         CHECK=limits is not None,
+        KLT_STEPS=klt_steps,
+        KCBP=max(16, next_pow2(spec.KCB)),
+        KLT_CW=min(KLT_COEFFS_PER_STEP, spec.DP),
+        KLT_DOT="ieee" if INTERPRET else tuning.klt_precision,
     )
     if limits is not None:
         # |k| per element only where the norm cannot tell: raw keys, or inputs that can exceed the bound (an fp16
@@ -1007,7 +1176,7 @@ def _setup(
         cfg = replace(
             cfg,
             K_ABS=limits.k_abs,
-            K_ELEMS=spec.KEY_MODE == KEY_RAW or wide,
+            K_ELEMS=spec.KEY_MODE in (KEY_RAW, KEY_KLT) or wide,  # klt keys have no norm that tells
             V_ABS=limits.v_abs,
             KEY_NORM=limits.key_norm,
             VALUE_NORM=limits.value_norm,
@@ -1023,7 +1192,8 @@ def _setup(
         v_dtype == torch.float16,
         limits is not None,
     )
-    return _WriteSetup(codec, consts, signs, sqrt_d, page, cfg, fit_key)
+    klt_scale = klt["scale"] if codec.key_coder is not None else 1.0
+    return _WriteSetup(codec, consts, signs, sqrt_d, page, cfg, fit_key, klt_args, klt_scale, klt["bundle"])
 
 
 def _sign_matrix_t(codec: KVCodec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -104,7 +104,7 @@ def write(
     if resolve(k.device, layout, backend) == "triton":
         from ..kernels.compress_write import compress_write
 
-        compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits)
+        compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits, positions=positions)
         return
     if k.dim() == 4:
         k, v = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])

@@ -13,11 +13,12 @@ import os
 
 import torch
 
-from jetson_tq.codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams, default_inv_freq
+from jetson_tq.codec.klt import KeyTransform
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import load_config
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
 from jetson_tq.paged import PagedKV, slots_for_positions, write_slots
+from tests.helpers.klt_cases import uneven_transform
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
@@ -92,11 +93,11 @@ def build_paged_kv(
     padded slot mapping (reference encoder), pages' unwritten bytes random, recent rows picked by a
     permuted ``recent_index`` from a larger buffer. ``pages_hold``: positions written per sequence (default
     ``comp_lens``; prefill passes history + chunk, as vLLM writes the chunk before attention). ``key_transform``:
-    klt keys' calibrated transform (each key coded at its position; default ``random_transform``)."""
+    klt keys' calibrated transform (each key coded at its position; default ``klt_cases.uneven_transform``)."""
     hold = list(comp_lens) if pages_hold is None else list(pages_hold)
     raw = dtype if dtype != torch.float32 else torch.float16
     if fmt.key_mode == "klt" and key_transform is None:
-        key_transform = random_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim), gen)
+        key_transform = uneven_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim), head_dim, 1.0, gen)
     codec = KVCodec(fmt, head_dim, raw_dtype=raw, key_transform=key_transform)
     layout = PagedLayout(fmt, head_dim, block_size)
     table = vllm_block_table(hold, block_size, pad_blocks=2, gen=gen)
@@ -127,35 +128,6 @@ def build_paged_kv(
         layout,
         codec,
     )
-
-
-def random_transform(
-    num_heads: int,
-    head_dim: int,
-    code_bits: int,
-    gen: torch.Generator,
-    rotary_dim: int | None = None,
-    scaling: float = 1.0,
-    key_scale: float = 2.0,
-) -> KeyTransform:
-    """A calibrated-like klt transform: random orthogonal encode (decode its transpose), a random mean, uneven bits
-    (0..8, more on the first coefficients, ``code_bits`` per head), random sorted levels spread like coefficients of
-    keys ~ ``key_scale`` N(0, 1); RoPE over ``rotary_dim`` channels (default all) with attention ``scaling``."""
-    h, d = num_heads, head_dim
-    q, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
-    weights = torch.linspace(2.0, 0.1, d)
-    bits = torch.zeros(h, d, dtype=torch.long)
-    for _ in range(code_bits):  # greedy water-filling on a decaying spectrum
-        score = weights - 0.5 * bits[0].float()
-        score[bits[0] >= MAX_CODE_BITS] = -1e9
-        bits[:, int(score.argmax())] += 1
-    steps = torch.rand(h, d, 1 << MAX_CODE_BITS, generator=gen) + 0.05
-    levels = torch.cumsum(steps, -1)
-    last = levels.gather(-1, (1 << bits)[..., None] - 1)
-    levels = torch.where(bits[..., None] > 0, (levels / last * 2 - 1) * 3 * key_scale, 0.0)
-    rot = RotaryParams(default_inv_freq(rotary_dim or d, 10000.0), scaling)
-    mean = torch.randn(h, d, generator=gen) * key_scale / 2
-    return KeyTransform(mean, q.float(), q.transpose(1, 2).float(), bits, levels.float(), rot)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

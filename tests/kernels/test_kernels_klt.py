@@ -16,7 +16,8 @@ from jetson_tq.kernels._common import codec_constants
 from jetson_tq.kernels._tiles import rope_cos_sin
 from jetson_tq.kernels.hybrid_decode import hybrid_decode
 from jetson_tq.kernels.prefill import chunked_prefill, dequantize_segment
-from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, random_transform, rel_err
+from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
+from tests.helpers.klt_cases import uneven_transform
 
 pytestmark = pytest.mark.kernel
 
@@ -52,7 +53,7 @@ def test_dequantized_keys_equal_the_codec(d, rotary, scaling):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     fmt = fmt_for("klt52_g3", d)
-    kt = random_transform(2, d, fmt.key_code_bits(d), gen, rotary_dim=rotary, scaling=scaling)
+    kt = uneven_transform(2, d, fmt.key_code_bits(d), rotary, scaling, gen)
     n = 40
     kv = build_paged_kv(fmt, 2, d, [n], [0], torch.float16, gen, key_transform=kt)
     dp = max(16, 1 << (d - 1).bit_length())
@@ -73,7 +74,7 @@ def test_partial_rotary_attention_matches_reference(d, rotary, scaling):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     fmt = fmt_for("klt52_g3", d).with_(buffer_tokens=4)
-    kt = random_transform(2, d, fmt.key_code_bits(d), gen, rotary_dim=rotary, scaling=scaling)
+    kt = uneven_transform(2, d, fmt.key_code_bits(d), rotary, scaling, gen)
     comp, rec, t = [70, 9], [4, 4], 3
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4)
     q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)

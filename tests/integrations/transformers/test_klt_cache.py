@@ -197,14 +197,13 @@ def test_format_sink_is_read_exactly_on_every_path(fmt):
 def test_triton_kernels_serve_klt_keys_like_the_reference():
     """The 5x preset's format (klt keys, mse values) through the Triton kernels — compress-on-write at the keys'
     positions, chunked prefill, decode steps (the interpreter on CPU) — gives the reference path's logits."""
-    from tests.helpers.kernel_cases import random_transform
+    from tests.helpers.klt_cases import uneven_transform
 
     model = _model()
     gen = torch.Generator().manual_seed(0)
     rot = model_rotary(model)
     transforms = [
-        dataclasses.replace(random_transform(2, 32, KLT.key_code_bits(32), gen, key_scale=0.5), rotary=rot)
-        for _ in range(3)
+        dataclasses.replace(uneven_transform(2, 32, KLT.key_code_bits(32), 32, 1.0, gen), rotary=rot) for _ in range(3)
     ]
     ids = torch.randint(0, 256, (2, 58), generator=gen)
     logits = {}
