@@ -14,6 +14,7 @@ import collections
 import dataclasses
 import math
 import os
+from typing import Any
 
 import torch
 import triton.language as tl
@@ -180,10 +181,12 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     if coder is None:
         one = {dt: torch.zeros(1, dtype=dt, device=device) for dt in (torch.int32, torch.float32, torch.float16)}
         turns0 = torch.zeros(1, dtype=torch.float64, device=device)
-        out = {"read": (one[torch.int32], one[torch.float32], one[torch.float16], one[torch.float32], turns0, 1.0)}
-        out["bundle"] = constexpr_bundle(NO_KLT)
-        _KLT_CONSTANTS[key] = (coder, out)
-        return out
+        empty: dict[str, Any] = {
+            "read": (one[torch.int32], one[torch.float32], one[torch.float16], one[torch.float32], turns0, 1.0),
+            "bundle": constexpr_bundle(NO_KLT),
+        }
+        _KLT_CONSTANTS[key] = (coder, empty)
+        return empty
     t = coder.t.to("cpu")
     h, d = t.num_heads, t.head_dim
     dp = max(16, next_pow2(d))
@@ -202,7 +205,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
     mean = torch.zeros(h, dp, dtype=torch.float32)
     mean[:, :d] = t.mean.float()
-    out = {
+    out: dict[str, Any] = {
         "meta": meta.to(device),
         "levels": t.levels.float().contiguous().to(device),
         "dec": padded(t.decode.transpose(1, 2), torch.float16),
