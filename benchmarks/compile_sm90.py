@@ -201,6 +201,7 @@ def main(argv=None) -> int:
                 kv.layout,
                 kv.codec,
                 tuning=WriteTuning(**{a: b for a, b in knobs.items() if a not in ("checked", "rows")}),
+                positions=torch.arange(32) if fmt.key_mode == "klt" else None,
                 **check,
             )
             for kname, k in COMPILED[n0:]:

@@ -185,8 +185,14 @@ def _hybrid_decode_kernel(
     # the transformed query as tensor-core operands, loaded once; index vectors along the tiles' coordinate axes
     # are made once here too (the steps share them)
     kc = tl.arange(0, CFG.KCWP)  # columns of a key chunk
-    qk, qh, kadd = _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE, CFG, KLT)
-    kops = _klt_read_operands(h, klt_meta_ptr, klt_dec_ptr, klt_mean_ptr, klt_turns_ptr, PAGE, CFG, KLT)
+    if PAGE.KEY_MODE == K_KLT:  # the raw query's parts; the transform, read once
+        qk = _klt_query_operands(qt_ptr, qrow, gmask, CFG, KLT)
+        qh = ()
+        kadd = tl.zeros([CFG.GP], tl.float32)
+        kops = _klt_read_operands(h, klt_meta_ptr, klt_dec_ptr, klt_mean_ptr, klt_turns_ptr, PAGE, CFG, KLT)
+    else:
+        qk, qh, kadd = _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE, CFG)
+        kops = ()
     sc = tl.arange(0, CFG.CHP)  # columns of a sign plane
     qs, ssub = _sign_operands(qt_ptr, qrow, gmask, sc, PAGE, CFG)
     vu = tl.arange(0, CFG.VSUBP)  # columns of a value sub-chunk
@@ -295,12 +301,9 @@ def _rotate_query(
 
 
 @triton.jit
-def _key_operands(
-    qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
-):
+def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.constexpr, CFG: tl.constexpr):
     """The transformed query Pi q as B operands [key chunk, GP] in fp16 (raw keys: their dtype), one per chunk:
-    (operands, (k >> 1)-plane operands (K_HIGH), alpha sum(q) (FAST_K)). klt keys: the query's rotary first halves,
-    second halves and unrotated channels ([RHP, GP], [RHP, GP], [RRP, GP]) as the operands.
+    (operands, (k >> 1)-plane operands (K_HIGH), alpha sum(q) (FAST_K)).
 
     Fast path (affine codebooks: c[k] = alpha + beta k (+ gamma (k >> 1) for 2-bit Lloyd-Max)):
     <q, c[idx]> = alpha sum(q) + beta <q, k> (+ gamma <q, k >> 1>) with k read as an fp16 subnormal plane
@@ -310,14 +313,6 @@ def _key_operands(
     kadd = tl.zeros([CFG.GP], tl.float32)
     qk = ()
     qh = ()
-    if PAGE.KEY_MODE == K_KLT:
-        ia = tl.arange(0, KLT.RHP)
-        ir = tl.arange(0, KLT.RRP)
-        rows = qt_ptr + qrow[None, :] * CFG.QW
-        for col0, width, idx in ((0, KLT.RH, ia), (KLT.RH, KLT.RH, ia), (2 * KLT.RH, KLT.RR, ir)):
-            qc = tl.load(rows + col0 + idx[:, None], mask=gmask[None, :] & (idx[:, None] < width), other=0.0)
-            qk = qk + (qc.to(tl.float16),)
-        return qk, qh, kadd
     for c in tl.static_range(PAGE.KCH):
         kcol = c * PAGE.KCW + kc
         qc = tl.load(
@@ -336,17 +331,28 @@ def _key_operands(
 
 
 @triton.jit
+def _klt_query_operands(qt_ptr, qrow, gmask, CFG: tl.constexpr, KLT: tl.constexpr):
+    """klt keys: the query's rotary first halves, second halves and unrotated channels as fp16 B operands ([RHP, GP],
+    [RHP, GP], [RRP, GP]), the keys' three parts' partners (``_klt_scores``)."""
+    ia = tl.arange(0, KLT.RHP)
+    ir = tl.arange(0, KLT.RRP)
+    rows = qt_ptr + qrow[None, :] * CFG.QW
+    qa = tl.load(rows + ia[:, None], mask=gmask[None, :] & (ia[:, None] < KLT.RH), other=0.0)
+    qb = tl.load(rows + KLT.RH + ia[:, None], mask=gmask[None, :] & (ia[:, None] < KLT.RH), other=0.0)
+    qr = tl.load(rows + 2 * KLT.RH + ir[:, None], mask=gmask[None, :] & (ir[:, None] < KLT.RR), other=0.0)
+    return qa.to(tl.float16), qb.to(tl.float16), qr.to(tl.float16)
+
+
+@triton.jit
 def _klt_read_operands(
     h, meta_ptr, dec_ptr, mean_ptr, turns_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
 ):
     """klt keys: this KV head's transform operands (``klt_operands``), the RoPE frequencies [RHP] and cos, sin
     [BLOCK_N, RHP] of the angle offsets t theta of a tile's tokens t from its first, loaded once per program (a
-    tile's angles then take four FMAs an element, ``_klt_scores``). Other keys: empty."""
-    if PAGE.KEY_MODE == K_KLT:
-        turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
-        ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[:, None], turns[None, :])
-        return klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT) + (turns, ct, st)
-    return ()
+    tile's angles then take four FMAs an element, ``_klt_scores``)."""
+    turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
+    ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[:, None], turns[None, :])
+    return klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT) + (turns, ct, st)
 
 
 @triton.jit
