@@ -330,19 +330,21 @@ def rope_cos_sin(pos, turns):
 @triton.jit
 def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
     """One KV head's klt read operands (``_common.klt_constants``), loaded once per program: each coefficient's first
-    code bit and width [DP], the decode matrix's column blocks [DP, RHP] x 2 (rotary pairs' first and second
-    halves) and [DP, RRP] (unrotated channels) in fp16, and the mean's same three parts."""
+    code bit and width [DP], the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
+    first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
+    transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
+    held them whole: 1.7 KB of spills per thread at D=128, ``compile_sm90.py``)."""
     j = tl.arange(0, PAGE.DP)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
     h64 = h.to(tl.int64)
     bo = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + j)
     w = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + PAGE.DP + j)
-    dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[:, None] * PAGE.DP
+    dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
     mrow = mean_ptr + h64 * PAGE.DP
-    da = tl.load(dec + ia[None, :], mask=(ia < KLT.RH)[None, :], other=0.0)
-    db = tl.load(dec + KLT.RH + ia[None, :], mask=(ia < KLT.RH)[None, :], other=0.0)
-    dr = tl.load(dec + 2 * KLT.RH + ir[None, :], mask=(ir < KLT.RR)[None, :], other=0.0)
+    da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
+    db = tl.load(dec + KLT.RH + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
+    dr = tl.load(dec + 2 * KLT.RH + ir[:, None], mask=(ir < KLT.RR)[:, None], other=0.0)
     ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
     mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
     mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
@@ -351,29 +353,30 @@ def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.con
 
 @triton.jit
 def klt_levels(rows, nmask, h, bo, w, levels_ptr, PAGE: tl.constexpr):
-    """Coefficient levels z [N, DP] fp32 of the keys whose codes start at byte pointers ``rows`` [N]: each
-    coefficient's ``w``-bit code read from its bit offset ``bo`` (at most two bytes: widths <= 8), then looked up in
-    head ``h``'s level table (fp32 [H, D, 256])."""
+    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]:
+    each coefficient's ``w``-bit code read from its bit offset ``bo`` (at most two bytes: widths <= 8), then looked up
+    in head ``h``'s level table (fp32 [H, D, 256])."""
     j = tl.arange(0, PAGE.DP)
     byte = bo >> 3
     sh = bo & 7
-    lo = tl.load(rows[:, None] + byte[None, :], mask=nmask[:, None] & (w > 0)[None, :], other=0).to(tl.int32)
-    hi = tl.load(rows[:, None] + byte[None, :] + 1, mask=nmask[:, None] & (sh + w > 8)[None, :], other=0)
-    code = ((lo | (hi.to(tl.int32) << 8)) >> sh[None, :]) & ((1 << w) - 1)[None, :]
+    lo = tl.load(rows[None, :] + byte[:, None], mask=nmask[None, :] & (w > 0)[:, None], other=0).to(tl.int32)
+    hi = tl.load(rows[None, :] + byte[:, None] + 1, mask=nmask[None, :] & (sh + w > 8)[:, None], other=0)
+    code = ((lo | (hi.to(tl.int32) << 8)) >> sh[:, None]) & ((1 << w) - 1)[:, None]
     lv = levels_ptr + (h.to(tl.int64) * PAGE.D + j) * 256
-    return tl.load(lv[None, :] + code, mask=nmask[:, None] & (j < PAGE.D)[None, :], other=0.0)
+    return tl.load(lv[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
 
 
 @triton.jit
-def klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
-    """Post-RoPE keys of coefficient levels z [N, DP] as three fp32 parts: rotary first halves [N, RHP], second
-    halves [N, RHP] and unrotated channels [N, RRP]: R_p (m + B z) with cos, sin [N, RHP] of each key's angles
-    (``rope_cos_sin``), the rotary parts times RoPE's attention ``scale`` (as transformers scales cos and sin)."""
-    z16 = z.to(tl.float16)
-    n: tl.constexpr = z.shape[0]
-    ka = mma(z16, da, tl.zeros([n, KLT.RHP], tl.float32), INTERP) + ma[None, :]
-    kb = mma(z16, db, tl.zeros([n, KLT.RHP], tl.float32), INTERP) + mb[None, :]
-    kr = tl.zeros([n, KLT.RRP], tl.float32)
+def klt_keys(zt, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Post-RoPE keys (transposed) of coefficient levels zt [DP, N] as three fp32 parts: rotary first channels
+    [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R_p (m + B z) with cos, sin [RHP, N] of each
+    key's angles (``rope_cos_sin``), the rotary parts times RoPE's attention ``scale`` (as transformers scales cos and
+    sin)."""
+    z16 = zt.to(tl.float16)
+    n: tl.constexpr = zt.shape[1]
+    ka = mma(da, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + ma[:, None]
+    kb = mma(db, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + mb[:, None]
+    kr = tl.zeros([KLT.RRP, n], tl.float32)
     if KLT.RR > 0:
-        kr = mma(z16, dr, kr, INTERP) + mr[None, :]
+        kr = mma(dr, z16, kr, INTERP) + mr[:, None]
     return (ka * cos - kb * sin) * scale, (kb * cos + ka * sin) * scale, kr

@@ -351,7 +351,7 @@ def _klt_read_operands(
     [BLOCK_N, RHP] of the angle offsets t theta of a tile's tokens t from its first, loaded once per program (a
     tile's angles then take four FMAs an element, ``_klt_scores``)."""
     turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
-    ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[:, None], turns[None, :])
+    ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[None, :], turns[:, None])
     return klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT) + (turns, ct, st)
 
 
@@ -364,13 +364,13 @@ def _klt_scores(
     bo, w, da, db, dr, ma, mb, mr, turns, ct, st = kops
     z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE)
     cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
-    cos = cb[None, :] * ct - sb[None, :] * st
-    sin = sb[None, :] * ct + cb[None, :] * st
+    cos = cb[:, None] * ct - sb[:, None] * st
+    sin = sb[:, None] * ct + cb[:, None] * st
     ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, CFG.INTERP)
-    s = mma(ka.to(tl.float16), qk[0], tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
-    s = mma(kb.to(tl.float16), qk[1], s, CFG.INTERP)
+    s = mma(tl.trans(ka.to(tl.float16)), qk[0], tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
+    s = mma(tl.trans(kb.to(tl.float16)), qk[1], s, CFG.INTERP)
     if KLT.RR > 0:
-        s = mma(kr.to(tl.float16), qk[2], s, CFG.INTERP)
+        s = mma(tl.trans(kr.to(tl.float16)), qk[2], s, CFG.INTERP)
     return s
 
 

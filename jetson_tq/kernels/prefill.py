@@ -136,9 +136,10 @@ def _dequant_kernel(
         off = offn[:, None]
         tmask = nmask[:, None] & (j < D)
         if TOKEN_MAJOR:
-            row = ((b.to(tl.int64) * seg + (n - s0).to(tl.int64)) * HKV + h)[:, None]
+            row1 = (b.to(tl.int64) * seg + (n - s0).to(tl.int64)) * HKV + h
         else:
-            row = (pid_bh.to(tl.int64) * seg + (n - s0).to(tl.int64))[:, None]
+            row1 = pid_bh.to(tl.int64) * seg + (n - s0).to(tl.int64)
+        row = row1[:, None]
         kdst = wk_ptr + row * KW + j
         if PAGE.KEY_MODE == K_RAW:
             kt = tl.load((page + PAGE.OFF_KRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)
@@ -148,7 +149,7 @@ def _dequant_kernel(
                 nmask,
                 n,
                 h,
-                wk_ptr + row * KW,
+                wk_ptr + row1 * KW,
                 klt_meta_ptr,
                 klt_lv_ptr,
                 klt_dec_ptr,
@@ -221,23 +222,26 @@ def _klt_workspace_keys(
     KLT: tl.constexpr,
     INTERP: tl.constexpr,
 ):
-    """klt keys at positions ``n`` [N] (codes at byte pointers ``rows``) decoded to post-RoPE keys in workspace rows
-    ``dst`` [N, 1]: channels in their own order, padding columns zero."""
+    """klt keys at positions ``n`` [N] (codes at byte pointers ``rows``) decoded to post-RoPE keys in the workspace
+    rows starting at ``dst`` [N]: channels in their own order, padding columns zero."""
     bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
     z = klt_levels(rows, nmask, h, bo, w, lv_ptr, PAGE)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
-    cos, sin = rope_cos_sin(n[:, None], tl.load(turns_ptr + ia)[None, :])
+    cos, sin = rope_cos_sin(n[None, :], tl.load(turns_ptr + ia)[:, None])
     ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, INTERP)
     ty = dst.dtype.element_ty
-    rmask = nmask[:, None]
-    tl.store(dst + ia[None, :], ka.to(ty), mask=rmask & (ia < KLT.RH)[None, :])
-    tl.store(dst + KLT.RH + ia[None, :], kb.to(ty), mask=rmask & (ia < KLT.RH)[None, :])
+    cols = dst[None, :]  # the keys are [channels, tokens]
+    tmask = nmask[None, :]
+    tl.store(cols + ia[:, None], ka.to(ty), mask=tmask & (ia < KLT.RH)[:, None])
+    tl.store(cols + KLT.RH + ia[:, None], kb.to(ty), mask=tmask & (ia < KLT.RH)[:, None])
     if KLT.RR > 0:
-        tl.store(dst + 2 * KLT.RH + ir[None, :], kr.to(ty), mask=rmask & (ir < KLT.RR)[None, :])
+        tl.store(cols + 2 * KLT.RH + ir[:, None], kr.to(ty), mask=tmask & (ir < KLT.RR)[:, None])
     j = tl.arange(0, PAGE.DP)
     if PAGE.D < PAGE.DP:
-        tl.store(dst + j[None, :], tl.zeros([n.shape[0], PAGE.DP], ty), mask=rmask & (j >= PAGE.D)[None, :])
+        tl.store(
+            dst[:, None] + j[None, :], tl.zeros([n.shape[0], PAGE.DP], ty), mask=nmask[:, None] & (j >= PAGE.D)[None, :]
+        )
 
 
 @triton.jit

@@ -257,20 +257,20 @@ def _read_back_kernel(
     h = tl.program_id(1)
     nmask = i < n
     bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    z = klt_levels(code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE)
+    z = klt_levels(code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE)  # [DP, BLOCK]
     j = tl.arange(0, PAGE.DP)
-    out = (h * n + i)[:, None] * PAGE.DP
-    tl.store(z_ptr + out + j[None, :], z, mask=nmask[:, None])
+    out = ((h * n + i) * PAGE.DP)[None, :]
+    tl.store(z_ptr + out + j[:, None], z, mask=nmask[None, :])
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
     pos = tl.load(pos_ptr + i, mask=nmask, other=0)
-    cos, sin = rope_cos_sin(pos[:, None], tl.load(turns_ptr + ia)[None, :])
+    cos, sin = rope_cos_sin(pos[None, :], tl.load(turns_ptr + ia)[:, None])
     ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, INTERP)
     rows = k_ptr + out
-    tl.store(rows + ia[None, :], ka, mask=nmask[:, None] & (ia < KLT.RH)[None, :])
-    tl.store(rows + KLT.RH + ia[None, :], kb, mask=nmask[:, None] & (ia < KLT.RH)[None, :])
+    tl.store(rows + ia[:, None], ka, mask=nmask[None, :] & (ia < KLT.RH)[:, None])
+    tl.store(rows + KLT.RH + ia[:, None], kb, mask=nmask[None, :] & (ia < KLT.RH)[:, None])
     if KLT.RR > 0:
-        tl.store(rows + 2 * KLT.RH + ir[None, :], kr, mask=nmask[:, None] & (ir < KLT.RR)[None, :])
+        tl.store(rows + 2 * KLT.RH + ir[:, None], kr, mask=nmask[None, :] & (ir < KLT.RR)[:, None])
 
 
 @pytest.mark.parametrize("d,rotary_dim", [(128, 128), (80, 80), (96, 48)])
