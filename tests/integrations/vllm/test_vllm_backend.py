@@ -53,6 +53,7 @@ def _run(
     reproducible: bool = False,
     key_transform=None,
     monkeypatch=None,
+    ref_backend: str | None = None,
 ) -> float:
     g = torch.Generator().manual_seed(seed)
     impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
@@ -148,12 +149,12 @@ def _run(
             seen.setdefault(r, []).append((kk, vv))
             if i < nd:
                 cache.append(kk.unsqueeze(0), vv.unsqueeze(0))
-                want = attention_decode(qq[:, 0].unsqueeze(0), cache, 1.0 / math.sqrt(D))[0]
+                want = attention_decode(qq[:, 0].unsqueeze(0), cache, 1.0 / math.sqrt(D), ref_backend)[0]
                 got = out[a]
             else:
-                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, 1.0 / math.sqrt(D))[
-                    0
-                ]
+                want = attention_prefill(
+                    qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, 1.0 / math.sqrt(D), ref_backend
+                )[0]
                 got = out[a:b].transpose(0, 1)
             worst = max(worst, float((got.float() - want.float()).abs().max()))
             lens[r] = int(seq[i])
@@ -182,6 +183,26 @@ def test_klt_keys_are_placed_at_their_positions(monkeypatch):
     fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
     transform = spread_transform(HKV, D, fmt.key_code_bits(D))
     assert _run(fmt, hit=True, key_transform=transform, monkeypatch=monkeypatch) < 2e-5
+
+
+@pytest.mark.kernel
+def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch):
+    """The 5x preset's format (klt keys, mse values, block window) through the impl on the Triton kernels (CPU
+    interpreter): writes coded at the step's positions (chunked prefill, decode rows from the builder's buffer, a
+    prefix hit) read back like the standalone cache on the reference path."""
+    from jetson_tq.ops import backend as ops_backend
+    from tests.helpers.klt_cases import uneven_transform
+
+    monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
+    ops_backend.configured.cache_clear()
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
+    transform = uneven_transform(HKV, D, fmt.key_code_bits(D), D, 1.0, torch.Generator().manual_seed(1))
+    try:
+        err = _run(fmt, hit=True, key_transform=transform, monkeypatch=monkeypatch, ref_backend="reference")
+    finally:
+        monkeypatch.delenv("JETSON_TQ_BACKEND")
+        ops_backend.configured.cache_clear()
+    assert err < 2e-2
 
 
 @pytest.mark.parametrize("ring", [8, 16])
