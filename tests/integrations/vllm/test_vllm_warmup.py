@@ -97,9 +97,27 @@ def _h200_kernels(monkeypatch):
     monkeypatch.setattr(hybrid_decode, "_num_sms", lambda device: 132)
 
 
-@pytest.mark.parametrize("preset", ["mse_k4v3", "mse_k3v3w256"])
+def _klt_layer_transforms(monkeypatch, preset: str, hkv: int, d: int) -> None:
+    """klt presets: every layer gets a calibrated-like transform, and steps run without vLLM's forward context (the
+    write positions are then zeros: their values are no specialization)."""
+    fmt = load_config(preset).default
+    if fmt.key_mode != "klt":
+        return
+    import vllm.forward_context
+
+    from jetson_tq.integrations.vllm import backend as backend_mod
+    from tests.helpers.klt_cases import uneven_transform
+
+    transform = uneven_transform(hkv, d, fmt.key_code_bits(d), d, 1.0, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(backend_mod, "layer_key_transform", lambda index: transform)
+    context = type("Context", (), {"attn_metadata": None})()
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+
+
+@pytest.mark.parametrize("preset", ["mse_k4v3", "mse_k3v3w256", "kl52_smollm2"])
 @pytest.mark.parametrize("hq, hkv, d", [(28, 4, 128), (9, 3, 64)], ids=["qwen7b-d128", "smollm2-d64"])
-def test_warm_up_compiles_every_specialization_a_first_request_launches(preset, hq, hkv, d):
+def test_warm_up_compiles_every_specialization_a_first_request_launches(preset, hq, hkv, d, monkeypatch):
+    _klt_layer_transforms(monkeypatch, preset, hkv, d)
     layer = Layer(preset, hq, hkv, d)
     problems = []
     for budget in BUDGETS:  # one engine per max_num_batched_tokens: its own warm-up
