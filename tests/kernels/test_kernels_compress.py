@@ -233,9 +233,17 @@ def _store_case(name, d, dtype, poison, seed, n=24, hkv=2):
         PagedLayout(fmt, d, 16),
         KVCodec(fmt, d, raw_dtype=dtype if dtype != torch.float32 else torch.float16),
     )
+    k, v, slots = poisoned_tokens(n, hkv, d, dtype, poison, gen)
+    limits = StoreLimits.of(fmt, dtype, codec.raw_dtype)
+    return fmt, layout, codec, k, v, slots, limits
+
+
+def poisoned_tokens(n: int, hkv: int, d: int, dtype: torch.dtype, poison, gen: torch.Generator):
+    """(k, v [n, hkv, d], slots [n]) of random tokens with ``poison`` — (``"k"`` | ``"v"``, value) pairs — placed at
+    random (token >= 1, head, coordinate; a finite value fills a whole token with random signs), slot 0 padding."""
     k = (torch.randn(n, hkv, d, generator=gen) * 2).to(dtype)
     v = torch.randn(n, hkv, d, generator=gen).to(dtype)
-    for which, value in poison:  # at random (token >= 1, head, coordinate); big values fill a whole token
+    for which, value in poison:
         t, h, j = (int(torch.randint(lo, m, (1,), generator=gen)) for lo, m in ((1, n), (0, hkv), (0, d)))
         x = k if which == "k" else v
         if math.isfinite(value):
@@ -244,8 +252,7 @@ def _store_case(name, d, dtype, poison, seed, n=24, hkv=2):
             x[t, h, j] = value
     slots = torch.randperm(4 * 16, generator=gen)[:n]
     slots[0] = -1  # a padding slot (vLLM): skipped, not checked
-    limits = StoreLimits.of(fmt, dtype, codec.raw_dtype)
-    return fmt, layout, codec, k, v, slots, limits
+    return k, v, slots
 
 
 @pytest.mark.parametrize(

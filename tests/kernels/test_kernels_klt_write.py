@@ -34,7 +34,7 @@ from jetson_tq.paged import read_slots
 from jetson_tq.validate import FAULT_NONE, StoreLimits, store_fault_code
 from tests.helpers.kernel_cases import DEVICE, GPU, fresh_seed, vllm_block_table, vllm_slot_mapping
 from tests.helpers.klt_cases import tie_distance, uneven_transform
-from tests.kernels.test_kernels_compress import _expect_ties_only, _value_tie_distance
+from tests.kernels.test_kernels_compress import _expect_ties_only, _value_tie_distance, poisoned_tokens
 
 pytestmark = pytest.mark.kernel
 
@@ -199,17 +199,7 @@ def test_klt_store_checks_record_the_reference_fault(d, dtype, cache_dtype, pois
     gen = torch.Generator().manual_seed(seed)
     fmt, layout, codec = _codec(d, d // 2, gen)
     n, hkv = 24, 2
-    k = (torch.randn(n, hkv, d, generator=gen) * 2).to(dtype)
-    v = torch.randn(n, hkv, d, generator=gen).to(dtype)
-    for which, value in poison:  # at random (token >= 1, head, coordinate); big values fill a whole token
-        t, h, j = (int(torch.randint(lo, m, (1,), generator=gen)) for lo, m in ((1, n), (0, hkv), (0, d)))
-        x = k if which == "k" else v
-        if math.isfinite(value):
-            x[t, h, :] = value * torch.sign(torch.randn(d, generator=gen)).to(dtype)
-        else:
-            x[t, h, j] = value
-    slots = torch.randperm(4 * 16, generator=gen)[:n]
-    slots[0] = -1  # a padding slot (vLLM): skipped, not checked
+    k, v, slots = poisoned_tokens(n, hkv, d, dtype, poison, gen)
     positions = torch.randint(0, MAX_POS, (n,), generator=gen).to(DEVICE)
     limits = StoreLimits.of(fmt, cache_dtype, codec.raw_dtype)
     want = store_fault_code(k, v, slots, fmt, limits)
