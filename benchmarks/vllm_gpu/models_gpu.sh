@@ -5,6 +5,9 @@
 #                     vllm-moe.tar.xz (bundle.py --with-moe, staged by an earlier call: parts.py)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
 #                     wheel: GGUF_WHEEL=path, carried beside the bundle)
+#   calibrate         python -m jetson_tq calibrate on /tmp/jtq_smollm2 (the weights vLLM serves) with CAL_TEXT (a UTF-8
+#                     file: its last tokens) -> /tmp/jtq_kt/smollm2-kl52.{pt,yaml}; the 5x preset is then
+#                     REAL_CONFIGS=...,/tmp/jtq_kt/smollm2-kl52.yaml
 #   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS:
 #                     vLLM's prompt_logprobs PPL / KL / greedy vs stock, then the transformers harness on the same windows
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
@@ -38,6 +41,10 @@ from jetson_tq.models.smollm2 import convert_gguf
 out = Path(sys.argv[2]); out.mkdir(parents=True, exist_ok=True); convert_gguf(Path(sys.argv[1]), out); print("converted", out)
 PY
       ;;
+    calibrate)
+      python3 -m jetson_tq calibrate --model "$SMOL" --text "${CAL_TEXT:?set CAL_TEXT to a UTF-8 file}" \
+        --out /tmp/jtq_kt/smollm2-kl52.pt > "$R/calibrate.log" 2>&1
+      tail -3 "$R/calibrate.log" ;;
     real)
       python3 benchmarks/vllm_gpu/real_weights.py --model "$SMOL" --text "${TEXT:?set TEXT to a UTF-8 file}" \
         --out "$R/real_weights.json" --configs "${REAL_CONFIGS:-mse_k4v3,fp16}" --budget "${REAL_BUDGET:-300}" \
