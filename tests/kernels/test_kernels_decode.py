@@ -37,10 +37,13 @@ SMALL = [
     ("mse_k3v3w256", 128, 4, [40, 3], [200, 0]),  # the 5x preset: one value group per token, a 256-row ring
     ("fp16", 64, 4, [40, 3], [0, 2]),  # passthrough pages
     ("klt52_g3", 128, 4, [150, 37, 0], [20, 0, 7]),  # klt keys: decoded through their transform and RoPE per tile
-    ("klt52_g3", 64, 7, [70, 1], [1, 0]),
-    ("klt52_g3", 96, 4, [33, 70], [5, 2]),
     ("kl52_smollm2", 64, 3, [60, 8], [5, 0]),  # the 5x preset's format: klt keys, 3-bit mse values
     ("mse_k4v3+vmse3", 128, 4, [60, 8], [5, 0]),  # mse values: rotated sums (Hadamard Pi_v), 2+1-bit runs
+]
+# more head dims and key modes for klt keys and mse values: the full lane (the quick one keeps a case of each)
+SMALL_MORE = [
+    ("klt52_g3", 64, 7, [70, 1], [1, 0]),
+    ("klt52_g3", 96, 4, [33, 70], [5, 2]),
     ("mse_k4v3+vmse3", 64, 4, [40], [3]),
     ("mse_k4v3+vmse3", 96, 2, [33, 0], [4, 2]),  # dense Pi_v; one buffer-only sequence
     ("blog_k3v2+vmse2", 80, 1, [30], [2]),  # prod keys, one 2-bit value run
@@ -110,9 +113,23 @@ def _check(name, d, g, comp, rec, dtype, splits, seed, recent_cap=None, block_si
         assert bool((out[i] == 0).all()), f"seed={seed}: empty sequence {i} must give zeros"
 
 
-@pytest.mark.parametrize("name,d,g,comp,rec", CASES, ids=[f"{c[0]}-D{c[1]}-G{c[2]}-{len(c[3])}seq" for c in CASES])
+def _ids(cases):
+    return [f"{c[0]}-D{c[1]}-G{c[2]}-{len(c[3])}seq" for c in cases]
+
+
+@pytest.mark.parametrize("name,d,g,comp,rec", CASES, ids=_ids(CASES))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_decode_matches_reference(name, d, g, comp, rec, splits):
+    _check(name, d, g, comp, rec, torch.float16, splits, fresh_seed())
+
+
+MORE = [] if GPU else SMALL_MORE  # on a GPU, LARGE covers them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,d,g,comp,rec", MORE, ids=_ids(MORE))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_matches_reference_more_formats(name, d, g, comp, rec, splits):
     _check(name, d, g, comp, rec, torch.float16, splits, fresh_seed())
 
 
