@@ -204,6 +204,7 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
 #: KLT rows only: ``_bd<N>`` a block-diagonal KLT of N channels a block (N/2 consecutive rotary pairs, each pair's two
 #: channels in one block; decode cost N/D of the full KLT; N = 1: no transform, ``klt_keys.pair_blocks``);
+#: ``_w<digits>`` code widths restricted to those digits (and 0), e.g. ``_w48`` (codes a kernel reads by nibbles);
 #: ``_cal<N>`` calibrated on the essays' last N x 1,024 tokens (default 2). The calibration leaves out the positions a
 #: row reads exactly (``_e<S>``), so a row without the sink calibrates on position 0 too. ``_tq`` (with ``al``, no
 #: ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages, ``_e<S>`` then the format's
@@ -211,7 +212,7 @@ def all_rows(backend: str) -> list[F.Variant]:
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?"
-    r"(?:_bd(?P<bn>\d+))?(?:_cal(?P<cal>\d+))?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
+    r"(?:_bd(?P<bn>\d+))?(?:_w(?P<wd>[1-8]+))?(?:_cal(?P<cal>\d+))?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
 )
 
 
@@ -224,10 +225,15 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     window = {"b": "block", "s": "sliding", None: "block"}[m["w"]]
     if m["xk"] and not m["xn"]:
         return None  # _xk names the split's pair score: no split, no score
-    if (m["bn"] or m["cal"]) and not m["ln"]:
+    if (m["bn"] or m["cal"] or m["wd"]) and not m["ln"]:
         return None  # blocks and calibration windows are the KLT coder's
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
-    klt = KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"]), int(m["bn"] or 0)) if m["ln"] else None
+    widths = tuple(int(c) for c in m["wd"] or "")
+    klt = (
+        KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"]), int(m["bn"] or 0), widths)
+        if m["ln"]
+        else None
+    )
     if m["tq"] and (klt is None or klt.token_norm or not (klt.attention and klt.lloyd)):
         return None  # _tq: the product's klt format, which stores the attention-weighted, fitted-level coder
     # split / KLT rows: the store's own key code is unread
@@ -254,6 +260,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
                 if klt.block
                 else ""
             )
+            + (f", code widths {'/'.join(map(str, (0, *klt.widths)))} bits" if klt.widths else "")
             + f", calibrated on {int(m['cal'] or 2)} x 1,024 essay tokens"
         )
     if m["tq"]:

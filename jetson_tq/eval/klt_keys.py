@@ -68,6 +68,7 @@ class KLTKeys:
     attention: bool = False
     lloyd: bool = False
     block: int = 0  # channels per diagonal block (an even divisor of D; 1: no transform); 0: one block, the full KLT
+    widths: tuple[int, ...] = ()  # the code widths bits may take (0 always); (): any of 0..MAX_BITS
 
     def __post_init__(self) -> None:
         if self.code_bits(REFERENCE_DIM) <= 0:
@@ -130,12 +131,30 @@ def distortion(bits: int) -> float:
     return gaussian_codebook(bits)[1]
 
 
-def allocate_bits(variances: torch.Tensor, budget: int, max_bits: int = MAX_BITS) -> torch.Tensor:
+def allocate_bits(
+    variances: torch.Tensor, budget: int, max_bits: int = MAX_BITS, widths: tuple[int, ...] = ()
+) -> torch.Tensor:
     """Integer bits [n] (0..``max_bits``) summing to ``budget`` (or n * max_bits, if less), least summed
-    lambda_i D(b_i): greedy on the marginal gain, optimal since D is convex."""
+    lambda_i D(b_i): greedy on the marginal gain, optimal since D is convex. ``widths``: only these code widths
+    (0 always allowed; e.g. (4, 8) for codes a kernel reads by nibbles), each step to a coefficient's next allowed
+    width taken by its gain per bit while it fits the budget."""
     lam = variances.double().clamp_min(0)
     table = torch.tensor([distortion(b) for b in range(max_bits + 1)] + [0.0], dtype=torch.float64)
     bits = torch.zeros(lam.numel(), dtype=torch.long)
+    if widths:
+        allowed = sorted({0, *widths})
+        nxt = torch.tensor([next((w for w in allowed if w > b), -1) for b in range(max_bits + 1)], dtype=torch.long)
+        left = budget
+        while True:
+            up = nxt[bits]
+            step = (up - bits).clamp_min(1)
+            gain = lam * (table[bits] - table[up.clamp_min(0)]) / step
+            gain[(up < 0) | (step > left)] = -1.0
+            i = int(gain.argmax())
+            if gain[i] < 0:
+                return bits
+            left -= int(step[i])
+            bits[i] = up[i]
     for _ in range(min(budget, lam.numel() * max_bits)):
         gain = lam * (table[bits] - table[bits + 1])
         gain[bits >= max_bits] = -1.0
@@ -224,7 +243,7 @@ def calibrate(
             layer["encode"].append(u.T @ w_half)
             layer["decode"].append(w_inv_half @ u)
             layer["sigma"].append(lam.sqrt())
-            layer["bits"].append(allocate_bits(lam, budget))
+            layer["bits"].append(allocate_bits(lam, budget, widths=spec.widths))
             if spec.lloyd:
                 z = y @ u
                 if spec.token_norm:  # fit what the coder quantizes: coefficients over their token's scale

@@ -65,6 +65,16 @@ def test_allocation_sums_to_the_budget_and_follows_the_variances():
     assert int(allocate_bits(lam, 1000).sum()) == 8 * len(lam)  # capped at 8 bits each
 
 
+def test_allocation_restricted_to_code_widths():
+    """``widths``: only those widths (and 0), the budget spent exactly when the steps fit it, still by variance."""
+    lam = torch.linspace(5, 0.01, 64) ** 2
+    for widths in ((4, 8), (2, 4, 8), (8,)):
+        bits = allocate_bits(lam, 208, widths=widths)
+        assert int(bits.sum()) == 208 and set(bits.tolist()) <= {0, *widths}
+        assert (bits.diff() <= 0).all()  # the variances fall: so do the widths
+    assert int(allocate_bits(lam, 10, widths=(4,)).sum()) == 8  # steps of 4 bits: 2 bits cannot be spent
+
+
 def test_key_bytes():
     fmt = KVFormat(key_mode="mse", key_bits=3, value_mode="mse", value_bits=3)
     assert KLTKeys(52).code_bits(128) == 416 and KLTKeys(52).key_bytes_per_token(128) == 52
