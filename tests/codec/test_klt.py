@@ -16,32 +16,12 @@ from jetson_tq.codec.klt import (
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.errors import ConfigError, FormatError, ShapeError
 from jetson_tq.format import KVFormat, PagedLayout, kernel_unsupported_reason
+from tests.helpers.klt_cases import uneven_transform
 
 
 def random_transform(h: int, d: int, code_bits: int, seed: int = 0, rotary_dim: int | None = None) -> KeyTransform:
-    """A valid transform with random orthogonal matrices, uneven bits (0..8) summing to ``code_bits`` per head and
-    random sorted levels."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.linalg.qr(torch.randn(h, d, d, generator=g, dtype=torch.float64))[0].float()
-    bits = torch.zeros(h, d, dtype=torch.long)
-    for i in range(h):
-        left = code_bits
-        while left:
-            c = int(torch.randint(0, d, (1,), generator=g))
-            if bits[i, c] < 8:
-                bits[i, c] += 1
-                left -= 1
-    levels = torch.zeros(h, d, 256)
-    for i in range(h):
-        for c in range(d):
-            n = 1 << int(bits[i, c])
-            lv = torch.randn(n, generator=g).sort().values * 2 if n > 1 else torch.zeros(1)
-            levels[i, c, :n], levels[i, c, n:] = lv, lv[-1]
-    r = rotary_dim if rotary_dim is not None else d
-    freq = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
-    return KeyTransform(
-        torch.randn(h, d, generator=g) * 0.3, q, q.transpose(1, 2).contiguous(), bits, levels, RotaryParams(freq, 1.25)
-    )
+    """A valid calibrated-like transform (``klt_cases.uneven_transform``) with RoPE attention scaling 1.25."""
+    return uneven_transform(h, d, code_bits, rotary_dim or d, 1.25, torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("h,d,bits", [(2, 64, 208), (3, 40, 131), (1, 128, 416), (2, 16, 128)])
