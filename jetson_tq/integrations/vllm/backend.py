@@ -516,13 +516,16 @@ class TurboQuantAttentionImpl(AttentionImpl):
             md = found
         if md.dec_positions is not None and md.num_decodes == md.num_reqs and n <= md.dec_positions.shape[0]:
             return md.dec_positions[:n]  # padding rows past num_decodes write to slot -1: never stored
-        qsl = md.query_start_loc
-        q_lens = np.diff(qsl)
-        req = np.repeat(np.arange(md.num_reqs), q_lens)
-        pos = md.context_lens[req] + (np.arange(req.size) - qsl[req])
-        out = np.zeros(n, dtype=np.int64)
-        out[: min(n, pos.size)] = pos[:n]
-        return _device_ints(md, f"positions{n}", device, (out, torch.int64))[0]
+        key = f"positions{n}"
+        if key not in md.device_ints:  # the step's first klt layer: every later one reuses the device copy
+            qsl = md.query_start_loc
+            q_lens = np.diff(qsl)
+            req = np.repeat(np.arange(md.num_reqs), q_lens)
+            pos = md.context_lens[req] + (np.arange(req.size) - qsl[req])
+            out = np.zeros(n, dtype=np.int64)
+            out[: min(n, pos.size)] = pos[:n]
+            _device_ints(md, key, device, (out, torch.int64))
+        return md.device_ints[key][0]
 
     # ---------------------------------------------------------------- read path
     def _paged(self, pages, block_table, comp, rec, rows) -> PagedKV:
