@@ -139,6 +139,9 @@ def _check(name, d, lens, dtype, exact_signs):
             _expect_ties_only(g, w, _value_tie_distance(codec, v[order]), 1e-3, fmt.value_bits, d, f"{msg}: val_codes")
         elif f.name == "key_signs":
             bits = unpack_bits(g, 1, d) != unpack_bits(w, 1, d)
+            if "key_idx" in got:  # a key whose index flipped at a tie (checked above) has another residual: its
+                # sketch signs follow that residual, so only the keys with equal indices must agree
+                bits = bits & (got["key_idx"] == want["key_idx"]).all(-1, keepdim=True)
             flips = bits.float().mean().item()
             # at CPU sizes (~2k bits) one flip is 0.05 %: allow two flipped bits whatever the size
             assert flips <= (2e-4 if exact_signs else 5e-3) or int(bits.sum()) <= 2, (
