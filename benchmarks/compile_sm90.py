@@ -124,6 +124,11 @@ def main(argv=None) -> int:
         default="[{}]",
         help='JSON list of PrefillTuning field sets, e.g. \'[{}, {"block_m": 64, "num_warps": 4}]\'',
     )
+    ap.add_argument(
+        "--klt",
+        default="dense",
+        help="klt formats: the transform structure (tests/helpers/klt_cases.STRUCTURES: dense, pairs-bytes, ...)",
+    )
     args = ap.parse_args(argv)
     _install()
     from jetson_tq.kernels.append import append_rows
@@ -133,6 +138,7 @@ def main(argv=None) -> int:
     from jetson_tq.paged import allocate_pages
     from jetson_tq.validate import FAULT_NONE, StoreLimits
     from tests.helpers.kernel_cases import build_paged_kv, fmt_for
+    from tests.helpers.klt_cases import STRUCTURES, uneven_transform
 
     d, hkv, g = args.d, 2, 4
     ops = set(args.ops.split(","))
@@ -152,7 +158,12 @@ def main(argv=None) -> int:
     for name in args.formats.split(","):
         gen = torch.Generator().manual_seed(0)
         fmt = fmt_for(name, d)
-        kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen)
+        kt = (
+            uneven_transform(hkv, d, fmt.key_code_bits(d), d, 1.0, gen, **STRUCTURES[args.klt])
+            if fmt.key_mode == "klt"
+            else None
+        )
+        kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen, key_transform=kt)
         q = torch.randn(2, hkv * g, d).half()
         for i, knobs in enumerate(decode_knobs if "decode" in ops else ()):
             n0 = len(COMPILED)
@@ -171,6 +182,7 @@ def main(argv=None) -> int:
             torch.float16,
             torch.Generator().manual_seed(0),
             recent_cap=16,
+            key_transform=kt,
         )
         for window, view in (("sliding", kv), ("block", kv_block)) if "prefill" in ops else ():
             for i, knobs in enumerate(prefill_knobs):

@@ -111,7 +111,7 @@ def make_decode_case(
     dev = _require_cuda()
     fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    codec = KVCodec(fmt, head_dim)
+    codec = KVCodec(fmt, head_dim, key_transform=timing_transform(fmt, hkv, head_dim))
     layout = PagedLayout(fmt, head_dim, block_size)
     maxlen = max(lens)
     k16 = torch.randn(batch, hkv, maxlen, head_dim, device=dev, generator=gen, dtype=torch.float16)
@@ -131,7 +131,8 @@ def make_decode_case(
         for t0 in range(0, c, 65536):  # bounded temporaries
             pos = torch.arange(t0, min(c, t0 + 65536), device=dev)
             slots = slots_for_positions(table[b : b + 1], pos.unsqueeze(0), block_size)[0]
-            compress_write(k16[b, :, pos].transpose(0, 1), v16[b, :, pos].transpose(0, 1), slots, pages, layout, codec)
+            k_rows, v_rows = k16[b, :, pos].transpose(0, 1), v16[b, :, pos].transpose(0, 1)
+            compress_write(k_rows, v_rows, slots, pages, layout, codec, positions=pos.to(torch.int32))
     cap = max(rec + [1])
     rk = torch.zeros(batch, hkv, cap, head_dim, dtype=torch.float16, device=dev)
     rv = torch.zeros_like(rk)
@@ -218,14 +219,22 @@ def resolve_format(fmt: KVFormat | str | None) -> KVFormat:
     return load_config(fmt).default
 
 
+#: The transform structure klt formats are timed with (``tests/helpers/klt_cases.STRUCTURES``; ``--klt`` of targets.py
+#: and sweep_decode.py): "dense" is what ``python -m jetson_tq calibrate`` fits today.
+TIMING_KLT = "dense"
+
+
 def timing_transform(fmt: KVFormat, num_kv_heads: int, head_dim: int):
-    """klt keys: an uncalibrated transform of the format's code size (``codec.klt.spread_transform``) — a kernel's
-    time does not depend on the calibration; None for other formats."""
+    """klt keys: a random transform of the format's code size and ``TIMING_KLT``'s structure
+    (``klt_cases.uneven_transform``: the kernels' paths depend on the structure, not on the calibration); None for
+    other formats."""
     if fmt.key_mode != "klt":
         return None
-    from jetson_tq.codec.klt import spread_transform
+    from tests.helpers.klt_cases import STRUCTURES, uneven_transform
 
-    return spread_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim))
+    gen = torch.Generator().manual_seed(0)
+    code_bits = fmt.key_code_bits(head_dim)
+    return uneven_transform(num_kv_heads, head_dim, code_bits, head_dim, 1.0, gen, **STRUCTURES[TIMING_KLT])
 
 
 def decode_vs_sdpa(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import kernel_bench
 import torch
 from kernel_bench import (
     _bench,
@@ -105,7 +106,9 @@ def main(argv=None) -> int:
         "--shapes", type=json.loads, help="JSON list of [B, Hq, Hkv, ctx] (default: B=8 32/8 64k, B=1 32/8 128k)"
     )
     ap.add_argument("--variants", type=json.loads, help="a JSON list of DecodeTuning field dicts (replaces the grid)")
+    ap.add_argument("--klt", default="dense", help="klt formats: the transform structure timed (dense, pairs-bytes)")
     args = ap.parse_args(argv)
+    kernel_bench.TIMING_KLT = args.klt
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s", flush=True)

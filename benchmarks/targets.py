@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import kernel_bench
 from bench_api import _flash, filled_cache, graph_us
 from kernel_bench import _bench, append_bench, table
 
@@ -160,17 +161,20 @@ def main(argv=None) -> int:
     ap.add_argument("--format", default=DEFAULT_PRESET)
     ap.add_argument("--quick", action="store_true", help="decode 8/64k, 1/128k, 1/1k; prefill at 16k only")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--klt", default="dense", help="klt formats: the transform structure timed (dense, pairs-bytes)")
     args = ap.parse_args(argv)
+    kernel_bench.TIMING_KLT = args.klt
     if not torch.cuda.is_available():
         print("python -m benchmarks targets: needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
 
     fmt = load_config(args.format).default
+    klt_note = f" ({args.klt} transform)" if fmt.key_mode == "klt" else ""
     t0 = time.time()
     print(
         f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"format {args.format}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"format {args.format}{klt_note}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         flush=True,
     )
     rows = []

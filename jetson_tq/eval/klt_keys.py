@@ -238,7 +238,7 @@ def calibrate(
             m = (ww * kk).sum(0)
             y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
             cov = y.T @ (ww * y)
-            lam, u = block_klt(cov, pair_blocks(head_dim, spec.block))
+            lam, u = block_klt(cov, pair_blocks(head_dim, spec.block, rotary.rotary_dim))
             layer["mean"].append(m)
             layer["encode"].append(u.T @ w_half)
             layer["decode"].append(w_inv_half @ u)
@@ -262,18 +262,23 @@ def calibrate(
     return out
 
 
-def pair_blocks(head_dim: int, block: int) -> list[torch.Tensor]:
+def pair_blocks(head_dim: int, block: int, rotary_dim: int | None = None) -> list[torch.Tensor]:
     """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
-    p (each with its channels p and p + D/2, ``rotate_half``); ``block`` 0 or D: one block, in order; 1: each channel
-    its own block (no transform)."""
+    p (each with its channels p and p + R/2, ``rotate_half`` over the first ``rotary_dim`` R channels, default all);
+    channels past R in blocks of ``block`` consecutive channels, each alone for ``block`` 2 (so a 2-channel block is
+    always one RoPE pair: ``codec.klt.pair_order``); ``block`` 0 or D: one block, in order; 1: each channel its own
+    block (no transform)."""
     d = head_dim
+    r = d if rotary_dim is None else rotary_dim
     if block in (0, d):
         return [torch.arange(d)]
     if block == 1:
         return list(torch.arange(d).split(1))
-    if block % 2 or d % block:
-        raise FormatError(f"block {block}: expected an even divisor of head dim {d}")
-    return [torch.cat([pairs, pairs + d // 2]) for pairs in torch.arange(d // 2).split(block // 2)]
+    if block % 2 or r % 2 or (r // 2) % (block // 2) or (block > 2 and (d - r) % block):
+        raise FormatError(f"block {block}: expected an even divisor of head dim {d} (rotary dim {r})")
+    rotary = [torch.cat([pairs, pairs + r // 2]) for pairs in torch.arange(r // 2).split(block // 2)]
+    alone = list(torch.arange(r, d).split(1 if block == 2 else block)) if r < d else []
+    return rotary + alone
 
 
 def block_klt(cov: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import triton.language as tl
 
+from ..codec.klt import code_offsets, codes_in_one_byte
 from ..codec.kv import KVCodec
 from ..codec.mse import TurboQuantMSE
 from ..errors import UnsupportedPlatformError
@@ -144,17 +145,28 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
 class KltSpec:
     """Compile-time facts of a layer's transform-coded keys (``codec.klt``) that kernels are specialized on, as the
     ``KLT`` bundle: RoPE rotates pairs (i, RH + i) for i < RH; the RR channels past 2 RH are not rotated. Tiles of
-    those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands)."""
+    those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands). ``PAIRS``: the transform mixes
+    channels only within RoPE's pairs (``codec.klt.pair_order``): keys are decoded by a 2 x 2 block per pair, no
+    matrix product. ``ONE_BYTE``: every code lies inside one byte (``codec.klt.codes_in_one_byte``): one load a code."""
 
     RH: int  # rotary pairs (rotary_dim / 2)
     RHP: int
     RR: int  # channels past the rotary ones
     RRP: int
+    PAIRS: bool = False
+    ONE_BYTE: bool = False
 
     @staticmethod
-    def of(rotary_dim: int, head_dim: int) -> KltSpec:
+    def of(rotary_dim: int, head_dim: int, pairs: bool = False, one_byte: bool = False) -> KltSpec:
         rh, rr = rotary_dim // 2, head_dim - rotary_dim
-        return KltSpec(RH=rh, RHP=max(16, next_pow2(max(rh, 1))), RR=rr, RRP=max(16, next_pow2(max(rr, 1))))
+        return KltSpec(
+            RH=rh,
+            RHP=max(16, next_pow2(max(rh, 1))),
+            RR=rr,
+            RRP=max(16, next_pow2(max(rr, 1))),
+            PAIRS=pairs,
+            ONE_BYTE=one_byte,
+        )
 
 
 #: A spec for formats without klt keys (kernels take the bundle whole and ignore it).
@@ -192,7 +204,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     dp = max(16, next_pow2(d))
     bits = t.bits.long()
     meta = torch.zeros(h, 2, dp, dtype=torch.int32)
-    meta[:, 0, :d] = (torch.cumsum(bits, -1) - bits).int()
+    meta[:, 0, :d] = code_offsets(bits).int()
     meta[:, 1, :d] = bits.int()
 
     def padded(m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -200,7 +212,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         full[:, :d, :d] = m.double()
         return full.to(dtype).contiguous().to(device)
 
-    spec = KltSpec.of(t.rotary.rotary_dim, d)
+    spec = KltSpec.of(t.rotary.rotary_dim, d, pairs=coder.pairs, one_byte=codes_in_one_byte(bits))
     turns = torch.zeros(spec.RHP, dtype=torch.float64)
     turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
     mean = torch.zeros(h, dp, dtype=torch.float32)

@@ -362,7 +362,7 @@ def _klt_scores(
     """Log2-domain scores [BLOCK_N, GP] of one tile of klt keys (positions n0 + t): the keys decoded through the
     transform and RoPE (``klt_levels``, ``klt_keys``), then three products with the query's parts."""
     bo, w, da, db, dr, ma, mb, mr, turns, ct, st = kops
-    z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE)
+    z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE, KLT)
     cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
     cos = cb[:, None] * ct - sb[:, None] * st
     sin = sb[:, None] * ct + cb[:, None] * st

@@ -225,7 +225,7 @@ def _klt_workspace_keys(
     """klt keys at positions ``n`` [N] (codes at byte pointers ``rows``) decoded to post-RoPE keys in the workspace
     rows starting at ``dst`` [N]: channels in their own order, padding columns zero."""
     bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    z = klt_levels(rows, nmask, h, bo, w, lv_ptr, PAGE)
+    z = klt_levels(rows, nmask, h, bo, w, lv_ptr, PAGE, KLT)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
     cos, sin = rope_cos_sin(n[None, :], tl.load(turns_ptr + ia)[:, None])

@@ -208,6 +208,10 @@ def test_pair_blocks_partition_the_head_into_rotary_closed_blocks():
     assert [b.tolist() for b in pair_blocks(d, 1)] == [[c] for c in range(d)]
     with pytest.raises(FormatError):
         pair_blocks(d, 12)  # not a divisor of 64
+    partial = pair_blocks(80, 2, rotary_dim=40)  # partial rotary: pairs (p, p + 20), then each unrotated channel alone
+    assert [b.tolist() for b in partial[:2]] == [[0, 20], [1, 21]] and len(partial) == 20 + 40
+    assert [b.tolist() for b in partial[20:22]] == [[40], [41]]
+    assert sorted(torch.cat(partial).tolist()) == list(range(80))
 
 
 def test_block_klt_of_one_block_is_the_full_klt():

@@ -17,7 +17,7 @@ from jetson_tq.kernels._tiles import rope_cos_sin
 from jetson_tq.kernels.hybrid_decode import hybrid_decode
 from jetson_tq.kernels.prefill import chunked_prefill, dequantize_segment
 from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
-from tests.helpers.klt_cases import uneven_transform
+from tests.helpers.klt_cases import STRUCTURES, uneven_transform
 
 pytestmark = pytest.mark.kernel
 
@@ -45,15 +45,37 @@ def test_rope_angles_stay_exact_at_large_positions():
 
 # (head dim, rotary dim, attention scaling)
 ROTARY = [(80, 40, 1.3), (128, 32, 1.0), (64, 64, 0.7)]
+CASES = [(*r, s) for r in ROTARY for s in ("dense", "pairs-bytes")] + [
+    (80, 40, 1.3, "pairs"),
+    (64, 64, 0.7, "dense-bytes"),
+]
+CASE_IDS = [f"D{c[0]}-rot{c[1]}-{c[3]}" for c in CASES]
 
 
-@pytest.mark.parametrize("d,rotary,scaling", ROTARY, ids=[f"D{c[0]}-rot{c[1]}" for c in ROTARY])
-def test_dequantized_keys_equal_the_codec(d, rotary, scaling):
+def _transform(kind: str, d: int, rotary: int, scaling: float, gen: torch.Generator):
+    """A two-head transform of ``STRUCTURES[kind]`` for klt52_g3 at head dim ``d``, and its format."""
+    fmt = fmt_for("klt52_g3", d)
+    return fmt, uneven_transform(2, d, fmt.key_code_bits(d), rotary, scaling, gen, **STRUCTURES[kind])
+
+
+def test_transform_structures_select_their_kernel_paths():
+    """Each structure of ``STRUCTURES`` reaches the kernels as the KltSpec flags it is named for."""
+    from jetson_tq.codec.kv import KVCodec
+    from jetson_tq.kernels._common import klt_constants
+
+    gen = torch.Generator().manual_seed(fresh_seed())
+    for kind, want in [("dense", (False, False)), ("pairs-bytes", (True, True)), ("dense-bytes", (False, True))]:
+        fmt, kt = _transform(kind, 80, 40, 1.3, gen)
+        spec = klt_constants(KVCodec(fmt, 80, key_transform=kt), torch.device("cpu"))["spec"]
+        assert (spec.PAIRS, spec.ONE_BYTE) == want, kind
+
+
+@pytest.mark.parametrize("d,rotary,scaling,kind", CASES, ids=CASE_IDS)
+def test_dequantized_keys_equal_the_codec(d, rotary, scaling, kind):
     """The workspace keys of the dequant kernel are the codec's post-RoPE keys (fp16 rounding apart)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = fmt_for("klt52_g3", d)
-    kt = uneven_transform(2, d, fmt.key_code_bits(d), rotary, scaling, gen)
+    fmt, kt = _transform(kind, d, rotary, scaling, gen)
     n = 40
     kv = build_paged_kv(fmt, 2, d, [n], [0], torch.float16, gen, key_transform=kt)
     dp = max(16, 1 << (d - 1).bit_length())
@@ -68,13 +90,13 @@ def test_dequantized_keys_equal_the_codec(d, rotary, scaling):
     assert bool((wk[:, :n, d:] == 0).all()), "padding columns must be zero"
 
 
-@pytest.mark.parametrize("d,rotary,scaling", ROTARY, ids=[f"D{c[0]}-rot{c[1]}" for c in ROTARY])
-def test_partial_rotary_attention_matches_reference(d, rotary, scaling):
+@pytest.mark.parametrize("d,rotary,scaling,kind", CASES, ids=CASE_IDS)
+def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
     """Decode and prefill over klt keys with partial rotary and RoPE scaling equal the reference attention."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = fmt_for("klt52_g3", d).with_(buffer_tokens=4)
-    kt = uneven_transform(2, d, fmt.key_code_bits(d), rotary, scaling, gen)
+    fmt, kt = _transform(kind, d, rotary, scaling, gen)
+    fmt = fmt.with_(buffer_tokens=4)
     comp, rec, t = [70, 9], [4, 4], 3
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4)
     q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)

@@ -33,7 +33,7 @@ from jetson_tq.kernels.compress_write import compress_write
 from jetson_tq.paged import read_slots
 from jetson_tq.validate import FAULT_NONE, StoreLimits, store_fault_code
 from tests.helpers.kernel_cases import DEVICE, GPU, fresh_seed, vllm_block_table, vllm_slot_mapping
-from tests.helpers.klt_cases import tie_distance, uneven_transform
+from tests.helpers.klt_cases import STRUCTURES, tie_distance, uneven_transform
 from tests.kernels.test_kernels_compress import _expect_ties_only, _value_tie_distance, poisoned_tokens
 
 pytestmark = pytest.mark.kernel
@@ -47,30 +47,36 @@ def _klt_format(value_mode: str = "group") -> KVFormat:
     return KVFormat(key_mode="klt", key_code_bytes=52, value_mode=value_mode, value_bits=3)
 
 
-def _codec(d: int, rotary_dim: int, gen: torch.Generator, raw_dtype=torch.float16, value_mode="group"):
+def _codec(
+    d: int, rotary_dim: int, gen: torch.Generator, raw_dtype=torch.float16, value_mode="group", kind: str = "dense"
+):
     fmt = _klt_format(value_mode)
-    t = uneven_transform(2, d, fmt.key_code_bits(d), rotary_dim, SCALE, gen)
+    t = uneven_transform(2, d, fmt.key_code_bits(d), rotary_dim, SCALE, gen, **STRUCTURES[kind])
     return fmt, PagedLayout(fmt, d, 16), KVCodec(fmt, d, raw_dtype=raw_dtype, key_transform=t)
 
 
-# (head dim, rotary dim, input dtype, input form, value mode)
+# (head dim, rotary dim, input dtype, input form, value mode, transform structure: klt_cases.STRUCTURES)
 CASES = [
-    (128, 128, torch.float16, "flat", "group"),
-    (128, 64, torch.bfloat16, "rows", "group"),
-    (64, 64, torch.float32, "flat", "group"),
-    (80, 40, torch.float16, "rows", "group"),
-    (96, 96, torch.bfloat16, "flat", "fp16"),
-    (96, 48, torch.float16, "flat", "group"),
+    (128, 128, torch.float16, "flat", "group", "dense"),
+    (128, 64, torch.bfloat16, "rows", "group", "dense"),
+    (64, 64, torch.float32, "flat", "group", "dense"),
+    (80, 40, torch.float16, "rows", "group", "dense"),
+    (96, 96, torch.bfloat16, "flat", "fp16", "dense"),
+    (96, 48, torch.float16, "flat", "group", "dense"),
+    (128, 128, torch.float16, "flat", "group", "pairs-bytes"),
+    (80, 40, torch.bfloat16, "rows", "group", "pairs-bytes"),
 ]
 
 
 @pytest.mark.parametrize(
-    "d,rotary_dim,dtype,form,value_mode", CASES, ids=[f"D{c[0]}-rot{c[1]}-{str(c[2])[6:]}-{c[3]}" for c in CASES]
+    "d,rotary_dim,dtype,form,value_mode,kind",
+    CASES,
+    ids=[f"D{c[0]}-rot{c[1]}-{str(c[2])[6:]}-{c[3]}-{c[5]}" for c in CASES],
 )
-def test_klt_write_matches_reference(d, rotary_dim, dtype, form, value_mode):
+def test_klt_write_matches_reference(d, rotary_dim, dtype, form, value_mode, kind):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt, layout, codec = _codec(d, rotary_dim, gen, value_mode=value_mode)
+    fmt, layout, codec = _codec(d, rotary_dim, gen, value_mode=value_mode, kind=kind)
     hkv, bs = 2, 16
     if form == "flat":  # vLLM: shuffled blocks, -1 padding; positions from a random start per sequence
         lens = [3000, 1000, 7] if GPU else [30, 9]
@@ -247,12 +253,17 @@ def _read_back_kernel(
     h = tl.program_id(1)
     nmask = i < n
     bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    z = klt_levels(code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE)  # [DP, BLOCK]
-    j = tl.arange(0, PAGE.DP)
+    z = klt_levels(code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE, KLT)
     out = ((h * n + i) * PAGE.DP)[None, :]
-    tl.store(z_ptr + out + j[:, None], z, mask=nmask[None, :])
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
+    if KLT.PAIRS:  # three parts [RHP, BLOCK], [RHP, BLOCK], [RRP, BLOCK] in coefficient order
+        tl.store(z_ptr + out + ia[:, None], z[0], mask=nmask[None, :] & (ia < KLT.RH)[:, None])
+        tl.store(z_ptr + out + KLT.RH + ia[:, None], z[1], mask=nmask[None, :] & (ia < KLT.RH)[:, None])
+        tl.store(z_ptr + out + 2 * KLT.RH + ir[:, None], z[2], mask=nmask[None, :] & (ir < KLT.RR)[:, None])
+    else:  # [DP, BLOCK]
+        j = tl.arange(0, PAGE.DP)
+        tl.store(z_ptr + out + j[:, None], z, mask=nmask[None, :])
     pos = tl.load(pos_ptr + i, mask=nmask, other=0)
     cos, sin = rope_cos_sin(pos[None, :], tl.load(turns_ptr + ia)[:, None])
     ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, INTERP)
@@ -263,14 +274,17 @@ def _read_back_kernel(
         tl.store(rows + 2 * KLT.RH + ir[:, None], kr, mask=nmask[None, :] & (ir < KLT.RR)[:, None])
 
 
-@pytest.mark.parametrize("d,rotary_dim", [(128, 128), (80, 80), (96, 48)])
-def test_klt_codes_read_back_by_the_read_helpers(d, rotary_dim):
+@pytest.mark.parametrize(
+    "d,rotary_dim,kind",
+    [(128, 128, "dense"), (80, 80, "dense"), (96, 48, "dense"), (96, 48, "pairs-bytes"), (128, 128, "pairs")],
+)
+def test_klt_codes_read_back_by_the_read_helpers(d, rotary_dim, kind):
     """The stream the write kernel packs is the one ``_tiles.klt_levels`` unpacks: every coefficient's level equals
     the reference decoder's, whole or partial RoPE; ``klt_keys`` turns them into the reference's decoded keys (fp16
     decode product)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    _, layout, codec = _codec(d, rotary_dim, gen)
+    _, layout, codec = _codec(d, rotary_dim, gen, kind=kind)
     n, hkv = 40, 2
     k = (torch.randn(n, hkv, d, generator=gen) * 2).half()
     positions = torch.randint(0, MAX_POS, (n,), generator=gen)

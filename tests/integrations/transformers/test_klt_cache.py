@@ -170,6 +170,30 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_calibrate_command_fits_the_structure_asked_for(tmp_path, capsys):
+    """``--block 2 --widths 2,4,8``: every layer's transform mixes channels only within RoPE pairs and every code
+    lies in one byte (the kernels' cheap read paths); a structure the coder cannot take is a usage error."""
+    from jetson_tq.codec.klt import KeyTransformCoder, codes_in_one_byte
+    from jetson_tq.models.tiny import WORDS, make_tiny_llama
+
+    model_dir = make_tiny_llama(tmp_path / "tiny", layers=2)
+    text = tmp_path / "text.txt"
+    g = torch.Generator().manual_seed(1)
+    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (700,), generator=g)))
+    out = tmp_path / "kt.pt"
+    argv = ["calibrate", "--model", str(model_dir), "--text", str(text), "--windows", "2", "--window-len", "256"]
+    assert main([*argv, "--out", str(out), "--block", "2", "--widths", "2,4,8"]) == 0
+    layers, _ = load_transforms(out)
+    for t in layers:
+        assert KeyTransformCoder(t, 52 * 32 // 128).pairs and codes_in_one_byte(t.bits)
+        assert set(t.bits.unique().tolist()) <= {0, 2, 4, 8} and t.code_bits == 52 * 8 * 32 // 128
+    capsys.readouterr()
+    for bad in (["--block", "3"], ["--widths", "2,x"], ["--widths", "9"]):
+        assert main([*argv, "--out", str(out), *bad]) == 2, bad
+        assert "expected" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [KLT.with_(sink_tokens=2), KVFormat(buffer_tokens=16, sink_tokens=3)])
 def test_format_sink_is_read_exactly_on_every_path(fmt):
     """``sink_tokens``: the reference path (codes decoded per call, the sink copy scored exactly) equals the
