@@ -138,16 +138,31 @@ def test_calibrated_product_codes_reproduce_the_eval_coder():
     torch.testing.assert_close(ref, got, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow
-def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
+def _tiny_calibration_args(tmp_path, seed: int):
+    """A two-layer tiny Llama and a 700-word text in ``tmp_path``: (model dir, the calibrate argv for them)."""
     from jetson_tq.models.tiny import WORDS, make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "tiny", layers=2)
     text = tmp_path / "text.txt"
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (700,), generator=g)))
+    return model_dir, [
+        "calibrate",
+        "--model",
+        str(model_dir),
+        "--text",
+        str(text),
+        "--windows",
+        "2",
+        "--window-len",
+        "256",
+    ]
+
+
+@pytest.mark.slow
+def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
+    model_dir, argv = _tiny_calibration_args(tmp_path, seed=0)
     out = tmp_path / "kt.pt"
-    argv = ["calibrate", "--model", str(model_dir), "--text", str(text), "--windows", "2", "--window-len", "256"]
     assert main([*argv, "--out", str(out), "--key-bytes", "40"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed and str(tmp_path / "kt.yaml") in printed
@@ -174,14 +189,9 @@ def test_calibrate_command_fits_the_structure_asked_for(tmp_path, capsys):
     """``--block 2 --widths 2,4,8``: every layer's transform mixes channels only within RoPE pairs and every code
     lies in one byte (the kernels' cheap read paths); a structure the coder cannot take is a usage error."""
     from jetson_tq.codec.klt import KeyTransformCoder, codes_in_one_byte
-    from jetson_tq.models.tiny import WORDS, make_tiny_llama
 
-    model_dir = make_tiny_llama(tmp_path / "tiny", layers=2)
-    text = tmp_path / "text.txt"
-    g = torch.Generator().manual_seed(1)
-    text.write_text(" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (700,), generator=g)))
+    _, argv = _tiny_calibration_args(tmp_path, seed=1)
     out = tmp_path / "kt.pt"
-    argv = ["calibrate", "--model", str(model_dir), "--text", str(text), "--windows", "2", "--window-len", "256"]
     assert main([*argv, "--out", str(out), "--block", "2", "--widths", "2,4,8"]) == 0
     layers, _ = load_transforms(out)
     for t in layers:
