@@ -97,7 +97,7 @@ class KeyTransform:
         for t, name in ((self.mean, "mean"), (self.encode, "encode"), (self.decode, "decode"), (self.levels, "levels")):
             if not bool(torch.isfinite(t).all()):
                 raise ConfigError(f"key transform {name}: non-finite entries")
-        used = torch.arange(1 << MAX_CODE_BITS) < (1 << self.bits.long())[..., None]
+        used = torch.arange(1 << MAX_CODE_BITS, device=self.bits.device) < (1 << self.bits.long())[..., None]
         steps = self.levels[..., 1:] - self.levels[..., :-1]
         if bool(((steps < 0) & used[..., 1:]).any()):
             raise ConfigError("key transform levels: each coefficient's used levels must be sorted ascending")
@@ -166,7 +166,7 @@ def pair_order(transform: KeyTransform) -> torch.Tensor | None:
         return None
     slot = owner + rank * half  # pair p: p and p + R/2; an unrotated channel: its own index
     order = torch.empty_like(slot)
-    order.scatter_(1, slot, torch.arange(d).expand(h, d).contiguous())
+    order.scatter_(1, slot, torch.arange(d).expand(h, d).contiguous())  # on the CPU, as ``used``
     return order
 
 
@@ -201,12 +201,12 @@ class KeyTransformCoder:
         self.code_bytes = code_bytes
         bits = self.t.bits.long()
         offsets = code_offsets(bits)  # [H, D]: first stream bit of each coefficient
-        j = torch.arange(MAX_CODE_BITS)
+        j = torch.arange(MAX_CODE_BITS, device=bits.device)
         self._bit_valid = j < bits[..., None]  # [H, D, 8]
         self._bit_pos = torch.where(self._bit_valid, offsets[..., None] + j, 8 * code_bytes)  # spare slot: dropped
         # decision thresholds [H, D, 255]: midpoints between used levels, +inf past them
         mid = (self.t.levels[..., 1:] + self.t.levels[..., :-1]) / 2
-        used = torch.arange((1 << MAX_CODE_BITS) - 1) < ((1 << bits) - 1)[..., None]
+        used = torch.arange((1 << MAX_CODE_BITS) - 1, device=bits.device) < ((1 << bits) - 1)[..., None]
         self._mid = torch.where(used, mid, torch.inf)
 
     @property
