@@ -126,8 +126,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--klt",
-        default="dense",
-        help="klt formats: the transform structure (tests/helpers/klt_cases.STRUCTURES: dense, pairs-bytes, ...)",
+        default="any",
+        help="klt formats: the code widths of the transform (tests/helpers/klt_cases.STRUCTURES: any, bytes)",
     )
     args = ap.parse_args(argv)
     _install()

@@ -36,13 +36,6 @@ def register(sub) -> None:
         help="first positions the config keeps exact (0, the default, fits them into the transform instead)",
     )
     p.add_argument(
-        "--block",
-        type=int,
-        default=None,
-        help="channels per diagonal block of the transform: 0 the full KLT, 2 one 2 x 2 block per RoPE pair "
-        "(decoded without a matrix product), 1 none (default: the measured default, docs/fidelity.md)",
-    )
-    p.add_argument(
         "--widths",
         default=None,
         help="code widths the bits may take, e.g. 2,4,8 (every code inside one byte) or 'any' (0..8); default: the "
@@ -87,11 +80,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window-len {args.window_len}: expected >= 256 tokens")
     if not 0 <= args.sink_tokens < args.window_len // 2:
         raise ConfigError(f"--sink-tokens {args.sink_tokens}: expected 0 <= S < window-len / 2")
-    from ..eval.calibrate_keys import DEFAULT_BLOCK, DEFAULT_WIDTHS, calibrate_model, write_calibration
+    from ..eval.calibrate_keys import DEFAULT_WIDTHS, calibrate_model, write_calibration
 
-    block = DEFAULT_BLOCK if args.block is None else args.block
-    if block < 0 or (block % 2 and block != 1):
-        raise ConfigError(f"--block {block}: expected 0 (full KLT), 1 (no transform) or an even channel count")
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
 
     model, tok, name = _load(args.model)
@@ -103,9 +93,7 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt").expanduser()
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
-    transforms = calibrate_model(
-        model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, block=block, widths=widths
-    )
+    transforms = calibrate_model(model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, widths=widths)
     write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens)
     config = out.with_suffix(".yaml")
     config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name, args.sink_tokens))

@@ -9,10 +9,8 @@ per coefficient and each coefficient's sorted levels. A post-RoPE key k at posit
 and read back as k^ = s R_p (m + B z^) (R_p: RoPE in transformers' ``rotate_half`` layout over the first
 ``rotary_dim`` channels, s: the model's RoPE attention scaling). Codes are one LSB-first bit stream per token and head
 of ``code_bytes`` bytes (the format's ``key_code`` field), widest codes first (``code_offsets``: codes of 1, 2, 4 or 8
-bits then never straddle a byte). A transform that mixes channels only within RoPE's pairs (a 2 x 2 block per pair,
-unrotated channels alone) is held in its pair order (``pair_order``), which kernels read without a matrix product.
-Why: with RoPE undone the keys' channel structure is stable, so the transform concentrates them in few coefficients
-(docs/fidelity.md, "Quality at 5x").
+bits then never straddle a byte: the kernels read each with one byte load). Why: with RoPE undone the keys' channel
+structure is stable, so the transform concentrates them in few coefficients (docs/fidelity.md, "Quality at 5x").
 """
 
 from __future__ import annotations
@@ -142,63 +140,15 @@ def codes_in_one_byte(bits: torch.Tensor) -> bool:
     return bool(((off % 8 + bits.long() <= 8) | (bits == 0)).all())
 
 
-def pair_order(transform: KeyTransform) -> torch.Tensor | None:
-    """Per head the coefficient order [H, D] (new index -> old) that puts the two coefficients of RoPE pair p at p and
-    R/2 + p and an unrotated channel's coefficient at the channel's index, when the decode matrix mixes channels only
-    within RoPE's pairs (each pair's own 2 x 2 block, each unrotated channel alone: ``klt_keys.pair_blocks`` with
-    blocks of 2); None when it mixes more (a dense transform)."""
-    h, d = transform.num_heads, transform.head_dim
-    half = transform.rotary.rotary_dim // 2
-    channel = torch.arange(d)
-    group = torch.where(channel < 2 * half, channel % max(half, 1), channel)  # each channel's pair, or itself
-    used = transform.decode.detach().cpu() != 0  # [H, channels, coefficients]
-    big = torch.full_like(used, d, dtype=torch.long)
-    lo = torch.where(used, group[None, :, None], big).amin(1)  # [H, coefficients]: lowest group decoded into
-    hi = torch.where(used, group[None, :, None], -big).amax(1)
-    if bool((lo != hi).any()):
-        return None  # a coefficient decodes into more than one pair (or into nothing)
-    owner = lo
-    rank = torch.zeros_like(owner)  # each coefficient's rank among its group's (in coefficient order)
-    for j in range(1, d):
-        rank[:, j] = (owner[:, :j] == owner[:, j : j + 1]).sum(1)
-    width = torch.where(owner < half, 2, 1)
-    if bool((rank >= width).any()):
-        return None
-    slot = owner + rank * half  # pair p: p and p + R/2; an unrotated channel: its own index
-    order = torch.empty_like(slot)
-    order.scatter_(1, slot, torch.arange(d).expand(h, d).contiguous())  # on the CPU, as ``used``
-    return order
-
-
-def reorder_coefficients(transform: KeyTransform, order: torch.Tensor) -> KeyTransform:
-    """The same coder with its coefficients in ``order`` [H, D] (new index -> old): encode rows, decode columns, bits
-    and levels permuted together."""
-    dev = transform.mean.device
-    idx = order.to(dev)
-    rows = idx[..., None]
-    return KeyTransform(
-        transform.mean,
-        transform.encode.gather(1, rows.expand_as(transform.encode)),
-        transform.decode.gather(2, idx[:, None, :].expand_as(transform.decode)),
-        transform.bits.gather(1, idx),
-        transform.levels.gather(1, rows.expand_as(transform.levels)),
-        transform.rotary,
-    )
-
-
 class KeyTransformCoder:
-    """Code post-RoPE keys into ``code_bytes`` per token and head through one layer's ``KeyTransform``, and back.
-    ``pairs``: the transform mixes channels only within RoPE's pairs and is held in its pair order (``pair_order``)."""
+    """Code post-RoPE keys into ``code_bytes`` per token and head through one layer's ``KeyTransform``, and back."""
 
     def __init__(self, transform: KeyTransform, code_bytes: int) -> None:
         if transform.code_bits > 8 * code_bytes:
             raise ConfigError(
                 f"key transform spends {transform.code_bits} bits a key, the format stores {8 * code_bytes}"
             )
-        order = pair_order(transform)
-        self.pairs = order is not None
-        self.t = reorder_coefficients(transform, order) if order is not None else transform
-        self.code_bytes = code_bytes
+        self.t, self.code_bytes = transform, code_bytes
         bits = self.t.bits.long()
         offsets = code_offsets(bits)  # [H, D]: first stream bit of each coefficient
         j = torch.arange(MAX_CODE_BITS, device=bits.device)

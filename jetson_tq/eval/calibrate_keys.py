@@ -17,10 +17,8 @@ from ..integrations.transformers import UnsupportedModelError, check_model_suppo
 from .klt_keys import KLTKeys, KLTLayer, calibrate, gaussian_codebook
 from .smartmix import capture
 
-#: The transform ``calibrate_model`` fits by default: channels per diagonal block (0: the full KLT; 2: one 2 x 2 block
-#: per RoPE pair, decoded by the kernels without a matrix product) and the code widths (): any of 0..8; (2, 4, 8):
-#: every code inside one byte) — docs/fidelity.md, "Quality at 5x".
-DEFAULT_BLOCK = 0
+#: The code widths ``calibrate_model`` allows by default: () any of 0..8; (2, 4, 8) keeps every code inside one byte
+#: (docs/fidelity.md, "Quality at 5x": the same quality on held-out text, not yet faster on the H200).
 DEFAULT_WIDTHS: tuple[int, ...] = ()
 
 #: RoPE variants whose frequencies do not depend on the sequence length: one transform serves every position.
@@ -66,21 +64,20 @@ def calibrate_model(
     code_bytes: int,
     progress: Callable[[str], None] | None = None,
     sink_tokens: int = 0,
-    block: int = DEFAULT_BLOCK,
     widths: tuple[int, ...] = DEFAULT_WIDTHS,
 ) -> list[KeyTransform]:
     """Per layer the key transform of ``model`` for klt keys of ``code_bytes`` bytes at head dim 128, fitted on token
     ids [rows, T] (each row one calibration window from position 0). Positions < ``sink_tokens`` are left out (a
     format that keeps them exact never codes them); with none, the first position's atypical key is fitted too, which
-    is what lets a format without a sink code it well (docs/fidelity.md, "The 5x preset"). ``block`` and ``widths``:
-    the transform's structure (``DEFAULT_BLOCK``, ``DEFAULT_WIDTHS``)."""
+    is what lets a format without a sink code it well (docs/fidelity.md, "The 5x preset"). ``widths``: the code widths
+    the bits may take (``DEFAULT_WIDTHS``)."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     check_model_supported(config)
     if ids.dim() != 2 or ids.shape[1] < 256:
         raise ConfigError(f"calibration ids: expected [rows, T >= 256] token ids, got {tuple(ids.shape)}")
     _, _, _, head_dim = model_dims(config)
     rotary = model_rotary(model)
-    spec = KLTKeys(code_bytes, attention=True, lloyd=True, block=block, widths=widths)
+    spec = KLTKeys(code_bytes, attention=True, lloyd=True, widths=widths)
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     with torch.no_grad():

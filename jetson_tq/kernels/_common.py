@@ -145,26 +145,23 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
 class KltSpec:
     """Compile-time facts of a layer's transform-coded keys (``codec.klt``) that kernels are specialized on, as the
     ``KLT`` bundle: RoPE rotates pairs (i, RH + i) for i < RH; the RR channels past 2 RH are not rotated. Tiles of
-    those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands). ``PAIRS``: the transform mixes
-    channels only within RoPE's pairs (``codec.klt.pair_order``): keys are decoded by a 2 x 2 block per pair, no
-    matrix product. ``ONE_BYTE``: every code lies inside one byte (``codec.klt.codes_in_one_byte``): one load a code."""
+    those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands). ``ONE_BYTE``: every code lies
+    inside one byte (``codec.klt.codes_in_one_byte``): one load a code."""
 
     RH: int  # rotary pairs (rotary_dim / 2)
     RHP: int
     RR: int  # channels past the rotary ones
     RRP: int
-    PAIRS: bool = False
     ONE_BYTE: bool = False
 
     @staticmethod
-    def of(rotary_dim: int, head_dim: int, pairs: bool = False, one_byte: bool = False) -> KltSpec:
+    def of(rotary_dim: int, head_dim: int, one_byte: bool = False) -> KltSpec:
         rh, rr = rotary_dim // 2, head_dim - rotary_dim
         return KltSpec(
             RH=rh,
             RHP=max(16, next_pow2(max(rh, 1))),
             RR=rr,
             RRP=max(16, next_pow2(max(rr, 1))),
-            PAIRS=pairs,
             ONE_BYTE=one_byte,
         )
 
@@ -212,7 +209,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         full[:, :d, :d] = m.double()
         return full.to(dtype).contiguous().to(device)
 
-    spec = KltSpec.of(t.rotary.rotary_dim, d, pairs=coder.pairs, one_byte=codes_in_one_byte(bits))
+    spec = KltSpec.of(t.rotary.rotary_dim, d, one_byte=codes_in_one_byte(bits))
     turns = torch.zeros(spec.RHP, dtype=torch.float64)
     turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
     mean = torch.zeros(h, dp, dtype=torch.float32)

@@ -329,24 +329,11 @@ def rope_cos_sin(pos, turns):
 
 @triton.jit
 def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
-    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program, as
-    (code bit offsets, code widths, A, B, R, mean parts ma, mb, mr): the mean's three parts are the rotary pairs' first
-    channels [RHP], second channels [RHP] and the unrotated channels [RRP]. A dense transform (``klt_dense_operands``)
-    gives each coefficient's offset and width [DP] and the decode matrix's three row blocks; a pair transform
-    (``KLT.PAIRS``, ``klt_pair_operands``) gives the offsets and widths of the three coefficient parts and each pair's
-    2 x 2 block as ((b00, b01), (b10, b11), b_unrotated)."""
-    if KLT.PAIRS:
-        return klt_pair_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    else:
-        return klt_dense_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-
-
-@triton.jit
-def klt_dense_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
-    """``klt_operands`` of a dense transform: each coefficient's first code bit and width [DP], the decode matrix's row
-    blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs' first and second channels) and [RRP, DP]
-    (unrotated channels). Keys are computed transposed (channels x tokens): the warps of a program split these
-    operands by rows (as B operands every warp held them whole: 1.7 KB of spills per thread at D=128)."""
+    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program: each coefficient's first
+    code bit and width [DP], the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
+    first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
+    transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
+    held them whole: 1.7 KB of spills per thread at D=128, ``compile_sm90.py``)."""
     j = tl.arange(0, PAGE.DP)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
@@ -354,83 +341,22 @@ def klt_dense_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: 
     bo = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + j)
     w = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + PAGE.DP + j)
     dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
+    mrow = mean_ptr + h64 * PAGE.DP
     da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
     db = tl.load(dec + KLT.RH + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
     dr = tl.load(dec + 2 * KLT.RH + ir[:, None], mask=(ir < KLT.RR)[:, None], other=0.0)
-    ma, mb, mr = _klt_mean_parts(h64, mean_ptr, PAGE, KLT)
+    ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
+    mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
+    mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
     return bo, w, da, db, dr, ma, mb, mr
 
 
 @triton.jit
-def klt_pair_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
-    """``klt_operands`` of a pair transform (coefficients in pair order: pair p's at p and RH + p, unrotated channel
-    c's at c): offsets and widths of the three coefficient parts (padding: width 0) and the decode matrix's entries
-    as fp32 vectors — pair p's key is (b00 z_p + b01 z_RH+p, b10 z_p + b11 z_RH+p), an unrotated channel's b_r z_c."""
-    ia = tl.arange(0, KLT.RHP)
-    ir = tl.arange(0, KLT.RRP)
-    am = ia < KLT.RH
-    rm = ir < KLT.RR
-    h64 = h.to(tl.int64)
-    meta = meta_ptr + h64 * (2 * PAGE.DP)
-    bo = (
-        tl.load(meta + ia, mask=am, other=0),
-        tl.load(meta + KLT.RH + ia, mask=am, other=0),
-        tl.load(meta + 2 * KLT.RH + ir, mask=rm, other=0),
-    )
-    w = (
-        tl.load(meta + PAGE.DP + ia, mask=am, other=0),
-        tl.load(meta + PAGE.DP + KLT.RH + ia, mask=am, other=0),
-        tl.load(meta + PAGE.DP + 2 * KLT.RH + ir, mask=rm, other=0),
-    )
-    dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP)  # row = coefficient, column = channel
-    first = ia * PAGE.DP + ia
-    b00 = tl.load(dec + first, mask=am, other=0.0).to(tl.float32)
-    b01 = tl.load(dec + first + KLT.RH * PAGE.DP, mask=am, other=0.0).to(tl.float32)
-    b10 = tl.load(dec + first + KLT.RH, mask=am, other=0.0).to(tl.float32)
-    b11 = tl.load(dec + first + KLT.RH * (PAGE.DP + 1), mask=am, other=0.0).to(tl.float32)
-    rr = 2 * KLT.RH + ir
-    br = tl.load(dec + rr * (PAGE.DP + 1), mask=rm, other=0.0).to(tl.float32)
-    ma, mb, mr = _klt_mean_parts(h64, mean_ptr, PAGE, KLT)
-    return bo, w, (b00, b01), (b10, b11), br, ma, mb, mr
-
-
-@triton.jit
-def _klt_mean_parts(h64, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
-    """The mean's rotary first channels [RHP], second channels [RHP] and unrotated channels [RRP] (padding 0)."""
-    ia = tl.arange(0, KLT.RHP)
-    ir = tl.arange(0, KLT.RRP)
-    mrow = mean_ptr + h64 * PAGE.DP
-    ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
-    mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
-    mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
-    return ma, mb, mr
-
-
-@triton.jit
 def klt_levels(rows, nmask, h, bo, w, levels_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
-    """Coefficient levels (transposed: coefficients x tokens) of the keys whose codes start at byte pointers ``rows``
-    [N], from the offsets and widths of ``klt_operands``: one fp32 tile [DP, N] for a dense transform, the three
-    parts' tiles ([RHP, N], [RHP, N], [RRP, N]) for a pair transform."""
-    lv = levels_ptr + h.to(tl.int64) * (PAGE.D * 256)
-    if KLT.PAIRS:
-        ia = tl.arange(0, KLT.RHP)
-        ir = tl.arange(0, KLT.RRP)
-        za = _klt_code_levels(rows, nmask, bo[0], w[0], lv + ia * 256, ia < KLT.RH, KLT)
-        zb = _klt_code_levels(rows, nmask, bo[1], w[1], lv + (KLT.RH + ia) * 256, ia < KLT.RH, KLT)
-        zr = tl.zeros([KLT.RRP, rows.shape[0]], tl.float32)
-        if KLT.RR > 0:
-            zr = _klt_code_levels(rows, nmask, bo[2], w[2], lv + (2 * KLT.RH + ir) * 256, ir < KLT.RR, KLT)
-        return za, zb, zr
-    else:
-        j = tl.arange(0, PAGE.DP)
-        return _klt_code_levels(rows, nmask, bo, w, lv + j * 256, j < PAGE.D, KLT)
-
-
-@triton.jit
-def _klt_code_levels(rows, nmask, bo, w, lv, cmask, KLT: tl.constexpr):
-    """Levels [C, N] fp32 of C coefficients (first code bit ``bo``, width ``w``, level rows ``lv``, valid ``cmask``
-    [C]) of the keys at byte pointers ``rows`` [N]: each code read from its byte(s) — one with ``KLT.ONE_BYTE``, else
-    two (widths <= 8) — then its level gathered."""
+    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]:
+    each coefficient's ``w``-bit code read from its bit offset ``bo`` — one byte load with ``KLT.ONE_BYTE`` (every
+    code inside a byte), else two (widths <= 8) — then looked up in head ``h``'s level table (fp32 [H, D, 256])."""
+    j = tl.arange(0, PAGE.DP)
     byte = bo >> 3
     sh = bo & 7
     lo = tl.load(rows[None, :] + byte[:, None], mask=nmask[None, :] & (w > 0)[:, None], other=0).to(tl.int32)
@@ -438,26 +364,21 @@ def _klt_code_levels(rows, nmask, bo, w, lv, cmask, KLT: tl.constexpr):
         hi = tl.load(rows[None, :] + byte[:, None] + 1, mask=nmask[None, :] & (sh + w > 8)[:, None], other=0)
         lo = lo | (hi.to(tl.int32) << 8)
     code = (lo >> sh[:, None]) & ((1 << w) - 1)[:, None]
-    return tl.load(lv[:, None] + code, mask=nmask[None, :] & cmask[:, None], other=0.0)
+    lv = levels_ptr + (h.to(tl.int64) * PAGE.D + j) * 256
+    return tl.load(lv[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
 
 
 @triton.jit
-def klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
-    """Post-RoPE keys (transposed) of coefficient levels ``z`` (``klt_levels``) as three fp32 parts: rotary first
-    channels [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R_p (m + B z) with cos, sin [RHP, N]
-    of each key's angles (``rope_cos_sin``), the rotary parts times RoPE's attention ``scale`` (as transformers scales
-    cos and sin). A dense B is one fp16 tensor-core product per part; a pair transform's, FMAs per element."""
-    if KLT.PAIRS:
-        za, zb, zr = z
-        ka = ma[:, None] + da[0][:, None] * za + da[1][:, None] * zb
-        kb = mb[:, None] + db[0][:, None] * za + db[1][:, None] * zb
-        kr = mr[:, None] + dr[:, None] * zr
-    else:
-        z16 = z.to(tl.float16)
-        n: tl.constexpr = z.shape[1]
-        ka = mma(da, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + ma[:, None]
-        kb = mma(db, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + mb[:, None]
-        kr = tl.zeros([KLT.RRP, n], tl.float32)
-        if KLT.RR > 0:
-            kr = mma(dr, z16, kr, INTERP) + mr[:, None]
+def klt_keys(zt, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Post-RoPE keys (transposed) of coefficient levels zt [DP, N] as three fp32 parts: rotary first channels
+    [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R_p (m + B z) with cos, sin [RHP, N] of each
+    key's angles (``rope_cos_sin``), the rotary parts times RoPE's attention ``scale`` (as transformers scales cos and
+    sin)."""
+    z16 = zt.to(tl.float16)
+    n: tl.constexpr = zt.shape[1]
+    ka = mma(da, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + ma[:, None]
+    kb = mma(db, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + mb[:, None]
+    kr = tl.zeros([KLT.RRP, n], tl.float32)
+    if KLT.RR > 0:
+        kr = mma(dr, z16, kr, INTERP) + mr[:, None]
     return (ka * cos - kb * sin) * scale, (kb * cos + ka * sin) * scale, kr

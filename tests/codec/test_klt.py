@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jetson_tq.codec import klt
 from jetson_tq.codec.klt import (
     KeyTransform,
     KeyTransformCoder,
@@ -13,8 +12,6 @@ from jetson_tq.codec.klt import (
     code_offsets,
     codes_in_one_byte,
     load_transforms,
-    pair_order,
-    reorder_coefficients,
     save_transforms,
     spread_transform,
 )
@@ -148,7 +145,7 @@ def test_file_round_trip_and_errors(tmp_path):
         load_transforms(tmp_path / "other.pt")
 
 
-# ---------------------------------------------------------------------------------------------- code layout, pairs
+# ---------------------------------------------------------------------------------------------- code layout
 def test_code_offsets_tile_the_stream_and_keep_byte_widths_in_one_byte():
     """Codes are laid out widest first: each bit of the stream belongs to one code, and codes of 1, 2, 4 or 8 bits
     (any order of coefficients) never straddle a byte; other widths may."""
@@ -162,31 +159,3 @@ def test_code_offsets_tile_the_stream_and_keep_byte_widths_in_one_byte():
                 owner[int(off[h, c]) : int(off[h, c] + bits[h, c])] += 1
             assert bool((owner == 1).all()), "every stream bit belongs to exactly one code"
         assert codes_in_one_byte(bits) == (widths == (0, 1, 2, 4, 8))
-
-
-def test_pair_transforms_are_found_and_coded_like_the_dense_path(monkeypatch):
-    """A transform that mixes channels only within RoPE pairs (partial rotary: unrotated channels alone) is held in
-    pair order, and codes the same keys as the same transform held in its own order; a dense one is left as it is."""
-    g = torch.Generator().manual_seed(4)
-    t = uneven_transform(2, 80, 256, 40, 1.3, g, pairs=True)
-    order = pair_order(t)
-    assert order is not None and sorted(order[0].tolist()) == list(range(80))
-    coder = KeyTransformCoder(t, 32)
-    assert coder.pairs
-    dec = coder.t.decode  # [H, channels, coefficients] in pair order: pair p in coefficients p and 20 + p
-    block = torch.zeros(80, 80, dtype=torch.bool)
-    for p in range(20):
-        block[p, [p, p + 20]] = block[p + 20, [p, p + 20]] = True
-    block[40:, 40:] = torch.eye(40, dtype=torch.bool)
-    assert bool(((dec != 0) <= block).all())
-    monkeypatch.setattr(klt, "pair_order", lambda _t: None)
-    own = KeyTransformCoder(t, 32)  # the same transform in its calibrated order
-    assert not own.pairs and torch.equal(own.t.decode, t.decode)
-    k = torch.randn(6, 2, 80, generator=g) * 2
-    pos = torch.arange(6)[:, None] * 1000
-    want = own.dequantize(own.quantize(k, pos, 1), pos, 1)
-    torch.testing.assert_close(coder.dequantize(coder.quantize(k, pos, 1), pos, 1), want, rtol=1e-5, atol=1e-5)
-    monkeypatch.undo()
-    assert pair_order(uneven_transform(2, 80, 256, 40, 1.3, g)) is None
-    shuffled = reorder_coefficients(t, torch.stack([torch.randperm(80, generator=g) for _ in range(2)]))
-    assert KeyTransformCoder(shuffled, 32).pairs  # any coefficient order of a pair transform is found

@@ -45,10 +45,8 @@ def test_rope_angles_stay_exact_at_large_positions():
 
 # (head dim, rotary dim, attention scaling)
 ROTARY = [(80, 40, 1.3), (128, 32, 1.0), (64, 64, 0.7)]
-CASES = [(*r, s) for r in ROTARY for s in ("dense", "pairs-bytes")] + [
-    (80, 40, 1.3, "pairs"),
-    (64, 64, 0.7, "dense-bytes"),
-]
+#: each case's code widths (``klt_cases.STRUCTURES``)
+CASES = [(*r, "any") for r in ROTARY] + [(80, 40, 1.3, "bytes"), (64, 64, 0.7, "bytes")]
 CASE_IDS = [f"D{c[0]}-rot{c[1]}-{c[3]}" for c in CASES]
 
 
@@ -58,16 +56,16 @@ def _transform(kind: str, d: int, rotary: int, scaling: float, gen: torch.Genera
     return fmt, uneven_transform(2, d, fmt.key_code_bits(d), rotary, scaling, gen, **STRUCTURES[kind])
 
 
-def test_transform_structures_select_their_kernel_paths():
-    """Each structure of ``STRUCTURES`` reaches the kernels as the KltSpec flags it is named for."""
+def test_code_widths_select_their_kernel_paths():
+    """Byte-aligned code widths (``STRUCTURES["bytes"]``) reach the kernels as ``KltSpec.ONE_BYTE``, others do not."""
     from jetson_tq.codec.kv import KVCodec
     from jetson_tq.kernels._common import klt_constants
 
     gen = torch.Generator().manual_seed(fresh_seed())
-    for kind, want in [("dense", (False, False)), ("pairs-bytes", (True, True)), ("dense-bytes", (False, True))]:
+    for kind, want in [("any", False), ("bytes", True)]:
         fmt, kt = _transform(kind, 80, 40, 1.3, gen)
         spec = klt_constants(KVCodec(fmt, 80, key_transform=kt), torch.device("cpu"))["spec"]
-        assert (spec.PAIRS, spec.ONE_BYTE) == want, kind
+        assert spec.ONE_BYTE == want, kind
 
 
 @pytest.mark.parametrize("d,rotary,scaling,kind", CASES, ids=CASE_IDS)

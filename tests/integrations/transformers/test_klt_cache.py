@@ -185,20 +185,20 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_calibrate_command_fits_the_structure_asked_for(tmp_path, capsys):
-    """``--block 2 --widths 2,4,8``: every layer's transform mixes channels only within RoPE pairs and every code
-    lies in one byte (the kernels' cheap read paths); a structure the coder cannot take is a usage error."""
-    from jetson_tq.codec.klt import KeyTransformCoder, codes_in_one_byte
+def test_calibrate_command_fits_the_code_widths_asked_for(tmp_path, capsys):
+    """``--widths 2,4,8``: every layer's codes lie in one byte (the kernels' one-load read) at the full budget;
+    widths the coder cannot take are a usage error."""
+    from jetson_tq.codec.klt import codes_in_one_byte
 
     _, argv = _tiny_calibration_args(tmp_path, seed=1)
     out = tmp_path / "kt.pt"
-    assert main([*argv, "--out", str(out), "--block", "2", "--widths", "2,4,8"]) == 0
+    assert main([*argv, "--out", str(out), "--widths", "2,4,8"]) == 0
     layers, _ = load_transforms(out)
     for t in layers:
-        assert KeyTransformCoder(t, 52 * 32 // 128).pairs and codes_in_one_byte(t.bits)
+        assert codes_in_one_byte(t.bits)
         assert set(t.bits.unique().tolist()) <= {0, 2, 4, 8} and t.code_bits == 52 * 8 * 32 // 128
     capsys.readouterr()
-    for bad in (["--block", "3"], ["--widths", "2,x"], ["--widths", "9"]):
+    for bad in (["--widths", "2,x"], ["--widths", "9"], ["--widths", ","]):
         assert main([*argv, "--out", str(out), *bad]) == 2, bad
         assert "expected" in capsys.readouterr().err
 
