@@ -38,8 +38,8 @@ def register(sub) -> None:
     p.add_argument(
         "--widths",
         default=None,
-        help="code widths the bits may take, e.g. 2,4,8 (every code inside one byte) or 'any' (0..8); default: the "
-        "measured default",
+        help="code widths the bits may take: 'any' (0..8, the default) or a list such as 2,4,8 (every code inside one "
+        "byte: one load a code in the kernels, the same quality held out; docs/fidelity.md)",
     )
     p.add_argument("--out", help=f"output file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt)")
     p.set_defaults(func=_run)

@@ -266,8 +266,7 @@ def pair_blocks(head_dim: int, block: int, rotary_dim: int | None = None) -> lis
     """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
     p (each with its channels p and p + R/2, ``rotate_half`` over the first ``rotary_dim`` R channels, default all);
     channels past R in blocks of ``block`` consecutive channels, each alone for ``block`` 2 (so a 2-channel block is
-    always one RoPE pair); ``block`` 0 or D: one block, in order; 1: each channel its own
-    block (no transform)."""
+    always one RoPE pair); ``block`` 0 or D: one block, in order; 1: each channel its own block (no transform)."""
     d = head_dim
     r = d if rotary_dim is None else rotary_dim
     if block in (0, d):
