@@ -127,7 +127,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--klt",
         default="any",
-        help="klt formats: the code widths of the transform (tests/helpers/klt_cases.STRUCTURES: any, bytes)",
+        help="klt formats: the transform structure (tests/helpers/klt_cases.STRUCTURES: any, bytes, cubic, "
+        "bytes-cubic)",
     )
     args = ap.parse_args(argv)
     _install()

@@ -201,7 +201,8 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``jetson_tq/eval/klt_keys.py``: pre-RoPE,
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
-#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian.
+#: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian,
+#: ``p`` instead levels a fitted cubic of the code per coefficient (``klt_keys.cubic_levels``: read without a table).
 #: KLT rows only: ``_bd<N>`` a block-diagonal KLT of N channels a block (N/2 consecutive rotary pairs, each pair's two
 #: channels in one block; decode cost N/D of the full KLT; N = 1: no transform, ``klt_keys.pair_blocks``);
 #: ``_w<digits>`` code widths restricted to those digits (and 0), e.g. ``_w48`` (codes a kernel reads by nibbles);
@@ -210,7 +211,7 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages, ``_e<S>`` then the format's
 #: own ``sink_tokens`` (as ``python -m jetson_tq calibrate --sink-tokens S`` calibrates).
 SPEC_ROW = re.compile(
-    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>l)?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
+    r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>[lp])?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?"
     r"(?:_bd(?P<bn>\d+))?(?:_w(?P<wd>[1-8]+))?(?:_cal(?P<cal>\d+))?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
 )
@@ -230,11 +231,19 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     split = SplitKeys(int(m["xn"]), int(m["xh"]), int(m["xl"]), "k" if m["xk"] else "qk") if m["xn"] else None
     widths = tuple(int(c) for c in m["wd"] or "")
     klt = (
-        KLTKeys(int(m["ln"]), bool(m["lnorm"]), bool(m["la"]), bool(m["ll"]), int(m["bn"] or 0), widths)
+        KLTKeys(
+            int(m["ln"]),
+            bool(m["lnorm"]),
+            bool(m["la"]),
+            m["ll"] == "l",
+            m["ll"] == "p",
+            int(m["bn"] or 0),
+            widths,
+        )
         if m["ln"]
         else None
     )
-    if m["tq"] and (klt is None or klt.token_norm or not (klt.attention and klt.lloyd)):
+    if m["tq"] and (klt is None or klt.token_norm or not (klt.attention and (klt.lloyd or klt.cubic))):
         return None  # _tq: the product's klt format, which stores the attention-weighted, fitted-level coder
     # split / KLT rows: the store's own key code is unread
     key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
@@ -254,6 +263,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             + (", per-token scale" if klt.token_norm else ", fixed scale")
             + (", attention-weighted statistics" if klt.attention else "")
             + (", calibrated codebooks" if klt.lloyd else "")
+            + (", calibrated cubic levels" if klt.cubic else "")
             + (
                 f", block-diagonal ({klt.block} channels; decode"
                 f" {klt.decode_cost(HEAD_DIM):.3g} of the full KLT's FLOPs)"

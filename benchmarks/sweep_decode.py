@@ -106,7 +106,12 @@ def main(argv=None) -> int:
         "--shapes", type=json.loads, help="JSON list of [B, Hq, Hkv, ctx] (default: B=8 32/8 64k, B=1 32/8 128k)"
     )
     ap.add_argument("--variants", type=json.loads, help="a JSON list of DecodeTuning field dicts (replaces the grid)")
-    ap.add_argument("--klt", default="any", help="klt formats: the code widths timed (any: 0-8 bits, bytes: 0/2/4/8)")
+    ap.add_argument(
+        "--klt",
+        default="any",
+        help="klt formats: the transform structure timed (tests/helpers/klt_cases.STRUCTURES: any, bytes, cubic, "
+        "bytes-cubic)",
+    )
     args = ap.parse_args(argv)
     kernel_bench.TIMING_KLT = args.klt
     t0 = time.time()

@@ -161,7 +161,12 @@ def main(argv=None) -> int:
     ap.add_argument("--format", default=DEFAULT_PRESET)
     ap.add_argument("--quick", action="store_true", help="decode 8/64k, 1/128k, 1/1k; prefill at 16k only")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--klt", default="any", help="klt formats: the code widths timed (any: 0-8 bits, bytes: 0/2/4/8)")
+    ap.add_argument(
+        "--klt",
+        default="any",
+        help="klt formats: the transform structure timed (tests/helpers/klt_cases.STRUCTURES: any, bytes, cubic, "
+        "bytes-cubic)",
+    )
     args = ap.parse_args(argv)
     kernel_bench.TIMING_KLT = args.klt
     if not torch.cuda.is_available():

@@ -41,6 +41,13 @@ def register(sub) -> None:
         help="code widths the bits may take: 'any' (0..8, the default) or a list such as 2,4,8 (every code inside one "
         "byte: one load a code in the kernels, the same quality held out; docs/fidelity.md)",
     )
+    p.add_argument(
+        "--levels",
+        choices=("lloyd", "cubic"),
+        default=None,
+        help="each coefficient's levels: 'lloyd' (a fitted Lloyd-Max codebook, the default) or 'cubic' (a fitted cubic "
+        "of the code: the kernels compute it with no table; the same quality held out, docs/fidelity.md)",
+    )
     p.add_argument("--out", help=f"output file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt)")
     p.set_defaults(func=_run)
 
@@ -80,9 +87,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window-len {args.window_len}: expected >= 256 tokens")
     if not 0 <= args.sink_tokens < args.window_len // 2:
         raise ConfigError(f"--sink-tokens {args.sink_tokens}: expected 0 <= S < window-len / 2")
-    from ..eval.calibrate_keys import DEFAULT_WIDTHS, calibrate_model, write_calibration
+    from ..eval.calibrate_keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, calibrate_model, write_calibration
 
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
+    levels = args.levels or DEFAULT_LEVELS
 
     model, tok, name = _load(args.model)
     ids = tok(_text(args.text), return_tensors="pt").input_ids[0]
@@ -93,8 +101,10 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt").expanduser()
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
-    transforms = calibrate_model(model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, widths=widths)
-    write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens)
+    transforms = calibrate_model(
+        model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, widths=widths, levels=levels
+    )
+    write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens, levels=levels)
     config = out.with_suffix(".yaml")
     config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name, args.sink_tokens))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) and its config {config}")

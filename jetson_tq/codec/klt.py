@@ -113,6 +113,30 @@ class KeyTransform:
         """Bits of one key's code (every head the same)."""
         return int(self.bits[0].sum())
 
+    def cubic_levels(self) -> torch.Tensor | None:
+        """Coefficients (a, s, r, t) [H, D, 4] when every coefficient's used levels are a cubic of its centered code,
+        a + s u + r u^2 + t u^3 with u = 2c - (2^bits - 1) (within fp32 rounding; 0-bit: a alone), else None. Such
+        levels are computed from the code, with no table (``cubic_levels`` of ``eval.klt_keys`` fits them)."""
+        lv = self.levels.double()
+        out = torch.zeros(*lv.shape[:2], 4, dtype=torch.float64, device=lv.device)
+        out[..., 0] = lv[..., 0]
+        for b in range(1, MAX_CODE_BITS + 1):
+            sel = self.bits == b
+            if not bool(sel.any()):
+                continue
+            n = 1 << b
+            u = 2 * torch.arange(n, dtype=torch.float64, device=lv.device) - (n - 1)
+            basis = torch.stack([u**p for p in range(min(4, n))], 1)  # [n, P]
+            y = lv[sel][:, :n]  # [m, n]
+            coef = torch.linalg.lstsq(basis.expand(len(y), -1, -1), y[..., None]).solution[..., 0]  # [m, P]
+            off = (coef @ basis.T - y).abs().amax(-1)
+            if bool((off > 1e-5 * y.abs().amax(-1) + 1e-30).any()):
+                return None
+            full = torch.zeros(len(y), 4, dtype=torch.float64, device=lv.device)
+            full[:, : basis.shape[1]] = coef
+            out[sel] = full
+        return out
+
     def to(self, device: torch.device | str) -> KeyTransform:
         """The same transform with its tensors on ``device``."""
         return KeyTransform(

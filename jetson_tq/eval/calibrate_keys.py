@@ -21,6 +21,12 @@ from .smartmix import capture
 #: (docs/fidelity.md, "Quality at 5x": the same quality on held-out text, not yet faster on the H200).
 DEFAULT_WIDTHS: tuple[int, ...] = ()
 
+#: How ``calibrate_model`` fits each coefficient's levels by default: "lloyd" (a Lloyd-Max codebook on the calibration
+#: coefficients) or "cubic" (a cubic of the code, computed by the kernels without a table; docs/fidelity.md: the
+#: same quality held out, not yet timed on a GPU).
+DEFAULT_LEVELS = "lloyd"
+LEVEL_KINDS = ("lloyd", "cubic")
+
 #: RoPE variants whose frequencies do not depend on the sequence length: one transform serves every position.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -65,19 +71,22 @@ def calibrate_model(
     progress: Callable[[str], None] | None = None,
     sink_tokens: int = 0,
     widths: tuple[int, ...] = DEFAULT_WIDTHS,
+    levels: str = DEFAULT_LEVELS,
 ) -> list[KeyTransform]:
     """Per layer the key transform of ``model`` for klt keys of ``code_bytes`` bytes at head dim 128, fitted on token
     ids [rows, T] (each row one calibration window from position 0). Positions < ``sink_tokens`` are left out (a
     format that keeps them exact never codes them); with none, the first position's atypical key is fitted too, which
     is what lets a format without a sink code it well (docs/fidelity.md, "The 5x preset"). ``widths``: the code widths
-    the bits may take (``DEFAULT_WIDTHS``)."""
+    the bits may take (``DEFAULT_WIDTHS``); ``levels``: how each coefficient's levels are fitted (``LEVEL_KINDS``)."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     check_model_supported(config)
     if ids.dim() != 2 or ids.shape[1] < 256:
         raise ConfigError(f"calibration ids: expected [rows, T >= 256] token ids, got {tuple(ids.shape)}")
     _, _, _, head_dim = model_dims(config)
     rotary = model_rotary(model)
-    spec = KLTKeys(code_bytes, attention=True, lloyd=True, widths=widths)
+    if levels not in LEVEL_KINDS:
+        raise ConfigError(f"levels {levels!r}: expected one of {LEVEL_KINDS}")
+    spec = KLTKeys(code_bytes, attention=True, lloyd=levels == "lloyd", cubic=levels == "cubic", widths=widths)
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     with torch.no_grad():
@@ -99,6 +108,7 @@ def write_calibration(
     text_name: str,
     tokens: int,
     sink_tokens: int = 0,
+    levels: str = DEFAULT_LEVELS,
 ) -> None:
     """Save ``transforms`` with what they were fitted on."""
     meta = {
@@ -108,7 +118,7 @@ def write_calibration(
         "tokens": tokens,
         "key_code_bytes": code_bytes,
         "reference_dim": KEY_CODE_REFERENCE_DIM,
-        "coder": "attention-weighted KLT, water-filled bits, fitted levels",
+        "coder": f"attention-weighted KLT, water-filled bits, fitted {levels} levels",
         "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     save_transforms(path, list(transforms), meta)

@@ -146,16 +146,23 @@ class KltSpec:
     """Compile-time facts of a layer's transform-coded keys (``codec.klt``) that kernels are specialized on, as the
     ``KLT`` bundle: RoPE rotates pairs (i, RH + i) for i < RH; the RR channels past 2 RH are not rotated. Tiles of
     those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands). ``ONE_BYTE``: every code lies
-    inside one byte (``codec.klt.codes_in_one_byte``): one load a code."""
+    inside one byte (``codec.klt.codes_in_one_byte``): one byte a code. ``SELECT``: a tile's code bytes are loaded
+    once as [KCBP, N] and each coefficient's byte picked from them by a one-hot int8 ``tl.dot`` (else: a byte load
+    per coefficient and token). ``CUBIC``: every coefficient's levels are a
+    cubic of its centered code u = 2c - (2^w - 1) (``KeyTransform.cubic_levels``): the kernels compute them by three
+    FMAs (the constant term folded into the mean, ``klt_constants``), with no level table."""
 
     RH: int  # rotary pairs (rotary_dim / 2)
     RHP: int
     RR: int  # channels past the rotary ones
     RRP: int
     ONE_BYTE: bool = False
+    CUBIC: bool = False
+    KCBP: int = 32  # a key code's bytes padded to a power of two >= 32 (an int8 ``tl.dot``'s K)
+    SELECT: bool = True  # code bytes picked by a one-hot int8 product from one [KCBP, N] tile (off: a load each)
 
     @staticmethod
-    def of(rotary_dim: int, head_dim: int, one_byte: bool = False) -> KltSpec:
+    def of(rotary_dim: int, head_dim: int, code_bytes: int, one_byte: bool = False, cubic: bool = False) -> KltSpec:
         rh, rr = rotary_dim // 2, head_dim - rotary_dim
         return KltSpec(
             RH=rh,
@@ -163,6 +170,8 @@ class KltSpec:
             RR=rr,
             RRP=max(16, next_pow2(max(rr, 1))),
             ONE_BYTE=one_byte,
+            CUBIC=cubic,
+            KCBP=max(32, next_pow2(code_bytes)),
         )
 
 
@@ -175,13 +184,14 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
 
     ``meta`` int32 [H, 2, DP]: each coefficient's first bit in a key's LSB-first code (row 0) and its width (row 1);
     ``levels`` fp32 [H, D, 256]; ``dec`` fp16 [H, DP, DP]: the decode matrix transposed (row = coefficient, column =
-    channel), so a tile of levels [N, DP] @ dec[h] is the pre-RoPE keys; ``enc`` fp32 [H, DP, DP]: the encode matrix
-    transposed, so pre-RoPE keys [N, DP] @ enc[h] are the coefficients; ``mid`` fp32 [H, D, 255]: the decision
-    thresholds between used levels (+inf past them); ``mean`` fp32 [H, DP]; ``turns`` fp64 [RHP]: the RoPE
-    frequencies in turns per position (inv_freq / 2 pi: ``rope_cos_sin`` reduces angles exactly); ``scale``: RoPE's
-    attention scaling; ``read``: the read kernels' arguments (meta, levels, dec, mean, turns, scale); ``bundle``: the
-    ``KltSpec`` as a constexpr bundle. Padding entries are zero. A codec without klt keys gets placeholders of the
-    same dtypes and ``NO_KLT``."""
+    channel), so a tile of levels [N, DP] @ dec[h] is the pre-RoPE keys; ``poly`` fp32 [H, 3, DP]: cubic levels'
+    linear, square and cube coefficients (``KltSpec.CUBIC``; their constant terms are in ``mean``; else zero);
+    ``enc`` fp32 [H, DP, DP]: the encode matrix transposed, so pre-RoPE keys [N, DP] @ enc[h] are the coefficients;
+    ``mid`` fp32 [H, D, 255]: the decision thresholds between used levels (+inf past them); ``mean`` fp32 [H, DP];
+    ``turns`` fp64 [RHP]: the RoPE frequencies in turns per position (inv_freq / 2 pi: ``rope_cos_sin`` reduces
+    angles exactly); ``scale``: RoPE's attention scaling; ``read``: the read kernels' arguments (meta, levels or with
+    ``CUBIC`` poly, dec, mean, turns, scale); ``bundle``: the ``KltSpec`` as a constexpr bundle. Padding entries are
+    zero. A codec without klt keys gets placeholders of the same dtypes and ``NO_KLT``."""
     coder = codec.key_coder
     key = (id(coder), str(device))
     hit = _KLT_CONSTANTS.get(key)
@@ -209,15 +219,24 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         full[:, :d, :d] = m.double()
         return full.to(dtype).contiguous().to(device)
 
-    spec = KltSpec.of(t.rotary.rotary_dim, d, one_byte=codes_in_one_byte(bits))
+    cubic = t.cubic_levels()
+    center = t.mean.double()
+    poly = torch.zeros(h, 3, dp, dtype=torch.float32)
+    if cubic is not None:
+        center = center + torch.einsum("hij,hj->hi", t.decode.double(), cubic[..., 0])
+        poly[:, :, :d] = cubic[..., 1:].transpose(1, 2).float()
+    spec = KltSpec.of(
+        t.rotary.rotary_dim, d, coder.code_bytes, one_byte=codes_in_one_byte(bits), cubic=cubic is not None
+    )
     turns = torch.zeros(spec.RHP, dtype=torch.float64)
     turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
     mean = torch.zeros(h, dp, dtype=torch.float32)
-    mean[:, :d] = t.mean.float()
+    mean[:, :d] = center.float()
     out: dict[str, Any] = {
         "meta": meta.to(device),
         "levels": t.levels.float().contiguous().to(device),
         "dec": padded(t.decode.transpose(1, 2), torch.float16),
+        "poly": poly.to(device),
         "enc": padded(t.encode.transpose(1, 2), torch.float32),
         "mid": coder.thresholds.to("cpu").float().contiguous().to(device),
         "mean": mean.to(device),
@@ -226,7 +245,8 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         "spec": spec,
         "bundle": constexpr_bundle(spec),
     }
-    out["read"] = (out["meta"], out["levels"], out["dec"], out["mean"], out["turns"], out["scale"])
+    levels = out["poly"] if spec.CUBIC else out["levels"]  # what ``_tiles.klt_levels`` reads
+    out["read"] = (out["meta"], levels, out["dec"], out["mean"], out["turns"], out["scale"])
     _KLT_CONSTANTS[key] = (coder, out)
     return out
 

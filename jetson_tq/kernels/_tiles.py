@@ -330,16 +330,22 @@ def rope_cos_sin(pos, turns):
 @triton.jit
 def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
     """One KV head's klt read operands (``_common.klt_constants``), loaded once per program: each coefficient's first
-    code bit and width [DP], the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
-    first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
-    transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
-    held them whole: 1.7 KB of spills per thread at D=128, ``compile_sm90.py``)."""
+    code bit and width [DP]; with ``KLT.SELECT`` the one-hot int8 pickers [DP, KCBP] of each coefficient's byte and
+    of the byte after it (codes that straddle one; zero rows where none); the decode matrix's row blocks as A
+    operands in fp16 — [RHP, DP] x 2 (the rotary pairs' first and second channels) and [RRP, DP] (unrotated
+    channels) — and the mean's same three parts. Keys are computed transposed (channels x tokens): the warps of a
+    program split these operands by rows (as B operands every warp held them whole: 1.7 KB of spills per thread at
+    D=128, ``compile_sm90.py``)."""
     j = tl.arange(0, PAGE.DP)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
+    kb = tl.arange(0, KLT.KCBP)
     h64 = h.to(tl.int64)
     bo = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + j)
     w = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + PAGE.DP + j)
+    first = (bo >> 3)[:, None]
+    sel = ((kb[None, :] == first) & (w > 0)[:, None]).to(tl.int8)
+    sel_hi = ((kb[None, :] == first + 1) & ((bo & 7) + w > 8)[:, None]).to(tl.int8)
     dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
     mrow = mean_ptr + h64 * PAGE.DP
     da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
@@ -348,32 +354,64 @@ def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.con
     ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
     mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
     mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
-    return bo, w, da, db, dr, ma, mb, mr
+    return bo, w, sel, sel_hi, da, db, dr, ma, mb, mr
 
 
 @triton.jit
-def klt_levels(rows, nmask, h, bo, w, levels_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
+def pick_bytes(sel, codes, INTERP: tl.constexpr):
+    """int32 [DP, N] = one-hot int8 pickers sel [DP, KCBP] x int8 code bytes [KCBP, N]: each row's byte,
+    sign-extended (exact: one product per sum; fp32 under the CPU interpreter)."""
+    if INTERP:
+        out = tl.dot(sel.to(tl.float32), codes.to(tl.float32)).to(tl.int32)
+    else:
+        out = tl.dot(sel, codes, out_dtype=tl.int32)
+    return out
+
+
+@triton.jit
+def klt_levels(
+    rows, nmask, h, bo, w, sel, sel_hi, levels_ptr, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr
+):
     """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]:
-    each coefficient's ``w``-bit code read from its bit offset ``bo`` — one byte load with ``KLT.ONE_BYTE`` (every
-    code inside a byte), else two (widths <= 8) — then looked up in head ``h``'s level table (fp32 [H, D, 256])."""
+    each coefficient's ``w``-bit code read from its bit offset ``bo`` — with ``KLT.SELECT`` picked from the tile's
+    code bytes by ``pick_bytes``, else loaded a byte at a time; one byte with ``KLT.ONE_BYTE`` (every code inside a
+    byte), else two — then looked up in head ``h``'s level table (fp32 [H, D, 256]), or with ``KLT.CUBIC`` computed
+    as a cubic of the centered code from ``levels_ptr``'s coefficients (fp32 [H, 3, DP]: linear, square, cube;
+    ``_common.klt_constants`` folds the constant into the mean)."""
     j = tl.arange(0, PAGE.DP)
-    byte = bo >> 3
     sh = bo & 7
-    lo = tl.load(rows[None, :] + byte[:, None], mask=nmask[None, :] & (w > 0)[:, None], other=0).to(tl.int32)
-    if not KLT.ONE_BYTE:
-        hi = tl.load(rows[None, :] + byte[:, None] + 1, mask=nmask[None, :] & (sh + w > 8)[:, None], other=0)
-        lo = lo | (hi.to(tl.int32) << 8)
+    if KLT.SELECT:
+        kb = tl.arange(0, KLT.KCBP)
+        tile = tl.load(rows[None, :] + kb[:, None], mask=nmask[None, :] & (kb < PAGE.KCB)[:, None], other=0)
+        tile = tile.to(tl.int8, bitcast=True)
+        lo = pick_bytes(sel, tile, INTERP)  # sign-extended: bits sh .. sh + w - 1 <= 7 are the byte's own
+        if not KLT.ONE_BYTE:
+            lo = (lo & 255) | ((pick_bytes(sel_hi, tile, INTERP) & 255) << 8)
+    else:
+        byte = bo >> 3
+        lo = tl.load(rows[None, :] + byte[:, None], mask=nmask[None, :] & (w > 0)[:, None], other=0).to(tl.int32)
+        if not KLT.ONE_BYTE:
+            hi = tl.load(rows[None, :] + byte[:, None] + 1, mask=nmask[None, :] & (sh + w > 8)[:, None], other=0)
+            lo = lo | (hi.to(tl.int32) << 8)
     code = (lo >> sh[:, None]) & ((1 << w) - 1)[:, None]
-    lv = levels_ptr + (h.to(tl.int64) * PAGE.D + j) * 256
-    return tl.load(lv[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
+    if KLT.CUBIC:  # levels a cubic of the centered code u: s u + r u^2 + t u^3 (the constant is in the mean)
+        u = (2 * code - ((1 << w) - 1)[:, None]).to(tl.float32)
+        poly = levels_ptr + h.to(tl.int64) * (3 * PAGE.DP) + j
+        s = tl.load(poly)[:, None]
+        r = tl.load(poly + PAGE.DP)[:, None]
+        t = tl.load(poly + 2 * PAGE.DP)[:, None]
+        z = u * (s + u * (r + u * t))
+    else:
+        lv = levels_ptr + (h.to(tl.int64) * PAGE.D + j) * 256
+        z = tl.load(lv[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
+    return z
 
 
 @triton.jit
-def klt_keys(zt, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INTERP: tl.constexpr):
+def klt_keys(zt, cos, sin, da, db, dr, ma, mb, mr, KLT: tl.constexpr, INTERP: tl.constexpr):
     """Post-RoPE keys (transposed) of coefficient levels zt [DP, N] as three fp32 parts: rotary first channels
-    [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R_p (m + B z) with cos, sin [RHP, N] of each
-    key's angles (``rope_cos_sin``), the rotary parts times RoPE's attention ``scale`` (as transformers scales cos and
-    sin)."""
+    [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R (m + B z) with cos, sin [RHP, N] of the
+    rotation's angles (``rope_cos_sin``; RoPE's attention scaling is the caller's: in cos and sin, or in the query)."""
     z16 = zt.to(tl.float16)
     n: tl.constexpr = zt.shape[1]
     ka = mma(da, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + ma[:, None]
@@ -381,4 +419,4 @@ def klt_keys(zt, cos, sin, da, db, dr, ma, mb, mr, scale, KLT: tl.constexpr, INT
     kr = tl.zeros([KLT.RRP, n], tl.float32)
     if KLT.RR > 0:
         kr = mma(dr, z16, kr, INTERP) + mr[:, None]
-    return (ka * cos - kb * sin) * scale, (kb * cos + ka * sin) * scale, kr
+    return ka * cos - kb * sin, kb * cos + ka * sin, kr

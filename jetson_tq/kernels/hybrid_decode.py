@@ -186,7 +186,7 @@ def _hybrid_decode_kernel(
     # are made once here too (the steps share them)
     kc = tl.arange(0, CFG.KCWP)  # columns of a key chunk
     if PAGE.KEY_MODE == K_KLT:  # the raw query's parts; the transform, read once
-        qk = _klt_query_operands(qt_ptr, qrow, gmask, CFG, KLT)
+        qk = _klt_query_operands(qt_ptr, qrow, gmask, klt_scale, CFG, KLT)
         qh = ()
         kadd = tl.zeros([CFG.GP], tl.float32)
         kops = _klt_read_operands(h, klt_meta_ptr, klt_dec_ptr, klt_mean_ptr, klt_turns_ptr, PAGE, CFG, KLT)
@@ -211,7 +211,7 @@ def _hybrid_decode_kernel(
     for n0 in range(start, end, CFG.BLOCK_N):
         page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
         if PAGE.KEY_MODE == K_KLT:
-            s = _klt_scores(page, off, nmask, n0, h, qk, kops, klt_lv_ptr, klt_scale, PAGE, CFG, KLT)
+            s = _klt_scores(page, off, nmask, n0, h, qk, kops, klt_lv_ptr, PAGE, CFG, KLT)
         else:
             s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
         s = tl.where(nmask[:, None], s, float("-inf"))
@@ -331,16 +331,16 @@ def _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE: tl.co
 
 
 @triton.jit
-def _klt_query_operands(qt_ptr, qrow, gmask, CFG: tl.constexpr, KLT: tl.constexpr):
-    """klt keys: the query's rotary first halves, second halves and unrotated channels as fp16 B operands ([RHP, GP],
-    [RHP, GP], [RRP, GP]), the keys' three parts' partners (``_klt_scores``)."""
+def _klt_query_operands(qt_ptr, qrow, gmask, scale, CFG: tl.constexpr, KLT: tl.constexpr):
+    """klt keys: the query's rotary first halves and second halves times RoPE's attention ``scale`` (fp32 [RHP, GP]:
+    ``_klt_scores`` turns them by each tile's base angle) and its unrotated channels as an fp16 B operand [RRP, GP]."""
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
     rows = qt_ptr + qrow[None, :] * CFG.QW
     qa = tl.load(rows + ia[:, None], mask=gmask[None, :] & (ia[:, None] < KLT.RH), other=0.0)
     qb = tl.load(rows + KLT.RH + ia[:, None], mask=gmask[None, :] & (ia[:, None] < KLT.RH), other=0.0)
     qr = tl.load(rows + 2 * KLT.RH + ir[:, None], mask=gmask[None, :] & (ir[:, None] < KLT.RR), other=0.0)
-    return qa.to(tl.float16), qb.to(tl.float16), qr.to(tl.float16)
+    return qa * scale, qb * scale, qr.to(tl.float16)
 
 
 @triton.jit
@@ -348,27 +348,28 @@ def _klt_read_operands(
     h, meta_ptr, dec_ptr, mean_ptr, turns_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
 ):
     """klt keys: this KV head's transform operands (``klt_operands``), the RoPE frequencies [RHP] and cos, sin
-    [BLOCK_N, RHP] of the angle offsets t theta of a tile's tokens t from its first, loaded once per program (a
-    tile's angles then take four FMAs an element, ``_klt_scores``)."""
+    [RHP, BLOCK_N] of the angle offsets t theta of a tile's tokens t from its first, made once per program: every
+    tile's keys turn by them, its base angle goes to the query (``_klt_scores``)."""
     turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
     ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[None, :], turns[:, None])
     return klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT) + (turns, ct, st)
 
 
 @triton.jit
-def _klt_scores(
-    page, off, nmask, n0, h, qk, kops, lv_ptr, scale, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
-):
-    """Log2-domain scores [BLOCK_N, GP] of one tile of klt keys (positions n0 + t): the keys decoded through the
-    transform and RoPE (``klt_levels``, ``klt_keys``), then three products with the query's parts."""
-    bo, w, da, db, dr, ma, mb, mr, turns, ct, st = kops
-    z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE, KLT)
+def _klt_scores(page, off, nmask, n0, h, qk, kops, lv_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr):
+    """Log2-domain scores [BLOCK_N, GP] of one tile of klt keys (positions n0 + t): q . R_(n0 + t) k =
+    (R_n0^T q) . (R_t k), so the keys are decoded and turned by their offsets t from the tile's start alone
+    (``klt_levels``, ``klt_keys`` with the program's cos, sin tiles) and the query by the tile's base angle n0, then
+    three products with the query's parts."""
+    bo, w, sel, sel_hi, da, db, dr, ma, mb, mr, turns, ct, st = kops
+    rows = page + PAGE.OFF_KCODE + off * PAGE.KCB
+    z = klt_levels(rows, nmask, h, bo, w, sel, sel_hi, lv_ptr, PAGE, KLT, CFG.INTERP)
+    ka, kb, kr = klt_keys(z, ct, st, da, db, dr, ma, mb, mr, KLT, CFG.INTERP)
     cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
-    cos = cb[:, None] * ct - sb[:, None] * st
-    sin = sb[:, None] * ct + cb[:, None] * st
-    ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, CFG.INTERP)
-    s = mma(tl.trans(ka.to(tl.float16)), qk[0], tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
-    s = mma(tl.trans(kb.to(tl.float16)), qk[1], s, CFG.INTERP)
+    qa = (qk[0] * cb[:, None] + qk[1] * sb[:, None]).to(tl.float16)
+    qb = (qk[1] * cb[:, None] - qk[0] * sb[:, None]).to(tl.float16)
+    s = mma(tl.trans(ka.to(tl.float16)), qa, tl.zeros([CFG.BLOCK_N, CFG.GP], tl.float32), CFG.INTERP)
+    s = mma(tl.trans(kb.to(tl.float16)), qb, s, CFG.INTERP)
     if KLT.RR > 0:
         s = mma(tl.trans(kr.to(tl.float16)), qk[2], s, CFG.INTERP)
     return s
@@ -948,6 +949,7 @@ class DecodeTuning:
     prmt_keys: bool = True  # 4-bit symmetric codebooks by byte permutes (off: the warp-shuffle gather)
     fold_values: bool = True  # fold value scales into P, codes as subnormal planes (off: dequantize per element)
     fuse_query: bool = True  # rotate the query inside the launch when it can (off: ``query_transform`` first)
+    klt_select: bool = True  # klt keys: code bytes picked by a one-hot int8 product (off: a byte load each)
 
     def for_format(self, spec: PageSpec) -> DecodeTuning:
         """These knobs with every None that has a per-format default filled in (``num_splits``, ``waves`` stay)."""
@@ -1177,7 +1179,10 @@ def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
         FUSED_REDUCE=plan.fused_reduce,
         INTERP=INTERPRET,
     )
-    plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg), KLT=plan.klt["bundle"])
+    klt_bundle = plan.klt["bundle"]
+    if "spec" in plan.klt and plan.klt["spec"].SELECT != tuning.klt_select:
+        klt_bundle = constexpr_bundle(replace(plan.klt["spec"], SELECT=tuning.klt_select))
+    plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg), KLT=klt_bundle)
     plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
     plan.key = (next(_SERIAL),)  # unique per plan (an id() could be reused by a later plan)
     if tuning.waves is None and tuning.num_splits is None and splits > 1:  # one full wave of the compiled kernel

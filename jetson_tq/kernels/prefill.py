@@ -224,12 +224,12 @@ def _klt_workspace_keys(
 ):
     """klt keys at positions ``n`` [N] (codes at byte pointers ``rows``) decoded to post-RoPE keys in the workspace
     rows starting at ``dst`` [N]: channels in their own order, padding columns zero."""
-    bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    z = klt_levels(rows, nmask, h, bo, w, lv_ptr, PAGE, KLT)
+    bo, w, sel, sel_hi, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    z = klt_levels(rows, nmask, h, bo, w, sel, sel_hi, lv_ptr, PAGE, KLT, INTERP)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
     cos, sin = rope_cos_sin(n[None, :], tl.load(turns_ptr + ia)[:, None])
-    ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, INTERP)
+    ka, kb, kr = klt_keys(z, cos * scale, sin * scale, da, db, dr, ma, mb, mr, KLT, INTERP)
     ty = dst.dtype.element_ty
     cols = dst[None, :]  # the keys are [channels, tokens]
     tmask = nmask[None, :]

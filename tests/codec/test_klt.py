@@ -159,3 +159,22 @@ def test_code_offsets_tile_the_stream_and_keep_byte_widths_in_one_byte():
                 owner[int(off[h, c]) : int(off[h, c] + bits[h, c])] += 1
             assert bool((owner == 1).all()), "every stream bit belongs to exactly one code"
         assert codes_in_one_byte(bits) == (widths == (0, 1, 2, 4, 8))
+
+
+def test_cubic_levels_are_recognised_and_reproduced():
+    """``KeyTransform.cubic_levels``: levels that are a cubic of the centered code u = 2c - (2^bits - 1) give back
+    coefficients that reproduce every used level; levels of 3+ bits sorted at random are no cubic (None); 1- and
+    2-bit levels always are one (two and four points)."""
+    g = torch.Generator().manual_seed(5)
+    t = uneven_transform(2, 48, 160, 48, 1.0, g, cubic=True)
+    coef = t.cubic_levels()
+    assert coef is not None and coef.shape == (2, 48, 4)
+    for h in range(2):
+        for c in range(48):
+            n = 1 << int(t.bits[h, c])
+            u = 2 * torch.arange(n, dtype=torch.float64) - (n - 1)
+            got = coef[h, c, 0] + u * coef[h, c, 1] + u**2 * coef[h, c, 2] + u**3 * coef[h, c, 3]
+            assert torch.allclose(got, t.levels[h, c, :n].double(), atol=1e-5), (h, c)
+    assert uneven_transform(2, 48, 160, 48, 1.0, g).cubic_levels() is None  # widths up to 8, random levels
+    low = uneven_transform(2, 48, 64, 48, 1.0, g, widths=(2, 1, 0))
+    assert low.cubic_levels() is not None

@@ -6,9 +6,15 @@ import torch
 
 from jetson_tq.codec.klt import MAX_CODE_BITS, KeyTransform, KeyTransformCoder, RotaryParams, default_inv_freq
 
-#: code widths the kernels specialize on (``kernels._common.KltSpec.ONE_BYTE``), as ``uneven_transform`` arguments:
-#: codes of any width 0-8 (two byte loads) or of 0/2/4/8 bits (one)
-STRUCTURES: dict[str, dict] = {"any": {}, "bytes": dict(widths=(8, 4, 2, 0))}
+#: transform structures the kernels specialize on (``kernels._common.KltSpec``), as ``uneven_transform`` arguments:
+#: codes of any width 0-8 (two byte loads) or of 0/2/4/8 bits (one), levels sorted at random or a cubic of the code
+#: (no level table: ``CUBIC``)
+STRUCTURES: dict[str, dict] = {
+    "any": {},
+    "bytes": dict(widths=(8, 4, 2, 0)),
+    "cubic": dict(cubic=True),
+    "bytes-cubic": dict(widths=(8, 4, 2, 0), cubic=True),
+}
 
 
 def uneven_transform(
@@ -19,10 +25,12 @@ def uneven_transform(
     attention_scaling: float,
     gen: torch.Generator,
     widths: tuple[int, ...] = tuple(range(MAX_CODE_BITS, -1, -1)),
+    cubic: bool = False,
 ) -> KeyTransform:
     """A calibrated-like transform: per head a random orthogonal encode matrix A with decode B = A^T, a random mean,
     bits cycling through ``widths`` (default 8, 7, ..., 0; the last cut to fit) up to ``code_bits`` at shuffled
-    coefficients, random sorted levels (spread like the coefficients); RoPE with transformers' default frequencies
+    coefficients, random sorted levels (spread like the coefficients; ``cubic``: a random ascending cubic of the
+    code); RoPE with transformers' default frequencies
     over ``rotary_dim`` channels."""
     h, d = num_heads, head_dim
     a = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0].float()
@@ -43,7 +51,15 @@ def uneven_transform(
     for i in range(h):
         for c in range(d):
             n = 1 << int(bits[i, c])
-            lv = (torch.randn(n, generator=gen) * 2).sort().values if n > 1 else torch.zeros(1)
+            if cubic and n > 1:  # p x + q x^2 + r x^3 on x in [-1, 1], ascending: p - 2 |q| > 0 <= r
+                x = torch.linspace(-1, 1, n, dtype=torch.float64)
+                p, q, r, shift = torch.rand(4, generator=gen, dtype=torch.float64)
+                p, q = 0.5 + p, (q - 0.5) * 0.6 * (0.5 + p)
+                lv = (shift - 0.5 + 4 * (p * x + q * x**2 + r * x**3) / (p + q.abs() + r)).float()
+            elif n > 1:
+                lv = (torch.randn(n, generator=gen) * 2).sort().values
+            else:
+                lv = torch.zeros(1)
             levels[i, c, :n], levels[i, c, n:] = lv, lv[-1]
     rotary = RotaryParams(default_inv_freq(rotary_dim, 10000.0), attention_scaling)
     mean = torch.randn(h, d, generator=gen) * 0.3

@@ -14,7 +14,7 @@ import triton.language as tl
 from jetson_tq.attention.reference import paged_attention_decode, paged_attention_prefill
 from jetson_tq.kernels._common import codec_constants
 from jetson_tq.kernels._tiles import rope_cos_sin
-from jetson_tq.kernels.hybrid_decode import hybrid_decode
+from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
 from jetson_tq.kernels.prefill import chunked_prefill, dequantize_segment
 from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
 from tests.helpers.klt_cases import STRUCTURES, uneven_transform
@@ -46,7 +46,12 @@ def test_rope_angles_stay_exact_at_large_positions():
 # (head dim, rotary dim, attention scaling)
 ROTARY = [(80, 40, 1.3), (128, 32, 1.0), (64, 64, 0.7)]
 #: each case's code widths (``klt_cases.STRUCTURES``)
-CASES = [(*r, "any") for r in ROTARY] + [(80, 40, 1.3, "bytes"), (64, 64, 0.7, "bytes")]
+CASES = [(*r, "any") for r in ROTARY] + [
+    (80, 40, 1.3, "bytes"),
+    (64, 64, 0.7, "bytes"),
+    (128, 32, 1.0, "cubic"),
+    (80, 40, 1.3, "bytes-cubic"),
+]
 CASE_IDS = [f"D{c[0]}-rot{c[1]}-{c[3]}" for c in CASES]
 
 
@@ -57,15 +62,21 @@ def _transform(kind: str, d: int, rotary: int, scaling: float, gen: torch.Genera
 
 
 def test_code_widths_select_their_kernel_paths():
-    """Byte-aligned code widths (``STRUCTURES["bytes"]``) reach the kernels as ``KltSpec.ONE_BYTE``, others do not."""
+    """Byte-aligned code widths (``STRUCTURES["bytes"]``) reach the kernels as ``KltSpec.ONE_BYTE`` and levels
+    a cubic of the code as ``CUBIC``; others do not."""
     from jetson_tq.codec.kv import KVCodec
     from jetson_tq.kernels._common import klt_constants
 
     gen = torch.Generator().manual_seed(fresh_seed())
-    for kind, want in [("any", False), ("bytes", True)]:
+    for kind, one_byte, cubic in [
+        ("any", False, False),
+        ("bytes", True, False),
+        ("cubic", False, True),
+        ("bytes-cubic", True, True),
+    ]:
         fmt, kt = _transform(kind, 80, 40, 1.3, gen)
         spec = klt_constants(KVCodec(fmt, 80, key_transform=kt), torch.device("cpu"))["spec"]
-        assert spec.ONE_BYTE == want, kind
+        assert (spec.ONE_BYTE, spec.CUBIC) == (one_byte, cubic), kind
 
 
 @pytest.mark.parametrize("d,rotary,scaling,kind", CASES, ids=CASE_IDS)
@@ -90,7 +101,8 @@ def test_dequantized_keys_equal_the_codec(d, rotary, scaling, kind):
 
 @pytest.mark.parametrize("d,rotary,scaling,kind", CASES, ids=CASE_IDS)
 def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
-    """Decode and prefill over klt keys with partial rotary and RoPE scaling equal the reference attention."""
+    """Decode (both code-byte reads) and prefill over klt keys with partial rotary and RoPE scaling equal the
+    reference attention."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     fmt, kt = _transform(kind, d, rotary, scaling, gen)
@@ -98,8 +110,10 @@ def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
     comp, rec, t = [70, 9], [4, 4], 3
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4)
     q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)
-    err = rel_err(hybrid_decode(q, kv), paged_attention_decode(q, kv))
-    assert err < 2e-3, f"decode seed={seed}: {err:.2e}"
+    want = paged_attention_decode(q, kv)
+    for select in (True, False):  # code bytes picked by the int8 product, or loaded one by one
+        err = rel_err(hybrid_decode(q, kv, tuning=DecodeTuning(klt_select=select)), want)
+        assert err < 2e-3, f"decode seed={seed} select={select}: {err:.2e}"
     hold = [c + r + t for c, r in zip(comp, rec)]
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4, pages_hold=hold)
     qp = (torch.randn(2, 8, t, d, generator=gen) * 3).half().to(DEVICE)

@@ -16,6 +16,7 @@ PyTorch emulation of the GPU's tf32x3 products (``WriteTuning.klt_precision``): 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -27,7 +28,7 @@ from jetson_tq import ops
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.errors import ShapeError
 from jetson_tq.format import KVFormat, PagedLayout
-from jetson_tq.kernels._common import INTERPRET, klt_constants, page_spec
+from jetson_tq.kernels._common import INTERPRET, constexpr_bundle, klt_constants, page_spec
 from jetson_tq.kernels._tiles import klt_keys, klt_levels, klt_operands, rope_cos_sin
 from jetson_tq.kernels.compress_write import compress_write
 from jetson_tq.paged import read_slots
@@ -252,8 +253,9 @@ def _read_back_kernel(
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
     nmask = i < n
-    bo, w, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    z = klt_levels(code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB, nmask, h, bo, w, lv_ptr, PAGE, KLT)  # [DP, BLOCK]
+    bo, w, sel, sel_hi, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    rows = code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB
+    z = klt_levels(rows, nmask, h, bo, w, sel, sel_hi, lv_ptr, PAGE, KLT, INTERP)  # [DP, BLOCK]
     j = tl.arange(0, PAGE.DP)
     out = ((h * n + i) * PAGE.DP)[None, :]
     tl.store(z_ptr + out + j[:, None], z, mask=nmask[None, :])
@@ -261,7 +263,7 @@ def _read_back_kernel(
     ir = tl.arange(0, KLT.RRP)
     pos = tl.load(pos_ptr + i, mask=nmask, other=0)
     cos, sin = rope_cos_sin(pos[None, :], tl.load(turns_ptr + ia)[:, None])
-    ka, kb, kr = klt_keys(z, cos, sin, da, db, dr, ma, mb, mr, scale, KLT, INTERP)
+    ka, kb, kr = klt_keys(z, cos * scale, sin * scale, da, db, dr, ma, mb, mr, KLT, INTERP)
     rows = k_ptr + out
     tl.store(rows + ia[:, None], ka, mask=nmask[None, :] & (ia < KLT.RH)[:, None])
     tl.store(rows + KLT.RH + ia[:, None], kb, mask=nmask[None, :] & (ia < KLT.RH)[:, None])
@@ -271,12 +273,13 @@ def _read_back_kernel(
 
 @pytest.mark.parametrize(
     "d,rotary_dim,kind",
-    [(128, 128, "any"), (80, 80, "any"), (96, 48, "any"), (96, 48, "bytes")],
+    [(128, 128, "any"), (80, 80, "any"), (96, 48, "any"), (96, 48, "bytes"), (96, 48, "bytes-cubic")],
 )
 def test_klt_codes_read_back_by_the_read_helpers(d, rotary_dim, kind):
-    """The stream the write kernel packs is the one ``_tiles.klt_levels`` unpacks: every coefficient's level equals
-    the reference decoder's, whole or partial RoPE; ``klt_keys`` turns them into the reference's decoded keys (fp16
-    decode product)."""
+    """The stream the write kernel packs is the one ``_tiles.klt_levels`` unpacks, its bytes picked by the int8
+    product or loaded one by one: every coefficient's level equals the reference decoder's (cubic levels: up to fp32
+    rounding, their constant in the mean), whole or partial RoPE; ``klt_keys`` turns them into the reference's
+    decoded keys (fp16 decode product)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     _, layout, codec = _codec(d, rotary_dim, gen, kind=kind)
@@ -293,30 +296,39 @@ def test_klt_codes_read_back_by_the_read_helpers(d, rotary_dim, kind):
     spec, page = page_spec(layout, codec)
     klt = klt_constants(codec, DEVICE)
     meta, levels, dec, mean, turns, scale = klt["read"]
-    z = torch.zeros(hkv, n, spec.DP, device=DEVICE)
-    kk = torch.zeros(hkv, n, spec.DP, device=DEVICE)
-    _read_back_kernel[(triton.cdiv(n, 16), hkv)](
-        codes.contiguous().to(DEVICE),
-        positions.to(DEVICE),
-        z,
-        kk,
-        meta,
-        levels,
-        dec,
-        mean,
-        turns,
-        scale,
-        n,
-        HKV=hkv,
-        PAGE=page,
-        KLT=klt["bundle"],
-        BLOCK=16,
-        INTERP=INTERPRET,
-    )
-    z, kk = z[..., :d].transpose(0, 1).cpu(), kk[..., :d].transpose(0, 1).cpu()
-    assert torch.equal(z, want_z), f"seed={seed} D={d}: levels differ from the reference decoder's"
-    err = (kk - want_k).abs().max().item()
-    assert err <= 2e-2 * want_k.abs().max().item(), f"seed={seed} D={d}: keys off by {err:.3g}"
+    cubic = coder.t.cubic_levels()
+    assert klt["spec"].CUBIC == (kind == "bytes-cubic") == (cubic is not None)
+    if cubic is not None:
+        want_z = want_z - cubic[..., 0].float()
+    for select in (True, False):
+        z = torch.zeros(hkv, n, spec.DP, device=DEVICE)
+        kk = torch.zeros(hkv, n, spec.DP, device=DEVICE)
+        _read_back_kernel[(triton.cdiv(n, 16), hkv)](
+            codes.contiguous().to(DEVICE),
+            positions.to(DEVICE),
+            z,
+            kk,
+            meta,
+            levels,
+            dec,
+            mean,
+            turns,
+            scale,
+            n,
+            HKV=hkv,
+            PAGE=page,
+            KLT=constexpr_bundle(dataclasses.replace(klt["spec"], SELECT=select)),
+            BLOCK=16,
+            INTERP=INTERPRET,
+        )
+        z, kk = z[..., :d].transpose(0, 1).cpu(), kk[..., :d].transpose(0, 1).cpu()
+        what = f"seed={seed} D={d} select={select}"
+        if cubic is None:
+            assert torch.equal(z, want_z), f"{what}: levels differ from the reference decoder's"
+        else:
+            torch.testing.assert_close(z, want_z, rtol=1e-5, atol=1e-5, msg=f"{what}: cubic levels differ")
+        err = (kk - want_k).abs().max().item()
+        assert err <= 2e-2 * want_k.abs().max().item(), f"{what}: keys off by {err:.3g}"
 
 
 def test_klt_cache_appends_through_the_kernels(monkeypatch):
