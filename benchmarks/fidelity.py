@@ -456,6 +456,14 @@ _COLORS = {
 }
 
 
+def config_family(cfg: TurboQuantConfig) -> str:
+    """The plot family of an ``--extra-configs`` row: the product's klt format, a per-layer (SmartMix) config, or a
+    plain config file."""
+    if cfg.needs_key_transform:
+        return KLT_PRODUCT_FAMILY
+    return "per-layer (SmartMix)" if cfg.overrides else "config file"
+
+
 def key_coder_family(name: str) -> str | None:
     """The plot family of a row whose keys another coder replaces (split or transform-coded keys), else None."""
     m = SPEC_ROW.match(name)
@@ -706,9 +714,9 @@ def main(argv: list[str] | None = None) -> dict:
         CALIBRATION[:] = calibration_capture(model, tok, max(int(m["cal"] or 2) for m in coded))
     variants = all_rows(args.backend)
     extra = [
-        F.Variant(Path(x).stem, "per-layer (SmartMix)", load_config(x), "", args.backend)
+        F.Variant(Path(x).stem, config_family(cfg), cfg, "", args.backend)
         for x in args.extra_configs.split(",")
-        if x
+        if x and (cfg := load_config(x))
     ]
     if args.rows:
         wanted = args.rows.split(",")

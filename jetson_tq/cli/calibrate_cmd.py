@@ -38,15 +38,15 @@ def register(sub) -> None:
     p.add_argument(
         "--widths",
         default=None,
-        help="code widths the bits may take: 'any' (0..8, the default) or a list such as 2,4,8 (every code inside one "
-        "byte: one load a code in the kernels, the same quality held out; docs/fidelity.md)",
+        help="code widths the bits may take: a list such as 2,4,8 (the default: every code inside one byte, which the "
+        "kernels read with no second load) or 'any' (0..8); the same quality held out (docs/fidelity.md)",
     )
     p.add_argument(
         "--levels",
-        choices=("lloyd", "cubic"),
+        choices=("cubic", "lloyd"),
         default=None,
-        help="each coefficient's levels: 'lloyd' (a fitted Lloyd-Max codebook, the default) or 'cubic' (a fitted cubic "
-        "of the code: the kernels compute it with no table; the same quality held out, docs/fidelity.md)",
+        help="each coefficient's levels: 'cubic' (a fitted cubic of the code, the default: the kernels compute it with "
+        "no table) or 'lloyd' (a fitted Lloyd-Max codebook); the same quality held out (docs/fidelity.md)",
     )
     p.add_argument("--out", help=f"output file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt)")
     p.set_defaults(func=_run)

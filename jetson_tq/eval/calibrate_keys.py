@@ -17,14 +17,14 @@ from ..integrations.transformers import UnsupportedModelError, check_model_suppo
 from .klt_keys import KLTKeys, KLTLayer, calibrate, gaussian_codebook
 from .smartmix import capture
 
-#: The code widths ``calibrate_model`` allows by default: () any of 0..8; (2, 4, 8) keeps every code inside one byte
-#: (docs/fidelity.md, "Quality at 5x": the same quality on held-out text, not yet faster on the H200).
-DEFAULT_WIDTHS: tuple[int, ...] = ()
+#: The code widths ``calibrate_model`` allows by default: (2, 4, 8) keeps every code inside one byte, which the kernels
+#: read without a second load; () allows any of 0..8. Held out, both measure the same (docs/fidelity.md, "Quality at 5x").
+DEFAULT_WIDTHS: tuple[int, ...] = (2, 4, 8)
 
-#: How ``calibrate_model`` fits each coefficient's levels by default: "lloyd" (a Lloyd-Max codebook on the calibration
-#: coefficients) or "cubic" (a cubic of the code, computed by the kernels without a table; docs/fidelity.md: the
-#: same quality held out, not yet timed on a GPU).
-DEFAULT_LEVELS = "lloyd"
+#: How ``calibrate_model`` fits each coefficient's levels by default: "cubic" (a cubic of the code, which the kernels
+#: compute without a table) or "lloyd" (a Lloyd-Max codebook on the calibration coefficients, read from a table).
+#: Held out, both measure the same (docs/fidelity.md, "Quality at 5x").
+DEFAULT_LEVELS = "cubic"
 LEVEL_KINDS = ("lloyd", "cubic")
 
 #: RoPE variants whose frequencies do not depend on the sequence length: one transform serves every position.

@@ -344,17 +344,20 @@ def cubic_levels(
         cols = torch.nonzero(bits == b).squeeze(1)
         if not len(cols):
             continue
-        u = centered_codes(b)
-        basis = torch.stack([u**p for p in range(min(4, 1 << b))], 1)  # [n, P]: 1 bit: a line through 2 levels
-        x = z[:, cols].T.double()  # [n_cols, N]
+        n = 1 << b
+        u = centered_codes(b) / max(n - 1, 1)  # in [-1, 1]: a well-conditioned basis (the levels are the same cubic)
+        basis = torch.stack([u**p for p in range(min(4, n))], 1)  # [n, P]: 1 bit: a line through 2 levels
+        x = z[:, cols].T.double().contiguous()  # [n_cols, N]
         w = weight.double()[None, :].expand_as(x)
-        start = lloyd[cols, : 1 << b]  # [n_cols, n]
+        start = lloyd[cols, :n]  # [n_cols, n]
         coef = torch.linalg.lstsq(basis.expand(len(cols), -1, -1), start[..., None]).solution  # [n_cols, P, 1]
         for _ in range(steps):
             lv = (basis @ coef)[..., 0]
-            idx = torch.searchsorted(((lv[:, 1:] + lv[:, :-1]) / 2).contiguous(), x.contiguous())
-            a = basis[idx] * w[..., None].sqrt()  # [n_cols, N, P]
-            new = torch.linalg.lstsq(a, (x * w.sqrt())[..., None]).solution
+            idx = torch.searchsorted(((lv[:, 1:] + lv[:, :-1]) / 2).contiguous(), x)
+            mass = torch.zeros_like(lv).scatter_add_(1, idx, w)  # per level: weight and weighted sum of its cell
+            total = torch.zeros_like(lv).scatter_add_(1, idx, w * x)
+            gram = torch.einsum("ck,kp,kq->cpq", mass, basis, basis)
+            new = torch.linalg.lstsq(gram, torch.einsum("ck,kp->cp", total, basis)[..., None]).solution
             new_lv = (basis @ new)[..., 0]
             ok = ((new_lv[:, 1:] - new_lv[:, :-1]) > 0).all(1) & torch.isfinite(new_lv).all(1)
             coef = torch.where(ok[:, None, None], new, coef)

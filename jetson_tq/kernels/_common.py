@@ -148,9 +148,9 @@ class KltSpec:
     those parts are RHP / RRP wide (powers of two, at least 16: ``tl.dot`` operands). ``ONE_BYTE``: every code lies
     inside one byte (``codec.klt.codes_in_one_byte``): one byte a code. ``SELECT``: a tile's code bytes are loaded
     once as [KCBP, N] and each coefficient's byte picked from them by a one-hot int8 ``tl.dot`` (else: a byte load
-    per coefficient and token). ``CUBIC``: every coefficient's levels are a
-    cubic of its centered code u = 2c - (2^w - 1) (``KeyTransform.cubic_levels``): the kernels compute them by three
-    FMAs (the constant term folded into the mean, ``klt_constants``), with no level table."""
+    per coefficient and token). ``CUBIC``: every coefficient's levels are a cubic of its centered code
+    u = 2c - (2^w - 1) (``KeyTransform.cubic_levels``): the kernels compute them by three FMAs (the constant term
+    folded into the mean, ``klt_constants``), with no level table."""
 
     RH: int  # rotary pairs (rotary_dim / 2)
     RHP: int

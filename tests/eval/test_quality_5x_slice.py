@@ -26,7 +26,7 @@ from jetson_tq.models.text import opticks_text
 
 pytestmark = pytest.mark.slow  # the real model on CPU, with calibration: a few minutes on 2 cores
 
-KLT, SPLIT = "kl52alv3m_b256_tq", "kx64h4l2v3m_b256_c_e1"  # KLT: the shipped recipe (kl52_smollm2)
+KLT, SPLIT = "kl52apv3m_b256_w248_tq", "kx64h4l2v3m_b256_c_e1"  # KLT: the shipped recipe (kl52_smollm2)
 
 
 @pytest.fixture(scope="module")

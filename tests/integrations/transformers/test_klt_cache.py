@@ -186,23 +186,24 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_calibrate_command_fits_the_code_widths_asked_for(tmp_path, capsys):
-    """``--widths 2,4,8``: every layer's codes lie in one byte (the kernels' one-load read) at the full budget, with
-    ``--levels cubic`` levels the kernels compute without a table; widths the coder cannot take are a usage error."""
+    """By default (``--widths 2,4,8 --levels cubic``) every layer's codes lie in one byte at the full budget and its
+    levels are a cubic the kernels compute without a table; ``--widths any --levels lloyd`` gives widths 0-8 and
+    Lloyd-Max tables; widths or levels the coder cannot take are a usage error."""
     from jetson_tq.codec.klt import codes_in_one_byte
 
     _, argv = _tiny_calibration_args(tmp_path, seed=1)
     out = tmp_path / "kt.pt"
-    assert main([*argv, "--out", str(out), "--widths", "2,4,8"]) == 0
+    assert main([*argv, "--out", str(out)]) == 0  # the defaults: widths 2, 4, 8 and cubic levels
     layers, meta = load_transforms(out)
     for t in layers:
         assert codes_in_one_byte(t.bits)
         assert set(t.bits.unique().tolist()) <= {0, 2, 4, 8} and t.code_bits == 52 * 8 * 32 // 128
-        assert t.cubic_levels() is None  # fitted Lloyd-Max levels (the default): read from a table
-    assert "lloyd" in meta["coder"]
-    assert main([*argv, "--out", str(out), "--widths", "2,4,8", "--levels", "cubic"]) == 0
-    layers, meta = load_transforms(out)
-    assert all(codes_in_one_byte(t.bits) and t.cubic_levels() is not None for t in layers)
+        assert t.cubic_levels() is not None
     assert "cubic" in meta["coder"]
+    assert main([*argv, "--out", str(out), "--widths", "any", "--levels", "lloyd"]) == 0
+    layers, meta = load_transforms(out)
+    assert any(not codes_in_one_byte(t.bits) for t in layers), "widths 0-8 include ones that straddle a byte"
+    assert all(t.cubic_levels() is None for t in layers) and "lloyd" in meta["coder"]
     capsys.readouterr()
     for bad in (["--widths", "2,x"], ["--widths", "9"], ["--widths", ","], ["--levels", "uniform"]):
         assert main([*argv, "--out", str(out), *bad]) == 2, bad
