@@ -17,8 +17,9 @@ from ..integrations.transformers import UnsupportedModelError, check_model_suppo
 from .klt_keys import KLTKeys, KLTLayer, calibrate, gaussian_codebook
 from .smartmix import capture
 
-#: The code widths ``calibrate_model`` allows by default: (2, 4, 8) keeps every code inside one byte, which the kernels
-#: read without a second load; () allows any of 0..8. Held out, both measure the same (docs/fidelity.md, "Quality at 5x").
+#: The code widths ``calibrate_model`` allows by default: (2, 4, 8) keeps every code inside one byte, which the
+#: kernels read without a second load; () allows any of 0..8. Held out, both measure the same (docs/fidelity.md,
+#: "Quality at 5x").
 DEFAULT_WIDTHS: tuple[int, ...] = (2, 4, 8)
 
 #: How ``calibrate_model`` fits each coefficient's levels by default: "cubic" (a cubic of the code, which the kernels
