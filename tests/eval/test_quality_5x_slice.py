@@ -2,10 +2,10 @@
 ``benchmarks/fidelity.py``'s own row grammar, calibrated on the essays' end, scored on Newton's Opticks (held out).
 The transform-coded row is the product's ``key_mode: klt`` format (``_tq``: codes stored in the pages, read back).
 
-Full run (4 x 1,024 tokens, 3 seeds): KL 0.0068 transform-coded keys (the shipped recipe, no sink), 0.0100 split keys,
-0.0169 the 122 B default.
-On this 2 x 512-token slice the order must hold with margin, and the transform-coded row must stay near the
-uncompressed model.
+Full run (4 x 1,024 tokens, 3 seeds): KL 0.0077 transform-coded keys (the shipped recipe, no sink; +0.70 %
+perplexity), 0.0100 split keys (+1.16 %), 0.0169 the 122 B default (+1.27 %).
+On this 2 x 512-token slice the order must hold (against the default with margin), and the transform-coded row must
+stay near the uncompressed model.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def test_transform_coded_keys_lead_on_held_out_text(harness):
     windows = F.token_windows(ids, 2, 513)
     stats = F.teacher_forced(model, windows, [*rows.values(), default], chunk=128, batch=2)
     kl = {name: s["kl"] for name, s in stats.items() if name != "reference"}
-    # measured on this slice (2026-12-04): KLT 0.0037, split 0.0047, default 0.0132
+    # measured on this slice (2026-12-05): KLT 0.0044 (the previous calibration's row: 0.0037), split 0.0047,
+    # default 0.0132; top-1 KLT 0.976
     assert kl[KLT] < kl[SPLIT] < 0.75 * kl["mse_k4v3"] and kl[KLT] < 0.4 * kl["mse_k4v3"], kl
     assert stats[KLT]["top1"] >= 0.93 and stats[KLT]["ppl"] < stats["reference"]["ppl"] * 1.02, stats
 
@@ -79,6 +80,6 @@ def test_key_coder_rows_have_their_own_plot_family():
     """The frontier plot shows split and transform-coded keys as their own series (harness-only formats)."""
     import benchmarks.fidelity as bf
 
-    assert "key_mode klt" in bf.key_coder_family(KLT) and "harness only" in bf.key_coder_family(KLT[:-3] + "_c_e1")
+    assert "key_mode klt" in bf.key_coder_family(KLT) and "harness only" in bf.key_coder_family("kl52alv3m_b256_c_e1")
     assert "split" in bf.key_coder_family(SPLIT)
     assert bf.key_coder_family("k3v3g128_b256") is None and bf.key_coder_family("mse_k4v3") is None
