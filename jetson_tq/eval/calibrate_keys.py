@@ -65,6 +65,16 @@ def to_key_transform(layer: KLTLayer, rotary: RotaryParams) -> KeyTransform:
     )
 
 
+def calibration_spec(
+    code_bytes: int, widths: tuple[int, ...] = DEFAULT_WIDTHS, levels: str = DEFAULT_LEVELS
+) -> KLTKeys:
+    """The evaluation coder's spec that ``calibrate_model`` fits: attention-weighted statistics, ``widths``, ``levels``
+    (``LEVEL_KINDS``; ConfigError for others)."""
+    if levels not in LEVEL_KINDS:
+        raise ConfigError(f"levels {levels!r}: expected one of {LEVEL_KINDS}")
+    return KLTKeys(code_bytes, attention=True, lloyd=levels == "lloyd", cubic=levels == "cubic", widths=widths)
+
+
 def calibrate_model(
     model,
     ids: torch.Tensor,
@@ -85,9 +95,7 @@ def calibrate_model(
         raise ConfigError(f"calibration ids: expected [rows, T >= 256] token ids, got {tuple(ids.shape)}")
     _, _, _, head_dim = model_dims(config)
     rotary = model_rotary(model)
-    if levels not in LEVEL_KINDS:
-        raise ConfigError(f"levels {levels!r}: expected one of {LEVEL_KINDS}")
-    spec = KLTKeys(code_bytes, attention=True, lloyd=levels == "lloyd", cubic=levels == "cubic", widths=widths)
+    spec = calibration_spec(code_bytes, widths, levels)
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     with torch.no_grad():

@@ -13,8 +13,8 @@ from jetson_tq.cli.main import main
 from jetson_tq.codec.klt import load_transforms, spread_transform
 from jetson_tq.config import TurboQuantConfig, load_config
 from jetson_tq.errors import ConfigError
-from jetson_tq.eval.calibrate_keys import calibrate_model, model_rotary
-from jetson_tq.eval.klt_keys import KLTKeyCache, KLTKeys, KLTPlan, calibrate
+from jetson_tq.eval.calibrate_keys import calibrate_model, calibration_spec, model_rotary
+from jetson_tq.eval.klt_keys import KLTKeyCache, KLTPlan, calibrate
 from jetson_tq.eval.smartmix import capture
 from jetson_tq.format import KVFormat
 from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
@@ -127,7 +127,7 @@ def test_calibrated_product_codes_reproduce_the_eval_coder():
     ids = torch.randint(0, 256, (2, 320))
     transforms = calibrate_model(model, ids, 52)
     theta = model.config.rope_parameters["rope_theta"]
-    spec = KLTKeys(52, attention=True, lloyd=True)
+    spec = calibration_spec(52)  # the coder calibrate_model fits by default
     plan = KLTPlan(spec, calibrate(spec, capture(model, ids), 32, theta, skip=0), theta)
     test_ids = torch.randint(0, 256, (1, 96))
     tq_cfg = TurboQuantConfig(name="klt", default=KLT.with_(key_mode="mse", key_code_bytes=0, key_bits=3))
