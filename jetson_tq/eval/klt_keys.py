@@ -21,7 +21,8 @@ thing, per layer and KV head:
    each calibration key by ``ATTENTION_FLOOR`` + the attention it receives from queries that read it compressed, over
    its mean. Without it the bulk-optimal transform gives the rare directions of the attended keys few bits.
 6. **Calibrated codebooks** (``lloyd``): each coefficient's levels by a weighted 1-D Lloyd-Max on its calibration
-   values (started from the Gaussian codebook), for coefficients that are not Gaussian.
+   values (started from the Gaussian codebook), for coefficients that are not Gaussian; or (``cubic``) levels that
+   are a fitted cubic of the code, which the kernels compute instead of looking them up (``cubic_levels``).
 7. **Block-diagonal KLT** (``block`` N < D): the whitened covariance restricted to blocks of N channels, N/2
    consecutive rotary pairs each, a pair's two channels (c, c + D/2) always in one block, so a block is closed under
    RoPE's pairing and a kernel decodes (and rotates) one block of a key from that block's coefficients alone: 2 D N
@@ -336,8 +337,8 @@ def cubic_levels(
     2^MAX_BITS], fitted to calibration coefficients z [N, D] (``weight`` [N]): nearest-level codes and a weighted
     least-squares cubic in turn, started on the fitted Lloyd-Max levels (``lloyd_levels``), each step kept only while
     the levels stay ascending. A kernel computes such levels by three FMAs, with no table; the cubic's bend follows
-    a Lloyd-Max codebook's wider outer cells (within 1-5 % of its error on Gaussian and Laplacian data, where evenly
-    spaced levels lose 20-60 % at 4-5 bits). Unused slots repeat the last level."""
+    a Lloyd-Max codebook's wider outer cells (on Gaussian and Laplacian data within 1-5 % of its error at 2-4 bits, up
+    to ~20 % at 5-6; evenly spaced levels lose 20-60 % at 4-5 bits). Unused slots repeat the last level."""
     out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64)
     lloyd = lloyd_levels(z, weight, sigma, bits)
     for b in range(1, MAX_BITS + 1):
