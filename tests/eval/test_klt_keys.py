@@ -224,6 +224,20 @@ def test_cubic_levels_fit_the_data_nearly_as_well_as_lloyd_max():
         assert t.cubic_levels() is not None
 
 
+def test_level_kinds_are_named_and_exclusive():
+    """The calibration's level kinds: cubic (default) or lloyd; anything else, or both at once, is a named error."""
+    from jetson_tq.errors import ConfigError
+    from jetson_tq.eval.calibrate_keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, calibration_spec
+
+    spec = calibration_spec(52)
+    assert (spec.cubic, spec.lloyd, spec.widths, DEFAULT_LEVELS) == (True, False, DEFAULT_WIDTHS, "cubic")
+    assert calibration_spec(40, (), "lloyd").lloyd and not calibration_spec(40, (), "lloyd").cubic
+    with pytest.raises(ConfigError, match="levels 'uniform'"):
+        calibration_spec(52, levels="uniform")
+    with pytest.raises(FormatError, match="exclude each other"):
+        KLTKeys(52, lloyd=True, cubic=True)
+
+
 # ---------------------------------------------------------------------------------------------- block-diagonal KLT
 def test_pair_blocks_partition_the_head_into_rotary_closed_blocks():
     d = 64
