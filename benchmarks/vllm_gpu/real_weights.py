@@ -229,10 +229,25 @@ def verdict(name: str, rec: dict, c: dict, top: int) -> str:
     )
 
 
+def _text(name: str, p: argparse.ArgumentParser) -> str:
+    """``--text``: a UTF-8 file, else one of the project's texts by name; a usage error otherwise."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    from jetson_tq.models.text import TEXTS, text_by_name
+
+    if name in TEXTS:
+        return text_by_name(name)
+    p.error(f"--text {name!r}: expected a UTF-8 text file or one of {TEXTS}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (config.json, safetensors, tokenizer)")
-    p.add_argument("--text", help="UTF-8 text: perplexity windows, then held-out prompts")
+    p.add_argument(
+        "--text",
+        help="UTF-8 text file, or 'essays' / 'opticks' (jetson_tq.models.text): perplexity windows, then prompts",
+    )
     p.add_argument("--dummy", help="a model_matrix.yaml name: vLLM's random weights, random token ids (no --model)")
     p.add_argument("--layers", type=int, help="with --dummy: build this many layers (default all)")
     p.add_argument("--out", required=True)
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         wins, held = pieces(
             args.model,
-            Path(args.text).read_text(encoding="utf-8"),
+            _text(args.text, p),
             args.windows,
             args.window_len,
             args.prompts,

@@ -101,3 +101,19 @@ def test_dummy_pieces_are_seeded_token_ids_below_the_vocab():
     assert [len(w) for w in wins] == [16, 16] and [len(h) for h in held] == [8, 8, 8]
     assert all(100 <= t < 500 for piece in wins + held for t in piece)
     assert rw.random_pieces(500, 2, 16, 3, 8, seed=1) == (wins, held) != rw.random_pieces(500, 2, 16, 3, 8, seed=2)
+
+
+def test_text_is_a_file_or_a_project_text_by_name(tmp_path, capsys):
+    """``--text``: a UTF-8 file, or 'essays' / 'opticks' by name; anything else is a usage error naming both."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="real_weights.py")
+    f = tmp_path / "t.txt"
+    f.write_text("a held-out text", encoding="utf-8")
+    assert rw._text(str(f), p) == "a held-out text"
+    from jetson_tq.models.text import text_by_name
+
+    assert rw._text("opticks", p) == text_by_name("opticks")
+    with pytest.raises(SystemExit) as e:
+        rw._text(str(tmp_path / "missing.txt"), p)
+    assert e.value.code == 2 and "expected a UTF-8 text file or one of ('essays', 'opticks')" in capsys.readouterr().err
