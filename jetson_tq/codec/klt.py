@@ -60,6 +60,13 @@ class RotaryParams:
         return torch.cat([a, b, rest], dim=-1).to(x.dtype)
 
 
+def centered_codes(bits: int) -> torch.Tensor:
+    """The centered codes u = 2c - (2^bits - 1) of a ``bits``-wide code c, float64 [2^bits]: odd integers, symmetric
+    (the variable of cubic levels, ``KeyTransform.cubic_levels``)."""
+    n = 1 << bits
+    return 2 * torch.arange(n, dtype=torch.float64) - (n - 1)
+
+
 @dataclass(frozen=True)
 class KeyTransform:
     """One layer's calibrated key coder, per KV head: mean [H, D], encode / decode [H, D, D], bits [H, D] (0..8, the
@@ -125,7 +132,7 @@ class KeyTransform:
             if not bool(sel.any()):
                 continue
             n = 1 << b
-            u = 2 * torch.arange(n, dtype=torch.float64, device=lv.device) - (n - 1)
+            u = centered_codes(b).to(lv.device)
             basis = torch.stack([u**p for p in range(min(4, n))], 1)  # [n, P]
             y = lv[sel][:, :n]  # [m, n]
             coef = torch.linalg.lstsq(basis.expand(len(y), -1, -1), y[..., None]).solution[..., 0]  # [m, P]

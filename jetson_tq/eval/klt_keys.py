@@ -46,7 +46,7 @@ from functools import cache, partial
 import torch
 
 from ..cache.compressed import CompressedKVCache
-from ..codec.klt import RotaryParams
+from ..codec.klt import RotaryParams, centered_codes
 from ..codec.klt import default_inv_freq as inv_freq
 from ..errors import FormatError, ShapeError
 from ..format import Field, KVFormat
@@ -322,12 +322,6 @@ def lloyd_levels(
         out[cols, : 1 << b] = c
         out[cols, 1 << b :] = c[:, -1:]
     return out
-
-
-def centered_codes(bits: int) -> torch.Tensor:
-    """The centered codes u = 2c - (2^bits - 1) of a ``bits``-wide code c, float64 [2^bits]: odd integers, symmetric."""
-    n = 1 << bits
-    return 2 * torch.arange(n, dtype=torch.float64) - (n - 1)
 
 
 def cubic_levels(

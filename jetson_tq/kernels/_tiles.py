@@ -328,14 +328,17 @@ def rope_cos_sin(pos, turns):
 
 
 @triton.jit
-def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
-    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program: each coefficient's first
-    code bit and width [DP]; with ``KLT.SELECT`` the one-hot int8 pickers [DP, KCBP] of each coefficient's byte and
-    of the byte after it (codes that straddle one; zero rows where none); the decode matrix's row blocks as A
-    operands in fp16 — [RHP, DP] x 2 (the rotary pairs' first and second channels) and [RRP, DP] (unrotated
-    channels) — and the mean's same three parts. Keys are computed transposed (channels x tokens): the warps of a
-    program split these operands by rows (as B operands every warp held them whole: 1.7 KB of spills per thread at
-    D=128, ``compile_sm90.py``)."""
+def klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
+    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program, as two bundles.
+
+    Code reading (``klt_levels``): each coefficient's first code bit and width [DP]; with ``KLT.SELECT`` the one-hot
+    int8 pickers [DP, KCBP] of each coefficient's byte and of the byte after it (codes that straddle one; zero rows
+    where none); with ``KLT.CUBIC`` the levels' linear, square and cube coefficients [DP] (from ``lv_ptr``: fp32
+    [H, 3, DP]), else the head's level-table rows (from ``lv_ptr``: fp32 [H, D, 256]).
+    Decoding (``klt_keys``): the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
+    first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
+    transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
+    held them whole: 1.7 KB of spills per thread at D=128, ``compile_sm90.py``)."""
     j = tl.arange(0, PAGE.DP)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
@@ -346,6 +349,11 @@ def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.con
     first = (bo >> 3)[:, None]
     sel = ((kb[None, :] == first) & (w > 0)[:, None]).to(tl.int8)
     sel_hi = ((kb[None, :] == first + 1) & ((bo & 7) + w > 8)[:, None]).to(tl.int8)
+    if KLT.CUBIC:
+        poly = lv_ptr + h64 * (3 * PAGE.DP) + j
+        levels = (tl.load(poly)[:, None], tl.load(poly + PAGE.DP)[:, None], tl.load(poly + 2 * PAGE.DP)[:, None])
+    else:
+        levels = lv_ptr + (h64 * PAGE.D + j) * 256
     dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
     mrow = mean_ptr + h64 * PAGE.DP
     da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
@@ -354,7 +362,7 @@ def klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.con
     ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
     mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
     mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
-    return bo, w, sel, sel_hi, da, db, dr, ma, mb, mr
+    return (bo, w, sel, sel_hi, levels), (da, db, dr, ma, mb, mr)
 
 
 @triton.jit
@@ -369,16 +377,14 @@ def pick_bytes(sel, codes, INTERP: tl.constexpr):
 
 
 @triton.jit
-def klt_levels(
-    rows, nmask, h, bo, w, sel, sel_hi, levels_ptr, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr
-):
-    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]:
-    each coefficient's ``w``-bit code read from its bit offset ``bo`` — with ``KLT.SELECT`` picked from the tile's
-    code bytes by ``pick_bytes``, else loaded a byte at a time; one byte with ``KLT.ONE_BYTE`` (every code inside a
-    byte), else two — then looked up in head ``h``'s level table (fp32 [H, D, 256]), or with ``KLT.CUBIC`` computed
-    as a cubic of the centered code from ``levels_ptr``'s coefficients (fp32 [H, 3, DP]: linear, square, cube;
-    ``_common.klt_constants`` folds the constant into the mean)."""
-    j = tl.arange(0, PAGE.DP)
+def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N],
+    through ``klt_operands``' code-reading bundle ``cops``: each coefficient's ``w``-bit code read from its bit offset
+    ``bo`` — with ``KLT.SELECT`` picked from the tile's code bytes by ``pick_bytes``, else loaded a byte at a time;
+    one byte with ``KLT.ONE_BYTE`` (every code inside a byte), else two — then looked up in the head's level table,
+    or with ``KLT.CUBIC`` computed as a cubic of the centered code (``_common.klt_constants`` folds the constant into
+    the mean)."""
+    bo, w, sel, sel_hi, levels = cops
     sh = bo & 7
     if KLT.SELECT:
         kb = tl.arange(0, KLT.KCBP)
@@ -395,23 +401,22 @@ def klt_levels(
             lo = lo | (hi.to(tl.int32) << 8)
     code = (lo >> sh[:, None]) & ((1 << w) - 1)[:, None]
     if KLT.CUBIC:  # levels a cubic of the centered code u: s u + r u^2 + t u^3 (the constant is in the mean)
+        s, r, t = levels
         u = (2 * code - ((1 << w) - 1)[:, None]).to(tl.float32)
-        poly = levels_ptr + h.to(tl.int64) * (3 * PAGE.DP) + j
-        s = tl.load(poly)[:, None]
-        r = tl.load(poly + PAGE.DP)[:, None]
-        t = tl.load(poly + 2 * PAGE.DP)[:, None]
         z = u * (s + u * (r + u * t))
     else:
-        lv = levels_ptr + (h.to(tl.int64) * PAGE.D + j) * 256
-        z = tl.load(lv[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
+        j = tl.arange(0, PAGE.DP)
+        z = tl.load(levels[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
     return z
 
 
 @triton.jit
-def klt_keys(zt, cos, sin, da, db, dr, ma, mb, mr, KLT: tl.constexpr, INTERP: tl.constexpr):
+def klt_keys(zt, cos, sin, dops, KLT: tl.constexpr, INTERP: tl.constexpr):
     """Post-RoPE keys (transposed) of coefficient levels zt [DP, N] as three fp32 parts: rotary first channels
-    [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R (m + B z) with cos, sin [RHP, N] of the
-    rotation's angles (``rope_cos_sin``; RoPE's attention scaling is the caller's: in cos and sin, or in the query)."""
+    [RHP, N], second channels [RHP, N] and unrotated channels [RRP, N]: R (m + B z) through ``klt_operands``' decoding
+    bundle ``dops``, with cos, sin [RHP, N] of the rotation's angles (``rope_cos_sin``; RoPE's attention scaling is
+    the caller's: in cos and sin, or in the query)."""
+    da, db, dr, ma, mb, mr = dops
     z16 = zt.to(tl.float16)
     n: tl.constexpr = zt.shape[1]
     ka = mma(da, z16, tl.zeros([KLT.RHP, n], tl.float32), INTERP) + ma[:, None]

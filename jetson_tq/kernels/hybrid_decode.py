@@ -128,7 +128,7 @@ def _hybrid_decode_kernel(
     ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
     cb_ptr,  # fp32 [>= 4]: key codebook (the centroid lookup)
     klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
-    klt_lv_ptr,  # levels
+    klt_lv_ptr,  # level tables, or cubic levels' coefficients (KLT.CUBIC)
     klt_dec_ptr,  # decode matrix
     klt_mean_ptr,  # mean
     klt_turns_ptr,  # RoPE frequencies
@@ -189,7 +189,7 @@ def _hybrid_decode_kernel(
         qk = _klt_query_operands(qt_ptr, qrow, gmask, klt_scale, CFG, KLT)
         qh = ()
         kadd = tl.zeros([CFG.GP], tl.float32)
-        kops = _klt_read_operands(h, klt_meta_ptr, klt_dec_ptr, klt_mean_ptr, klt_turns_ptr, PAGE, CFG, KLT)
+        kops = _klt_read_operands(h, klt_meta_ptr, klt_lv_ptr, klt_dec_ptr, klt_mean_ptr, klt_turns_ptr, PAGE, CFG, KLT)
     else:
         qk, qh, kadd = _key_operands(qt_ptr, qrow, gmask, kc, k_alpha, k_beta, k_gamma, PAGE, CFG)
         kops = ()
@@ -211,7 +211,7 @@ def _hybrid_decode_kernel(
     for n0 in range(start, end, CFG.BLOCK_N):
         page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
         if PAGE.KEY_MODE == K_KLT:
-            s = _klt_scores(page, off, nmask, n0, h, qk, kops, klt_lv_ptr, PAGE, CFG, KLT)
+            s = _klt_scores(page, off, nmask, n0, qk, kops, PAGE, CFG, KLT)
         else:
             s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
         s = tl.where(nmask[:, None], s, float("-inf"))
@@ -345,26 +345,26 @@ def _klt_query_operands(qt_ptr, qrow, gmask, scale, CFG: tl.constexpr, KLT: tl.c
 
 @triton.jit
 def _klt_read_operands(
-    h, meta_ptr, dec_ptr, mean_ptr, turns_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
+    h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, turns_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
 ):
-    """klt keys: this KV head's transform operands (``klt_operands``), the RoPE frequencies [RHP] and cos, sin
-    [RHP, BLOCK_N] of the angle offsets t theta of a tile's tokens t from its first, made once per program: every
-    tile's keys turn by them, its base angle goes to the query (``_klt_scores``)."""
+    """klt keys: this KV head's code-reading and decoding bundles (``klt_operands``), the RoPE frequencies [RHP] and
+    cos, sin [RHP, BLOCK_N] of the angle offsets t theta of a tile's tokens t from its first, made once per program:
+    every tile's keys turn by them, its base angle goes to the query (``_klt_scores``)."""
     turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
     ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[None, :], turns[:, None])
-    return klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT) + (turns, ct, st)
+    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    return cops, dops, turns, ct, st
 
 
 @triton.jit
-def _klt_scores(page, off, nmask, n0, h, qk, kops, lv_ptr, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr):
+def _klt_scores(page, off, nmask, n0, qk, kops, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr):
     """Log2-domain scores [BLOCK_N, GP] of one tile of klt keys (positions n0 + t): q . R_(n0 + t) k =
     (R_n0^T q) . (R_t k), so the keys are decoded and turned by their offsets t from the tile's start alone
     (``klt_levels``, ``klt_keys`` with the program's cos, sin tiles) and the query by the tile's base angle n0, then
     three products with the query's parts."""
-    bo, w, sel, sel_hi, da, db, dr, ma, mb, mr, turns, ct, st = kops
-    rows = page + PAGE.OFF_KCODE + off * PAGE.KCB
-    z = klt_levels(rows, nmask, h, bo, w, sel, sel_hi, lv_ptr, PAGE, KLT, CFG.INTERP)
-    ka, kb, kr = klt_keys(z, ct, st, da, db, dr, ma, mb, mr, KLT, CFG.INTERP)
+    cops, dops, turns, ct, st = kops
+    z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, cops, PAGE, KLT, CFG.INTERP)
+    ka, kb, kr = klt_keys(z, ct, st, dops, KLT, CFG.INTERP)
     cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
     qa = (qk[0] * cb[:, None] + qk[1] * sb[:, None]).to(tl.float16)
     qb = (qk[1] * cb[:, None] - qk[0] * sb[:, None]).to(tl.float16)

@@ -86,7 +86,7 @@ def _dequant_kernel(
     vcb_ptr,  # fp32: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
     klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
-    klt_lv_ptr,  # levels
+    klt_lv_ptr,  # level tables, or cubic levels' coefficients (KLT.CUBIC)
     klt_dec_ptr,  # decode matrix
     klt_mean_ptr,  # mean
     klt_turns_ptr,  # RoPE frequencies
@@ -224,12 +224,12 @@ def _klt_workspace_keys(
 ):
     """klt keys at positions ``n`` [N] (codes at byte pointers ``rows``) decoded to post-RoPE keys in the workspace
     rows starting at ``dst`` [N]: channels in their own order, padding columns zero."""
-    bo, w, sel, sel_hi, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    z = klt_levels(rows, nmask, h, bo, w, sel, sel_hi, lv_ptr, PAGE, KLT, INTERP)
+    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    z = klt_levels(rows, nmask, cops, PAGE, KLT, INTERP)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
     cos, sin = rope_cos_sin(n[None, :], tl.load(turns_ptr + ia)[:, None])
-    ka, kb, kr = klt_keys(z, cos * scale, sin * scale, da, db, dr, ma, mb, mr, KLT, INTERP)
+    ka, kb, kr = klt_keys(z, cos * scale, sin * scale, dops, KLT, INTERP)
     ty = dst.dtype.element_ty
     cols = dst[None, :]  # the keys are [channels, tokens]
     tmask = nmask[None, :]

@@ -253,9 +253,8 @@ def _read_back_kernel(
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
     nmask = i < n
-    bo, w, sel, sel_hi, da, db, dr, ma, mb, mr = klt_operands(h, meta_ptr, dec_ptr, mean_ptr, PAGE, KLT)
-    rows = code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB
-    z = klt_levels(rows, nmask, h, bo, w, sel, sel_hi, lv_ptr, PAGE, KLT, INTERP)  # [DP, BLOCK]
+    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    z = klt_levels(code_ptr + (i.to(tl.int64) * HKV + h) * PAGE.KCB, nmask, cops, PAGE, KLT, INTERP)  # [DP, BLOCK]
     j = tl.arange(0, PAGE.DP)
     out = ((h * n + i) * PAGE.DP)[None, :]
     tl.store(z_ptr + out + j[:, None], z, mask=nmask[None, :])
@@ -263,7 +262,7 @@ def _read_back_kernel(
     ir = tl.arange(0, KLT.RRP)
     pos = tl.load(pos_ptr + i, mask=nmask, other=0)
     cos, sin = rope_cos_sin(pos[None, :], tl.load(turns_ptr + ia)[:, None])
-    ka, kb, kr = klt_keys(z, cos * scale, sin * scale, da, db, dr, ma, mb, mr, KLT, INTERP)
+    ka, kb, kr = klt_keys(z, cos * scale, sin * scale, dops, KLT, INTERP)
     rows = k_ptr + out
     tl.store(rows + ia[:, None], ka, mask=nmask[None, :] & (ia < KLT.RH)[:, None])
     tl.store(rows + KLT.RH + ia[:, None], kb, mask=nmask[None, :] & (ia < KLT.RH)[:, None])
