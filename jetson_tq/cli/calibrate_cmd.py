@@ -48,7 +48,11 @@ def register(sub) -> None:
         help="each coefficient's levels: 'cubic' (a fitted cubic of the code, the default: the kernels compute it with "
         "no table) or 'lloyd' (a fitted Lloyd-Max codebook); the same quality held out (docs/fidelity.md)",
     )
-    p.add_argument("--out", help=f"output file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt)")
+    p.add_argument(
+        "--out",
+        help=f"the transform file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt); its config goes beside it as .yaml "
+        "(--out NAME.yaml names the config: the transform is then NAME.pt)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -98,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
     if ids.numel() < need:
         raise ConfigError(f"--text {args.text!r}: {ids.numel():,} tokens, {need:,} needed")
     rows = ids[-need:].reshape(args.windows, args.window_len)
-    out = Path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt").expanduser()
+    out = transform_path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt")
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     transforms = calibrate_model(
@@ -110,6 +114,13 @@ def _run(args: argparse.Namespace) -> int:
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) and its config {config}")
     print(f"use it: TurboQuantCache(model, {str(config)!r})")
     return 0
+
+
+def transform_path(out: str | Path) -> Path:
+    """Where ``--out`` puts the transform: the path itself, or NAME.pt beside a config path NAME.yaml / NAME.yml
+    (the config always goes to the transform's NAME.yaml, so the two never overwrite each other)."""
+    path = Path(out).expanduser()
+    return path.with_suffix(".pt") if path.suffix.lower() in (".yaml", ".yml") else path
 
 
 def _widths(text: str) -> tuple[int, ...]:

@@ -324,15 +324,29 @@ def lloyd_levels(
     return out
 
 
+def ascending_fit(basis: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Least-squares coefficients [C, P, 1] of ascending ``levels`` [C, n] in ``basis`` [n, P] (powers of the centered
+    code), ascending themselves: where the fit bends back (an S-shaped codebook: two tight clusters) the straight
+    line's, whose slope through ascending levels is never negative."""
+    fit = torch.linalg.lstsq(basis.expand(len(levels), -1, -1), levels[..., None]).solution
+    if basis.shape[1] <= 2:
+        return fit
+    line = torch.linalg.lstsq(basis[:, :2].expand(len(levels), -1, -1), levels[..., None]).solution
+    line = torch.cat([line, torch.zeros_like(fit[:, 2:])], 1)
+    bent = ((basis @ fit)[..., 0].diff(dim=1) < 0).any(1)
+    return torch.where(bent[:, None, None], line, fit)
+
+
 def cubic_levels(
     z: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: int = 30
 ) -> torch.Tensor:
     """Per coefficient levels a cubic of the centered code, a + u (s + u (r + t u)) (``centered_codes``) [D,
     2^MAX_BITS], fitted to calibration coefficients z [N, D] (``weight`` [N]): nearest-level codes and a weighted
-    least-squares cubic in turn, started on the fitted Lloyd-Max levels (``lloyd_levels``), each step kept only while
-    the levels stay ascending. A kernel computes such levels by three FMAs, with no table; the cubic's bend follows
-    a Lloyd-Max codebook's wider outer cells (on Gaussian and Laplacian data within 1-5 % of its error at 2-4 bits, up
-    to ~20 % at 5-6; evenly spaced levels lose 20-60 % at 4-5 bits). Unused slots repeat the last level."""
+    least-squares cubic in turn, started on the fitted Lloyd-Max levels (``lloyd_levels``, ``ascending_fit``), each
+    step kept only while the levels stay ascending. A kernel computes such levels by three FMAs, with no table; the
+    cubic's bend follows a Lloyd-Max codebook's wider outer cells (on Gaussian and Laplacian data within 1-5 % of its
+    error at 2-4 bits, up to ~20 % at 5-6; evenly spaced levels lose 20-60 % at 4-5 bits).
+    Unused slots repeat the last level."""
     out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64)
     lloyd = lloyd_levels(z, weight, sigma, bits)
     for b in range(1, MAX_BITS + 1):
@@ -345,7 +359,7 @@ def cubic_levels(
         x = z[:, cols].T.double().contiguous()  # [n_cols, N]
         w = weight.double()[None, :].expand_as(x)
         start = lloyd[cols, :n]  # [n_cols, n]
-        coef = torch.linalg.lstsq(basis.expand(len(cols), -1, -1), start[..., None]).solution  # [n_cols, P, 1]
+        coef = ascending_fit(basis, start)
         for _ in range(steps):
             lv = (basis @ coef)[..., 0]
             idx = torch.searchsorted(((lv[:, 1:] + lv[:, :-1]) / 2).contiguous(), x)

@@ -313,3 +313,20 @@ def test_block_spec_is_checked_and_costed():
         KLTKeys(52, block=7)
     with pytest.raises(FormatError):
         KLTKeys(52, block=-2)
+
+
+def test_cubic_levels_start_ascending_on_an_s_shaped_codebook():
+    """``ascending_fit``: a cubic through two tight clusters' levels bends back (the level order breaks, which
+    ``KeyTransform`` refuses); the fit then starts on the straight line, and the plain fit is kept where it ascends."""
+    from jetson_tq.codec.klt import centered_codes
+    from jetson_tq.eval.klt_keys import ascending_fit
+
+    u = centered_codes(3) / 7
+    basis = torch.stack([u**p for p in range(4)], 1)
+    step = torch.tensor([[-3.0, -2.9, -2.8, -2.7, 2.7, 2.8, 2.9, 3.0]], dtype=torch.float64)
+    plain = torch.linalg.lstsq(basis[None], step[..., None]).solution
+    assert bool(((basis @ plain)[..., 0].diff(dim=1) < 0).any()), "the plain cubic fit bends back"
+    fit = ascending_fit(basis, step)
+    assert bool(((basis @ fit)[..., 0].diff(dim=1) >= 0).all()) and float(fit[0, 2:].abs().max()) == 0.0
+    smooth = torch.linspace(-2, 2, 8, dtype=torch.float64)[None] ** 3 / 4 + torch.linspace(-2, 2, 8)[None]
+    assert torch.allclose(ascending_fit(basis, smooth), torch.linalg.lstsq(basis[None], smooth[..., None]).solution)

@@ -182,6 +182,9 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     assert torch.isfinite(logits).all()
     assert main([*argv[:5], "--windows", "9", "--out", str(out)]) == 2  # too few tokens: a usage error
     assert "needed" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "named.yaml"), "--key-bytes", "40"]) == 0  # the config's name
+    assert load_config(tmp_path / "named.yaml").key_transform == str(tmp_path / "named.pt")
+    assert load_transforms(tmp_path / "named.pt")[1]["key_code_bytes"] == 40
 
 
 @pytest.mark.slow
