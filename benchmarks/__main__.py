@@ -31,6 +31,7 @@ TOOLS = {
     "compile-sm90": "compile_sm90.py",
     "fidelity": "fidelity.py",
     "smartmix": "smartmix.py",
+    "sink-spread": "sink_spread.py",
     "vllm-run": "vllm_gpu/run.py",
     "vllm-bundle": "vllm_gpu/bundle.py",
     "vllm-sched": "vllm_gpu/sched_compare.py",

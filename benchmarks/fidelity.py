@@ -209,10 +209,11 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``_cal<N>`` calibrated on the essays' last N x 1,024 tokens (default 2). The calibration leaves out the positions a
 #: row reads exactly (``_e<S>``), so a row without the sink calibrates on position 0 too. ``_tq`` (with ``al``, no
 #: ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages, ``_e<S>`` then the format's
-#: own ``sink_tokens`` (as ``python -m jetson_tq calibrate --sink-tokens S`` calibrates).
+#: own ``sink_tokens`` (as ``python -m jetson_tq calibrate --sink-tokens S`` calibrates); ``_e<S>l<L>`` (``_tq`` rows)
+#: the sink in layers L and later only, each layer calibrated with or without the positions it reads exactly.
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>[lp])?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+))?(?P<xk>_xk)?"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+)(?:l(?P<el>\d+))?)?(?P<xk>_xk)?"
     r"(?:_bd(?P<bn>\d+))?(?:_w(?P<wd>[1-8]+))?(?:_cal(?P<cal>\d+))?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
 )
 
@@ -245,6 +246,8 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
     )
     if m["tq"] and (klt is None or klt.token_norm or not (klt.attention and (klt.lloyd or klt.cubic))):
         return None  # _tq: the product's klt format, which stores the attention-weighted, fitted-level coder
+    if m["el"] and not m["tq"]:
+        return None  # per-layer sinks are per-layer formats: the product's
     # split / KLT rows: the store's own key code is unread
     key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
@@ -279,10 +282,17 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         notes.append("stored by the product's klt format (codec.klt), decoded from the pages")
         windows = calibration(int(m["cal"] or 2))
         layers = calibrate_klt(klt, windows, HEAD_DIM, ROPE_THETA, skip=sinks, rotary=MODEL_ROTARY[0])
+        overrides = {}
+        if m["el"]:  # the sink from layer L on: earlier layers code position 0 and calibrate on it
+            first = int(m["el"])
+            plain = calibrate_klt(klt, windows, HEAD_DIM, ROPE_THETA, skip=0, rotary=MODEL_ROTARY[0])
+            layers = [layers[i] if i >= first else plain[i] for i in range(len(layers))]
+            fmt, overrides = fmt.with_(sink_tokens=0), {i: fmt for i in range(first, len(layers))}
+            notes.append(f"position 0 exact from layer {first} on")
         return F.Variant(
             name,
             "levers",
-            TurboQuantConfig(name=name, default=fmt),
+            TurboQuantConfig(name=name, default=fmt, overrides=overrides),
             "; ".join(n for n in notes if n),
             backend,
             centers=CENTERS if m["c"] else None,

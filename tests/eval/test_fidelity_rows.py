@@ -22,6 +22,18 @@ def test_klt_rows_name_their_levels_and_widths():
     assert bf.SPEC_ROW.match("kl52auv3m_b256_tq") is None  # evenly spaced levels: measured and removed
 
 
+def test_sink_rows_name_their_first_layer():
+    """``_e<S>l<L>``: the first S positions exact in layers L and later only, a per-layer format, so product-format
+    (``_tq``) rows alone take it."""
+    import benchmarks.fidelity as bf
+
+    m = bf.SPEC_ROW.match("kl52apv3m_b256_e1l12_w248_tq_seed1")
+    assert m is not None and (m["e"], m["el"], m["wd"], m["tq"], m["seed"]) == ("1", "12", "248", "_tq", "1")
+    assert bf.SPEC_ROW.match("kl52apv3m_b256_e1_w248_tq")["el"] is None
+    assert bf.SPEC_ROW.match("kl52apv3m_b256_l12_w248_tq") is None  # a first layer without a sink
+    assert bf.spec_row("kl52apv3m_b256_e1l12_w248", "cpu-decoded") is None
+
+
 def test_config_rows_are_plotted_by_what_they_are():
     """``--extra-configs`` rows: a klt config joins the product's klt family, a per-layer config the SmartMix one,
     anything else is a plain config file."""

@@ -1,0 +1,49 @@
+"""How constant a model's attention sink is: position 0's key and value over many different first tokens.
+
+Where a layer's position-0 key and value are the same vector whatever the token (the sink's massive activation), a
+calibration can hold them per layer and a reader can take position 0 from there, with nothing stored per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .smartmix import capture
+
+
+@dataclass(frozen=True)
+class SinkSpread:
+    """Per layer and KV head: position 0's mean key and value over the first tokens tried [L, H, D], and the largest
+    distance of any of them from that mean relative to a typical key's / value's norm [L, H]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_spread: torch.Tensor
+    value_spread: torch.Tensor
+
+    def constant_layers(self, tolerance: float) -> list[int]:
+        """Layers whose every head's position-0 key and value stay within ``tolerance`` of their means."""
+        worst = torch.maximum(self.key_spread, self.value_spread).amax(1)
+        return [i for i, w in enumerate(worst.tolist()) if w <= tolerance]
+
+
+@torch.no_grad()
+def sink_spread(model, first_tokens: torch.Tensor, window: torch.Tensor) -> SinkSpread:
+    """Position 0's key and value for each token of ``first_tokens`` [N] (one forward of two tokens each: position 0
+    alone decides them), against the mean key / value norm over positions 1.. of a real token ``window`` [T]."""
+    if first_tokens.ndim != 1 or first_tokens.numel() < 2 or window.ndim != 1 or window.numel() < 2:
+        raise ValueError("sink_spread: expected >= 2 first tokens [N] and a window of >= 2 tokens [T]")
+    firsts = capture(model, torch.stack([first_tokens, first_tokens], 1))
+    typical = capture(model, window[None])
+    keys, values, key_spread, value_spread = [], [], [], []
+    for cap, ref in zip(firsts, typical):
+        k0, v0 = cap.k[:, :, 0].double(), cap.v[:, :, 0].double()  # [N, H, D]
+        k_norm = ref.k[0, :, 1:].double().norm(dim=-1).mean(-1)  # [H]
+        v_norm = ref.v[0, :, 1:].double().norm(dim=-1).mean(-1)
+        keys.append(k0.mean(0))
+        values.append(v0.mean(0))
+        key_spread.append((k0 - k0.mean(0)).norm(dim=-1).amax(0) / k_norm)
+        value_spread.append((v0 - v0.mean(0)).norm(dim=-1).amax(0) / v_norm)
+    return SinkSpread(*(torch.stack(x).float() for x in (keys, values, key_spread, value_spread)))
