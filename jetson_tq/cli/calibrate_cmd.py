@@ -66,6 +66,8 @@ def _load(model: str):
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ConfigError(f"--model {model!r}: expected 'smollm2' or a model directory")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {model!r}: no config.json there (expected a Hugging Face model directory)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,8 +98,9 @@ def _run(args: argparse.Namespace) -> int:
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
     levels = args.levels or DEFAULT_LEVELS
 
+    text = _text(args.text)  # a usage error before the model loads
     model, tok, name = _load(args.model)
-    ids = tok(_text(args.text), return_tensors="pt").input_ids[0]
+    ids = tok(text, return_tensors="pt").input_ids[0]
     need = args.windows * args.window_len
     if ids.numel() < need:
         raise ConfigError(f"--text {args.text!r}: {ids.numel():,} tokens, {need:,} needed")

@@ -185,6 +185,11 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     assert main([*argv, "--out", str(tmp_path / "named.yaml"), "--key-bytes", "40"]) == 0  # the config's name
     assert load_config(tmp_path / "named.yaml").key_transform == str(tmp_path / "named.pt")
     assert load_transforms(tmp_path / "named.pt")[1]["key_code_bytes"] == 40
+    (tmp_path / "empty").mkdir()
+    assert main([*argv[:1], "--model", str(tmp_path / "empty"), *argv[3:]]) == 2  # no config.json: a usage error
+    assert "no config.json" in capsys.readouterr().err
+    assert main([*argv[:3], "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "expected 'essays', 'opticks' or a text file" in capsys.readouterr().err
 
 
 @pytest.mark.slow
