@@ -29,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tokens < 1 or args.tolerance <= 0:
         ap.error("--tokens must be >= 1 and --tolerance > 0")
-    torch.manual_seed(args.seed)
     model, tok = load_smollm2()
     g = torch.Generator().manual_seed(args.seed)
     firsts = []

@@ -230,15 +230,13 @@ def verdict(name: str, rec: dict, c: dict, top: int) -> str:
 
 
 def _text(name: str, p: argparse.ArgumentParser) -> str:
-    """``--text``: a UTF-8 file, else one of the project's texts by name; a usage error otherwise."""
-    path = Path(name).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    from jetson_tq.models.text import TEXTS, text_by_name
+    """``--text``: one of the project's texts by name, else a UTF-8 file; a usage error otherwise."""
+    from jetson_tq.models.text import TEXTS, text_or_file
 
-    if name in TEXTS:
-        return text_by_name(name)
-    p.error(f"--text {name!r}: expected a UTF-8 text file or one of {TEXTS}")
+    text = text_or_file(name)
+    if text is None:
+        p.error(f"--text {name!r}: expected a UTF-8 text file or one of {TEXTS}")
+    return text
 
 
 def main(argv: list[str] | None = None) -> dict:

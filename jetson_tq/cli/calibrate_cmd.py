@@ -76,14 +76,12 @@ def _load(model: str):
 
 
 def _text(name: str) -> str:
-    if name in ("essays", "opticks"):
-        from ..models.text import text_by_name
+    from ..models.text import text_or_file
 
-        return text_by_name(name)
-    path = Path(name).expanduser()
-    if not path.is_file():
+    text = text_or_file(name)
+    if text is None:
         raise ConfigError(f"--text {name!r}: expected 'essays', 'opticks' or a text file")
-    return path.read_text(encoding="utf-8")
+    return text
 
 
 def _run(args: argparse.Namespace) -> int:

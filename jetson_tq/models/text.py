@@ -64,3 +64,12 @@ def text_by_name(name: str) -> str:
     if name == "opticks":
         return opticks_text()
     raise ConfigError(f"text: expected one of {TEXTS}, got {name!r}")
+
+
+def text_or_file(name: str) -> str | None:
+    """One of ``TEXTS`` by name, else the UTF-8 file at that path; None when it is neither (the caller's usage
+    error)."""
+    if name in TEXTS:
+        return text_by_name(name)
+    path = Path(name).expanduser()
+    return path.read_text(encoding="utf-8") if path.is_file() else None
