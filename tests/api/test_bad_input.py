@@ -7,9 +7,11 @@ Hypothesis fuzzes the YAML loader and the position a non-finite K/V element is r
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -945,6 +947,49 @@ def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
     assert type(err) is RuntimeError and "failed with code 1: ValueError: bad dtype" in str(err)
     err = compare.engine_failure("baseline", -9, "loading\nKilled\n")
     assert isinstance(err, RuntimeError) and "failed with code -9: Killed" in str(err) and "Traceback" not in str(err)
+
+
+def test_engine_start_that_lost_its_port_runs_again_other_failures_do_not(monkeypatch, tmp_path):
+    """A start-up whose rendezvous port was taken by another process is retried; a real error fails at once."""
+    import subprocess
+
+    calls = []
+
+    def fake_run(command, **kw):
+        calls.append(command)
+        out = Path(command[-1])
+        if len(calls) == 1:
+            return subprocess.CompletedProcess(command, 1, "", "DistNetworkError: ... EADDRINUSE ...\n")
+        out.write_text(json.dumps({"texts": ["ok"]}))
+        return subprocess.CompletedProcess(command, 0, "# KV cache size: 1,024 tokens\n", "")
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    result = compare.run_engine_subprocess({"model": "m"}, None, {})
+    assert len(calls) == 2 and result["texts"] == ["ok"]
+
+    calls.clear()
+    monkeypatch.setattr(
+        compare.subprocess,
+        "run",
+        lambda command, **kw: (
+            calls.append(command) or subprocess.CompletedProcess(command, 1, "", "ValueError: bad dtype\n")
+        ),
+    )
+    with pytest.raises(RuntimeError, match="bad dtype"):
+        compare.run_engine_subprocess({"model": "m"}, None, {})
+    assert len(calls) == 1
+
+    calls.clear()
+    monkeypatch.setattr(
+        compare.subprocess,
+        "run",
+        lambda command, **kw: (
+            calls.append(command) or subprocess.CompletedProcess(command, 1, "", "DistNetworkError: EADDRINUSE\n")
+        ),
+    )
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):
+        compare.run_engine_subprocess({"model": "m"}, None, {})
+    assert len(calls) == 1 + compare.PORT_RETRIES
 
 
 FORMATS = [

@@ -212,27 +212,31 @@ def run_engines_in_one_process(
     with tempfile.TemporaryDirectory() as tmp:
         jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
         jobs_path.write_text(json.dumps(jobs))
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "jetson_tq.integrations.vllm.compare",
-                "--worker-many",
-                str(jobs_path),
-                str(out_path),
-            ],
-            env=child_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0 or not out_path.exists():
-            raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
+        log = _run_worker("--worker-many", jobs_path, out_path, child_env, timeout, tq_config)
         results = json.loads(out_path.read_text())
     for r in results.values():
         r["log_tail"] = log[-3000:]
     return results
+
+
+PORT_TAKEN = "EADDRINUSE"  # vLLM picks a free port, closes it, then binds it: another process may take it between
+PORT_RETRIES = 3
+
+
+def _run_worker(
+    mode: str, jobs_path: Path, out_path: Path, child_env: dict, timeout: float, tq_config: str | None
+) -> str:
+    """Run this module's ``mode`` worker on ``jobs_path``; return its log. A start-up that lost its rendezvous port
+    to another process is run again (up to ``PORT_RETRIES`` times); any other failure raises ``engine_failure``."""
+    command = [sys.executable, "-m", "jetson_tq.integrations.vllm.compare", mode, str(jobs_path), str(out_path)]
+    for attempt in range(PORT_RETRIES + 1):
+        proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
+        log = proc.stdout + proc.stderr
+        if proc.returncode == 0 and out_path.exists():
+            return log
+        if PORT_TAKEN not in log or attempt == PORT_RETRIES:
+            break
+    raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
 
 
 def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
@@ -244,16 +248,7 @@ def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = N
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp, "job.json"), Path(tmp, "out.json")
         job_path.write_text(json.dumps(job))
-        proc = subprocess.run(
-            [sys.executable, "-m", "jetson_tq.integrations.vllm.compare", "--worker", str(job_path), str(out_path)],
-            env=child_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        log = proc.stdout + proc.stderr
-        if proc.returncode != 0 or not out_path.exists():
-            raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
+        log = _run_worker("--worker", job_path, out_path, child_env, timeout, tq_config)
         result = json.loads(out_path.read_text())
     found = KV_SIZE_LOG.findall(log)
     result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
