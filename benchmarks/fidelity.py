@@ -210,10 +210,12 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: row reads exactly (``_e<S>``), so a row without the sink calibrates on position 0 too. ``_tq`` (with ``al``, no
 #: ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages, ``_e<S>`` then the format's
 #: own ``sink_tokens`` (as ``python -m jetson_tq calibrate --sink-tokens S`` calibrates); ``_e<S>l<L>`` (``_tq`` rows)
-#: the sink in layers L and later only, each layer calibrated with or without the positions it reads exactly.
+#: the sink in layers L and later only, each layer calibrated with or without the positions it reads exactly;
+#: ``_e1l<L>k`` (``_tq`` rows) position 0 of those layers read from a per-layer constant instead of the sequence's own
+#: (the mean over 100 first tokens of the calibration windows and the special tokens, ``eval.sink.sink_spread``).
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>[lp])?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
-    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+)(?:l(?P<el>\d+))?)?(?P<xk>_xk)?"
+    r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+)(?:l(?P<el>\d+)(?P<ek>k)?)?)?(?P<xk>_xk)?"
     r"(?:_bd(?P<bn>\d+))?(?:_w(?P<wd>[1-8]+))?(?:_cal(?P<cal>\d+))?(?P<tq>_tq)?(?:_seed(?P<seed>\d+))?$"
 )
 
@@ -248,6 +250,8 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         return None  # _tq: the product's klt format, which stores the attention-weighted, fitted-level coder
     if m["el"] and not m["tq"]:
         return None  # per-layer sinks are per-layer formats: the product's
+    if m["ek"] and m["e"] != "1":
+        return None  # the constant sink is one position
     # split / KLT rows: the store's own key code is unread
     key_bits = int(m["k"]) if m["k"] else (split.lo_bits if split is not None else 3)
     buffer, sinks = int(m["r"] or 128), int(m["e"] or 0)
@@ -288,7 +292,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             plain = calibrate_klt(klt, windows, HEAD_DIM, ROPE_THETA, skip=0, rotary=MODEL_ROTARY[0])
             layers = [layers[i] if i >= first else plain[i] for i in range(len(layers))]
             fmt, overrides = fmt.with_(sink_tokens=0), {i: fmt for i in range(first, len(layers))}
-            notes.append(f"position 0 exact from layer {first} on")
+            notes.append(f"position 0 {'a calibrated constant' if m['ek'] else 'exact'} from layer {first} on")
         return F.Variant(
             name,
             "levers",
@@ -297,6 +301,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             backend,
             centers=CENTERS if m["c"] else None,
             key_transforms=[to_key_transform(layer, MODEL_ROTARY[0]) for layer in layers],
+            sink_constants=SINK_CONSTANTS[0] if m["ek"] else None,
         )
     return F.Variant(
         name,
@@ -340,6 +345,7 @@ def split_plan(split: SplitKeys, m: re.Match, block: int, sinks: int) -> SplitKe
 CENTERS: list = []  # filled by main() from --centers before rows are built
 CALIBRATION: list = []  # per-layer capture of the calibration text (windows oldest first), filled by main()
 MODEL_ROTARY: list = []  # the model's RoPE (codec.klt.RotaryParams), filled by main()
+SINK_CONSTANTS: list = []  # per layer (key, value) [H, D] of position 0 (``_e1l<L>k`` rows), filled by main()
 HEAD_DIM = 64  # the model's head dim, set by main()
 CALIBRATION_START = 45_000  # calibration windows start after every essay token a run scores (dev split: to 44,100)
 ROPE_THETA = 1e5  # the model's RoPE theta, set by main()
@@ -552,6 +558,17 @@ def load_centers(path: Path, model, tok) -> list:
     return [(flat[f"{i}.k"], flat[f"{i}.v"]) for i in range(len(flat) // 2)]
 
 
+def calibrated_sink(model, tok, firsts: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer position 0's mean key and value [H, D] over ``firsts`` tokens drawn (seed 0) from the essays' last
+    2 x 1,024 tokens (the default calibration windows) and the tokenizer's special tokens: the held-out text unseen."""
+    from jetson_tq.eval.sink import sink_spread
+
+    ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0][-2048:]
+    drawn = ids[torch.randint(0, ids.numel(), (firsts,), generator=torch.Generator().manual_seed(0))]
+    spread = sink_spread(model, torch.cat([drawn, torch.tensor(sorted(set(tok.all_special_ids)))]), ids[:512])
+    return list(zip(spread.key.unbind(0), spread.value.unbind(0)))
+
+
 def calibration_capture(model, tok, windows: int = 2) -> list[LayerCapture]:
     """Per-layer attention inputs over the essays' last ``windows`` x 1,024 tokens (never scored: the essays hold
     154,036 tokens; held-out runs read the first 4,100, the dev split 40,000-44,100), oldest window first. Captured
@@ -722,6 +739,8 @@ def main(argv: list[str] | None = None) -> dict:
     coded = [m for n in args.rows.split(",") if (m := SPEC_ROW.match(n)) and (m["xn"] or m["ln"])]
     if coded:
         CALIBRATION[:] = calibration_capture(model, tok, max(int(m["cal"] or 2) for m in coded))
+    if any(m["ek"] for m in coded):
+        SINK_CONSTANTS[:] = [calibrated_sink(model, tok)]
     variants = all_rows(args.backend)
     extra = [
         F.Variant(Path(x).stem, config_family(cfg), cfg, "", args.backend)

@@ -32,6 +32,10 @@ def test_sink_rows_name_their_first_layer():
     assert bf.SPEC_ROW.match("kl52apv3m_b256_e1_w248_tq")["el"] is None
     assert bf.SPEC_ROW.match("kl52apv3m_b256_l12_w248_tq") is None  # a first layer without a sink
     assert bf.spec_row("kl52apv3m_b256_e1l12_w248", "cpu-decoded") is None
+    m = bf.SPEC_ROW.match("kl52apv3m_b256_e1l12k_w248_tq")  # ``k``: position 0 read from a calibrated constant
+    assert m is not None and (m["e"], m["el"], m["ek"]) == ("1", "12", "k")
+    assert bf.SPEC_ROW.match("kl52apv3m_b256_e1k_w248_tq") is None  # the constant goes with a first layer
+    assert bf.spec_row("kl52apv3m_b256_e2l12k_w248_tq", "cpu-decoded") is None  # one position only
 
 
 def test_config_rows_are_plotted_by_what_they_are():
