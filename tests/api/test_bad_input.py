@@ -949,44 +949,32 @@ def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
     assert isinstance(err, RuntimeError) and "failed with code -9: Killed" in str(err) and "Traceback" not in str(err)
 
 
-def test_engine_start_that_lost_its_port_runs_again_other_failures_do_not(monkeypatch, tmp_path):
-    """A start-up whose rendezvous port was taken by another process is retried; a real error fails at once."""
+def test_engine_start_that_lost_its_port_runs_again_other_failures_do_not(monkeypatch):
+    """A start-up whose rendezvous port was taken by another process is retried; a real error fails at once, and a
+    port lost on every try fails after ``PORT_RETRIES`` more starts."""
     import subprocess
 
-    calls = []
+    def engine(*stderrs: str) -> list:
+        """Child runs failing with ``stderrs`` in turn, then succeeding; returns the list of commands run."""
+        calls: list = []
 
-    def fake_run(command, **kw):
-        calls.append(command)
-        out = Path(command[-1])
-        if len(calls) == 1:
-            return subprocess.CompletedProcess(command, 1, "", "DistNetworkError: ... EADDRINUSE ...\n")
-        out.write_text(json.dumps({"texts": ["ok"]}))
-        return subprocess.CompletedProcess(command, 0, "# KV cache size: 1,024 tokens\n", "")
+        def run(command, **kw):
+            calls.append(command)
+            if len(calls) <= len(stderrs):
+                return subprocess.CompletedProcess(command, 1, "", stderrs[len(calls) - 1])
+            Path(command[-1]).write_text(json.dumps({"texts": ["ok"]}))
+            return subprocess.CompletedProcess(command, 0, "# KV cache size: 1,024 tokens\n", "")
 
-    monkeypatch.setattr(compare.subprocess, "run", fake_run)
-    result = compare.run_engine_subprocess({"model": "m"}, None, {})
-    assert len(calls) == 2 and result["texts"] == ["ok"]
+        monkeypatch.setattr(compare.subprocess, "run", run)
+        return calls
 
-    calls.clear()
-    monkeypatch.setattr(
-        compare.subprocess,
-        "run",
-        lambda command, **kw: (
-            calls.append(command) or subprocess.CompletedProcess(command, 1, "", "ValueError: bad dtype\n")
-        ),
-    )
+    calls = engine("DistNetworkError: ... EADDRINUSE ...\n")
+    assert compare.run_engine_subprocess({"model": "m"}, None, {})["texts"] == ["ok"] and len(calls) == 2
+    calls = engine("ValueError: bad dtype\n")
     with pytest.raises(RuntimeError, match="bad dtype"):
         compare.run_engine_subprocess({"model": "m"}, None, {})
     assert len(calls) == 1
-
-    calls.clear()
-    monkeypatch.setattr(
-        compare.subprocess,
-        "run",
-        lambda command, **kw: (
-            calls.append(command) or subprocess.CompletedProcess(command, 1, "", "DistNetworkError: EADDRINUSE\n")
-        ),
-    )
+    calls = engine(*["DistNetworkError: EADDRINUSE\n"] * (1 + compare.PORT_RETRIES))
     with pytest.raises(RuntimeError, match="EADDRINUSE"):
         compare.run_engine_subprocess({"model": "m"}, None, {})
     assert len(calls) == 1 + compare.PORT_RETRIES
