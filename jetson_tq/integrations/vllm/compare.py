@@ -205,56 +205,47 @@ def run_engines_in_one_process(
     jobs: dict[str, dict], tq_config: str | None, env: dict | None = None, timeout: float = 1800
 ) -> dict[str, dict]:
     """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs)."""
-    child_env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    child_env.pop("JETSON_TQ_CONFIG", None)
-    if tq_config:
-        child_env["JETSON_TQ_CONFIG"] = tq_config
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
-        jobs_path.write_text(json.dumps(jobs))
-        log = _run_worker("--worker-many", jobs_path, out_path, child_env, timeout, tq_config)
-        results = json.loads(out_path.read_text())
+    env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    results, log = _run_worker("--worker-many", jobs, tq_config, env, timeout)
     for r in results.values():
         r["log_tail"] = log[-3000:]
     return results
+
+
+def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
+    """Run ``run_engine`` in a fresh Python process with or without the switch; adds the logged KV size."""
+    result, log = _run_worker("--worker", job, tq_config, env, timeout)
+    found = KV_SIZE_LOG.findall(log)
+    result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
+    result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
+    result["log_tail"] = log[-3000:]
+    return result
 
 
 PORT_TAKEN = "EADDRINUSE"  # vLLM picks a free port, closes it, then binds it: another process may take it between
 PORT_RETRIES = 3
 
 
-def _run_worker(
-    mode: str, jobs_path: Path, out_path: Path, child_env: dict, timeout: float, tq_config: str | None
-) -> str:
-    """Run this module's ``mode`` worker on ``jobs_path``; return its log. A start-up that lost its rendezvous port
-    to another process is run again (up to ``PORT_RETRIES`` times); any other failure raises ``engine_failure``."""
-    command = [sys.executable, "-m", "jetson_tq.integrations.vllm.compare", mode, str(jobs_path), str(out_path)]
-    for attempt in range(PORT_RETRIES + 1):
-        proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
-        log = proc.stdout + proc.stderr
-        if proc.returncode == 0 and out_path.exists():
-            return log
-        if PORT_TAKEN not in log or attempt == PORT_RETRIES:
-            break
-    raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
-
-
-def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
-    """Run ``run_engine`` in a fresh Python process with or without the switch; adds the logged KV size."""
+def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, timeout: float) -> tuple[dict, str]:
+    """This module's ``mode`` worker on ``jobs`` in a fresh process, the switch set to ``tq_config`` (None: stock)
+    -> (its JSON result, its log). A start-up that lost its rendezvous port to another process is run again (up to
+    ``PORT_RETRIES`` times); any other failure raises ``engine_failure``."""
     child_env = dict(os.environ if env is None else env)
     child_env.pop("JETSON_TQ_CONFIG", None)
     if tq_config:
         child_env["JETSON_TQ_CONFIG"] = tq_config
     with tempfile.TemporaryDirectory() as tmp:
-        job_path, out_path = Path(tmp, "job.json"), Path(tmp, "out.json")
-        job_path.write_text(json.dumps(job))
-        log = _run_worker("--worker", job_path, out_path, child_env, timeout, tq_config)
-        result = json.loads(out_path.read_text())
-    found = KV_SIZE_LOG.findall(log)
-    result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
-    result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
-    result["log_tail"] = log[-3000:]
-    return result
+        jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
+        jobs_path.write_text(json.dumps(jobs))
+        command = [sys.executable, "-m", "jetson_tq.integrations.vllm.compare", mode, str(jobs_path), str(out_path)]
+        for attempt in range(PORT_RETRIES + 1):
+            proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
+            log = proc.stdout + proc.stderr
+            if proc.returncode == 0 and out_path.exists():
+                return json.loads(out_path.read_text()), log
+            if PORT_TAKEN not in log or attempt == PORT_RETRIES:
+                break
+    raise engine_failure(f"jetson-tq {tq_config}" if tq_config else "baseline", proc.returncode, log)
 
 
 OUR_ERROR = re.compile(r"\b(jetson_tq(?:\.\w+)*)\.(\w+): (.+)")  # e.g. jetson_tq.errors.ConfigError: ...
