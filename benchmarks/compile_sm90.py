@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         help="klt formats: the transform structure (tests/helpers/klt_cases.STRUCTURES: any, bytes, cubic, "
         "bytes-cubic)",
     )
+    ap.add_argument("--sink", action="store_true", help="klt formats: the transform with a calibrated sink")
     args = ap.parse_args(argv)
     _install()
     from jetson_tq.kernels.append import append_rows
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
     from jetson_tq.paged import allocate_pages
     from jetson_tq.validate import FAULT_NONE, StoreLimits
     from tests.helpers.kernel_cases import build_paged_kv, fmt_for
-    from tests.helpers.klt_cases import STRUCTURES, uneven_transform
+    from tests.helpers.klt_cases import STRUCTURES, uneven_transform, with_sink
 
     d, hkv, g = args.d, 2, 4
     ops = set(args.ops.split(","))
@@ -164,6 +165,8 @@ def main(argv=None) -> int:
             if fmt.key_mode == "klt"
             else None
         )
+        if kt is not None and args.sink:
+            kt = with_sink(kt, gen)
         kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen, key_transform=kt)
         q = torch.randn(2, hkv * g, d).half()
         for i, knobs in enumerate(decode_knobs if "decode" in ops else ()):

@@ -561,11 +561,10 @@ def load_centers(path: Path, model, tok) -> list:
 def calibrated_sink(model, tok, firsts: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer position 0's mean key and value [H, D] over ``firsts`` tokens drawn (seed 0) from the essays' last
     2 x 1,024 tokens (the default calibration windows) and the tokenizer's special tokens: the held-out text unseen."""
-    from jetson_tq.eval.sink import sink_spread
+    from jetson_tq.eval.sink import sink_first_tokens, sink_spread
 
     ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0][-2048:]
-    drawn = ids[torch.randint(0, ids.numel(), (firsts,), generator=torch.Generator().manual_seed(0))]
-    spread = sink_spread(model, torch.cat([drawn, torch.tensor(sorted(set(tok.all_special_ids)))]), ids[:512])
+    spread = sink_spread(model, sink_first_tokens(ids, tok.all_special_ids, firsts), ids[:512])
     return list(zip(spread.key.unbind(0), spread.value.unbind(0)))
 
 

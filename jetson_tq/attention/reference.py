@@ -58,7 +58,7 @@ def history_scores_and_values(qg: torch.Tensor, kv: PagedKV) -> tuple[torch.Tens
     mask_b = torch.arange(nb, device=qg.device).unsqueeze(0) >= rec_lens.unsqueeze(1)
     s_comp = s_comp.masked_fill(mask_c[:, None, None, None, :], float("-inf"))
     s_buf = s_buf.masked_fill(mask_b[:, None, None, None, :], float("-inf"))
-    scores, values = [s_comp, s_buf], [codec.decode_values(fields), rec_v]
+    scores, values = [s_comp, s_buf], [codec.decode_values(fields, cpos, head_axis=1), rec_v]
     if sinks:
         s_sink, v_sink = _sink_candidates(qg, kv, comp_lens)
         scores.append(s_sink)
@@ -173,7 +173,7 @@ def paged_attention_prefill(
     )
     s_comp = s_comp.masked_fill(~ok_comp[:, None, None], float("-inf")) * scale
     s_exact = s_exact.masked_fill(~ok_exact[:, None, None], float("-inf")) * scale
-    scores, values = [s_comp, s_exact], [codec.decode_values(fields), ev]
+    scores, values = [s_comp, s_exact], [codec.decode_values(fields, cpos, head_axis=1), ev]
     if sinks:
         s_sink, v_sink = _sink_candidates(qg, kv, kv.compressed_lens.long().to(dev))
         scores.append(s_sink * scale)

@@ -501,8 +501,9 @@ class CompressedKVCache:
         total = int(self.lengths.max())
         k = torch.zeros(self.batch_size, self.num_kv_heads, total, self.head_dim, device=self.device)
         v = torch.zeros_like(k)
-        kc = self.codec.decode_keys(f, torch.arange(int(comp.max()), device=self.device), head_axis=1)
-        vc = self.codec.decode_values(f)
+        positions = torch.arange(int(comp.max()), device=self.device)
+        kc = self.codec.decode_keys(f, positions, head_axis=1)
+        vc = self.codec.decode_values(f, positions, head_axis=1)
         rk, rv = self.recent_in_order()
         for b in range(self.batch_size):
             c, r = int(comp[b]), int(rec[b])

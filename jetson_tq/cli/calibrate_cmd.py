@@ -18,6 +18,8 @@ from ..format import KEY_CODE_REFERENCE_DIM, MAX_BITS
 
 DEFAULT_KEY_BYTES = 52
 DEFAULT_OUT_DIR = Path("~/.cache/jetson_tq/key_transforms")
+SINK_CHOICES = ("calibrated", "none")
+DEFAULT_SINK = "calibrated"
 
 
 def register(sub) -> None:
@@ -34,6 +36,13 @@ def register(sub) -> None:
         type=int,
         default=0,
         help="first positions the config keeps exact (0, the default, fits them into the transform instead)",
+    )
+    p.add_argument(
+        "--sink",
+        choices=SINK_CHOICES,
+        default=DEFAULT_SINK,
+        help="'calibrated' (the default): layers whose position-0 key and value are the same whatever the first token "
+        "read position 0 from the calibration (no storage; docs/fidelity.md); 'none': position 0 is coded",
     )
     p.add_argument(
         "--widths",
@@ -91,7 +100,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window-len {args.window_len}: expected >= 256 tokens")
     if not 0 <= args.sink_tokens < args.window_len // 2:
         raise ConfigError(f"--sink-tokens {args.sink_tokens}: expected 0 <= S < window-len / 2")
+    calibrated_sink = args.sink == "calibrated" and not args.sink_tokens  # exact sink tokens replace it
     from ..eval.calibrate_keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, calibrate_model, write_calibration
+    from ..eval.sink import sink_first_tokens
 
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
     levels = args.levels or DEFAULT_LEVELS
@@ -106,8 +117,9 @@ def _run(args: argparse.Namespace) -> int:
     out = transform_path(args.out or DEFAULT_OUT_DIR / f"{name}-kl{args.key_bytes}.pt")
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
+    firsts = sink_first_tokens(rows, tok.all_special_ids) if calibrated_sink else None
     transforms = calibrate_model(
-        model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, widths=widths, levels=levels
+        model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, widths=widths, levels=levels, sink_firsts=firsts
     )
     write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens, levels=levels)
     config = out.with_suffix(".yaml")

@@ -70,7 +70,9 @@ def centered_codes(bits: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class KeyTransform:
     """One layer's calibrated key coder, per KV head: mean [H, D], encode / decode [H, D, D], bits [H, D] (0..8, the
-    same total per head), levels [H, D, 256] (each coefficient's first 2^bits sorted; 0 bits: level 0 is used)."""
+    same total per head), levels [H, D, 256] (each coefficient's first 2^bits sorted; 0 bits: level 0 is used).
+    ``sink_key`` / ``sink_value`` [H, D] (both or neither): the layer's calibrated attention sink, the key and value
+    position 0 holds whatever the token (``eval.sink``); readers take position 0 from them once it is compressed."""
 
     mean: torch.Tensor
     encode: torch.Tensor
@@ -78,6 +80,8 @@ class KeyTransform:
     bits: torch.Tensor
     levels: torch.Tensor
     rotary: RotaryParams
+    sink_key: torch.Tensor | None = None
+    sink_value: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         h, d = self.mean.shape if self.mean.dim() == 2 else (0, 0)
@@ -99,7 +103,16 @@ class KeyTransform:
         totals = self.bits.sum(-1)
         if bool((totals != totals[0]).any()):
             raise ConfigError(f"key transform bits: every head must spend the same bits, got {totals.tolist()}")
-        for t, name in ((self.mean, "mean"), (self.encode, "encode"), (self.decode, "decode"), (self.levels, "levels")):
+        if (self.sink_key is None) != (self.sink_value is None):
+            raise ConfigError("key transform sink: expected both sink_key and sink_value or neither")
+        for name, sink in (("sink_key", self.sink_key), ("sink_value", self.sink_value)):
+            if sink is not None and (not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (h, d)):
+                got = tuple(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__
+                raise ConfigError(f"key transform {name}: expected shape {(h, d)}, got {got}")
+        checked = [(self.mean, "mean"), (self.encode, "encode"), (self.decode, "decode"), (self.levels, "levels")]
+        if self.sink_key is not None and self.sink_value is not None:
+            checked += [(self.sink_key, "sink_key"), (self.sink_value, "sink_value")]
+        for t, name in checked:
             if not bool(torch.isfinite(t).all()):
                 raise ConfigError(f"key transform {name}: non-finite entries")
         used = torch.arange(1 << MAX_CODE_BITS, device=self.bits.device) < (1 << self.bits.long())[..., None]
@@ -144,6 +157,11 @@ class KeyTransform:
             out[sel] = full
         return out
 
+    @property
+    def has_sink(self) -> bool:
+        """Whether position 0 is read from the calibrated sink (``sink_key``, ``sink_value``)."""
+        return self.sink_key is not None
+
     def to(self, device: torch.device | str) -> KeyTransform:
         """The same transform with its tensors on ``device``."""
         return KeyTransform(
@@ -153,6 +171,8 @@ class KeyTransform:
             self.bits.to(device),
             self.levels.to(device),
             RotaryParams(self.rotary.inv_freq.to(device), self.rotary.attention_scaling),
+            None if self.sink_key is None else self.sink_key.to(device),
+            None if self.sink_value is None else self.sink_value.to(device),
         )
 
 
@@ -251,7 +271,19 @@ class KeyTransformCoder:
         idx = self._unpack(cc)
         z = t.levels.expand(*idx.shape, -1).gather(-1, idx.unsqueeze(-1))[..., 0]
         back = torch.einsum("hij,...hj->...hi", t.decode, z) + t.mean
-        return t.rotary.apply(back, pos).movedim(-2, ax)
+        keys = t.rotary.apply(back, pos)
+        if t.sink_key is not None:  # position 0 reads the calibrated sink
+            keys = torch.where((pos == 0)[..., None], t.sink_key.float(), keys)
+        return keys.movedim(-2, ax)
+
+    def sink_values(self, values: torch.Tensor, positions: torch.Tensor, head_axis: int) -> torch.Tensor:
+        """Decoded values float32 [..., D] with position 0 replaced by the calibrated sink value (axes as
+        ``quantize``); unchanged without a sink."""
+        if self.t.sink_value is None:
+            return values
+        self._on(values.device)
+        vv, pos, ax = self._heads_last(values, head_axis, positions)
+        return torch.where((pos == 0)[..., None], self.t.sink_value.float(), vv.float()).movedim(-2, ax)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         """[..., H, D] int codes -> [..., H, code_bytes] uint8 (LSB-first stream, ``code_offsets``)."""
@@ -305,7 +337,11 @@ def save_transforms(path: str | Path, layers: list[KeyTransform | None], meta: d
         "layers": [
             None
             if t is None
-            else {n: getattr(t, n).cpu().contiguous() for n in ("mean", "encode", "decode", "bits", "levels")}
+            else {
+                n: getattr(t, n).cpu().contiguous()
+                for n in ("mean", "encode", "decode", "bits", "levels", "sink_key", "sink_value")
+                if getattr(t, n) is not None
+            }
             for t in layers
         ],
     }

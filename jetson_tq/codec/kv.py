@@ -57,6 +57,11 @@ class KVCodec:
                 raise ConfigError(
                     f"key transform head dim {key_transform.head_dim} differs from the layer's {head_dim}"
                 )
+            if key_transform.has_sink and fmt.sink_tokens:
+                raise ConfigError(
+                    "a calibrated sink (key transform sink_key / sink_value) and exact sink_tokens both read "
+                    "position 0: keep one"
+                )
             self.key_coder = KeyTransformCoder(key_transform, fmt.key_fields(head_dim)[0].count)
         elif fmt.key_mode == "prod":
             self.keys = TurboQuantProd(head_dim, fmt.key_bits, self.seed, rot, nd, fmt.key_codebook)
@@ -161,15 +166,28 @@ class KVCodec:
             return self.keys.dequantize(code)
         return self.keys.dequantize(MSECode(fields["key_idx"], fields["key_norm"][..., 0], torch.float32))
 
-    def decode_values(self, fields: Fields) -> torch.Tensor:
-        """Reconstructed values in float32 [..., D]."""
+    @property
+    def has_sink(self) -> bool:
+        """Whether compressed position 0 reads the layer's calibrated sink (``KeyTransform.sink_key / sink_value``)."""
+        return self.key_coder is not None and self.key_coder.t.has_sink
+
+    def decode_values(
+        self, fields: Fields, positions: torch.Tensor | None = None, head_axis: int | None = None
+    ) -> torch.Tensor:
+        """Reconstructed values in float32 [..., D]; with a calibrated sink (``has_sink``) position 0 reads it, so
+        ``positions`` and ``head_axis`` are then needed, as for klt keys."""
         if self.values is None:
-            return fields["val_raw"].float()
-        if isinstance(self.values, GroupQuantizer):
-            return self.values.dequantize(
+            out = fields["val_raw"].float()
+        elif isinstance(self.values, GroupQuantizer):
+            out = self.values.dequantize(
                 GroupCode(fields["val_codes"], fields["val_scale"], fields["val_zero"], torch.float32)
             )
-        return self.values.dequantize(MSECode(fields["val_idx"], fields["val_norm"][..., 0], torch.float32))
+        else:
+            out = self.values.dequantize(MSECode(fields["val_idx"], fields["val_norm"][..., 0], torch.float32))
+        if self.has_sink:
+            assert self.key_coder is not None  # has_sink
+            return self.key_coder.sink_values(out, *self._where(positions, head_axis))
+        return out
 
     def transform_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(Pi q, S q) in float32, computed once per query; (q, None) for fp16 keys."""

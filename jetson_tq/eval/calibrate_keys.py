@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from ..errors import ConfigError
 from ..format import KEY_CODE_REFERENCE_DIM
 from ..integrations.transformers import UnsupportedModelError, check_model_supported, model_dims
 from .klt_keys import KLTKeys, KLTLayer, calibrate, gaussian_codebook
+from .sink import SINK_TOLERANCE, sink_spread
 from .smartmix import capture
 
 #: The code widths ``calibrate_model`` allows by default: (2, 4, 8) keeps every code inside one byte, which the
@@ -83,16 +85,21 @@ def calibrate_model(
     sink_tokens: int = 0,
     widths: tuple[int, ...] = DEFAULT_WIDTHS,
     levels: str = DEFAULT_LEVELS,
+    sink_firsts: torch.Tensor | None = None,
 ) -> list[KeyTransform]:
     """Per layer the key transform of ``model`` for klt keys of ``code_bytes`` bytes at head dim 128, fitted on token
     ids [rows, T] (each row one calibration window from position 0). Positions < ``sink_tokens`` are left out (a
     format that keeps them exact never codes them); with none, the first position's atypical key is fitted too, which
     is what lets a format without a sink code it well (docs/fidelity.md, "The 5x preset"). ``widths``: the code widths
-    the bits may take (``DEFAULT_WIDTHS``); ``levels``: how each coefficient's levels are fitted (``LEVEL_KINDS``)."""
+    the bits may take (``DEFAULT_WIDTHS``); ``levels``: how each coefficient's levels are fitted (``LEVEL_KINDS``).
+    ``sink_firsts`` (first token ids [N], ``eval.sink.sink_first_tokens``): the layers whose position 0 is the same
+    key and value over them (``SINK_TOLERANCE``) get that calibrated sink and are fitted without position 0."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     check_model_supported(config)
     if ids.dim() != 2 or ids.shape[1] < 256:
         raise ConfigError(f"calibration ids: expected [rows, T >= 256] token ids, got {tuple(ids.shape)}")
+    if sink_firsts is not None and sink_tokens:
+        raise ConfigError("a calibrated sink and exact sink tokens both read position 0: keep one")
     _, _, _, head_dim = model_dims(config)
     rotary = model_rotary(model)
     spec = calibration_spec(code_bytes, widths, levels)
@@ -101,10 +108,21 @@ def calibrate_model(
     with torch.no_grad():
         caps = capture(model, ids)
     say(f"captured {len(caps)} layers over {ids.numel():,} tokens in {time.monotonic() - t0:.1f} s")
+    sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if sink_firsts is not None:
+        spread = sink_spread(model, sink_firsts, ids[0, :512])
+        sinks = {i: (spread.key[i], spread.value[i]) for i in spread.constant_layers(SINK_TOLERANCE)}
+        say(
+            f"calibrated sink in layers {sorted(sinks)} (position 0 within {SINK_TOLERANCE:.0%} "
+            f"over {len(sink_firsts)} first tokens)"
+        )
     out = []
     for i, cap in enumerate(caps):
-        layer = calibrate(spec, [cap], head_dim, 0.0, skip=sink_tokens, rotary=rotary)[0]
-        out.append(to_key_transform(layer, rotary))
+        layer = calibrate(spec, [cap], head_dim, 0.0, skip=1 if i in sinks else sink_tokens, rotary=rotary)[0]
+        transform = to_key_transform(layer, rotary)
+        if i in sinks:
+            transform = replace(transform, sink_key=sinks[i][0].float(), sink_value=sinks[i][1].float())
+        out.append(transform)
         say(f"layer {i + 1}/{len(caps)} calibrated ({time.monotonic() - t0:.1f} s)")
     return out
 
@@ -122,6 +140,7 @@ def write_calibration(
     """Save ``transforms`` with what they were fitted on."""
     meta = {
         "sink_tokens": sink_tokens,
+        "calibrated_sink_layers": [i for i, t in enumerate(transforms) if t.has_sink],
         "model": model_name,
         "text": text_name,
         "tokens": tokens,

@@ -103,7 +103,8 @@ class DecodedHistory:
             raise ShapeError(f"compressed length went back from {self.count} to {upto}")
         fields = {name: t[:, :, self.count : upto] for name, t in self.store.paged().gather_compressed(upto).items()}
         self.keys = torch.cat([self.keys, self._decode_keys(fields)], dim=2)
-        self.values = torch.cat([self.values, self.codec.decode_values(fields)], dim=2)
+        positions = torch.arange(self.count, upto, device=self.store.device)
+        self.values = torch.cat([self.values, self.codec.decode_values(fields, positions, 1)], dim=2)
         sink_k, sink_v = self.sink_k, self.sink_v
         n_sink = 0 if sink_k is None else sink_k.shape[2]
         if sink_k is not None and sink_v is not None and self.count < n_sink:

@@ -31,6 +31,19 @@ class SinkSpread:
         return [i for i, w in enumerate(worst.tolist()) if w <= tolerance]
 
 
+#: A layer whose position-0 key and value stay within this share of a typical key's / value's norm over the first
+#: tokens tried holds a constant sink (SmolLM2: layers 12-28 within 0.5-2 %, the others 7-200 %; docs/fidelity.md).
+SINK_TOLERANCE = 0.02
+
+
+def sink_first_tokens(ids: torch.Tensor, special_ids: list[int], count: int = 100, seed: int = 0) -> torch.Tensor:
+    """The first tokens a sink is measured over: ``count`` drawn (``seed``) from the calibration token ids (any
+    shape) and the tokenizer's special tokens [count + specials]."""
+    flat = ids.reshape(-1)
+    drawn = flat[torch.randint(0, flat.numel(), (count,), generator=torch.Generator().manual_seed(seed))]
+    return torch.cat([drawn, torch.tensor(sorted(set(special_ids)), dtype=flat.dtype)])
+
+
 @torch.no_grad()
 def sink_spread(model, first_tokens: torch.Tensor, window: torch.Tensor) -> SinkSpread:
     """Position 0's key and value for each token of ``first_tokens`` [N] (one forward of two tokens each: position 0

@@ -160,9 +160,12 @@ class KltSpec:
     CUBIC: bool = False
     KCBP: int = 32  # a key code's bytes padded to a power of two >= 32 (an int8 ``tl.dot``'s K)
     SELECT: bool = True  # code bytes picked by a one-hot int8 product from one [KCBP, N] tile (off: a load each)
+    SINK: bool = False  # compressed position 0 reads the layer's calibrated sink (``KeyTransform.sink_key``)
 
     @staticmethod
-    def of(rotary_dim: int, head_dim: int, code_bytes: int, one_byte: bool = False, cubic: bool = False) -> KltSpec:
+    def of(
+        rotary_dim: int, head_dim: int, code_bytes: int, one_byte: bool = False, cubic: bool = False, sink: bool = False
+    ) -> KltSpec:
         rh, rr = rotary_dim // 2, head_dim - rotary_dim
         return KltSpec(
             RH=rh,
@@ -172,6 +175,7 @@ class KltSpec:
             ONE_BYTE=one_byte,
             CUBIC=cubic,
             KCBP=max(32, next_pow2(code_bytes)),
+            SINK=sink,
         )
 
 
@@ -190,8 +194,10 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     ``mid`` fp32 [H, D, 255]: the decision thresholds between used levels (+inf past them); ``mean`` fp32 [H, DP];
     ``turns`` fp64 [RHP]: the RoPE frequencies in turns per position (inv_freq / 2 pi: ``rope_cos_sin`` reduces
     angles exactly); ``scale``: RoPE's attention scaling; ``read``: the read kernels' arguments (meta, levels or with
-    ``CUBIC`` poly, dec, mean, turns, scale); ``bundle``: the ``KltSpec`` as a constexpr bundle. Padding entries are
-    zero. A codec without klt keys gets placeholders of the same dtypes and ``NO_KLT``."""
+    ``CUBIC`` poly, dec, mean, turns, scale); ``sink`` fp32 [2, H, D]: the calibrated sink's key and value
+    (``KltSpec.SINK``; else a placeholder), ``sink16`` the same in fp16 (the prefill workspace); ``bundle``: the
+    ``KltSpec`` as a constexpr bundle. Padding entries are zero. A codec without klt keys gets placeholders of the
+    same dtypes and ``NO_KLT``."""
     coder = codec.key_coder
     key = (id(coder), str(device))
     hit = _KLT_CONSTANTS.get(key)
@@ -202,6 +208,8 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         turns0 = torch.zeros(1, dtype=torch.float64, device=device)
         empty: dict[str, Any] = {
             "read": (one[torch.int32], one[torch.float32], one[torch.float16], one[torch.float32], turns0, 1.0),
+            "sink": one[torch.float32],
+            "sink16": one[torch.float16],
             "bundle": constexpr_bundle(NO_KLT),
         }
         _KLT_CONSTANTS[key] = (coder, empty)
@@ -226,8 +234,16 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         center = center + torch.einsum("hij,hj->hi", t.decode.double(), cubic[..., 0])
         poly[:, :, :d] = cubic[..., 1:].transpose(1, 2).float()
     spec = KltSpec.of(
-        t.rotary.rotary_dim, d, coder.code_bytes, one_byte=codes_in_one_byte(bits), cubic=cubic is not None
+        t.rotary.rotary_dim,
+        d,
+        coder.code_bytes,
+        one_byte=codes_in_one_byte(bits),
+        cubic=cubic is not None,
+        sink=t.has_sink,
     )
+    sink = torch.zeros(1)
+    if t.sink_key is not None and t.sink_value is not None:
+        sink = torch.stack([t.sink_key, t.sink_value]).float().contiguous()
     turns = torch.zeros(spec.RHP, dtype=torch.float64)
     turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
     mean = torch.zeros(h, dp, dtype=torch.float32)
@@ -242,6 +258,8 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         "mean": mean.to(device),
         "turns": turns.to(device),
         "scale": float(t.rotary.attention_scaling),
+        "sink": sink.to(device),
+        "sink16": sink.half().to(device),
         "spec": spec,
         "bundle": constexpr_bundle(spec),
     }

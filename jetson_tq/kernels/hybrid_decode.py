@@ -132,6 +132,7 @@ def _hybrid_decode_kernel(
     klt_dec_ptr,  # decode matrix
     klt_mean_ptr,  # mean
     klt_turns_ptr,  # RoPE frequencies
+    klt_sink_ptr,  # fp32 [2, HKV, D]: the calibrated sink's key and value (KLT.SINK)
     hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
     vcb_ptr,  # fp32 [>= 4]: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
@@ -210,6 +211,8 @@ def _hybrid_decode_kernel(
     head_off = h.to(tl.int64) * page_bytes
     for n0 in range(start, end, CFG.BLOCK_N):
         page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
+        if KLT.SINK:  # position 0 is read from the calibrated sink below
+            nmask = nmask & (n0 + tl.arange(0, CFG.BLOCK_N) > 0)
         if PAGE.KEY_MODE == K_KLT:
             s = _klt_scores(page, off, nmask, n0, qk, kops, PAGE, CFG, KLT)
         else:
@@ -222,6 +225,36 @@ def _hybrid_decode_kernel(
     l_i = tl.sum(l_t, 0)
     if PAGE.VAL_MODE == V_MSE:  # the compressed part's sums back in the original domain, where the recent tokens add
         acc = _unrotate_values(acc, vpi_ptr, vu, PAGE, CFG)
+    if KLT.SINK:  # compressed position 0 (split 0 holds it): the calibrated sink, one exact token of every sequence
+        if (split == 0) & (clen > 0):
+            m_i, l_i, acc, zacc = _recent_tokens(
+                q_ptr,
+                klt_sink_ptr,
+                klt_sink_ptr + CFG.HKV * PAGE.D,
+                ridx_ptr,
+                b,
+                h,
+                g,
+                gmask,
+                vu,
+                0,
+                1,
+                stride_qb,
+                stride_qh,
+                0,
+                PAGE.D,
+                0,
+                0,
+                PAGE.D,
+                0,
+                scale_log2,
+                m_i,
+                l_i,
+                acc,
+                zacc,
+                PAGE,
+                CFG,
+            )
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
     # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
@@ -1213,6 +1246,7 @@ def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
         kv.recent_index,
         plan.consts["codebook"],
         *plan.klt["read"][:5],
+        plan.klt["sink"],
         plan.consts["hsigns"],
         plan.consts["vcodebook"],
         plan.consts["vpi"],

@@ -744,6 +744,12 @@ def dequantize_segment(
         (spec, klt.get("spec"), hkv, wk.shape[-1], block_window, tokens_per_program, token_major),
         num_warps=4,
     )
+    if s0 == 0 and kv.codec.has_sink:  # workspace row 0 is position 0: where it reads compressed, the sink is read
+        sink, d = klt["sink16"], kv.layout.head_dim
+        shape = (kv.batch_size, seg, hkv, -1) if token_major else (kv.batch_size, hkv, seg, -1)
+        for w, constant in ((wk, sink[0]), (wv, sink[1])):
+            rows = w.view(shape)[:, 0] if token_major else w.view(shape)[:, :, 0]
+            rows[..., :d] = constant
 
 
 def chunked_prefill(

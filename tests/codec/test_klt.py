@@ -178,3 +178,45 @@ def test_cubic_levels_are_recognised_and_reproduced():
     assert uneven_transform(2, 48, 160, 48, 1.0, g).cubic_levels() is None  # widths up to 8, random levels
     low = uneven_transform(2, 48, 64, 48, 1.0, g, widths=(2, 1, 0))
     assert low.cubic_levels() is not None
+
+
+def test_calibrated_sink_is_what_position_0_decodes_to(tmp_path):
+    """A transform with a calibrated sink: the codec decodes position 0's key and value as the sink's (whatever was
+    coded there), every other position as before; the sink survives the file; half a sink, a wrong shape, a
+    non-finite entry or a sink beside exact sink tokens are named errors."""
+    from dataclasses import replace
+
+    from tests.helpers.klt_cases import with_sink
+
+    fmt = KVFormat(key_mode="klt", key_code_bytes=20, value_mode="mse", value_bits=3, buffer_tokens=16)
+    plain_t = random_transform(2, 32, 40, seed=4)
+    sunk_t = with_sink(plain_t, torch.Generator().manual_seed(5))
+    plain, sunk = KVCodec(fmt, 32, key_transform=plain_t), KVCodec(fmt, 32, key_transform=sunk_t)
+    assert sunk.has_sink and not plain.has_sink
+    k, v = torch.randn(3, 2, 5, 32), torch.randn(3, 2, 5, 32)  # [B, H, T, D]: positions 0-4 on axis 2
+    pos = torch.arange(5)
+    fields = plain.encode(k, v, pos, 1)
+    for decode in ("decode_keys", "decode_values"):
+        a = getattr(plain, decode)(fields, pos, 1)
+        b = getattr(sunk, decode)(fields, pos, 1)
+        assert torch.equal(a[:, :, 1:], b[:, :, 1:])
+        want = sunk_t.sink_key if decode == "decode_keys" else sunk_t.sink_value
+        assert torch.equal(b[:, :, 0], want.expand(3, -1, -1))
+    with pytest.raises(ShapeError, match="positions and head_axis"):
+        sunk.decode_values(fields)
+    path = tmp_path / "sink.pt"
+    save_transforms(path, [sunk_t, plain_t], {})
+    got, _ = load_transforms(path)
+    assert got[0] is not None and got[1] is not None
+    assert torch.equal(got[0].sink_key, sunk_t.sink_key) and torch.equal(got[0].sink_value, sunk_t.sink_value)
+    assert not got[1].has_sink
+    with pytest.raises(ConfigError, match="both sink_key and sink_value"):
+        replace(plain_t, sink_key=sunk_t.sink_key)
+    with pytest.raises(ConfigError, match="sink_value: expected shape"):
+        replace(sunk_t, sink_value=sunk_t.sink_value[:, :8])
+    bad = sunk_t.sink_key.clone()
+    bad[1, 3] = float("inf")
+    with pytest.raises(ConfigError, match="sink_key: non-finite"):
+        replace(sunk_t, sink_key=bad)
+    with pytest.raises(ConfigError, match="keep one"):
+        KVCodec(fmt.with_(sink_tokens=1), 32, key_transform=sunk_t)

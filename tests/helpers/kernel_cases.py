@@ -18,7 +18,7 @@ from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import load_config
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
 from jetson_tq.paged import PagedKV, slots_for_positions, write_slots
-from tests.helpers.klt_cases import uneven_transform
+from tests.helpers.klt_cases import uneven_transform, with_sink
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = DEVICE.type == "cuda"
@@ -88,16 +88,22 @@ def build_paged_kv(
     recent_cap: int | None = None,
     pages_hold: list[int] | None = None,
     key_transform: KeyTransform | None = None,
+    sink: bool = False,
 ) -> PagedKV:
     """A PagedKV as vLLM would hand it over: compressed tokens written through a shuffled block table and a
     padded slot mapping (reference encoder), pages' unwritten bytes random, recent rows picked by a
     permuted ``recent_index`` from a larger buffer. ``pages_hold``: positions written per sequence (default
     ``comp_lens``; prefill passes history + chunk, as vLLM writes the chunk before attention). ``key_transform``:
-    klt keys' calibrated transform (each key coded at its position; default ``klt_cases.uneven_transform``)."""
+    klt keys' calibrated transform (each key coded at its position; default ``klt_cases.uneven_transform``);
+    ``sink``: that transform with a random calibrated sink (``klt_cases.with_sink``)."""
     hold = list(comp_lens) if pages_hold is None else list(pages_hold)
     raw = dtype if dtype != torch.float32 else torch.float16
     if fmt.key_mode == "klt" and key_transform is None:
         key_transform = uneven_transform(num_kv_heads, head_dim, fmt.key_code_bits(head_dim), head_dim, 1.0, gen)
+    if sink:
+        if key_transform is None:
+            raise ValueError("build_paged_kv: a calibrated sink goes with klt keys")
+        key_transform = with_sink(key_transform, gen)
     codec = KVCodec(fmt, head_dim, raw_dtype=raw, key_transform=key_transform)
     layout = PagedLayout(fmt, head_dim, block_size)
     table = vllm_block_table(hold, block_size, pad_blocks=2, gen=gen)

@@ -74,3 +74,16 @@ def tie_distance(coder: KeyTransformCoder, k: torch.Tensor, positions: torch.Ten
     z = torch.einsum("hij,nhj->nhi", t.encode.double(), x)
     dist = (z.unsqueeze(-1) - coder.thresholds.double()).abs().amin(-1)
     return dist / x.abs().sum(-1, keepdim=True).clamp_min(1e-30)
+
+
+def with_sink(transform: KeyTransform, gen: torch.Generator, key_scale: float = 4.0) -> KeyTransform:
+    """``transform`` with a random calibrated sink (a key ``key_scale`` times a typical one, so position 0 draws a
+    large share of the attention, as a model's sink does)."""
+    from dataclasses import replace
+
+    h, d = transform.num_heads, transform.head_dim
+    return replace(
+        transform,
+        sink_key=torch.randn(h, d, generator=gen) * key_scale,
+        sink_value=torch.randn(h, d, generator=gen),
+    )

@@ -121,3 +121,39 @@ def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
     v = torch.randn(2, 2, t, d, generator=gen).half().to(DEVICE)
     err = rel_err(chunked_prefill(qp, k, v, kv), paged_attention_prefill(qp, k, v, kv))
     assert err < 2e-3, f"prefill seed={seed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["any", "bytes-cubic"])
+def test_calibrated_sink_in_decode_and_prefill_matches_reference(kind):
+    """With a calibrated sink (``KltSpec.SINK``) decode reads compressed position 0 from it (split 0, any split
+    count), the prefill workspace holds it at row 0, and both equal the reference, which reads it through the codec;
+    a sequence whose position 0 is still exact (nothing compressed) does not read it. The sink moves the output."""
+    from dataclasses import replace
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    d, rotary, scaling = 80, 40, 1.3
+    fmt, kt = _transform(kind, d, rotary, scaling, gen)
+    fmt = fmt.with_(buffer_tokens=4)
+    comp, rec, t = [70, 0], [4, 3], 3
+    kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4, sink=True)
+    assert kv.codec.has_sink
+    q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)
+    want = paged_attention_decode(q, kv)
+    for splits in (1, 3):
+        got = hybrid_decode(q, kv, tuning=DecodeTuning(num_splits=splits))
+        err = rel_err(got, want)
+        assert err < 2e-3, f"decode seed={seed} splits={splits}: {err:.2e}"
+    plain = replace(kv, codec=type(kv.codec)(fmt, d, raw_dtype=torch.float16, key_transform=replace(kt)))
+    moved = rel_err(paged_attention_decode(q, plain)[0], want[0])
+    assert moved > 1e-2, f"the sink should move sequence 0's output, moved {moved:.2e}"
+    assert rel_err(paged_attention_decode(q, plain)[1], want[1]) < 1e-6  # nothing compressed: no sink read
+    hold = [c + r + t for c, r in zip(comp, rec)]
+    kv = build_paged_kv(
+        fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4, pages_hold=hold, sink=True
+    )
+    qp = (torch.randn(2, 8, t, d, generator=gen) * 3).half().to(DEVICE)
+    k = (torch.randn(2, 2, t, d, generator=gen) * 2).half().to(DEVICE)
+    v = torch.randn(2, 2, t, d, generator=gen).half().to(DEVICE)
+    err = rel_err(chunked_prefill(qp, k, v, kv), paged_attention_prefill(qp, k, v, kv))
+    assert err < 2e-3, f"prefill seed={seed}: {err:.2e}"

@@ -43,6 +43,7 @@ CASES = [
     ("mse_k4v3", 64, 1, [37], 5, 32, "cache", None),  # one block, history in the ring
     ("mse_k3v3w256", 64, 2, [150, 20], 30, 16, "vllm", 64),  # segments of 64 tokens: the merge across segments
     ("klt52_g3", 64, 2, [56, 48], 21, 16, "vllm", None),  # klt keys: the workspace holds post-RoPE keys
+    ("klt52_g3+sink", 64, 2, [56, 0], 21, 16, "vllm", None),  # ... and a calibrated sink at workspace row 0
     ("mse_k4v3+vmse3", 64, 2, [56, 48], 21, 16, "vllm", None),  # mse values, dequantized in the original domain
 ]
 if GPU:
@@ -60,8 +61,10 @@ def _case(name, d, g, hist, t, ring, rows, dtype, seed):
     hkv = 2
     rec = [RING_ROWS[rows](s, ring) for s in hist]
     comp = [s - r for s, r in zip(hist, rec)]
-    fmt = fmt_for(name, d).with_(buffer_tokens=ring, window="block")
-    kv = build_paged_kv(fmt, hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=[s + t for s in hist])
+    sink = name.endswith("+sink")
+    fmt = fmt_for(name.removesuffix("+sink"), d).with_(buffer_tokens=ring, window="block")
+    hold = [s + t for s in hist]
+    kv = build_paged_kv(fmt, hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=hold, sink=sink)
     b = len(hist)
     q = (torch.randn(b, hkv * g, t, d, generator=gen) * 3).to(dtype).to(DEVICE)
     k = (torch.randn(b, hkv, t, d, generator=gen) * 2).to(dtype).to(DEVICE)

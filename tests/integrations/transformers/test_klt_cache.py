@@ -138,6 +138,33 @@ def test_calibrated_product_codes_reproduce_the_eval_coder():
     torch.testing.assert_close(ref, got, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_calibrated_sink_is_fitted_where_position_0_is_constant_and_read_alike_at_any_chunking():
+    """``calibrate_model(sink_firsts=...)``: one first token repeated makes every layer's sink constant, and each
+    layer's sink is that token's position-0 key and value; the reference and cpu-decoded paths read it alike at any
+    chunking, and differently from the same transforms without it. Different first tokens leave layer 0 (the token's
+    own projection) without a sink."""
+    model = _model()
+    ids = torch.randint(0, 256, (2, 320))
+    same = torch.full((4,), 7)
+    transforms = calibrate_model(model, ids, 52, sink_firsts=same)
+    assert all(t.has_sink for t in transforms)
+    at0 = capture(model, torch.stack([same[:2], same[:2]]))  # position 0 of token 7, per layer
+    for t, cap in zip(transforms, at0):
+        torch.testing.assert_close(t.sink_key, cap.k[0, :, 0].float())
+        torch.testing.assert_close(t.sink_value, cap.v[0, :, 0].float())
+    test_ids = torch.randint(0, 256, (2, 90))
+    ref = _chunked(model, TurboQuantCache(model, CFG, backend="reference", key_transforms=transforms), test_ids, 90)
+    for backend, chunk in (("reference", 17), ("cpu-decoded", 90), ("cpu-decoded", 23)):
+        cache = TurboQuantCache(model, CFG, backend=backend, key_transforms=transforms)
+        torch.testing.assert_close(_chunked(model, cache, test_ids, chunk), ref, rtol=1e-4, atol=1e-4)
+    plain = [dataclasses.replace(t, sink_key=None, sink_value=None) for t in transforms]
+    other = _chunked(model, TurboQuantCache(model, CFG, backend="reference", key_transforms=plain), test_ids, 90)
+    assert (other - ref).abs().max() > 1e-3  # the sink is read
+    apart = calibrate_model(model, ids, 52, sink_firsts=torch.arange(3, 60))
+    assert not apart[0].has_sink
+
+
 def _tiny_calibration_args(tmp_path, seed: int):
     """A two-layer tiny Llama and a 700-word text in ``tmp_path``: (model dir, the calibrate argv for them)."""
     from jetson_tq.models.tiny import WORDS, make_tiny_llama
@@ -171,6 +198,7 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     assert written.key_transform == str(out)
     layers, meta = load_transforms(out)
     assert len(layers) == 2 and meta["key_code_bytes"] == 40 and meta["tokens"] == 512 and meta["sink_tokens"] == 0
+    assert meta["calibrated_sink_layers"] == [i for i, t in enumerate(layers) if t is not None and t.has_sink]
     assert all(t is not None and t.code_bits == 40 * 8 * 32 // 128 for t in layers)
     yaml = tmp_path / "tiny_klt.yaml"
     yaml.write_text("keys: {mode: klt, code_bytes: 40}\nvalues: {mode: mse, bits: 3}\nkey_transform: kt.pt\n")
@@ -182,6 +210,8 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     assert torch.isfinite(logits).all()
     assert main([*argv[:5], "--windows", "9", "--out", str(out)]) == 2  # too few tokens: a usage error
     assert "needed" in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "plain.pt"), "--key-bytes", "40", "--sink", "none"]) == 0
+    assert load_transforms(tmp_path / "plain.pt")[1]["calibrated_sink_layers"] == []
     assert main([*argv, "--out", str(tmp_path / "named.yaml"), "--key-bytes", "40"]) == 0  # the config's name
     assert load_config(tmp_path / "named.yaml").key_transform == str(tmp_path / "named.pt")
     assert load_transforms(tmp_path / "named.pt")[1]["key_code_bytes"] == 40

@@ -175,24 +175,29 @@ def test_impl_matches_standalone_reference(fmt):
     assert _run(fmt) < 2e-5
 
 
-def test_klt_keys_are_placed_at_their_positions(monkeypatch):
+@pytest.mark.parametrize("sink", [False, True], ids=["coded", "calibrated-sink"])
+def test_klt_keys_are_placed_at_their_positions(monkeypatch, sink):
     """klt keys: every write is coded at its token's position from the step's metadata (chunked prefill, decode rows,
-    a prefix hit), so the impl matches the standalone cache."""
+    a prefix hit), so the impl matches the standalone cache; with a calibrated sink, position 0 reads it in both."""
     from jetson_tq.codec.klt import spread_transform
+    from tests.helpers.klt_cases import with_sink
 
     fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
     transform = spread_transform(HKV, D, fmt.key_code_bits(D))
+    if sink:
+        transform = with_sink(transform, torch.Generator().manual_seed(2))
     assert _run(fmt, hit=True, key_transform=transform, monkeypatch=monkeypatch) < 2e-5
 
 
 @pytest.mark.kernel
-def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch):
+@pytest.mark.parametrize("sink", [False, True], ids=["coded", "calibrated-sink"])
+def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch, sink):
     """The 5x preset's format (klt keys, mse values, block window) through the impl on the Triton kernels (CPU
     interpreter): writes coded at the step's positions (chunked prefill, decode rows from the builder's buffer, a
-    prefix hit) read back like the standalone cache on the reference path."""
+    prefix hit) read back like the standalone cache on the reference path, with or without a calibrated sink."""
     from jetson_tq.ops import backend as ops_backend
     from tests.helpers.kernel_cases import DEVICE
-    from tests.helpers.klt_cases import uneven_transform
+    from tests.helpers.klt_cases import uneven_transform, with_sink
 
     if DEVICE.type == "cuda":  # _run drives the impl with CPU tensors
         pytest.skip("interpreter only: on CUDA benchmarks/vllm_gpu/real_weights.py checks this path inside the engine")
@@ -200,6 +205,8 @@ def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch):
     ops_backend.configured.cache_clear()
     fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
     transform = uneven_transform(HKV, D, fmt.key_code_bits(D), D, 1.0, torch.Generator().manual_seed(1))
+    if sink:
+        transform = with_sink(transform, torch.Generator().manual_seed(2))
     try:
         err = _run(fmt, hit=True, key_transform=transform, monkeypatch=monkeypatch, ref_backend="reference")
     finally:
