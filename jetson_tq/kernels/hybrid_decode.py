@@ -248,10 +248,7 @@ def _hybrid_decode_kernel(
                 PAGE.D,
                 0,
                 scale_log2,
-                m_i,
-                l_i,
-                acc,
-                zacc,
+                (m_i, l_i, acc, zacc),
                 PAGE,
                 CFG,
             )
@@ -282,10 +279,7 @@ def _hybrid_decode_kernel(
             stride_rvh,
             stride_rvt,
             scale_log2,
-            m_i,
-            l_i,
-            acc,
-            zacc,
+            (m_i, l_i, acc, zacc),
             PAGE,
             CFG,
         )
@@ -666,15 +660,13 @@ def _recent_tokens(
     stride_rvh,
     stride_rvt,
     scale_log2,
-    m_i,
-    l_i,
-    acc,
-    zacc,
+    state,
     PAGE: tl.constexpr,
     CFG: tl.constexpr,
 ):
     """Recent-buffer tokens [r0, r1) of sequence ``b`` (exact keys and values, scored with the raw query), BLOCK_R
-    per step, into the same online softmax -> (m_i, l_i, acc, zacc)."""
+    per step, into the same online softmax ``state`` (m_i, l_i, acc, zacc) -> the new state."""
+    m_i, l_i, acc, zacc = state
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
     d = tl.arange(0, PAGE.DP)
     qb = (
