@@ -23,6 +23,7 @@ import platform
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # On a shared 2-core machine OpenMP's busy-waiting threads make torch 3-6x slower; sleep instead of spinning.
@@ -211,8 +212,9 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: ``n``): stored by the product's ``key_mode: klt`` format and read back from the pages, ``_e<S>`` then the format's
 #: own ``sink_tokens`` (as ``python -m jetson_tq calibrate --sink-tokens S`` calibrates); ``_e<S>l<L>`` (``_tq`` rows)
 #: the sink in layers L and later only, each layer calibrated with or without the positions it reads exactly;
-#: ``_e1l<L>k`` (``_tq`` rows) position 0 of those layers read from a per-layer constant instead of the sequence's own
-#: (the mean over 100 first tokens of the calibration windows and the special tokens, ``eval.sink.sink_spread``).
+#: ``_e1l<L>k`` (``_tq`` rows) position 0 of those layers read from the product's calibrated sink instead of the
+#: sequence's own (``KeyTransform.sink_key``: the mean over 100 first tokens of the calibration windows and the special
+#: tokens, ``eval.sink.sink_spread``), whether or not the layer's sink is constant.
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>[lp])?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+)(?:l(?P<el>\d+)(?P<ek>k)?)?)?(?P<xk>_xk)?"
@@ -287,12 +289,19 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
         windows = calibration(int(m["cal"] or 2))
         layers = calibrate_klt(klt, windows, HEAD_DIM, ROPE_THETA, skip=sinks, rotary=MODEL_ROTARY[0])
         overrides = {}
+        first = int(m["el"] or 0)
         if m["el"]:  # the sink from layer L on: earlier layers code position 0 and calibrate on it
-            first = int(m["el"])
             plain = calibrate_klt(klt, windows, HEAD_DIM, ROPE_THETA, skip=0, rotary=MODEL_ROTARY[0])
             layers = [layers[i] if i >= first else plain[i] for i in range(len(layers))]
             fmt, overrides = fmt.with_(sink_tokens=0), {i: fmt for i in range(first, len(layers))}
-            notes.append(f"position 0 {'a calibrated constant' if m['ek'] else 'exact'} from layer {first} on")
+            notes.append(f"position 0 {'the calibrated sink' if m['ek'] else 'exact'} from layer {first} on")
+        transforms = [to_key_transform(layer, MODEL_ROTARY[0]) for layer in layers]
+        if m["ek"]:  # the product's calibrated sink (``KeyTransform.sink_key``), no exact copy
+            overrides = {}
+            transforms = [
+                replace(t, sink_key=SINK_CONSTANTS[0][i][0], sink_value=SINK_CONSTANTS[0][i][1]) if i >= first else t
+                for i, t in enumerate(transforms)
+            ]
         return F.Variant(
             name,
             "levers",
@@ -300,8 +309,7 @@ def spec_row(name: str, backend: str) -> F.Variant | None:
             "; ".join(n for n in notes if n),
             backend,
             centers=CENTERS if m["c"] else None,
-            key_transforms=[to_key_transform(layer, MODEL_ROTARY[0]) for layer in layers],
-            sink_constants=SINK_CONSTANTS[0] if m["ek"] else None,
+            key_transforms=transforms,
         )
     return F.Variant(
         name,

@@ -21,7 +21,6 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import cast
 
 import torch
@@ -31,10 +30,8 @@ from transformers.cache_utils import DynamicLayer
 from ..config import TurboQuantConfig
 from ..format import fp16_bytes_per_token
 from ..integrations.transformers import TurboQuantCache, enable_turboquant, model_dims
-from .decoded_history import CodedKeyLayer
 from .klt_keys import KLTKeyCache, KLTPlan
 from .simulated_caches import SimulatedFormat, SimulatedQuantCache
-from .sink import ConstantSinkHistory
 from .split_keys import SplitKeyCache, SplitKeyPlan
 
 Progress = Callable[[str], None]
@@ -59,7 +56,6 @@ class Variant:
     split_keys: SplitKeyPlan | None = None  # keys coded in two channel sets (cpu-decoded backend, split_keys.py)
     klt_keys: KLTPlan | None = None  # keys transform-coded pre-RoPE (cpu-decoded backend, klt_keys.py)
     key_transforms: list | None = None  # klt formats: per-layer codec.klt.KeyTransform (else the config's file)
-    sink_constants: list | None = None  # per layer (key, value) [H, D]: layers with a sink read it from these
 
     def make_cache(self, model):
         """A fresh cache of this variant for ``model`` (a DynamicCache for the reference)."""
@@ -71,7 +67,7 @@ class Variant:
             return SplitKeyCache(model, self.spec, self.split_keys, centers=self.centers, sink_tokens=self.sink_tokens)
         if self.klt_keys is not None:
             return KLTKeyCache(model, self.spec, self.klt_keys, centers=self.centers, sink_tokens=self.sink_tokens)
-        cache = TurboQuantCache(
+        return TurboQuantCache(
             model,
             self.spec,
             backend=self.backend,
@@ -79,12 +75,6 @@ class Variant:
             sink_tokens=self.sink_tokens,
             key_transforms=self.key_transforms,
         )
-        if self.sink_constants is not None:
-            for i, layer in enumerate(cache._tq_layers):
-                if max(layer.sink_tokens, layer.fmt.sink_tokens):
-                    key, value = self.sink_constants[i]
-                    cache.layers[i] = CodedKeyLayer(layer, partial(ConstantSinkHistory, key=key, value=value))
-        return cache
 
     def layer_bytes(self, num_layers: int, head_dim: int) -> list[float]:
         """Stored bytes per token per KV head (K+V) of each layer, excluding the fp recent buffer."""

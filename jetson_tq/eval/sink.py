@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.compressed import CompressedKVCache
-from .decoded_history import DecodedHistory
 from .smartmix import capture
 
 
@@ -62,34 +60,3 @@ def sink_spread(model, first_tokens: torch.Tensor, window: torch.Tensor) -> Sink
         key_spread.append((k0 - k0.mean(0)).norm(dim=-1).amax(0) / k_norm)
         value_spread.append((v0 - v0.mean(0)).norm(dim=-1).amax(0) / v_norm)
     return SinkSpread(*(torch.stack(x).float() for x in (keys, values, key_spread, value_spread)))
-
-
-class ConstantSinkHistory(DecodedHistory):
-    """A ``cpu-decoded`` history whose sink positions read a calibrated per-layer key and value [H, D] (the same for
-    every sequence) instead of each sequence's own position 0: what a storage-free sink would serve."""
-
-    def __init__(
-        self,
-        store: CompressedKVCache,
-        sink_tokens: int,
-        center: torch.Tensor | None,
-        key: torch.Tensor,
-        value: torch.Tensor,
-    ) -> None:
-        if center is not None:
-            raise ValueError("ConstantSinkHistory: a centered cache's sink is not a calibrated constant")
-        if sink_tokens != 1 or key.shape != (store.num_kv_heads, store.head_dim) or value.shape != key.shape:
-            raise ValueError(
-                f"ConstantSinkHistory: one sink position and [H, D] = [{store.num_kv_heads}, {store.head_dim}] "
-                f"constants, got {sink_tokens} positions, key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
-        super().__init__(store, sink_tokens)
-        self.constant_key, self.constant_value = key, value
-
-    def note_exact(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Position 0 of the next tokens k, v [B, H, T, D] reads the layer's constants (the tokens are not read)."""
-        if self.sink_k is not None or int(self.store.lengths[0]) != 0:
-            return
-        shape = (k.shape[0], self.store.num_kv_heads, 1, self.store.head_dim)
-        self.sink_k = self.constant_key.to(self.store.device, self.store.dtype)[None, :, None].expand(shape)
-        self.sink_v = self.constant_value.to(self.store.device, self.store.dtype)[None, :, None].expand(shape)

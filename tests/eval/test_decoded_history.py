@@ -63,38 +63,3 @@ def test_explicit_mask_matches_masked_reference():
     ref = ops.prefill(q, k, v, store.paged(), 0.25, "reference", mask)
     got = DecodedHistory(store).attend(q, k, v, 0.25, mask)
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)
-
-
-def test_constant_sink_reads_the_calibrated_key_and_value_at_position_0():
-    """``ConstantSinkHistory`` scores position 0 from the layer's constants, as the reference does when the sink copy
-    holds them; the sequences' own first tokens are not read."""
-    from dataclasses import replace
-
-    from jetson_tq.eval.sink import ConstantSinkHistory
-
-    fmt = KVFormat(key_mode="mse", key_bits=4, value_bits=3, value_group=32, buffer_tokens=16, window="block")
-    fmt = fmt.with_(sink_tokens=1)
-    g = torch.Generator().manual_seed(3)
-    store = CompressedKVCache(fmt, 2, 32, 2, dtype=torch.float32, seed=7)
-    key, value = torch.randn(2, 32, generator=g) * 3, torch.randn(2, 32, generator=g)
-    hist = ConstantSinkHistory(store, 1, None, key, value)
-    k, v = torch.randn(2, 2, 45, 32, generator=g) * 2, torch.randn(2, 2, 45, 32, generator=g)
-    hist.note_exact(k, v)
-    store.append(k, v)
-    k1 = torch.randn(2, 2, 1, 32, generator=g)
-    store.append(k1, k1)
-    q1 = torch.randn(2, 6, 32, generator=g)
-    paged = store.paged()
-    assert int(paged.compressed_lens.min()) > 0  # position 0 is compressed, so the sink is read
-    constant = replace(
-        paged, sink_k=key[None, :, None].expand(2, -1, 1, -1), sink_v=value[None, :, None].expand(2, -1, 1, -1)
-    )
-    ref = ops.decode(q1, constant, 0.2, "reference")
-    got = hist.attend(q1.unsqueeze(2), None, None, 0.2).squeeze(2)
-    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4), (got - ref).abs().max()
-    own = ops.decode(q1, paged, 0.2, "reference")  # the store kept the sequences' own position 0
-    assert (got - own).abs().max() > 1e-3
-    with pytest.raises(ValueError, match="ConstantSinkHistory"):
-        ConstantSinkHistory(store, 1, None, key[:, :16], value)
-    with pytest.raises(ValueError, match="ConstantSinkHistory"):
-        ConstantSinkHistory(store, 2, None, key, value)
