@@ -190,7 +190,7 @@ def test_klt_keys_are_placed_at_their_positions(monkeypatch, sink):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("sink", [False, True], ids=["coded", "calibrated-sink"])
+@pytest.mark.parametrize("sink", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["coded", "calibrated-sink"])
 def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch, sink):
     """The 5x preset's format (klt keys, mse values, block window) through the impl on the Triton kernels (CPU
     interpreter): writes coded at the step's positions (chunked prefill, decode rows from the builder's buffer, a
