@@ -509,6 +509,8 @@ def plot_family(v: F.Variant) -> str:
     coder = key_coder_family(v.name)
     if coder:
         return coder
+    if isinstance(v.spec, TurboQuantConfig) and v.spec.needs_key_transform:
+        return KLT_PRODUCT_FAMILY  # a klt config (``--extra-configs``), whatever its name
     if isinstance(v.spec, VLLMTurboQuantFormat):
         return "vLLM 0.26 TurboQuant (simulated)"
     if isinstance(v.spec, SimulatedFormat):
@@ -720,7 +722,10 @@ def main(argv: list[str] | None = None) -> dict:
         runs = [json.loads((Path(d) / "fidelity.json").read_text()) for d in args.frontier.split(",")]
         for run in runs:  # rows measured before their coder had a family of its own
             for name, fact in run["rows"].items():
-                fact["plot_family"] = key_coder_family(name) or fact.get("plot_family", fact["family"])
+                klt_config = fact["family"] == KLT_PRODUCT_FAMILY
+                fact["plot_family"] = key_coder_family(name) or (
+                    KLT_PRODUCT_FAMILY if klt_config else fact.get("plot_family", fact["family"])
+                )
         frontier_plot(runs, out / "fidelity_frontier.png", args.mark.split(","))
         return {"runs": runs}
     if args.replot:

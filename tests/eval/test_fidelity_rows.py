@@ -44,6 +44,10 @@ def test_config_rows_are_plotted_by_what_they_are():
     import benchmarks.fidelity as bf
 
     assert bf.config_family(load_config("kl52_smollm2")) == bf.KLT_PRODUCT_FAMILY
+    from jetson_tq.eval.fidelity import Variant
+
+    klt = load_config("kl52_smollm2")
+    assert bf.plot_family(Variant("kl52_smollm2", bf.config_family(klt), klt)) == bf.KLT_PRODUCT_FAMILY
     assert bf.config_family(load_config("mse_k4v3")) == "config file"
     per_layer = next((ROOT / "configs" / "per_layer").glob("*.yaml"))
     assert bf.config_family(load_config(per_layer)) == "per-layer (SmartMix)"
