@@ -187,13 +187,14 @@ def _value_tie_distance(codec: KVCodec, v: torch.Tensor) -> torch.Tensor:
 def _expect_ties_only(
     got: torch.Tensor, want: torch.Tensor, tie_distance: torch.Tensor, tie: float, bits: int, d: int, msg: str
 ) -> None:
-    """Packed codes equal, except off-by-one-level decisions at inputs within ``tie`` of a boundary (<= 0.1 %)."""
+    """Packed codes equal, except off-by-one-level decisions at inputs within ``tie`` of a boundary (<= 0.1 %, or four
+    entries: at CPU sizes, ~1,400 codes, two ties are 0.14 %; each must still be a tie)."""
     if torch.equal(got, want):
         return
     gu, wu = unpack_bits(got, bits, d).int(), unpack_bits(want, bits, d).int()
     diff = gu != wu
     frac = diff.float().mean().item()
-    assert frac <= 1e-3, f"{msg}: {frac:.3%} of entries differ"
+    assert frac <= 1e-3 or int(diff.sum()) <= 4, f"{msg}: {frac:.3%} of entries differ"
     assert bool(((gu - wu).abs()[diff] == 1).all()), f"{msg}: a code differs by more than one level"
     worst = tie_distance[diff].max().item()
     assert worst <= tie, f"{msg}: a code differs where the input is {worst:.2e} from a decision boundary (> {tie:g})"
