@@ -105,14 +105,15 @@ class KeyTransform:
             raise ConfigError(f"key transform bits: every head must spend the same bits, got {totals.tolist()}")
         if (self.sink_key is None) != (self.sink_value is None):
             raise ConfigError("key transform sink: expected both sink_key and sink_value or neither")
-        for name, sink in (("sink_key", self.sink_key), ("sink_value", self.sink_value)):
-            if sink is not None and (not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (h, d)):
+        sinks = [
+            (name, t) for name, t in (("sink_key", self.sink_key), ("sink_value", self.sink_value)) if t is not None
+        ]
+        for name, sink in sinks:
+            if not isinstance(sink, torch.Tensor) or tuple(sink.shape) != (h, d):
                 got = tuple(sink.shape) if isinstance(sink, torch.Tensor) else type(sink).__name__
                 raise ConfigError(f"key transform {name}: expected shape {(h, d)}, got {got}")
-        checked = [(self.mean, "mean"), (self.encode, "encode"), (self.decode, "decode"), (self.levels, "levels")]
-        if self.sink_key is not None and self.sink_value is not None:
-            checked += [(self.sink_key, "sink_key"), (self.sink_value, "sink_value")]
-        for t, name in checked:
+        checked = [("mean", self.mean), ("encode", self.encode), ("decode", self.decode), ("levels", self.levels)]
+        for name, t in checked + sinks:
             if not bool(torch.isfinite(t).all()):
                 raise ConfigError(f"key transform {name}: non-finite entries")
         used = torch.arange(1 << MAX_CODE_BITS, device=self.bits.device) < (1 << self.bits.long())[..., None]

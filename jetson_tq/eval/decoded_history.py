@@ -195,5 +195,4 @@ class CodedKeyLayer(TurboQuantLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         assert self.store is not None  # the base built it
-        sinks = max(self.sink_tokens, self.fmt.sink_tokens)  # as the base reads them
-        self.decoded = self.history(self.store, sinks, None if self.center is None else self.center[0])
+        self.decoded = self.history(self.store, self.sink_tokens, None if self.center is None else self.center[0])

@@ -748,8 +748,7 @@ def dequantize_segment(
         sink, d = klt["sink16"], kv.layout.head_dim
         shape = (kv.batch_size, seg, hkv, -1) if token_major else (kv.batch_size, hkv, seg, -1)
         for w, constant in ((wk, sink[0]), (wv, sink[1])):
-            rows = w.view(shape)[:, 0] if token_major else w.view(shape)[:, :, 0]
-            rows[..., :d] = constant
+            w.view(shape).select(1 if token_major else 2, 0)[..., :d] = constant
 
 
 def chunked_prefill(
