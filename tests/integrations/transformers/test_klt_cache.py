@@ -165,6 +165,26 @@ def test_calibrated_sink_is_fitted_where_position_0_is_constant_and_read_alike_a
     assert not apart[0].has_sink
 
 
+@pytest.mark.slow
+def test_calibrated_sink_on_qwen2_at_head_dim_48():
+    """The sink on a shape its code was not written against: Qwen2 (biased projections, RoPE theta 1e6) at head dim
+    48 (not a power of two). Every layer is fitted with it (one first token), and the reference and cpu-decoded paths
+    read it alike at any chunking (partial rotary: the kernel cases at D=80, rotary 40)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**dict(SMALL, head_dim=48, rope_theta=1e6))
+    model = Qwen2ForCausalLM(config).eval()
+    transforms = calibrate_model(model, torch.randint(0, 256, (2, 300)), 52, sink_firsts=torch.full((3,), 11))
+    assert all(t.has_sink and t.head_dim == 48 for t in transforms)
+    ids = torch.randint(0, 256, (2, 70))
+    ref = _chunked(model, TurboQuantCache(model, CFG, backend="reference", key_transforms=transforms), ids, 70)
+    for backend, chunk in (("reference", 19), ("cpu-decoded", 70), ("cpu-decoded", 16)):
+        cache = TurboQuantCache(model, CFG, backend=backend, key_transforms=transforms)
+        torch.testing.assert_close(_chunked(model, cache, ids, chunk), ref, rtol=1e-4, atol=1e-4)
+    assert bool(torch.isfinite(ref).all())
+
+
 def _tiny_calibration_args(tmp_path, seed: int):
     """A two-layer tiny Llama and a 700-word text in ``tmp_path``: (model dir, the calibrate argv for them)."""
     from jetson_tq.models.tiny import WORDS, make_tiny_llama
