@@ -40,9 +40,10 @@ def register(sub) -> None:
     p.add_argument(
         "--sink",
         choices=SINK_CHOICES,
-        default=DEFAULT_SINK,
-        help="'calibrated' (the default): layers whose position-0 key and value are the same whatever the first token "
-        "read position 0 from the calibration (no storage; docs/fidelity.md); 'none': position 0 is coded",
+        default=None,
+        help="'calibrated' (the default without --sink-tokens): layers whose position-0 key and value are the same "
+        "whatever the first token read position 0 from the calibration (no storage; docs/fidelity.md); 'none': "
+        "position 0 is coded",
     )
     p.add_argument(
         "--widths",
@@ -100,7 +101,9 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--window-len {args.window_len}: expected >= 256 tokens")
     if not 0 <= args.sink_tokens < args.window_len // 2:
         raise ConfigError(f"--sink-tokens {args.sink_tokens}: expected 0 <= S < window-len / 2")
-    calibrated_sink = args.sink == "calibrated" and not args.sink_tokens  # exact sink tokens replace it
+    if args.sink == "calibrated" and args.sink_tokens:
+        raise ConfigError("--sink calibrated and --sink-tokens both read position 0: keep one")
+    calibrated_sink = (args.sink or DEFAULT_SINK) == "calibrated" and not args.sink_tokens  # exact tokens replace it
     from ..eval.calibrate_keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, calibrate_model, write_calibration
     from ..eval.sink import sink_first_tokens
 

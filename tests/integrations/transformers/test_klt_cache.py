@@ -232,6 +232,8 @@ def test_calibrate_command_writes_a_usable_file(tmp_path, capsys):
     assert "needed" in capsys.readouterr().err
     assert main([*argv, "--out", str(tmp_path / "plain.pt"), "--key-bytes", "40", "--sink", "none"]) == 0
     assert load_transforms(tmp_path / "plain.pt")[1]["calibrated_sink_layers"] == []
+    assert main([*argv, "--sink", "calibrated", "--sink-tokens", "1"]) == 2  # both read position 0: a usage error
+    assert "keep one" in capsys.readouterr().err
     assert main([*argv, "--out", str(tmp_path / "named.yaml"), "--key-bytes", "40"]) == 0  # the config's name
     assert load_config(tmp_path / "named.yaml").key_transform == str(tmp_path / "named.pt")
     assert load_transforms(tmp_path / "named.pt")[1]["key_code_bytes"] == 40
