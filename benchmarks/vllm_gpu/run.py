@@ -25,6 +25,14 @@ from models import kv_bytes_per_token, write_model_dir, write_tokenizer  # noqa:
 
 QWEN, LLAMA = "qwen2.5-7b", "llama-3.1-8b"
 UTIL = 0.25  # equal memory for every engine: ~16 GB of KV for Qwen2.5-7B on a 141 GB H200 (~8 x 32k stock)
+#: --plan peers: every engine gets this much GPU memory whatever the card (0.55 of an 80 GB H100: Qwen2.5-7B's
+#: 15.2 GB of weights plus ~28 GB of KV), so an H100 and an H200 run the same budget
+PEERS_GIB = 43.8
+PEERS_MML = 40960  # 32k prompts plus outputs; 131072 leaves stock too few blocks at this budget
+#: --plan peers rows: 16 x 16k (TPOT, TTFT of the last request, decode tok/s), then 32k at the most each cache admits
+PEERS_WORK = [[16384, 16, -1], [32768, 0, -1]]
+#: the targets of the peers table: ours vs the stock KV cache users pick (fp8) and vs stock bf16 FlashAttention 3
+PEERS_TARGETS = {"capacity_x_fp8": 2.0, "tpot_x_fp8": 1.0, "ttft_x_bf16": 1.0}
 MML = 131072
 WORK_EAGER = [[8192, 8, 32], [32768, 8, 32]]
 
@@ -79,8 +87,48 @@ FA3_UTIL = 0.7  # ~80 GB of KV for stock bf16: 32 x 32k plus outputs fit (57 kB/
 FA3_TTFT, FA3_TPOT = 1.1, 1.0  # issue 23: ours / stock FA3 at most
 
 
+def card_util(gib: float = PEERS_GIB) -> float:
+    """``gpu_memory_utilization`` that gives ``gib`` GiB on this machine's first GPU (read with nvidia-smi, so the
+    driver process holds no CUDA context); 0.55 where no GPU answers (the H100 figure)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        total_gib = float(out.split()[0]) / 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0.55
+    return round(min(0.92, gib / total_gib), 4)
+
+
+def peers_plan() -> list[dict]:
+    """The KV caches a user would pick instead of ours, at the same memory, most important first: stock FlashAttention
+    3 in fp8 (the common choice) and bf16, vLLM's ``int4_per_token_head`` (Triton backend) and vLLM's own TurboQuant
+    (it starts on vLLM's V2 runner only)."""
+    common = dict(work=PEERS_WORK, seqs=64, mml=PEERS_MML, gpu_util=card_util(), capture_sizes=[1, 8, 16, 32, 48, 64])
+    return [
+        _engine("peer_ours_mse_k4v3", QWEN, tq="mse_k4v3", timeout=330, **common),
+        _engine("peer_fa3_fp8", QWEN, backend="FLASH_ATTN_FIXED", kv="fp8", timeout=240, **common),
+        _engine("peer_fa3_bf16", QWEN, backend="FLASH_ATTN_FIXED", timeout=240, **common),
+        _engine(
+            "peer_int4_per_token_head",
+            QWEN,
+            backend="TRITON_ATTN_FIXED",
+            kv="int4_per_token_head",
+            timeout=300,
+            **common,
+        ),
+        _engine("peer_vllm_tq_4bit_nc", QWEN, kv="turboquant_4bit_nc", env={}, timeout=300, **common),
+    ]
+
+
 def plan(kind: str) -> list[dict]:
     """The jobs, most important first."""
+    if kind == "peers":
+        return peers_plan()
     small = dict(mml=4096, seqs=8, timeout=150)
     smoke = [
         _engine("smoke_stock", QWEN, backend="TRITON_ATTN", work=[[2048, 2, 16]], **small),
@@ -230,6 +278,8 @@ def adapt(jobs: list[dict], stock_backend: str, fa3: bool) -> list[dict]:
             j["backend"] = stock_backend
         if j["backend"] == "FLASH_ATTN_FIXED":  # the FA3 row of the full plan, whatever the stock choice
             j["backend"] = "FLASH_ATTN"
+        if j["backend"] == "TRITON_ATTN_FIXED":  # a cache only vLLM's Triton backend serves (int4_per_token_head)
+            j["backend"] = "TRITON_ATTN"
         if j["kv_cache_dtype"].startswith("turboquant") and not fa3:
             j["unrunnable"] = "vLLM's TurboQuant prefill calls flash_attn_varlen_func: needs the FA3 part"
         if stock_backend == "FLASH_ATTN" and not fa3 and j["backend"] == "FLASH_ATTN":
@@ -393,6 +443,60 @@ def fa3_targets(results: list[dict], ours: str = "fa3_ours_mse_k4v3", stock: str
     return out
 
 
+def peers_table(results: list[dict], ours: str = "peer_ours_mse_k4v3") -> dict:
+    """Per engine of --plan peers: vLLM's KV tokens, 16 x 16k TPOT / TTFT of the last / decode tok/s, the 32k row at
+    the most it admits (concurrency, TPOT, tok/s); then ours against the targets (PEERS_TARGETS)."""
+    caps = {r["job"]: r["kv_tokens"] for r in results if r["kind"] == "capacity"}
+    rows: dict = {}
+    for job in dict.fromkeys(r["job"] for r in results if r["job"].startswith("peer_")):
+        w = _rows(results, job)
+        r16 = w.get((16384, 16), {})
+        r32 = next((r for (c, _), r in sorted(w.items()) if c == 32768), {})
+        rows[job] = {
+            "kv_tokens": caps.get(job),
+            "16kx16_tpot_ms": r16.get("tpot_ms"),
+            "16kx16_ttft_last_s": r16.get("ttft_last_s"),
+            "16kx16_decode_tok_s": r16.get("decode_tok_s"),
+            "32k_admitted": r32.get("concurrency"),
+            "32k_tpot_ms": r32.get("tpot_ms"),
+            "32k_decode_tok_s": r32.get("decode_tok_s"),
+        }
+        errors = [r["error"] for r in results if r["job"] == job and r["kind"] == "error"]
+        if errors:
+            rows[job]["error"] = errors[0][:200]
+    o, fp8, bf16 = rows.get(ours, {}), rows.get("peer_fa3_fp8", {}), rows.get("peer_fa3_bf16", {})
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    measured = {
+        "capacity_x_fp8": ratio(o.get("kv_tokens"), fp8.get("kv_tokens")),
+        "tpot_x_fp8": ratio(o.get("16kx16_tpot_ms"), fp8.get("16kx16_tpot_ms")),
+        "ttft_x_bf16": ratio(o.get("16kx16_ttft_last_s"), bf16.get("16kx16_ttft_last_s")),
+    }
+    verdicts = {}
+    for name, limit in PEERS_TARGETS.items():
+        x = measured[name]
+        ok = x is not None and (x >= limit if name.startswith("capacity") else x <= limit)
+        verdicts[name] = {"value": x, "target": limit, "verdict": "not measured" if x is None else _met(ok)}
+    return {"engines": rows, "targets": verdicts}
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def print_peers(table: dict) -> None:
+    """The peers table as text (the last lines of a device call's output)."""
+    cols = list(next(iter(table["engines"].values()), {}).keys())
+    print("engine".ljust(28) + "".join(c[:22].rjust(23) for c in cols if c != "error"))
+    for job, row in table["engines"].items():
+        cells = "".join(str(row.get(c)).rjust(23) for c in cols if c != "error")
+        print(job.ljust(28) + cells + (f"   error: {row['error']}" if row.get("error") else ""))
+    for name, v in table["targets"].items():
+        print(f"target {name}: {v['value']} (target {v['target']}) -> {v['verdict']}")
+
+
 def _verdict(x: float, limit: float) -> str:
     return "met" if x <= limit else "missed"
 
@@ -400,7 +504,7 @@ def _verdict(x: float, limit: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke", "ttft", "fa3"])
+    ap.add_argument("--plan", default="full", choices=["full", "short", "agg", "corr", "smoke", "ttft", "fa3", "peers"])
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     ap.add_argument(
@@ -441,8 +545,14 @@ def main() -> None:
         with open(args.out / "results.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
         (args.out / "summary.json").write_text(
-            json.dumps(dict(summarize(results), targets=targets(results), fa3=fa3_targets(results)), indent=1)
+            json.dumps(
+                dict(summarize(results), targets=targets(results), fa3=fa3_targets(results))
+                | {"peers": peers_table(results)},
+                indent=1,
+            )
         )
+    if args.plan == "peers":
+        print_peers(peers_table(results))
     print(f"all jobs: {time.time() - start:.0f} s", flush=True)
 
 

@@ -160,7 +160,7 @@ def test_resolve_workload_takes_the_most_the_cache_admits() -> None:
 
 
 def test_plans_are_well_formed() -> None:
-    for kind in ("full", "short", "agg", "corr", "smoke", "ttft", "fa3"):
+    for kind in ("full", "short", "agg", "corr", "smoke", "ttft", "fa3", "peers"):
         jobs = run.plan(kind)
         assert len({j["name"] for j in jobs}) == len(jobs)
         stock = ("TRITON_ATTN", "FLASH_ATTN_FIXED")
@@ -197,6 +197,56 @@ def test_fa3_plan_puts_every_row_beside_stock_fa3() -> None:
     assert got["ttft_first_s"] == {"ours": 1.2, "fa3": 0.6, "x": 2.0, "verdict": "missed"}
     assert got["ttft_last_s"]["verdict"] == "met" and got["tpot_ms"]["verdict"] == "met"
     assert run.fa3_targets(results[:1]) == {}  # a row stock did not run is not compared
+
+
+def test_peers_plan_runs_every_cache_at_one_budget_and_judges_ours_against_fp8_and_bf16(monkeypatch) -> None:
+    """--plan peers: ours, stock FA3 fp8 and bf16, int4_per_token_head and vLLM's TurboQuant on the same rows at the
+    same GPU memory, sized from the card; the table gives ours / fp8 capacity and TPOT and ours / bf16 TTFT."""
+    monkeypatch.setattr(run, "card_util", lambda gib=run.PEERS_GIB: 0.3125)
+    jobs = {j["name"]: j for j in run.plan("peers")}
+    assert {j["gpu_util"] for j in jobs.values()} == {0.3125}
+    assert len({json.dumps(j["workloads"]) for j in jobs.values()}) == 1
+    assert jobs["peer_fa3_fp8"]["kv_cache_dtype"] == "fp8" and jobs["peer_fa3_bf16"]["kv_cache_dtype"] == "auto"
+    adapted = {j["name"]: j for j in run.adapt(list(jobs.values()), "TRITON_ATTN", fa3=True)}
+    assert adapted["peer_fa3_fp8"]["backend"] == "FLASH_ATTN"
+    assert adapted["peer_int4_per_token_head"]["backend"] == "TRITON_ATTN"
+    row16 = {"kind": "workload", "context": 16384, "concurrency": 16}
+    results = [
+        {"job": "peer_ours_mse_k4v3", "kind": "capacity", "kv_tokens": 2_000_000},
+        {"job": "peer_fa3_fp8", "kind": "capacity", "kv_tokens": 980_000},
+        {"job": "peer_fa3_bf16", "kind": "capacity", "kv_tokens": 490_000},
+        dict(row16, job="peer_ours_mse_k4v3", tpot_ms=11.8, ttft_last_s=10.1, decode_tok_s=1359.0),
+        dict(row16, job="peer_fa3_fp8", tpot_ms=12.3, ttft_last_s=8.8, decode_tok_s=1297.0),
+        dict(row16, job="peer_fa3_bf16", tpot_ms=14.1, ttft_last_s=8.65, decode_tok_s=1137.0),
+        {"kind": "workload", "context": 32768, "concurrency": 60, "job": "peer_ours_mse_k4v3", "tpot_ms": 14.1},
+        {"job": "peer_vllm_tq_4bit_nc", "kind": "error", "error": "exit code 1"},
+    ]
+    table = run.peers_table(results)
+    assert table["engines"]["peer_ours_mse_k4v3"]["32k_admitted"] == 60
+    assert table["engines"]["peer_vllm_tq_4bit_nc"]["error"] == "exit code 1"
+    t = table["targets"]
+    assert t["capacity_x_fp8"] == {"value": 2.041, "target": 2.0, "verdict": "met"}
+    assert t["tpot_x_fp8"]["value"] == 0.959 and t["tpot_x_fp8"]["verdict"] == "met"
+    assert t["ttft_x_bf16"]["value"] == 1.168 and t["ttft_x_bf16"]["verdict"] == "missed"
+    assert run.peers_table([])["targets"]["tpot_x_fp8"]["verdict"] == "not measured"
+
+
+def test_card_util_gives_the_same_gib_on_any_card(monkeypatch) -> None:
+    """80 GB and 141 GB cards get the same GiB; no nvidia-smi gives the H100 figure."""
+
+    def smi(mib):
+        return lambda *a, **k: type("P", (), {"stdout": f"{mib}\n"})()
+
+    monkeypatch.setattr(run.subprocess, "run", smi(81559))
+    assert run.card_util() == round(run.PEERS_GIB / (81559 / 1024), 4) == 0.5499
+    monkeypatch.setattr(run.subprocess, "run", smi(143771))
+    assert run.card_util() == round(run.PEERS_GIB / (143771 / 1024), 4)
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(run.subprocess, "run", missing)
+    assert run.card_util() == 0.55
 
 
 def test_summary_ratios_and_greedy() -> None:
