@@ -224,7 +224,7 @@ nothing. Run ./run_jetson.sh $mode once (it installs: ${groups[*]}), then ./run_
   exit 0
 fi
 if [[ "$dry_run" == 1 ]]; then
-  [[ "$runner" == local ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
+  [[ "$runner" == local && "${JETSON_TQ_SETUP:-1}" != 0 ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
   printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo
   exit 0
 fi
@@ -235,7 +235,11 @@ if [[ "$runner" == container ]]; then
     cat "$SYSROOT/proc/device-tree/model" > "$model_copy" 2>/dev/null || : > "$model_copy"   # cannot be bind-mounted
   fi
 elif [[ "$runner" == local ]]; then
-  setup_venv "${groups[@]}"
+  if [[ "${JETSON_TQ_SETUP:-1}" == 0 ]]; then   # a venv the user manages (or shares): used as it is
+    [[ -x "$PY" ]] || die "$EXIT_USAGE" "JETSON_TQ_SETUP=0: expected a Python at $PY (JETSON_TQ_VENV), found none"
+  else
+    setup_venv "${groups[@]}"
+  fi
   [[ "$mode" == test || "$mode" == lint ]] && cd "$ROOT"
 fi
 if [[ "$mode" == lint ]]; then
