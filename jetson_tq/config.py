@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,20 @@ import yaml
 from .errors import ConfigError, FormatError, expect_int
 from .format import FP16_FORMAT, KVFormat
 
-CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
+
+def shipped_dir(name: str) -> Path:
+    """A data folder shipped inside the package (``jetson_tq/<name>``), found through ``importlib.resources``.
+
+    ``jetson_tq/presets`` is a link to the checkout's top-level ``configs/`` (the one copy of every preset and
+    model file): a checkout, an editable install and a container read it through the link, and the wheel build
+    copies the files behind it into the wheel, so a pip-installed package reads them from ``site-packages``.
+    """
+    return Path(str(resources.files(__package__ or "jetson_tq").joinpath(name)))
+
+
+#: presets (``*.yaml``), model shapes (``models/``) and per-layer policies (``per_layer/``); JETSON_TQ_CONFIG_DIR
+#: points at another folder of the same layout
+CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", shipped_dir("presets")))
 #: Chosen from docs/fidelity.md: on held-out essays / Opticks +1.44 % / +1.27 % PPL at 122 B/token/head (D=128, 4.2x),
 #: own-block window, served by every path. The 5x preset ``kl52_smollm2`` (102 B, +0.10 % / +0.63 %) needs a per-model
 #: calibration and runs on the reference path only (no kernel, no vLLM yet), so it is not the default (issue 22).
@@ -201,7 +215,7 @@ def config_from_dict(raw: dict, name: str = "custom", base_dir: Path | None = No
 
 
 def preset_names() -> list[str]:
-    """Names of the YAML presets shipped in ``configs/``."""
+    """Names of the YAML presets in ``CONFIG_DIR`` (shipped: ``configs/*.yaml``)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 

@@ -7,19 +7,25 @@ import os
 import sys
 
 from ..errors import JetsonTQError, MissingComponentError, UnsupportedPlatformError
-from . import calibrate_cmd, capacity_cmd, demo_cmd, exit_codes, platform_cmd, vllm_cmd
+from ..version import __version__
+from . import calibrate_cmd, capacity_cmd, demo_cmd, exit_codes, platform_cmd, serve_cmd, vllm_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jetson_tq", description="TurboQuant KV cache tools")
-    sub = parser.add_subparsers(dest="mode", required=True)
-    for module in (demo_cmd, capacity_cmd, platform_cmd, vllm_cmd, calibrate_cmd):
+    parser = argparse.ArgumentParser(
+        prog="jetson-tq",
+        description="TurboQuant-compressed KV cache: serve with vLLM, size the cache, calibrate, check this machine. "
+        "MODE -h gives each mode's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"jetson-tq {__version__}")
+    sub = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
+    for module in (serve_cmd, capacity_cmd, calibrate_cmd, platform_cmd, demo_cmd, vllm_cmd):
         module.register(sub)
     return parser
 
 
-#: Subcommands whose arguments belong to another parser (the demo script, the vLLM integration).
-PASSTHROUGH = {"demo": "demo_args", "vllm": "vllm_args"}
+#: Subcommands whose arguments belong to another parser (the demo script, the vLLM integration, vLLM's server).
+PASSTHROUGH = {"demo": "demo_args", "vllm": "vllm_args", "serve": "serve_args"}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

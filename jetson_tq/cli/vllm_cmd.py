@@ -33,6 +33,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("vllm", help="serve/compare a model through the pinned vLLM with TurboQuant", add_help=False)
+    p = sub.add_parser(
+        "vllm", help="stock vLLM vs jetson-tq on one model: capacity, speed, the same greedy tokens", add_help=False
+    )
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="arguments of the vLLM integration")
     p.set_defaults(func=_run)

@@ -107,10 +107,18 @@ def test_container_vllm_gets_the_model_cache_but_not_the_token_file(tmp_path):
     assert mounts(capacity) == [f"{REPO}:/opt/jetson-tq", f"{tmp_path}/cache/jetson-tq/home:/home/jtq"]
 
 
+def launcher_copy(dest: Path) -> Path:
+    """The files a dry run reads: the script and the platform probe it asks (jetson_tq/version.py, platform/)."""
+    dest.mkdir(parents=True)
+    shutil.copy2(SCRIPT, dest)
+    (dest / "jetson_tq").mkdir()
+    shutil.copy2(REPO / "jetson_tq" / "version.py", dest / "jetson_tq")
+    shutil.copytree(REPO / "jetson_tq" / "platform", dest / "jetson_tq" / "platform")
+    return dest
+
+
 def test_container_mounts_a_checkout_whose_path_has_a_colon(tmp_path):
-    repo = tmp_path / "a:b" / "jetson-tq"  # the script alone: a dry run reads nothing else of the checkout
-    repo.mkdir(parents=True)
-    shutil.copy2(SCRIPT, repo)
+    repo = launcher_copy(tmp_path / "a:b" / "jetson-tq")
     e = sandbox_env(tmp_path, "x86_h200", docker=True)
     p = subprocess.run(
         [str(repo / "run_jetson.sh"), "--dry-run", "demo"],
@@ -280,9 +288,11 @@ def test_shell_and_python_pick_the_same_image(tmp_path, board, monkeypatch):
     assert (vllm.returncode == 0) == target.vllm, (vllm.returncode, target.reason)
 
 
-def test_constants_agree_with_python():
+def test_constants_agree_with_python(tmp_path):
     text = SCRIPT.read_text()
-    assert re.search(r'^VERSION="([^"]+)"', text, re.M).group(1) == __version__
+    assert not re.search(r"^\s*VERSION=", text, re.M)  # the version comes from jetson_tq/version.py only
+    p = run(tmp_path, "x86_cpu", "--version")
+    assert p.returncode == 0 and p.stdout.strip() == f"jetson-tq {__version__}", p.stdout + p.stderr
     codes = dict(re.findall(r"EXIT_(\w+)=(\d+)", text))
     assert int(codes["USAGE"]) == exit_codes.USAGE
     assert int(codes["UNSUPPORTED"]) == exit_codes.UNSUPPORTED_PLATFORM

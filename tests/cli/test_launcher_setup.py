@@ -16,6 +16,9 @@ def make_checkout(tmp_path):
     root = tmp_path / "checkout"
     (root / "requirements").mkdir(parents=True)
     shutil.copy(REPO / "run_jetson.sh", root / "run_jetson.sh")
+    (root / "jetson_tq").mkdir()  # the platform probe the launcher asks (jetson_tq/platform/shell.py)
+    shutil.copy(REPO / "jetson_tq" / "version.py", root / "jetson_tq" / "version.py")
+    shutil.copytree(REPO / "jetson_tq" / "platform", root / "jetson_tq" / "platform")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     shutil.copy(REPO / "requirements" / "core.txt", root / "requirements" / "core.txt")
     (root / "requirements" / "models.txt").write_text("fake-models==1\n")

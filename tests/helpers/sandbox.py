@@ -1,8 +1,8 @@
 """Helpers for tests that run run_jetson.sh or the probe against a fake board (tests only).
 
-``sandbox_env`` builds a PATH holding only the tools run_jetson.sh needs plus the fake board's
-``nvidia-smi`` and, on request, the fake ``docker``: a real GPU or docker on the test machine can
-then never leak into the result.
+``sandbox_env`` builds a PATH holding only the tools run_jetson.sh needs (python3: the base interpreter, outside any
+venv, as on a bare host) plus the fake board's ``nvidia-smi`` and, on request, the fake ``docker``: a real GPU or
+docker on the test machine can then never leak into the result.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -44,6 +45,8 @@ def sandbox_env(tmp_path: Path, board: str, docker: bool = False, **extra: str) 
             raise RuntimeError(f"test set-up: '{tool}' not found on PATH")
         if not (bin_dir / tool).exists():
             (bin_dir / tool).symlink_to(real)
+    if not (bin_dir / "python3").exists():  # the platform probe (jetson_tq/platform/shell.py): a bare interpreter
+        (bin_dir / "python3").symlink_to(os.path.realpath(sys.executable))
     fake_smi = BOARDS / board / "bin" / "nvidia-smi"
     if fake_smi.exists() and not (bin_dir / "nvidia-smi").exists():
         (bin_dir / "nvidia-smi").symlink_to(fake_smi)

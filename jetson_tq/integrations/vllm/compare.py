@@ -29,10 +29,10 @@ import yaml
 from ...arg_types import positive_int
 from ...config import DEFAULT_PRESET, load_config
 from ...errors import ConfigError, MissingComponentError
+from ...models.specs import MODELS_DIR as MODEL_DIR  # the shipped configs/models (package data)
 from .cpu_binding import tp_cpu_env
 
 DEFAULT_GPU_MODEL = "qwen2.5-7b-instruct"  # configs/models/ name -> Qwen/Qwen2.5-7B-Instruct
-MODEL_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
 DEFAULT_PROMPTS = (
     "The Jetson AGX Thor is",
     "Write one sentence about memory bandwidth:",
