@@ -58,9 +58,9 @@ def _install() -> None:
         return kernel
 
     JITFunction.run = run
-    from jetson_tq.kernels import _common, compress_write, hybrid_decode, prefill
+    from jetson_tq.kernels import _common, compress_write, hybrid_decode_plan, prefill
 
-    for mod in (_common, compress_write, hybrid_decode, prefill):
+    for mod in (_common, compress_write, hybrid_decode_plan, prefill):
         mod.cuda_or_interpreter = lambda t: None
 
 
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     _install()
     from jetson_tq.kernels.append import append_rows
     from jetson_tq.kernels.compress_write import WriteTuning, compress_write
-    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+    from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
     from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
     from jetson_tq.paged import allocate_pages
     from jetson_tq.validate import FAULT_NONE, StoreLimits

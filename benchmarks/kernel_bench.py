@@ -180,7 +180,7 @@ def decode_diagnostics(
 ) -> list[dict]:
     """Relative error vs the reference of each kernel variant on each (B, Hq, Hkv, ctx) case (first 2 sequences)."""
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+    from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 
     rows = []
     for b, hq, hkv, ctx in cases:
@@ -256,7 +256,7 @@ def decode_vs_sdpa(
     ``fmt``: the cache format (KVFormat or preset name; default KVFormat(), i.e. blog_k3v2's layout).
     """
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+    from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 
     _require_cuda()
     tuning = DecodeTuning(**kernel_kwargs)

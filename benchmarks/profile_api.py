@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     q = torch.randn(1, 32, 128, device="cuda", dtype=torch.float16)
     view = cache.paged()
     from jetson_tq import ops
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode_plan import hybrid_decode
 
     k1 = k[:, :, :1].contiguous()
     pieces = {

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from kernel_bench import make_decode_case, resolve_format
 
-from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 
 
 def main(argv=None) -> int:

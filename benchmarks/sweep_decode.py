@@ -52,7 +52,7 @@ def variants(quick: bool) -> list[dict]:
 def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw: float) -> list[dict]:
     """Rows of one (format, shape): the flash baseline first, then every variant."""
     from jetson_tq.attention.reference import paged_attention_decode
-    from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+    from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 
     b, hq, hkv, ctx = shape
     fmt = resolve_format(fmt_name)

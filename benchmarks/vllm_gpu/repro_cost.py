@@ -34,7 +34,7 @@ def one_case(batch: int, ctx: int, hq: int = 28, hkv: int = 4, d: int = 128) -> 
     """µs per layer of both modes' decode attention for ``batch`` sequences of ``ctx`` tokens."""
     from kernel_bench import _bench, _graph_us, make_decode_case
 
-    from jetson_tq.kernels.hybrid_decode import hybrid_decode
+    from jetson_tq.kernels.hybrid_decode_plan import hybrid_decode
     from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 
     fmt = load_config("mse_k4v3").default

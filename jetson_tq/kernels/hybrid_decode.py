@@ -1,4 +1,4 @@
-"""Fused hybrid decode: one query token per sequence over compressed pages AND the recent buffer.
+"""Fused hybrid decode, the device side: one query token per sequence over compressed pages AND the recent buffer.
 
 One program = one (sequence, KV head, split). It walks its share of the compressed tokens through
 the block table (vLLM 0.26 layout: slot = block * block_size + offset), BLOCK_N tokens per tile,
@@ -17,48 +17,50 @@ Packed fields are read chunk by chunk (see ``_tiles``): a chunk of codes is a sh
 a loaded (BLOCK_N, bytes) tile and feeds ``tl.dot`` directly. The splits cut the sequence's compressed
 tokens followed by its uncompressed recent-buffer tokens, so a program may attend to both, in one online
 softmax. With several splits each program writes a partial (output, log-sum-exp) and ``_decode_reduce_kernel``
-merges them in a second launch; with ``fused_reduce=True`` the last program of each (sequence, KV head) to finish
-merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one launch per call. No host sync and
-no allocation after the first call of a shape (workspaces are cached), so the launcher can be captured in a CUDA
-graph.
+merges them in a second launch; with ``FUSED_REDUCE`` the last program of each (sequence, KV head) to finish
+merges them instead (``_reduce_on_arrival``: arrival counters, two levels), one launch per call.
 
-The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``, then
-per tile
-``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then ``_unrotate_values`` (mse values),
-``_recent_tokens`` and ``_write_output``. Compile-time facts come in two bundles: ``PAGE`` (``format.PageSpec``) and
-``CFG`` (``DecodeConstexprs``); launch knobs in one ``DecodeTuning``.
+The kernel reads as its steps: ``_rotate_query`` (FUSE_Q), ``_key_operands``, ``_sign_operands``, ``_empty_state``,
+then per tile ``_tile_pages`` -> ``_key_scores`` -> ``online_softmax`` -> ``_value_tile``, then
+``_unrotate_values`` (mse values), ``_recent_tokens`` and ``_write_output``. Compile-time facts come in three
+bundles: ``PAGE`` (``format.PageSpec``), ``CFG`` (``DecodeConstexprs``, below) and ``KLT`` (``_common.KltSpec``).
+
+This file holds the ``@triton.jit`` code and the ``CFG`` contract only. The host side (launch knobs
+``DecodeTuning``, the split count, the printable ``DecodePlan`` that owns the workspaces and the layer's device
+constants, ``run``) is ``hybrid_decode_plan``: a plan is made once per shape, ``run(plan, ...)`` only launches.
+
+The kernel's runtime arguments come from the plan in groups, in this order (``hybrid_decode_plan._decode_args``):
+  qt_ptr .. cnt_ptr         the call's tensors (query, pages, block table, lengths, recent buffer, output), the
+                            layer's device constants (``DecodeConstants``) and the plan's workspaces (qt, po, plse,
+                            cnt: made with the plan, so a launch allocates nothing and a CUDA graph can capture it)
+  stride_qb .. group_size   ``DecodeInts``: the strides the plan bakes in and the split sizes
+  scale_log2 .. klt_scale   ``DecodeScalars``: softmax and codebook scalars
+  PAGE, CFG, KLT            ``DecodePlan.constexprs``: the three bundles
+
+Adding a per-layer constant (attention sinks, a logit soft cap, a sliding window, ...) touches four places, in the
+kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a flat splice of the plan's groups:
+  - a device tensor (e.g. the sink logits, fp32 [Hq]): a ``*_ptr`` parameter after ``vpi_ptr`` here and a field
+    at the same place in ``hybrid_decode_plan.DecodeConstants`` (built in ``decode_constants``);
+  - a float (e.g. the soft cap): a parameter after ``klt_scale`` here and the last field of ``DecodeScalars``;
+  - an int (e.g. the window size in tokens): a parameter after ``group_size`` here and the last field of
+    ``DecodeInts``;
+  - a code path switch (e.g. HAS_SINKS, SOFT_CAP, WINDOW): a field of ``DecodeConstexprs`` (read as ``CFG.NAME``),
+    set in ``hybrid_decode_plan.plan_decode``, so formats without it compile exactly as before.
+
+Where such a feature acts in the kernel: a per-token mask (a sliding window's lower edge) where ``_tile_pages``
+makes ``nmask`` and ``_recent_tokens`` makes ``tmask``; a score transform (a soft cap) right after ``_key_scores`` /
+``_klt_scores`` and in ``_recent_tokens`` before ``online_softmax``; a sink's logit into the online-softmax state
+``(m_i, l_i, acc, zacc)`` before ``_write_output`` (it adds to the sum l_i, not to the output). Helpers take the
+bundles whole, so a new constexpr needs no new helper parameter.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
-import torch
 import triton
 import triton.language as tl
 
-from ..errors import DTypeError, ShapeError, expect_same_device
-from ..paged import PagedKV
-from ._common import (
-    INTERPRET,
-    KEY_KLT,
-    KEY_MSE,
-    KEY_RAW,
-    LOG2E,
-    VAL_GROUP,
-    PageSpec,
-    codec_constants,
-    constexpr_bundle,
-    counters,
-    cuda_or_interpreter,
-    klt_constants,
-    next_pow2,
-    page_spec,
-    workspace,
-)
-from ._launch import FastLauncher, resident_programs
 from ._tiles import (
     K_KLT,
     K_PROD,
@@ -76,13 +78,11 @@ from ._tiles import (
     load_norms,
     mma,
     nibble_centroids,
-    nibble_lut_asm,
     online_softmax,
     rope_cos_sin,
     subnormal16,
     value_unit,
 )
-from .query_transform import query_transform
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class DecodeConstexprs:
     FAST_K: bool  # keys scored from index bit planes (affine codebook, ``fast_key_planes``)
     K_HIGH: bool  # ... plus the (k >> 1) plane (2-bit Lloyd-Max)
     LUT_PRMT: bool  # 4-bit centroids by byte permutes in inline PTX (``nibble_centroids``)
-    KLUT: str  # that PTX ("" when unused)
+    KLUT: str = field(repr=False)  # that PTX ("" when unused)
     FAST_V: bool  # value scale folded into P, codes read as subnormal planes, zero points summed apart
     FUSE_Q: bool  # the query rotation runs inside this launch (``fused_query``)
     SINGLE: bool  # one split: the program writes the output itself
@@ -929,418 +929,3 @@ def _decode_reduce_kernel(
         res.to(out_ptr.dtype.element_ty),
         mask=d < D,
     )
-
-
-# ------------------------------------------------------------------------------------ launcher
-# Launch defaults from benchmarks/sweep_decode.py on the H200 (docs/benchmarks.md): small programs
-# (32 tokens, 2 warps, no software pipelining) and ~16 of them per SM hide the load -> unpack -> MMA
-# latency chain better than fewer, larger ones (occupancy, not instruction count, was the limit);
-# formats with 3-4 bit key indices do best with 16-token, 1-warp programs, whether the indices go through a
-# codebook lookup (Lloyd-Max, run 4: 693 vs 800 us) or one bit plane (uniform, run 5: 502 vs 566 us).
-BLOCK_N = 32
-NUM_WARPS = 2
-WIDE_BLOCK_N = 16
-WIDE_NUM_WARPS = 1
-# and a cap of 128 registers per thread (16 one-warp programs per SM, one full wave of WAVES programs; run 6b:
-# mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
-WIDE_MAXNREG = 128
-NUM_STAGES = 1
-KLT_BLOCK_N = 64  # klt keys (not yet swept on a GPU)
-KLT_NUM_WARPS = 4
-# one-warp programs of 3/4-bit keys pipeline their tile loads (num_stages=2: the next tile's key and value bytes go
-# to shared memory by cp.async while this one is scored; run 8: 345 -> 308 us at B=8/64k, 109 -> 90.5 at B=1/128k)
-WIDE_NUM_STAGES = 2
-BLOCK_R = 16  # recent-buffer tokens per step: 64 set the register count (252 -> 167 per thread for mse_k4v3, sm_90)
-MERGE_ELEMS = 2048  # partial-output elements merged per step in the in-launch reduction (SPB * GP * DP)
-WAVES = 16.0  # programs per SM when no GPU can tell (offline compiles, interpreter); on CUDA the split count aims
-# at the compiled kernel's resident programs per SM (``_one_wave``): 16 for 1-warp programs at 128 registers
-
-
-@dataclass(frozen=True)
-class DecodeTuning:
-    """Launch knobs of ``hybrid_decode`` (results do not depend on them). None: the format's default, the best of
-    the H200 sweep (benchmarks/sweep_decode.py); ``for_format`` fills those in."""
-
-    block_n: int | None = None  # compressed tokens per tile: 16 for 3/4-bit keys, else 32
-    num_warps: int | None = None  # 1 for 3/4-bit keys, else 2
-    num_stages: int | None = None  # software pipelining of the tile loads: 2 for one-warp 3/4-bit programs, else 1
-    maxnreg: int | None = None  # register cap per thread, 0 for none: 128 for one-warp 3/4-bit programs
-    block_r: int = BLOCK_R  # recent-buffer tokens per step
-    num_splits: int | None = None  # splits per (sequence, KV head); None: from the SMs, one full wave
-    waves: float | None = None  # programs per SM the split count aims for; None: what the compiled kernel keeps
-    fused_reduce: bool = False  # merge the splits inside the decode launch (one launch per call: ~25 us less host
-    # time per eager call, but 2-38 % more device time in H200 run 6, so not the default)
-    fast_keys: bool = True  # score affine-codebook keys from index bit planes (off: the centroid lookup)
-    prmt_keys: bool = True  # 4-bit symmetric codebooks by byte permutes (off: the warp-shuffle gather)
-    fold_values: bool = True  # fold value scales into P, codes as subnormal planes (off: dequantize per element)
-    fuse_query: bool = True  # rotate the query inside the launch when it can (off: ``query_transform`` first)
-    klt_select: bool = True  # klt keys: code bytes picked by a one-hot int8 product (off: a byte load each)
-
-    def for_format(self, spec: PageSpec) -> DecodeTuning:
-        """These knobs with every None that has a per-format default filled in (``num_splits``, ``waves`` stay)."""
-        wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
-        if spec.KEY_MODE == KEY_KLT:  # a [BLOCK_N, D] x [D, D] decode product per tile: wider tiles, more warps
-            return replace(
-                self,
-                block_n=self.block_n or KLT_BLOCK_N,
-                num_warps=self.num_warps or KLT_NUM_WARPS,
-                maxnreg=self.maxnreg if self.maxnreg is not None else 0,
-                num_stages=self.num_stages if self.num_stages is not None else NUM_STAGES,
-            )
-        num_warps = self.num_warps or (WIDE_NUM_WARPS if wide else NUM_WARPS)
-        one_warp_wide = wide and num_warps == WIDE_NUM_WARPS
-        return replace(
-            self,
-            block_n=self.block_n or (WIDE_BLOCK_N if wide else BLOCK_N),
-            num_warps=num_warps,
-            maxnreg=self.maxnreg if self.maxnreg is not None else WIDE_MAXNREG if one_warp_wide else 0,
-            num_stages=self.num_stages
-            if self.num_stages is not None
-            else WIDE_NUM_STAGES
-            if one_warp_wide
-            else NUM_STAGES,
-        )
-
-
-DEFAULT_TUNING = DecodeTuning()
-
-
-def value_subchunks(spec: PageSpec) -> tuple[int, int]:
-    """(coordinates per value sub-chunk, sub-chunks per chunk): a chunk is cut at value-group edges when it spans
-    several."""
-    if spec.VAL_MODE == VAL_GROUP and spec.VCW % spec.GROUP == 0 and spec.GROUP < spec.VCW:
-        return spec.GROUP, spec.VCW // spec.GROUP
-    return spec.VCW, 1
-
-
-def choose_splits(
-    batch: int, num_kv_heads: int, capacity: int, num_sms: int, block_n: int = BLOCK_N, waves: float = WAVES
-) -> int:
-    """Splits per sequence so that B * Hkv * splits programs give every SM at most ``waves`` programs (host-side only).
-
-    Rounded down: with ``waves`` = programs resident per SM, a few programs past one full wave make a second, almost
-    empty wave that the whole launch waits for (H200 run 6: 1600 programs on 1584 slots, 944 vs 740 us)."""
-    tiles = max(1, -(-capacity // block_n))
-    want = max(1, int(waves * num_sms) // max(1, batch * num_kv_heads))
-    return max(1, min(tiles, want, 256))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
-def fast_key_planes(spec: PageSpec, consts: dict, enabled: bool = True) -> tuple[bool, bool]:
-    """(FAST_K, K_HIGH): score keys from index bit planes (affine codebook, one planar run) and whether the
-    2-bit Lloyd-Max codebook's extra (k >> 1) plane is needed."""
-    fit = consts["kfit"]
-    fast = enabled and spec.KEY_MODE != KEY_RAW and spec.KB > 0 and spec.KW1 == 0 and fit is not None
-    return fast, fast and fit[2] != 0.0
-
-
-def fused_query(spec: PageSpec, codec) -> bool:
-    """True when the decode launch rotates the query itself (mse keys, randomized Hadamard, D a power of two >= 16)."""
-    rot = codec.key_rotation
-    return spec.KEY_MODE == KEY_MSE and rot is not None and rot.kind == "hadamard" and spec.D == spec.DP
-
-
-class _DecodePlan:
-    """Everything a decode launch needs that depends only on shapes, strides, format and knobs: computed once."""
-
-    __slots__ = (
-        "codec",
-        "consts",
-        "klt",
-        "tuning",
-        "fuse",
-        "qt",
-        "scale_qt",
-        "grid",
-        "reduce_grid",
-        "splits",
-        "ints",
-        "floats",
-        "kw",
-        "key",
-        "reduce_kw",
-        "po",
-        "plse",
-        "cnt",
-        "fused_reduce",
-        "rk_fallback",
-    )
-
-    def __repr__(self) -> str:
-        return (
-            f"_DecodePlan(grid={self.grid}, splits={self.splits}, fused_reduce={self.fused_reduce}, "
-            f"fuse_query={self.fuse}, {self.tuning})"
-        )
-
-
-_PLANS: dict = {}
-_SERIAL = itertools.count()
-_DECODE = FastLauncher(_hybrid_decode_kernel)
-_REDUCE = FastLauncher(_decode_reduce_kernel)
-
-
-def _check_query(q: torch.Tensor, kv: PagedKV) -> None:
-    """Named errors for a query that does not fit ``kv``."""
-    cuda_or_interpreter(q)
-    expect_same_device(q=q, pages=kv.pages)
-    if q.dim() != 3:
-        raise ShapeError(f"q: expected [B, Hq, D], got {tuple(q.shape)}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise DTypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
-    bsz, hq, d = q.shape
-    hkv = kv.num_kv_heads
-    if d != kv.head_dim or bsz != kv.batch_size or hq % hkv:
-        raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
-
-
-def _make_plan(q, kv, scale, out, tuning: DecodeTuning) -> _DecodePlan:
-    _check_query(q, kv)
-    bsz, hq, d = q.shape
-    hkv = kv.num_kv_heads
-    spec, page = page_spec(kv.layout, kv.codec)
-    consts = codec_constants(kv.codec, q.device)
-    tuning = tuning.for_format(spec)
-    fast_k, k_high = fast_key_planes(spec, consts, tuning.fast_keys)
-    # 4-bit codebook keys, two codes per byte: byte-permute lookup (inline PTX: not under the CPU interpreter)
-    klut = (
-        nibble_lut_asm(consts["codebook"].cpu())
-        if tuning.prmt_keys
-        and not fast_k
-        and not INTERPRET
-        and spec.KEY_MODE != KEY_RAW
-        and spec.KB == 4
-        and spec.KW1 == 0
-        else None
-    )
-    plan = _DecodePlan()
-    plan.codec, plan.consts, plan.tuning = kv.codec, consts, tuning
-    plan.klt = klt_constants(kv.codec, q.device)
-    plan.fuse = tuning.fuse_query and fused_query(spec, kv.codec)
-    plan.scale_qt = scale * LOG2E
-    plan.qt = workspace(
-        "qt_fused" if plan.fuse else "qt",
-        (bsz * hq, consts["qmat"].shape[0] if not plan.fuse else d),
-        torch.float32,
-        q.device,
-    )
-    g = hq // hkv
-    rk, rv = kv.recent_k, kv.recent_v
-    plan.rk_fallback = rk.shape[2] == 0 or rk.numel() == 0  # no ring storage: point at q, never read
-    # splits cut the virtual tokens [0, compressed capacity + ring capacity)
-    capacity = kv.block_table.shape[1] * spec.BS + (0 if plan.rk_fallback else rk.shape[2])
-    splits = tuning.num_splits or choose_splits(
-        bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, tuning.waves or WAVES
-    )
-    tokens_per_split = tuning.block_n  # the smallest split; the kernel sizes splits from each sequence's length
-    plan.splits, plan.grid, plan.reduce_grid = splits, (bsz * hkv, splits), (bsz * hq,)
-    plan.fused_reduce = tuning.fused_reduce and splits > 1
-    group_size = math.isqrt(splits - 1) + 1 if splits > 1 else 1  # ~sqrt(splits) splits per first-level group
-    if splits > 1:
-        plan.po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
-        plan.plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
-    else:
-        plan.po = plan.plse = None
-    n_cnt = bsz * hkv * (2 + (splits - 1) // group_size) if plan.fused_reduce else 1
-    plan.cnt = counters(n_cnt, q.device)
-    if plan.rk_fallback:
-        rk = rv = q.unsqueeze(2)
-    vsub, vsc = value_subchunks(spec)
-    ka, kb_, kg = consts["kfit"] or (0.0, 0.0, 0.0)
-    ob, oh = (out.stride(0), out.stride(1)) if out is not None else (hq * d, d)
-    plan.ints = (
-        q.stride(0),
-        q.stride(1),
-        kv.block_table.stride(0),
-        spec.PB,
-        rk.stride(0),
-        rk.stride(1),
-        rk.stride(2),
-        rv.stride(0),
-        rv.stride(1),
-        rv.stride(2),
-        ob,
-        oh,
-        tokens_per_split,
-        splits,
-        group_size,
-    )
-    plan.floats = (
-        scale * LOG2E,
-        scale * LOG2E / math.sqrt(d),
-        kv.codec.qjl_scale,
-        ka,
-        kb_,
-        kg,
-        0.0,
-        plan.klt["read"][5],
-    )
-    cfg = DecodeConstexprs(
-        HKV=hkv,
-        G=g,
-        GP=next_pow2(g),
-        QW=plan.qt.shape[1],
-        KCWP=max(16, next_pow2(spec.KCW)),
-        CHP=max(16, next_pow2(spec.CH)),
-        VSUB=vsub,
-        VSUBP=max(16, next_pow2(vsub)),
-        VSC=vsc,
-        NGP=max(16, next_pow2(spec.NG)),
-        LOG2D=max(d, 1).bit_length() - 1,
-        BLOCK_N=tuning.block_n,
-        BLOCK_R=tuning.block_r,
-        SPB=max(1, MERGE_ELEMS // (next_pow2(g) * next_pow2(d))),
-        FAST_K=fast_k,
-        K_HIGH=k_high,
-        LUT_PRMT=klut is not None,
-        KLUT=klut or "",
-        FAST_V=tuning.fold_values and spec.VAL_MODE == VAL_GROUP and spec.GROUP % vsub == 0,
-        FUSE_Q=plan.fuse,
-        SINGLE=splits == 1,
-        FUSED_REDUCE=plan.fused_reduce,
-        INTERP=INTERPRET,
-    )
-    klt_bundle = plan.klt["bundle"]
-    if "spec" in plan.klt and plan.klt["spec"].SELECT != tuning.klt_select:
-        klt_bundle = constexpr_bundle(replace(plan.klt["spec"], SELECT=tuning.klt_select))
-    plan.kw = dict(PAGE=page, CFG=constexpr_bundle(cfg), KLT=klt_bundle)
-    plan.reduce_kw = dict(HQ=hq, D=d, DP=next_pow2(d), SP=max(2, next_pow2(splits)))
-    plan.key = (next(_SERIAL),)  # unique per plan (an id() could be reused by a later plan)
-    if tuning.waves is None and tuning.num_splits is None and splits > 1:  # one full wave of the compiled kernel
-        fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, _one_wave(plan, q, kv, rk, rv))
-        if fit != splits:
-            return _make_plan(q, kv, scale, out, replace(tuning, num_splits=fit))
-    return plan
-
-
-def _launch_options(plan: _DecodePlan) -> dict:
-    """num_warps, num_stages, maxnreg (None: no cap) of the decode launch."""
-    t = plan.tuning
-    return dict(num_warps=t.num_warps, num_stages=t.num_stages, maxnreg=t.maxnreg or None)
-
-
-def _decode_args(plan: _DecodePlan, q, kv, rk, rv, out) -> tuple:
-    """The decode kernel's runtime arguments (everything but the constexprs) for one call."""
-    po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
-    return (
-        plan.qt,
-        q,
-        kv.pages,
-        kv.block_table,
-        kv.compressed_lens,
-        rk,
-        rv,
-        kv.recent_lens,
-        kv.recent_index,
-        plan.consts["codebook"],
-        *plan.klt["read"][:5],
-        plan.klt["sink"],
-        plan.consts["hsigns"],
-        plan.consts["vcodebook"],
-        plan.consts["vpi"],
-        out,
-        po,
-        plse,
-        plan.cnt,
-        *plan.ints,
-        *plan.floats,
-    )
-
-
-def _one_wave(plan: _DecodePlan, q, kv, rk, rv) -> float:
-    """Programs per SM for the split count: as many as the compiled kernel keeps resident (registers, shared memory),
-    so the grid is one full wave for every format and head dim; WAVES without a GPU to load the kernel on."""
-    if not q.is_cuda or INTERPRET:
-        return WAVES
-    compiled = _DECODE.compile(plan.grid, _decode_args(plan, q, kv, rk, rv, q), plan.kw, **_launch_options(plan))
-    compiled.run  # noqa: B018  loads the binary: registers per thread are known from then on
-    return float(resident_programs(compiled, plan.tuning.num_warps, q.device))
-
-
-def _plan_key(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None, scale: float, tuning: DecodeTuning) -> tuple:
-    """What a decode plan depends on: the codec, every shape and stride the launch bakes in, the scale, the knobs."""
-    rk = kv.recent_k
-    return (
-        id(kv.codec),
-        kv.layout.block_size,
-        q.shape,
-        q.dtype,
-        q.stride(),
-        q.device,
-        kv.pages.device,
-        kv.block_table.shape[1],
-        kv.block_table.stride(0),
-        rk.shape,
-        rk.stride(),
-        kv.recent_v.stride(),
-        None if out is None else out.stride(),
-        scale,
-        tuning,
-    )
-
-
-def hybrid_decode(
-    q: torch.Tensor,
-    kv: PagedKV,
-    softmax_scale: float | None = None,
-    *,
-    out: torch.Tensor | None = None,
-    tuning: DecodeTuning = DEFAULT_TUNING,
-) -> torch.Tensor:
-    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
-
-    ``tuning``: launch knobs (``DecodeTuning``; defaults from the H200 sweep per format). Same contract as
-    ``attention.reference.paged_attention_decode`` (a sequence with nothing cached gets zeros instead of an error,
-    so padded CUDA-graph batches are safe). Everything that depends only on shapes, strides and knobs is computed on
-    the first call of a shape and cached (``_DecodePlan``), and the kernels launch through ``FastLauncher``: an eager
-    call costs a few µs of host time.
-    """
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    key = _plan_key(q, kv, out, scale, tuning)
-    plan = _PLANS.get(key)
-    if plan is None or plan.codec is not kv.codec:
-        plan = _PLANS[key] = _make_plan(q, kv, scale, out, tuning)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if not plan.fuse:
-        query_transform(q, plan.consts["qmat"], plan.scale_qt, out=plan.qt)
-    po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
-    rk, rv = (q.unsqueeze(2), q.unsqueeze(2)) if plan.rk_fallback else (kv.recent_k, kv.recent_v)
-    # the plan fixes every int argument; only the data pointers' 16-byte alignment can change between calls
-    # (any misaligned pointer: the generic per-argument key)
-    aligned = (
-        True
-        if (
-            q.data_ptr()
-            | kv.pages.data_ptr()
-            | kv.block_table.data_ptr()
-            | kv.compressed_lens.data_ptr()
-            | rk.data_ptr()
-            | rv.data_ptr()
-            | kv.recent_lens.data_ptr()
-            | kv.recent_index.data_ptr()
-            | out.data_ptr()
-        )
-        % 16
-        == 0
-        else None
-    )
-    _DECODE(
-        plan.grid, _decode_args(plan, q, kv, rk, rv, out), plan.kw, plan.key, aligned=aligned, **_launch_options(plan)
-    )
-    if plan.splits > 1 and not plan.fused_reduce:
-        _REDUCE(
-            plan.reduce_grid,
-            (po, plse, out, out.stride(0), out.stride(1), plan.splits),
-            plan.reduce_kw,
-            plan.key,
-            num_warps=4,
-            aligned=aligned,
-        )
-    return out

@@ -127,7 +127,7 @@ def decode(
 ) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]."""
     if resolve(q.device, kv.layout, backend) == "triton":
-        from ..kernels.hybrid_decode import hybrid_decode
+        from ..kernels.hybrid_decode_plan import hybrid_decode
 
         return hybrid_decode(q, kv, softmax_scale, out=out)
     res = paged_attention_decode(q, kv, softmax_scale)

@@ -14,7 +14,7 @@ import torch
 
 from jetson_tq.attention.reference import paged_attention_decode
 from jetson_tq.kernels import _common
-from jetson_tq.kernels.hybrid_decode import DecodeTuning, hybrid_decode
+from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, poison_workspaces, rel_err
 
 pytestmark = pytest.mark.kernel
@@ -243,7 +243,7 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
 def test_split_count_is_one_full_wave():
     """By default the split count fills every SM with exactly the programs the compiled kernel keeps resident
     (registers, shared memory): one full wave, not one and a bit; and the result still matches the reference."""
-    from jetson_tq.kernels import hybrid_decode as hd
+    from jetson_tq.kernels import hybrid_decode_plan as hd
     from jetson_tq.kernels._launch import resident_programs
 
     seed = fresh_seed()
@@ -253,7 +253,7 @@ def test_split_count_is_one_full_wave():
     q = (torch.randn(bsz, 4 * hkv, 128, generator=gen) * 3).to(torch.float16).to(DEVICE)
     got = hybrid_decode(q, kv)
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
-    plan = list(hd._PLANS.values())[-1]
+    plan = list(hd._PLANS.values())[-1][1]
     compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
     slots = (
         resident_programs(compiled, plan.tuning.num_warps, q.device)

@@ -21,7 +21,7 @@ pytest.importorskip("vllm")
 from jetson_tq.config import load_config
 from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
 from jetson_tq.integrations.vllm.settings import preferred_block_size
-from jetson_tq.kernels import hybrid_decode, specializations
+from jetson_tq.kernels import hybrid_decode_plan, specializations
 
 pytestmark = pytest.mark.kernel
 
@@ -94,7 +94,7 @@ def first_requests(layer: Layer, budget: int) -> None:
 def _h200_kernels(monkeypatch):
     """The Triton kernels on CPU tensors (interpreter), sized as on an H200 (132 SMs)."""
     monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
-    monkeypatch.setattr(hybrid_decode, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(hybrid_decode_plan, "_num_sms", lambda device: 132)
 
 
 def _klt_layer_transforms(monkeypatch, preset: str, hkv: int, d: int) -> None:
