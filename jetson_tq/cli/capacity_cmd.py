@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,7 @@ def run_capacity(args: argparse.Namespace) -> dict:
     out: dict[str, Any] = {"report": capacity_report(model, config, budget, context)}
     if device is not None:
         tokens = args.measure_tokens or (GPU_MEASURE_TOKENS if device.startswith("cuda") else CPU_MEASURE_TOKENS)
+        print(f"[jetson-tq] measuring a real {config.name} cache of {tokens:,} tokens on {device}", file=sys.stderr)
         out["measured"] = measure_model(config, model, tokens, device)
     if not args.no_plot:
         from ..reports.plots import plot_capacity

