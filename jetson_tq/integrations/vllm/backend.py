@@ -10,6 +10,11 @@ Data flow of one step for one layer:
    r = min(s, R), or s % R for block windows) plus their own exact chunk (causal, each query under
    ``format.exact_start``, chunks may straddle block boundaries), then copy the chunk's last
    min(T, R) tokens into the ring.
+Speculative decoding: a verification row (the last sampled token and its drafts, T = 1 + k tokens) is a chunk
+like any other (causal inside it, history compressed + ring). Its rejected tokens are written again at the same
+positions by the next step: the pages are compressed per slot, so those slots are simply overwritten; the ring
+columns it took are saved first (undo pool) and put back by the next step's builder (``recent.Rewind``), so the
+exact window stays right after rejections, a draft crossing a ring-block boundary included.
 The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (``PagedLayout``).
 """
 
@@ -36,12 +41,13 @@ from vllm.v1.attention.backend import (
 from ... import ops
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
-from ...errors import ShapeError, UnsupportedPlatformError
+from ...errors import ConfigError, ShapeError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count, kernel_unsupported_reason
 from ...paged import PagedKV
 from . import hooks
 from .flash import prefill_varlen
-from .settings import active_config, layer_key_transform, preferred_block_size, reproducible
+from .recent import Rewind
+from .settings import active_config, layer_key_transform, preferred_block_size, reproducible, spec_query_tokens
 
 if TYPE_CHECKING:
     from vllm.config.cache import CacheDType
@@ -190,6 +196,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.recent_tokens = int(getattr(kv_cache_spec, "tq_recent_tokens", 0))
         self.block_window = bool(getattr(kv_cache_spec, "tq_block_window", False)) and self.recent_tokens > 0
+        self.undo_tokens = spec_query_tokens(vllm_config) if self.recent_tokens > 0 else 0
         sched = vllm_config.scheduler_config
         cap = max(sched.max_num_seqs, sched.max_num_batched_tokens) + 1
         self._rows = torch.zeros(cap, dtype=torch.int64, device=device)
@@ -211,6 +218,22 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         ids = list(runner.input_batch.req_ids)[: min(num_reqs, runner.input_batch.num_reqs)]
         return ids + [None] * (num_reqs - len(ids)), runner.requests
 
+    def _rewind(self, rewinds: list[Rewind]) -> None:
+        """Put back the ring columns of rejected draft tokens in every compressed layer this builder serves (before
+        the step's forward reads or writes any ring; the same again from another builder changes nothing)."""
+        rows, ring_cols, undo_cols = [], [], []
+        for rw in rewinds:
+            ring, undo = rw.columns(self.recent_tokens)
+            rows += [rw.row] * len(ring)
+            ring_cols += ring
+            undo_cols += undo
+        ctx = self.vllm_config.compilation_config.static_forward_context
+        index = torch.tensor([rows, ring_cols, undo_cols], dtype=torch.int64).to(self.device, non_blocking=True)
+        for name in self.layer_names:
+            impl = getattr(ctx.get(name), "impl", None)
+            if hooks.is_ours(impl):
+                impl.rewind_ring(index[0], index[1], index[2])
+
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> TurboQuantMetadata:
@@ -218,7 +241,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         n = cm.num_reqs
         qsl = cm.query_start_loc_cpu[: n + 1].to(torch.int64).numpy()
         q_lens = np.diff(qsl)
-        host = getattr(cm, "seq_lens_cpu_upper_bound", None)  # exact without spec decode (0.27)
+        host = getattr(cm, "seq_lens_cpu_upper_bound", None)  # exact without async speculative decoding (0.27)
+        if host is None or getattr(hooks.current_runner(), "use_async_spec_decode", False):
+            host = None  # optimistic there (every draft accepted): the device lengths are the exact ones
         if host is None:
             host = getattr(cm, "_seq_lens_cpu", None)
         if host is None:
@@ -230,7 +255,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         R = self.recent_tokens
         if R > 0:
             req_ids, live = self._request_ids(n)
-            rows = self._slots.assign(req_ids, ctx, q_lens, live, R if self.block_window else 0)
+            rows = self._slots.assign(req_ids, ctx, q_lens, live, R if self.block_window else 0, self.undo_tokens)
+            if self._slots.rewinds:
+                self._rewind(self._slots.rewinds)
         else:
             rows = np.full(n, self._slots.scratch, dtype=np.int64)
         L = seq[:nd]
@@ -338,6 +365,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.codec: KVCodec | None = None
         self.recent_k: torch.Tensor | None = None
         self.recent_v: torch.Tensor | None = None
+        self.undo_tokens = 0  # speculative decoding: the longest verification row (1 + draft tokens), else 0
+        self.undo_k: torch.Tensor | None = None  # [rows + 1, H, undo_tokens, D]: ring columns a short step overwrote
+        self.undo_v: torch.Tensor | None = None
         self._checked_pages = False
         # reproducible mode: every query row (decode or prompt) runs the prefill kernel with position-aligned tiles
         self.reproducible = reproducible()
@@ -346,8 +376,6 @@ class TurboQuantAttentionImpl(AttentionImpl):
     def pick_format(self, layer_name: str, vllm_config: VllmConfig) -> tuple[KVFormat, int]:
         """(format, layer index) of this layer under the active config (named errors for misfits)."""
         model_config = vllm_config.model_config
-        if vllm_config.speculative_config is not None:
-            raise UnsupportedPlatformError("jetson-tq's vLLM backend does not support speculative decoding yet")
         num_layers = int(model_config.hf_text_config.num_hidden_layers)
         index = layer_index(layer_name)
         return layer_format(active_config(), index, num_layers, self.head_size), index
@@ -367,6 +395,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             )
         dtype = cast(torch.dtype, vllm_config.model_config.dtype)  # a torch.dtype once vLLM resolved the config
         self.set_format(fmt, index, block_size, dtype, page_stride)
+        self.set_undo_tokens(spec_query_tokens(vllm_config))
         self.layer_name = layer_name
 
     def set_format(
@@ -382,6 +411,18 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.fmt = fmt
         self.index = index
         self._checked_pages = False
+
+    def set_undo_tokens(self, tokens: int) -> None:
+        """Speculative decoding's longest verification row (0: none): steps of up to this many tokens save the ring
+        columns they overwrite, so the next step can put back those of rejected draft tokens."""
+        assert self.fmt is not None  # set_format ran
+        R = self.fmt.buffer_tokens
+        if R and tokens > R:
+            raise ConfigError(
+                f"layer {self.index}: speculative decoding verifies up to {tokens} tokens per step, more than the "
+                f"exact window of {R} tokens (buffer.recent_tokens) can take back; use fewer speculative tokens"
+            )
+        self.undo_tokens = tokens if R else 0
 
     def adopt(self, spec) -> None:
         """Take the page vLLM finally grouped this layer with (it may scale the block size of a spec)."""
@@ -403,10 +444,22 @@ class TurboQuantAttentionImpl(AttentionImpl):
     def allocate_recent(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the fp16 ring pools (once per shape)."""
         shape = self.recent_pool_shape(rows)
-        if self.recent_k is not None and tuple(self.recent_k.shape) == shape and self.recent_k.device == device:
+        if self.recent_k is None or tuple(self.recent_k.shape) != shape or self.recent_k.device != device:
+            self.recent_k = torch.zeros(shape, dtype=dtype, device=device)
+            self.recent_v = torch.zeros(shape, dtype=dtype, device=device)
+        undo = (shape[0], shape[1], self.undo_tokens, shape[3])
+        if not self.undo_tokens:
+            self.undo_k = self.undo_v = None
+        elif self.undo_k is None or tuple(self.undo_k.shape) != undo or self.undo_k.device != device:
+            self.undo_k = torch.zeros(undo, dtype=dtype, device=device)
+            self.undo_v = torch.zeros(undo, dtype=dtype, device=device)
+
+    def rewind_ring(self, rows: torch.Tensor, ring_cols: torch.Tensor, undo_cols: torch.Tensor) -> None:
+        """Ring column ``ring_cols[i]`` of row ``rows[i]`` gets back its undo column ``undo_cols[i]`` (a Rewind)."""
+        if self.undo_k is None or self.recent_k is None or self.recent_v is None or self.undo_v is None:
             return
-        self.recent_k = torch.zeros(shape, dtype=dtype, device=device)
-        self.recent_v = torch.zeros(shape, dtype=dtype, device=device)
+        self.recent_k[rows, :, ring_cols] = self.undo_k[rows, :, undo_cols]
+        self.recent_v[rows, :, ring_cols] = self.undo_v[rows, :, undo_cols]
 
     @torch.inference_mode()  # vLLM allocates its caches as inference tensors (H200 call 9: in-place writes refused)
     def warm_up(
@@ -658,6 +711,10 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 j0 = max(0, (qe - qs) - R)
                 cols = torch.arange(s + j0, s + qe - qs, device=dev) % R
                 row_idx = torch.full_like(cols, row)  # two index tensors around ':' -> [n, H, D], as key rows are
+                if self.undo_k is not None and self.undo_v is not None and qe - qs <= self.undo_tokens:
+                    undo_cols = torch.arange(qe - qs, device=dev)  # a verification row: its drafts may be rejected
+                    self.undo_k[row_idx, :, undo_cols] = self.recent_k[row_idx, :, cols]
+                    self.undo_v[row_idx, :, undo_cols] = self.recent_v[row_idx, :, cols]
                 self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
                 self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
 

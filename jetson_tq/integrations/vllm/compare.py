@@ -114,7 +114,11 @@ def run_engine(job: dict) -> dict:
         disable_log_stats=False,
         tensor_parallel_size=job.get("tensor_parallel_size", 1),
         **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}),
-        **{k: job[k] for k in ("load_format", "hf_overrides", "attention_config", "kv_cache_dtype") if k in job},
+        **{
+            k: job[k]
+            for k in ("load_format", "hf_overrides", "attention_config", "kv_cache_dtype", "speculative_config")
+            if k in job
+        },
     )
     init_s = time.perf_counter() - t0
     params = SamplingParams(
@@ -131,6 +135,7 @@ def run_engine(job: dict) -> dict:
     cache = llm.llm_engine.vllm_config.cache_config
     model_dtype = str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
     counters = engine_counters(llm, ("vllm:num_preemptions", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"))
+    spec = engine_counters(llm, SPEC_COUNTERS) if job.get("speculative_config") else {}
     n_gen = sum(len(o.outputs[0].token_ids) for run in runs for o in run)
     return {
         "tq_config": os.environ.get("JETSON_TQ_CONFIG") or None,
@@ -148,9 +153,18 @@ def run_engine(job: dict) -> dict:
         "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
         "layers": _layer_decisions(),
+        "spec_decode": {name.removeprefix("vllm:spec_decode_"): value for name, value in spec.items()},
         "outputs": [_output(o) for o in outs],
         "groups": [[_output(o) for o in run] for run in runs],
     }
+
+
+#: vLLM's speculative-decoding counters (drafts proposed, draft tokens, draft tokens accepted)
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
 
 
 def _layer_decisions() -> dict[str, str | None] | None:

@@ -28,7 +28,15 @@ import torch
 from ...errors import ConfigError
 from ...ops import report_compiles
 from .recent import RecentSlots, pool_bytes
-from .settings import active_config, enabled, logger, preferred_block_size, sliding_windows, window_block
+from .settings import (
+    active_config,
+    compresses,
+    enabled,
+    logger,
+    preferred_block_size,
+    sliding_windows,
+    window_block,
+)
 from .spec import (
     EXACT_FORMAT_REASON,
     LayerFacts,
@@ -128,7 +136,22 @@ def layer_facts(args: dict, vllm_config) -> LayerFacts:
         non_causal=_non_causal(vllm_config),
         extra=tuple(sorted(k for k, v in extra.items() if v not in (None, False))),
         own_backend=own.get_name() if own is not None else None,
+        draft=_building_draft_model(),
     )
+
+
+#: vLLM's model tags of speculative-decoding proposer models (``compilation.backends.set_model_tag``)
+DRAFT_MODEL_TAGS = ("eagle_head", "draft_model", "medusa_head", "dspark_head", "dflash_head")
+
+
+def _building_draft_model() -> bool:
+    """True while vLLM builds a speculative-decoding proposer (EAGLE / MTP head, draft model): its layers keep
+    stock attention (a draft pass writes positions the target then verifies: none of the ring's bookkeeping)."""
+    try:
+        from vllm.compilation import backends
+    except ImportError:
+        return False
+    return getattr(backends, "model_tag", "") in DRAFT_MODEL_TAGS
 
 
 def _init_wrap(original):
@@ -318,14 +341,14 @@ def adopt_final_specs(vllm_config, kv_cache_config) -> None:
 
 
 def recent_pool_bytes(vllm_config) -> int:
-    """Bytes all recent-buffer pools take (K and V, every layer, max_num_seqs + 1 rows)."""
+    """Bytes all recent-buffer pools take (K and V, every layer, max_num_seqs + 1 rows), their undo pools for
+    speculative decoding's rejected drafts included."""
     elt = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
     total = 0
     for layer in configure_all(vllm_config).values():
         impl = layer.impl
-        total += pool_bytes(
-            recent_rows(vllm_config) + 1, impl.num_kv_heads, impl.fmt.buffer_tokens, impl.head_size, elt
-        )
+        width = impl.fmt.buffer_tokens + impl.undo_tokens
+        total += pool_bytes(recent_rows(vllm_config) + 1, impl.num_kv_heads, width, impl.head_size, elt)
     return total
 
 
@@ -494,6 +517,16 @@ def _config_wrap(original):
         if config.cache_config.enable_prefix_caching and why:
             log.info("jetson-tq: prefix caching switched off: %s", why)
             config.cache_config.enable_prefix_caching = False
+        if (
+            config.speculative_config is not None
+            and config.scheduler_config.async_scheduling
+            and compresses(active_config())
+        ):
+            log.info(
+                "jetson-tq: async scheduling switched off: with speculative decoding it gives the attention "
+                "metadata optimistic host lengths (every draft accepted), and the recent buffers need the exact ones"
+            )
+            config.scheduler_config.async_scheduling = False
         # the attention backend vLLM (or the user) chose stays: it serves the layers kept on stock attention;
         # compressed layers get ours from the Attention.__init__ wrap
         return config

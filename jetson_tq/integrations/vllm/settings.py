@@ -108,6 +108,16 @@ def preferred_block_size(default: int, cfg: TurboQuantConfig | None = None) -> i
     return math.lcm(default, window_block(cfg or active_config()))
 
 
+def spec_query_tokens(vllm_config) -> int:
+    """The most tokens a speculative-decoding verification row holds (the last sampled token plus the drafts, as
+    vLLM's builders count them for ``reorder_batch_threshold``), 0 without speculative decoding."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = getattr(spec, "num_speculative_tokens", None) if spec is not None else None
+    if not k:
+        return 0
+    return 1 + (2 if getattr(spec, "parallel_drafting", False) else 1) * int(k)
+
+
 def env_flag(name: str) -> bool | None:
     """A boolean environment variable: None when unset or empty, ConfigError for a value that is not one."""
     raw = os.environ.get(name, "").strip().lower()

@@ -58,6 +58,7 @@ class LayerFacts:
     non_causal: bool = False  # a prefix-LM / bidirectional layer (multimodal prefix, use_non_causal)
     extra: tuple[str, ...] = ()  # other implementation arguments the model set
     own_backend: str | None = None  # the attention backend the model chose itself for this layer
+    draft: bool = False  # a layer of a speculative-decoding proposer (EAGLE / MTP head, draft model)
 
 
 #: why a layer whose format stores keys and values exactly runs stock (the startup log's words)
@@ -69,6 +70,8 @@ def stock_reason(facts: LayerFacts, max_model_len: int | None, fmt: KVFormat | N
     does not reproduce, else a format ``fmt`` (the layer's under the active config) with nothing to compress."""
     if facts.own_backend:
         return f"the model picks its own attention backend ({facts.own_backend})"
+    if facts.draft:
+        return "speculative-decoding draft model (its few layers stay stock; the target model's are compressed)"
     if facts.attn_type != "decoder":
         return f"attn_type {facts.attn_type!r} (only decoder self-attention is compressed)"
     if facts.non_causal:

@@ -1,0 +1,176 @@
+"""Speculative decoding through the vLLM backend's impl: verification rows, rejected drafts, the exact window.
+
+No engine here (``test_vllm_spec_engine.py`` runs vLLM's n-gram speculation): the impl is driven the way vLLM's
+model runner drives it under speculative decoding. A verification row holds the last sampled token and its k draft
+tokens (T = 1 + k, causal inside the row); the sampler accepts a prefix of them, and vLLM's next step for that
+request starts right after the last accepted token, writing the rejected positions again (same slots, other
+tokens). Each row's output is compared with ``attention_prefill`` / ``attention_decode`` over a standalone
+``CompressedKVCache`` holding only the accepted tokens: what the plain (non-speculative) run attends to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from jetson_tq import attention_decode, attention_prefill
+from jetson_tq.cache.compressed import CompressedKVCache
+from jetson_tq.codec.rotation import derive_seed
+from jetson_tq.errors import ConfigError
+from jetson_tq.format import KVFormat
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots, Rewind
+
+HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
+SCALE = 1.0 / math.sqrt(D)
+SPEC_TOKENS = 4  # the last sampled token and up to 3 drafts
+
+#: steps of (request, tokens written, tokens accepted): a prompt, then verification rows with rejections. With a
+#: 16-token ring block, A's row at 29 (4 tokens: 29..32) crosses the block boundary at 32 and keeps only 29, 30:
+#: the next step's query at 31 reads block [16, 32) exactly, whose column 0 the rejected 32 overwrote.
+SCHEDULE = [
+    [("A", 27, 27), ("B", 9, 9)],
+    [("A", 2, 2), ("B", 4, 2)],  # B rejects 2 of its 3 drafts
+    [("A", 4, 2), ("B", 4, 4)],  # A: 29..32 written, 29, 30 kept (the crossing)
+    [("A", 3, 1), ("B", 1, 1)],  # A: 31..33 written, 31 kept; B: a step without drafts
+    [("A", 1, 1), ("B", 4, 1)],  # B rejects every draft
+    [("B", 4, 3), ("A", 4, 4)],
+    [("A", 2, 2), ("B", 1, 1)],
+]
+
+
+def _reference(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor) -> CompressedKVCache:
+    """A standalone cache (same format, seed, block size) holding k, v [H, L, D] (the accepted history)."""
+    cache = CompressedKVCache(fmt, HKV, D, 1, dtype=k.dtype, seed=derive_seed(fmt.seed, LAYER), block_size=BS)
+    if k.shape[1]:
+        cache.append(k.unsqueeze(0), v.unsqueeze(0))
+    return cache
+
+
+def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0) -> float:
+    """Drive the impl through ``schedule``; the largest output difference against the accepted-history reference."""
+    g = torch.Generator().manual_seed(seed)
+    impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
+    impl.set_format(fmt, LAYER, BS, torch.float32)
+    impl.set_undo_tokens(SPEC_TOKENS if undo else 0)
+    impl.allocate_recent(4, torch.device("cpu"), torch.float32)
+    pages = torch.zeros(64, HKV, impl.layout.page_bytes, dtype=torch.uint8)
+    free = list(np.random.default_rng(seed).permutation(64))
+    tables: dict[str, list[int]] = {}
+    lens: dict[str, int] = {}
+    history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # accepted k, v [H, L, D]
+    slots = RecentSlots(4)
+    worst = 0.0
+    for step in schedule:
+        reqs = [r for r, _, _ in step]
+        q_lens = np.array([t for _, t, _ in step])
+        ctx = np.array([lens.get(r, 0) for r in reqs])
+        for r, t, _ in step:
+            tables.setdefault(r, [])
+            while len(tables[r]) < -(-(lens.get(r, 0) + t) // BS):
+                tables[r].append(int(free.pop()))
+        width = max(len(tables[r]) for r in reqs)
+        block_table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in reqs], dtype=torch.int32)
+        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+        owner = np.repeat(np.arange(len(reqs)), q_lens)
+        slot_mapping = torch.tensor([tables[reqs[o]][p // BS] * BS + p % BS for o, p in zip(owner, positions)])
+        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        n_tok = int(qsl[-1])
+        q, k, v = (torch.randn(n_tok, h, D, generator=g) for h in (HQ, HKV, HKV))
+        block = fmt.block_window
+        rows = slots.assign(reqs, ctx, q_lens, set(tables), fmt.buffer_tokens if block else 0, SPEC_TOKENS)
+        if slots.rewinds:  # what the metadata builder does before the step's forward
+            cols = [rw.columns(fmt.buffer_tokens) for rw in slots.rewinds]
+            idx = [[rw.row] * len(c[0]) for rw, c in zip(slots.rewinds, cols)]
+            impl.rewind_ring(*(torch.tensor(sum(x, [])) for x in (idx, [c[0] for c in cols], [c[1] for c in cols])))
+        nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
+        empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+        md = TurboQuantMetadata(
+            num_actual_tokens=n_tok,
+            num_reqs=len(reqs),
+            num_decodes=nd,
+            recent_tokens=fmt.buffer_tokens,
+            block_window=block,
+            query_start_loc=qsl,
+            seq_lens=ctx + q_lens,
+            context_lens=ctx,
+            ring_rows=rows,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            dec_ring_rows=empty64,
+            dec_ring_cols=empty64,
+            dec_compressed_lens=empty32,
+            dec_recent_lens=empty32,
+        )
+        out = torch.empty(n_tok, HQ, D)
+        impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
+        impl.forward(None, q, k, v, pages, md, out)
+        for i, (r, t, kept) in enumerate(step):
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            kk, vv, qq = k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), q[a:b].transpose(0, 1)
+            hk, hv = history.get(r, (kk[:, :0], vv[:, :0]))
+            if t == 1:
+                cache = _reference(fmt, torch.cat([hk, kk], 1), torch.cat([hv, vv], 1))
+                want = attention_decode(qq[:, 0].unsqueeze(0), cache, SCALE)[0]
+                got = out[a]
+            else:
+                cache = _reference(fmt, hk, hv)
+                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, SCALE)[0]
+                got = out[a:b].transpose(0, 1)
+            worst = max(worst, float((got - want).abs().max()))
+            history[r] = (torch.cat([hk, kk[:, :kept]], 1), torch.cat([hv, vv[:, :kept]], 1))
+            lens[r] = int(ctx[i]) + kept
+    return worst
+
+
+FORMATS = [
+    KVFormat(buffer_tokens=16, window="block"),  # the default window: a draft crosses a ring block
+    KVFormat(buffer_tokens=8, window="sliding"),  # every rejection overwrote columns still in the window
+    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=16, window="block"),
+]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["mse-block16", "mse-sliding8", "prod-k3v2-block16"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_verification_rows_and_rejections_read_the_accepted_history(fmt, seed):
+    assert _run(fmt, seed=seed) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=["mse-block16", "mse-sliding8"])
+def test_without_the_undo_pool_rejections_corrupt_the_window(fmt):
+    """The check above sees the bug it guards against: with no undo pool (rewinds change nothing), rejected drafts
+    stay in the ring."""
+    assert _run(fmt, undo=False) > 1e-2
+
+
+def test_recent_slots_rewind_rejected_drafts():
+    slots = RecentSlots(2)
+    row = slots.assign(["a"], np.array([0]), np.array([10]), {"a"}, undo_tokens=4)[0]
+    assert slots.assign(["a"], np.array([10]), np.array([4]), {"a"}, undo_tokens=4)[0] == row and not slots.rewinds
+    # 10..13 written, 10, 11 accepted: the next step starts at 12 and puts back what 12, 13 overwrote
+    slots.assign(["a"], np.array([12]), np.array([3]), {"a"}, undo_tokens=4)
+    assert slots.rewinds == [Rewind(int(row), 10, 12, 14)]
+    assert Rewind(int(row), 10, 12, 14).columns(8) == ([4, 5], [2, 3])
+    slots.assign(["a"], np.array([12]), np.array([3]), {"a"}, undo_tokens=4)  # another builder, same step
+    assert slots.rewinds == [Rewind(int(row), 10, 12, 14)]
+    slots.assign(["a"], np.array([15]), np.array([1]), {"a"}, undo_tokens=4)  # all of 12..14 accepted
+    assert slots.rewinds == []
+    # a step may not start inside a longer one (a prompt chunk is never rejected), nor without an undo pool
+    slots.assign(["b"], np.array([0]), np.array([9]), {"a", "b"}, undo_tokens=4)
+    with pytest.raises(RecentBufferLost, match="holds positions up to 9"):
+        slots.assign(["b"], np.array([5]), np.array([1]), {"a", "b"}, undo_tokens=4)
+    slots.assign(["a"], np.array([16]), np.array([3]), {"a"})
+    with pytest.raises(RecentBufferLost, match="holds positions up to 19"):
+        slots.assign(["a"], np.array([17]), np.array([1]), {"a"})
+
+
+def test_more_speculative_tokens_than_the_exact_window_is_a_config_error():
+    impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
+    impl.set_format(KVFormat(buffer_tokens=8), LAYER, BS, torch.float32)
+    with pytest.raises(ConfigError, match="verifies up to 9 tokens per step, more than the exact window of 8"):
+        impl.set_undo_tokens(9)
