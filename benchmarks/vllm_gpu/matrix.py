@@ -46,6 +46,8 @@ PRIORITY = [
     "qwen2.5-7b",
     "gemma-3-4b",
     "qwen3-30b-a3b",
+    "qwen2.5-vl-7b",
+    "nemotron-h-8b",
     "phi-4-mini",
     "mistral-nemo-12b",
     "gemma-2-2b",
@@ -199,8 +201,9 @@ def free_engine() -> None:
     cleanup_dist_env_and_memory()
 
 
-def build(model: str, mml: int, args, ours: bool):
-    """One engine: ours (JETSON_TQ_CONFIG set) or stock, same budget, stock layers on TRITON_ATTN."""
+def build(model: str, mml: int, args, ours: bool, text_only: bool = False):
+    """One engine: ours (JETSON_TQ_CONFIG set) or stock, same budget, stock layers on TRITON_ATTN; ``text_only``: a
+    multimodal model's language model alone (vLLM's ``language_model_only``: no vision tower, no image processor)."""
     from vllm import LLM
 
     set_switch(args.config if ours else None)
@@ -214,6 +217,7 @@ def build(model: str, mml: int, args, ours: bool):
         max_num_seqs=max(8, args.concurrency),
         max_num_batched_tokens=args.batched,
         enable_prefix_caching=False,
+        **({"language_model_only": True} if text_only else {}),
         **engine_kwargs(args.cpu_smoke, [1, args.concurrency], args.gpu_util),
     )
 
@@ -261,7 +265,7 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
     t0 = time.time()
     llm = None
     try:
-        llm = build(model, mml, args, ours)
+        llm = build(model, mml, args, ours, text_only=bool(m.get("text_only")))
         rec["init_s"] = round(time.time() - t0, 1)
         cache = llm.llm_engine.vllm_config.cache_config
         rec.update(num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size)

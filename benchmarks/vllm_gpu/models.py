@@ -76,13 +76,49 @@ def write_model_dir(name: str, root: str | Path) -> Path:
     return out
 
 
-def write_tokenizer(model_dir: str | Path, vocab_size: int = 32000) -> Path:
-    """Add a local WordLevel tokenizer (no hub) so ``vllm serve`` can take and return text."""
+#: a multimodal config's placeholder token ids -> their text (Qwen2.5-VL's), written into tiny tokenizers
+MM_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>",
+}
+
+
+def write_tokenizer(model_dir: str | Path, vocab_size: int = 32000, config: dict | None = None) -> Path:
+    """Add a local WordLevel tokenizer (no hub) so ``vllm serve`` can take and return text; a multimodal
+    ``config``'s placeholder tokens are special tokens at its ids."""
     from jetson_tq.models.tiny import write_tokenizer_files
 
     model_dir = Path(model_dir)
-    write_tokenizer_files(model_dir, vocab_size)
+    specials = {int(config[k]): text for k, text in MM_TOKENS.items() if k in (config or {})}
+    write_tokenizer_files(model_dir, vocab_size, specials)
     return model_dir
+
+
+def write_image_processor(model_dir: Path, max_pixels: int = 112 * 112) -> None:
+    """A Qwen2-VL image processor config (no hub), images resized to at most ``max_pixels`` (a small vision
+    encoder profile on CPU)."""
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": 56 * 56,
+        "max_pixels": max_pixels,
+        "size": {"shortest_edge": 56 * 56, "longest_edge": max_pixels},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,
+        "rescale_factor": 1 / 255,
+    }
+    (model_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=1))
 
 
 def kv_bytes_per_token(name: str, element_bytes: int = 2) -> int:
@@ -123,9 +159,13 @@ def shrink(
     intermediate: int | None = None,
     vocab: int | None = None,
     experts: int | None = None,
+    vision: dict | None = None,
+    pattern: str | None = None,
 ) -> dict:
     """A copy of a config with fewer layers and, for CPU tests, smaller widths; every attention feature (window
-    pattern, soft cap, head-size ratio, MoE routing) kept. Special token ids move below a smaller vocab."""
+    pattern, soft cap, head-size ratio, MoE routing, M-RoPE sections) kept. Special token ids move below a smaller
+    vocab (the multimodal ones to its top). ``vision``: overrides of a vision tower's config (its output width follows
+    the language model's); ``pattern``: a hybrid model's layer letters (Nemotron-H's ``hybrid_override_pattern``)."""
     c = _layer_pattern(dict(config), layers or config["num_hidden_layers"])
     c["num_hidden_layers"] = layers or config["num_hidden_layers"]
     if heads is not None:
@@ -149,9 +189,32 @@ def shrink(
         c.update(bos_token_id=1, eos_token_id=2)
         if "pad_token_id" in c:
             c["pad_token_id"] = 0
+        specials = sorted(
+            k for k in c if k.endswith("_token_id") and k not in ("bos_token_id", "eos_token_id", "pad_token_id")
+        )
+        for i, key in enumerate(specials):
+            c[key] = vocab - len(specials) + i
     if "query_pre_attn_scalar" in c and head_dim is not None:
         c["query_pre_attn_scalar"] = head_dim  # Gemma scales queries by 1/sqrt(this): the head dim, as published
+    rope = c.get("rope_scaling")
+    if isinstance(rope, dict) and "mrope_section" in rope:  # M-RoPE sections cover the head's rotary pairs
+        pairs = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) // 2
+        rope = dict(rope, mrope_section=_scaled_sections(rope["mrope_section"], pairs))
+        c["rope_scaling"] = rope
+    if vision and isinstance(c.get("vision_config"), dict):
+        c["vision_config"] = {**c["vision_config"], **vision, "out_hidden_size": c["hidden_size"]}
+    if "hybrid_override_pattern" in c and pattern is not None:  # Nemotron-H: one letter per layer
+        c["hybrid_override_pattern"] = pattern
+        c["num_hidden_layers"] = len(pattern)
     return c
+
+
+def _scaled_sections(sections: list[int], pairs: int) -> list[int]:
+    """M-RoPE sections (rotary pairs per position axis) scaled to ``pairs`` in all, each at least 1."""
+    total = sum(sections)
+    out = [max(1, round(x * pairs / total)) for x in sections]
+    out[-1] += pairs - sum(out)
+    return out
 
 
 def write_config_dir(config: dict, out: str | Path, tokenizer_vocab: int | None = None) -> Path:
@@ -164,5 +227,7 @@ def write_config_dir(config: dict, out: str | Path, tokenizer_vocab: int | None 
         json.dumps({"eos_token_id": eos, "bos_token_id": config.get("bos_token_id")})
     )
     if tokenizer_vocab:
-        write_tokenizer(out, tokenizer_vocab)
+        write_tokenizer(out, tokenizer_vocab, config)
+        if config.get("model_type") in ("qwen2_5_vl", "qwen2_vl"):
+            write_image_processor(out)
     return out

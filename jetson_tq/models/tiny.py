@@ -19,18 +19,24 @@ WORDS = (
 ).split()
 
 
-def _tokenizer_files(out: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _tokenizer_files(out: Path, vocab_size: int, specials: dict[int, str] | None = None) -> None:
+    """A WordLevel tokenizer of ``vocab_size`` ids; ``specials`` (id -> text, e.g. a VLM's image placeholder) are
+    special tokens at those ids."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
+    specials = specials or {}
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
     for w in WORDS:
         vocab.setdefault(w, len(vocab))
     i = 0
     while len(vocab) < vocab_size:
-        vocab.setdefault(f"w{i}", len(vocab))
-        i += 1
+        word = specials.get(len(vocab), f"w{i}")
+        i += word not in specials.values()
+        vocab.setdefault(word, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if specials:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

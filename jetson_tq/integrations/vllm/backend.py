@@ -668,6 +668,11 @@ class TurboQuantAttentionImpl(AttentionImpl):
             kv = self._paged(kv_cache, md.block_table[idx], comp_d, rec_d, ring_rows)
             output[tok] = ops.decode(query[tok], kv, self.scale).to(output.dtype)
         pre = np.arange(md.num_decodes, md.num_reqs)
+        if self.undo_tokens:  # speculative verification rows: one launch per row length, not one per request
+            short = (q_lens[pre] > 1) & (q_lens[pre] <= self.undo_tokens)
+            for t in np.unique(q_lens[pre][short]).tolist():
+                self._forward_rows(query, key, value, kv_cache, md, output, pre[short & (q_lens[pre] == t)], t)
+            pre = pre[~short]
         ctx_p = ctx[pre]
         ring_p = ctx_p % R if md.block_window else np.minimum(ctx_p, R)  # history tokens read from the ring
         comp_all, rec_all, row_all = _device_ints(
@@ -717,6 +722,40 @@ class TurboQuantAttentionImpl(AttentionImpl):
                     self.undo_v[row_idx, :, undo_cols] = self.recent_v[row_idx, :, cols]
                 self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
                 self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
+
+    def _forward_rows(self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, t: int):
+        """Rows ``sel`` of ``t`` tokens each (speculative verification rows: the last sampled token and its drafts)
+        in one prefill launch: each a chunk over its own history (compressed + ring), causal inside, as the
+        per-request loop computes it; then the ring columns they overwrite go to the undo pool and their tokens to
+        the ring."""
+        dev, R, n = query.device, md.recent_tokens, len(sel)
+        s = md.context_lens[sel]
+        r = s % R if (md.block_window and R > 0) else np.minimum(s, R)  # history tokens the ring holds
+        tok, idx, comp, rec, rows, cols = _device_ints(
+            md,
+            f"rows{t}",
+            dev,
+            (md.query_start_loc[sel][:, None] + np.arange(t), torch.int64),
+            (sel, torch.int64),
+            (s - r, torch.int32),
+            (r, torch.int32),
+            (md.ring_rows[sel], torch.int64),
+            ((s[:, None] + np.arange(t)) % max(R, 1), torch.int64),
+        )
+        tok, cols = tok.view(n, t), cols.view(n, t)
+        kv = self._paged(kv_cache, md.block_table[idx], comp, rec, rows)
+        q, k, v = (x[tok].permute(0, 2, 1, 3) for x in (query, key, value))  # [rows, H, t, D]
+        out = ops.prefill(q, k, v, kv, self.scale, max_tokens=int(s.max()) + t, reproducible=self.reproducible)
+        output[tok] = out.permute(0, 2, 1, 3).to(output.dtype)
+        if R > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
+            ring_rows = rows[:, None].expand(n, t)
+            if self.undo_k is not None and self.undo_v is not None:
+                undo_cols = torch.arange(t, device=dev).expand(n, t)
+                self.undo_k[ring_rows, :, undo_cols] = self.recent_k[ring_rows, :, cols]
+                self.undo_v[ring_rows, :, undo_cols] = self.recent_v[ring_rows, :, cols]
+            self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
+            self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
 
     def _decode_as_prefill(self, query, key, value, kv_cache, md: TurboQuantMetadata, output, dec: np.ndarray) -> None:
         """Reproducible mode: decode rows ``dec`` as one-token prefill chunks in one launch, so a position's output

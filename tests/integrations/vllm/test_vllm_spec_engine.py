@@ -72,6 +72,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
     for name, results in out.items():
         for job, r in results.items():
             assert "error" not in r, (name, job, r["error"], r.get("log_tail", ""))
+            print(name, job, r["spec_decode"], r["generate_s"], "s")  # the figures docs/vllm.md quotes (-s)
     return out
 
 
@@ -83,13 +84,13 @@ def _rejected(result: dict) -> int:
 def test_stock_drafts_are_partly_rejected(runs):
     """The workload exercises what it must: drafts accepted and rejected."""
     counts = runs["stock"]["spec"]["spec_decode"]
-    assert counts["num_drafts"] >= 20 and counts["num_accepted_tokens"] > 0 and _rejected(runs["stock"]["spec"]) > 0
+    assert counts["num_drafts"] >= 10 and counts["num_accepted_tokens"] > 0 and _rejected(runs["stock"]["spec"]) > 0
 
 
 def test_speculation_changes_no_token_under_the_default_preset(runs):
     plain, spec = runs["tq"]["plain"], runs["tq"]["spec"]
     assert all(why is None for why in spec["layers"].values()), spec["layers"]
-    assert spec["spec_decode"]["num_drafts"] >= 20 and _rejected(spec) > 0, spec["spec_decode"]
+    assert spec["spec_decode"]["num_drafts"] >= 10 and _rejected(spec) > 0, spec["spec_decode"]
     same_up_to_near_ties(plain["outputs"], spec["outputs"], "default preset: n-gram speculation vs plain")
     for out in spec["outputs"]:
         assert all(math.isfinite(x) for x in out["logprobs"]), out["logprobs"]

