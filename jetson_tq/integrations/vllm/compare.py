@@ -96,9 +96,10 @@ def run_engine(job: dict) -> dict:
     """Run one vLLM engine in THIS process (env already set) and return its numbers."""
     from vllm import LLM, SamplingParams
 
-    from .hooks import LAST_DECISIONS
+    from .hooks import LAST_DECISIONS, LAST_ENCODER_LAYERS
 
     LAST_DECISIONS.clear()  # filled again when this engine builds its model (in-process)
+    LAST_ENCODER_LAYERS.clear()
     t0 = time.perf_counter()
     llm = LLM(
         model=job["model"],
@@ -157,6 +158,7 @@ def run_engine(job: dict) -> dict:
         "generated_tokens": n_gen,
         "tokens_per_s": round(n_gen / gen_s, 2) if gen_s > 0 else None,
         "layers": _layer_decisions(),
+        "encoder_layers": list(LAST_ENCODER_LAYERS),
         "spec_decode": {name.removeprefix("vllm:spec_decode_"): value for name, value in spec.items()},
         "outputs": [_output(o) for o in outs],
         "groups": [[_output(o) for o in run] for run in runs],

@@ -12,7 +12,8 @@
   the pools once vLLM's own KV cache exists and logs the resulting capacity.
 - ``EngineArgs.create_engine_config``: leaves prefix caching as vLLM set it (on by default) when every ring
   is a block window (``window: block``) whose block divides vLLM's block size, turns it off (logged) otherwise
-  (sliding windows need the exact copies of tokens a hit skips).
+  (sliding windows need the exact copies of tokens a hit skips); with speculative decoding, switches async scheduling
+  off (logged): it hands the attention metadata optimistic host lengths (every draft accepted).
 Each wrap is installed once per process and calls the original first (``Attention.__init__``: with the
 backend chosen).
 """
@@ -207,6 +208,36 @@ ANNOUNCED_ATTR = "_jetson_tq_announced"  # on each attention layer once its mode
 LAST_DECISIONS: dict[str, str | None] = {}
 #: vLLM's capacity of the last KV cache this process allocated (``capacity``), stock engines too
 LAST_CAPACITY: dict = {}
+#: the encoder attention modules (a vision tower's) of the last model whose KV cache this process allocated
+LAST_ENCODER_LAYERS: list[str] = []
+
+
+def encoder_attention_modules(model) -> list[str]:
+    """Names of ``model``'s encoder attention modules (vLLM's ``MMEncoderAttention``: a vision tower's
+    bidirectional attention over image patches). They hold no KV cache and are no ``Attention`` layers, so the plugin
+    never sees them: they always run on vLLM's own attention."""
+    try:
+        from vllm.model_executor.layers.attention import MMEncoderAttention
+    except ImportError:  # a vLLM without it has no such modules
+        return []
+    return [name for name, module in model.named_modules() if isinstance(module, MMEncoderAttention)]
+
+
+def log_encoder_attention(runner) -> None:
+    """Keep (``LAST_ENCODER_LAYERS``) and log the model's encoder attention modules, when it has any."""
+    try:
+        model = runner.get_model()
+    except Exception:  # no model loaded (a runner under test)
+        return
+    names = encoder_attention_modules(model)
+    LAST_ENCODER_LAYERS[:] = names
+    if names and enabled():
+        logger().info(
+            "jetson-tq: %d encoder attention modules (vision tower, MMEncoderAttention: no KV cache) run on vLLM's "
+            "own attention: %s",
+            len(names),
+            ", ".join(names) if len(names) <= 4 else f"{names[0]} ... {names[-1]}",
+        )
 
 
 def model_plan(vllm_config) -> dict[str, tuple[int, int]]:
@@ -477,6 +508,7 @@ def _runner_wrap(original):
         configure_all(self.vllm_config)
         adopt_final_specs(self.vllm_config, kv_cache_config)
         log_capacity(self.vllm_config, kv_cache_config)
+        log_encoder_attention(self)
         warmed: set = set()
         for layer in our_layers(self.vllm_config).values():
             layer.impl.allocate_recent(

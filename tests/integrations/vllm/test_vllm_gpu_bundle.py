@@ -368,7 +368,7 @@ def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
         layers = entry["matrix"]["layers"]
         directory = models.write_config_dir(models.shrink(entry["config"], layers), tmp_path / name)
         cfg = AutoConfig.from_pretrained(directory)
-        assert cfg.num_hidden_layers == layers, name
+        assert cfg.get_text_config().num_hidden_layers == layers, name  # a VLM's decoder: its text config
         types = getattr(cfg, "layer_types", None)
         if name == "gemma-3-4b":  # five local layers, then a global one: kept in the 6 built
             assert types == ["sliding_attention"] * 5 + ["full_attention"], types
