@@ -117,7 +117,14 @@ def run_engine(job: dict) -> dict:
         **({"enable_prefix_caching": job["prefix_caching"]} if "prefix_caching" in job else {}),
         **{
             k: job[k]
-            for k in ("load_format", "hf_overrides", "attention_config", "kv_cache_dtype", "speculative_config")
+            for k in (
+                "load_format",
+                "hf_overrides",
+                "attention_config",
+                "kv_cache_dtype",
+                "speculative_config",
+                "language_model_only",
+            )
             if k in job
         },
         **({"limit_mm_per_prompt": {"image": 1, "video": 0}} if job.get("images") else {}),

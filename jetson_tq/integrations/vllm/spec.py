@@ -2,14 +2,14 @@
 cache spec whose page is our packed page.
 
 Which layers are compressed is decided per layer from what vLLM's ``Attention`` layer says about it
-(``LayerFacts``): decoder self-attention, causal, equal K/V head sizes, no ALiBi, no attention sinks,
-no logit soft cap, no sliding window shorter than ``max_model_len``, no KV sharing, no backend of the
-model's own choosing, not a speculative-decoding proposer's (EAGLE / MTP head, draft model); and its format must compress something: a layer whose format stores keys and values
-exactly (``KVFormat.is_passthrough``: the fp16 preset, ``keep_fp16_first`` / ``keep_fp16_last`` layers) saves no
-byte on our kernels and would only sum in another order than stock, so it stays on stock attention, bit-identical
-to vLLM without the plugin. Every other layer keeps vLLM's stock attention (``stock_reason`` says why); only
-what neither can serve is refused (``refusal``: a KV cache dtype set beside the switch, a layer reading a
-compressed layer's cache).
+(``LayerFacts``): decoder self-attention, causal, equal K/V head sizes, no ALiBi, no attention sinks, no logit soft
+cap, no sliding window shorter than ``max_model_len``, no KV sharing, no backend of the model's own choosing, not a
+speculative-decoding proposer's (EAGLE / MTP head, draft model); and its format must compress something: a layer
+whose format stores keys and values exactly (``KVFormat.is_passthrough``: the fp16 preset, ``keep_fp16_first`` /
+``keep_fp16_last`` layers) saves no byte on our kernels and would only sum in another order than stock, so it stays
+on stock attention, bit-identical to vLLM without the plugin. Every other layer keeps vLLM's stock attention
+(``stock_reason`` says why); only what neither can serve is refused (``refusal``: a KV cache dtype set beside the
+switch, a layer reading a compressed layer's cache).
 
 vLLM divides its KV budget by the sum over layers of ``page_size_bytes`` to get ``num_blocks``, so
 returning ``num_kv_heads * PagedLayout(fmt, head_dim, block_size).page_bytes`` here is exactly what

