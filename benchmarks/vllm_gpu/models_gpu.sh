@@ -11,6 +11,8 @@
 #   real              benchmarks/vllm_gpu/real_weights.py on /tmp/jtq_smollm2 with TEXT (a UTF-8 file), REAL_CONFIGS:
 #                     vLLM's prompt_logprobs PPL / KL / greedy vs stock, then the transformers harness on the same windows
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
+#   spec              benchmarks/vllm_gpu/spec_decode.py: n-gram speculation, stock vs ours plain / with speculation vs
+#                     the nearly exact config, on SPEC_MODEL (default qwen2.5-7b, all layers), SPEC_ARGS passed on
 #   passthru          real_weights.py --dummy: PASSTHRU_MODEL (default qwen2.5-0.5b, all layers, vLLM's random weights)
 #                     with the fp16 preset vs stock TRITON_ATTN in one process, greedy ids and log-probabilities:
 #                     prints "VERDICT fp16 vs stock: BITWISE IDENTICAL ..." or how far it differs (~1-2 min)
@@ -31,6 +33,10 @@ while [ $# -gt 0 ]; do
       python3 benchmarks/vllm_gpu/matrix.py --out "$R/matrix" --budget "${MATRIX_BUDGET:-420}" \
         --workers "${MATRIX_WORKERS:-3}" ${MATRIX_MODELS:+--models "$MATRIX_MODELS"} > "$R/matrix.log" 2>&1
       tail -25 "$R/matrix.log" ;;
+    spec)
+      python3 benchmarks/vllm_gpu/spec_decode.py --out "$R/spec" --model "${SPEC_MODEL:-qwen2.5-7b}" ${SPEC_ARGS:-} \
+        > "$R/spec.log" 2>&1
+      tail -30 "$R/spec.log" ;;
     convert)
       GGUF=${1:?convert needs the GGUF path}; shift
       [ -n "${GGUF_WHEEL:-}" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/jtq_site "$GGUF_WHEEL"
