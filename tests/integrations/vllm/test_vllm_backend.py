@@ -26,6 +26,7 @@ from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQu
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots
 from jetson_tq.integrations.vllm.spec import UnsupportedModelError
 from jetson_tq.paged import allocate_pages
+from tests.helpers.vllm_steps import host_metadata, step_layout
 
 HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
 
@@ -94,17 +95,7 @@ def _run(
         q_lens = np.array([n for _, n in step])
         ctx = np.array([lens.get(r, 0) for r in reqs])
         seq = ctx + q_lens
-        for r, n in step:
-            need = -(-(lens.get(r, 0) + n) // BS)
-            tables.setdefault(r, [])
-            while len(tables[r]) < need:
-                tables[r].append(int(free.pop()))
-        width = max(len(tables[r]) for r in reqs)
-        block_table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in reqs], dtype=torch.int32)
-        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
-        owner = np.repeat(np.arange(len(reqs)), q_lens)
-        slot_mapping = torch.tensor([tables[reqs[o]][p // BS] * BS + p % BS for o, p in zip(owner, positions)])
-        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        block_table, slot_mapping, qsl = step_layout(reqs, q_lens, ctx, tables, free, BS)
         n_tok = int(qsl[-1])
         q = torch.randn(n_tok, HQ, D, generator=g).to(dtype)
         k = torch.randn(n_tok, HKV, D, generator=g).to(dtype)
@@ -117,25 +108,8 @@ def _run(
             else np.full(len(reqs), 4)
         )
         nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
-        empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
-        md = TurboQuantMetadata(
-            num_actual_tokens=n_tok,
-            num_reqs=len(reqs),
-            num_decodes=nd,
-            recent_tokens=fmt.buffer_tokens,
-            block_window=block,
-            query_start_loc=qsl,
-            seq_lens=seq,
-            context_lens=ctx,
-            ring_rows=rows,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            dec_ring_rows=empty64,
-            dec_ring_cols=empty64,
-            dec_compressed_lens=empty32,
-            dec_recent_lens=empty32,
-            dec_positions=torch.from_numpy(np.pad(seq[:nd] - 1, (0, 4))),  # as the builder fills its buffer
-        )
+        dec_positions = torch.from_numpy(np.pad(seq[:nd] - 1, (0, 4)))  # as the builder fills its buffer
+        md = host_metadata(fmt, q_lens, ctx, rows, block_table, slot_mapping, dec_positions)
         out = torch.empty(n_tok, HQ, D, dtype=dtype)
         step_md.clear()
         step_md[impl.layer_name] = md

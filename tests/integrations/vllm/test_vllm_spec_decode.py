@@ -23,8 +23,9 @@ from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.rotation import derive_seed
 from jetson_tq.errors import ConfigError
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots, Rewind
+from tests.helpers.vllm_steps import host_metadata, step_layout
 
 HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
 SCALE = 1.0 / math.sqrt(D)
@@ -70,16 +71,7 @@ def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0) -> 
         reqs = [r for r, _, _ in step]
         q_lens = np.array([t for _, t, _ in step])
         ctx = np.array([lens.get(r, 0) for r in reqs])
-        for r, t, _ in step:
-            tables.setdefault(r, [])
-            while len(tables[r]) < -(-(lens.get(r, 0) + t) // BS):
-                tables[r].append(int(free.pop()))
-        width = max(len(tables[r]) for r in reqs)
-        block_table = torch.tensor([tables[r] + [0] * (width - len(tables[r])) for r in reqs], dtype=torch.int32)
-        positions = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q_lens)])
-        owner = np.repeat(np.arange(len(reqs)), q_lens)
-        slot_mapping = torch.tensor([tables[reqs[o]][p // BS] * BS + p % BS for o, p in zip(owner, positions)])
-        qsl = np.concatenate([[0], np.cumsum(q_lens)])
+        block_table, slot_mapping, qsl = step_layout(reqs, q_lens, ctx, tables, free, BS)
         n_tok = int(qsl[-1])
         q, k, v = (torch.randn(n_tok, h, D, generator=g) for h in (HQ, HKV, HKV))
         block = fmt.block_window
@@ -88,25 +80,7 @@ def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0) -> 
             cols = [rw.columns(fmt.buffer_tokens) for rw in slots.rewinds]
             idx = [[rw.row] * len(c[0]) for rw, c in zip(slots.rewinds, cols)]
             impl.rewind_ring(*(torch.tensor(sum(x, [])) for x in (idx, [c[0] for c in cols], [c[1] for c in cols])))
-        nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
-        empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
-        md = TurboQuantMetadata(
-            num_actual_tokens=n_tok,
-            num_reqs=len(reqs),
-            num_decodes=nd,
-            recent_tokens=fmt.buffer_tokens,
-            block_window=block,
-            query_start_loc=qsl,
-            seq_lens=ctx + q_lens,
-            context_lens=ctx,
-            ring_rows=rows,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            dec_ring_rows=empty64,
-            dec_ring_cols=empty64,
-            dec_compressed_lens=empty32,
-            dec_recent_lens=empty32,
-        )
+        md = host_metadata(fmt, q_lens, ctx, rows, block_table, slot_mapping)
         out = torch.empty(n_tok, HQ, D)
         impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
         impl.forward(None, q, k, v, pages, md, out)
