@@ -3,6 +3,9 @@
     python benchmarks/vllm_gpu/spec_decode.py --out DIR [--model qwen2.5-7b] [--layers 28] [--prompts 8]
         [--prompt-tokens 2048] [--tokens 256] [--spec-tokens 3] [--config mse_k4v3] [--cpu-smoke]
 
+``--model-dir``: a directory with real weights instead (e.g. SmolLM2-135M converted by ``models_gpu.sh ... convert``):
+a real model continues the repeated phrases only partly, so drafts are also rejected.
+
 Four engines, one after another in one process (vLLM imported once), the same KV budget and settings as the model
 matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock layers, CUDA graphs for decode where the attention
 backend allows them with speculation):
@@ -71,7 +74,7 @@ def run_engine(name: str, model: str, args, config: str | None, spec: bool) -> d
     try:
         llm = LLM(
             model=model,
-            load_format="dummy",
+            load_format="auto" if args.model_dir else "dummy",
             skip_tokenizer_init=True,
             max_model_len=args.prompt_tokens + args.tokens + 64,
             seed=0,
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", default="qwen2.5-7b", help="a model_matrix.yaml name")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers built (default: the model's)")
+    ap.add_argument("--model-dir", type=Path, default=None, help="a model directory with real weights (no --model)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
@@ -164,14 +168,17 @@ def main(argv: list[str] | None = None) -> int:
 
     matrix.load_plugin(args.config)
     args.out.mkdir(parents=True, exist_ok=True)
-    entry = matrix.models.matrix_models()[args.model]
-    config = dict(entry["config"])
-    layers = args.layers or config["num_hidden_layers"]
-    if args.cpu_smoke:
-        config = matrix.models.shrink(config, layers, **matrix.CPU_TINY)
+    if args.model_dir:
+        model, args.model = str(args.model_dir), args.model_dir.name
+        layers = json.loads((args.model_dir / "config.json").read_text())["num_hidden_layers"]
     else:
-        config = matrix.models.shrink(config, layers)
-    model = str(matrix.models.write_config_dir(config, args.out / args.model))
+        config = dict(matrix.models.matrix_models()[args.model]["config"])
+        layers = args.layers or config["num_hidden_layers"]
+        if args.cpu_smoke:
+            config = matrix.models.shrink(config, layers, **matrix.CPU_TINY)
+        else:
+            config = matrix.models.shrink(config, layers)
+        model = str(matrix.models.write_config_dir(config, args.out / args.model))
     plan = [
         ("stock_spec", None, True),
         ("ours_plain", args.config, False),

@@ -231,7 +231,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         index = torch.tensor([rows, ring_cols, undo_cols], dtype=torch.int64).to(self.device, non_blocking=True)
         for name in self.layer_names:
             impl = getattr(ctx.get(name), "impl", None)
-            if hooks.is_ours(impl):
+            if impl is not None and hooks.is_ours(impl):
                 impl.rewind_ring(index[0], index[1], index[2])
 
     def build(

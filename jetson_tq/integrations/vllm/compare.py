@@ -127,16 +127,12 @@ def run_engine(job: dict) -> dict:
             )
             if k in job
         },
-        **({"limit_mm_per_prompt": {"image": 1, "video": 0}} if job.get("images") else {}),
     )
     init_s = time.perf_counter() - t0
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=2 if job.get("logprobs") else None
     )  # the top two: greedy margins
-    prompts: list = list(job["prompts"])
-    for i, size in enumerate(job.get("images") or []):  # [width, height] of a seeded noise image, or None
-        if size:
-            prompts[i] = {"prompt": prompts[i], "multi_modal_data": {"image": noise_image(size, seed=i)}}
+    prompts = list(job["prompts"])
     # prompt_groups: generate() calls in order, each on a subset (batch composition; later calls may hit the
     # prefix cache filled by earlier ones); "outputs" is the first call's
     groups = job.get("prompt_groups") or [list(range(len(prompts)))]
@@ -180,15 +176,6 @@ SPEC_COUNTERS = (
 )
 
 
-def noise_image(size: list[int], seed: int = 0):
-    """A seeded RGB noise image of ``size`` [width, height] (a VLM run's image input, no files)."""
-    import numpy as np
-    from PIL import Image
-
-    w, h = size
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
-
-
 def _layer_decisions() -> dict[str, str | None] | None:
     """Layer name -> None (compressed) or why stock, when the model was built in this process (in-process mode)."""
     from .hooks import LAST_DECISIONS
@@ -200,7 +187,6 @@ def _output(o) -> dict:
     """One request's prompt, greedy text, token ids, chosen log-probabilities, greedy margins, prefix-cache hits."""
     return {
         "prompt": o.prompt,
-        "prompt_tokens": len(o.prompt_token_ids or []),
         "text": o.outputs[0].text,
         "token_ids": list(o.outputs[0].token_ids),
         "logprobs": _chosen_logprobs(o.outputs[0]),

@@ -50,11 +50,39 @@ def test_plain_causal_attention_of_any_head_size_is_compressed():
         ({"extra": ("chunk_lookback",)}, "chunk_lookback"),
         ({"kv_sharing_target": "model.layers.1.self_attn.attn"}, "reads the KV cache of layer model.layers.1"),
         ({"own_backend": "FLEX_ATTENTION"}, "its own attention backend (FLEX_ATTENTION)"),
+        ({"draft": True}, "speculative-decoding draft model"),
     ],
 )
 def test_each_feature_our_kernels_do_not_reproduce_keeps_the_layer_stock(change, words):
     why = stock_reason(LayerFacts(**{**PLAIN.__dict__, **change}), max_model_len=8192)
     assert why is not None and words in why, why
+
+
+def test_a_draft_model_is_recognised_by_vllms_model_tag():
+    """vLLM builds a speculative-decoding proposer (EAGLE / MTP head, draft model) under its own model tag: layers
+    built then are marked ``draft`` (stock), the target model's are not."""
+    pytest.importorskip("vllm")
+    from vllm.compilation.backends import set_model_tag
+
+    assert not hooks._building_draft_model()
+    for tag in hooks.DRAFT_MODEL_TAGS:
+        with set_model_tag(tag):
+            assert hooks._building_draft_model(), tag
+
+
+def test_vision_tower_encoder_attention_is_found_and_never_ours():
+    """A vision tower's ``MMEncoderAttention`` modules (no KV cache, no ``Attention`` layer) are listed for the
+    start-up log; the plugin never gives them a backend."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.attention import MMEncoderAttention
+
+    with set_current_vllm_config(VllmConfig()):
+        tower = torch.nn.ModuleList([MMEncoderAttention(2, 32, 32**-0.5) for _ in range(2)])
+    model = torch.nn.ModuleDict({"visual": tower, "lm_head": torch.nn.Linear(4, 4)})
+    assert hooks.encoder_attention_modules(model) == ["visual.0", "visual.1"]
+    assert not any(hooks.is_ours(getattr(m, "impl", None)) for m in tower)
 
 
 def test_a_window_no_shorter_than_max_model_len_is_full_attention():

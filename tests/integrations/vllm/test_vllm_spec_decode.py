@@ -53,7 +53,7 @@ def _reference(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor) -> CompressedKVC
     return cache
 
 
-def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0) -> float:
+def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0, ref_backend: str | None = None) -> float:
     """Drive the impl through ``schedule``; the largest output difference against the accepted-history reference."""
     g = torch.Generator().manual_seed(seed)
     impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
@@ -90,11 +90,13 @@ def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0) -> 
             hk, hv = history.get(r, (kk[:, :0], vv[:, :0]))
             if t == 1:
                 cache = _reference(fmt, torch.cat([hk, kk], 1), torch.cat([hv, vv], 1))
-                want = attention_decode(qq[:, 0].unsqueeze(0), cache, SCALE)[0]
+                want = attention_decode(qq[:, 0].unsqueeze(0), cache, SCALE, ref_backend)[0]
                 got = out[a]
             else:
                 cache = _reference(fmt, hk, hv)
-                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, SCALE)[0]
+                want = attention_prefill(qq.unsqueeze(0), kk.unsqueeze(0), vv.unsqueeze(0), cache, SCALE, ref_backend)[
+                    0
+                ]
                 got = out[a:b].transpose(0, 1)
             worst = max(worst, float((got - want).abs().max()))
             history[r] = (torch.cat([hk, kk[:, :kept]], 1), torch.cat([hv, vv[:, :kept]], 1))
@@ -113,6 +115,25 @@ FORMATS = [
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_verification_rows_and_rejections_read_the_accepted_history(fmt, seed):
     assert _run(fmt, seed=seed) < 2e-5
+
+
+@pytest.mark.kernel
+def test_verification_rows_on_the_kernels_match_the_reference(monkeypatch):
+    """The same schedule with the impl on the Triton kernels (CPU interpreter): verification rows of one length in one
+    batched prefill launch, one-token rows through the decode kernel, against the reference path."""
+    from jetson_tq.ops import backend as ops_backend
+    from tests.helpers.kernel_cases import DEVICE
+
+    if DEVICE.type == "cuda":  # _run drives the impl with CPU tensors
+        pytest.skip("interpreter only: on CUDA benchmarks/vllm_gpu/spec_decode.py runs this path inside the engine")
+    monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
+    ops_backend.configured.cache_clear()
+    try:
+        err = _run(FORMATS[0], ref_backend="reference")
+    finally:
+        monkeypatch.delenv("JETSON_TQ_BACKEND")
+        ops_backend.configured.cache_clear()
+    assert err < 2e-2
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=["mse-block16", "mse-sliding8"])
