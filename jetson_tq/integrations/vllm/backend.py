@@ -480,7 +480,8 @@ class TurboQuantAttentionImpl(AttentionImpl):
         tokens, each first, over a short history and ending at the table's capacity (the prefill workspace's segment
         flags); decode batches
         of every row count 1..``max_rows`` (max_num_seqs: the split count, hence its int classes and the reduce
-        width, follows the batch). Row counts that share a specialization launch again without compiling."""
+        width, follows the batch); with speculative decoding, batches of 1..``max_rows`` verification rows of each
+        length 2..``undo_tokens``. Row counts that share a specialization launch again without compiling."""
         if self.layout is None or self.recent_k is None or kv_cache.numel() == 0:
             return
         fmt = self.fmt
@@ -526,6 +527,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 step(meta([n], [ctx], 0))
         for rows in range(1, max(1, max_rows) + 1):
             step(meta([1] * rows, [hist + 1] * rows, rows))
+        for t in range(2, self.undo_tokens + 1):  # speculative verification rows: one launch per length, any count
+            for rows in range(1, max(1, max_rows) + 1):
+                step(meta([t] * rows, [hist + 1] * rows, 0))
 
     # ---------------------------------------------------------------- write path
     def do_kv_cache_update(

@@ -169,3 +169,24 @@ def test_more_speculative_tokens_than_the_exact_window_is_a_config_error():
     impl.set_format(KVFormat(buffer_tokens=8), LAYER, BS, torch.float32)
     with pytest.raises(ConfigError, match="verifies up to 9 tokens per step, more than the exact window of 8"):
         impl.set_undo_tokens(9)
+
+
+def test_warm_up_covers_verification_rows_on_the_null_block_and_scratch_row(monkeypatch):
+    """With speculative decoding the warm-up also launches batches of verification rows of every length (so their
+    kernels compile at start-up), writing only vLLM's null block and the scratch ring row."""
+    impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
+    impl.set_format(KVFormat(buffer_tokens=16, window="block"), LAYER, BS, torch.float32)
+    impl.set_undo_tokens(SPEC_TOKENS)
+    impl.allocate_recent(3, torch.device("cpu"), torch.float32)
+    pages = torch.zeros(8, HKV, impl.layout.page_bytes, dtype=torch.uint8)
+    launched: list[tuple[int, int]] = []
+    forward_rows = impl._forward_rows
+
+    def spy(query, key, value, kv_cache, md, output, sel, t):
+        launched.append((len(sel), t))
+        return forward_rows(query, key, value, kv_cache, md, output, sel, t)
+
+    monkeypatch.setattr(impl, "_forward_rows", spy)
+    impl.warm_up(pages, max_rows=3, max_len=96, budget=32)
+    assert sorted(launched) == sorted((rows, t) for t in range(2, SPEC_TOKENS + 1) for rows in range(1, 4))
+    assert not pages[1:].any() and not impl.recent_k[:3].any() and not impl.undo_k[:3].any()
