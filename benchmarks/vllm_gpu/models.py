@@ -175,6 +175,9 @@ def shrink(
         c["head_dim"] = head_dim
     if hidden is not None:
         c["hidden_size"] = hidden
+        if "mamba_num_heads" in c:  # Nemotron-H's Mamba-2 mixers: heads of 16 spanning the width, a small state
+            c.update(mamba_head_dim=16, mamba_num_heads=hidden // 16, ssm_state_size=16, chunk_size=32)
+            c["n_groups"] = min(c.get("n_groups", 1), 2)
     if intermediate is not None:
         c["intermediate_size"] = intermediate
         if "moe_intermediate_size" in c:

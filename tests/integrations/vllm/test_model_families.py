@@ -38,7 +38,6 @@ ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_
 MML = 512
 TINY = dict(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=512)
 WINDOW = 64  # sliding windows shrunk below max_model_len so the layers that have one really slide
-MAMBA_TINY = {"mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 32}
 
 #: family -> (matrix model, layers, shrink overrides, config overrides, compressed layer numbers, stock reason word)
 FAMILIES: dict[str, tuple] = {
@@ -56,7 +55,7 @@ FAMILIES: dict[str, tuple] = {
     "mistral_sw": ("mistral-7b-v0.1", 3, {}, {"sliding_window": WINDOW}, set(), f"sliding_window {WINDOW}"),
     # hybrid: Mamba-2, attention, MLP, twice; the attention layers compressed in vLLM's hybrid KV-cache groups (one
     # page size: the Mamba state's), the Mamba layers on vLLM's own kernels
-    "nemotron_h": ("nemotron-h-8b", 6, {"pattern": "M*-M*-"}, MAMBA_TINY, {1, 4}, "MambaMixer2"),
+    "nemotron_h": ("nemotron-h-8b", 6, {"pattern": "M*-M*-"}, {}, {1, 4}, "MambaMixer2"),
 }
 #: layers with a KV cache or state, where fewer than the layers built (MLP-only layers hold none)
 CACHED_LAYERS = {"nemotron_h": 4}
