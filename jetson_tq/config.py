@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import yaml
 
@@ -48,10 +49,24 @@ def shipped_dir(name: str) -> Path:
 #: presets (``*.yaml``), model shapes (``models/``) and per-layer policies (``per_layer/``); JETSON_TQ_CONFIG_DIR
 #: points at another folder of the same layout
 CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", shipped_dir("presets")))
-#: Chosen from docs/fidelity.md: on held-out essays / Opticks +1.44 % / +1.27 % PPL at 122 B/token/head (D=128, 4.2x),
-#: own-block window, served by every path. The 5x preset ``kl52_smollm2`` (102 B, +0.10 % / +0.63 %) needs a per-model
-#: calibration and runs on the reference path only (no kernel, no vLLM yet), so it is not the default (issue 22).
-DEFAULT_PRESET = "mse_k4v3"
+#: The calibration-free preset, and what ``auto`` serves when a model cannot be calibrated. Chosen from
+#: docs/fidelity.md: on held-out essays / Opticks +1.44 % / +1.27 % PPL at 122 B/token/head (D=128, 4.2x), own-block
+#: window, served by every path.
+FALLBACK_PRESET = "mse_k4v3"
+#: ``auto``: the 5x calibrated format (``AUTO_FORMAT``), calibrated for the model on first use and cached
+#: (``jetson_tq.calibration``); FALLBACK_PRESET, with one log line saying why, for a model that cannot be calibrated.
+AUTO = "auto"
+#: The one default of the package (TurboQuantCache, the CLI, reports, the vLLM tools). Not ``AUTO`` yet: its decode
+#: is slower than the fallback's on the GPU (docs/fidelity.md); flipping the default is this line.
+DEFAULT_PRESET = FALLBACK_PRESET
+#: The calibrated format ``auto`` serves, as a config mapping (the calibration adds ``key_transform``): keys coded by a
+#: calibrated transform in 52 B at D=128, 3-bit TurboQuant_mse values, the own 256-token block exact (102 B/token/head
+#: at D=128, 5.0x; docs/fidelity.md "Quality at 5x").
+AUTO_FORMAT: dict[str, Any] = {
+    "keys": {"mode": "klt", "code_bytes": 52},
+    "values": {"mode": "mse", "bits": 3},
+    "buffer": {"recent_tokens": 256, "window": "block", "sink_tokens": 0},
+}
 
 _TOP_KEYS = {
     "name",
@@ -309,6 +324,42 @@ def read_yaml(path: Path) -> dict:
 
 
 def load_config(name_or_path: str | os.PathLike = DEFAULT_PRESET) -> TurboQuantConfig:
-    """Load and validate a preset by name or a YAML file by path."""
+    """Load and validate a preset by name or a YAML file by path. ``auto`` gives the calibrated format with no
+    transform yet (``auto_template``): its bytes and window are known before a model is; a cache or the vLLM plugin
+    resolves it for the model (``resolve_auto``)."""
+    if name_or_path == AUTO:
+        return auto_template()
     path = resolve_config_path(name_or_path)
     return config_from_dict(read_yaml(path), name=path.stem, base_dir=path.parent)
+
+
+def auto_template() -> TurboQuantConfig:
+    """The ``auto`` config before calibration: ``AUTO_FORMAT`` on every layer, no key transform file."""
+    return config_from_dict(dict(AUTO_FORMAT), name=AUTO)
+
+
+def is_auto(config: object) -> bool:
+    """True for the name ``auto`` and for the unresolved ``auto_template``."""
+    if isinstance(config, TurboQuantConfig):
+        return config.name == AUTO and not config.key_transform
+    return isinstance(config, str) and config.strip() == AUTO
+
+
+#: kind ("model": a loaded transformers model; "checkpoint": a model directory) -> the function that resolves
+#: ``auto`` for it. ``jetson_tq.calibration`` installs them (it sits above the integrations that call them).
+_AUTO_RESOLVERS: dict[str, Callable[..., Any]] = {}
+
+
+def register_auto_resolver(kind: str, resolver: Callable[..., Any]) -> None:
+    """Install the resolver of ``auto`` for a kind of model source (``_AUTO_RESOLVERS``)."""
+    _AUTO_RESOLVERS[kind] = resolver
+
+
+def resolve_auto(kind: str, source: Any, **kwargs: Any) -> Any:
+    """``auto`` resolved for ``source`` by the installed resolver of ``kind``: a loaded model -> its calibrated
+    TurboQuantConfig (FALLBACK_PRESET's when it cannot be calibrated); a checkpoint directory -> the config's name or
+    path. ConfigError when no resolver is installed (``import jetson_tq`` installs them)."""
+    resolver = _AUTO_RESOLVERS.get(kind)
+    if resolver is None:
+        raise ConfigError(f"config 'auto': no calibration installed for a {kind} (import jetson_tq first)")
+    return resolver(source, **kwargs)

@@ -30,6 +30,7 @@ LAYERS = {
     "api": 8,
     "models": 8,
     "integrations": 9,
+    "calibration": 10,
     "eval": 10,
     "platform": 11,
     "reports": 12,

@@ -54,10 +54,25 @@ from ..integrations.transformers import TurboQuantCache, model_dims
 from .decoded_history import CodedKeyLayer, DecodedHistory
 from .smartmix import LayerCapture
 from .split_keys import REFERENCE_DIM
+from ..calibration.fit import (  # noqa: F401  (re-exported: the lab's coder and its tests use these names)
+    ATTENTION_FLOOR,
+    MAX_BITS,
+    MIN_DISTANCE,
+    KLTLayer,
+    allocate_bits,
+    ascending_fit,
+    block_klt,
+    cubic_levels,
+    distortion,
+    fit_head,
+    gaussian_codebook,
+    key_weights,
+    lloyd_levels,
+    pair_blocks,
+    pair_weight,
+    received_attention,
+)
 
-MAX_BITS = 8
-MIN_DISTANCE = 128  # a key counts the attention of queries this much later (they read it compressed)
-ATTENTION_FLOOR = 1.0  # attention-weighted statistics: each key's weight, floor + received / mean received
 
 
 @dataclass(frozen=True)
@@ -103,111 +118,6 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, inverse: 
     return RotaryParams(freq).apply(x, positions, inverse)
 
 
-# ---------------------------------------------------------------------------------------------- codebooks
-@cache
-def gaussian_codebook(bits: int) -> tuple[torch.Tensor, float]:
-    """Lloyd-Max centroids of N(0, 1) at ``bits`` (float32 [2^bits]) and their mean squared error (closed-form cell
-    means, started at the Gaussian's quantiles, iterated to a 1e-12 move)."""
-    if bits == 0:
-        return torch.zeros(1), 1.0
-    n = 1 << bits
-    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
-    c = normal.icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n)
-    for _ in range(20_000):
-        edges = torch.cat([torch.tensor([-math.inf]), (c[1:] + c[:-1]) / 2, torch.tensor([math.inf])]).double()
-        pdf, cdf = normal.log_prob(edges).exp(), torch.special.ndtr(edges)
-        new = (pdf[:-1] - pdf[1:]) / (cdf[1:] - cdf[:-1])
-        moved = float((new - c).abs().max())
-        c = new
-        if moved < 1e-12:
-            break
-    edges = torch.cat([torch.tensor([-math.inf]), (c[1:] + c[:-1]) / 2, torch.tensor([math.inf])]).double()
-    pdf, cdf = normal.log_prob(edges).exp(), torch.special.ndtr(edges)
-    pdf, e = pdf.nan_to_num(0.0), edges.nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    # E[(x - c)^2] over a cell [a, b] = (1 + c^2)(F(b) - F(a)) + (a - 2c) f(a) - (b - 2c) f(b), with x f(x) -> 0 at inf
-    mass = cdf[1:] - cdf[:-1]
-    mse = ((1 + c**2) * mass + (e[:-1] - 2 * c) * pdf[:-1] - (e[1:] - 2 * c) * pdf[1:]).sum()
-    return c.float(), float(mse)
-
-
-def distortion(bits: int) -> float:
-    """Mean squared error of a unit Gaussian coded at ``bits`` (1.0 at 0 bits)."""
-    return gaussian_codebook(bits)[1]
-
-
-def allocate_bits(
-    variances: torch.Tensor, budget: int, max_bits: int = MAX_BITS, widths: tuple[int, ...] = ()
-) -> torch.Tensor:
-    """Integer bits [n] (0..``max_bits``) summing to ``budget`` (or n * max_bits, if less), least summed
-    lambda_i D(b_i): greedy on the marginal gain, optimal since D is convex. ``widths``: only these code widths
-    (0 always allowed; e.g. (4, 8) for codes a kernel reads by nibbles), each step to a coefficient's next allowed
-    width taken by its gain per bit while it fits the budget."""
-    lam = variances.double().clamp_min(0)
-    table = torch.tensor([distortion(b) for b in range(max_bits + 1)] + [0.0], dtype=torch.float64)
-    bits = torch.zeros(lam.numel(), dtype=torch.long)
-    if widths:
-        allowed = sorted({0, *widths})
-        nxt = torch.tensor([next((w for w in allowed if w > b), -1) for b in range(max_bits + 1)], dtype=torch.long)
-        left = budget
-        while True:
-            up = nxt[bits]
-            step = (up - bits).clamp_min(1)
-            gain = lam * (table[bits] - table[up.clamp_min(0)]) / step
-            gain[(up < 0) | (step > left)] = -1.0
-            i = int(gain.argmax())
-            if gain[i] < 0:
-                return bits
-            left -= int(step[i])
-            bits[i] = up[i]
-    for _ in range(min(budget, lam.numel() * max_bits)):
-        gain = lam * (table[bits] - table[bits + 1])
-        gain[bits >= max_bits] = -1.0
-        bits[int(gain.argmax())] += 1
-    return bits
-
-
-# ---------------------------------------------------------------------------------------------- calibration
-@dataclass
-class KLTLayer:
-    """One layer's coder per KV head: mean m [H, D] (pre-RoPE), encode A = U^T W^(1/2) [H, D, D], decode
-    B = W^(-1/2) U [H, D, D], coefficient sigmas [H, D], bits [H, D] and, with calibrated codebooks, each
-    coefficient's levels [H, D, 2^MAX_BITS] (the first 2^bits used)."""
-
-    mean: torch.Tensor
-    encode: torch.Tensor
-    decode: torch.Tensor
-    sigma: torch.Tensor
-    bits: torch.Tensor
-    levels: torch.Tensor | None = None
-
-    def predicted_error(self) -> torch.Tensor:
-        """Score-error variance per head [H]: sum_i lambda_i D(b_i) (Gaussian coefficients, fixed scale)."""
-        table = torch.tensor([distortion(b) for b in range(MAX_BITS + 1)])
-        return (self.sigma**2 * table[self.bits]).sum(-1)
-
-
-def pair_weight(q_pre: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
-    """The diagonal of W [D] from pre-RoPE queries [N, D] of one KV head's group: each rotary pair's mean query energy
-    per channel (floored at ``ridge`` x the mean, so W^(-1/2) exists)."""
-    d = q_pre.shape[-1]
-    e = (q_pre.double() ** 2).mean(0)
-    pair = (e[: d // 2] + e[d // 2 :]) / 2
-    w = torch.cat([pair, pair])
-    return w.clamp_min(ridge * float(w.mean()))
-
-
-def received_attention(cap: LayerCapture, min_distance: int = MIN_DISTANCE) -> torch.Tensor:
-    """Per key [B, H, T] the exact attention it receives, summed over its query heads and the queries at least
-    ``min_distance`` later (those that read it compressed)."""
-    q, k = cap.q.float(), cap.k.float()
-    g, t, d = q.shape[1] // k.shape[1], k.shape[2], k.shape[3]
-    pos = torch.arange(t)
-    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2) / d**0.5).masked_fill(pos[None, :] > pos[:, None], -math.inf)
-    far = pos[None, :] <= pos[:, None] - min_distance
-    got = (s.softmax(-1) * far).sum(-2)  # [B, Hq, T]
-    return got.reshape(got.shape[0], k.shape[1], g, t).sum(2).double()
-
-
 def calibrate(
     spec: KLTKeys,
     caps: list[LayerCapture],
@@ -222,158 +132,44 @@ def calibrate(
     model's own ``rotary`` is given."""
     rotary = rotary or RotaryParams(inv_freq(head_dim, theta))
     budget = spec.code_bits(head_dim)
+    levels = "cubic" if spec.cubic else "lloyd" if spec.lloyd else None
     out = []
     for cap in caps:
-        t = cap.k.shape[2]
-        pos = torch.arange(t)
+        pos = torch.arange(cap.k.shape[2])
         k = rotary.apply(cap.k.double(), pos, inverse=True)[:, :, skip:]
         q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
         a = torch.ones(k.shape[:3], dtype=torch.float64)
         if spec.attention:
-            got = received_attention(cap)[:, :, skip:]
-            a = ATTENTION_FLOOR + got / got.mean((0, 2), keepdim=True)
+            a = key_weights(received_attention(cap.q, cap.k)[:, :, skip:])
         h, g = k.shape[1], q.shape[1] // k.shape[1]
-        layer: dict[str, list[torch.Tensor]] = {n: [] for n in ("mean", "encode", "decode", "sigma", "bits", "levels")}
-        for i in range(h):
-            kk, ww = k[:, i].reshape(-1, head_dim), a[:, i].reshape(-1, 1) / a[:, i].sum()
-            qq = q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim)
-            w = pair_weight(qq)
-            w_half, w_inv_half = torch.diag(w.sqrt()), torch.diag(w.rsqrt())
-            m = (ww * kk).sum(0)
-            y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
-            cov = y.T @ (ww * y)
-            lam, u = block_klt(cov, pair_blocks(head_dim, spec.block, rotary.rotary_dim))
-            layer["mean"].append(m)
-            layer["encode"].append(u.T @ w_half)
-            layer["decode"].append(w_inv_half @ u)
-            layer["sigma"].append(lam.sqrt())
-            layer["bits"].append(allocate_bits(lam, budget, widths=spec.widths))
-            if spec.lloyd or spec.cubic:
-                z = y @ u
-                if spec.token_norm:  # fit what the coder quantizes: coefficients over their token's scale
-                    z = z / (z.norm(dim=-1, keepdim=True) / lam.sum().sqrt()).clamp_min(1e-12)
-                fit = cubic_levels if spec.cubic else lloyd_levels
-                layer["levels"].append(fit(z, ww[:, 0], lam.sqrt(), layer["bits"][-1]))
+        heads = [
+            fit_head(
+                k[:, i].reshape(-1, head_dim),
+                q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim),
+                a[:, i].reshape(-1),
+                budget,
+                widths=spec.widths,
+                levels=levels,
+                block=spec.block,
+                rotary_dim=rotary.rotary_dim,
+                token_norm=spec.token_norm,
+            )
+            for i in range(h)
+        ]
+        fields = {n: torch.stack([f[n] for f in heads]) for n in heads[0]}
         out.append(
             KLTLayer(
-                mean=torch.stack(layer["mean"]).float(),
-                encode=torch.stack(layer["encode"]).float(),
-                decode=torch.stack(layer["decode"]).float(),
-                sigma=torch.stack(layer["sigma"]).float(),
-                bits=torch.stack(layer["bits"]),
-                levels=torch.stack(layer["levels"]).float() if layer["levels"] else None,
+                mean=fields["mean"].float(),
+                encode=fields["encode"].float(),
+                decode=fields["decode"].float(),
+                sigma=fields["sigma"].float(),
+                bits=fields["bits"],
+                levels=fields["levels"].float() if "levels" in fields else None,
             )
         )
     return out
 
 
-def pair_blocks(head_dim: int, block: int, rotary_dim: int | None = None) -> list[torch.Tensor]:
-    """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
-    p (each with its channels p and p + R/2, ``rotate_half`` over the first ``rotary_dim`` R channels, default all);
-    channels past R in blocks of ``block`` consecutive channels, each alone for ``block`` 2 (so a 2-channel block is
-    always one RoPE pair); ``block`` 0 or D: one block, in order; 1: each channel its own block (no transform)."""
-    d = head_dim
-    r = d if rotary_dim is None else rotary_dim
-    if block in (0, d):
-        return [torch.arange(d)]
-    if block == 1:
-        return list(torch.arange(d).split(1))
-    if block % 2 or r % 2 or (r // 2) % (block // 2) or (block > 2 and (d - r) % block):
-        raise FormatError(f"block {block}: expected an even divisor of head dim {d} (rotary dim {r})")
-    rotary = [torch.cat([pairs, pairs + r // 2]) for pairs in torch.arange(r // 2).split(block // 2)]
-    alone = list(torch.arange(r, d).split(1 if block == 2 else block)) if r < d else []
-    return rotary + alone
-
-
-def block_klt(cov: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KLT of ``cov`` [D, D] restricted to diagonal ``blocks`` (channel indices): variances lambda [D], descending,
-    and the orthogonal U [D, D] whose columns are each block's eigenvectors (zero outside their block)."""
-    d = cov.shape[0]
-    lams, u = [], torch.zeros(d, d, dtype=cov.dtype)
-    col = 0
-    for idx in blocks:
-        lam, vec = torch.linalg.eigh(cov[idx][:, idx])
-        lams.append(lam.flip(0).clamp_min(0))
-        u[idx, col : col + len(idx)] = vec.flip(1)
-        col += len(idx)
-    lam = torch.cat(lams)
-    order = lam.argsort(descending=True, stable=True)
-    return lam[order], u[:, order]
-
-
-def lloyd_levels(
-    z: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: int = 30
-) -> torch.Tensor:
-    """Per coefficient the levels [D, 2^MAX_BITS] of a weighted 1-D Lloyd-Max on calibration coefficients z [N, D]
-    (``weight`` [N]), started from the Gaussian codebook at its sigma; unused slots repeat the last level."""
-    out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64)
-    for b in range(1, MAX_BITS + 1):
-        cols = torch.nonzero(bits == b).squeeze(1)
-        if not len(cols):
-            continue
-        x = z[:, cols].T.contiguous()  # [n, N]
-        c = gaussian_codebook(b)[0].double()[None, :] * sigma[cols, None]  # [n, 2^b]
-        w = weight[None, :].expand_as(x)
-        for _ in range(steps):
-            idx = torch.searchsorted(((c[:, 1:] + c[:, :-1]) / 2).contiguous(), x)
-            num = torch.zeros_like(c).scatter_add_(1, idx, w * x)
-            den = torch.zeros_like(c).scatter_add_(1, idx, w)
-            c = torch.where(den > 0, num / den.clamp_min(1e-300), c)
-        out[cols, : 1 << b] = c
-        out[cols, 1 << b :] = c[:, -1:]
-    return out
-
-
-def ascending_fit(basis: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Least-squares coefficients [C, P, 1] of ascending ``levels`` [C, n] in ``basis`` [n, P] (powers of the centered
-    code), ascending themselves: where the fit bends back (an S-shaped codebook: two tight clusters) the straight
-    line's, whose slope through ascending levels is never negative."""
-    fit = torch.linalg.lstsq(basis.expand(len(levels), -1, -1), levels[..., None]).solution
-    if basis.shape[1] <= 2:
-        return fit
-    line = torch.linalg.lstsq(basis[:, :2].expand(len(levels), -1, -1), levels[..., None]).solution
-    line = torch.cat([line, torch.zeros_like(fit[:, 2:])], 1)
-    bent = ((basis @ fit)[..., 0].diff(dim=1) < 0).any(1)
-    return torch.where(bent[:, None, None], line, fit)
-
-
-def cubic_levels(
-    z: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: int = 30
-) -> torch.Tensor:
-    """Per coefficient levels a cubic of the centered code, a + u (s + u (r + t u)) (``centered_codes``) [D,
-    2^MAX_BITS], fitted to calibration coefficients z [N, D] (``weight`` [N]): nearest-level codes and a weighted
-    least-squares cubic in turn, started on the fitted Lloyd-Max levels (``lloyd_levels``, ``ascending_fit``), each
-    step kept only while the levels stay ascending. A kernel computes such levels by three FMAs, with no table; the
-    cubic's bend follows a Lloyd-Max codebook's wider outer cells (on Gaussian and Laplacian data within 1-5 % of its
-    error at 2-4 bits, up to ~20 % at 5-6; evenly spaced levels lose 20-60 % at 4-5 bits).
-    Unused slots repeat the last level."""
-    out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64)
-    lloyd = lloyd_levels(z, weight, sigma, bits)
-    for b in range(1, MAX_BITS + 1):
-        cols = torch.nonzero(bits == b).squeeze(1)
-        if not len(cols):
-            continue
-        n = 1 << b
-        u = centered_codes(b) / max(n - 1, 1)  # in [-1, 1]: a well-conditioned basis (the levels are the same cubic)
-        basis = torch.stack([u**p for p in range(min(4, n))], 1)  # [n, P]: 1 bit: a line through 2 levels
-        x = z[:, cols].T.double().contiguous()  # [n_cols, N]
-        w = weight.double()[None, :].expand_as(x)
-        start = lloyd[cols, :n]  # [n_cols, n]
-        coef = ascending_fit(basis, start)
-        for _ in range(steps):
-            lv = (basis @ coef)[..., 0]
-            idx = torch.searchsorted(((lv[:, 1:] + lv[:, :-1]) / 2).contiguous(), x)
-            mass = torch.zeros_like(lv).scatter_add_(1, idx, w)  # per level: weight and weighted sum of its cell
-            total = torch.zeros_like(lv).scatter_add_(1, idx, w * x)
-            gram = torch.einsum("ck,kp,kq->cpq", mass, basis, basis)
-            new = torch.linalg.lstsq(gram, torch.einsum("ck,kp->cp", total, basis)[..., None]).solution
-            new_lv = (basis @ new)[..., 0]
-            ok = ((new_lv[:, 1:] - new_lv[:, :-1]) > 0).all(1) & torch.isfinite(new_lv).all(1)
-            coef = torch.where(ok[:, None, None], new, coef)
-        lv = (basis @ coef)[..., 0]
-        out[cols, : 1 << b] = lv
-        out[cols, 1 << b :] = lv[:, -1:]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- coding

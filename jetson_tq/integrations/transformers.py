@@ -1,5 +1,5 @@
-"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of Llama and Qwen2 (transformers
-5.17).
+"""TurboQuantCache: a drop-in compressed KV cache for ``model.generate()`` / forward of full-attention decoders
+(Llama, Qwen2/3, Mistral, Phi-3, Gemma, Granite, OLMo-2, ...; transformers 5.17).
 
 How it plugs in (transformers' own extension points, no patching of model code):
 
@@ -17,6 +17,7 @@ Usage::
 
     from jetson_tq.integrations.transformers import TurboQuantCache
     cache = TurboQuantCache(model, "mse_k4v3")       # switches the model's attention to "turboquant"
+    cache = TurboQuantCache(model, "auto")           # the 5x calibrated format: calibrated once per model, cached
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
 Convention: a ``None`` mask means causal with the query at the end of the sequence (lower-right);
@@ -39,14 +40,11 @@ from .. import ops
 from ..cache.compressed import CompressedKVCache
 from ..codec.klt import KeyTransform, load_transforms_cached
 from ..codec.rotation import derive_seed
-from ..config import TurboQuantConfig, load_config
+from ..config import DEFAULT_PRESET, TurboQuantConfig, is_auto, load_config, resolve_auto
 from ..errors import ConfigError, JetsonTQError, ShapeError
 from ..format import KVFormat
 
 ATTN_IMPLEMENTATION = "turboquant"
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2")
-#: The preset the fidelity measurements recommend (docs/fidelity.md): mse 4-bit keys, 3-bit values in groups of 64.
-RECOMMENDED_PRESET = "mse_k4v3"
 #: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
 #: the PyTorch reference on CPU; reference / triton: that one. Evaluation code may add history backends by name
 #: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
@@ -76,7 +74,7 @@ class UnsupportedModelError(JetsonTQError, ValueError):
 
 # ---------------------------------------------------------------------------------------------- model checks
 def model_dims(config) -> tuple[int, int, int, int]:
-    """(num_layers, num_query_heads, num_kv_heads, head_dim) of a Llama/Qwen2 config."""
+    """(num_layers, num_query_heads, num_kv_heads, head_dim) of a decoder config."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -84,16 +82,19 @@ def model_dims(config) -> tuple[int, int, int, int]:
 
 
 def check_model_supported(config) -> None:
-    """Raise UnsupportedModelError unless ``config`` is a full-attention Llama or Qwen2 decoder."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(f"model_type: expected one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+    """Raise UnsupportedModelError unless ``config`` is a decoder whose every layer is plain causal attention (by its
+    features: layer types, sliding window, logit soft-capping, grouped heads; not by its name)."""
+    if getattr(config, "num_attention_heads", None) is None or getattr(config, "num_hidden_layers", None) is None:
+        raise UnsupportedModelError(f"{getattr(config, 'model_type', None)!r}: not a decoder config with attention heads")
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
-    if other or getattr(config, "use_sliding_window", False):
+    slides = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)
+    if other or (not layer_types and slides) or getattr(config, "use_sliding_window", False):
         raise UnsupportedModelError(
             f"only full-attention layers are supported, this model has {other or ['sliding_attention']}"
         )
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("attention logit soft-capping is not supported by TurboQuantCache")
     _, heads, kv_heads, head_dim = model_dims(config)
     if heads % kv_heads:
         raise UnsupportedModelError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
@@ -298,24 +299,33 @@ class TurboQuantCache(Cache):
     def __init__(
         self,
         model_or_config,
-        config: str | TurboQuantConfig | KVFormat = RECOMMENDED_PRESET,
+        config: str | TurboQuantConfig | KVFormat = DEFAULT_PRESET,
         *,
         backend: str | None = None,
         enable: bool = True,
         centers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         sink_tokens: int = 0,
         key_transforms: list[KeyTransform | None] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         """``centers``: per-layer (key, value) offsets [H, D] subtracted from every stored token (exact under the
         softmax; the value offset is added back; klt layers take only the value offset, their transform centers the
         keys) and ``sink_tokens``: the first positions read exactly (cpu-decoded backend only) are the measurement
         levers of docs/fidelity.md "Quality at 5x", not served by the kernels. ``key_transforms``: per-layer
-        calibrated key transforms for klt formats (default: the config's ``key_transform`` file)."""
+        calibrated key transforms for klt formats (default: the config's ``key_transform`` file).
+
+        ``config="auto"``: the model's calibrated format, calibrated on first use from its weights and the text
+        shipped with the package (``tokenizer``: default the model's own, from its ``name_or_path``) and cached by
+        model identity; a model that cannot be calibrated gets ``config.FALLBACK_PRESET`` with one log line."""
         model = model_or_config if hasattr(model_or_config, "config") and hasattr(model_or_config, "forward") else None
         hf_config = model.config if model is not None else model_or_config
         hf_config = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         check_model_supported(hf_config)
         n_layers, _, _, head_dim = model_dims(hf_config)
+        if is_auto(config):
+            if model is None:
+                raise ConfigError("config 'auto' calibrates from the model's weights: pass the model, not its config")
+            config = resolve_auto("model", model, tokenizer=tokenizer)
         self.tq_config = resolve_config(config)
         self.tq_config.check_model(n_layers, head_dim)
         self.head_dim = head_dim

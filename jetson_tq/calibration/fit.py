@@ -1,0 +1,304 @@
+"""The math of a key calibration (key_mode ``klt``), per layer and KV head: the score-weighted KLT of the pre-RoPE
+keys, integer code widths by reverse water-filling, and each coefficient's fitted levels.
+
+Why each step (the measured choices are in docs/fidelity.md, "Quality at 5x"):
+
+- **Score weight.** A query at p scores a key at s by q^T R_{s-p} k (pre-RoPE q, k), so a key error e costs
+  e^T W e with W = E_delta[R_delta^T E[q q^T] R_delta]; averaged over relative positions whose angles spread, W is
+  diagonal by rotary pair (``pair_weight``).
+- **KLT.** Whiten the centered pre-RoPE keys by W^(1/2) and take their PCA (eigenvectors U, variances lambda): the
+  coefficients z = U^T W^(1/2) (k - m) are decorrelated and their squared error is the score error (``block_klt``).
+- **Bits.** Integer bits per coefficient by greedy reverse water-filling on lambda (``allocate_bits``).
+- **Attention-weighted statistics.** Each calibration key weighs ``ATTENTION_FLOOR`` + the attention it receives
+  from queries that read it compressed, over its mean (``received_attention``, ``key_weights``).
+- **Levels.** A weighted Lloyd-Max codebook per coefficient (``lloyd_levels``) or a fitted cubic of the code, which
+  the kernels compute with no table (``cubic_levels``).
+
+``fit_head`` runs them for one KV head; ``jetson_tq.calibration.keys`` drives them over a model, and the lab's
+evaluation coder (``jetson_tq.eval.klt_keys``) reuses them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from ..codec.klt import MAX_CODE_BITS, centered_codes
+from ..errors import FormatError
+
+MAX_BITS = MAX_CODE_BITS
+MIN_DISTANCE = 128  # a key counts the attention of queries this much later (they read it compressed)
+ATTENTION_FLOOR = 1.0  # attention-weighted statistics: each key's weight, floor + received / mean received
+#: How a coefficient's levels are fitted: "cubic" (a cubic of the code, computed by the kernels with no table) or
+#: "lloyd" (a Lloyd-Max codebook read from a table); held out, both measure the same (docs/fidelity.md).
+LEVEL_KINDS = ("lloyd", "cubic")
+
+
+@cache
+def gaussian_codebook(bits: int) -> tuple[torch.Tensor, float]:
+    """Lloyd-Max centroids of N(0, 1) at ``bits`` (float32 [2^bits]) and their mean squared error (closed-form cell
+    means, started at the Gaussian's quantiles, iterated to a 1e-12 move)."""
+    if bits == 0:
+        return torch.zeros(1), 1.0
+    n = 1 << bits
+    normal = torch.distributions.Normal(torch.tensor(0.0, dtype=torch.float64), 1.0)
+    c = normal.icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n)
+    for _ in range(20_000):
+        edges = torch.cat([torch.tensor([-math.inf]), (c[1:] + c[:-1]) / 2, torch.tensor([math.inf])]).double()
+        pdf, cdf = normal.log_prob(edges).exp(), torch.special.ndtr(edges)
+        new = (pdf[:-1] - pdf[1:]) / (cdf[1:] - cdf[:-1])
+        moved = float((new - c).abs().max())
+        c = new
+        if moved < 1e-12:
+            break
+    edges = torch.cat([torch.tensor([-math.inf]), (c[1:] + c[:-1]) / 2, torch.tensor([math.inf])]).double()
+    pdf, cdf = normal.log_prob(edges).exp(), torch.special.ndtr(edges)
+    pdf, e = pdf.nan_to_num(0.0), edges.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    # E[(x - c)^2] over a cell [a, b] = (1 + c^2)(F(b) - F(a)) + (a - 2c) f(a) - (b - 2c) f(b), with x f(x) -> 0 at inf
+    mass = cdf[1:] - cdf[:-1]
+    mse = ((1 + c**2) * mass + (e[:-1] - 2 * c) * pdf[:-1] - (e[1:] - 2 * c) * pdf[1:]).sum()
+    return c.float(), float(mse)
+
+
+def distortion(bits: int) -> float:
+    """Mean squared error of a unit Gaussian coded at ``bits`` (1.0 at 0 bits)."""
+    return gaussian_codebook(bits)[1]
+
+
+def allocate_bits(
+    variances: torch.Tensor, budget: int, max_bits: int = MAX_BITS, widths: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """Integer bits [n] (0..``max_bits``) summing to ``budget`` (or n * max_bits, if less), least summed
+    lambda_i D(b_i): greedy on the marginal gain, optimal since D is convex. ``widths``: only these code widths
+    (0 always allowed; e.g. (4, 8) for codes a kernel reads by nibbles), each step to a coefficient's next allowed
+    width taken by its gain per bit while it fits the budget."""
+    lam = variances.double().cpu().clamp_min(0)  # a greedy loop of D-sized steps: the CPU's
+    table = torch.tensor([distortion(b) for b in range(max_bits + 1)] + [0.0], dtype=torch.float64)
+    bits = torch.zeros(lam.numel(), dtype=torch.long)
+    if widths:
+        allowed = sorted({0, *widths})
+        nxt = torch.tensor([next((w for w in allowed if w > b), -1) for b in range(max_bits + 1)], dtype=torch.long)
+        left = budget
+        while True:
+            up = nxt[bits]
+            step = (up - bits).clamp_min(1)
+            gain = lam * (table[bits] - table[up.clamp_min(0)]) / step
+            gain[(up < 0) | (step > left)] = -1.0
+            i = int(gain.argmax())
+            if gain[i] < 0:
+                return bits
+            left -= int(step[i])
+            bits[i] = up[i]
+    for _ in range(min(budget, lam.numel() * max_bits)):
+        gain = lam * (table[bits] - table[bits + 1])
+        gain[bits >= max_bits] = -1.0
+        bits[int(gain.argmax())] += 1
+    return bits
+
+
+@dataclass
+class KLTLayer:
+    """One layer's coder per KV head: mean m [H, D] (pre-RoPE), encode A = U^T W^(1/2) [H, D, D], decode
+    B = W^(-1/2) U [H, D, D], coefficient sigmas [H, D], bits [H, D] and, with calibrated codebooks, each
+    coefficient's levels [H, D, 2^MAX_BITS] (the first 2^bits used)."""
+
+    mean: torch.Tensor
+    encode: torch.Tensor
+    decode: torch.Tensor
+    sigma: torch.Tensor
+    bits: torch.Tensor
+    levels: torch.Tensor | None = None
+
+    def predicted_error(self) -> torch.Tensor:
+        """Score-error variance per head [H]: sum_i lambda_i D(b_i) (Gaussian coefficients, fixed scale)."""
+        table = torch.tensor([distortion(b) for b in range(MAX_BITS + 1)])
+        return (self.sigma**2 * table[self.bits]).sum(-1)
+
+
+def pair_weight(q_pre: torch.Tensor, ridge: float = 1e-6, rotary_dim: int | None = None) -> torch.Tensor:
+    """The diagonal of W [D] from pre-RoPE queries [N, D] of one KV head's group: each rotary pair's mean query energy
+    per channel (pairs c, c + R/2 over the first ``rotary_dim`` R channels, default all; channels past R, which RoPE
+    leaves alone, their own energy), floored at ``ridge`` x the mean, so W^(-1/2) exists."""
+    d = q_pre.shape[-1]
+    r = d if rotary_dim is None else rotary_dim
+    e = (q_pre.double() ** 2).mean(0)
+    pair = (e[: r // 2] + e[r // 2 : r]) / 2
+    w = torch.cat([pair, pair, e[r:]])
+    return w.clamp_min(ridge * float(w.mean()))
+
+
+def received_attention(
+    q: torch.Tensor, k: torch.Tensor, scaling: float | None = None, min_distance: int = MIN_DISTANCE
+) -> torch.Tensor:
+    """Per key [B, H, T] the exact attention it receives from post-RoPE queries q [B, Hq, T, D] over keys k
+    [B, H, T, D] (causal, ``scaling`` default D^-1/2), summed over its query heads and the queries at least
+    ``min_distance`` later (those that read it compressed). One query head at a time: memory [B, T, T]."""
+    b, hq, t, d = q.shape
+    h = k.shape[1]
+    g = hq // h
+    scale = d**-0.5 if scaling is None else scaling
+    pos = torch.arange(t, device=q.device)
+    future = pos[None, :] > pos[:, None]
+    far = (pos[None, :] <= pos[:, None] - min_distance).to(torch.float32)
+    got = torch.zeros(b, h, t, dtype=torch.float64, device=q.device)
+    for j in range(hq):
+        s = (q[:, j].float() @ k[:, j // g].float().transpose(-1, -2)) * scale
+        got[:, j // g] += (s.masked_fill(future, -math.inf).softmax(-1) * far).sum(-2).double()
+    return got
+
+
+def key_weights(received: torch.Tensor) -> torch.Tensor:
+    """Each key's statistical weight [B, H, T] from the attention it receives: ``ATTENTION_FLOOR`` + received / its
+    head's mean."""
+    return ATTENTION_FLOOR + received / received.mean((0, 2), keepdim=True).clamp_min(1e-30)
+
+
+def fit_head(
+    k_pre: torch.Tensor,
+    q_pre: torch.Tensor,
+    weight: torch.Tensor,
+    budget: int,
+    *,
+    widths: tuple[int, ...] = (),
+    levels: str | None = "cubic",
+    block: int = 0,
+    rotary_dim: int | None = None,
+    token_norm: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One KV head's coder from its pre-RoPE keys [N, D] (statistics weighted by ``weight`` [N]) and its query
+    group's pre-RoPE queries [M, D]: mean [D], encode A = U^T W^(1/2) and decode B = W^(-1/2) U [D, D], sigma [D],
+    bits [D] (``budget`` in all, ``widths``) and, with ``levels`` ("cubic" / "lloyd"; None: Gaussian codebooks),
+    each coefficient's levels [D, 2^MAX_BITS]. ``token_norm``: fit the levels to coefficients over their token's
+    scale (the lab's per-token-norm coder)."""
+    d = k_pre.shape[-1]
+    kk = k_pre.double()
+    ww = (weight.double() / weight.double().sum()).reshape(-1, 1)
+    w = pair_weight(q_pre, rotary_dim=rotary_dim)
+    w_half, w_inv_half = torch.diag(w.sqrt()), torch.diag(w.rsqrt())
+    m = (ww * kk).sum(0)
+    y = (kk - m) @ w_half  # W symmetric: rows y = W^(1/2) (k - m)
+    cov = y.T @ (ww * y)
+    lam, u = block_klt(cov, pair_blocks(d, block, rotary_dim))
+    bits = allocate_bits(lam, budget, widths=widths).to(lam.device)
+    out = {"mean": m, "encode": u.T @ w_half, "decode": w_inv_half @ u, "sigma": lam.sqrt(), "bits": bits}
+    if levels is not None:
+        if levels not in LEVEL_KINDS:
+            raise FormatError(f"levels {levels!r}: expected one of {LEVEL_KINDS}")
+        z = y @ u
+        if token_norm:
+            z = z / (z.norm(dim=-1, keepdim=True) / lam.sum().sqrt()).clamp_min(1e-12)
+        fit = cubic_levels if levels == "cubic" else lloyd_levels
+        out["levels"] = fit(z, ww[:, 0], lam.sqrt(), bits)
+    return out
+
+
+def pair_blocks(head_dim: int, block: int, rotary_dim: int | None = None) -> list[torch.Tensor]:
+    """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
+    p (each with its channels p and p + R/2, ``rotate_half`` over the first ``rotary_dim`` R channels, default all);
+    channels past R in blocks of ``block`` consecutive channels, each alone for ``block`` 2 (so a 2-channel block is
+    always one RoPE pair); ``block`` 0 or D: one block, in order; 1: each channel its own block (no transform)."""
+    d = head_dim
+    r = d if rotary_dim is None else rotary_dim
+    if block in (0, d):
+        return [torch.arange(d)]
+    if block == 1:
+        return list(torch.arange(d).split(1))
+    if block % 2 or r % 2 or (r // 2) % (block // 2) or (block > 2 and (d - r) % block):
+        raise FormatError(f"block {block}: expected an even divisor of head dim {d} (rotary dim {r})")
+    rotary = [torch.cat([pairs, pairs + r // 2]) for pairs in torch.arange(r // 2).split(block // 2)]
+    alone = list(torch.arange(r, d).split(1 if block == 2 else block)) if r < d else []
+    return rotary + alone
+
+
+def block_klt(cov: torch.Tensor, blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KLT of ``cov`` [D, D] restricted to diagonal ``blocks`` (channel indices): variances lambda [D], descending,
+    and the orthogonal U [D, D] whose columns are each block's eigenvectors (zero outside their block)."""
+    d = cov.shape[0]
+    lams, u = [], torch.zeros(d, d, dtype=cov.dtype, device=cov.device)
+    col = 0
+    for idx in blocks:
+        lam, vec = torch.linalg.eigh(cov[idx][:, idx])
+        lams.append(lam.flip(0).clamp_min(0))
+        u[idx, col : col + len(idx)] = vec.flip(1)
+        col += len(idx)
+    lam = torch.cat(lams)
+    order = lam.argsort(descending=True, stable=True)
+    return lam[order], u[:, order]
+
+
+def lloyd_levels(
+    z: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: int = 30
+) -> torch.Tensor:
+    """Per coefficient the levels [D, 2^MAX_BITS] of a weighted 1-D Lloyd-Max on calibration coefficients z [N, D]
+    (``weight`` [N]), started from the Gaussian codebook at its sigma; unused slots repeat the last level."""
+    out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64, device=z.device)
+    for b in range(1, MAX_BITS + 1):
+        cols = torch.nonzero(bits == b).squeeze(1)
+        if not len(cols):
+            continue
+        x = z[:, cols].T.contiguous()  # [n, N]
+        c = gaussian_codebook(b)[0].double().to(z.device)[None, :] * sigma[cols, None]  # [n, 2^b]
+        w = weight[None, :].expand_as(x)
+        for _ in range(steps):
+            idx = torch.searchsorted(((c[:, 1:] + c[:, :-1]) / 2).contiguous(), x)
+            num = torch.zeros_like(c).scatter_add_(1, idx, w * x)
+            den = torch.zeros_like(c).scatter_add_(1, idx, w)
+            c = torch.where(den > 0, num / den.clamp_min(1e-300), c)
+        out[cols, : 1 << b] = c
+        out[cols, 1 << b :] = c[:, -1:]
+    return out
+
+
+def ascending_fit(basis: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Least-squares coefficients [C, P, 1] of ascending ``levels`` [C, n] in ``basis`` [n, P] (powers of the centered
+    code), ascending themselves: where the fit bends back (an S-shaped codebook: two tight clusters) the straight
+    line's, whose slope through ascending levels is never negative."""
+    fit = torch.linalg.lstsq(basis.expand(len(levels), -1, -1), levels[..., None]).solution
+    if basis.shape[1] <= 2:
+        return fit
+    line = torch.linalg.lstsq(basis[:, :2].expand(len(levels), -1, -1), levels[..., None]).solution
+    line = torch.cat([line, torch.zeros_like(fit[:, 2:])], 1)
+    bent = ((basis @ fit)[..., 0].diff(dim=1) < 0).any(1)
+    return torch.where(bent[:, None, None], line, fit)
+
+
+def cubic_levels(
+    z: torch.Tensor, weight: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor, steps: int = 30
+) -> torch.Tensor:
+    """Per coefficient levels a cubic of the centered code, a + u (s + u (r + t u)) (``centered_codes``) [D,
+    2^MAX_BITS], fitted to calibration coefficients z [N, D] (``weight`` [N]): nearest-level codes and a weighted
+    least-squares cubic in turn, started on the fitted Lloyd-Max levels (``lloyd_levels``, ``ascending_fit``), each
+    step kept only while the levels stay ascending. A kernel computes such levels by three FMAs, with no table; the
+    cubic's bend follows a Lloyd-Max codebook's wider outer cells (on Gaussian and Laplacian data within 1-5 % of its
+    error at 2-4 bits, up to ~20 % at 5-6; evenly spaced levels lose 20-60 % at 4-5 bits).
+    Unused slots repeat the last level."""
+    out = torch.zeros(z.shape[1], 1 << MAX_BITS, dtype=torch.float64, device=z.device)
+    lloyd = lloyd_levels(z, weight, sigma, bits)
+    for b in range(1, MAX_BITS + 1):
+        cols = torch.nonzero(bits == b).squeeze(1)
+        if not len(cols):
+            continue
+        n = 1 << b
+        u = centered_codes(b).to(z.device) / max(n - 1, 1)  # in [-1, 1]: a well-conditioned basis (the levels are the same cubic)
+        basis = torch.stack([u**p for p in range(min(4, n))], 1)  # [n, P]: 1 bit: a line through 2 levels
+        x = z[:, cols].T.double().contiguous()  # [n_cols, N]
+        w = weight.double()[None, :].expand_as(x)
+        start = lloyd[cols, :n]  # [n_cols, n]
+        coef = ascending_fit(basis, start)
+        for _ in range(steps):
+            lv = (basis @ coef)[..., 0]
+            idx = torch.searchsorted(((lv[:, 1:] + lv[:, :-1]) / 2).contiguous(), x)
+            mass = torch.zeros_like(lv).scatter_add_(1, idx, w)  # per level: weight and weighted sum of its cell
+            total = torch.zeros_like(lv).scatter_add_(1, idx, w * x)
+            gram = torch.einsum("ck,kp,kq->cpq", mass, basis, basis)
+            new = torch.linalg.lstsq(gram, torch.einsum("ck,kp->cp", total, basis)[..., None]).solution
+            new_lv = (basis @ new)[..., 0]
+            ok = ((new_lv[:, 1:] - new_lv[:, :-1]) > 0).all(1) & torch.isfinite(new_lv).all(1)
+            coef = torch.where(ok[:, None, None], new, coef)
+        lv = (basis @ coef)[..., 0]
+        out[cols, : 1 << b] = lv
+        out[cols, 1 << b :] = lv[:, -1:]
+    return out

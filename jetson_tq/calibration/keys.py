@@ -1,0 +1,190 @@
+"""Calibrate a model's coded keys: capture its attention on calibration ids, fit each layer's key transform by the
+recipe's key mode, hold the attention sink where it is constant.
+
+Generic over the key mode: ``KEY_FITTERS`` maps a mode (the format's ``keys.mode``) to the function that fits it
+from the captures; ``klt`` (``fit_klt``: the score-weighted KLT of the pre-RoPE keys, ``calibration.fit``) is the
+one today, and another mode plugs in by adding its fitter and naming it in a ``Recipe``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams
+from ..errors import ConfigError
+from ..format import KVFormat
+from .capture import AttentionCapture, capture_attention
+from .fit import LEVEL_KINDS, KLTLayer, fit_head, gaussian_codebook, key_weights, received_attention
+from .sink import SINK_TOLERANCE, sink_spread
+
+Progress = Callable[[str], None]
+
+#: The code widths a klt calibration allows by default: (2, 4, 8) keeps every code inside one byte, which the kernels
+#: read without a second load; () allows any of 0..8. Held out, both measure the same (docs/fidelity.md).
+DEFAULT_WIDTHS: tuple[int, ...] = (2, 4, 8)
+DEFAULT_LEVELS = "cubic"
+SINK_CHOICES = ("calibrated", "none")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a calibration fits and the config it serves: the key mode and its code bytes at head dim 128, code
+    widths and levels, whether the attention sink is calibrated, the value bits and exact window of the config, and
+    the calibration text's windows. Its ``tag`` names the cache entry, so a changed recipe never reads an old one."""
+
+    key_mode: str = "klt"
+    code_bytes: int = 52
+    widths: tuple[int, ...] = DEFAULT_WIDTHS
+    levels: str = DEFAULT_LEVELS
+    sink: str = "calibrated"
+    value_bits: int = 3
+    recent_tokens: int = 256
+    windows: int = 2
+    window_len: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.key_mode not in KEY_FITTERS:
+            raise ConfigError(f"calibration key mode {self.key_mode!r}: expected one of {sorted(KEY_FITTERS)}")
+        if self.levels not in LEVEL_KINDS:
+            raise ConfigError(f"levels {self.levels!r}: expected one of {LEVEL_KINDS}")
+        if self.sink not in SINK_CHOICES:
+            raise ConfigError(f"sink {self.sink!r}: expected one of {SINK_CHOICES}")
+        if any(not 1 <= w <= MAX_CODE_BITS for w in self.widths):
+            raise ConfigError(f"widths {self.widths}: expected code widths between 1 and {MAX_CODE_BITS}")
+        if self.windows < 1 or self.window_len < 256:
+            raise ConfigError(f"{self.windows} x {self.window_len} tokens: expected >= 1 window of >= 256 tokens")
+        self.key_format()  # a bad code size is a named error now
+
+    def key_format(self) -> KVFormat:
+        """The format the calibrated config serves (every layer)."""
+        try:
+            return KVFormat(
+                key_mode=self.key_mode,
+                key_code_bytes=self.code_bytes,
+                value_mode="mse",
+                value_bits=self.value_bits,
+                buffer_tokens=self.recent_tokens,
+            )
+        except Exception as e:
+            raise ConfigError(f"calibration recipe: {e}") from e
+
+    @property
+    def tag(self) -> str:
+        """A file-name-safe name of everything that changes the fit, e.g. ``klt52-w248-cubic-sink-2x1024``."""
+        widths = "w" + ("".join(map(str, self.widths)) or "any")
+        sink = "sink" if self.sink == "calibrated" else "nosink"
+        return f"{self.key_mode}{self.code_bytes}-{widths}-{self.levels}-{sink}-{self.windows}x{self.window_len}"
+
+    def config_dict(self, transform_file: str, model: str) -> dict:
+        """The config (as its YAML mapping) of the calibrated format around a transform file."""
+        return {
+            "name": f"auto-{self.key_mode}{self.code_bytes}",
+            "description": f"{self.key_mode} keys calibrated for {model} (jetson_tq.calibration, recipe {self.tag})",
+            "keys": {"mode": self.key_mode, "code_bytes": self.code_bytes},
+            "values": {"mode": "mse", "bits": self.value_bits},
+            "buffer": {"recent_tokens": self.recent_tokens, "window": "block", "sink_tokens": 0},
+            "key_transform": transform_file,
+        }
+
+
+def to_key_transform(layer: KLTLayer, rotary: RotaryParams) -> KeyTransform:
+    """The product form of one calibrated layer: every coefficient's levels spelled out (Gaussian codebooks scaled by
+    the coefficient's sigma where no fitted levels exist)."""
+    levels = layer.levels
+    if levels is None:
+        h, d = layer.bits.shape
+        levels = torch.zeros(h, d, 1 << MAX_CODE_BITS)
+        for b in range(1, MAX_CODE_BITS + 1):
+            book = gaussian_codebook(b)[0]
+            full = torch.cat([book, book[-1:].expand((1 << MAX_CODE_BITS) - book.numel())])
+            mask = layer.bits == b
+            levels[mask] = full[None, :] * layer.sigma[mask][:, None]
+    return KeyTransform(
+        layer.mean.float(), layer.encode.float(), layer.decode.float(), layer.bits.long(), levels.float(), rotary
+    )
+
+
+def fit_klt(cap: AttentionCapture, recipe: Recipe, skip: int) -> KeyTransform:
+    """One layer's klt transform: pre-RoPE keys and queries (the model's RoPE undone), each key weighted by the
+    attention it receives from queries that read it compressed, positions < ``skip`` left out; every KV head fitted
+    in float64 where the capture is (the GPU for a model on it; ``calibration.fit.fit_head``), returned on the CPU."""
+    rotary = cap.rotary
+    t, d = cap.k.shape[2], cap.k.shape[3]
+    pos = torch.arange(t, device=cap.k.device)
+    weights = key_weights(received_attention(cap.q, cap.k, cap.scaling)[:, :, skip:])
+    k = rotary.apply(cap.k.double(), pos, inverse=True)[:, :, skip:]
+    q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
+    h, g = k.shape[1], q.shape[1] // k.shape[1]
+    budget = recipe.key_format().key_code_bits(d)
+    heads = [
+        fit_head(
+            k[:, i].reshape(-1, d),
+            q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, d),
+            weights[:, i].reshape(-1),
+            budget,
+            widths=recipe.widths,
+            levels=recipe.levels,
+            rotary_dim=rotary.rotary_dim,
+        )
+        for i in range(h)
+    ]
+    fields = {n: torch.stack([f[n] for f in heads]) for n in heads[0]}
+    layer = KLTLayer(
+        mean=fields["mean"].float(),
+        encode=fields["encode"].float(),
+        decode=fields["decode"].float(),
+        sigma=fields["sigma"].float(),
+        bits=fields["bits"],
+        levels=fields["levels"].float(),
+    )
+    return to_key_transform(layer, RotaryParams(rotary.inv_freq.float(), rotary.attention_scaling)).to("cpu")
+
+
+#: key mode -> fitter(capture of one layer, recipe, positions to leave out) -> that layer's transform
+KEY_FITTERS: dict[str, Callable[[AttentionCapture, Recipe, int], KeyTransform]] = {"klt": fit_klt}
+
+
+def calibrate_model(
+    model,
+    ids: torch.Tensor,
+    recipe: Recipe | None = None,
+    progress: Progress | None = None,
+    sink_firsts: torch.Tensor | None = None,
+    skip: int = 0,
+) -> list[KeyTransform]:
+    """Per attention layer the key transform of ``model`` under ``recipe``, fitted on token ids [rows, T >= 256]
+    (each row one window from position 0). ``sink_firsts`` (first token ids [N], ``sink.sink_first_tokens``): the
+    layers whose position 0 is the same key and value over them (``SINK_TOLERANCE``) get that calibrated sink and are
+    fitted without position 0; the others fit position 0's atypical key into the transform. ``skip``: positions left
+    out everywhere (a format that keeps them exact; not with a calibrated sink)."""
+    recipe = recipe or Recipe()
+    if ids.dim() != 2 or ids.shape[1] < 256:
+        raise ConfigError(f"calibration ids: expected [rows, T >= 256] token ids, got {tuple(ids.shape)}")
+    if sink_firsts is not None and skip:
+        raise ConfigError("a calibrated sink and exact sink tokens both read position 0: keep one")
+    say = progress or (lambda _msg: None)
+    t0 = time.monotonic()
+    caps = capture_attention(model, ids)
+    say(f"captured {len(caps)} attention layers over {ids.numel():,} tokens in {time.monotonic() - t0:.1f} s")
+    sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if sink_firsts is not None:
+        spread = sink_spread(model, sink_firsts.to(ids.device), ids[0, :512])
+        sinks = {i: (spread.key[i], spread.value[i]) for i in spread.constant_layers(SINK_TOLERANCE)}
+        say(f"calibrated sink in layers {sorted(sinks)} (position 0 within {SINK_TOLERANCE:.0%} over {len(sink_firsts)} first tokens)")
+    fitter = KEY_FITTERS[recipe.key_mode]
+    out: list[KeyTransform] = []
+    n, step = len(caps), max(1, len(caps) // 8)
+    caps.reverse()
+    while caps:  # each layer's capture freed once fitted
+        i = len(out)
+        transform = fitter(caps.pop(), recipe, 1 if i in sinks else skip)
+        if i in sinks:
+            transform = replace(transform, sink_key=sinks[i][0].float(), sink_value=sinks[i][1].float())
+        out.append(transform)
+        if (i + 1) % step == 0 or i + 1 == n:
+            say(f"layer {i + 1}/{n} fitted ({time.monotonic() - t0:.1f} s)")
+    return out
