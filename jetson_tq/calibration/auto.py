@@ -154,11 +154,14 @@ def config_for_checkpoint(
     (calibrated now, from the checkpoint through transformers, unless cached), or ``FALLBACK_PRESET`` with one log
     line when it cannot be calibrated (a dummy load, no directory, no weights, ...)."""
     recipe = recipe or auto_recipe()
-    path = Path(str(model_dir)).expanduser()
     if str(load_format).lower() == "dummy":
         return _fallback_name("load_format 'dummy': random weights have nothing to calibrate")
+    try:
+        path = _local_dir(str(model_dir))
+    except Exception as e:
+        return _fallback_name(f"{model_dir}: no local checkpoint ({type(e).__name__}: {e})")
     if not (path / "config.json").is_file():
-        return _fallback_name(f"{model_dir}: not a local model directory with a config.json")
+        return _fallback_name(f"{model_dir}: not a model directory with a config.json")
     try:
         identity = checkpoint_identity(path)
         entry = entry_path(identity, recipe.tag, cache_dir)
@@ -180,6 +183,18 @@ def config_for_checkpoint(
         return str(done.with_suffix(".yaml"))
     except Exception as e:  # see config_for_model
         return _fallback_name(f"cannot calibrate {model_dir} ({type(e).__name__}: {e})")
+
+
+def _local_dir(model: str) -> Path:
+    """A model directory, or a hub id's local snapshot (the files a calibration reads; downloaded if missing, as
+    vLLM's worker would)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+    return Path(snapshot_download(model, allow_patterns=patterns))
 
 
 def _fallback_name(why: str) -> str:

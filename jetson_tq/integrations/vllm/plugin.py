@@ -1,6 +1,10 @@
 """``register()``: the ``vllm.general_plugins`` entry point, run by vLLM in each of its processes.
 
 Off (``JETSON_TQ_CONFIG`` unset): logs at debug level and changes nothing, whatever vLLM is installed.
+``JETSON_TQ_CONFIG=auto``: in the process that builds the engine config (before any engine or worker starts) the
+model is calibrated from its checkpoint, once, and the switch is set to the calibrated config's path (``auto`` on
+a model that cannot be calibrated: the calibration-free preset, one log line); the engine-core and worker processes
+inherit it (``resolve_auto_for_engine``).
 On: checks the vLLM version (UnsupportedPlatformError naming the supported ones), loads the config
 (ConfigError for a bad one), registers ``TurboQuantAttentionBackend`` as vLLM's CUSTOM backend on CUDA and
 installs the hooks; the ``Attention.__init__`` hook gives it to each layer it can serve (by the layer's
@@ -13,6 +17,7 @@ import logging
 import os
 
 from ... import ops
+from ...config import AUTO, resolve_auto
 from ...errors import UnsupportedPlatformError
 from . import settings
 from .versions import check_vllm_version
@@ -42,6 +47,47 @@ def pin_v1_model_runner() -> bool:
     return False
 
 
+#: Set (to 1) once ``auto`` was resolved in this process: a later engine of the process resolves again for its model.
+ENV_AUTO = "JETSON_TQ_AUTO_REQUESTED"
+_AUTO_MARK = "_jetson_tq_auto"
+
+
+def auto_requested() -> bool:
+    """True when the user asked for ``auto`` (still unresolved, or resolved earlier in this process)."""
+    return settings.config_name() == AUTO or os.environ.get(ENV_AUTO) == "1"
+
+
+def resolve_auto_for_engine(model: str, load_format: str) -> str:
+    """Resolve ``auto`` for ``model`` (calibrating it from its checkpoint unless cached) and set the switch to the
+    result, which vLLM's engine-core and worker processes inherit; returns it."""
+    resolved = str(resolve_auto("checkpoint", model, load_format=load_format))
+    os.environ[settings.ENV_CONFIG] = resolved
+    os.environ[ENV_AUTO] = "1"
+    settings.logger().info("jetson-tq: %s=auto for %s: %s", settings.ENV_CONFIG, model, resolved)
+    return resolved
+
+
+def _install_auto() -> None:
+    """Wrap ``EngineArgs.create_engine_config`` (once) to resolve ``auto`` before vLLM reads the config. Why there:
+    it runs in the process that starts vLLM's engine, before any worker exists, with the model's path and load
+    format; a worker could reach the loaded weights only in vLLM's own fused layout (no transformers forward to
+    capture attention from), so the calibration reads the checkpoint files through transformers instead."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.__dict__["create_engine_config"]
+    if getattr(original, _AUTO_MARK, False):
+        return
+
+    def create_engine_config(self, *args, **kwargs):
+        if auto_requested():
+            resolve_auto_for_engine(str(self.model), str(self.load_format))
+        return original(self, *args, **kwargs)
+
+    setattr(create_engine_config, _AUTO_MARK, True)
+    create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
+
+
 def register() -> None:
     """Hook jetson-tq into vLLM when the switch is on; do nothing otherwise."""
     if not settings.enabled():
@@ -66,6 +112,8 @@ def register() -> None:
     if name == "CUSTOM":  # vLLM resolves a layer's backend by name; CPU_ATTN stays the stock CPU backend
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     hooks.install(TurboQuantAttentionBackend)
+    if auto_requested():
+        _install_auto()  # outermost: resolves before the hooks' wrap reads the config
     settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)",
         cfg.name,
