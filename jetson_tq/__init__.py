@@ -2,11 +2,11 @@
 
 Layers, in the order data flows (nothing lower imports anything higher; tests/test_layering.py checks it):
 format -> codec -> paged (storage) -> attention.reference + kernels -> ops (the one Triton-vs-reference
-choice) -> cache -> api -> integrations (vllm, transformers) -> calibration (``auto``) -> eval (baselines, fidelity harness) -> platform
--> reports -> cli.
+choice) -> cache -> api -> integrations (vllm, transformers) -> calibration (``auto``) -> eval (baselines, fidelity
+harness) -> platform -> reports -> cli.
 """
 
-from . import calibration as _calibration  # installs the ``auto`` resolvers the integrations call
+from . import calibration as _calibration  # noqa: F401  (installs the ``auto`` resolvers the integrations call)
 from .api import attention_decode, attention_prefill, turboquant_scores
 from .cache.compressed import CompressedKVCache
 from .codec.codebook import lloyd_max_codebook, lloyd_max_mse

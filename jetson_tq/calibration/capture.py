@@ -157,7 +157,9 @@ def capture_attention(model, ids: torch.Tensor) -> list[AttentionCapture]:
         rec = records[index]
         module, q, k = rec["module"], rec["q"], rec["k"]
         if id(module) not in tables:
-            raise UnsupportedModelError(f"attention layer {index} ({type(module).__name__}) receives no RoPE (cos, sin)")
+            raise UnsupportedModelError(
+                f"attention layer {index} ({type(module).__name__}) receives no RoPE (cos, sin)"
+            )
         if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1] or k.shape[2] != ids.shape[1]:
             raise UnsupportedModelError(
                 f"attention layer {index}: queries {tuple(q.shape)} and keys {tuple(k.shape)} are not grouped-query "

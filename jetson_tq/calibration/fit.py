@@ -282,7 +282,8 @@ def cubic_levels(
         if not len(cols):
             continue
         n = 1 << b
-        u = centered_codes(b).to(z.device) / max(n - 1, 1)  # in [-1, 1]: a well-conditioned basis (the levels are the same cubic)
+        # in [-1, 1]: a well-conditioned basis (the levels are the same cubic)
+        u = centered_codes(b).to(z.device) / max(n - 1, 1)
         basis = torch.stack([u**p for p in range(min(4, n))], 1)  # [n, P]: 1 bit: a line through 2 levels
         x = z[:, cols].T.double().contiguous()  # [n_cols, N]
         w = weight.double()[None, :].expand_as(x)

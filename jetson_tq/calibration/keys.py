@@ -63,7 +63,7 @@ class Recipe:
         """The format the calibrated config serves (every layer)."""
         try:
             return KVFormat(
-                key_mode=self.key_mode,
+                key_mode=self.key_mode,  # type: ignore[arg-type]  # checked by KVFormat against its key modes
                 key_code_bytes=self.code_bytes,
                 value_mode="mse",
                 value_bits=self.value_bits,
@@ -174,7 +174,10 @@ def calibrate_model(
     if sink_firsts is not None:
         spread = sink_spread(model, sink_firsts.to(ids.device), ids[0, :512])
         sinks = {i: (spread.key[i], spread.value[i]) for i in spread.constant_layers(SINK_TOLERANCE)}
-        say(f"calibrated sink in layers {sorted(sinks)} (position 0 within {SINK_TOLERANCE:.0%} over {len(sink_firsts)} first tokens)")
+        say(
+            f"calibrated sink in layers {sorted(sinks)} (position 0 within {SINK_TOLERANCE:.0%} over "
+            f"{len(sink_firsts)} first tokens)"
+        )
     fitter = KEY_FITTERS[recipe.key_mode]
     out: list[KeyTransform] = []
     n, step = len(caps), max(1, len(caps) // 8)

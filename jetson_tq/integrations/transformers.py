@@ -85,7 +85,9 @@ def check_model_supported(config) -> None:
     """Raise UnsupportedModelError unless ``config`` is a decoder whose every layer is plain causal attention (by its
     features: layer types, sliding window, logit soft-capping, grouped heads; not by its name)."""
     if getattr(config, "num_attention_heads", None) is None or getattr(config, "num_hidden_layers", None) is None:
-        raise UnsupportedModelError(f"{getattr(config, 'model_type', None)!r}: not a decoder config with attention heads")
+        raise UnsupportedModelError(
+            f"{getattr(config, 'model_type', None)!r}: not a decoder config with attention heads"
+        )
     layer_types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     slides = getattr(config, "use_sliding_window", getattr(config, "sliding_window", None) is not None)

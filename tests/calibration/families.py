@@ -29,22 +29,51 @@ BASE = dict(
 #: family -> (config class name, extra fields): each family's own features (biases, q/k norms, partial rotary,
 #: fused qkv, RoPE scaling, Granite's multipliers, MoE).
 FAMILIES: dict[str, tuple[str, dict]] = {
-    "llama": ("LlamaConfig", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                  "original_max_position_embeddings": 1024}}),
+    "llama": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            }
+        },
+    ),
     "qwen2": ("Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
     "qwen3": ("Qwen3Config", {}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
-    "phi3": ("Phi3Config", {"head_dim": None, "partial_rotary_factor": 0.75, "hidden_size": 96,
-                            "num_attention_heads": 4, "num_key_value_heads": 2}),
-    "gemma2": ("Gemma2Config", {"attn_logit_softcapping": None, "final_logit_softcapping": None,
-                                "layer_types": ["full_attention"] * 2, "query_pre_attn_scalar": 32}),
+    "phi3": (
+        "Phi3Config",
+        {
+            "head_dim": None,
+            "partial_rotary_factor": 0.75,
+            "hidden_size": 96,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "layer_types": ["full_attention"] * 2,
+            "query_pre_attn_scalar": 32,
+        },
+    ),
     "gemma3": ("Gemma3TextConfig", {"layer_types": ["full_attention"] * 2, "query_pre_attn_scalar": 32}),
-    "granite": ("GraniteConfig", {"attention_multiplier": 0.05, "embedding_multiplier": 4.0,
-                                  "residual_multiplier": 0.5, "logits_scaling": 4.0}),
+    "granite": (
+        "GraniteConfig",
+        {"attention_multiplier": 0.05, "embedding_multiplier": 4.0, "residual_multiplier": 0.5, "logits_scaling": 4.0},
+    ),
     "olmo2": ("Olmo2Config", {}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                     "decoder_sparse_step": 1}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+    ),
 }
 
 
