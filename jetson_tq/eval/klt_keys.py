@@ -61,8 +61,8 @@ from ..calibration.fit import (  # noqa: F401  (re-exported: the lab's coder and
     lloyd_levels,
     pair_blocks,
     pair_weight,
-    received_attention,
 )
+from ..calibration.fit import received_attention as _received
 from ..codec.klt import RotaryParams
 from ..codec.klt import default_inv_freq as inv_freq
 from ..errors import FormatError, ShapeError
@@ -116,6 +116,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freq: torch.Tensor, inverse: 
     return RotaryParams(freq).apply(x, positions, inverse)
 
 
+def received_attention(cap: LayerCapture, min_distance: int = MIN_DISTANCE) -> torch.Tensor:
+    """Per key [B, H, T] the exact attention it receives from a capture's queries at least ``min_distance`` later
+    (``calibration.fit.received_attention``)."""
+    return _received(cap.q, cap.k, None, min_distance)
+
+
 def calibrate(
     spec: KLTKeys,
     caps: list[LayerCapture],
@@ -138,7 +144,7 @@ def calibrate(
         q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
         a = torch.ones(k.shape[:3], dtype=torch.float64)
         if spec.attention:
-            a = key_weights(received_attention(cap.q, cap.k)[:, :, skip:])
+            a = key_weights(received_attention(cap)[:, :, skip:])
         h, g = k.shape[1], q.shape[1] // k.shape[1]
         heads = [
             fit_head(

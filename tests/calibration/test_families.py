@@ -4,12 +4,14 @@ calibration back from the cache without calibrating again."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache
 
 from jetson_tq.calibration import keys as calibration_keys
-from jetson_tq.codec.klt import load_transforms
+from jetson_tq.codec.klt import load_transforms, spread_transform
 from jetson_tq.config import AUTO_FORMAT
 from jetson_tq.integrations.transformers import TurboQuantCache, model_dims
 from tests.calibration.families import FAMILIES, tiny_model, word_tokenizer
@@ -64,7 +66,12 @@ def test_family_calibrates_serves_and_reads_back(family, tokenizer, calibration_
     assert torch.isfinite(got).all()
     late = slice(256, None)  # rows whose attention read compressed keys
     rel = float((got[:, late] - want[:, late]).norm() / want[:, late].norm())
-    assert 0 < rel < 0.1, f"{family}: relative logit error {rel:.3g}"
+    # no worse than the same format with an uncalibrated transform (identity, bits spread evenly) and the model's RoPE:
+    # measured over 10 families x seeds 0-1 at 0.79-0.99 of it (random weights have little structure to find)
+    plain = [replace(spread_transform(t.num_heads, t.head_dim, t.code_bits), rotary=t.rotary) for t in transforms]
+    uncal = _logits(model, TurboQuantCache(model, cfg, backend="reference", key_transforms=plain), ids, 64)
+    rel_uncal = float((uncal[:, late] - want[:, late]).norm() / want[:, late].norm())
+    assert 0 < rel < 0.3 and rel <= 1.02 * rel_uncal, f"{family}: relative logit error {rel:.3g} vs {rel_uncal:.3g}"
 
     # reads back: a second cache finds the entry and never calibrates
     def refuse(*args, **kwargs):
