@@ -14,20 +14,9 @@ from jetson_tq.calibration import keys as calibration_keys
 from jetson_tq.codec.klt import load_transforms, spread_transform
 from jetson_tq.config import AUTO_FORMAT
 from jetson_tq.integrations.transformers import TurboQuantCache, model_dims
-from tests.calibration.families import FAMILIES, tiny_model, word_tokenizer
+from tests.calibration.families import FAMILIES, tiny_model
 
 pytestmark = pytest.mark.slow  # a calibration per family (~2-5 s each on 2 cores)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return word_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def calibration_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("JETSON_TQ_CALIBRATION_DIR", str(tmp_path / "calibrations"))
-    return tmp_path / "calibrations"
 
 
 def _logits(model, cache, ids, chunk):

@@ -22,20 +22,9 @@ from jetson_tq.codec.klt import load_transforms, save_transforms
 from jetson_tq.config import FALLBACK_PRESET
 from jetson_tq.errors import ConfigError
 from jetson_tq.integrations.transformers import TurboQuantCache
-from tests.calibration.families import tiny_model, word_tokenizer
+from tests.calibration.families import tiny_model
 
 pytestmark = pytest.mark.slow  # calibrations of tiny models (~2-4 s each on 2 cores)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return word_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def calibration_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("JETSON_TQ_CALIBRATION_DIR", str(tmp_path / "calibrations"))
-    return tmp_path / "calibrations"
 
 
 def _calls(monkeypatch) -> list:
