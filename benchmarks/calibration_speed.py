@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jetson_tq.calibration.auto import calibrate_entry  # noqa: E402
-from jetson_tq.models.specs import load_model_spec  # noqa: E402
-from tests.calibration.families import word_tokenizer  # noqa: E402
+from jetson_tq.calibration.auto import calibrate_entry
+from jetson_tq.models.specs import load_model_spec
+from tests.calibration.families import word_tokenizer
 
 ARCH = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
