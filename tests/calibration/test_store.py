@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from jetson_tq.calibration import auto
+from jetson_tq.calibration.keys import Recipe
 from jetson_tq.calibration.store import (
     StaleCalibrationError,
     checkpoint_identity,
@@ -25,6 +26,8 @@ from jetson_tq.integrations.transformers import TurboQuantCache
 from tests.calibration.families import tiny_model
 
 pytestmark = pytest.mark.slow  # calibrations of tiny models (~2-4 s each on 2 cores)
+
+SHORT = Recipe(windows=1, window_len=256)  # what the cache's checks need, at a fraction of the auto recipe's cost
 
 
 def _calls(monkeypatch) -> list:
@@ -53,10 +56,10 @@ def test_identity_is_the_same_from_the_model_and_its_checkpoint_and_differs_betw
 def test_bad_entries_are_recalibrated_never_served(tokenizer, calibration_dir, monkeypatch, caplog):
     model = tiny_model("qwen3")
     calls = _calls(monkeypatch)
-    path = auto.calibrate_entry(model, tokenizer, progress=None)
+    path = auto.calibrate_entry(model, tokenizer, SHORT, progress=None)
     assert len(calls) == 1 and path.is_file()
     good = path.read_bytes()
-    assert auto.calibrate_entry(model, tokenizer, progress=None) == path and len(calls) == 1  # cached
+    assert auto.calibrate_entry(model, tokenizer, SHORT, progress=None) == path and len(calls) == 1  # cached
 
     for damage in ("truncated", "corrupt", "stale version", "another model", "empty"):
         if damage == "truncated":
@@ -73,9 +76,10 @@ def test_bad_entries_are_recalibrated_never_served(tokenizer, calibration_dir, m
                 meta["weights_digest"] = "0" * 64
             save_transforms(path, layers, meta)
         notes: list[str] = []
-        assert auto.calibrate_entry(model, tokenizer, progress=notes.append) == path
+        assert auto.calibrate_entry(model, tokenizer, SHORT, progress=notes.append) == path
         assert notes and notes[0].startswith("recalibrating:"), (damage, notes[:1])
         read_entry(path, _meta(model, path))  # valid again
+    assert len(calls) == 6  # one calibration, then one per damaged file
 
 
 def _meta(model, path) -> dict:
@@ -85,7 +89,7 @@ def _meta(model, path) -> dict:
 
 def test_an_entry_for_another_head_dim_or_model_is_a_named_error(tokenizer, tmp_path):
     model = tiny_model("llama")
-    path = auto.calibrate_entry(model, tokenizer, progress=None)
+    path = auto.calibrate_entry(model, tokenizer, SHORT, progress=None)
     meta = _meta(model, path)
     with pytest.raises(StaleCalibrationError, match="head_dim"):
         read_entry(path, dict(meta, head_dim=64))
@@ -95,7 +99,7 @@ def test_an_entry_for_another_head_dim_or_model_is_a_named_error(tokenizer, tmp_
         read_entry(tmp_path / "missing.pt", meta)
     # the same file named explicitly for a model of another head dim: TurboQuantCache refuses it by name
     other = tiny_model("phi3")  # head dim 24
-    cfg = auto.entry_config(path, auto.auto_recipe(), "llama")
+    cfg = auto.entry_config(path, SHORT, "llama")
     with pytest.raises(ConfigError, match="layers|KV heads"):
         TurboQuantCache(other, cfg)
 

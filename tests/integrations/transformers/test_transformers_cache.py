@@ -139,8 +139,8 @@ def test_per_layer_formats_from_config():
 
 def test_named_errors():
     model = _model()
-    with pytest.raises(UnsupportedModelError, match="model_type"):
-        TurboQuantCache(model.config.__class__.from_dict({**model.config.to_dict(), "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):  # refused by its features, not its name
+        TurboQuantCache(model.config.__class__.from_dict({**model.config.to_dict(), "attn_logit_softcapping": 50.0}))
     with pytest.raises(UnsupportedModelError, match="sliding"):
         TurboQuantCache(_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1))
     TurboQuantCache(model, KVFormat(value_group=64))  # head_dim 32 < group 64: one group of 32 (not refused)
