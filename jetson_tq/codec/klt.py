@@ -327,24 +327,31 @@ def spread_transform(num_heads: int, head_dim: int, code_bits: int, theta: float
 
 # ---------------------------------------------------------------------------------------------- files
 def save_transforms(path: str | Path, layers: list[KeyTransform | None], meta: dict) -> None:
-    """Write a model's key transforms (None: a layer without one) and free-form ``meta`` (model, text, budget)."""
+    """Write a model's key transforms (None: a layer without one) and free-form ``meta`` (model, text, budget). The
+    first layer's RoPE is the file's; a layer whose RoPE differs (Gemma 3's local and global layers) carries its
+    own ``inv_freq`` and ``attention_scaling``."""
     rot = next(t.rotary for t in layers if t is not None)
+
+    def fields(t: KeyTransform) -> dict:
+        out: dict = {
+            n: getattr(t, n).cpu().contiguous()
+            for n in ("mean", "encode", "decode", "bits", "levels", "sink_key", "sink_value")
+            if getattr(t, n) is not None
+        }
+        same = t.rotary.attention_scaling == rot.attention_scaling and torch.equal(
+            t.rotary.inv_freq.cpu(), rot.inv_freq.cpu()
+        )
+        if not same:
+            out.update(inv_freq=t.rotary.inv_freq.cpu(), attention_scaling=float(t.rotary.attention_scaling))
+        return out
+
     data = {
         "kind": FILE_KIND,
         "version": FILE_VERSION,
         "meta": dict(meta),
         "inv_freq": rot.inv_freq.cpu(),
         "attention_scaling": float(rot.attention_scaling),
-        "layers": [
-            None
-            if t is None
-            else {
-                n: getattr(t, n).cpu().contiguous()
-                for n in ("mean", "encode", "decode", "bits", "levels", "sink_key", "sink_value")
-                if getattr(t, n) is not None
-            }
-            for t in layers
-        ],
+        "layers": [None if t is None else fields(t) for t in layers],
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.save(data, str(path))
@@ -380,5 +387,16 @@ def load_transforms(path: str | Path) -> tuple[list[KeyTransform | None], dict]:
     if data.get("version") != FILE_VERSION:
         raise ConfigError(f"{str(p)!r}: version {data.get('version')!r}, this jetson_tq reads {FILE_VERSION}")
     rot = RotaryParams(data["inv_freq"], float(data["attention_scaling"]))
-    layers = [None if x is None else KeyTransform(**x, rotary=rot) for x in data["layers"]]
+    try:
+        layers = [None if x is None else _layer(x, rot) for x in data["layers"]]
+    except (TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{str(p)!r}: a layer of the file is malformed ({type(e).__name__}: {e})") from None
     return layers, dict(data.get("meta", {}))
+
+
+def _layer(fields: dict, rot: RotaryParams) -> KeyTransform:
+    """One layer of a transform file (its own RoPE where it has one, else the file's)."""
+    fields = dict(fields)
+    if "inv_freq" in fields:
+        rot = RotaryParams(fields.pop("inv_freq"), float(fields.pop("attention_scaling")))
+    return KeyTransform(**fields, rotary=rot)

@@ -160,3 +160,44 @@ def test_the_vllm_switch_resolves_auto_before_the_engine_and_workers_inherit_it(
     assert settings.active_config().needs_key_transform and settings.layer_key_transform(0).head_dim == 32
     assert plugin.resolve_auto_for_engine(str(tmp_path / "g"), "dummy") == FALLBACK_PRESET  # a later engine
     settings._load.cache_clear()
+
+
+def test_layers_with_their_own_rope_keep_it_in_the_file(tmp_path):
+    """A model whose layers apply different RoPE (Gemma 3: local and global theta) gets each layer's back."""
+    import dataclasses
+
+    from jetson_tq.codec.klt import RotaryParams, default_inv_freq, spread_transform
+
+    local = spread_transform(2, 32, 104, theta=1e4)
+    wide = dataclasses.replace(local, rotary=RotaryParams(default_inv_freq(32, 1e6), 1.5))
+    save_transforms(tmp_path / "t.pt", [local, wide, None, local], {})
+    layers, _ = load_transforms(tmp_path / "t.pt")
+    assert torch.equal(layers[0].rotary.inv_freq, local.rotary.inv_freq) and layers[2] is None
+    assert torch.equal(layers[1].rotary.inv_freq, wide.rotary.inv_freq) and layers[1].rotary.attention_scaling == 1.5
+    assert torch.equal(layers[3].rotary.inv_freq, local.rotary.inv_freq) and layers[3].rotary.attention_scaling == 1.0
+
+
+def test_each_layer_is_calibrated_with_the_rope_it_applies(tokenizer):
+    """Gemma 3 with a local (sliding, theta 1e4) and a global layer (theta 1e6): each layer's transform holds the
+    frequencies of its own layer type, read from the (cos, sin) the layer received."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=512,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=128,
+        query_pre_attn_scalar=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    layers, _ = load_transforms(auto.calibrate_entry(model, tokenizer, SHORT, progress=None))
+    rope = model.model.rotary_emb
+    assert torch.equal(layers[0].rotary.inv_freq, rope.sliding_attention_inv_freq.float())
+    assert torch.equal(layers[1].rotary.inv_freq, rope.full_attention_inv_freq.float())
+    assert not torch.equal(layers[0].rotary.inv_freq, layers[1].rotary.inv_freq)
