@@ -77,12 +77,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def tiny_model(family: str, seed: int = 0):
-    """A tiny random model of ``family`` (eval mode, fp32), weights scaled so attention is not uniform."""
+def tiny_model(family: str, seed: int = 0, **changes):
+    """A tiny random model of ``family`` (eval mode, fp32; ``changes`` to its config), weights scaled so attention is
+    not uniform."""
     import transformers
 
     cls_name, extra = FAMILIES[family]
-    fields = {**BASE, **extra}
+    fields = {**BASE, **extra, **changes}
     if fields.get("head_dim") is None:
         fields.pop("head_dim")
     config = getattr(transformers, cls_name)(**fields)

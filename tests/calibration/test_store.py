@@ -180,22 +180,7 @@ def test_layers_with_their_own_rope_keep_it_in_the_file(tmp_path):
 def test_each_layer_is_calibrated_with_the_rope_it_applies(tokenizer):
     """Gemma 3 with a local (sliding, theta 1e4) and a global layer (theta 1e6): each layer's transform holds the
     frequencies of its own layer type, read from the (cos, sin) the layer received."""
-    import transformers
-
-    config = transformers.Gemma3TextConfig(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=512,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=128,
-        query_pre_attn_scalar=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = tiny_model("gemma3", layer_types=["sliding_attention", "full_attention"], sliding_window=128)
     layers, _ = load_transforms(auto.calibrate_entry(model, tokenizer, SHORT, progress=None))
     rope = model.model.rotary_emb
     assert torch.equal(layers[0].rotary.inv_freq, rope.sliding_attention_inv_freq.float())
