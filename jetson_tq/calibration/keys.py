@@ -43,7 +43,7 @@ class Recipe:
     sink: str = "calibrated"
     value_bits: int = 3
     recent_tokens: int = 256
-    windows: int = 2
+    windows: int = 8  # SmolLM2 held out, Opticks: +0.82 % at 8 windows, +1.06 % at 2 (docs/fidelity.md)
     window_len: int = 1024
 
     def __post_init__(self) -> None:

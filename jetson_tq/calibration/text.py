@@ -1,9 +1,9 @@
 """The calibration text shipped with the package, and the token windows a calibration reads from it.
 
-The text is the last ~22 KB of Isaac Newton's *Opticks* (1730; public domain, Project Gutenberg's transcription,
-without its header), read through ``importlib.resources`` so it works from an installed wheel. The fidelity
-harness scores the essays (never calibrated on) and *Opticks* from its start (the first ~16 KB), so both held-out
-texts stay disjoint from it (docs/fidelity.md).
+The text is the last ~88 KB of Isaac Newton's *Opticks* (1730; public domain, Project Gutenberg's transcription;
+~22k SmolLM2 tokens, enough for 8 windows of 1,024 with any common tokenizer), read through ``importlib.resources``
+so it works from an installed wheel. The fidelity harness scores the essays (never calibrated on) and *Opticks* from
+its start (the first ~16 KB of 567 KB), so both held-out texts stay disjoint from it (docs/fidelity.md).
 """
 
 from __future__ import annotations
