@@ -135,6 +135,9 @@ def test_the_wheel_holds_every_preset_once_and_byte_for_byte(wheel):
             assert z.read(f"jetson_tq/presets/{rel}") == (REPO / "configs" / rel).read_bytes(), rel
         entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert sum(n.startswith("jetson_tq/presets/") for n in names) == len(shipped)
+    text = REPO / "jetson_tq" / "calibration" / "texts" / "calibration.txt"  # what ``auto`` calibrates on
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("jetson_tq/calibration/texts/calibration.txt") == text.read_bytes()
     assert "[vllm.general_plugins]\njetson_tq = jetson_tq.integrations.vllm.plugin:register" in entry_points
     assert "jetson-tq = jetson_tq.__main__:main" in entry_points
 
