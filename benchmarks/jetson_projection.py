@@ -93,8 +93,12 @@ class Shape:
     head_dim: int = HEAD_DIM
 
     def label(self) -> str:
-        ctx = f"{self.context // 1024}k" if self.context >= 1024 else str(self.context)
-        return f"{self.batch} x {ctx}, {self.q_heads}/{self.kv_heads}, D={self.head_dim}"
+        return f"{self.batch} x {tokens(self.context)}, {self.q_heads}/{self.kv_heads}, D={self.head_dim}"
+
+
+def tokens(n: int) -> str:
+    """A context length as the tables write it: 65536 -> 64k, 1000 -> 1000."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def target_shapes() -> list[Shape]:
@@ -351,7 +355,7 @@ def render(kernel: list[dict], models: list[dict], capacity: list[dict], check: 
                 [
                     r["device"],
                     r["model"],
-                    f"{r['batch']} x {r['context'] // 1024}k",
+                    f"{r['batch']} x {tokens(r['context'])}",
                     r["engine"],
                     _us(r["attention_floor_us"]),
                     _us(r["attention_issue_us"]),
@@ -397,6 +401,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -422,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mem-util", type=_fraction, default=0.8, help="share of memory the weights + KV may use (0.8)")
     ap.add_argument(
         "--batch-context",
-        type=int,
+        type=_count,
         nargs=2,
         action="append",
         metavar=("B", "CTX"),
