@@ -115,7 +115,7 @@ def render() -> str:
     out = [BEGIN, "", "**Data flow** (rank order; an arrow points to what may import the left side):", ""]
     out += ["> " + " → ".join(flow), ""]
     foundation = ", ".join(f"`{n}`" for n in sorted(by_rank.get(0, [])))
-    out += [f"Rank 0 ({foundation}) is imported by every layer; rank {top} is the package's front door.", ""]
+    out += [f"Rank 0 ({foundation}) may be imported by every layer; rank {top} is the package's front door.", ""]
     out += ["| rank | layer | where | what it does | may import | imports today |", "|---|---|---|---|---|---|"]
     for r in sorted(by_rank):
         for name in sorted(by_rank[r]):
