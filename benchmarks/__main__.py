@@ -25,6 +25,8 @@ TOOLS = {
     "generate": "bench_generate.py",
     "suite": "gpu_suite.py",
     "targets": "targets.py",
+    "jetson-projection": "jetson_projection.py",
+    "architecture": "architecture.py",
     "sweep-decode": "sweep_decode.py",
     "profile-api": "profile_api.py",
     "profile-decode": "profile_decode.py",
