@@ -34,7 +34,8 @@ while [ $# -gt 0 ]; do
         --workers "${MATRIX_WORKERS:-3}" ${MATRIX_MODELS:+--models "$MATRIX_MODELS"} > "$R/matrix.log" 2>&1
       tail -25 "$R/matrix.log" ;;
     spec)
-      python3 benchmarks/vllm_gpu/spec_decode.py --out "$R/spec" --model "${SPEC_MODEL:-qwen2.5-7b}" ${SPEC_ARGS:-} \
+      read -r -a spec_args <<< "${SPEC_ARGS:-}"  # extra arguments, split on spaces on purpose
+      python3 benchmarks/vllm_gpu/spec_decode.py --out "$R/spec" --model "${SPEC_MODEL:-qwen2.5-7b}" "${spec_args[@]}" \
         > "$R/spec.log" 2>&1
       tail -30 "$R/spec.log" ;;
     convert)
