@@ -23,6 +23,7 @@ from ..errors import ShapeError, expect_float, expect_same_device
 from ..format import exact_start
 from ..paged import PagedKV
 from ..validate import check_softmax_scale
+from .extras import NO_EXTRAS, AttentionExtras
 
 
 def _group_query(q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
@@ -37,31 +38,40 @@ def _group_query(q: torch.Tensor, cache: PagedKV) -> torch.Tensor:
     return q.float().reshape(b, cache.num_kv_heads, hq // cache.num_kv_heads, t, d)
 
 
-def history_scores_and_values(qg: torch.Tensor, kv: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unscaled scores [B, Hkv, G, T, N] of grouped queries against the history, and its values [B, Hkv, N, D].
+def history_scores_and_values(
+    qg: torch.Tensor, kv: PagedKV, scale: float = 1.0, extras: AttentionExtras = NO_EXTRAS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores [B, Hkv, G, T, N] of grouped queries against the history (times ``scale``, soft-capped by
+    ``extras``), and its values [B, Hkv, N, D]; the queries sit at the history's last position L - 1.
 
-    N = longest compressed part + longest recent buffer; positions past a sequence's own length get -inf.
+    N = longest compressed part + longest recent buffer; positions past a sequence's own length, and before its
+    sliding window (``extras``), get -inf (and, under a window, zero values: their blocks may be freed).
     """
     codec = kv.codec
     comp_lens, rec_lens = kv.compressed_lens.long().to(qg.device), kv.recent_lens.long().to(qg.device)
     nc, nb = int(comp_lens.max()), int(rec_lens.max())
+    lo = extras.window_start(comp_lens + rec_lens - 1)  # [B] first position the query may read
     fields = kv.gather_compressed(nc)
     q_rot, q_sketch = codec.transform_query(qg)
     expand = {name: t.unsqueeze(2) for name, t in fields.items()}  # broadcast over the G query heads
     cpos = torch.arange(nc, device=qg.device)  # the compressed part holds positions [0, nc) of each sequence
-    s_comp = codec.key_scores(q_rot, q_sketch, expand, cpos, head_axis=1)  # [B, Hkv, G, T, nc]
+    s_comp = extras.cap(codec.key_scores(q_rot, q_sketch, expand, cpos, head_axis=1) * scale)  # [B, Hkv, G, T, nc]
     rec_k = kv.recent_k[kv.recent_index.long(), :, :nb].float()
     rec_v = kv.recent_v[kv.recent_index.long(), :, :nb].float()
-    s_buf = qg @ rec_k.unsqueeze(2).transpose(-1, -2)
+    s_buf = extras.cap((qg @ rec_k.unsqueeze(2).transpose(-1, -2)) * scale)
     sinks = _sink_count(kv)
-    mask_c = (cpos.unsqueeze(0) >= comp_lens.unsqueeze(1)) | (cpos.unsqueeze(0) < sinks)  # [B, nc]
-    mask_b = torch.arange(nb, device=qg.device).unsqueeze(0) >= rec_lens.unsqueeze(1)
+    mask_c = (cpos.unsqueeze(0) >= comp_lens.unsqueeze(1)) | (cpos.unsqueeze(0) < torch.clamp(lo, min=sinks)[:, None])
+    rpos = _ring_positions(kv, qg.device)[:, :nb]  # [B, nb]
+    mask_b = (torch.arange(nb, device=qg.device).unsqueeze(0) >= rec_lens.unsqueeze(1)) | (rpos < lo[:, None])
     s_comp = s_comp.masked_fill(mask_c[:, None, None, None, :], float("-inf"))
     s_buf = s_buf.masked_fill(mask_b[:, None, None, None, :], float("-inf"))
-    scores, values = [s_comp, s_buf], [codec.decode_values(fields, cpos, head_axis=1), rec_v]
+    v_comp = codec.decode_values(fields, cpos, head_axis=1)
+    if extras.sliding_window is not None:  # never use a value from before the window (a freed block's bytes)
+        v_comp = v_comp.masked_fill(mask_c[:, None, :, None], 0.0)
+    scores, values = [s_comp, s_buf], [v_comp, rec_v]
     if sinks:
-        s_sink, v_sink = _sink_candidates(qg, kv, comp_lens)
-        scores.append(s_sink)
+        s_sink, v_sink = _sink_candidates(qg, kv, comp_lens, lo)
+        scores.append(extras.cap(s_sink * scale).masked_fill(s_sink == float("-inf"), float("-inf")))
         values.append(v_sink)
     return torch.cat(scores, dim=-1), torch.cat(values, dim=2)
 
@@ -71,23 +81,45 @@ def _sink_count(kv: PagedKV) -> int:
     return 0 if kv.sink_k is None else kv.sink_k.shape[2]
 
 
-def _sink_candidates(qg: torch.Tensor, kv: PagedKV, comp_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _sink_candidates(
+    qg: torch.Tensor, kv: PagedKV, comp_lens: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unscaled scores [B, Hkv, G, T, S] against the sink copy, -inf past each sequence's compressed part (younger
-    positions are still in the ring), and its values [B, Hkv, S, D]."""
+    positions are still in the ring) and before each query's window start ``lo`` ([B] or [B, T]), and its values
+    [B, Hkv, S, D]."""
     assert kv.sink_k is not None and kv.sink_v is not None  # callers check _sink_count first
     sk, sv = kv.sink_k.float(), kv.sink_v.float()
     s = qg @ sk.unsqueeze(2).transpose(-1, -2)
-    stale = torch.arange(sk.shape[2], device=qg.device).unsqueeze(0) >= comp_lens.unsqueeze(1)  # [B, S]
-    return s.masked_fill(stale[:, None, None, None, :], float("-inf")), sv
+    spos = torch.arange(sk.shape[2], device=qg.device)
+    stale = (spos.unsqueeze(0) >= comp_lens.unsqueeze(1))[:, None, :]  # [B, 1, S]
+    lo = lo if lo.dim() == 2 else lo[:, None]
+    stale = stale | (spos[None, None, :] < lo[:, :, None])  # [B, T|1, S]
+    return s.masked_fill(stale[:, None, None, :, :], float("-inf")), sv
 
 
-def _finish(scores: torch.Tensor, values: torch.Tensor, out_shape, dtype) -> torch.Tensor:
-    probs = torch.softmax(scores, dim=-1)
+def grouped_sinks(extras: AttentionExtras, qg: torch.Tensor) -> torch.Tensor | None:
+    """The sink logits [1, Hkv, G, 1, 1] (fp32) of grouped queries [B, Hkv, G, T, D] (None without sinks)."""
+    if extras.sinks is None:
+        return None
+    extras.check(qg.shape[1] * qg.shape[2], qg.device)
+    return extras.sinks.float().reshape(1, qg.shape[1], qg.shape[2], 1, 1)
+
+
+def _finish(scores: torch.Tensor, values: torch.Tensor, out_shape, dtype, sink: torch.Tensor | None = None):
+    """Softmax over the last axis of ``scores`` (plus the ``sink`` logit in the denominator only) times values."""
+    if sink is not None:
+        full = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(full, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return (probs @ values.unsqueeze(2)).reshape(out_shape).to(dtype)
 
 
-def paged_attention_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]."""
+def paged_attention_decode(
+    q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, extras: AttentionExtras = NO_EXTRAS
+) -> torch.Tensor:
+    """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]; the
+    query sits at position L - 1 (L = compressed_lens + recent_lens) for the sliding window of ``extras``."""
     expect_float("q", q)
     check_softmax_scale(softmax_scale)
     expect_same_device(q=q, pages=kv.pages)
@@ -97,8 +129,8 @@ def paged_attention_decode(q: torch.Tensor, kv: PagedKV, softmax_scale: float | 
         raise ShapeError("attention_decode: a sequence has an empty cache; append its K/V first")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     qg = _group_query(q.unsqueeze(2), kv)
-    scores, values = history_scores_and_values(qg, kv)
-    return _finish(scores * scale, values, q.shape, q.dtype)
+    scores, values = history_scores_and_values(qg, kv, scale, extras)
+    return _finish(scores, values, q.shape, q.dtype, grouped_sinks(extras, qg))
 
 
 def _ring_positions(kv: PagedKV, device: torch.device) -> torch.Tensor:
@@ -118,6 +150,7 @@ def paged_attention_prefill(
     kv: PagedKV,
     softmax_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] at positions [s, s + T) over history and chunk (causal), with the
     window rule of decode: a query at position p reads positions [e, p] exactly and older ones compressed, e =
@@ -128,7 +161,8 @@ def paged_attention_prefill(
     ring (row p % R). The pages must already hold the chunk's compressed tokens at positions [s, s + T) (vLLM writes
     them before attention; ``CompressedKVCache`` stages them), read only where the window rule asks for them.
     ``attn_mask`` (optional, bool or additive, [B|1, 1|Hq, T, s + T] over key positions; equal s across the batch)
-    is applied on top (padding, custom patterns); a query row it masks fully gets zeros.
+    is applied on top (padding, custom patterns); a query row it masks fully gets zeros. ``extras``: sinks, soft cap
+    and sliding window (``attention.extras``; a query reads nothing before its window start, compressed or exact).
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         expect_float(name, x)
@@ -148,6 +182,7 @@ def paged_attention_prefill(
     hist = (kv.compressed_lens + kv.recent_lens).long().to(dev)  # s per sequence
     qpos = hist.unsqueeze(1) + torch.arange(t, device=dev)  # [B, T] query positions
     oldest_exact = exact_start(qpos, ring, kv.layout.fmt.block_window)  # [B, T]: positions below it read compressed
+    lo = extras.window_start(qpos)  # [B, T]: positions below it are not read at all
     # compressed candidates: every position [0, s + T) of the pages
     nc = int(hist.max()) + t
     fields = kv.gather_compressed(nc)
@@ -158,6 +193,7 @@ def paged_attention_prefill(
     )  # [B,Hkv,G,T,nc]
     sinks = _sink_count(kv)
     ok_comp = (cpos[None, None, :] < oldest_exact[:, :, None]) & (cpos[None, None, :] >= sinks)  # [B, T, nc]
+    ok_comp &= cpos[None, None, :] >= lo[:, :, None]
     # exact candidates: the ring (history) and the chunk itself
     rpos = _ring_positions(kv, dev)  # [B, R]
     rk = kv.recent_k[kv.recent_index.long()].float()  # [B, Hkv, R, D]
@@ -170,20 +206,24 @@ def paged_attention_prefill(
         (epos[:, None, :] >= 0)
         & ((epos[:, None, :] >= oldest_exact[:, :, None]) | (epos[:, None, :] < sinks))
         & (epos[:, None, :] <= qpos[:, :, None])
+        & (epos[:, None, :] >= lo[:, :, None])
     )
-    s_comp = s_comp.masked_fill(~ok_comp[:, None, None], float("-inf")) * scale
-    s_exact = s_exact.masked_fill(~ok_exact[:, None, None], float("-inf")) * scale
-    scores, values = [s_comp, s_exact], [codec.decode_values(fields, cpos, head_axis=1), ev]
+    s_comp = extras.cap(s_comp * scale).masked_fill(~ok_comp[:, None, None], float("-inf"))
+    s_exact = extras.cap(s_exact * scale).masked_fill(~ok_exact[:, None, None], float("-inf"))
+    v_comp = codec.decode_values(fields, cpos, head_axis=1)
+    if extras.sliding_window is not None:  # never use a value before every query's window (a freed block's bytes)
+        v_comp = v_comp.masked_fill((cpos < lo.min(dim=1).values[:, None])[:, None, :, None], 0.0)
+    scores, values = [s_comp, s_exact], [v_comp, ev]
     if sinks:
-        s_sink, v_sink = _sink_candidates(qg, kv, kv.compressed_lens.long().to(dev))
-        scores.append(s_sink * scale)
+        s_sink, v_sink = _sink_candidates(qg, kv, kv.compressed_lens.long().to(dev), lo)
+        scores.append(extras.cap(s_sink * scale).masked_fill(s_sink == float("-inf"), float("-inf")))
         values.append(v_sink)
     if attn_mask is not None:
         add_c, add_e = _positional_mask(attn_mask, hist, t, epos, qg.shape)
         scores[0], scores[1] = scores[0] + add_c, scores[1] + add_e
         if sinks:  # sink copy j carries the mask of position j (positions past the mask's reach are stale anyway)
             scores[2] = scores[2] + F.pad(add_c[..., :sinks], (0, max(0, sinks - add_c.shape[-1])))
-    out = _finish(torch.cat(scores, dim=-1), torch.cat(values, dim=2), q.shape, torch.float32)
+    out = _finish(torch.cat(scores, dim=-1), torch.cat(values, dim=2), q.shape, torch.float32, grouped_sinks(extras, qg))
     return (out.nan_to_num(0.0) if attn_mask is not None else out).to(q.dtype)
 
 

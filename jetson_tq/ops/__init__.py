@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..attention.reference import paged_attention_decode, paged_attention_prefill
 from ..codec.kv import KVCodec
 from ..codec.scores import turboquant_scores_reference
@@ -124,13 +125,16 @@ def decode(
     softmax_scale: float | None = None,
     backend: str | None = None,
     out: torch.Tensor | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]."""
-    if resolve(q.device, kv.layout, backend) == "triton":
+    """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D];
+    ``extras``: the layer's sinks, soft cap and sliding window (``attention.extras``)."""
+    extras.check(q.shape[1], q.device)
+    if resolve(q.device, kv.layout, backend) == "triton" and not extras.any:
         from ..kernels.hybrid_decode_plan import hybrid_decode
 
         return hybrid_decode(q, kv, softmax_scale, out=out)
-    res = paged_attention_decode(q, kv, softmax_scale)
+    res = paged_attention_decode(q, kv, softmax_scale, extras)
     if out is not None:
         out.copy_(res)
         return out
@@ -149,6 +153,7 @@ def prefill(
     reproducible: bool = False,
     varlen: VarlenAttention | None = None,
     history: Sequence[int] | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of a chunk q [B, Hq, T, D] over the history in ``kv`` plus its own k, v [B, Hkv, T, D] (causal,
     window rule of ``attention.reference.paged_attention_prefill``; the pages already hold the chunk).
@@ -161,18 +166,20 @@ def prefill(
     bound on every sequence's history + T, when the caller knows one (sizes the kernel's workspace).
     ``reproducible``: a row's result is bitwise independent of the chunk and batch it arrives in (the kernel's
     ``PrefillTuning.reproducible``; the reference computes each row the same way already, up to torch's own kernels).
+    ``extras``: the layer's sinks, soft cap and sliding window (``attention.extras``), served by every path.
     """
+    extras.check(q.shape[1], q.device)
     if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
         from ..kernels.prefill import DEFAULT_TUNING, PrefillTuning, chunked_prefill
 
         if varlen is not None and history is not None and not reproducible:
             from ..kernels.prefill_flash import flash_prefill, flash_unsupported_reason
 
-            if flash_unsupported_reason(kv, q.dtype) is None:
-                return flash_prefill(q, k, v, kv, history, varlen, softmax_scale)
+            if flash_unsupported_reason(kv, q.dtype, extras) is None:
+                return flash_prefill(q, k, v, kv, history, varlen, softmax_scale, extras=extras)
         tuning = PrefillTuning(reproducible=True) if reproducible else DEFAULT_TUNING
-        return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens, tuning=tuning)
-    return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask)
+        return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens, tuning=tuning, extras=extras)
+    return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask, extras)
 
 
 def scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
