@@ -223,7 +223,9 @@ def paged_attention_prefill(
         scores[0], scores[1] = scores[0] + add_c, scores[1] + add_e
         if sinks:  # sink copy j carries the mask of position j (positions past the mask's reach are stale anyway)
             scores[2] = scores[2] + F.pad(add_c[..., :sinks], (0, max(0, sinks - add_c.shape[-1])))
-    out = _finish(torch.cat(scores, dim=-1), torch.cat(values, dim=2), q.shape, torch.float32, grouped_sinks(extras, qg))
+    out = _finish(
+        torch.cat(scores, dim=-1), torch.cat(values, dim=2), q.shape, torch.float32, grouped_sinks(extras, qg)
+    )
     return (out.nan_to_num(0.0) if attn_mask is not None else out).to(q.dtype)
 
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ..format import PREFILL_WORKSPACE_BYTES
 from ..paged import PagedKV
@@ -45,6 +46,7 @@ from ._common import (
     page_spec,
 )
 from ._launch import FastLauncher
+from ._masking import add_sink, extras_args, extras_flags, soft_cap, window_start
 from ._tiles import (
     K_KLT,
     K_PROD,
@@ -100,10 +102,12 @@ def _dequant_kernel(
     stride_bt,
     qjl_scale,  # sqrt(pi / 2) / D
     klt_scale,  # klt keys: RoPE's attention scaling
+    window,  # the sliding window W (WINDOW)
     # ---- compile time
     HKV: tl.constexpr,  # KV heads
     KW: tl.constexpr,  # workspace key row width: DP, or 2 DP for prod keys (signs at DP)
     BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
+    WINDOW: tl.constexpr,  # a sliding window: tokens before the first row's window start are never read
     BLOCK_T: tl.constexpr,  # tokens per program
     TOKEN_MAJOR: tl.constexpr,  # workspace rows ordered (sequence, token, KV head), else (sequence, KV head, token)
     PAGE: tl.constexpr,  # ``PageSpec`` bundle
@@ -124,11 +128,12 @@ def _dequant_kernel(
     h = pid_bh % HKV
     hist = tl.load(clen_ptr + b) + tl.load(rlen_ptr + b)
     cend = tl.minimum(tl.maximum(_window_lo(hist + T - 1, ring, BLOCK_WINDOW), 0), s0 + seg)
+    wmin = window_start(hist, window, WINDOW)  # the first chunk row's window start (0 without a window)
     n = s0 + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    if s0 + pid_t * BLOCK_T < cend:
+    if (s0 + pid_t * BLOCK_T < cend) & (s0 + pid_t * BLOCK_T + BLOCK_T > wmin):
         RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
         j = tl.arange(0, DP)[None, :]
-        nmask = n < cend
+        nmask = (n < cend) & (n >= wmin)
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // PAGE.BS, mask=nmask, other=0)
         base = pages_ptr + (blk.to(tl.int64) * (HKV * PAGE.PB) + h.to(tl.int64) * PAGE.PB)  # [BLOCK_T] token pages
         offn = n % PAGE.BS
@@ -273,19 +278,29 @@ def _workspace_tile(
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
+    wlo=0,
+    wmin=0,
+    cap2=1.0,
+    SOFT_CAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
 ):
     """One flash step over the dequantized tokens [n0, n0 + BLOCK_N) (workspace rows n - s0). ``MASKED``: the tile
-    may reach past ``cend`` or past a row's window bound ``lo`` (otherwise every row reads all of it)."""
+    may reach past ``cend``, past a row's window bound ``lo`` or (WINDOW) below a row's sliding-window start ``wlo``
+    (rows below ``wmin``, every row's, are never loaded); otherwise every row reads all of it."""
     n = n0 + tl.arange(0, BLOCK_N)
     j = tl.arange(0, DP)[None, :]
     rows = (n - s0)[:, None]
-    ld = (n < cend)[:, None]
+    ld = ((n < cend) & (n >= wmin))[:, None]
     kt = _ws_load(wk_base, rows, ld, j, 0, KW, MASKED)
     s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
     if PROD:
         s = mma(qs, tl.trans(_ws_load(wk_base, rows, ld, j, DP, KW, MASKED)), s, INTERP)
+    s = soft_cap(s, cap2, SOFT_CAP)
     if MASKED:
-        s = tl.where((n[None, :] < cend) & (n[None, :] < lo[:, None]), s, float("-inf"))
+        ok = (n[None, :] < cend) & (n[None, :] < lo[:, None])
+        if WINDOW:
+            ok = ok & (n[None, :] >= wlo[:, None])
+        s = tl.where(ok, s, float("-inf"))
     m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
     vt = _ws_load(wv_base, rows, ld, j, 0, DP, MASKED)
     acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], INTERP)
@@ -315,8 +330,11 @@ def _dense_part(
     DP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
+    cap2=1.0,
+    SOFT_CAP: tl.constexpr = False,
 ):
-    """Attend to uncompressed tokens [t_start, n_tok) whose positions lie in each row's exact window [lo, qpos]:
+    """Attend to uncompressed tokens [t_start, n_tok) whose positions lie in each row's exact window [lo, qpos]
+    (``lo`` already raised to the row's sliding-window start):
     ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the chunk itself (position pos0 + t)."""
     j = tl.arange(0, DP)[None, :]
     for t0 in range(t_start, n_tok, BLOCK_N):
@@ -329,7 +347,7 @@ def _dense_part(
         tcol = t[:, None].to(tl.int64)
         ld = tmask[:, None] & (j < D)
         kt = tl.load(k_base + tcol * skt + j, mask=ld, other=0.0).to(rk_ptr.dtype.element_ty)  # as stored in the ring
-        s = mma(qraw, tl.trans(kt), tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
+        s = soft_cap(mma(qraw, tl.trans(kt), tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP), cap2, SOFT_CAP)
         s = tl.where(tmask[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
         m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
         v = tl.load(v_base + tcol * svt + j, mask=ld, other=0.0).to(rv_ptr.dtype.element_ty)
@@ -363,6 +381,8 @@ def _exact_aligned(
     DP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
+    cap2=1.0,
+    SOFT_CAP: tl.constexpr = False,
 ):
     """Reproducible mode's exact part: positions [p_start, p_end) in tiles aligned to multiples of BLOCK_N, each
     token taken from the ring (positions [clen, hist), column p % ring) or from the chunk (position hist + t), so a
@@ -379,7 +399,7 @@ def _exact_aligned(
         kr = tl.load(rk_base + rcol * srkt + j, mask=ldr, other=0.0)
         kc = tl.load(k_base + tcol * skt + j, mask=ldc, other=0.0).to(rk_ptr.dtype.element_ty)
         kt = tl.where(in_ring[:, None], kr, kc)
-        s = mma(qraw, tl.trans(kt), tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP)
+        s = soft_cap(mma(qraw, tl.trans(kt), tl.zeros([qraw.shape[0], BLOCK_N], tl.float32), INTERP), cap2, SOFT_CAP)
         ok = (in_ring | in_chunk)[None, :] & (pos[None, :] >= lo[:, None]) & (pos[None, :] <= qpos[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 1)
@@ -408,6 +428,7 @@ def _prefill_kernel(
     rlen_ptr,  # int32 [B]: recent tokens per sequence
     ridx_ptr,  # int32 [B]: recent-buffer row of each sequence
     out_ptr,  # [B, Hq, T, D]: output
+    sinks_ptr,  # fp32 [Hq]: sink logits (SINKS)
     # ---- segment and chunk sizes
     s0,  # first token of this segment
     seg,  # tokens per segment
@@ -434,6 +455,8 @@ def _prefill_kernel(
     # ---- scalars
     scale_log2,  # softmax scale * log2(e)
     ring,  # the recent window R
+    cap2,  # soft cap * log2(e) (SOFT_CAP)
+    window,  # sliding window W (WINDOW)
     # ---- compile time
     HKV: tl.constexpr,  # KV heads
     G: tl.constexpr,  # query heads per KV head
@@ -449,8 +472,11 @@ def _prefill_kernel(
     ALIGNED: tl.constexpr,  # reproducible mode: the exact part in position-aligned tiles (``_exact_aligned``)
     BLOCK_M: tl.constexpr,  # rows (token, query head) per program
     BLOCK_N: tl.constexpr,  # tokens per tile
-    INTERP: tl.constexpr,
-):  # Triton's CPU interpreter
+    INTERP: tl.constexpr,  # Triton's CPU interpreter
+    SINKS: tl.constexpr = False,  # per-query-head sink logits in the final denominator (``attention.extras``)
+    SOFT_CAP: tl.constexpr = False,  # scores soft-capped
+    WINDOW: tl.constexpr = False,  # a sliding window: nothing before a row's window start is read
+):
     """Flash attention of BLOCK_M rows over workspace segment [s0, s0 + seg); ``FINAL``: then the exact part and the
     output, else the running state is stored; ``LOAD_STATE``: start from the previous segment's state."""
     pid_bh, pid_m = tl.program_id(0), tl.program_id(1)
@@ -471,6 +497,9 @@ def _prefill_kernel(
     last_tok = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, T - 1)
     lo_first = _window_lo(hist + first_tok, ring, BLOCK_WINDOW)  # lo grows with the token: the tile's bounds
     lo_last = _window_lo(hist + last_tok, ring, BLOCK_WINDOW)
+    wlo = window_start(qpos, window, WINDOW)  # the sliding window's start of each row, of the first and last row
+    wlo_first = window_start(hist + first_tok, window, WINDOW)
+    wlo_last = window_start(hist + last_tok, window, WINDOW)
     KQ_T: tl.constexpr = tl.bfloat16 if KQ_BF16 else tl.float16
 
     # the transformed query (Pi q, and S q for prod keys), loaded once as tensor-core operands
@@ -498,13 +527,87 @@ def _prefill_kernel(
     wv_base = wv_ptr + wbase * DP
     cend = tl.minimum(tl.maximum(lo_last, 0), s0 + seg)
     cfull = tl.minimum(tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N, cend)
-    for n0 in range(s0, cfull, BLOCK_N):
+    if WINDOW:  # tiles below the last row's window start, masked; none below the first row's is touched
+        wmin = tl.maximum(wlo_first, 0)
+        w0 = tl.maximum(s0, wmin // BLOCK_N * BLOCK_N)
+        wfull = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(wlo_last, 0), BLOCK_N) * BLOCK_N, w0), cend)
+        for n0 in range(w0, wfull, BLOCK_N):
+            acc, m_i, l_i = _workspace_tile(
+                n0,
+                s0,
+                cend,
+                lo,
+                qk,
+                qs,
+                acc,
+                m_i,
+                l_i,
+                wk_base,
+                wv_base,
+                KW,
+                DP,
+                PROD,
+                True,
+                BLOCK_N,
+                INTERP,
+                wlo,
+                wmin,
+                cap2,
+                SOFT_CAP,
+                WINDOW,
+            )
+    else:
+        wmin = 0
+        wfull = s0
+    for n0 in range(wfull, cfull, BLOCK_N):
         acc, m_i, l_i = _workspace_tile(
-            n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD, False, BLOCK_N, INTERP
+            n0,
+            s0,
+            cend,
+            lo,
+            qk,
+            qs,
+            acc,
+            m_i,
+            l_i,
+            wk_base,
+            wv_base,
+            KW,
+            DP,
+            PROD,
+            False,
+            BLOCK_N,
+            INTERP,
+            wlo,
+            wmin,
+            cap2,
+            SOFT_CAP,
+            WINDOW,
         )
-    for n0 in range(tl.maximum(cfull, s0), cend, BLOCK_N):
+    for n0 in range(tl.maximum(cfull, wfull), cend, BLOCK_N):
         acc, m_i, l_i = _workspace_tile(
-            n0, s0, cend, lo, qk, qs, acc, m_i, l_i, wk_base, wv_base, KW, DP, PROD, True, BLOCK_N, INTERP
+            n0,
+            s0,
+            cend,
+            lo,
+            qk,
+            qs,
+            acc,
+            m_i,
+            l_i,
+            wk_base,
+            wv_base,
+            KW,
+            DP,
+            PROD,
+            True,
+            BLOCK_N,
+            INTERP,
+            wlo,
+            wmin,
+            cap2,
+            SOFT_CAP,
+            WINDOW,
         )
 
     if FINAL:
@@ -522,6 +625,9 @@ def _prefill_kernel(
             * scale_log2
         ).to(rk_ptr.dtype.element_ty)
         ridx = tl.load(ridx_ptr + b).to(tl.int64)
+        if WINDOW:  # the exact part reads [max(lo, wlo), qpos]
+            lo = tl.maximum(lo, wlo)
+            lo_first = tl.maximum(lo_first, wlo_first)
         if ALIGNED:
             acc, m_i, l_i = _exact_aligned(
                 rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
@@ -548,6 +654,8 @@ def _prefill_kernel(
                 DP,
                 BLOCK_N,
                 INTERP,
+                cap2,
+                SOFT_CAP,
             )
         else:
             ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
@@ -573,6 +681,8 @@ def _prefill_kernel(
                 DP,
                 BLOCK_N,
                 INTERP,
+                cap2,
+                SOFT_CAP,
             )
             t_start = tl.maximum(lo_first - hist, 0) // BLOCK_N * BLOCK_N
             acc, m_i, l_i = _dense_part(
@@ -597,7 +707,10 @@ def _prefill_kernel(
                 DP,
                 BLOCK_N,
                 INTERP,
+                cap2,
+                SOFT_CAP,
             )
+        l_i = add_sink(l_i, m_i, sinks_ptr, hq, rmask, SINKS)
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         optr = (
             out_ptr
@@ -698,9 +811,11 @@ def dequantize_segment(
     block_window: bool,
     tokens_per_program: int,
     token_major: bool,
+    window: int = 0,
 ) -> None:
     """Decompress the compressed tokens [s0, s0 + seg) that a ``t_len``-token chunk reads into the workspace ``wk``,
-    ``wv`` (``_dequant_kernel``; rows (sequence, KV head, token), or (sequence, token, KV head) if ``token_major``)."""
+    ``wv`` (``_dequant_kernel``; rows (sequence, KV head, token), or (sequence, token, KV head) if ``token_major``).
+    ``window``: a sliding window W (0: none): tokens before the first chunk row's window start are not read."""
     hkv = kv.num_kv_heads
     spec, page = page_spec(kv.layout, kv.codec)
     klt = klt_constants(kv.codec, kv.pages.device)
@@ -730,18 +845,20 @@ def dequantize_segment(
             kv.block_table.stride(0),
             kv.codec.qjl_scale,
             klt_scale,
+            window,
         ),
         dict(
             HKV=hkv,
             KW=wk.shape[-1],
             BLOCK_WINDOW=block_window,
+            WINDOW=window > 0,
             BLOCK_T=tokens_per_program,
             TOKEN_MAJOR=token_major,
             PAGE=page,
             KLT=klt["bundle"],
             INTERP=INTERPRET,
         ),
-        (spec, klt.get("spec"), hkv, wk.shape[-1], block_window, tokens_per_program, token_major),
+        (spec, klt.get("spec"), hkv, wk.shape[-1], block_window, tokens_per_program, token_major, window > 0),
         num_warps=4,
     )
     if s0 == 0 and kv.codec.has_sink:  # workspace row 0 is position 0: where it reads compressed, the sink is read
@@ -761,13 +878,15 @@ def chunked_prefill(
     out: torch.Tensor | None = None,
     max_tokens: int | None = None,
     tuning: PrefillTuning = DEFAULT_TUNING,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (causal, window
     rule; ``kv.pages`` already hold the chunk's compressed tokens). ``max_tokens``: a host-side bound on every
     sequence's history + T (vLLM knows it), else the block table's capacity; it sizes the workspace and the segment
-    count, so it must not be too small. ``tuning``: launch knobs (``PrefillTuning``). Both kernels launch through
-    ``FastLauncher``."""
+    count, so it must not be too small. ``tuning``: launch knobs (``PrefillTuning``). ``extras``: sinks, soft cap and
+    sliding window (``attention.extras``; constexpr-gated). Both kernels launch through ``FastLauncher``."""
     _check_inputs(q, k, v, kv)
+    extras.check(q.shape[1], q.device)
     bsz, hq, t_len, d = q.shape
     hkv = kv.num_kv_heads
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -819,9 +938,11 @@ def chunked_prefill(
     else:
         st_acc = st_m = st_l = out  # never read or written (FINAL, no LOAD_STATE)
     kq_bf16 = spec.KEY_MODE == KEY_RAW and spec.RAW_BF16
+    sinks, cap2, window = extras_args(extras, out)
+    flags_x = extras_flags(extras)
     for i in range(nseg):
         s0 = i * seg
-        dequantize_segment(kv, consts["codebook"], wk, wv, s0, seg, t_len, ring, block_window, dq_tokens, False)
+        dequantize_segment(kv, consts["codebook"], wk, wv, s0, seg, t_len, ring, block_window, dq_tokens, False, window)
         flags = (i > 0, i == nseg - 1)  # LOAD_STATE, FINAL
         _PREFILL(
             grid,
@@ -841,6 +962,7 @@ def chunked_prefill(
                 kv.recent_lens,
                 kv.recent_index,
                 out,
+                sinks,
                 s0,
                 seg,
                 t_len,
@@ -864,6 +986,8 @@ def chunked_prefill(
                 out.stride(2),
                 scale * LOG2E,
                 ring,
+                cap2,
+                window,
             ),
             dict(
                 HKV=hkv,
@@ -881,6 +1005,7 @@ def chunked_prefill(
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 INTERP=INTERPRET,
+                **flags_x,
             ),
             (
                 hkv,
@@ -896,6 +1021,7 @@ def chunked_prefill(
                 tuning.reproducible,
                 block_m,
                 block_n,
+                *flags_x.values(),
             ),
             num_warps=tuning.num_warps,
             num_stages=num_stages,

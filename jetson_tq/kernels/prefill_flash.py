@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import triton
 
+from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..attention.reference import VarlenAttention
 from ..errors import ShapeError
 from ..paged import PagedKV
@@ -33,8 +34,10 @@ from .prefill import DEQUANT_TOKENS, WORKSPACE_BYTES, _check_inputs, dequantize_
 from .query_transform import query_transform
 
 
-def flash_unsupported_reason(kv: PagedKV, dtype: torch.dtype) -> str | None:
-    """Why ``flash_prefill`` cannot serve a chunk of ``dtype`` over ``kv`` (None: it can)."""
+def flash_unsupported_reason(kv: PagedKV, dtype: torch.dtype, extras: AttentionExtras = NO_EXTRAS) -> str | None:
+    """Why ``flash_prefill`` cannot serve a chunk of ``dtype`` over ``kv`` with ``extras`` (None: it can)."""
+    if extras.any:
+        return f"sinks, soft cap and sliding window are served by the Triton loop (got {extras})"
     spec, _ = page_spec(kv.layout, kv.codec)
     ring = kv.recent_k.shape[2]
     if dtype not in (torch.float16, torch.bfloat16):
@@ -67,12 +70,14 @@ def flash_prefill(
     *,
     out: torch.Tensor | None = None,
     workspace_tokens: int | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over ``kv``'s history plus the chunk's own k, v [B, Hkv, T, D] (the pages already
     hold the chunk), like ``prefill.chunked_prefill``, with ``varlen`` doing the attention. ``history``: each
-    sequence's history length on the host (compressed_lens + recent_lens, which vLLM knows without a sync)."""
+    sequence's history length on the host (compressed_lens + recent_lens, which vLLM knows without a sync).
+    ``extras``: none served here (``flash_unsupported_reason``; ``ops.prefill`` sends them to the Triton loop)."""
     _check_inputs(q, k, v, kv)
-    reason = flash_unsupported_reason(kv, q.dtype)
+    reason = flash_unsupported_reason(kv, q.dtype, extras)
     if reason:
         raise ShapeError(f"flash_prefill: {reason}")
     bsz, hq, t_len, d = q.shape

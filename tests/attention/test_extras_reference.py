@@ -156,7 +156,11 @@ def test_window_never_reads_before_its_start(decode_path):
 def test_no_extras_is_the_plain_path():
     gen = torch.Generator().manual_seed(4)
     fmt = KVFormat(buffer_tokens=16, value_group=32)
-    q, k, v = torch.randn(1, 4, 30, 64, generator=gen), torch.randn(1, 2, 30, 64, generator=gen), torch.randn(1, 2, 30, 64, generator=gen)
+    q, k, v = (
+        torch.randn(1, 4, 30, 64, generator=gen),
+        torch.randn(1, 2, 30, 64, generator=gen),
+        torch.randn(1, 2, 30, 64, generator=gen),
+    )
     a = run_chunks(fmt, q, k, v, [30], NO_EXTRAS, 2)
     b = run_chunks(fmt, q, k, v, [30], AttentionExtras(sliding_window=10_000), 2)
     assert torch.equal(a, b)
@@ -164,7 +168,13 @@ def test_no_extras_is_the_plain_path():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(soft_cap=0.0), dict(soft_cap=float("inf")), dict(sliding_window=0), dict(sliding_window=2.5), dict(sinks=torch.zeros(2, 2))],
+    [
+        dict(soft_cap=0.0),
+        dict(soft_cap=float("inf")),
+        dict(sliding_window=0),
+        dict(sliding_window=2.5),
+        dict(sinks=torch.zeros(2, 2)),
+    ],
 )
 def test_bad_extras_are_named(kwargs):
     with pytest.raises(ShapeError):
