@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..errors import ConfigError, UnsupportedPlatformError
 from ..format import PagedLayout, kernel_unsupported_reason
 
@@ -57,6 +58,16 @@ def resolve(device: torch.device, layout: PagedLayout | None = None, backend: st
     return choice
 
 
-def graph_safe(device: torch.device, layout: PagedLayout | None = None, backend: str | None = None) -> bool:
+def decode_kernel_serves(extras: AttentionExtras) -> bool:
+    """True when the decode kernel serves a layer with ``extras`` (else decode runs the reference)."""
+    return not extras.any
+
+
+def graph_safe(
+    device: torch.device,
+    layout: PagedLayout | None = None,
+    backend: str | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
+) -> bool:
     """True when decode on ``device`` runs without host syncs, so a CUDA graph can capture it (the kernels)."""
-    return device.type == "cuda" and resolve(device, layout, backend) == "triton"
+    return device.type == "cuda" and resolve(device, layout, backend) == "triton" and decode_kernel_serves(extras)

@@ -39,6 +39,7 @@ from vllm.v1.attention.backend import (
 )
 
 from ... import ops
+from ...attention.extras import AttentionExtras
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
 from ...errors import ConfigError, ShapeError, UnsupportedPlatformError
@@ -117,7 +118,11 @@ class TurboQuantAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return True
+
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
 
     @staticmethod
     def use_cascade_attention(*args, **kwargs) -> bool:
@@ -190,7 +195,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         device = torch.device(cast("torch.device | str", vllm_config.device_config.device))  # resolved by vLLM
         if reproducible():  # decode rows run the prefill kernel eagerly (vLLM keeps piecewise graphs around it)
             return AttentionCGSupport.NEVER
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
+        ours = hooks.our_layers(vllm_config).values()
+        safe = all(ops.graph_safe(device, extras=layer.impl.extras) for layer in ours)
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if safe else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -302,17 +309,6 @@ def _warm_up_lengths(num_heads: int, budget: int) -> list[int]:
     return sorted(n for n in out if n <= max(budget, 17))
 
 
-def _max_model_len() -> int | None:
-    """max_model_len of the engine being built (None outside one: then any sliding window is refused)."""
-    from vllm.config import get_current_vllm_config
-
-    try:
-        model_config = get_current_vllm_config().model_config
-    except AssertionError:  # vLLM 0.27 asserts when no config is set (a layer built outside an engine)
-        return None
-    return None if model_config is None else int(model_config.max_model_len)
-
-
 class TurboQuantAttentionImpl(AttentionImpl):
     """Writes compressed K/V into vLLM's pages and attends over them (one layer)."""
 
@@ -346,12 +342,16 @@ class TurboQuantAttentionImpl(AttentionImpl):
             kv_cache_dtype=kv_cache_dtype,
             extra=tuple(sorted(k for k, v in extra.items() if k != "sinks" and v not in (None, False))),
         )
-        why = stock_reason(facts, _max_model_len() if sliding_window is not None else None)
+        why = stock_reason(facts, None)
         if why is None and kv_cache_dtype != "auto":
             why = f"kv_cache_dtype {kv_cache_dtype!r} (the TurboQuant pages are the KV cache format)"
         if why:  # the Attention.__init__ wrap gives such layers stock attention; this backend was forced on one
             raise UnsupportedModelError(f"jetson-tq's vLLM backend cannot serve this layer: {why}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        # the layer's sinks (the model's parameter itself: its weights load after this), soft cap and window
+        self.extras = AttentionExtras(
+            sinks=extra.get("sinks"), soft_cap=logits_soft_cap or None, sliding_window=sliding_window
+        )
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
             raise ShapeError(f"{num_heads} query heads is not a multiple of {self.num_kv_heads} KV heads")
@@ -434,7 +434,14 @@ class TurboQuantAttentionImpl(AttentionImpl):
     def kv_cache_spec(self):
         """The spec vLLM sizes this layer's cache from."""
         assert self.layout is not None and self.fmt is not None  # configure() ran
-        return make_spec(self.layout.block_size, self.num_kv_heads, self.head_size, self.fmt, self.layout)
+        return make_spec(
+            self.layout.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.fmt,
+            self.layout,
+            self.extras.sliding_window,
+        )
 
     def recent_pool_shape(self, rows: int) -> tuple[int, int, int, int]:
         """[rows + 1 scratch, H, R, D]."""
@@ -628,7 +635,12 @@ class TurboQuantAttentionImpl(AttentionImpl):
         md = attn_metadata
         if not self._checked_pages:
             self._check(kv_cache, md)
-        if md.num_decodes and ops.graph_safe(query.device) and md.num_decodes == md.num_reqs and not self.reproducible:
+        if (
+            md.num_decodes
+            and ops.graph_safe(query.device, extras=self.extras)
+            and md.num_decodes == md.num_reqs
+            and not self.reproducible
+        ):
             self._decode_graph_safe(query, key, value, kv_cache, md, output)
         else:
             self._forward_eager(query, key, value, kv_cache, md, output)
@@ -642,7 +654,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             self.recent_k[md.dec_ring_rows, :, md.dec_ring_cols] = key[:nd].to(self.recent_k.dtype)
             self.recent_v[md.dec_ring_rows, :, md.dec_ring_cols] = value[:nd].to(self.recent_v.dtype)
         kv = self._paged(kv_cache, md.block_table[:nd], md.dec_compressed_lens, md.dec_recent_lens, md.dec_ring_rows)
-        output[:nd] = ops.decode(query[:nd], kv, self.scale)
+        output[:nd] = ops.decode(query[:nd], kv, self.scale, extras=self.extras)
 
     def _forward_eager(self, query, key, value, kv_cache, md: TurboQuantMetadata, output) -> None:
         dev, R = query.device, md.recent_tokens
@@ -670,7 +682,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 self.recent_k[ring_rows, :, cols] = key[tok].to(self.recent_k.dtype)
                 self.recent_v[ring_rows, :, cols] = value[tok].to(self.recent_v.dtype)
             kv = self._paged(kv_cache, md.block_table[idx], comp_d, rec_d, ring_rows)
-            output[tok] = ops.decode(query[tok], kv, self.scale).to(output.dtype)
+            output[tok] = ops.decode(query[tok], kv, self.scale, extras=self.extras).to(output.dtype)
         pre = np.arange(md.num_decodes, md.num_reqs)
         if self.undo_tokens:  # speculative verification rows: one launch per row length, not one per request
             short = (q_lens[pre] > 1) & (q_lens[pre] <= self.undo_tokens)
@@ -713,6 +725,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 reproducible=self.reproducible,
                 varlen=prefill_varlen(s, qe - qs),
                 history=[s],
+                extras=self.extras,
             )
             output[qs:qe] = out[0].transpose(0, 1).to(output.dtype)
             if R > 0:
@@ -779,7 +792,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
             ring_rows,
         )
         q, k, v = (x[tok].unsqueeze(2) for x in (query, key, value))  # [rows, H, 1, D]
-        out = ops.prefill(q, k, v, kv, self.scale, max_tokens=int(s.max()) + 1, reproducible=True)
+        out = ops.prefill(q, k, v, kv, self.scale, max_tokens=int(s.max()) + 1, reproducible=True, extras=self.extras)
         output[tok] = out[:, :, 0].to(output.dtype)
         if R > 0:
             assert self.recent_k is not None and self.recent_v is not None  # _check ran

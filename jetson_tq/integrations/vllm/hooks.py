@@ -4,8 +4,9 @@
   the active config (one that stores keys and values exactly runs stock), whether it runs on our backend (passed
   as the layer's ``attn_backend``) or on the attention vLLM would choose anyway; refuses,
   by layer name, only what neither can serve (``spec.refusal``).
-- ``Attention.get_kv_cache_spec``: layers on our backend report ``TurboQuantPagedSpec`` (packed page size); the
-  first call logs which layers are compressed and why the others are not.
+- ``Attention.get_kv_cache_spec``: layers on our backend report ``TurboQuantPagedSpec`` (packed page size), or
+  ``TurboQuantSlidingSpec`` for a sliding-window layer; the first call logs which layers are compressed and why the
+  others are not.
 - worker ``determine_available_memory``: the recent-buffer pools are taken out of the KV budget.
 - ``GPUModelRunner.initialize_kv_cache`` (the CPU runner inherits it): remembers the runner (request ids
   for recent-buffer rows), takes each compressed layer's final page from vLLM's KV cache config, allocates
@@ -269,8 +270,9 @@ def _hybrid_plan(vllm_config, ctx, ours: dict, bs: int, FullAttentionSpec) -> di
         and not getattr(layer, "kv_sharing_target_layer_name", None)
     ]
     stock = [s for s in stock if s is not None]
-    if all(isinstance(s, FullAttentionSpec) for s in stock):
-        return {}  # one group of full-attention layers, each with its own page size
+    sliding_ours = any(layer.impl.extras.sliding_window is not None for layer in ours.values())
+    if not stock or (all(isinstance(s, FullAttentionSpec) for s in stock) and not sliding_ours):
+        return {}  # one group of full-attention layers, each with its own page size (or ours alone, one page)
     page = max(stock_page_at(s, bs) for s in stock)
     unit = window_unit(bs, window_block(active_config()))
     plan = {}

@@ -2,9 +2,9 @@
 cache spec whose page is our packed page.
 
 Which layers are compressed is decided per layer from what vLLM's ``Attention`` layer says about it
-(``LayerFacts``): decoder self-attention, causal, equal K/V head sizes, no ALiBi, no attention sinks, no logit soft
-cap, no sliding window shorter than ``max_model_len``, no KV sharing, no backend of the model's own choosing, not a
-speculative-decoding proposer's (EAGLE / MTP head, draft model); and its format must compress something: a layer
+(``LayerFacts``): decoder self-attention, causal, equal K/V head sizes, no ALiBi, no KV sharing, no backend of the
+model's own choosing, not a speculative-decoding proposer's (EAGLE / MTP head, draft model) (attention sinks, a logit
+soft cap and a sliding window are served: ``attention.extras``); and its format must compress something: a layer
 whose format stores keys and values exactly (``KVFormat.is_passthrough``: the fp16 preset, ``keep_fp16_first`` /
 ``keep_fp16_last`` layers) saves no byte on our kernels and would only sum in another order than stock, so it stays
 on stock attention, bit-identical to vLLM without the plugin. Every other layer keeps vLLM's stock attention
@@ -67,7 +67,8 @@ EXACT_FORMAT_REASON = "format stores keys and values exactly (fp16)"
 
 def stock_reason(facts: LayerFacts, max_model_len: int | None, fmt: KVFormat | None = None) -> str | None:
     """Why this layer stays on vLLM's stock attention (None: it is compressed): a feature the TurboQuant backend
-    does not reproduce, else a format ``fmt`` (the layer's under the active config) with nothing to compress."""
+    does not reproduce, else a format ``fmt`` (the layer's under the active config) with nothing to compress.
+    Sinks, soft cap and sliding window (any length; ``max_model_len`` is not needed for them) are reproduced."""
     if facts.own_backend:
         return f"the model picks its own attention backend ({facts.own_backend})"
     if facts.draft:
@@ -80,12 +81,6 @@ def stock_reason(facts: LayerFacts, max_model_len: int | None, fmt: KVFormat | N
         return f"value head size {facts.head_size_v} != key head size {facts.head_size}"
     if facts.alibi:
         return "alibi_slopes (ALiBi position bias)"
-    if facts.sinks:
-        return "attention sinks"
-    if facts.logits_soft_cap:
-        return f"logits_soft_cap {facts.logits_soft_cap:g}"
-    if facts.sliding_window is not None and (max_model_len is None or facts.sliding_window < max_model_len):
-        return f"sliding_window {facts.sliding_window} < max_model_len {max_model_len}"
     if facts.extra:
         return f"attention arguments {list(facts.extra)}"
     if facts.kv_sharing_target:
@@ -266,31 +261,61 @@ def _make_spec_cls():
 
     TurboQuantPagedSpec.__module__ = __name__
     TurboQuantPagedSpec.__qualname__ = "TurboQuantPagedSpec"
-    return TurboQuantPagedSpec
+
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    @dataclass(frozen=True, kw_only=True)
+    class TurboQuantSlidingSpec(SlidingWindowSpec):  # type: ignore[valid-type,misc]  # a base class loaded lazily
+        """A sliding-window layer with ``TurboQuantPagedSpec``'s packed page: vLLM's sliding-window manager then
+        frees the blocks that leave the window (a request holds window-sized state in this layer) and its hybrid
+        KV-cache manager groups it apart from full-attention layers, at the same page size."""
+
+        tq_format: tuple = ()
+        tq_recent_tokens: int = 0
+        tq_block_window: bool = False
+        tq_page_stride: int = 0
+        tq_stride_block: int = 0
+
+        real_page_size_bytes = TurboQuantPagedSpec.real_page_size_bytes
+
+    TurboQuantSlidingSpec.__module__ = __name__
+    TurboQuantSlidingSpec.__qualname__ = "TurboQuantSlidingSpec"
+    return TurboQuantPagedSpec, TurboQuantSlidingSpec
 
 
-_SPEC_CLS = None
+_SPEC_CLS: tuple | None = None
 
 
-def spec_cls():
-    """The TurboQuantPagedSpec class (built on first use so importing this module does not import vLLM)."""
+def spec_cls(sliding: bool = False):
+    """The TurboQuantPagedSpec class, or TurboQuantSlidingSpec with ``sliding`` (built on first use so importing
+    this module does not import vLLM)."""
     global _SPEC_CLS
     if _SPEC_CLS is None:
         _SPEC_CLS = _make_spec_cls()
-    return _SPEC_CLS
+    return _SPEC_CLS[1 if sliding else 0]
 
 
 def __getattr__(name: str):
-    # Lets pickle find ``jetson_tq.integrations.vllm.spec.TurboQuantPagedSpec`` in the engine-core process.
-    if name == "TurboQuantPagedSpec":
-        return spec_cls()
+    # Lets pickle find ``jetson_tq.integrations.vllm.spec.TurboQuant*Spec`` in the engine-core process.
+    if name in ("TurboQuantPagedSpec", "TurboQuantSlidingSpec"):
+        return spec_cls(name == "TurboQuantSlidingSpec")
     raise AttributeError(name)
 
 
-def make_spec(block_size: int, num_kv_heads: int, head_size: int, fmt: KVFormat, layout: PagedLayout):
+def make_spec(
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    fmt: KVFormat,
+    layout: PagedLayout,
+    sliding_window: int | None = None,
+):
     """The spec vLLM sizes this layer's cache from (dtype uint8: the cache is raw packed bytes; a padded layout's
-    ``page_stride``, planned by ``hybrid_page``, is the page)."""
-    return spec_cls()(
+    ``page_stride``, planned by ``hybrid_page``, is the page); a layer with a ``sliding_window`` gets the
+    sliding-window counterpart (vLLM's ``SlidingWindowSpec``), as vLLM's own ``Attention`` layer does."""
+    window = {} if sliding_window is None else {"sliding_window": int(sliding_window)}
+    return spec_cls(sliding_window is not None)(
+        **window,
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         head_size=head_size,

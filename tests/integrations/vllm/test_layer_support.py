@@ -44,9 +44,6 @@ def test_plain_causal_attention_of_any_head_size_is_compressed():
         ({"non_causal": True}, "bidirectional"),
         ({"head_size_v": 64}, "value head size 64"),
         ({"alibi": True}, "alibi_slopes"),
-        ({"sinks": True}, "attention sinks"),
-        ({"logits_soft_cap": 50.0}, "logits_soft_cap 50"),
-        ({"sliding_window": 4096}, "sliding_window 4096 < max_model_len 8192"),
         ({"extra": ("chunk_lookback",)}, "chunk_lookback"),
         ({"kv_sharing_target": "model.layers.1.self_attn.attn"}, "reads the KV cache of layer model.layers.1"),
         ({"own_backend": "FLEX_ATTENTION"}, "its own attention backend (FLEX_ATTENTION)"),
@@ -85,12 +82,15 @@ def test_vision_tower_encoder_attention_is_found_and_never_ours():
     assert not any(hooks.is_ours(getattr(m, "impl", None)) for m in tower)
 
 
-def test_a_window_no_shorter_than_max_model_len_is_full_attention():
-    """Every position a query can see lies inside such a window: the layer is plain causal attention."""
-    facts = LayerFacts(**{**PLAIN.__dict__, "sliding_window": 262144})
-    assert stock_reason(facts, max_model_len=131072) is None
-    assert stock_reason(LayerFacts(**{**PLAIN.__dict__, "sliding_window": 2048}), max_model_len=2048) is None
-    assert "sliding_window" in stock_reason(facts, max_model_len=None)  # outside an engine: not assumed
+@pytest.mark.parametrize(
+    "change", [{"sinks": True}, {"logits_soft_cap": 50.0}, {"sliding_window": 128}, {"sliding_window": 262144}]
+)
+def test_sinks_soft_cap_and_sliding_windows_of_any_length_are_compressed(change):
+    """``attention.extras`` serves them on every path, in or outside an engine (no max_model_len needed)."""
+    facts = LayerFacts(**{**PLAIN.__dict__, **change})
+    assert stock_reason(facts, max_model_len=8192) is None
+    assert stock_reason(facts, max_model_len=None) is None
+    assert stock_reason(facts, 8192, FP16_FORMAT) == EXACT_FORMAT_REASON  # nothing to compress: stock, bit-exact
 
 
 def test_a_format_that_stores_keys_and_values_exactly_keeps_the_layer_stock():
@@ -101,8 +101,8 @@ def test_a_format_that_stores_keys_and_values_exactly_keeps_the_layer_stock():
     assert stock_reason(PLAIN, 8192, KVFormat()) is None
     assert stock_reason(PLAIN, 8192, KVFormat(key_mode="fp16", value_bits=8)) is None  # values compressed
     assert stock_reason(PLAIN, 8192, KVFormat(value_mode="fp16")) is None  # keys compressed
-    capped = LayerFacts(**{**PLAIN.__dict__, "logits_soft_cap": 30.0})
-    assert stock_reason(capped, 8192, FP16_FORMAT) == "logits_soft_cap 30"
+    alibi = LayerFacts(**{**PLAIN.__dict__, "alibi": True})
+    assert "alibi_slopes" in stock_reason(alibi, 8192, FP16_FORMAT)
 
 
 @pytest.mark.parametrize(

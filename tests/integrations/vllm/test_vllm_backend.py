@@ -229,9 +229,7 @@ def test_recent_slots_refuse_unvouched_history():
 @pytest.mark.parametrize(
     "kwargs, word",
     [
-        ({"sliding_window": 128}, "sliding_window"),
         ({"alibi_slopes": [1.0] * HQ}, "alibi_slopes"),
-        ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
         ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
         ({"attn_type": "encoder_only"}, "attn_type"),
     ],
@@ -262,9 +260,9 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
         calls.append(("prefill", int(kv.compressed_lens[0])))
         return prefill(q, k, v, kv, scale, **kw)
 
-    def logged_decode(q, kv, scale):
+    def logged_decode(q, kv, scale, **kw):
         calls.append(("decode", q.shape[0]))
-        return decode(q, kv, scale)
+        return decode(q, kv, scale, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ops, "prefill", logged_prefill)
