@@ -265,7 +265,7 @@ def _make_spec_cls():
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
     @dataclass(frozen=True, kw_only=True)
-    class TurboQuantSlidingSpec(SlidingWindowSpec):  # type: ignore[valid-type,misc]  # a base class loaded lazily
+    class TurboQuantSlidingSpec(SlidingWindowSpec):
         """A sliding-window layer with ``TurboQuantPagedSpec``'s packed page: vLLM's sliding-window manager then
         frees the blocks that leave the window (a request holds window-sized state in this layer) and its hybrid
         KV-cache manager groups it apart from full-attention layers, at the same page size."""
