@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import triton
 import triton.language as tl
 
+from ._masking import add_sink, soft_cap, window_start
 from ._tiles import (
     K_KLT,
     K_PROD,
@@ -112,6 +113,9 @@ class DecodeConstexprs:
     SINGLE: bool  # one split: the program writes the output itself
     FUSED_REDUCE: bool  # several splits merged inside this launch (arrival counters)
     INTERP: bool  # Triton's CPU interpreter (``mma`` converts operands to fp32 there)
+    SINKS: bool = False  # per-query-head sink logits in the softmax denominator (``attention.extras``)
+    SOFT_CAP: bool = False  # scores soft-capped: cap * tanh(s / cap)
+    WINDOW: bool = False  # a sliding window: positions before L - W are never read
 
 
 @triton.jit
@@ -136,6 +140,7 @@ def _hybrid_decode_kernel(
     hs_ptr,  # fp32 [D]: signs of the randomized Hadamard rotation (FUSE_Q)
     vcb_ptr,  # fp32 [>= 4]: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
+    sinks_ptr,  # fp32 [Hq]: sink logits (CFG.SINKS)
     out_ptr,  # [B, Hq, D]: output
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
     plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
@@ -157,6 +162,7 @@ def _hybrid_decode_kernel(
     tokens_per_split,  # the smallest split (a BLOCK_N multiple)
     n_splits,  # splits per (sequence, KV head)
     group_size,  # splits per first-level group of the in-launch merge
+    window,  # the sliding window W in tokens (CFG.WINDOW)
     # ---- scalars
     scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
     qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
@@ -166,6 +172,7 @@ def _hybrid_decode_kernel(
     k_gamma,
     zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
     klt_scale,  # klt keys: RoPE's attention scaling
+    cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
     CFG: tl.constexpr,  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
@@ -205,19 +212,25 @@ def _hybrid_decode_kernel(
     # The split size follows this sequence's own length (at least tokens_per_split, a BLOCK_N multiple), not the
     # block table's capacity: under vLLM the table spans max_model_len, and capacity-sized splits left most
     # programs of an 8k sequence idle in a 128k table
-    tps = tl.maximum(tokens_per_split, tl.cdiv(clen + rlen, n_splits * CFG.BLOCK_N) * CFG.BLOCK_N)
-    start = split * tps
+    # with a sliding window the splits share the tokens from the window's first tile on (the query sits at
+    # clen + rlen - 1 and reads positions >= wlo; nothing before is loaded: vLLM may have freed those blocks)
+    wlo = window_start(clen + rlen - 1, window, CFG.WINDOW)
+    base = tl.maximum(wlo, 0) // CFG.BLOCK_N * CFG.BLOCK_N
+    tps = tl.maximum(tokens_per_split, tl.cdiv(clen + rlen - base, n_splits * CFG.BLOCK_N) * CFG.BLOCK_N)
+    start = base + split * tps
     end = tl.minimum(start + tps, clen)
     head_off = h.to(tl.int64) * page_bytes
     for n0 in range(start, end, CFG.BLOCK_N):
         page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
         if KLT.SINK:  # position 0 is read from the calibrated sink below
             nmask = nmask & (n0 + tl.arange(0, CFG.BLOCK_N) > 0)
+        if CFG.WINDOW:
+            nmask = nmask & (n0 + tl.arange(0, CFG.BLOCK_N) >= wlo)
         if PAGE.KEY_MODE == K_KLT:
             s = _klt_scores(page, off, nmask, n0, qk, kops, PAGE, CFG, KLT)
         else:
             s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
-        s = tl.where(nmask[:, None], s, float("-inf"))
+        s = tl.where(nmask[:, None], soft_cap(s, cap2, CFG.SOFT_CAP), float("-inf"))
         # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
         # the loop, instead of a shuffle reduction per tile
         m_i, alpha, p, l_t = online_softmax(s, m_i, l_t, 0, False)
@@ -226,7 +239,7 @@ def _hybrid_decode_kernel(
     if PAGE.VAL_MODE == V_MSE:  # the compressed part's sums back in the original domain, where the recent tokens add
         acc = _unrotate_values(acc, vpi_ptr, vu, PAGE, CFG)
     if KLT.SINK:  # compressed position 0 (split 0 holds it): the calibrated sink, one exact token of every sequence
-        if (split == 0) & (clen > 0):
+        if (split == 0) & (clen > 0) & (wlo <= 0):
             m_i, l_i, acc, zacc = _recent_tokens(
                 q_ptr,
                 klt_sink_ptr,
@@ -251,6 +264,10 @@ def _hybrid_decode_kernel(
                 (m_i, l_i, acc, zacc),
                 PAGE,
                 CFG,
+                0,
+                1,
+                wlo,
+                cap2,
             )
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
@@ -282,7 +299,13 @@ def _hybrid_decode_kernel(
             (m_i, l_i, acc, zacc),
             PAGE,
             CFG,
+            clen,
+            rlen,
+            wlo,
+            cap2,
         )
+    if CFG.SINKS:  # split 0 adds each query head's sink to its softmax sum (no value: the output is not touched)
+        l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g, gmask & (split == 0), CFG.SINKS)
     _write_output(
         out_ptr,
         po_ptr,
@@ -663,9 +686,15 @@ def _recent_tokens(
     state,
     PAGE: tl.constexpr,
     CFG: tl.constexpr,
+    pos0=0,
+    rows=1,
+    wlo=0,
+    cap2=1.0,
 ):
     """Recent-buffer tokens [r0, r1) of sequence ``b`` (exact keys and values, scored with the raw query), BLOCK_R
-    per step, into the same online softmax ``state`` (m_i, l_i, acc, zacc) -> the new state."""
+    per step, into the same online softmax ``state`` (m_i, l_i, acc, zacc) -> the new state. Row t of the ``rows``
+    the buffer holds is position pos0 + (t - pos0) mod rows (token p in row p % R); under CFG.WINDOW positions
+    before ``wlo`` are masked, under CFG.SOFT_CAP scores capped (``cap2``, log2 domain)."""
     m_i, l_i, acc, zacc = state
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
     d = tl.arange(0, PAGE.DP)
@@ -687,7 +716,11 @@ def _recent_tokens(
             mask=tmask[:, None] & (d[None, :] < PAGE.D),
             other=0.0,
         )
-        s = mma(k, qb.to(k.dtype), tl.zeros([CFG.BLOCK_R, CFG.GP], tl.float32), CFG.INTERP)
+        s = soft_cap(
+            mma(k, qb.to(k.dtype), tl.zeros([CFG.BLOCK_R, CFG.GP], tl.float32), CFG.INTERP), cap2, CFG.SOFT_CAP
+        )
+        if CFG.WINDOW:
+            tmask = tmask & (pos0 + ((t - pos0) % rows + rows) % rows >= wlo)
         s = tl.where(tmask[:, None], s, float("-inf"))
         m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
         zacc = zacc * alpha[None, :]

@@ -16,6 +16,7 @@ from typing import NamedTuple, cast
 
 import torch
 
+from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..errors import DTypeError, ShapeError, expect_same_device
 from ..paged import PagedKV
 from ._common import (
@@ -38,6 +39,7 @@ from ._common import (
     workspace,
 )
 from ._launch import FastLauncher, resident_programs
+from ._masking import extras_args, extras_flags
 from ._tiles import nibble_lut_asm
 from .hybrid_decode import DecodeConstexprs, _decode_reduce_kernel, _hybrid_decode_kernel
 from .query_transform import query_transform
@@ -128,6 +130,7 @@ class DecodeConstants(NamedTuple):
     hsigns: torch.Tensor  # fp32 [D]: the randomized Hadamard rotation's signs (FUSE_Q)
     vcodebook: torch.Tensor  # fp32 [>= 4]: value centroids (mse values)
     vpi: torch.Tensor  # fp32 [D, D]: the value rotation Pi_v (mse values)
+    sinks: torch.Tensor  # fp32 [Hq]: the layer's sink logits (CFG.SINKS; a placeholder without)
 
 
 class DecodeInts(NamedTuple):
@@ -148,6 +151,7 @@ class DecodeInts(NamedTuple):
     tokens_per_split: int  # the smallest split (a BLOCK_N multiple): the kernel sizes splits per sequence
     n_splits: int
     group_size: int  # splits per first-level group of the in-launch merge
+    window: int  # the sliding window W in tokens (CFG.WINDOW; 0 without)
 
 
 class DecodeScalars(NamedTuple):
@@ -161,6 +165,7 @@ class DecodeScalars(NamedTuple):
     k_gamma: float
     zero_rt: float  # 0.0 at run time
     klt_scale: float  # klt keys: RoPE's attention scaling
+    cap2: float  # the soft cap * log2(e) (CFG.SOFT_CAP; 1.0 without)
 
 
 @dataclass(frozen=True)
@@ -272,16 +277,20 @@ def plan_decode(
     softmax_scale: float | None = None,
     out: torch.Tensor | None = None,
     tuning: DecodeTuning = DEFAULT_TUNING,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> DecodePlan:
     """The plan of a decode of queries shaped and strided like ``q`` over ``kv`` (its format, block table width and
-    recent-buffer strides) into ``out``'s strides (None: a fresh contiguous output)."""
+    recent-buffer strides) into ``out``'s strides (None: a fresh contiguous output), with the layer's sinks, soft cap
+    and sliding window (``extras``: constexpr-gated, so a layer without them compiles the plain kernel)."""
     _check_query(q, kv)
+    extras.check(q.shape[1], q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     bsz, hq, d = q.shape
     hkv = kv.num_kv_heads
     spec, page = page_spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
     klt = klt_constants(kv.codec, q.device)
+    sinks, cap2, window = extras_args(extras, consts["codebook"])  # (the codebook: a pointer never read)
     tuning = tuning.for_format(spec)
     # ``for_format`` fills these in
     assert tuning.block_n is not None and tuning.num_warps is not None and tuning.num_stages is not None
@@ -339,6 +348,7 @@ def plan_decode(
         tokens_per_split=tuning.block_n,
         n_splits=splits,
         group_size=group_size,
+        window=window,
     )
     scalars = DecodeScalars(
         scale_log2=scale * LOG2E,
@@ -349,6 +359,7 @@ def plan_decode(
         k_gamma=kg,
         zero_rt=0.0,
         klt_scale=klt["read"][5],
+        cap2=cap2,
     )
     cfg = DecodeConstexprs(
         HKV=hkv,
@@ -374,6 +385,7 @@ def plan_decode(
         SINGLE=splits == 1,
         FUSED_REDUCE=fused_reduce,
         INTERP=INTERPRET,
+        **extras_flags(extras),
     )
     klt_spec = klt.get("spec", None)
     klt_bundle = klt["bundle"]
@@ -411,6 +423,7 @@ def plan_decode(
             hsigns=consts["hsigns"],
             vcodebook=consts["vcodebook"],
             vpi=consts["vpi"],
+            sinks=sinks,
         ),
         qmat=consts["qmat"],
         qt=qt,
@@ -424,7 +437,7 @@ def plan_decode(
     if tuning.waves is None and tuning.num_splits is None and splits > 1:  # one full wave of the compiled kernel
         fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, _one_wave(plan, q, kv))
         if fit != splits:
-            return plan_decode(q, kv, scale, out, replace(tuning, num_splits=fit))
+            return plan_decode(q, kv, scale, out, replace(tuning, num_splits=fit), extras)
     return plan
 
 
@@ -510,10 +523,22 @@ def run(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None
     return out
 
 
-def _plan_key(q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None, scale: float, tuning: DecodeTuning) -> tuple:
-    """What a decode plan depends on: the codec, every shape and stride the launch bakes in, the scale, the knobs."""
+def _plan_key(
+    q: torch.Tensor,
+    kv: PagedKV,
+    out: torch.Tensor | None,
+    scale: float,
+    tuning: DecodeTuning,
+    extras: AttentionExtras = NO_EXTRAS,
+) -> tuple:
+    """What a decode plan depends on: the codec, every shape and stride the launch bakes in, the scale, the knobs,
+    the layer's extras (its sinks tensor by address: the plan holds their fp32 copy, or them)."""
     rk = kv.recent_k
+    sinks = extras.sinks
     return (
+        None if sinks is None else (sinks.data_ptr(), sinks.dtype, sinks._version),
+        extras.soft_cap,
+        extras.sliding_window,
         id(kv.codec),
         kv.layout.block_size,
         q.shape,
@@ -539,8 +564,10 @@ def hybrid_decode(
     *,
     out: torch.Tensor | None = None,
     tuning: DecodeTuning = DEFAULT_TUNING,
+    extras: AttentionExtras = NO_EXTRAS,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D].
+    """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D]; ``extras``:
+    the layer's sinks, soft cap and sliding window (``attention.extras``).
 
     ``tuning``: launch knobs (``DecodeTuning``; defaults from the H200 sweep per format). Same contract as
     ``attention.reference.paged_attention_decode`` (a sequence with nothing cached gets zeros instead of an error,
@@ -550,8 +577,8 @@ def hybrid_decode(
     if q.stride(-1) != 1:
         q = q.contiguous()
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    key = _plan_key(q, kv, out, scale, tuning)
+    key = _plan_key(q, kv, out, scale, tuning, extras)
     hit = _PLANS.get(key)
     if hit is None or hit[0] is not kv.codec:
-        hit = _PLANS[key] = (kv.codec, plan_decode(q, kv, scale, out, tuning))
+        hit = _PLANS[key] = (kv.codec, plan_decode(q, kv, scale, out, tuning, extras))
     return run(hit[1], q, kv, out)

@@ -20,7 +20,7 @@ from ..codec.scores import turboquant_scores_reference
 from ..format import PagedLayout
 from ..paged import PagedKV, append_rows_reference, write_slots
 from ..validate import StoreLimits, store_fault_code
-from .backend import BACKENDS, ENV_VAR, configured, decode_kernel_serves, graph_safe, resolve
+from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
 if TYPE_CHECKING:
     from ..attention.reference import VarlenAttention
@@ -130,10 +130,10 @@ def decode(
     """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D];
     ``extras``: the layer's sinks, soft cap and sliding window (``attention.extras``)."""
     extras.check(q.shape[1], q.device)
-    if resolve(q.device, kv.layout, backend) == "triton" and decode_kernel_serves(extras):
+    if resolve(q.device, kv.layout, backend) == "triton":
         from ..kernels.hybrid_decode_plan import hybrid_decode
 
-        return hybrid_decode(q, kv, softmax_scale, out=out)
+        return hybrid_decode(q, kv, softmax_scale, out=out, extras=extras)
     res = paged_attention_decode(q, kv, softmax_scale, extras)
     if out is not None:
         out.copy_(res)

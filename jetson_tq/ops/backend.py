@@ -13,7 +13,6 @@ import os
 
 import torch
 
-from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..errors import ConfigError, UnsupportedPlatformError
 from ..format import PagedLayout, kernel_unsupported_reason
 
@@ -58,16 +57,6 @@ def resolve(device: torch.device, layout: PagedLayout | None = None, backend: st
     return choice
 
 
-def decode_kernel_serves(extras: AttentionExtras) -> bool:
-    """True when the decode kernel serves a layer with ``extras`` (else decode runs the reference)."""
-    return not extras.any
-
-
-def graph_safe(
-    device: torch.device,
-    layout: PagedLayout | None = None,
-    backend: str | None = None,
-    extras: AttentionExtras = NO_EXTRAS,
-) -> bool:
+def graph_safe(device: torch.device, layout: PagedLayout | None = None, backend: str | None = None) -> bool:
     """True when decode on ``device`` runs without host syncs, so a CUDA graph can capture it (the kernels)."""
-    return device.type == "cuda" and resolve(device, layout, backend) == "triton" and decode_kernel_serves(extras)
+    return device.type == "cuda" and resolve(device, layout, backend) == "triton"

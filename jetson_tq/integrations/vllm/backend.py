@@ -195,9 +195,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         device = torch.device(cast("torch.device | str", vllm_config.device_config.device))  # resolved by vLLM
         if reproducible():  # decode rows run the prefill kernel eagerly (vLLM keeps piecewise graphs around it)
             return AttentionCGSupport.NEVER
-        ours = hooks.our_layers(vllm_config).values()
-        safe = all(ops.graph_safe(device, extras=layer.impl.extras) for layer in ours)
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if safe else AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -635,12 +633,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         md = attn_metadata
         if not self._checked_pages:
             self._check(kv_cache, md)
-        if (
-            md.num_decodes
-            and ops.graph_safe(query.device, extras=self.extras)
-            and md.num_decodes == md.num_reqs
-            and not self.reproducible
-        ):
+        if md.num_decodes and ops.graph_safe(query.device) and md.num_decodes == md.num_reqs and not self.reproducible:
             self._decode_graph_safe(query, key, value, kv_cache, md, output)
         else:
             self._forward_eager(query, key, value, kv_cache, md, output)
