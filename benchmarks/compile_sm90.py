@@ -131,8 +131,14 @@ def main(argv=None) -> int:
         "bytes-cubic)",
     )
     ap.add_argument("--sink", action="store_true", help="klt formats: the transform with a calibrated sink")
+    ap.add_argument(
+        "--extras",
+        action="store_true",
+        help="decode and prefill also with attention sinks, a soft cap and a sliding window (attention.extras)",
+    )
     args = ap.parse_args(argv)
     _install()
+    from jetson_tq.attention.extras import NO_EXTRAS, AttentionExtras
     from jetson_tq.kernels.append import append_rows
     from jetson_tq.kernels.compress_write import WriteTuning, compress_write
     from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
@@ -169,12 +175,17 @@ def main(argv=None) -> int:
             kt = with_sink(kt, gen)
         kv = build_paged_kv(fmt, hkv, d, [70, 9], [3, 0], torch.float16, gen, key_transform=kt)
         q = torch.randn(2, hkv * g, d).half()
-        for i, knobs in enumerate(decode_knobs if "decode" in ops else ()):
+        extras = [("", NO_EXTRAS)]
+        if args.extras:
+            extras.append(("+x", AttentionExtras(sinks=torch.zeros(hkv * g), soft_cap=30.0, sliding_window=40)))
+        for (tag, ex), (i, knobs) in (
+            (e, k) for e in extras for k in enumerate(decode_knobs if "decode" in ops else ())
+        ):
             n0 = len(COMPILED)
-            hybrid_decode(q, kv, tuning=DecodeTuning(**knobs))
+            hybrid_decode(q, kv, tuning=DecodeTuning(**knobs), extras=ex)
             for kname, k in COMPILED[n0:]:
-                res = _resources(k, args.sass_dir, f"{name}_decode{i}")
-                print(f"{name:10s} decode {str(knobs):36s} {kname:24s} {res}", flush=True)
+                res = _resources(k, args.sass_dir, f"{name}_decode{i}{tag}")
+                print(f"{name:10s} decode{tag:2s} {str(knobs):34s} {kname:24s} {res}", flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(
@@ -189,12 +200,12 @@ def main(argv=None) -> int:
             key_transform=kt,
         )
         for window, view in (("sliding", kv), ("block", kv_block)) if "prefill" in ops else ():
-            for i, knobs in enumerate(prefill_knobs):
+            for (tag, ex), (i, knobs) in ((e, k) for e in extras for k in enumerate(prefill_knobs)):
                 n0 = len(COMPILED)
-                chunked_prefill(qp, kp, kp.clone(), view, tuning=PrefillTuning(**knobs))
+                chunked_prefill(qp, kp, kp.clone(), view, tuning=PrefillTuning(**knobs), extras=ex)
                 for kname, k in COMPILED[n0:]:
-                    res = _resources(k, args.sass_dir, f"{name}_prefill_{window}{i}")
-                    print(f"{name:10s} prefill {window:7s} {str(knobs):27s} {kname:24s} {res}", flush=True)
+                    res = _resources(k, args.sass_dir, f"{name}_prefill_{window}{i}{tag}")
+                    print(f"{name:10s} prefill{tag:2s} {window:7s} {str(knobs):25s} {kname:24s} {res}", flush=True)
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
         limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)
