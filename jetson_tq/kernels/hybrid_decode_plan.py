@@ -536,7 +536,7 @@ def _plan_key(
     rk = kv.recent_k
     sinks = extras.sinks
     return (
-        None if sinks is None else (sinks.data_ptr(), sinks.dtype, sinks._version),
+        None if sinks is None else (sinks.data_ptr(), sinks.dtype),
         extras.soft_cap,
         extras.sliding_window,
         id(kv.codec),
