@@ -267,30 +267,31 @@ def _workspace_tile(
     lo,
     qk,
     qs,
-    acc,
-    m_i,
-    l_i,
-    wk_base,
-    wv_base,
+    state,
+    ws,
+    xs,
     KW: tl.constexpr,
     DP: tl.constexpr,
     PROD: tl.constexpr,
     MASKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERP: tl.constexpr,
-    wlo=0,
-    wmin=0,
-    cap2=1.0,
-    SOFT_CAP: tl.constexpr = False,
-    WINDOW: tl.constexpr = False,
+    SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One flash step over the dequantized tokens [n0, n0 + BLOCK_N) (workspace rows n - s0). ``MASKED``: the tile
     may reach past ``cend``, past a row's window bound ``lo`` or (WINDOW) below a row's sliding-window start ``wlo``
-    (rows below ``wmin``, every row's, are never loaded); otherwise every row reads all of it."""
+    (rows below ``wmin``, every row's, are never loaded); otherwise every row reads all of it. ``state``: (acc, max,
+    sum); ``ws``: the key and value workspace bases; ``xs``: (wlo, wmin, cap2)."""
+    acc, m_i, l_i = state
+    wk_base, wv_base = ws
+    wlo, wmin, cap2 = xs
     n = n0 + tl.arange(0, BLOCK_N)
     j = tl.arange(0, DP)[None, :]
     rows = (n - s0)[:, None]
-    ld = ((n < cend) & (n >= wmin))[:, None]
+    ld = (n < cend)[:, None]
+    if WINDOW:  # nothing below every row's window start is loaded
+        ld = ld & (n >= wmin)[:, None]
     kt = _ws_load(wk_base, rows, ld, j, 0, KW, MASKED)
     s = mma(qk, tl.trans(kt), tl.zeros([qk.shape[0], BLOCK_N], tl.float32), INTERP)
     if PROD:
@@ -305,6 +306,36 @@ def _workspace_tile(
     vt = _ws_load(wv_base, rows, ld, j, 0, DP, MASKED)
     acc = mma(p.to(vt.dtype), vt, acc * alpha[:, None], INTERP)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _workspace_span(
+    n_lo,
+    n_hi,
+    s0,
+    cend,
+    lo,
+    qk,
+    qs,
+    state,
+    ws,
+    xs,
+    KW: tl.constexpr,
+    DP: tl.constexpr,
+    PROD: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERP: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """``_workspace_tile`` over the tiles [n_lo, n_hi) (BLOCK_N each) into ``state`` (acc, max, sum); ``ws``: the
+    key and value workspace bases, ``xs``: (row window starts, every row's, cap2) of the extras."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        state = _workspace_tile(
+            n0, s0, cend, lo, qk, qs, state, ws, xs, KW, DP, PROD, MASKED, BLOCK_N, INTERP, SOFT_CAP, WINDOW
+        )
+    return state
 
 
 @triton.jit
@@ -527,88 +558,24 @@ def _prefill_kernel(
     wv_base = wv_ptr + wbase * DP
     cend = tl.minimum(tl.maximum(lo_last, 0), s0 + seg)
     cfull = tl.minimum(tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N, cend)
+    state, ws, xs = (acc, m_i, l_i), (wk_base, wv_base), (wlo, 0, cap2)
+    wfull = s0
     if WINDOW:  # tiles below the last row's window start, masked; none below the first row's is touched
         wmin = tl.maximum(wlo_first, 0)
         w0 = tl.maximum(s0, wmin // BLOCK_N * BLOCK_N)
         wfull = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(wlo_last, 0), BLOCK_N) * BLOCK_N, w0), cend)
-        for n0 in range(w0, wfull, BLOCK_N):
-            acc, m_i, l_i = _workspace_tile(
-                n0,
-                s0,
-                cend,
-                lo,
-                qk,
-                qs,
-                acc,
-                m_i,
-                l_i,
-                wk_base,
-                wv_base,
-                KW,
-                DP,
-                PROD,
-                True,
-                BLOCK_N,
-                INTERP,
-                wlo,
-                wmin,
-                cap2,
-                SOFT_CAP,
-                WINDOW,
-            )
-    else:
-        wmin = 0
-        wfull = s0
-    for n0 in range(wfull, cfull, BLOCK_N):
-        acc, m_i, l_i = _workspace_tile(
-            n0,
-            s0,
-            cend,
-            lo,
-            qk,
-            qs,
-            acc,
-            m_i,
-            l_i,
-            wk_base,
-            wv_base,
-            KW,
-            DP,
-            PROD,
-            False,
-            BLOCK_N,
-            INTERP,
-            wlo,
-            wmin,
-            cap2,
-            SOFT_CAP,
-            WINDOW,
+        xs = (wlo, wmin, cap2)
+        state = _workspace_span(
+            w0, wfull, s0, cend, lo, qk, qs, state, ws, xs, KW, DP, PROD, True, BLOCK_N, INTERP, SOFT_CAP, WINDOW
         )
-    for n0 in range(tl.maximum(cfull, wfull), cend, BLOCK_N):
-        acc, m_i, l_i = _workspace_tile(
-            n0,
-            s0,
-            cend,
-            lo,
-            qk,
-            qs,
-            acc,
-            m_i,
-            l_i,
-            wk_base,
-            wv_base,
-            KW,
-            DP,
-            PROD,
-            True,
-            BLOCK_N,
-            INTERP,
-            wlo,
-            wmin,
-            cap2,
-            SOFT_CAP,
-            WINDOW,
-        )
+    state = _workspace_span(
+        wfull, cfull, s0, cend, lo, qk, qs, state, ws, xs, KW, DP, PROD, False, BLOCK_N, INTERP, SOFT_CAP, WINDOW
+    )
+    c0 = tl.maximum(cfull, wfull)
+    state = _workspace_span(
+        c0, cend, s0, cend, lo, qk, qs, state, ws, xs, KW, DP, PROD, True, BLOCK_N, INTERP, SOFT_CAP, WINDOW
+    )
+    acc, m_i, l_i = state
 
     if FINAL:
         # ---- the exact window: ring rows, then the chunk itself (both uncompressed)

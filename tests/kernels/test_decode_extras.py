@@ -7,8 +7,6 @@ the window's lower edge and the sink (added by split 0 only) meet the split merg
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -16,6 +14,7 @@ from jetson_tq.attention.extras import AttentionExtras
 from jetson_tq.attention.reference import paged_attention_decode
 from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
+from tests.helpers.masking import poison_freed
 
 pytestmark = pytest.mark.kernel
 
@@ -28,16 +27,6 @@ CASES = [
     ("fp16", 64, 2, [60], [4], "sliding", "cap", None),
     ("klt52_g3", 64, 2, [70], [8], "sliding", "all", 25),
 ]
-
-
-def poison_freed(kv, first_read: list[int]):
-    """``kv`` with every block wholly before ``first_read[b]`` pointed at one block of 0xFF bytes."""
-    bs = kv.layout.block_size
-    pages = torch.cat([kv.pages, torch.full_like(kv.pages[:1], 0xFF)])
-    table = kv.block_table.clone()
-    for b, p in enumerate(first_read):
-        table[b, : max(p, 0) // bs] = pages.shape[0] - 1
-    return dataclasses.replace(kv, pages=pages, block_table=table)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-D{c[1]}-G{c[2]}-{c[5]}-{c[6]}")

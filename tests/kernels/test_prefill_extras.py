@@ -6,8 +6,6 @@ freed sliding-window blocks point at its null block: a kernel that read one woul
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from jetson_tq.attention.extras import AttentionExtras
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
 from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
+from tests.helpers.masking import poison_freed
 
 pytestmark = pytest.mark.kernel
 
@@ -27,16 +26,6 @@ CASES = [
     ("fp16", 64, 2, [40], [4], 6, "sliding", "cap"),
     ("klt52_g3", 64, 2, [50], [8], 5, "sliding", "all"),
 ]
-
-
-def poison_freed(kv, first_read: list[int]):
-    """``kv`` with every block wholly before ``first_read[b]`` pointed at one block of 0xFF bytes."""
-    bs = kv.layout.block_size
-    pages = torch.cat([kv.pages, torch.full_like(kv.pages[:1], 0xFF)])
-    table = kv.block_table.clone()
-    for b, p in enumerate(first_read):
-        table[b, : max(p, 0) // bs] = pages.shape[0] - 1
-    return dataclasses.replace(kv, pages=pages, block_table=table)
 
 
 def _extras(kind: str, hq: int, gen: torch.Generator, window: int) -> AttentionExtras:

@@ -14,9 +14,7 @@ takes its bf16 sinks only beside bf16 queries ("expected scalar type BFloat16 bu
 from __future__ import annotations
 
 import math
-import os
 import random
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,20 +22,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from test_model_families import ENV, MML, TINY, WINDOW, MiB, models  # the families' engine settings
 from test_vllm_scheduling import same_up_to_near_ties
 
 from jetson_tq.integrations.vllm.compare import run_engines_in_one_process
 from jetson_tq.models.tiny import WORDS, write_tokenizer_files
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
-import models
-
 pytestmark = pytest.mark.slow
-MiB = 2**20
-ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq")
-MML = 512
-TINY = dict(hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=512)
-WINDOW = 64  # Gemma's windows shrunk below the prompts so the local layers really slide (gpt-oss keeps its 128)
 
 NEAR_EXACT = str(Path(__file__).resolve().parents[2] / "data" / "vllm_rawkeys_v8_r16.yaml")
 BF16_LOGPROB_TOL = 0.25  # bf16 activations: the near-exact control moved a log-probability by 0.045-0.143 here
@@ -107,7 +98,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
     root = tmp_path_factory.mktemp("extras_families")
     jobs = {}
     for family, (name, layers, sizes, extra, dtype) in FAMILIES.items():
-        config = dict(models.shrink(models.matrix_models()[name]["config"], layers, **{**TINY, **sizes}), **extra)
+        shape = {**{k: v for k, v in TINY.items() if k != "head_dim"}, **sizes}
+        config = dict(models.shrink(models.matrix_models()[name]["config"], layers, **shape), **extra)
         jobs[family] = _job(str(write_tiny_checkpoint(config, root / family)), dtype)
     configs = {"stock": None, "fp16": "fp16", "near_exact": NEAR_EXACT, "mse_k4v3": "mse_k4v3"}
     with ThreadPoolExecutor(len(configs)) as pool:
