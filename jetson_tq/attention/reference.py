@@ -45,7 +45,8 @@ def history_scores_and_values(
     ``extras``), and its values [B, Hkv, N, D]; the queries sit at the history's last position L - 1.
 
     N = longest compressed part + longest recent buffer; positions past a sequence's own length, and before its
-    sliding window (``extras``), get -inf (and, under a window, zero values: their blocks may be freed).
+    sliding window (``extras``), get -inf (and, under a window, zero values: their blocks may be freed). Without a
+    window the ring's rows may hold its tokens in any order; with one, token p sits in row p % R (vLLM, the cache).
     """
     codec = kv.codec
     comp_lens, rec_lens = kv.compressed_lens.long().to(qg.device), kv.recent_lens.long().to(qg.device)
@@ -61,8 +62,9 @@ def history_scores_and_values(
     s_buf = extras.cap((qg @ rec_k.unsqueeze(2).transpose(-1, -2)) * scale)
     sinks = _sink_count(kv)
     mask_c = (cpos.unsqueeze(0) >= comp_lens.unsqueeze(1)) | (cpos.unsqueeze(0) < torch.clamp(lo, min=sinks)[:, None])
-    rpos = _ring_positions(kv, qg.device)[:, :nb]  # [B, nb]
-    mask_b = (torch.arange(nb, device=qg.device).unsqueeze(0) >= rec_lens.unsqueeze(1)) | (rpos < lo[:, None])
+    mask_b = torch.arange(nb, device=qg.device).unsqueeze(0) >= rec_lens.unsqueeze(1)
+    if extras.sliding_window is not None:  # the ring's rows by position (token p in row p % R) against the window
+        mask_b |= _ring_positions(kv, qg.device)[:, :nb] < lo[:, None]
     s_comp = s_comp.masked_fill(mask_c[:, None, None, None, :], float("-inf"))
     s_buf = s_buf.masked_fill(mask_b[:, None, None, None, :], float("-inf"))
     v_comp = codec.decode_values(fields, cpos, head_axis=1)

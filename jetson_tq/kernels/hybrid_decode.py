@@ -163,6 +163,7 @@ def _hybrid_decode_kernel(
     n_splits,  # splits per (sequence, KV head)
     group_size,  # splits per first-level group of the in-launch merge
     window,  # the sliding window W in tokens (CFG.WINDOW)
+    ring,  # the recent buffer's capacity R: token p sits in row p % R (CFG.WINDOW)
     # ---- scalars
     scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
     qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
@@ -300,7 +301,7 @@ def _hybrid_decode_kernel(
             PAGE,
             CFG,
             clen,
-            rlen,
+            ring,
             wlo,
             cap2,
         )
@@ -692,8 +693,8 @@ def _recent_tokens(
     cap2=1.0,
 ):
     """Recent-buffer tokens [r0, r1) of sequence ``b`` (exact keys and values, scored with the raw query), BLOCK_R
-    per step, into the same online softmax ``state`` (m_i, l_i, acc, zacc) -> the new state. Row t of the ``rows``
-    the buffer holds is position pos0 + (t - pos0) mod rows (token p in row p % R); under CFG.WINDOW positions
+    per step, into the same online softmax ``state`` (m_i, l_i, acc, zacc) -> the new state. Row t holds position
+    pos0 + (t - pos0) mod ``rows`` (the buffer's capacity R: token p in row p % R); under CFG.WINDOW positions
     before ``wlo`` are masked, under CFG.SOFT_CAP scores capped (``cap2``, log2 domain)."""
     m_i, l_i, acc, zacc = state
     ridx = tl.load(ridx_ptr + b).to(tl.int64)

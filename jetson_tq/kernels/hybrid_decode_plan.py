@@ -152,6 +152,7 @@ class DecodeInts(NamedTuple):
     n_splits: int
     group_size: int  # splits per first-level group of the in-launch merge
     window: int  # the sliding window W in tokens (CFG.WINDOW; 0 without)
+    ring: int  # the recent buffer's capacity R (row p % R holds token p)
 
 
 class DecodeScalars(NamedTuple):
@@ -349,6 +350,7 @@ def plan_decode(
         n_splits=splits,
         group_size=group_size,
         window=window,
+        ring=max(1, rk.shape[2]),
     )
     scalars = DecodeScalars(
         scale_log2=scale * LOG2E,

@@ -128,12 +128,17 @@ def _dequant_kernel(
     h = pid_bh % HKV
     hist = tl.load(clen_ptr + b) + tl.load(rlen_ptr + b)
     cend = tl.minimum(tl.maximum(_window_lo(hist + T - 1, ring, BLOCK_WINDOW), 0), s0 + seg)
-    wmin = window_start(hist, window, WINDOW)  # the first chunk row's window start (0 without a window)
     n = s0 + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    if (s0 + pid_t * BLOCK_T < cend) & (s0 + pid_t * BLOCK_T + BLOCK_T > wmin):
+    live = s0 + pid_t * BLOCK_T < cend
+    if WINDOW:  # nothing before the first chunk row's window start is read
+        wmin = window_start(hist, window, WINDOW)
+        live = live & (s0 + pid_t * BLOCK_T + BLOCK_T > wmin)
+    if live:
         RAW_T: tl.constexpr = tl.bfloat16 if PAGE.RAW_BF16 else tl.float16
         j = tl.arange(0, DP)[None, :]
-        nmask = (n < cend) & (n >= wmin)
+        nmask = n < cend
+        if WINDOW:
+            nmask = nmask & (n >= wmin)
         blk = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + n // PAGE.BS, mask=nmask, other=0)
         base = pages_ptr + (blk.to(tl.int64) * (HKV * PAGE.PB) + h.to(tl.int64) * PAGE.PB)  # [BLOCK_T] token pages
         offn = n % PAGE.BS

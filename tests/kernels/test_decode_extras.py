@@ -52,6 +52,23 @@ def test_decode_extras_match_reference(case, splits):
     assert err <= 2e-3, f"seed={seed} {case} splits={splits}: rel err {err:.2e}"
 
 
+@pytest.mark.parametrize("window_kind", ["block", "sliding"])
+def test_window_inside_a_partly_filled_ring(window_kind):
+    """A ring of capacity 16 holding fewer tokens (block window: the own block's; sliding: a short sequence), rows by
+    position p % 16, and a window that ends inside it: the ring rows before the window start are masked."""
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    fmt = fmt_for("mse_k4v3", 64).with_(buffer_tokens=16, window=window_kind)
+    comp, rec = ([64, 32], [5, 9]) if window_kind == "block" else ([0, 0], [11, 14])
+    kv = build_paged_kv(fmt, 2, 64, comp, rec, torch.float16, gen, recent_cap=16)
+    q = torch.randn(2, 4, 64, generator=gen).half().to(DEVICE)
+    extras = AttentionExtras(sliding_window=4, sinks=torch.randn(4, generator=gen).to(DEVICE))
+    ref = paged_attention_decode(q, kv, extras=extras)
+    for splits in (1, 2):
+        err = rel_err(hybrid_decode(q, kv, tuning=DecodeTuning(num_splits=splits), extras=extras), ref)
+        assert err <= 2e-3, f"seed={seed} splits={splits}: rel err {err:.2e}"
+
+
 def test_plain_decode_unchanged_by_a_window_beyond_the_history():
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
