@@ -57,7 +57,8 @@ def _lloyd_max_gaussian() -> tuple[torch.Tensor, ...]:
         mid = (c[1:] + c[:-1]) / 2
         lo = torch.where(first, -math.inf, torch.cat([mid[:1], mid]))
         hi = torch.where(last, math.inf, torch.cat([mid, mid[-1:]]))
-        new = (normal.log_prob(lo).exp() - normal.log_prob(hi).exp()) / (torch.special.ndtr(hi) - torch.special.ndtr(lo))
+        mass = torch.special.ndtr(hi) - torch.special.ndtr(lo)
+        new = (normal.log_prob(lo).exp() - normal.log_prob(hi).exp()) / mass
         moved = torch.zeros(len(sizes), dtype=torch.float64).scatter_reduce_(0, seg, (new - c).abs(), "amax")
         c = torch.where(live[seg], new, c)
         live &= moved >= 1e-12

@@ -13,15 +13,17 @@ from tests.calibration import fit_oracle
 HEADS = 3
 
 
-def random_heads(seed: int, d: int, n: int = 1536) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_heads(seed: int, d: int, n: int = 1024) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys [H, N, D] (anisotropic, correlated, heavy-tailed in some heads, offset), queries [H, 2N, D] of unequal
     channel energies, and positive weights [H, N]."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.logspace(0.5, -1.5, d, dtype=torch.float64)
     mix = torch.linalg.qr(torch.randn(HEADS, d, d, generator=g, dtype=torch.float64)).Q
-    k = (torch.randn(HEADS, n, d, generator=g, dtype=torch.float64) * scale) @ mix + torch.randn(HEADS, 1, d, generator=g)
+    k = (torch.randn(HEADS, n, d, generator=g, dtype=torch.float64) * scale) @ mix
+    k = k + torch.randn(HEADS, 1, d, generator=g, dtype=torch.float64)
     k[0] = k[0] ** 3 / 3  # a heavy-tailed head
-    q = torch.randn(HEADS, 2 * n, d, generator=g, dtype=torch.float64) * torch.rand(d, generator=g, dtype=torch.float64)
+    energy = torch.rand(d, generator=g, dtype=torch.float64)
+    q = torch.randn(HEADS, 2 * n, d, generator=g, dtype=torch.float64) * energy
     w = 1 + torch.rand(HEADS, n, generator=g, dtype=torch.float64) ** 4 * 10
     return k, q, w
 
@@ -67,15 +69,29 @@ def test_batched_pieces_match_one_head_at_a_time(seed: int):
 
 
 def test_eigenvector_signs_are_fixed():
-    """Each column of U has its largest-magnitude entry positive, whatever sign the eigensolver returned."""
-    k, q, w = random_heads(0, 64, n=256)
+    """Each column of U has its largest-magnitude entry positive, the same from a stack's batched eigh as from each
+    matrix alone and for the matrix's negated eigenvectors' input (a covariance of the negated keys)."""
+    k, _, _ = random_heads(0, 64, n=256)
     cov = k.transpose(1, 2) @ k
-    _, u = fit.block_klt(cov, fit.pair_blocks(64, 0))
-    _, u_neg = fit.block_klt(cov, fit.pair_blocks(64, 0))
+    lam, u = fit.block_klt(cov, fit.pair_blocks(64, 0))
     lead = u.abs().argmax(-2, keepdim=True)
     assert bool((u.gather(-2, lead) > 0).all())
-    assert torch.equal(u, u_neg)
+    for h in range(HEADS):
+        lam_h, u_h = fit.block_klt(cov[h], fit.pair_blocks(64, 0))
+        assert close(u_h, u[h], 1e-9) and close(lam_h, lam[h], 1e-12)
+        assert close(u_h.T @ cov[h] @ u_h, torch.diag(lam_h), 1e-9)
     assert close(u.transpose(1, 2) @ u, torch.eye(64, dtype=torch.float64).expand(HEADS, -1, -1), 1e-9)
+
+
+def test_gaussian_codebooks_iterated_together_are_each_alone():
+    """All widths' Lloyd-Max codebooks in one loop: bit for bit the codebook iterated by itself (1..6 bits here;
+    7 and 8, which run the full 20,000 steps, agree too but take ~10 s alone)."""
+    books = fit._lloyd_max_gaussian()
+    for b in range(1, 7):
+        assert torch.equal(books[b - 1], fit_oracle.gaussian_codebook_alone(b)), f"{b} bits"
+    assert [len(c) for c in books] == [1 << b for b in range(1, fit.MAX_BITS + 1)]
+    assert all(bool((c.diff() > 0).all()) for c in books)
+    assert fit.distortion(8) < fit.distortion(4) < fit.distortion(1) < 1.0
 
 
 def test_fit_heads_refuses_mismatched_shapes():
