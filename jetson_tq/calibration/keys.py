@@ -18,7 +18,7 @@ from ..codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams
 from ..errors import ConfigError
 from ..format import KVFormat
 from .capture import AttentionCapture, capture_attention
-from .fit import LEVEL_KINDS, KLTLayer, fit_head, gaussian_codebook, key_weights, received_attention
+from .fit import LEVEL_KINDS, KLTLayer, fit_heads, gaussian_codebook, key_weights, received_attention
 from .sink import SINK_TOLERANCE, sink_spread
 
 Progress = Callable[[str], None]
@@ -111,7 +111,8 @@ def to_key_transform(layer: KLTLayer, rotary: RotaryParams) -> KeyTransform:
 def fit_klt(cap: AttentionCapture, recipe: Recipe, skip: int) -> KeyTransform:
     """One layer's klt transform: pre-RoPE keys and queries (the model's RoPE undone), each key weighted by the
     attention it receives from queries that read it compressed, positions < ``skip`` left out; every KV head fitted
-    in float64 where the capture is (the GPU for a model on it; ``calibration.fit.fit_head``), returned on the CPU."""
+    at once in float64 where the capture is (the GPU for a model on it; ``calibration.fit.fit_heads``), returned on
+    the CPU."""
     rotary = cap.rotary
     t, d = cap.k.shape[2], cap.k.shape[3]
     pos = torch.arange(t, device=cap.k.device)
@@ -120,19 +121,16 @@ def fit_klt(cap: AttentionCapture, recipe: Recipe, skip: int) -> KeyTransform:
     q = rotary.apply(cap.q.double(), pos, inverse=True)[:, :, skip:]  # [B, H, T', D], [B, Hq, T', D]
     h, g = k.shape[1], q.shape[1] // k.shape[1]
     budget = recipe.key_format().key_code_bits(d)
-    heads = [
-        fit_head(
-            k[:, i].reshape(-1, d),
-            q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, d),
-            weights[:, i].reshape(-1),
-            budget,
-            widths=recipe.widths,
-            levels=recipe.levels,
-            rotary_dim=rotary.rotary_dim,
-        )
-        for i in range(h)
-    ]
-    fields = {n: torch.stack([f[n] for f in heads]) for n in heads[0]}
+    b = k.shape[0]
+    fields = fit_heads(
+        k.transpose(0, 1).reshape(h, -1, d),
+        q.reshape(b, h, g, -1, d).permute(1, 2, 0, 3, 4).reshape(h, -1, d),  # each head's query group
+        weights.transpose(0, 1).reshape(h, -1),
+        budget,
+        widths=recipe.widths,
+        levels=recipe.levels,
+        rotary_dim=rotary.rotary_dim,
+    )
     layer = KLTLayer(
         mean=fields["mean"].float(),
         encode=fields["encode"].float(),

@@ -31,8 +31,9 @@ from ..models.smollm2 import cache_root
 from .capture import decoder_config
 
 ENV_DIR = "JETSON_TQ_CALIBRATION_DIR"
-#: Bumped when the fit changes what a recipe produces: older entries are recalibrated.
-CALIBRATION_VERSION = 1
+#: Bumped when the fit changes what a recipe produces: older entries are recalibrated. 2: each eigenvector signed
+#: so that its largest-magnitude entry is positive (the same coder up to a coefficient's sign, stored differently).
+CALIBRATION_VERSION = 2
 #: Elements of each sampled weight tensor in the digest (its first ones and an even stride through it).
 DIGEST_ELEMENTS = 4096
 #: Decoder config fields that change the keys a model makes (any absent one hashes as null).
