@@ -77,7 +77,9 @@ def _model_inv_freqs(model) -> list[torch.Tensor]:
 def rotary_from_tables(cos: torch.Tensor, sin: torch.Tensor, known: list[torch.Tensor], head_dim: int) -> RotaryParams:
     """The RoPE behind one row of (cos, sin) [T, R] at positions 0..T-1: ``rotate_half`` pairs (c, c + R/2), scale s =
     cos at position 0, frequencies from the angles (the model's own ``inv_freq`` buffer where one matches, exactly);
-    UnsupportedModelError when the tables are not of that kind."""
+    UnsupportedModelError when the tables are not of that kind. Tables in a low-precision dtype (a bf16 model on the
+    GPU) are checked to that dtype's rounding: bf16 rounds cos to ~4e-3."""
+    eps = torch.finfo(cos.dtype).eps if cos.dtype.is_floating_point else 0.0
     cos, sin = cos.double().cpu(), sin.double().cpu()
     t, r = cos.shape
     if r % 2 or r > head_dim or t < 2:
@@ -93,13 +95,13 @@ def rotary_from_tables(cos: torch.Tensor, sin: torch.Tensor, known: list[torch.T
     far = torch.atan2(sin[p, :half], cos[p, :half])
     freq = (far + 2 * math.pi * torch.round((est * p - far) / (2 * math.pi))) / p
     for buf in known:
-        if buf.numel() == half and bool(((buf - freq).abs() <= 1e-6 + 1e-4 * freq.abs()).all()):
+        if buf.numel() == half and bool(((buf - freq).abs() <= 1e-6 + 2 * eps / p + 1e-4 * freq.abs()).all()):
             freq = buf
             break
     rotary = RotaryParams(freq.float(), scale)
     pos = torch.arange(t, dtype=torch.float64)[:, None]
     miss = ((scale * torch.cos(pos * freq) - cos[:, :half]).abs().max() / scale).item()
-    if miss > ROPE_TOLERANCE:
+    if miss > max(ROPE_TOLERANCE, eps):
         raise UnsupportedModelError(f"RoPE tables are not s cos(p f) of a static frequency set (off by {miss:.2e})")
     return rotary
 
