@@ -6,8 +6,8 @@ questions at import time (``cutlass_scaled_mm_supports_fp8`` ...). The bundle sh
 "unsupported", so vLLM picks its non-CUTLASS paths) and the three memory helpers the CUDA-graph and
 buffer code call (``weak_ref_tensor``, ``get_cuda_view_from_cpu_tensor``,
 ``get_max_shared_memory_per_block_device_attribute``), ``silu_and_mul``, ``gelu_and_mul`` and
-``gelu_tanh_and_mul`` (the activation layers look them up in ``__init__`` on CUDA even when the native path
-runs, and the fused-MoE layer calls them), written with PyTorch, and the KV-cache write
+``gelu_tanh_and_mul``, ``swigluoai_and_mul`` (the activation layers look them up in ``__init__`` on CUDA even
+when the native path runs, and the fused-MoE layer calls them), written with PyTorch, and the KV-cache write
 of the FlashAttention backend (``_C_cache_ops.reshape_and_cache_flash``) through vLLM's own Triton
 version of it, so FLASH_ATTN (FA3, an optional bundle part) can run as the stock baseline. Compute ops (RMSNorm,
 SiLU-and-mul, RoPE, cache writes) are not provided: the run scripts select vLLM's native PyTorch
@@ -57,6 +57,13 @@ def gelu_tanh_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
     torch.mul(torch.nn.functional.gelu(x[..., :d], approximate="tanh"), x[..., d:], out=result)
 
 
+def swigluoai_and_mul(result: torch.Tensor, x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> None:
+    """gpt-oss's clamped SwiGLU on interleaved (gate, up) pairs: (clamp(up) + 1) * g * sigmoid(alpha * g), g = gate
+    clamped above at ``limit`` (``SwigluOAIAndMul`` looks the op up on CUDA; gpt-oss's fused MoE calls it)."""
+    gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(min=-limit, max=limit)
+    torch.mul(up + 1, gate * torch.sigmoid(gate * alpha), out=result)
+
+
 def max_shared_memory(device: int) -> int:
     """Opt-in shared memory per block, as cudaDevAttrMaxSharedMemoryPerBlockOptin reports it."""
     return int(torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
@@ -93,6 +100,9 @@ _TENSOR_OPS = {
 _TENSOR_OPS["silu_and_mul(Tensor(a!) result, Tensor input) -> ()"] = silu_and_mul
 _TENSOR_OPS["gelu_and_mul(Tensor(a!) result, Tensor input) -> ()"] = gelu_and_mul
 _TENSOR_OPS["gelu_tanh_and_mul(Tensor(a!) result, Tensor input) -> ()"] = gelu_tanh_and_mul
+_TENSOR_OPS["swigluoai_and_mul(Tensor(a!) result, Tensor input, float alpha=1.702, float limit=7.0) -> ()"] = (
+    swigluoai_and_mul
+)
 
 for _schema, _fn in _TENSOR_OPS.items():
     _name = _schema.split("(", 1)[0]

@@ -116,6 +116,11 @@ for op, approximate in ((torch.ops._C.gelu_and_mul, "none"), (torch.ops._C.gelu_
 out = torch.empty(3, 4)
 torch.ops._C.silu_and_mul(out, x)
 assert torch.equal(out, torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
+x = 4 * torch.randn(3, 8)  # beyond gpt-oss's limit of 7 in places
+torch.ops._C.swigluoai_and_mul(out, x, 1.702, 7.0)
+gate, up = x[:, ::2].clamp(max=7.0), x[:, 1::2].clamp(min=-7.0, max=7.0)
+assert torch.allclose(out, (up + 1) * gate * torch.sigmoid(gate * 1.702))  # SwigluOAIAndMul.forward_native
+torch.ops._C.swigluoai_and_mul(out, x)  # vLLM's fused MoE passes no alpha / limit
 try:
     torch.ops._C.rotary_embedding(torch.zeros(1))
 except NotImplementedError as e:
