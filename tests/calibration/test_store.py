@@ -152,13 +152,15 @@ def test_the_vllm_switch_resolves_auto_before_the_engine_and_workers_inherit_it(
     model.save_pretrained(tmp_path / "g")
     tokenizer.save_pretrained(tmp_path / "g")
     monkeypatch.setenv(settings.ENV_CONFIG, "auto")
-    monkeypatch.delenv(plugin.ENV_AUTO, raising=False)
+    monkeypatch.setenv(plugin.ENV_AUTO, "")  # restored after the test (resolving sets it in os.environ)
     assert plugin.auto_requested()
     assert settings.active_config().name == "auto"  # before resolution: the calibrated format, no transform yet
     resolved = plugin.resolve_auto_for_engine(str(tmp_path / "g"), "auto")
     assert resolved.endswith(".yaml") and settings.config_name() == resolved and plugin.auto_requested()
     assert settings.active_config().needs_key_transform and settings.layer_key_transform(0).head_dim == 32
     assert plugin.resolve_auto_for_engine(str(tmp_path / "g"), "dummy") == FALLBACK_PRESET  # a later engine
+    monkeypatch.setenv(settings.ENV_CONFIG, "tests/data/vllm_rawkeys_v8_r16.yaml")  # an explicit switch set since:
+    assert not plugin.auto_requested()  # what it names is served, not auto (child engines inherit the environment)
     settings._load.cache_clear()
 
 

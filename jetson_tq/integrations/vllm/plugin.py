@@ -47,14 +47,17 @@ def pin_v1_model_runner() -> bool:
     return False
 
 
-#: Set (to 1) once ``auto`` was resolved in this process: a later engine of the process resolves again for its model.
+#: Set to the resolved config once ``auto`` was resolved in this process: a later engine of the process resolves again
+#: for its model while the switch still holds that value; a switch set to anything else since (an explicit preset for
+#: a child process, say) is what the user asks for then, not ``auto``.
 ENV_AUTO = "JETSON_TQ_AUTO_REQUESTED"
 _AUTO_MARK = "_jetson_tq_auto"
 
 
 def auto_requested() -> bool:
     """True when the user asked for ``auto`` (still unresolved, or resolved earlier in this process)."""
-    return settings.config_name() == AUTO or os.environ.get(ENV_AUTO) == "1"
+    name = settings.config_name()
+    return name == AUTO or (name is not None and os.environ.get(ENV_AUTO) == name)
 
 
 def resolve_auto_for_engine(model: str, load_format: str) -> str:
@@ -62,7 +65,7 @@ def resolve_auto_for_engine(model: str, load_format: str) -> str:
     result, which vLLM's engine-core and worker processes inherit; returns it."""
     resolved = str(resolve_auto("checkpoint", model, load_format=load_format))
     os.environ[settings.ENV_CONFIG] = resolved
-    os.environ[ENV_AUTO] = "1"
+    os.environ[ENV_AUTO] = resolved
     settings.logger().info("jetson-tq: %s=auto for %s: %s", settings.ENV_CONFIG, model, resolved)
     return resolved
 
