@@ -3,7 +3,8 @@
 #   matrix            benchmarks/vllm_gpu/matrix.py, MATRIX_BUDGET seconds (default 420), MATRIX_WORKERS (3),
 #                     MATRIX_MODELS (a,b,...: those rows only; default all), MATRIX_GPU_UTIL (vLLM's per-engine memory
 #                     check, default 0.25: gpt-oss-20b's bf16 weights need ~0.6 of an 80 GB card), MATRIX_FP8=1 (a
-#                     third engine per row: stock fp8 KV at the same budget). MoE rows need the optional part
+#                     third engine per row: stock fp8 KV at the same budget), MATRIX_KV_GIB (every engine's KV budget,
+#                     default 2: Gemma-3-12B's 8 x 8k decode row needs ~8). MoE rows need the optional part
 #                     vllm-moe.tar.xz (bundle.py --with-moe, staged by an earlier call: parts.py)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
 #                     wheel: GGUF_WHEEL=path, carried beside the bundle)
@@ -34,7 +35,8 @@ while [ $# -gt 0 ]; do
     matrix)
       python3 benchmarks/vllm_gpu/matrix.py --out "$R/matrix" --budget "${MATRIX_BUDGET:-420}" \
         --workers "${MATRIX_WORKERS:-3}" ${MATRIX_MODELS:+--models "$MATRIX_MODELS"} \
-        ${MATRIX_GPU_UTIL:+--gpu-util "$MATRIX_GPU_UTIL"} ${MATRIX_FP8:+--fp8} > "$R/matrix.log" 2>&1
+        ${MATRIX_GPU_UTIL:+--gpu-util "$MATRIX_GPU_UTIL"} ${MATRIX_FP8:+--fp8} \
+        ${MATRIX_KV_GIB:+--kv-gib "$MATRIX_KV_GIB"} > "$R/matrix.log" 2>&1
       tail -25 "$R/matrix.log" ;;
     spec)
       read -r -a spec_args <<< "${SPEC_ARGS:-}"  # extra arguments, split on spaces on purpose
