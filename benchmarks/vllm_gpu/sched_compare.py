@@ -26,7 +26,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_vllm_scheduling as sched  # noqa: E402
 
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
+from lab.vllm_compare import run_engine_subprocess  # noqa: E402
 
 
 def stock_block_bytes() -> int:

@@ -88,7 +88,7 @@ def split(argv: list[str]) -> tuple[dict[str, str | bool], str | None, list[str]
 
 def resolve(name: str) -> tuple[str, str]:
     """(what vLLM loads, the dtype it needs or 'auto'); a path that does not exist is a named error."""
-    from ..integrations.vllm.compare import resolve_model
+    from ..models.resolve import resolve_model
 
     looks_local = name.startswith((".", "/", "~")) or (os.sep in name and Path(name).expanduser().exists())
     if looks_local and not Path(name).expanduser().is_dir():

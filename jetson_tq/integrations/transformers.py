@@ -47,7 +47,7 @@ from ..format import KVFormat
 ATTN_IMPLEMENTATION = "turboquant"
 #: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
 #: the PyTorch reference on CPU; reference / triton: that one. Evaluation code may add history backends by name
-#: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
+#: (``register_history_backend``; ``lab.eval`` adds "cpu-decoded").
 BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
 
 #: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)``

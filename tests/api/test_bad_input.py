@@ -38,8 +38,8 @@ from jetson_tq.errors import (
     ValueRangeError,
 )
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout, fp16_bytes_per_token
-from jetson_tq.integrations.vllm import compare
 from jetson_tq.models.specs import MODELS_DIR, load_model_spec
+from lab import vllm_compare as compare
 from tests.helpers.sandbox import run_launcher
 
 D, H, B = 32, 2, 2

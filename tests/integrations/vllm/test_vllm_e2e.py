@@ -42,10 +42,10 @@ from test_vllm_scheduling import engine_seed, same_up_to_near_ties
 
 from jetson_tq.config import load_config
 from jetson_tq.format import PagedLayout
-from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_subprocess, token_agreement
 from jetson_tq.integrations.vllm.recent import pool_bytes
 from jetson_tq.integrations.vllm.spec import EXACT_FORMAT_REASON
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from lab.vllm_compare import first_divergence, run_engine_subprocess, token_agreement
 from tests.helpers.engines import run_engines_side_by_side
 
 DATA = Path(__file__).resolve().parents[2] / "data"
