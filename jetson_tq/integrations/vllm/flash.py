@@ -14,9 +14,9 @@ from ...attention.reference import VarlenAttention
 
 logger = logging.getLogger(__name__)
 ENV_VAR = "JETSON_TQ_FLASH_PREFILL"
-#: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. Same
-#: H200 run (docs/vllm.md, Speed): 8k prompts took 0.52-0.55 s per 16k-token step on the Triton loop vs 0.62-0.68 s
-#: on FlashAttention (the flash path's host planning per layer), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
+#: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. On an
+#: H200 (docs/vllm.md, Speed), 8k prompts took 0.52-0.55 s per 16k-token step on the Triton loop vs 0.62-0.68 s on
+#: FlashAttention (the flash path's host planning per layer), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
 FLASH_MIN_TOKENS = 16384
 
 
