@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..errors import JetsonTQError, MissingComponentError, UnsupportedPlatformError
+from ..errors import JetsonTQError, MissingComponentError, UnsupportedModelError, UnsupportedPlatformError
 from ..version import __version__
 from . import calibrate_cmd, capacity_cmd, demo_cmd, exit_codes, platform_cmd, serve_cmd, vllm_cmd
 
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SystemExit as e:  # a pass-through parser (demo, vllm) refused its arguments
         return _exit_status(e)
+    except UnsupportedModelError as e:  # before its base: the model, not the machine, is what cannot be served
+        print(f"jetson-tq: unsupported model: {e}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_PLATFORM
     except UnsupportedPlatformError as e:
         print(f"jetson-tq: unsupported platform: {e}", file=sys.stderr)
         return exit_codes.UNSUPPORTED_PLATFORM

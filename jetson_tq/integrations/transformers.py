@@ -41,7 +41,7 @@ from ..cache.compressed import CompressedKVCache
 from ..codec.klt import KeyTransform, load_transforms_cached
 from ..codec.rotation import derive_seed
 from ..config import DEFAULT_PRESET, TurboQuantConfig, is_auto, load_config, resolve_auto
-from ..errors import ConfigError, JetsonTQError, ShapeError
+from ..errors import ConfigError, ShapeError, UnsupportedModelError
 from ..format import KVFormat
 
 ATTN_IMPLEMENTATION = "turboquant"
@@ -66,10 +66,6 @@ def register_history_backend(name: str, factory: Callable[[CompressedKVCache, in
 def backend_names() -> tuple[str | None, ...]:
     """Every accepted ``backend`` value: the ops backends and the registered history backends."""
     return (*BACKENDS, *HISTORY_BACKENDS)
-
-
-class UnsupportedModelError(JetsonTQError, ValueError):
-    """The model (architecture, attention variant or generation mode) cannot use TurboQuantCache."""
 
 
 # ---------------------------------------------------------------------------------------------- model checks

@@ -13,8 +13,8 @@ from jetson_tq.calibration.fit import LEVEL_KINDS
 from jetson_tq.calibration.keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, Recipe, to_key_transform, write_calibration
 from jetson_tq.calibration.keys import calibrate_model as calibrate_keys
 from jetson_tq.codec.klt import KeyTransform, RotaryParams
-from jetson_tq.errors import ConfigError
-from jetson_tq.integrations.transformers import UnsupportedModelError, check_model_supported
+from jetson_tq.errors import ConfigError, UnsupportedModelError
+from jetson_tq.integrations.transformers import check_model_supported
 
 from .klt_keys import KLTKeys
 

@@ -42,7 +42,7 @@ from ... import ops
 from ...attention.extras import AttentionExtras
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
-from ...errors import ConfigError, ShapeError, UnsupportedPlatformError
+from ...errors import ConfigError, ShapeError, UnsupportedModelError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count, kernel_unsupported_reason
 from ...paged import PagedKV
 from . import hooks
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 
 from .spec import (
     LayerFacts,
-    UnsupportedModelError,
     layer_format,
     layer_index,
     layout_for,

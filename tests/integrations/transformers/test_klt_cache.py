@@ -12,9 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jetson_tq.cli.main import main
 from jetson_tq.codec.klt import load_transforms, spread_transform
 from jetson_tq.config import TurboQuantConfig, load_config
-from jetson_tq.errors import ConfigError
+from jetson_tq.errors import ConfigError, UnsupportedModelError
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
+from jetson_tq.integrations.transformers import TurboQuantCache
 from lab.eval.calibrate_keys import calibrate_model, calibration_spec, model_rotary
 from lab.eval.decoded_history import register as register_decoded
 from lab.eval.klt_keys import KLTKeyCache, KLTPlan, calibrate

@@ -255,7 +255,7 @@ def test_what_cannot_be_served_is_a_named_error_naming_the_layer(tiny):
     """A layer with a sliding window now runs stock beside compressed ones (tests/integrations/vllm/
     test_model_families.py); what neither can serve, a KV cache dtype set beside the switch, stops at start-up
     with the layer's name."""
-    from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+    from jetson_tq.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=r"layer model\.layers\.0\.self_attn\.attn: kv_cache_dtype 'fp8'"):
         run_engine_subprocess(_job(tiny, "bfloat16", ["the cat"], max_tokens=2, kv_cache_dtype="fp8"), "blog_k3v2", ENV)
