@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "jetson_tq"
 #: Rank of each top-level part in the data flow; an import may only go to a rank <= its own.
 LAYERS = {
     "errors": 0,
+    "env": 0,
     "version": 0,
     "arg_types": 0,
     "format": 1,
@@ -127,13 +128,12 @@ def test_nothing_lower_imports_anything_higher():
 
 
 def test_only_ops_picks_a_backend():
-    """JETSON_TQ_BACKEND is read in one module, and no other module imports a kernel launcher directly."""
+    """JETSON_TQ_BACKEND (``env.Settings.kernel_backend``) is read in one module, and no other module imports a
+    kernel launcher directly."""
     readers = [
         str(p.relative_to(ROOT))
         for p in ROOT.rglob("*.py")
-        if any(
-            isinstance(n, ast.Constant) and n.value == "JETSON_TQ_BACKEND" for n in ast.walk(ast.parse(p.read_text()))
-        )
+        if any(isinstance(n, ast.Attribute) and n.attr == "kernel_backend" for n in ast.walk(ast.parse(p.read_text())))
     ]
     assert readers == ["ops/backend.py"], readers
     importers = {
@@ -202,3 +202,19 @@ def late():
     assert outside_imports(source) == ["lab", "benchmarks.fidelity", "lab.eval", "tests.helpers", "demos"]
     assert lab_module_names(source) == ["lab.vllm_compare"]
     assert outside_imports("from jetson_tq.calibration import keys\nimport torch\n") == []
+
+
+def test_every_jetson_tq_variable_is_named_in_env_only():
+    """The ``JETSON_TQ_*`` names live in ``jetson_tq/env.py`` (one ``Settings``); other modules use its constants."""
+    import re
+
+    from jetson_tq import env
+
+    NAME = r"JETSON_TQ_[A-Z0-9_]+"
+    named: dict[str, set[str]] = {}
+    for p in ROOT.rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(NAME, n.value):
+                named.setdefault(n.value, set()).add(str(p.relative_to(ROOT)))
+    assert {name: files for name, files in named.items() if files != {"env.py"}} == {}
+    assert set(named) == set(env.NAMES) and len(env.NAMES) == len(set(env.NAMES))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from .. import env
 from ..errors import JetsonTQError, MissingComponentError, UnsupportedModelError, UnsupportedPlatformError
 from ..version import __version__
 from . import calibrate_cmd, capacity_cmd, demo_cmd, exit_codes, platform_cmd, serve_cmd, vllm_cmd
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jetson-tq: {type(e).__name__}: {e}", file=sys.stderr)
         return exit_codes.USAGE
     except Exception as e:
-        if os.environ.get(TRACEBACK_ENV):
+        if env.read().traceback:
             raise
         print(
             f"jetson-tq: {args.mode} failed: {type(e).__name__}: {str(e)[-2000:]}\n"
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.FAILED
 
 
-TRACEBACK_ENV = "JETSON_TQ_TRACEBACK"
+TRACEBACK_ENV = env.TRACEBACK
 
 
 def _exit_status(e: SystemExit) -> int:
