@@ -10,7 +10,7 @@
 ``k<bits>v<bits>g<group>|m[_b|_s<R>][_c][_e<S>]`` is built from its features (``SPEC_ROW``).
 Writes ``<out>/fidelity.json`` (after every phase), ``<out>/fidelity.md`` (tables) and
 ``<out>/fidelity_ppl_vs_bytes.png`` (PPL vs bytes per token, one series per family).
-Rows, probes and sizes are defined here; the probes live in ``jetson_tq.eval.fidelity``.
+Rows, probes and sizes are defined here; the probes live in ``lab.eval.fidelity``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from jetson_tq.config import TurboQuantConfig, config_from_dict, load_config
-from jetson_tq.eval import fidelity as F
-from jetson_tq.eval.calibrate_keys import model_rotary, to_key_transform
-from jetson_tq.eval.klt_keys import KLTKeys, KLTPlan, rope_theta
-from jetson_tq.eval.klt_keys import calibrate as calibrate_klt
-from jetson_tq.eval.simulated_caches import SimulatedFormat
-from jetson_tq.eval.simulated_vllm import VLLMTurboQuantFormat
-from jetson_tq.eval.smartmix import LayerCapture
-from jetson_tq.eval.split_keys import (
+from jetson_tq.format import fp16_bytes_per_token
+from jetson_tq.models.smollm2 import load_smollm2
+from jetson_tq.models.text import TEXTS, text_by_name
+from lab.eval import fidelity as F
+from lab.eval.calibrate_keys import model_rotary, to_key_transform
+from lab.eval.klt_keys import KLTKeys, KLTPlan, rope_theta
+from lab.eval.klt_keys import calibrate as calibrate_klt
+from lab.eval.simulated_caches import SimulatedFormat
+from lab.eval.simulated_vllm import VLLMTurboQuantFormat
+from lab.eval.smartmix import LayerCapture
+from lab.eval.split_keys import (
     SplitKeyPlan,
     SplitKeys,
     allocate,
@@ -47,10 +50,7 @@ from jetson_tq.eval.split_keys import (
     pair_energies,
     plan_allocated,
 )
-from jetson_tq.eval.split_keys import plan as plan_split
-from jetson_tq.format import fp16_bytes_per_token
-from jetson_tq.models.smollm2 import load_smollm2
-from jetson_tq.models.text import TEXTS, text_by_name
+from lab.eval.split_keys import plan as plan_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,7 +131,7 @@ def all_rows(backend: str) -> list[F.Variant]:
             "KIVI: int4 keys per channel (32-token groups), int4 values per token (groups of 32), buffer 128",
         ),
         # our default against vLLM 0.26's built-in TurboQuant presets (simulated from its source, see
-        # jetson_tq/eval/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
+        # lab/eval/simulated_vllm.py): as shipped (first/last 2 layers fp16) and all layers compressed
         v(
             "mse_k4v3",
             "ours vs vLLM built-in",
@@ -199,7 +199,7 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: rotation and norm; ``kxa<N>``: N on average, each head's count from the output-error model; ``_xk`` ranks by
 #: E[k^2] alone), value bits, value group (``g64``) or TurboQuant_mse values (``m``), the exact window (``b``: own
 #: block, ``s``: sliding, then R; default b128), ``_c`` centered K/V, ``_e<S>`` the first S positions exact,
-#: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``jetson_tq/eval/klt_keys.py``: pre-RoPE,
+#: ``_seed<N>`` rotation seed N (default 0). ``kl<B>``: keys transform-coded (``lab/eval/klt_keys.py``: pre-RoPE,
 #: score-weighted KLT, bits by reverse water-filling, Gaussian Lloyd-Max) in B bytes per token at head dim 128; ``n``
 #: a per-token fp16 scale (2 of the B), ``a`` statistics weighted by the attention each calibration key receives,
 #: ``l`` each coefficient's codebook by a (weighted) Lloyd-Max on the calibration coefficients instead of the Gaussian,
@@ -214,7 +214,7 @@ def all_rows(backend: str) -> list[F.Variant]:
 #: the sink in layers L and later only, each layer calibrated with or without the positions it reads exactly;
 #: ``_e1l<L>k`` (``_tq`` rows) position 0 of those layers read from the product's calibrated sink instead of the
 #: sequence's own (``KeyTransform.sink_key``: the mean over 100 first tokens of the calibration windows and the special
-#: tokens, ``eval.sink.sink_spread``), whether or not the layer's sink is constant.
+#: tokens, ``jetson_tq.calibration.sink.sink_spread``), whether or not the layer's sink is constant.
 SPEC_ROW = re.compile(
     r"^k(?:(?P<k>[1-8])|x(?P<xa>a)?(?P<xn>\d+)h(?P<xh>[1-8])l(?P<xl>[1-8])|l(?P<ln>\d+)(?P<lnorm>n)?(?P<la>a)?(?P<ll>[lp])?)v(?P<v>[1-8])(?:g(?P<g>\d+)|(?P<m>m))"
     r"(?:_(?P<w>[bs])(?P<r>\d+))?(?P<c>_c)?(?:_e(?P<e>\d+)(?:l(?P<el>\d+)(?P<ek>k)?)?)?(?P<xk>_xk)?"
@@ -556,7 +556,7 @@ def load_centers(path: Path, model, tok) -> list:
     tokens (the calibration region, never scored) when the file does not exist."""
     from safetensors.torch import load_file, save_file
 
-    from jetson_tq.eval.smartmix import capture, kv_centers
+    from lab.eval.smartmix import capture, kv_centers
 
     if not path.is_file():
         ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
@@ -571,7 +571,7 @@ def load_centers(path: Path, model, tok) -> list:
 def calibrated_sink(model, tok, firsts: int = 100) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer position 0's mean key and value [H, D] over ``firsts`` tokens drawn (seed 0) from the essays' last
     2 x 1,024 tokens (the default calibration windows) and the tokenizer's special tokens: the held-out text unseen."""
-    from jetson_tq.eval.sink import sink_first_tokens, sink_spread
+    from jetson_tq.calibration.sink import sink_first_tokens, sink_spread
 
     ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0][-2048:]
     spread = sink_spread(model, sink_first_tokens(ids, tok.all_special_ids, firsts), ids[:512])
@@ -583,7 +583,7 @@ def calibration_capture(model, tok, windows: int = 2) -> list[LayerCapture]:
     154,036 tokens; held-out runs read the first 4,100, the dev split 40,000-44,100), oldest window first. Captured
     two windows a forward, from the end: the last two (the calibration region of ``load_centers``) exactly as a
     two-window capture."""
-    from jetson_tq.eval.smartmix import capture
+    from lab.eval.smartmix import capture
 
     ids = tok(text_by_name("essays"), return_tensors="pt").input_ids[0]
     room = (ids.numel() - CALIBRATION_START) // 1024

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from jetson_tq.eval.sink import sink_spread
+from jetson_tq.calibration.sink import sink_spread
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import text_by_name
 

@@ -25,9 +25,9 @@ import torch
 import yaml
 
 from jetson_tq.config import config_from_dict, load_config
-from jetson_tq.eval import smartmix as S
 from jetson_tq.models.smollm2 import load_smollm2
 from jetson_tq.models.text import essay_text
+from lab.eval import smartmix as S
 
 ROOT = Path(__file__).resolve().parents[1]
 # (key bits, value bits, value group): mse keys, group values, the default's buffer and flush chunk

@@ -23,6 +23,11 @@ from pathlib import Path
 
 from jetson_tq.config import DEFAULT_PRESET
 
+#: the checkout: run as a script (python demos/demo_jetson.py), the lab beside the package imports from here
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
 #: The reference Jetson write-up's fp16 figure for Qwen2.5-7B on a 128 GB Thor (16 GB weights): ~0.9 M tokens.
 WRITEUP_FP16_TOKENS = 0.9e6
 WRITEUP_MULTIPLIER = 4.4
@@ -67,7 +72,7 @@ def section_platform(demo: Demo) -> dict:
 
 
 def section_theorem1(demo: Demo) -> list[dict]:
-    from jetson_tq.reports.theorems import theorem1_mse
+    from lab.reports.theorems import theorem1_mse
 
     rows = []
     for i, b in enumerate((1, 2, 3, 4)):
@@ -100,7 +105,7 @@ def section_theorem1(demo: Demo) -> list[dict]:
 
 
 def section_theorem2(demo: Demo) -> list[dict]:
-    from jetson_tq.reports.theorems import theorem2_inner_product
+    from lab.reports.theorems import theorem2_inner_product
 
     rows = []
     for i, b in enumerate((1, 2, 3, 4)):
@@ -133,7 +138,7 @@ def section_theorem2(demo: Demo) -> list[dict]:
 
 
 def section_theorem3(demo: Demo, mse_rows: list[dict], prod_rows: list[dict]) -> None:
-    from jetson_tq.reports.theorems import theorem3_bounds
+    from lab.reports.theorems import theorem3_bounds
 
     rows = theorem3_bounds(mse_rows, prod_rows)
     for r in rows:
@@ -147,7 +152,7 @@ def section_theorem3(demo: Demo, mse_rows: list[dict], prod_rows: list[dict]) ->
 
 
 def section_kernels(demo: Demo, cuda: bool, dispatch_module: str) -> object:
-    from jetson_tq.reports import kernel_check as kc
+    from lab.reports import kernel_check as kc
 
     dispatch = kc.load_dispatch(dispatch_module)
     if dispatch is None:
@@ -192,7 +197,7 @@ def section_benchmark(demo: Demo, cuda: bool, dispatch) -> None:
     if dispatch is None:
         demo.verdict("benchmark", "SKIPPED", "kernels not in this build (jetson_tq.api missing)")
         return
-    from jetson_tq.reports.kernel_check import decode_benchmark
+    from lab.reports.kernel_check import decode_benchmark
 
     rows = decode_benchmark(dispatch, progress=demo.progress)
     for r in rows:
@@ -332,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         # 2-core machine cost 4x (42 s vs 10 s for the whole demo). OMP_NUM_THREADS overrides this.
         torch.set_num_threads(1)
 
-    from jetson_tq.reports.plots import plot_theorem1, plot_theorem2
+    from lab.reports.plots import plot_theorem1, plot_theorem2
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from . import env
 from .errors import ConfigError, FormatError, expect_int
 from .format import FP16_FORMAT, KVFormat
 
@@ -48,7 +49,8 @@ def shipped_dir(name: str) -> Path:
 
 #: presets (``*.yaml``), model shapes (``models/``) and per-layer policies (``per_layer/``); JETSON_TQ_CONFIG_DIR
 #: points at another folder of the same layout
-CONFIG_DIR = Path(os.environ.get("JETSON_TQ_CONFIG_DIR", shipped_dir("presets")))
+_CONFIG_DIR = env.read().config_dir
+CONFIG_DIR = Path(shipped_dir("presets") if _CONFIG_DIR is None else _CONFIG_DIR)
 #: The calibration-free preset, and what ``auto`` serves when a model cannot be calibrated. Chosen from
 #: docs/fidelity.md: on held-out essays / Opticks +1.44 % / +1.27 % PPL at 122 B/token/head (D=128, 4.2x), own-block
 #: window, served by every path.

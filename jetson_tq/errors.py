@@ -43,6 +43,13 @@ class UnsupportedPlatformError(JetsonTQError, RuntimeError):
     """The platform (GPU, JetPack, vLLM version) cannot run what was asked."""
 
 
+class UnsupportedModelError(UnsupportedPlatformError, ValueError):
+    """The model cannot be served as asked: its architecture, an attention layer's variant (refused by
+    TurboQuantCache, or by the vLLM backend where stock attention cannot take the layer either), its RoPE for a
+    calibration, or the generation mode. An UnsupportedPlatformError (what this install can serve) and a ValueError
+    (the model given), so a caller catching either still catches it."""
+
+
 class MissingComponentError(JetsonTQError, RuntimeError):
     """An optional part of jetson-tq (vLLM integration, Triton kernels, jtop) is not in this build."""
 

@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and nothing lower imports anything higher (the data-flow order).
+"""The package's import graph: no cycles, nothing lower imports anything higher (the data-flow order), and the
+product never imports the lab (``lab/``), the benchmarks, the demos or the tests that live beside it.
 
 Built from the source with ``ast`` (every ``import`` and ``from ... import``, including imports inside
 functions), at module granularity: a package's ``__init__`` is its own node.
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "jetson_tq"
 #: Rank of each top-level part in the data flow; an import may only go to a rank <= its own.
 LAYERS = {
     "errors": 0,
+    "env": 0,
     "version": 0,
     "arg_types": 0,
     "format": 1,
@@ -31,7 +33,6 @@ LAYERS = {
     "models": 8,
     "integrations": 9,
     "calibration": 10,
-    "eval": 10,
     "platform": 11,
     "reports": 12,
     "cli": 13,
@@ -127,13 +128,12 @@ def test_nothing_lower_imports_anything_higher():
 
 
 def test_only_ops_picks_a_backend():
-    """JETSON_TQ_BACKEND is read in one module, and no other module imports a kernel launcher directly."""
+    """JETSON_TQ_BACKEND (``env.Settings.kernel_backend``) is read in one module, and no other module imports a
+    kernel launcher directly."""
     readers = [
         str(p.relative_to(ROOT))
         for p in ROOT.rglob("*.py")
-        if any(
-            isinstance(n, ast.Constant) and n.value == "JETSON_TQ_BACKEND" for n in ast.walk(ast.parse(p.read_text()))
-        )
+        if any(isinstance(n, ast.Attribute) and n.attr == "kernel_backend" for n in ast.walk(ast.parse(p.read_text())))
     ]
     assert readers == ["ops/backend.py"], readers
     importers = {
@@ -142,3 +142,79 @@ def test_only_ops_picks_a_backend():
         if any(d.startswith("jetson_tq.kernels.") and d not in ("jetson_tq.kernels._common",) for d in deps)
     }
     assert importers <= {m for m in importers if m.startswith(("jetson_tq.kernels", "jetson_tq.ops"))}, importers
+
+
+#: Top-level folders beside the package that import it and that it must never import: the wheel ships none of them.
+OUTSIDE = ("lab", "benchmarks", "demos", "tests")
+#: The one module that names a lab module, by string, to run it from a checkout (``python -m jetson_tq vllm``).
+LAB_DOORWAY = "cli/vllm_cmd.py"
+
+
+def outside_imports(source: str, filename: str = "<source>") -> list[str]:
+    """The modules of ``OUTSIDE`` that ``source`` imports (``import``/``from ... import``, inside functions too;
+    a relative import stays inside the package, so only absolute ones can reach them)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        found += [n for n in names if n.partition(".")[0] in OUTSIDE]
+    return found
+
+
+def lab_module_names(source: str, filename: str = "<source>") -> list[str]:
+    """String constants that name a lab module (``"lab"`` or ``"lab.…"``): an import by name (importlib)."""
+    return [
+        n.value
+        for n in ast.walk(ast.parse(source, filename))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and (n.value == "lab" or n.value.startswith("lab."))
+    ]
+
+
+def test_the_package_never_imports_the_lab():
+    bad = {
+        str(p.relative_to(ROOT)): hits
+        for p in sorted(ROOT.rglob("*.py"))
+        if (hits := outside_imports(p.read_text(), str(p)))
+    }
+    assert not bad, f"jetson_tq imports what lives beside it ({', '.join(OUTSIDE)}): {bad}"
+    by_name = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if lab_module_names(p.read_text(), str(p))}
+    assert by_name == {LAB_DOORWAY}, f"only {LAB_DOORWAY} may name a lab module (to run it from a checkout): {by_name}"
+
+
+def test_the_lab_rule_catches_each_kind_of_import():
+    source = """
+import lab
+import benchmarks.fidelity as bf
+from lab.eval import fidelity
+from tests.helpers import engines
+from jetson_tq.format import KVFormat
+from . import lab_helpers
+import labrador
+
+
+def late():
+    from demos import demo_jetson
+    importlib.import_module("lab.vllm_compare")
+"""
+    assert outside_imports(source) == ["lab", "benchmarks.fidelity", "lab.eval", "tests.helpers", "demos"]
+    assert lab_module_names(source) == ["lab.vllm_compare"]
+    assert outside_imports("from jetson_tq.calibration import keys\nimport torch\n") == []
+
+
+def test_every_jetson_tq_variable_is_named_in_env_only():
+    """The ``JETSON_TQ_*`` names live in ``jetson_tq/env.py`` (one ``Settings``); other modules use its constants."""
+    import re
+
+    from jetson_tq import env
+
+    NAME = r"JETSON_TQ_[A-Z0-9_]+"
+    named: dict[str, set[str]] = {}
+    for p in ROOT.rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(NAME, n.value):
+                named.setdefault(n.value, set()).add(str(p.relative_to(ROOT)))
+    assert {name: files for name, files in named.items() if files != {"env.py"}} == {}
+    assert set(named) == set(env.NAMES) and len(env.NAMES) == len(set(env.NAMES))

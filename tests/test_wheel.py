@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "jetson_tq", "configs")
+#: what the build copies: the lab beside the package too, so the wheel leaving it out is package discovery's doing
+SOURCES = ("pyproject.toml", "README.md", "jetson_tq", "configs", "lab")
 
 #: run by the scratch venv's python from a folder outside the repository
 CHECKS = r"""
@@ -135,6 +136,8 @@ def test_the_wheel_holds_every_preset_once_and_byte_for_byte(wheel):
             assert z.read(f"jetson_tq/presets/{rel}") == (REPO / "configs" / rel).read_bytes(), rel
         entry_points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     assert sum(n.startswith("jetson_tq/presets/") for n in names) == len(shipped)
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"jetson_tq"}, top  # the product alone: no lab/, benchmarks/, demos/ or tests/
     text = REPO / "jetson_tq" / "calibration" / "texts" / "calibration.txt"  # what ``auto`` calibrates on
     with zipfile.ZipFile(wheel) as z:
         assert z.read("jetson_tq/calibration/texts/calibration.txt") == text.read_bytes()

@@ -251,7 +251,7 @@ def correctness(llm, spec: dict) -> dict:
         ids.append(list(c.token_ids))
         lps.append([round(step[tok].logprob, 5) for step, tok in zip(c.logprobs or [], c.token_ids)])
         bad += sum(not math.isfinite(v) for v in lps[-1])
-    from jetson_tq.integrations.vllm.compare import engine_counters
+    from lab.vllm_compare import engine_counters
 
     return {
         "requests": len(res),

@@ -23,7 +23,7 @@ values exactly, so the plugin keeps every layer on stock attention: its verdict 
 vLLM's random weights (``load_format="dummy"``) on seeded random token ids instead of ``--model`` / ``--text``:
 the plumbing check (fp16 = stock bitwise) needs no checkpoint.
 
-``--transformers`` then runs the transformers harness (``jetson_tq.eval.fidelity.teacher_forced``: TurboQuantCache,
+``--transformers`` then runs the transformers harness (``lab.eval.fidelity.teacher_forced``: TurboQuantCache,
 chunks of 128, on CUDA when there is one, ``--tf-dtype``) on the same windows and presets, in the same process
 after the engines are freed, so "inside vLLM agrees with the transformers harness" is one run's comparison.
 
@@ -165,7 +165,7 @@ def transformers_harness(args, configs: list[str], wins: list[list[int]]) -> dic
     from transformers import AutoModelForCausalLM
 
     from jetson_tq.config import load_config
-    from jetson_tq.eval import fidelity as F
+    from lab.eval import fidelity as F
 
     t0 = time.time()
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -182,7 +182,7 @@ def transformers_harness(args, configs: list[str], wins: list[list[int]]) -> dic
 def compare(stock: dict, rec: dict) -> dict:
     """Against stock: PPL ratio, top-1 agreement over the windows, greedy agreement, largest log-prob difference
     over each continuation's common prefix."""
-    from jetson_tq.integrations.vllm.compare import first_divergence, token_agreement
+    from lab.vllm_compare import first_divergence, token_agreement
 
     top1 = [a == b for ra, rb in zip(stock["window_top1"], rec["window_top1"]) for a, b in zip(ra, rb)]
     agree = [token_agreement(a, b) for a, b in zip(stock["greedy_ids"], rec["greedy_ids"])]

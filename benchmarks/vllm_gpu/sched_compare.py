@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "integrations" / "vllm")]  # the scheduling test: its engines
 
 import test_vllm_scheduling as sched  # noqa: E402
 
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess  # noqa: E402
+from lab.vllm_compare import run_engine_subprocess  # noqa: E402
 
 
 def stock_block_bytes() -> int:

@@ -21,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ..codec.klt import RotaryParams
-from ..integrations.transformers import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 CAPTURE = "jetson_tq_calibration"
 #: The largest distance between the model's (cos, sin) and the RoPE read from them, relative to its scale: the fp32

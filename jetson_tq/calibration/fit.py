@@ -15,7 +15,7 @@ Why each step (the measured choices are in docs/fidelity.md, "Quality at 5x"):
   the kernels compute with no table (``cubic_levels``).
 
 ``fit_head`` runs them for one KV head; ``jetson_tq.calibration.keys`` drives them over a model, and the lab's
-evaluation coder (``jetson_tq.eval.klt_keys``) reuses them.
+evaluation coder (``lab.eval.klt_keys``) reuses them.
 """
 
 from __future__ import annotations

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from ..codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams
+from ..codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams, save_transforms
 from ..errors import ConfigError
-from ..format import KVFormat
+from ..format import KEY_CODE_REFERENCE_DIM, KVFormat
 from .capture import AttentionCapture, capture_attention
 from .fit import LEVEL_KINDS, KLTLayer, fit_heads, gaussian_codebook, key_weights, received_attention
 from .sink import SINK_TOLERANCE, sink_spread
@@ -189,3 +190,28 @@ def calibrate_model(
         if (i + 1) % step == 0 or i + 1 == n:
             say(f"layer {i + 1}/{n} fitted ({time.monotonic() - t0:.1f} s)")
     return out
+
+
+def write_calibration(
+    path: str | Path,
+    transforms: list[KeyTransform],
+    code_bytes: int,
+    model_name: str,
+    text_name: str,
+    tokens: int,
+    sink_tokens: int = 0,
+    levels: str = DEFAULT_LEVELS,
+) -> None:
+    """Save ``transforms`` to ``path`` with what they were fitted on (the file a config's ``key_transform`` names)."""
+    meta = {
+        "sink_tokens": sink_tokens,
+        "calibrated_sink_layers": [i for i, t in enumerate(transforms) if t.has_sink],
+        "model": model_name,
+        "text": text_name,
+        "tokens": tokens,
+        "key_code_bytes": code_bytes,
+        "reference_dim": KEY_CODE_REFERENCE_DIM,
+        "coder": f"attention-weighted KLT, water-filled bits, fitted {levels} levels",
+        "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    save_transforms(path, list(transforms), meta)

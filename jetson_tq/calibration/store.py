@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
+from .. import env
 from ..codec.klt import KeyTransform, load_transforms, save_transforms
 from ..errors import ConfigError
 from ..models.smollm2 import cache_root
 from .capture import decoder_config
 
-ENV_DIR = "JETSON_TQ_CALIBRATION_DIR"
+ENV_DIR = env.CALIBRATION_DIR
 #: Bumped when the fit changes what a recipe produces: older entries are recalibrated. 2: each eigenvector signed
 #: so that its largest-magnitude entry is positive (the same coder up to a coefficient's sign, stored differently).
 CALIBRATION_VERSION = 2
@@ -80,8 +81,7 @@ def calibration_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     root's ``calibrations``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    env = os.environ.get(ENV_DIR, "").strip()
-    return Path(env).expanduser() if env else cache_root() / "calibrations"
+    return env.read().calibration_dir or cache_root() / "calibrations"
 
 
 def config_digest(config) -> str:

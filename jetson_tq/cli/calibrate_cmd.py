@@ -114,9 +114,8 @@ def _run(args: argparse.Namespace) -> int:
     calibrated_sink = (args.sink or DEFAULT_SINK) == "calibrated" and not args.sink_tokens  # exact tokens replace it
     if args.cache:
         return _cache(args.model)
-    from ..calibration.keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, Recipe, calibrate_model
+    from ..calibration.keys import DEFAULT_LEVELS, DEFAULT_WIDTHS, Recipe, calibrate_model, write_calibration
     from ..calibration.sink import sink_first_tokens
-    from ..eval.calibrate_keys import write_calibration
 
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
     levels = args.levels or DEFAULT_LEVELS

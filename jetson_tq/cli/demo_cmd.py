@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
-from ..errors import MissingComponentError
+from .checkout import ROOT, load_script
 
-DEMO_PATH = Path(__file__).resolve().parents[2] / "demos" / "demo_jetson.py"
+DEMO_PATH = ROOT / "demos" / "demo_jetson.py"
 
 
 def load_demo(path: Path = DEMO_PATH):
-    """Import the demo script as a module (it lives beside the package, not inside it)."""
-    if not path.exists():
-        raise MissingComponentError(
-            f"demo script not found at {path}: run from a jetson-tq checkout "
-            "(the demo is not part of an installed wheel)"
-        )
-    spec = importlib.util.spec_from_file_location("jetson_tq_demo", path)
-    assert spec is not None and spec.loader is not None  # a .py file path always has a source loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """Import the demo script as a module (it lives beside the package, not inside it, and imports the lab)."""
+    return load_script(path, "jetson_tq_demo")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from ..errors import JetsonTQError, MissingComponentError, UnsupportedPlatformError
+from .. import env
+from ..errors import JetsonTQError, MissingComponentError, UnsupportedModelError, UnsupportedPlatformError
 from ..version import __version__
 from . import calibrate_cmd, capacity_cmd, demo_cmd, exit_codes, platform_cmd, serve_cmd, vllm_cmd
 
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except SystemExit as e:  # a pass-through parser (demo, vllm) refused its arguments
         return _exit_status(e)
+    except UnsupportedModelError as e:  # before its base: the model, not the machine, is what cannot be served
+        print(f"jetson-tq: unsupported model: {e}", file=sys.stderr)
+        return exit_codes.UNSUPPORTED_PLATFORM
     except UnsupportedPlatformError as e:
         print(f"jetson-tq: unsupported platform: {e}", file=sys.stderr)
         return exit_codes.UNSUPPORTED_PLATFORM
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jetson-tq: {type(e).__name__}: {e}", file=sys.stderr)
         return exit_codes.USAGE
     except Exception as e:
-        if os.environ.get(TRACEBACK_ENV):
+        if env.read().traceback:
             raise
         print(
             f"jetson-tq: {args.mode} failed: {type(e).__name__}: {str(e)[-2000:]}\n"
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_codes.FAILED
 
 
-TRACEBACK_ENV = "JETSON_TQ_TRACEBACK"
+TRACEBACK_ENV = env.TRACEBACK
 
 
 def _exit_status(e: SystemExit) -> int:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import env
 from ..config import DEFAULT_PRESET, load_config
 from ..errors import ConfigError, MissingComponentError
 from ..models.smollm2 import ModelNotAvailableError
@@ -88,7 +89,7 @@ def split(argv: list[str]) -> tuple[dict[str, str | bool], str | None, list[str]
 
 def resolve(name: str) -> tuple[str, str]:
     """(what vLLM loads, the dtype it needs or 'auto'); a path that does not exist is a named error."""
-    from ..integrations.vllm.compare import resolve_model
+    from ..models.resolve import resolve_model
 
     looks_local = name.startswith((".", "/", "~")) or (os.sep in name and Path(name).expanduser().exists())
     if looks_local and not Path(name).expanduser().is_dir():
@@ -177,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     if not model:
         build_parser().print_usage(sys.stderr)
         raise ConfigError("serve: expected MODEL (a model directory, a Hugging Face id, smollm2 or tiny) first")
-    preset = str(ours.get("config") or os.environ.get("JETSON_TQ_CONFIG") or DEFAULT_PRESET)
+    preset = str(ours.get("config") or env.read().config or DEFAULT_PRESET)
     config = load_config(preset)  # a bad preset fails here (ConfigError), before vLLM starts
     if importlib.util.find_spec("vllm") is None:
         raise MissingComponentError(
@@ -186,13 +187,13 @@ def _run(args: argparse.Namespace) -> int:
         )
     target, dtype = resolve(model)
     cmd = server_command(target, dtype, vllm_args)
-    env = dict(os.environ, JETSON_TQ_CONFIG=preset, PYTHONUNBUFFERED="1")
-    line = f"JETSON_TQ_CONFIG={shlex.quote(preset)} " + " ".join(shlex.quote(c) for c in cmd)
+    server_env = dict(os.environ, **{env.CONFIG: preset}, PYTHONUNBUFFERED="1")
+    line = f"{env.CONFIG}={shlex.quote(preset)} " + " ".join(shlex.quote(c) for c in cmd)
     if ours.get("dry_run"):
         print(line)
         return 0
     print(f"[jetson-tq] starting vLLM's OpenAI server with preset {config.name}: {line}", file=sys.stderr, flush=True)
-    return run_server(cmd, env, Banner(model, config.name, address(vllm_args)))
+    return run_server(cmd, server_env, Banner(model, config.name, address(vllm_args)))
 
 
 def register(sub) -> None:

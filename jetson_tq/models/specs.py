@@ -10,10 +10,12 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .. import env
 from ..config import CONFIG_DIR, read_yaml, resolve_named_yaml
 from ..errors import ConfigError
 
-MODELS_DIR = Path(os.environ.get("JETSON_TQ_MODELS_DIR", CONFIG_DIR / "models"))
+_MODELS_DIR = env.read().models_dir
+MODELS_DIR = Path(CONFIG_DIR / "models" if _MODELS_DIR is None else _MODELS_DIR)
 
 _INT_KEYS = (
     "num_layers",

@@ -13,10 +13,11 @@ import os
 
 import torch
 
+from .. import env
 from ..errors import ConfigError, UnsupportedPlatformError
 from ..format import PagedLayout, kernel_unsupported_reason
 
-ENV_VAR = "JETSON_TQ_BACKEND"
+ENV_VAR = env.BACKEND
 BACKENDS: tuple[str, ...] = ("auto", "reference", "triton")
 
 
@@ -29,7 +30,7 @@ def _validate(value: object, origin: str) -> str:
 @functools.lru_cache(maxsize=1)
 def configured() -> str:
     """The process-wide setting from ``JETSON_TQ_BACKEND`` (read once; ``configured.cache_clear()`` re-reads it)."""
-    raw = os.environ.get(ENV_VAR, "")
+    raw = env.read().kernel_backend
     return _validate(raw, ENV_VAR) if raw.strip() else "auto"
 
 

@@ -18,6 +18,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import env
+
 KINDS = ("thor", "orin", "jetson", "cuda-dgpu", "cpu")
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
@@ -68,7 +70,7 @@ class PlatformInfo:
 
 def sysroot() -> Path:
     """Root prefix of the files the probe reads (``JETSON_TQ_SYSROOT``, default /)."""
-    return Path(os.environ.get("JETSON_TQ_SYSROOT", "/"))
+    return env.read().sysroot
 
 
 def parse_tegra_release(text: str) -> str | None:

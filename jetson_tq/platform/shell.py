@@ -5,9 +5,9 @@ its own copy of the version, the platform probe and the image choice.
     VERSION=0.1.0 PLATFORM=thor L4T_MAJOR=38 IMAGE=jetson-tq:0.1.0-cu130-arm64 GPU_FLAGS=(--runtime nvidia) ...
 
 The launcher runs this file with the host's ``python3`` before any venv exists (a bare Jetson host has no torch,
-and ``import jetson_tq`` imports torch), so run as a file it loads ``jetson_tq.version`` and ``jetson_tq.platform``
-without ``jetson_tq/__init__.py``; both need only the standard library. Every value is shell-quoted (a board name
-is read from a file).
+and ``import jetson_tq`` imports torch), so run as a file it loads ``jetson_tq.version``, ``jetson_tq.env`` and
+``jetson_tq.platform`` without ``jetson_tq/__init__.py``; all three need only the standard library. Every value is
+shell-quoted (a board name is read from a file).
 """
 
 from __future__ import annotations

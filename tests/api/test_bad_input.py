@@ -38,8 +38,8 @@ from jetson_tq.errors import (
     ValueRangeError,
 )
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout, fp16_bytes_per_token
-from jetson_tq.integrations.vllm import compare
 from jetson_tq.models.specs import MODELS_DIR, load_model_spec
+from lab import vllm_compare as compare
 from tests.helpers.sandbox import run_launcher
 
 D, H, B = 32, 2, 2
@@ -929,8 +929,29 @@ def test_vllm_config_that_does_not_fit_the_model_is_refused_before_the_baseline(
     assert "layer 10 out of range for a model of 6 layers" in capsys.readouterr().err
 
 
+def test_one_unsupported_model_error_for_both_integrations(monkeypatch, capsys):
+    """TurboQuantCache, the vLLM backend and the calibration refuse a model with the same class: caught as the
+    platform error it was on the vLLM side and the ValueError it was on the transformers side; the CLI names it."""
+    from jetson_tq import errors
+    from jetson_tq.calibration import capture
+    from jetson_tq.cli import platform_cmd
+    from jetson_tq.integrations import transformers
+    from jetson_tq.integrations.vllm import spec
+
+    cls = errors.UnsupportedModelError
+    assert transformers.UnsupportedModelError is spec.UnsupportedModelError is capture.UnsupportedModelError is cls
+    assert issubclass(cls, errors.UnsupportedPlatformError) and issubclass(cls, ValueError)
+
+    def refuse(args):
+        raise cls("layer 3: attention with ALiBi")
+
+    monkeypatch.setattr(platform_cmd, "_run", refuse)
+    assert main(["platform"]) == exit_codes.UNSUPPORTED_PLATFORM
+    assert "jetson-tq: unsupported model: layer 3: attention with ALiBi" in capsys.readouterr().err
+
+
 def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
-    from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+    from jetson_tq.errors import UnsupportedModelError
 
     log = (
         "INFO x\nTraceback (most recent call last):\n  File ...\n[rank0]: jetson_tq.errors.ConfigError: layer 0: bad "
@@ -939,9 +960,7 @@ def test_a_failed_engine_reports_its_named_error_not_its_traceback(tmp_path):
     err = compare.engine_failure("jetson-tq k4v4", 1, log)
     assert isinstance(err, ConfigError)
     assert "vLLM engine (jetson-tq k4v4): ConfigError: layer 0: bad group (full log: " in str(err)
-    err = compare.engine_failure(
-        "jetson-tq x", 1, "jetson_tq.integrations.vllm.spec.UnsupportedModelError: sliding_window\n"
-    )
+    err = compare.engine_failure("jetson-tq x", 1, "jetson_tq.errors.UnsupportedModelError: sliding_window\n")
     assert isinstance(err, UnsupportedModelError) and "UnsupportedModelError: sliding_window" in str(err)
     err = compare.engine_failure("baseline", 1, "Traceback ...\nValueError: bad dtype\nshutting down\n")
     assert type(err) is RuntimeError and "failed with code 1: ValueError: bad dtype" in str(err)

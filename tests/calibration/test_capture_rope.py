@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jetson_tq.calibration.capture import rotary_from_tables
-from jetson_tq.integrations.transformers import UnsupportedModelError
+from jetson_tq.errors import UnsupportedModelError
 
 
 def _tables(freq: torch.Tensor, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from jetson_tq.config import FALLBACK_PRESET
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess
 from jetson_tq.models.tiny import make_tiny_llama
+from lab.vllm_compare import run_engine_subprocess
 from tests.calibration.families import word_tokenizer
 
 pytestmark = pytest.mark.slow  # vLLM engines: 30-60 s each on 2 cores

@@ -108,11 +108,13 @@ def test_container_vllm_gets_the_model_cache_but_not_the_token_file(tmp_path):
 
 
 def launcher_copy(dest: Path) -> Path:
-    """The files a dry run reads: the script and the platform probe it asks (jetson_tq/version.py, platform/)."""
+    """The files a dry run reads: the script and the platform probe it asks (jetson_tq/version.py, env.py and
+    platform/)."""
     dest.mkdir(parents=True)
     shutil.copy2(SCRIPT, dest)
     (dest / "jetson_tq").mkdir()
-    shutil.copy2(REPO / "jetson_tq" / "version.py", dest / "jetson_tq")
+    for name in ("version.py", "env.py"):
+        shutil.copy2(REPO / "jetson_tq" / name, dest / "jetson_tq")
     shutil.copytree(REPO / "jetson_tq" / "platform", dest / "jetson_tq" / "platform")
     return dest
 

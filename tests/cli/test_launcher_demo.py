@@ -12,7 +12,7 @@ import pytest
 from jetson_tq.cli import exit_codes
 from jetson_tq.cli.demo_cmd import load_demo
 from jetson_tq.cli.main import main
-from jetson_tq.reports import kernel_check
+from lab.reports import kernel_check
 from tests.helpers.sandbox import BOARDS, REPO, sandbox_env
 
 SECTIONS = ["platform", "theorem1", "theorem2", "theorem3", "kernels", "benchmark", "capacity"]
@@ -137,14 +137,25 @@ def test_demo_help_passes_through(capsys):
 
 
 # ------------------------------------------------------------------------------------------- vllm subcommand
-def test_vllm_subcommand_reports_missing_integration(capsys, monkeypatch):
-    """A build without the vLLM integration answers with exit 5 and says so (simulated by hiding the module)."""
+def test_vllm_subcommand_reports_missing_comparison(capsys, monkeypatch):
+    """A checkout without the lab's comparison answers with exit 5 and says so (simulated by hiding the module)."""
     import sys
 
-    monkeypatch.setitem(sys.modules, "jetson_tq.integrations.vllm.cli", None)  # import now fails
+    monkeypatch.setitem(sys.modules, "lab.vllm_compare", None)  # import now fails
     rc = main(["vllm", "--model", "smollm2-135m-instruct"])
     err = capsys.readouterr().err
-    assert rc == exit_codes.MISSING_COMPONENT == 5 and "vLLM integration not installed" in err
+    assert rc == exit_codes.MISSING_COMPONENT == 5 and "lab.vllm_compare is not in this checkout" in err
+
+
+def test_checkout_tools_are_missing_outside_a_checkout(tmp_path):
+    """An installed wheel has no lab/ or demos/ beside the package: both modes' loaders name what is missing."""
+    from jetson_tq.cli.checkout import import_tool, load_script
+    from jetson_tq.errors import MissingComponentError
+
+    with pytest.raises(MissingComponentError, match="lab/ is not part of an installed wheel"):
+        import_tool("lab.vllm_compare", root=tmp_path)
+    with pytest.raises(MissingComponentError, match="demo_jetson.py not found"):
+        load_script(tmp_path / "demos" / "demo_jetson.py", "demo", root=tmp_path)
 
 
 def test_vllm_subcommand_refused_on_jetpack6(tmp_path, monkeypatch, capsys):

@@ -18,7 +18,8 @@ def make_checkout(tmp_path):
     (root / "requirements").mkdir(parents=True)
     shutil.copy(REPO / "run_jetson.sh", root / "run_jetson.sh")
     (root / "jetson_tq").mkdir()  # the platform probe the launcher asks (jetson_tq/platform/shell.py)
-    shutil.copy(REPO / "jetson_tq" / "version.py", root / "jetson_tq" / "version.py")
+    for name in ("version.py", "env.py"):
+        shutil.copy(REPO / "jetson_tq" / name, root / "jetson_tq" / name)
     shutil.copytree(REPO / "jetson_tq" / "platform", root / "jetson_tq" / "platform")
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     shutil.copy(REPO / "requirements" / "core.txt", root / "requirements" / "core.txt")

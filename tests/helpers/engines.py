@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess, run_engines_in_one_process
+from lab.vllm_compare import run_engine_subprocess, run_engines_in_one_process
 
 PORTS_PER_ENGINE = 100  # each engine scans upward from its own base, below Linux's ephemeral range (32768+)
 

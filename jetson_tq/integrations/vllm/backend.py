@@ -42,7 +42,7 @@ from ... import ops
 from ...attention.extras import AttentionExtras
 from ...codec.kv import KVCodec
 from ...codec.rotation import derive_seed
-from ...errors import ConfigError, ShapeError, UnsupportedPlatformError
+from ...errors import ConfigError, ShapeError, UnsupportedModelError, UnsupportedPlatformError
 from ...format import KVFormat, PagedLayout, exact_count, kernel_unsupported_reason
 from ...paged import PagedKV
 from . import hooks
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
 
 from .spec import (
     LayerFacts,
-    UnsupportedModelError,
     layer_format,
     layer_index,
     layout_for,
@@ -466,7 +465,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.recent_k[rows, :, ring_cols] = self.undo_k[rows, :, undo_cols]
         self.recent_v[rows, :, ring_cols] = self.undo_v[rows, :, undo_cols]
 
-    @torch.inference_mode()  # vLLM allocates its caches as inference tensors (H200 call 9: in-place writes refused)
+    @torch.inference_mode()  # vLLM allocates its caches as inference tensors: outside it, in-place writes are refused
     def warm_up(
         self,
         kv_cache: torch.Tensor,
@@ -476,8 +475,9 @@ class TurboQuantAttentionImpl(AttentionImpl):
         budget: int = 2048,
     ) -> None:
         """Run this layer's write, prefill and eager decode paths on vLLM's null block (block 0, never a request's)
-        and the scratch ring row, so Triton compiles at engine start, not in the first request's TTFT (H200 call 9:
-        the first 32k prompt waited 12.3 s, later ones ~6 s; issue 23: 2.48 s vs FA3's 0.61 s at 8k).
+        and the scratch ring row, so Triton compiles at engine start, not in the first request's TTFT (on an H200
+        without it the first 32k prompt waited 12.3 s, later ones ~6 s; with a warm-up that missed specializations
+        the first 8k request took 2.48 s vs FA3's 0.61 s).
 
         The launches take the shapes a request's do, so they compile the same specializations
         (tests/integrations/vllm/test_vllm_warmup.py checks it): block tables ``table_width`` columns wide (vLLM's

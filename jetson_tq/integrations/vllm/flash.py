@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
+from ... import env
 from ...attention.reference import VarlenAttention
 
 logger = logging.getLogger(__name__)
-ENV_VAR = "JETSON_TQ_FLASH_PREFILL"
-#: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. Same
-#: H200 run (docs/vllm.md, Speed): 8k prompts took 0.52-0.55 s per 16k-token step on the Triton loop vs 0.62-0.68 s
-#: on FlashAttention (the flash path's host planning per layer), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
+ENV_VAR = env.FLASH_PREFILL
+#: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. On an
+#: H200 (docs/vllm.md, Speed), 8k prompts took 0.52-0.55 s per 16k-token step on the Triton loop vs 0.62-0.68 s on
+#: FlashAttention (the flash path's host planning per layer), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
 FLASH_MIN_TOKENS = 16384
 
 
@@ -29,7 +29,7 @@ def prefill_varlen(history: int, chunk: int) -> VarlenAttention | None:
 def vllm_varlen() -> VarlenAttention | None:
     """The varlen call of the FlashAttention version vLLM picks on this GPU, or None (no CUDA, no FlashAttention
     build in this vLLM, or switched off by ``JETSON_TQ_FLASH_PREFILL=0``); the reason is logged once."""
-    if os.environ.get(ENV_VAR, "1") == "0":
+    if not env.read().flash_prefill:
         logger.info("jetson-tq: prefill on the Triton loop (%s=0)", ENV_VAR)
         return None
     if not torch.cuda.is_available():

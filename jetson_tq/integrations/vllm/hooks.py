@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from ...errors import ConfigError
+from ...errors import ConfigError, UnsupportedModelError
 from ...ops import report_compiles
 from .recent import RecentSlots, pool_bytes
 from .settings import (
@@ -42,7 +42,6 @@ from .settings import (
 from .spec import (
     EXACT_FORMAT_REASON,
     LayerFacts,
-    UnsupportedModelError,
     describe_layers,
     hybrid_page,
     layer_format,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ... import ops
+from ... import env, ops
 from ...config import AUTO, resolve_auto
 from ...errors import UnsupportedPlatformError
 from . import settings
@@ -50,14 +50,14 @@ def pin_v1_model_runner() -> bool:
 #: Set to the resolved config once ``auto`` was resolved in this process: a later engine of the process resolves again
 #: for its model while the switch still holds that value; a switch set to anything else since (an explicit preset for
 #: a child process, say) is what the user asks for then, not ``auto``.
-ENV_AUTO = "JETSON_TQ_AUTO_REQUESTED"
+ENV_AUTO = env.AUTO_REQUESTED
 _AUTO_MARK = "_jetson_tq_auto"
 
 
 def auto_requested() -> bool:
     """True when the user asked for ``auto`` (still unresolved, or resolved earlier in this process)."""
     name = settings.config_name()
-    return name == AUTO or (name is not None and os.environ.get(ENV_AUTO) == name)
+    return name == AUTO or (name is not None and env.read().auto_requested == name)
 
 
 def resolve_auto_for_engine(model: str, load_format: str) -> str:

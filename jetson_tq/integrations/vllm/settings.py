@@ -14,12 +14,13 @@ import functools
 import math
 import os
 
+from ... import env
 from ...codec.klt import KeyTransform, load_transforms_cached
 from ...config import TurboQuantConfig, load_config
 from ...errors import ConfigError
 
-ENV_CONFIG = "JETSON_TQ_CONFIG"
-ENV_REPRODUCIBLE = "JETSON_TQ_REPRODUCIBLE"
+ENV_CONFIG = env.CONFIG
+ENV_REPRODUCIBLE = env.REPRODUCIBLE
 ENV_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own batch-invariant kernels (matmul, softmax, norms, cuBLAS)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -36,8 +37,7 @@ def logger():
 
 def config_name() -> str | None:
     """The switch's value, or None when jetson-tq is off."""
-    value = os.environ.get(ENV_CONFIG, "").strip()
-    return value or None
+    return env.read().config
 
 
 def enabled() -> bool:
@@ -120,17 +120,22 @@ def spec_query_tokens(vllm_config) -> int:
 
 def env_flag(name: str) -> bool | None:
     """A boolean environment variable: None when unset or empty, ConfigError for a value that is not one."""
-    raw = os.environ.get(name, "").strip().lower()
+    return parse_flag(name, os.environ.get(name))
+
+
+def parse_flag(name: str, value: str | None) -> bool | None:
+    """``value`` of the boolean variable ``name``: None when unset or empty, ConfigError for a value that is not one."""
+    raw = (value or "").strip().lower()
     if not raw:
         return None
     if raw in _TRUE or raw in _FALSE:
         return raw in _TRUE
-    raise ConfigError(f"{name}={os.environ[name]!r}: expected one of {_TRUE + _FALSE}")
+    raise ConfigError(f"{name}={value!r}: expected one of {_TRUE + _FALSE}")
 
 
 def reproducible() -> bool:
     """True when the reproducible mode is on: ``JETSON_TQ_REPRODUCIBLE`` when set, else the active config's field."""
-    flag = env_flag(ENV_REPRODUCIBLE)
+    flag = parse_flag(ENV_REPRODUCIBLE, env.read().reproducible)
     if flag is not None:
         return flag
     return enabled() and active_config().reproducible

@@ -31,12 +31,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ...config import TurboQuantConfig
-from ...errors import ConfigError, FormatError, UnsupportedPlatformError
+from ...errors import ConfigError, FormatError, UnsupportedModelError
 from ...format import PREFILL_WORKSPACE_BYTES, KVFormat, PagedLayout, next_pow2
-
-
-class UnsupportedModelError(UnsupportedPlatformError):
-    """A layer of the model that neither the TurboQuant backend nor stock attention can serve as asked."""
 
 
 @dataclass(frozen=True)

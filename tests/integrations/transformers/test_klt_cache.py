@@ -12,13 +12,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from jetson_tq.cli.main import main
 from jetson_tq.codec.klt import load_transforms, spread_transform
 from jetson_tq.config import TurboQuantConfig, load_config
-from jetson_tq.errors import ConfigError
-from jetson_tq.eval.calibrate_keys import calibrate_model, calibration_spec, model_rotary
-from jetson_tq.eval.klt_keys import KLTKeyCache, KLTPlan, calibrate
-from jetson_tq.eval.smartmix import capture
+from jetson_tq.errors import ConfigError, UnsupportedModelError
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
+from jetson_tq.integrations.transformers import TurboQuantCache
+from lab.eval.calibrate_keys import calibrate_model, calibration_spec, model_rotary
+from lab.eval.decoded_history import register as register_decoded
+from lab.eval.klt_keys import KLTKeyCache, KLTPlan, calibrate
+from lab.eval.smartmix import capture
 from tests.integrations.transformers.test_transformers_cache import SMALL as BASE_SMALL
+
+register_decoded()  # the lab's backend="cpu-decoded" (a CPU scoring path these tests compare), explicitly
 
 SMALL = dict(BASE_SMALL, max_position_embeddings=2048)
 KLT = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=16)

@@ -9,10 +9,10 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import TurboQuantConfig, config_from_dict
-from jetson_tq.errors import ConfigError
+from jetson_tq.errors import ConfigError, UnsupportedModelError
 from jetson_tq.format import FP16_FORMAT, KVFormat
 from jetson_tq.integrations import transformers as tqt
-from jetson_tq.integrations.transformers import TurboQuantCache, UnsupportedModelError
+from jetson_tq.integrations.transformers import TurboQuantCache
 
 SMALL = dict(
     hidden_size=128,

@@ -25,8 +25,8 @@ pytest.importorskip("vllm")
 from test_model_families import ENV, MML, TINY, WINDOW, MiB, models  # the families' engine settings
 from test_vllm_scheduling import same_up_to_near_ties
 
-from jetson_tq.integrations.vllm.compare import run_engines_in_one_process
 from jetson_tq.models.tiny import WORDS, write_tokenizer_files
+from lab.vllm_compare import run_engines_in_one_process
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 
 from jetson_tq.config import load_config
+from jetson_tq.errors import UnsupportedModelError
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
 from jetson_tq.integrations.vllm import hooks, settings
 from jetson_tq.integrations.vllm.spec import (
     EXACT_FORMAT_REASON,
     LayerFacts,
-    UnsupportedModelError,
     describe_layers,
     hybrid_page,
     refusal,

@@ -25,8 +25,8 @@ pytest.importorskip("vllm")
 
 from test_vllm_scheduling import same_up_to_near_ties
 
-from jetson_tq.integrations.vllm.compare import run_engines_in_one_process
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from lab.vllm_compare import run_engines_in_one_process
 from tests.helpers.engines import run_engines_side_by_side
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))

@@ -21,10 +21,10 @@ import jetson_tq.integrations.vllm.backend as backend_mod
 from jetson_tq import attention_decode, attention_prefill
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.rotation import derive_seed
+from jetson_tq.errors import UnsupportedModelError
 from jetson_tq.format import FP16_FORMAT, KVFormat
 from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots
-from jetson_tq.integrations.vllm.spec import UnsupportedModelError
 from jetson_tq.paged import allocate_pages
 from tests.helpers.vllm_steps import host_metadata, step_layout
 

@@ -42,10 +42,10 @@ from test_vllm_scheduling import engine_seed, same_up_to_near_ties
 
 from jetson_tq.config import load_config
 from jetson_tq.format import PagedLayout
-from jetson_tq.integrations.vllm.compare import first_divergence, run_engine_subprocess, token_agreement
 from jetson_tq.integrations.vllm.recent import pool_bytes
 from jetson_tq.integrations.vllm.spec import EXACT_FORMAT_REASON
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
+from lab.vllm_compare import first_divergence, run_engine_subprocess, token_agreement
 from tests.helpers.engines import run_engines_side_by_side
 
 DATA = Path(__file__).resolve().parents[2] / "data"
@@ -255,7 +255,7 @@ def test_what_cannot_be_served_is_a_named_error_naming_the_layer(tiny):
     """A layer with a sliding window now runs stock beside compressed ones (tests/integrations/vllm/
     test_model_families.py); what neither can serve, a KV cache dtype set beside the switch, stops at start-up
     with the layer's name."""
-    from jetson_tq.integrations.vllm.spec import UnsupportedModelError
+    from jetson_tq.errors import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match=r"layer model\.layers\.0\.self_attn\.attn: kv_cache_dtype 'fp8'"):
         run_engine_subprocess(_job(tiny, "bfloat16", ["the cat"], max_tokens=2, kv_cache_dtype="fp8"), "blog_k3v2", ENV)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from jetson_tq import ops
-from jetson_tq.errors import ConfigError, UnsupportedPlatformError
+from jetson_tq.errors import ConfigError, UnsupportedModelError, UnsupportedPlatformError
 from jetson_tq.format import KVFormat, PagedLayout
 from jetson_tq.integrations.vllm import plugin, settings, versions
-from jetson_tq.integrations.vllm.spec import UnsupportedModelError, layer_index
+from jetson_tq.integrations.vllm.spec import layer_index
 
 
 def test_supported_versions_and_named_error():

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from jetson_tq.config import DEFAULT_PRESET
-from jetson_tq.integrations.vllm.compare import run_engine_subprocess
+from lab.vllm_compare import run_engine_subprocess
 from tests.integrations.vllm import test_vllm_scheduling as sched
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
