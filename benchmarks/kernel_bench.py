@@ -541,7 +541,7 @@ def prefill_bench(
 
     from jetson_tq import ops
     from jetson_tq.attention.reference import paged_attention_prefill
-    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 
     dev = _require_cuda()
     flash_varlen = None

@@ -170,7 +170,7 @@ def prefill(
     """
     extras.check(q.shape[1], q.device)
     if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
-        from ..kernels.prefill import DEFAULT_TUNING, PrefillTuning, chunked_prefill
+        from ..kernels.prefill_plan import DEFAULT_TUNING, PrefillTuning, chunked_prefill
 
         if varlen is not None and history is not None and not reproducible:
             from ..kernels.prefill_flash import flash_prefill, flash_unsupported_reason
