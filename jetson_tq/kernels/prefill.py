@@ -109,29 +109,16 @@ def _workspace_span(n_lo, n_hi, s0, cend, lo, qk, qs, state, ws, xs, MASKED: tl.
 
 @triton.jit
 def _dense_part(
-    k_base,
-    v_base,
-    skt,
-    svt,
-    t_start,
-    n_tok,
-    pos0,
-    ring,
-    RING: tl.constexpr,
-    qpos,
-    lo,
-    qraw,
-    acc,
-    m_i,
-    l_i,
-    rk_ptr,
-    rv_ptr,
-    cap2,
-    CFG: tl.constexpr,
+    src, t_start, n_tok, pos0, ring, rows, state, rk_ptr, rv_ptr, cap2, RING: tl.constexpr, CFG: tl.constexpr
 ):
     """Attend to uncompressed tokens [t_start, n_tok) whose positions lie in each row's exact window [lo, qpos]
     (``lo`` already raised to the row's sliding-window start):
-    ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the chunk itself (position pos0 + t)."""
+    ring rows (RING: row t holds the position p >= pos0 with p % ring == t) or the chunk itself (position pos0 + t).
+    ``src``: (key base, value base, key token stride, value token stride); ``rows``: (qpos, lo, raw query) of the
+    rows; ``state``: their (acc, max, sum); ``rk_ptr``, ``rv_ptr``: the ring (its element types)."""
+    k_base, v_base, skt, svt = src
+    qpos, lo, qraw = rows
+    acc, m_i, l_i = state
     j = tl.arange(0, CFG.DP)[None, :]
     for t0 in range(t_start, n_tok, CFG.BLOCK_N):
         t = t0 + tl.arange(0, CFG.BLOCK_N)
@@ -154,33 +141,16 @@ def _dense_part(
 
 
 @triton.jit
-def _exact_aligned(
-    rk_base,
-    rv_base,
-    srkt,
-    srvt,
-    k_base,
-    v_base,
-    skt,
-    svt,
-    clen,
-    hist,
-    ring,
-    p_start,
-    p_end,
-    qpos,
-    lo,
-    qraw,
-    acc,
-    m_i,
-    l_i,
-    rk_ptr,
-    cap2,
-    CFG: tl.constexpr,
-):
+def _exact_aligned(ring_src, chunk_src, clen, hist, ring, p_start, p_end, rows, state, rk_ptr, cap2, CFG: tl.constexpr):
     """Reproducible mode's exact part: positions [p_start, p_end) in tiles aligned to multiples of CFG.BLOCK_N, each
     token taken from the ring (positions [clen, hist), column p % ring) or from the chunk (position hist + t), so a
-    row meets the same tiles in the same order whatever chunk (or decode step) it arrives in."""
+    row meets the same tiles in the same order whatever chunk (or decode step) it arrives in. ``ring_src``,
+    ``chunk_src``: (key base, value base, key token stride, value token stride); ``rows``, ``state``: as
+    ``_dense_part``'s."""
+    rk_base, rv_base, srkt, srvt = ring_src
+    k_base, v_base, skt, svt = chunk_src
+    qpos, lo, qraw = rows
+    acc, m_i, l_i = state
     j = tl.arange(0, CFG.DP)[None, :]
     for p0 in range(tl.maximum(p_start, 0) // CFG.BLOCK_N * CFG.BLOCK_N, p_end, CFG.BLOCK_N):
         pos = p0 + tl.arange(0, CFG.BLOCK_N)
@@ -337,76 +307,34 @@ def _prefill_kernel(
         if CFG.WINDOW:  # the exact part reads [max(lo, wlo), qpos]
             lo = tl.maximum(lo, wlo)
             lo_first = tl.maximum(lo_first, wlo_first)
+        ring_src = (
+            rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+            rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+            stride_rkt,
+            stride_rvt,
+        )
+        chunk_src = (
+            k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
+            v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
+            stride_kt,
+            stride_vt,
+        )
+        rows, state = (qpos, lo, qraw), (acc, m_i, l_i)
         if CFG.ALIGNED:
-            acc, m_i, l_i = _exact_aligned(
-                rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
-                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                stride_rkt,
-                stride_rvt,
-                k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                stride_kt,
-                stride_vt,
-                clen,
-                hist,
-                tl.maximum(ring, 1),
-                lo_first,
-                hist + last_tok + 1,
-                qpos,
-                lo,
-                qraw,
-                acc,
-                m_i,
-                l_i,
-                rk_ptr,
-                cap2,
-                CFG,
+            p_end = hist + last_tok + 1
+            state = _exact_aligned(
+                ring_src, chunk_src, clen, hist, tl.maximum(ring, 1), lo_first, p_end, rows, state, rk_ptr, cap2, CFG
             )
         else:
             ring_rows = tl.where(lo_first < hist, rlen, 0)  # skip the ring once the window left it
-            acc, m_i, l_i = _dense_part(
-                rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
-                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                stride_rkt,
-                stride_rvt,
-                0,
-                ring_rows,
-                clen,
-                tl.maximum(ring, 1),
-                True,
-                qpos,
-                lo,
-                qraw,
-                acc,
-                m_i,
-                l_i,
-                rk_ptr,
-                rv_ptr,
-                cap2,
-                CFG,
+            state = _dense_part(
+                ring_src, 0, ring_rows, clen, tl.maximum(ring, 1), rows, state, rk_ptr, rv_ptr, cap2, True, CFG
             )
             t_start = tl.maximum(lo_first - hist, 0) // CFG.BLOCK_N * CFG.BLOCK_N
-            acc, m_i, l_i = _dense_part(
-                k_ptr + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh,
-                v_ptr + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh,
-                stride_kt,
-                stride_vt,
-                t_start,
-                last_tok + 1,
-                hist,
-                1,
-                False,
-                qpos,
-                lo,
-                qraw,
-                acc,
-                m_i,
-                l_i,
-                rk_ptr,
-                rv_ptr,
-                cap2,
-                CFG,
+            state = _dense_part(
+                chunk_src, t_start, last_tok + 1, hist, 1, rows, state, rk_ptr, rv_ptr, cap2, False, CFG
             )
+        acc, m_i, l_i = state
         l_i = add_sink(l_i, m_i, sinks_ptr, hq, rmask, CFG.SINKS)
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         optr = (
