@@ -185,9 +185,7 @@ def _prefill_kernel(
     v_ptr,  # [B, HKV, T, D]: the chunk's values
     wk_ptr,  # [B * HKV, seg, KW]: dequantized keys of this segment (``_dequant_kernel``)
     wv_ptr,  # [B * HKV, seg, DP]: dequantized values
-    st_acc_ptr,  # fp32 [rows, DP]: running output between segments
-    st_m_ptr,  # fp32 [rows]: running max
-    st_l_ptr,  # fp32 [rows]: running sum
+    st_ptr,  # fp32 [rows, DP + 4]: running state between segments: output [:DP], max [DP], sum [DP + 1]
     clen_ptr,  # int32 [B]: compressed tokens per sequence
     rk_ptr,  # [rows, HKV, R, D]: recent-buffer keys
     rv_ptr,  # [rows, HKV, R, D]: recent-buffer values
@@ -261,9 +259,9 @@ def _prefill_kernel(
         qs = qk
     st_row = (pid_bh * tl.num_programs(1) + pid_m).to(tl.int64) * CFG.BLOCK_M + tl.arange(0, CFG.BLOCK_M)
     if CFG.LOAD_STATE:
-        acc = tl.load(st_acc_ptr + st_row[:, None] * CFG.DP + j)
-        m_i = tl.load(st_m_ptr + st_row)
-        l_i = tl.load(st_l_ptr + st_row)
+        acc = tl.load(st_ptr + st_row[:, None] * (CFG.DP + 4) + j)
+        m_i = tl.load(st_ptr + st_row * (CFG.DP + 4) + CFG.DP)
+        l_i = tl.load(st_ptr + st_row * (CFG.DP + 4) + CFG.DP + 1)
     else:
         acc = tl.zeros([CFG.BLOCK_M, CFG.DP], tl.float32)
         m_i = tl.full([CFG.BLOCK_M], float("-inf"), tl.float32)
@@ -346,6 +344,6 @@ def _prefill_kernel(
         )
         tl.store(optr, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        tl.store(st_acc_ptr + st_row[:, None] * CFG.DP + j, acc)
-        tl.store(st_m_ptr + st_row, m_i)
-        tl.store(st_l_ptr + st_row, l_i)
+        tl.store(st_ptr + st_row[:, None] * (CFG.DP + 4) + j, acc)
+        tl.store(st_ptr + st_row * (CFG.DP + 4) + CFG.DP, m_i)
+        tl.store(st_ptr + st_row * (CFG.DP + 4) + CFG.DP + 1, l_i)

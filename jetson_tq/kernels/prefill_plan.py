@@ -182,13 +182,12 @@ def dequantize_segment(
 class PrefillWorkspaces:
     """The tensors one prefill call writes between its launches: the dequantized segment (keys ``wk``
     [B * HKV, seg, KW], values ``wv`` [B * HKV, seg, DP]) and, with several segments, the running state of every row
-    (``st_acc`` [rows, DP], ``st_m``, ``st_l`` [rows] fp32; else aliases of the output, never touched)."""
+    (``state`` fp32 [rows, DP + 4]: output, max at DP, sum at DP + 1, rows 16-byte aligned; else the output,
+    never touched)."""
 
     wk: torch.Tensor
     wv: torch.Tensor
-    st_acc: torch.Tensor
-    st_m: torch.Tensor
-    st_l: torch.Tensor
+    state: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -250,13 +249,10 @@ def plan_prefill(
     wk = torch.empty(bsz * hkv, seg, kw, dtype=raw_t if spec.KEY_MODE == KEY_RAW else torch.float16, device=dev)
     wv = torch.empty(bsz * hkv, seg, dp, dtype=raw_t if spec.VAL_MODE == VAL_RAW else torch.float16, device=dev)
     if nseg > 1:  # the running (acc, max, sum) of every row between the segments' flash launches
-        rows = grid[0] * grid[1] * block_m
-        st_m = torch.empty(rows, dtype=torch.float32, device=dev)
-        ws = PrefillWorkspaces(
-            wk, wv, torch.empty(rows, dp, dtype=torch.float32, device=dev), st_m, torch.empty_like(st_m)
-        )
+        state = torch.empty(grid[0] * grid[1] * block_m, dp + 4, dtype=torch.float32, device=dev)
+        ws = PrefillWorkspaces(wk, wv, state)
     else:
-        ws = PrefillWorkspaces(wk, wv, out, out, out)  # never read or written (FINAL, no LOAD_STATE)
+        ws = PrefillWorkspaces(wk, wv, out)  # never read or written (FINAL, no LOAD_STATE)
     sinks, cap2, window = extras_args(extras, out)
     cfg = PrefillConstexprs(
         HKV=hkv,
@@ -310,7 +306,7 @@ def run(
     rk, rv = kv.recent_k, kv.recent_v
     if rk.shape[2] == 0 or rk.numel() == 0:  # no buffer storage: point at k, never read (recent_lens are 0)
         rk, rv = k, v
-    workspaces = (ws.wk, ws.wv, ws.st_acc, ws.st_m, ws.st_l)
+    workspaces = (ws.wk, ws.wv, ws.state)
     tensors = (qt, q, k, v, *workspaces, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index, out, plan.sinks)
     strides = tuple(s for t in (q, k, v, rk, rv, out) for s in t.stride()[:3])
     scalars = (plan.scale * LOG2E, plan.ring, plan.cap2, plan.window)
