@@ -36,7 +36,7 @@ def compile_variants(shapes, fmt, variants) -> None:
     """Each variant once per shape (kernels compile; the timed run then loads them from Triton's cache)."""
     import torch
 
-    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 
     for _, case, q, k, v in _cases(shapes, fmt):
         for var in variants:
@@ -49,7 +49,7 @@ def profile_variants(shapes, fmt, variants) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 
     for shape, case, q, k, v in _cases(shapes, fmt):
         for var in variants:

@@ -140,9 +140,9 @@ def main(argv=None) -> int:
     _install()
     from jetson_tq.attention.extras import NO_EXTRAS, AttentionExtras
     from jetson_tq.kernels.append import append_rows
-    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
+    from jetson_tq.kernels.compress_write_plan import WriteTuning, compress_write
     from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
-    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
     from jetson_tq.paged import allocate_pages
     from jetson_tq.validate import FAULT_NONE, StoreLimits
     from tests.helpers.kernel_cases import build_paged_kv, fmt_for

@@ -106,7 +106,7 @@ def make_decode_case(
 ) -> DecodeCase:
     """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
     buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
-    from jetson_tq.kernels.compress_write import compress_write
+    from jetson_tq.kernels.compress_write_plan import compress_write
 
     dev = _require_cuda()
     fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
@@ -330,7 +330,7 @@ def compress_bench(
     """Compress-on-write of ``tokens`` new tokens x ``hkv`` heads in one launch, next to a device copy of the same
     bytes timed in the same process. ``slots``: ``random`` (every token in a random slot, the run 3-6 setting) or
     ``blocks`` (whole 16-token blocks in shuffled order, what a vLLM prefill chunk writes)."""
-    from jetson_tq.kernels.compress_write import WriteTuning, compress_write
+    from jetson_tq.kernels.compress_write_plan import WriteTuning, compress_write
 
     dev = _require_cuda()
     bw = copy_gbps or copy_bandwidth()
@@ -541,7 +541,7 @@ def prefill_bench(
 
     from jetson_tq import ops
     from jetson_tq.attention.reference import paged_attention_prefill
-    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 
     dev = _require_cuda()
     flash_varlen = None

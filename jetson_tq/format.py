@@ -324,7 +324,7 @@ def exact_start(pos, ring: int, block: bool):
     """The window rule, the one definition every path follows: a query at position ``pos`` reads positions
     [exact_start, pos] exactly (from the ring / its own chunk) and everything older compressed. Sliding: the last
     ``ring`` positions (pos + 1 - ring); block: its own ``ring``-token block (pos - pos % ring). Elementwise on
-    ints, NumPy arrays and tensors; the Triton kernels (``kernels.prefill._window_lo``, ``kernels.append``)
+    ints, NumPy arrays and tensors; the Triton kernels (``kernels.prefill_dequant._window_lo``, ``kernels.append``)
     mirror it. A sequence of L tokens then reads ``L - max(exact_start(L - 1), 0)`` of them exactly."""
     if block:
         return pos - pos % ring

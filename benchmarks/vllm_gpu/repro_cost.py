@@ -35,7 +35,7 @@ def one_case(batch: int, ctx: int, hq: int = 28, hkv: int = 4, d: int = 128) -> 
     from kernel_bench import _bench, _graph_us, make_decode_case
 
     from jetson_tq.kernels.hybrid_decode_plan import hybrid_decode
-    from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+    from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 
     fmt = load_config("mse_k4v3").default
     ring = fmt.buffer_tokens

@@ -30,7 +30,7 @@ from ..errors import ShapeError
 from ..paged import PagedKV
 from ._common import KEY_KLT, KEY_MSE, VAL_GROUP, VAL_MSE, codec_constants, page_spec
 from .merge_states import merge_states
-from .prefill import DEQUANT_TOKENS, WORKSPACE_BYTES, _check_inputs, dequantize_segment, workspace_segment
+from .prefill_plan import DEQUANT_TOKENS, WORKSPACE_BYTES, _check_inputs, dequantize_segment, workspace_segment
 from .query_transform import query_transform
 
 

@@ -103,7 +103,7 @@ def write(
     bounds) and keep the smallest store fault code in fault[0] unless fault[1] (closed) is set — on the device
     inside the compress-on-write kernel (no host sync), or ``validate.store_fault_code`` on the reference path."""
     if resolve(k.device, layout, backend) == "triton":
-        from ..kernels.compress_write import compress_write
+        from ..kernels.compress_write_plan import compress_write
 
         compress_write(k, v, slots, pages, layout, codec, fault=fault, limits=limits, positions=positions)
         return
@@ -170,7 +170,7 @@ def prefill(
     """
     extras.check(q.shape[1], q.device)
     if attn_mask is None and resolve(q.device, kv.layout, backend) == "triton":
-        from ..kernels.prefill import DEFAULT_TUNING, PrefillTuning, chunked_prefill
+        from ..kernels.prefill_plan import DEFAULT_TUNING, PrefillTuning, chunked_prefill
 
         if varlen is not None and history is not None and not reproducible:
             from ..kernels.prefill_flash import flash_prefill, flash_unsupported_reason

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jetson_tq.codec.codebook import lloyd_max_codebook, uniform_codebook
-from jetson_tq.kernels import compress_write as cw
+from jetson_tq.kernels import compress_write_plan as cw
 from jetson_tq.kernels._common import _linear_codebook_fit
 
 

@@ -29,7 +29,7 @@ from jetson_tq.codec.kv import KVCodec
 from jetson_tq.codec.mse import TurboQuantMSE
 from jetson_tq.codec.packing import unpack_bits
 from jetson_tq.format import PagedLayout
-from jetson_tq.kernels.compress_write import WriteTuning, compress_write
+from jetson_tq.kernels.compress_write_plan import WriteTuning, compress_write
 from jetson_tq.paged import read_slots, write_slots
 from tests.helpers.kernel_cases import DEVICE, GPU, fmt_for, fresh_seed, vllm_block_table, vllm_slot_mapping
 

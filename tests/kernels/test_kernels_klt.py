@@ -15,7 +15,7 @@ from jetson_tq.attention.reference import paged_attention_decode, paged_attentio
 from jetson_tq.kernels._common import codec_constants
 from jetson_tq.kernels._tiles import rope_cos_sin
 from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
-from jetson_tq.kernels.prefill import chunked_prefill, dequantize_segment
+from jetson_tq.kernels.prefill_plan import chunked_prefill, dequantize_segment
 from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
 from tests.helpers.klt_cases import STRUCTURES, uneven_transform
 

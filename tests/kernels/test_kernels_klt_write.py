@@ -30,7 +30,7 @@ from jetson_tq.errors import ShapeError
 from jetson_tq.format import KVFormat, PagedLayout
 from jetson_tq.kernels._common import INTERPRET, constexpr_bundle, klt_constants, page_spec
 from jetson_tq.kernels._tiles import klt_keys, klt_levels, klt_operands, rope_cos_sin
-from jetson_tq.kernels.compress_write import compress_write
+from jetson_tq.kernels.compress_write_plan import compress_write
 from jetson_tq.paged import read_slots
 from jetson_tq.validate import FAULT_NONE, StoreLimits, store_fault_code
 from tests.helpers.kernel_cases import DEVICE, GPU, fresh_seed, vllm_block_table, vllm_slot_mapping

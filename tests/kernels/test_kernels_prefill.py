@@ -12,7 +12,7 @@ import torch
 
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.format import exact_count
-from jetson_tq.kernels.prefill import (
+from jetson_tq.kernels.prefill_plan import (
     SHARED_BYTES,
     WORKSPACE_BYTES,
     PrefillTuning,

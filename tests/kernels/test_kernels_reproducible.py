@@ -15,7 +15,7 @@ import torch
 from jetson_tq.attention.reference import paged_attention_prefill
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.format import PagedLayout
-from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 from jetson_tq.paged import PagedKV, slots_for_positions, write_slots
 from tests.helpers.kernel_cases import DEVICE, fmt_for, fresh_seed, rel_err, vllm_block_table
 

@@ -11,7 +11,7 @@ import torch
 
 from jetson_tq.attention.extras import AttentionExtras
 from jetson_tq.attention.reference import paged_attention_prefill
-from jetson_tq.kernels.prefill import PrefillTuning, chunked_prefill
+from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 from tests.helpers.kernel_cases import DEVICE, build_paged_kv, fmt_for, fresh_seed, rel_err
 from tests.helpers.masking import poison_freed
 

@@ -130,7 +130,7 @@ def test_prefill_transients_are_set_aside():
     workspace capped by the kernel's budget, the running state only when the history needs several segments."""
     from jetson_tq.config import load_config
     from jetson_tq.integrations.vllm.spec import prefill_transient_bytes
-    from jetson_tq.kernels.prefill import WORKSPACE_BYTES
+    from jetson_tq.kernels.prefill_plan import WORKSPACE_BYTES
 
     fmt = load_config("mse_k4v3").default
     short = prefill_transient_bytes(fmt, 28, 4, 128, 16384, 32768, 2)  # Qwen2.5-7B shape, 16k-token chunks
