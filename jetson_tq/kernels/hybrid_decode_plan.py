@@ -420,16 +420,10 @@ def plan_decode(
         FUSED_REDUCE=fused_reduce,
         INTERP=INTERPRET,
         **extras_flags(extras),
-        **(
-            dict(
-                NEW=True,
-                QN=qn,
-                XR=0 if ring_fallback else rk.shape[2],
-                BLOCKW=kv.layout.fmt.block_window and not ring_fallback,
-            )
-            if new is not None
-            else {}
-        ),
+        NEW=new is not None,
+        QN=qn,
+        XR=0 if new is None or ring_fallback else rk.shape[2],
+        BLOCKW=new is not None and kv.layout.fmt.block_window and not ring_fallback,
     )
     klt_spec = klt.get("spec", None)
     klt_bundle = klt["bundle"]
