@@ -229,7 +229,7 @@ def decode_arrays(
     nd, t = decode_rows(q_lens, spec_tokens)
     L = seq[:nd].astype(np.int64)
     if t > 1:
-        s = L - t
+        s = np.maximum(L - t, 0)  # (vLLM's graph-capture runs may give rows fewer tokens than their query)
         rec = s % R if (block_window and R > 0) else np.minimum(s, R)
         new_pos = s[:, None] + np.arange(t)
         return DecodeArrays(nd, t, rows[:nd], np.zeros_like(L), s - rec, rec, new_pos.reshape(-1), new_pos % max(R, 1))
