@@ -35,7 +35,15 @@ The kernel's runtime arguments come from the plan in groups, in this order (``hy
                             cnt: made with the plan, so a launch allocates nothing and a CUDA graph can capture it)
   stride_qb .. group_size   ``DecodeInts``: the strides the plan bakes in and the split sizes
   scale_log2 .. klt_scale   ``DecodeScalars``: softmax and codebook scalars
+  kn_ptr .. stride_nh       the multi-token form's new tokens' k, v and ``DecodePlan.new_strides`` (CFG.NEW; q and
+                            zeros without): last, so the one-token kernel's parameters keep their offsets
   PAGE, CFG, KLT            ``DecodePlan.constexprs``: the three bundles
+
+Multi-token form (CFG.NEW, speculative verification rows): QN query tokens per sequence over its history (the
+ring does not hold them yet) plus their own exact k, v; the QN * G (token, query head) pairs of a KV head are the
+rows of the query tile, each under its own position's window rule (``_draft_bounds``): compressed positions
+[lo, elo), exact ones [max(elo, lo), pos] from the ring and the new tokens (``_exact_rows``). Every such branch is
+behind CFG.NEW, so the one-token kernel compiles as before.
 
 Adding a per-layer constant (attention sinks, a logit soft cap, a sliding window, ...) touches four places, in the
 kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a flat splice of the plan's groups:
@@ -145,8 +153,6 @@ def _hybrid_decode_kernel(
     vcb_ptr,  # fp32 [>= 4]: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
     sinks_ptr,  # fp32 [Hq]: sink logits (CFG.SINKS)
-    kn_ptr,  # [B, QN, HKV, D]: the new tokens' exact keys (CFG.NEW; the ring does not hold them yet)
-    vn_ptr,  # [B, QN, HKV, D]: their values (same strides)
     out_ptr,  # [B, Hq, D]: output ([B * QN, Hq, D] rows when CFG.NEW)
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
     plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
@@ -170,9 +176,6 @@ def _hybrid_decode_kernel(
     group_size,  # splits per first-level group of the in-launch merge
     window,  # the sliding window W in tokens (CFG.WINDOW)
     ring,  # the recent buffer's capacity R: token p sits in row p % R (CFG.WINDOW)
-    stride_nb,  # the new tokens' k, v strides (CFG.NEW): sequence, token, KV head
-    stride_nt,
-    stride_nh,
     # ---- scalars
     scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
     qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
@@ -183,6 +186,12 @@ def _hybrid_decode_kernel(
     zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
     klt_scale,  # klt keys: RoPE's attention scaling
     cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
+    # ---- the multi-token form's new tokens (last: the one-token kernel's parameters keep their offsets and SASS)
+    kn_ptr,  # [B, QN, HKV, D]: the new tokens' exact keys (CFG.NEW; the ring does not hold them yet)
+    vn_ptr,  # [B, QN, HKV, D]: their values (same strides)
+    stride_nb,  # their strides: sequence, token, KV head
+    stride_nt,
+    stride_nh,
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
     CFG: tl.constexpr,  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan

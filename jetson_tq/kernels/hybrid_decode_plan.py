@@ -153,9 +153,6 @@ class DecodeInts(NamedTuple):
     group_size: int  # splits per first-level group of the in-launch merge
     window: int  # the sliding window W in tokens (CFG.WINDOW; 0 without)
     ring: int  # the recent buffer's capacity R (row p % R holds token p)
-    stride_nb: int = 0  # the new tokens' k, v strides (CFG.QN > 1; 0 without): sequence, token, KV head
-    stride_nt: int = 0
-    stride_nh: int = 0
 
 
 class DecodeScalars(NamedTuple):
@@ -195,6 +192,7 @@ class DecodePlan:
     ring_fallback: bool  # no recent-buffer storage: the kernel's recent pointers point at q (never read)
     ints: DecodeInts
     scalars: DecodeScalars
+    new_strides: tuple[int, int, int]  # the new tokens' k, v strides (multi-token form; zeros without)
     page: PageSpec = field(repr=False)
     klt: KltSpec = field(repr=False)
     consts: DecodeConstants = field(repr=False)
@@ -382,7 +380,6 @@ def plan_decode(
         group_size=group_size,
         window=window,
         ring=max(1, rk.shape[2]),
-        **(dict(stride_nb=kn.stride(0), stride_nt=kn.stride(1), stride_nh=kn.stride(2)) if kn is not None else {}),
     )
     scalars = DecodeScalars(
         scale_log2=scale * LOG2E,
@@ -449,6 +446,7 @@ def plan_decode(
         ring_fallback=ring_fallback,
         ints=ints,
         scalars=scalars,
+        new_strides=(kn.stride(0), kn.stride(1), kn.stride(2)) if kn is not None else (0, 0, 0),
         page=spec,
         klt=klt_spec if klt_spec is not None else NO_KLT,
         consts=DecodeConstants(
@@ -504,14 +502,15 @@ def _decode_args(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tens
         kv.recent_lens,
         kv.recent_index,
         *plan.consts,
-        kn,
-        vn,
         out,
         po,
         plse,
         plan.cnt,
         *plan.ints,
         *plan.scalars,
+        kn,
+        vn,
+        *plan.new_strides,
     )
 
 
