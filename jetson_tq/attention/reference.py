@@ -2,7 +2,8 @@
 
 These signatures are the contract the Triton kernels implement:
 - ``paged_attention_decode(q, kv)``: one new token per sequence over a ``PagedKV`` (compressed pages
-  through a block table + an uncompressed recent buffer, which already holds the token's K/V).
+  through a block table + an uncompressed recent buffer, which already holds the token's K/V); with q
+  [B, Q, Hq, D] and the new tokens' k, v, Q tokens per sequence (speculative verification) over the history.
 - ``paged_attention_prefill(q, k, v, kv)``: a chunk of T tokens per sequence, causal, under the same window
   rule as decode (``format.exact_start``: positions older than p + 1 - R, or than p's own R-token block, read
   compressed, the rest exactly), so a token's treatment does not depend on whether it arrived by decode, by a
@@ -118,15 +119,35 @@ def _finish(scores: torch.Tensor, values: torch.Tensor, out_shape, dtype, sink: 
 
 
 def paged_attention_decode(
-    q: torch.Tensor, kv: PagedKV, softmax_scale: float | None = None, extras: AttentionExtras = NO_EXTRAS
+    q: torch.Tensor,
+    kv: PagedKV,
+    softmax_scale: float | None = None,
+    extras: AttentionExtras = NO_EXTRAS,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D]; the
-    query sits at position L - 1 (L = compressed_lens + recent_lens) for the sliding window of ``extras``."""
+    query sits at position L - 1 (L = compressed_lens + recent_lens) for the sliding window of ``extras``.
+
+    Multi-token form (a speculative verification row: the last sampled token and its drafts): q [B, Q, Hq, D] with
+    the Q tokens' exact k, v [B, Q, Hkv, D] -> [B, Q, Hq, D]. ``kv`` then describes the s-token history (the ring
+    does not hold the new tokens yet: R columns cannot hold both them and the older exact tokens the earlier query
+    tokens still read), the pages already hold the new tokens' compressed copies at [s, s + Q). Token i sits at
+    position s + i and reads positions <= s + i under the window rule (``format.exact_start`` per query position)
+    and ``extras`` per query position: exactly what ``paged_attention_prefill`` computes for a chunk of Q tokens."""
     expect_float("q", q)
     check_softmax_scale(softmax_scale)
     expect_same_device(q=q, pages=kv.pages)
-    if q.dim() != 3:
-        raise ShapeError(f"q: expected [B, Hq, D], got {tuple(q.shape)}")
+    if q.dim() == 4:
+        if k is None or v is None or k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.dim() != 4:
+            got = None if k is None or v is None else (tuple(k.shape), tuple(v.shape))
+            raise ShapeError(f"k, v: expected [{q.shape[0]}, {q.shape[1]}, Hkv, D] with a 4-d q, got {got}")
+        out = paged_attention_prefill(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kv, softmax_scale, extras=extras
+        )
+        return out.transpose(1, 2)
+    if q.dim() != 3 or k is not None or v is not None:
+        raise ShapeError(f"q: expected [B, Hq, D] (or [B, Q, Hq, D] with k, v), got {tuple(q.shape)}")
     if bool(((kv.compressed_lens + kv.recent_lens) == 0).any()):
         raise ShapeError("attention_decode: a sequence has an empty cache; append its K/V first")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -35,7 +35,15 @@ The kernel's runtime arguments come from the plan in groups, in this order (``hy
                             cnt: made with the plan, so a launch allocates nothing and a CUDA graph can capture it)
   stride_qb .. group_size   ``DecodeInts``: the strides the plan bakes in and the split sizes
   scale_log2 .. klt_scale   ``DecodeScalars``: softmax and codebook scalars
+  kn_ptr .. stride_nh       the multi-token form's new tokens' k, v and ``DecodePlan.new_strides`` (CFG.NEW; q and
+                            zeros without): last, so the one-token kernel's parameters keep their offsets
   PAGE, CFG, KLT            ``DecodePlan.constexprs``: the three bundles
+
+Multi-token form (CFG.NEW, speculative verification rows): QN query tokens per sequence over its history (the
+ring does not hold them yet) plus their own exact k, v; the QN * G (token, query head) pairs of a KV head are the
+rows of the query tile, each under its own position's window rule (``_draft_bounds``): compressed positions
+[lo, elo), exact ones [max(elo, lo), pos] from the ring and the new tokens (``_exact_rows``). Every such branch is
+behind CFG.NEW, so the one-token kernel compiles as before.
 
 Adding a per-layer constant (attention sinks, a logit soft cap, a sliding window, ...) touches four places, in the
 kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a flat splice of the plan's groups:
@@ -116,6 +124,10 @@ class DecodeConstexprs:
     SINKS: bool = False  # per-query-head sink logits in the softmax denominator (``attention.extras``)
     SOFT_CAP: bool = False  # scores soft-capped: cap * tanh(s / cap)
     WINDOW: bool = False  # a sliding window: positions before L - W are never read
+    NEW: bool = False  # multi-token form: QN query tokens per sequence over the history, their own k, v apart
+    QN: int = 1  # query tokens per sequence (NEW; speculative verification rows, ``_draft_bounds``)
+    XR: int = 0  # NEW: the exact ring's capacity R (the window rule per query position; 0: no ring)
+    BLOCKW: bool = False  # NEW: block windows (a query reads its own R-token block exactly)
 
 
 @triton.jit
@@ -141,7 +153,7 @@ def _hybrid_decode_kernel(
     vcb_ptr,  # fp32 [>= 4]: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
     sinks_ptr,  # fp32 [Hq]: sink logits (CFG.SINKS)
-    out_ptr,  # [B, Hq, D]: output
+    out_ptr,  # [B, Hq, D]: output ([B * QN, Hq, D] rows when CFG.NEW)
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
     plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
     cnt_ptr,  # int32: arrival counters (FUSED_REDUCE)
@@ -174,6 +186,12 @@ def _hybrid_decode_kernel(
     zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
     klt_scale,  # klt keys: RoPE's attention scaling
     cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
+    # ---- the multi-token form's new tokens (last: the one-token kernel's parameters keep their offsets and SASS)
+    kn_ptr,  # [B, QN, HKV, D]: the new tokens' exact keys (CFG.NEW; the ring does not hold them yet)
+    vn_ptr,  # [B, QN, HKV, D]: their values (same strides)
+    stride_nb,  # their strides: sequence, token, KV head
+    stride_nt,
+    stride_nh,
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
     CFG: tl.constexpr,  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
@@ -187,8 +205,12 @@ def _hybrid_decode_kernel(
     clen = tl.load(clen_ptr + b)
     rlen = tl.load(rlen_ptr + b)
     g = tl.arange(0, CFG.GP)
-    gmask = g < CFG.G
-    qrow = b * (CFG.HKV * CFG.G) + h * CFG.G + g  # flat query-head rows of this KV head
+    if CFG.NEW:  # rows = (query token g // G, query head g % G) pairs, each a flat query row of its own
+        gmask = g < CFG.QN * CFG.G
+        qrow = ((b * CFG.QN + g // CFG.G) * CFG.HKV + h) * CFG.G + g % CFG.G
+    else:
+        gmask = g < CFG.G
+        qrow = b * (CFG.HKV * CFG.G) + h * CFG.G + g  # flat query-head rows of this KV head
     if CFG.FUSE_Q:
         _rotate_query(q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE, CFG)
     # the transformed query as tensor-core operands, loaded once; index vectors along the tiles' coordinate axes
@@ -215,11 +237,17 @@ def _hybrid_decode_kernel(
     # programs of an 8k sequence idle in a 128k table
     # with a sliding window the splits share the tokens from the window's first tile on (the query sits at
     # clen + rlen - 1 and reads positions >= wlo; nothing before is loaded: vLLM may have freed those blocks)
-    wlo = window_start(clen + rlen - 1, window, CFG.WINDOW)
+    if CFG.NEW:  # per row: compressed positions [lo, elo), exact [max(elo, lo), pos]; the new tokens after the ring
+        pos, elo, lo, cend, wlo = _draft_bounds(clen, clen + rlen, g, window, CFG)
+        vlen = cend + rlen + CFG.QN
+    else:
+        wlo = window_start(clen + rlen - 1, window, CFG.WINDOW)
+        cend = clen
+        vlen = clen + rlen
     base = tl.maximum(wlo, 0) // CFG.BLOCK_N * CFG.BLOCK_N
-    tps = tl.maximum(tokens_per_split, tl.cdiv(clen + rlen - base, n_splits * CFG.BLOCK_N) * CFG.BLOCK_N)
+    tps = tl.maximum(tokens_per_split, tl.cdiv(vlen - base, n_splits * CFG.BLOCK_N) * CFG.BLOCK_N)
     start = base + split * tps
-    end = tl.minimum(start + tps, clen)
+    end = tl.minimum(start + tps, cend)
     head_off = h.to(tl.int64) * page_bytes
     for n0 in range(start, end, CFG.BLOCK_N):
         page, off, nmask = _tile_pages(pages_ptr, bt_ptr, b, n0, end, head_off, stride_bt, page_bytes, PAGE, CFG)
@@ -231,7 +259,12 @@ def _hybrid_decode_kernel(
             s = _klt_scores(page, off, nmask, n0, qk, kops, PAGE, CFG, KLT)
         else:
             s = _key_scores(page, off, nmask, kc, sc, qk, qh, kadd, qs, ssub, cb_ptr, qjl_scale, PAGE, CFG)
-        s = tl.where(nmask[:, None], soft_cap(s, cap2, CFG.SOFT_CAP), float("-inf"))
+        if CFG.NEW:  # each row reads its own compressed positions [lo, elo)
+            npos = (n0 + tl.arange(0, CFG.BLOCK_N))[:, None]
+            rmask = nmask[:, None] & (npos < elo[None, :]) & (npos >= lo[None, :])
+            s = tl.where(rmask, soft_cap(s, cap2, CFG.SOFT_CAP), float("-inf"))
+        else:
+            s = tl.where(nmask[:, None], soft_cap(s, cap2, CFG.SOFT_CAP), float("-inf"))
         # the running sum stays a [BLOCK_N, GP] tile (one FFMA per element) and is reduced over tokens once, after
         # the loop, instead of a shuffle reduction per tile
         m_i, alpha, p, l_t = online_softmax(s, m_i, l_t, 0, False)
@@ -273,9 +306,64 @@ def _hybrid_decode_kernel(
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
     # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
-    r0 = tl.maximum(start - clen, 0)
-    r1 = tl.minimum(start + tps - clen, rlen)
-    if r1 > r0:
+    r0 = tl.maximum(start - cend, 0)
+    r1 = tl.minimum(start + tps - cend, rlen)
+    if CFG.NEW:  # the ring's rows [r0, r1), then the new tokens [t0, t1) of this split, each row under its masks
+        qoff = _row_offsets(b, h, g, stride_qb, stride_qh, CFG)
+        xlo = tl.maximum(elo, lo)
+        if r1 > r0:
+            ridx = tl.load(ridx_ptr + b).to(tl.int64)
+            m_i, l_i, acc, zacc = _exact_rows(
+                q_ptr,
+                qoff,
+                rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
+                rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
+                rk_ptr,
+                r0,
+                r1,
+                stride_rkt,
+                stride_rvt,
+                clen,
+                ring,
+                xlo,
+                pos,
+                gmask,
+                vu,
+                scale_log2,
+                cap2,
+                (m_i, l_i, acc, zacc),
+                PAGE,
+                CFG,
+                True,
+            )
+        t0 = tl.maximum(start - cend - rlen, 0)
+        t1 = tl.minimum(start + tps - cend - rlen, CFG.QN)
+        if t1 > t0:
+            nbase = b.to(tl.int64) * stride_nb + h.to(tl.int64) * stride_nh
+            m_i, l_i, acc, zacc = _exact_rows(
+                q_ptr,
+                qoff,
+                kn_ptr + nbase,
+                vn_ptr + nbase,
+                rk_ptr,
+                t0,
+                t1,
+                stride_nt,
+                stride_nt,
+                clen + rlen,
+                ring,
+                xlo,
+                pos,
+                gmask,
+                vu,
+                scale_log2,
+                cap2,
+                (m_i, l_i, acc, zacc),
+                PAGE,
+                CFG,
+                False,
+            )
+    elif r1 > r0:
         m_i, l_i, acc, zacc = _recent_tokens(
             q_ptr,
             rk_ptr,
@@ -306,7 +394,10 @@ def _hybrid_decode_kernel(
             cap2,
         )
     if CFG.SINKS:  # split 0 adds each query head's sink to its softmax sum (no value: the output is not touched)
-        l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g, gmask & (split == 0), CFG.SINKS)
+        if CFG.NEW:
+            l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g % CFG.G, gmask & (split == 0), CFG.SINKS)
+        else:
+            l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g, gmask & (split == 0), CFG.SINKS)
     _write_output(
         out_ptr,
         po_ptr,
@@ -341,11 +432,15 @@ def _rotate_query(
     """The query transform inside the launch (randomized Hadamard rotation, mse keys): every split of this
     (sequence, KV head) writes the same Pi q * scale rows, which ``_query_operands`` reads back chunk by chunk."""
     dq = tl.arange(0, PAGE.DP)
-    q0 = tl.load(
-        q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
-        mask=gmask[:, None],
-        other=0.0,
-    ).to(tl.float32)
+    if CFG.NEW:
+        qoff = _row_offsets(b, h, g, stride_qb, stride_qh, CFG)
+        q0 = tl.load(q_ptr + qoff[:, None] + dq[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+    else:
+        q0 = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + (h * CFG.G + g)[:, None].to(tl.int64) * stride_qh + dq[None, :],
+            mask=gmask[:, None],
+            other=0.0,
+        ).to(tl.float32)
     qr = fwht_rows(q0 * tl.load(hs_ptr + dq)[None, :], CFG.GP, PAGE.DP, CFG.LOG2D) * qt_scale
     tl.store(qt_ptr + qrow[:, None] * CFG.QW + dq[None, :], qr, mask=gmask[:, None])
     tl.debug_barrier()
@@ -743,6 +838,111 @@ def _recent_tokens(
 
 
 @triton.jit
+def _row_offsets(b, h, g, stride_t, stride_h, CFG: tl.constexpr):
+    """CFG.NEW: element offsets [GP] of the rows' (query token g // G, query head h G + g % G) of sequence ``b`` in
+    a [B * QN, Hq, D] tensor with token stride ``stride_t`` and head stride ``stride_h``."""
+    return (b * CFG.QN + g // CFG.G).to(tl.int64) * stride_t + (h * CFG.G + g % CFG.G).to(tl.int64) * stride_h
+
+
+@triton.jit
+def _exact_start(pos, CFG: tl.constexpr):
+    """``format.exact_start`` with the plan's ring (CFG.XR, CFG.BLOCKW): the first position a query at ``pos`` reads
+    exactly (pos + 1 without a ring: everything compressed)."""
+    if CFG.XR == 0:
+        return pos + 1
+    if CFG.BLOCKW:
+        return pos - pos % CFG.XR
+    return pos + 1 - CFG.XR
+
+
+@triton.jit
+def _draft_bounds(clen, hist, g, window, CFG: tl.constexpr):
+    """CFG.NEW, a sequence with ``hist`` history tokens: (each row's position [GP], the first position it reads
+    exactly, the first it reads at all (sliding window), the end of the compressed positions any row reads, the
+    first position any row reads). Query token i sits at hist + i; positions in [lo, elo) are read compressed (the
+    pages hold every token, the new ones too), [max(elo, lo), pos] exactly (the ring holds [elo, hist) of every row:
+    R >= QN)."""
+    pos = hist + g // CFG.G
+    elo = _exact_start(pos, CFG)
+    lo = window_start(pos, window, CFG.WINDOW)
+    last = hist + CFG.QN - 1
+    cend = tl.maximum(clen, tl.minimum(_exact_start(last, CFG), last + 1))
+    return pos, elo, lo, cend, window_start(hist, window, CFG.WINDOW)
+
+
+@triton.jit
+def _exact_rows(
+    q_ptr,
+    qoff,
+    k_base,
+    v_base,
+    ring_ptr,
+    t0,
+    t1,
+    stride_kt,
+    stride_vt,
+    pos0,
+    ring,
+    xlo,
+    xhi,
+    gmask,
+    vu,
+    scale_log2,
+    cap2,
+    state,
+    PAGE: tl.constexpr,
+    CFG: tl.constexpr,
+    RING: tl.constexpr,
+):
+    """CFG.NEW: exact tokens t in [t0, t1) at ``k_base`` / ``v_base`` + t * stride into the online softmax
+    ``state`` -> the new state, row r (query offsets ``qoff``) reading those whose position lies in [xlo[r], xhi[r]].
+    RING: ring rows (position pos0 + (t - pos0) mod ``ring``), else the new tokens (position pos0 + t), cast to the
+    ring's dtype (``ring_ptr``'s) as the ring would store them."""
+    m_i, l_i, acc, zacc = state
+    d = tl.arange(0, PAGE.DP)
+    qb = (
+        tl.load(q_ptr + qoff[None, :] + d[:, None], mask=gmask[None, :] & (d[:, None] < PAGE.D), other=0.0).to(
+            tl.float32
+        )
+        * scale_log2
+    )
+    for tb in range(t0, t1, CFG.BLOCK_R):
+        t = tb + tl.arange(0, CFG.BLOCK_R)
+        tmask = t < t1
+        k = tl.load(
+            k_base + t[:, None].to(tl.int64) * stride_kt + d[None, :],
+            mask=tmask[:, None] & (d[None, :] < PAGE.D),
+            other=0.0,
+        ).to(ring_ptr.dtype.element_ty)
+        s = soft_cap(
+            mma(k, qb.to(k.dtype), tl.zeros([CFG.BLOCK_R, CFG.GP], tl.float32), CFG.INTERP), cap2, CFG.SOFT_CAP
+        )
+        if RING:
+            p_t = pos0 + ((t - pos0) % ring + ring) % ring
+        else:
+            p_t = pos0 + t
+        ok = tmask[:, None] & (p_t[:, None] >= xlo[None, :]) & (p_t[:, None] <= xhi[None, :])
+        s = tl.where(ok, s, float("-inf"))
+        m_i, alpha, p, l_i = online_softmax(s, m_i, l_i, 0, True)
+        zacc = zacc * alpha[None, :]
+        new_acc = ()
+        for c in tl.static_range(PAGE.VCH):
+            for j in tl.static_range(CFG.VSC):
+                rcol = c * PAGE.VCW + j * CFG.VSUB + vu
+                v = tl.load(
+                    v_base + t[None, :].to(tl.int64) * stride_vt + rcol[:, None],
+                    mask=tmask[None, :] & (vu[:, None] < CFG.VSUB) & (rcol[:, None] < PAGE.D),
+                    other=0.0,
+                ).to(ring_ptr.dtype.element_ty)
+                pv = mma(v, p.to(v.dtype), tl.zeros([CFG.VSUBP, CFG.GP], tl.float32), CFG.INTERP)
+                if CFG.FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
+                    pv = pv * (value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2) / TWO24)
+                new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + pv,)
+        acc = new_acc
+    return m_i, l_i, acc, zacc
+
+
+@triton.jit
 def _write_output(
     out_ptr,
     po_ptr,
@@ -783,12 +983,15 @@ def _write_output(
                 o = o * (TWO24 / u) + zsum[None, :]
             o = o * inv[None, :]
             if CFG.SINGLE:
-                optr = (
-                    out_ptr
-                    + b.to(tl.int64) * stride_ob
-                    + (h * CFG.G + g)[None, :].to(tl.int64) * stride_oh
-                    + col[:, None]
-                )
+                if CFG.NEW:
+                    optr = out_ptr + _row_offsets(b, h, g, stride_ob, stride_oh, CFG)[None, :] + col[:, None]
+                else:
+                    optr = (
+                        out_ptr
+                        + b.to(tl.int64) * stride_ob
+                        + (h * CFG.G + g)[None, :].to(tl.int64) * stride_oh
+                        + col[:, None]
+                    )
                 tl.store(optr, o.to(out_ptr.dtype.element_ty), mask=omask)
             else:
                 prow = qrow.to(tl.int64) * n_splits + split

@@ -118,7 +118,7 @@ DEFAULT_TUNING = DecodeTuning()
 
 
 class DecodeConstants(NamedTuple):
-    """One layer's device constants the kernel reads, in its parameter order (``cb_ptr`` .. ``vpi_ptr``)."""
+    """One layer's device constants the kernel reads, in its parameter order (``cb_ptr`` .. ``sinks_ptr``)."""
 
     codebook: torch.Tensor  # fp32 [>= 4]: key centroids
     klt_meta: torch.Tensor  # int32 [H, 2, DP]: klt code bit offsets and widths (placeholders without klt keys)
@@ -177,6 +177,7 @@ class DecodePlan:
 
     batch: int
     q_heads: int
+    query_tokens: int  # query tokens per sequence (Q > 1: speculative verification rows, causal among themselves)
     kv_heads: int
     head_dim: int
     splits: int
@@ -191,6 +192,7 @@ class DecodePlan:
     ring_fallback: bool  # no recent-buffer storage: the kernel's recent pointers point at q (never read)
     ints: DecodeInts
     scalars: DecodeScalars
+    new_strides: tuple[int, int, int]  # the new tokens' k, v strides (multi-token form; zeros without)
     page: PageSpec = field(repr=False)
     klt: KltSpec = field(repr=False)
     consts: DecodeConstants = field(repr=False)
@@ -205,7 +207,7 @@ class DecodePlan:
 
     @property
     def reduce_grid(self) -> tuple[int]:
-        return (self.batch * self.q_heads,)
+        return (self.batch * self.query_tokens * self.q_heads,)
 
     @property
     def launch_options(self) -> dict:
@@ -258,18 +260,34 @@ _DECODE = FastLauncher(_hybrid_decode_kernel)
 _REDUCE = FastLauncher(_decode_reduce_kernel)
 
 
-def _check_query(q: torch.Tensor, kv: PagedKV) -> None:
-    """Named errors for a query that does not fit ``kv``."""
+def _check_query(q: torch.Tensor, kv: PagedKV, new: tuple | None = None) -> None:
+    """Named errors for a query (and the new tokens' k, v of a multi-token one) that does not fit ``kv``."""
     cuda_or_interpreter(q)
     expect_same_device(q=q, pages=kv.pages)
-    if q.dim() != 3:
-        raise ShapeError(f"q: expected [B, Hq, D], got {tuple(q.shape)}")
+    if q.dim() not in (3, 4) or (q.dim() == 4) != (new is not None):
+        raise ShapeError(f"q: expected [B, Hq, D], or [B, Q, Hq, D] with the new tokens' k, v; got {tuple(q.shape)}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise DTypeError(f"q: expected float16, bfloat16 or float32, got {q.dtype}")
-    bsz, hq, d = q.shape
+    bsz, hq, d = q.shape[0], q.shape[-2], q.shape[-1]
     hkv = kv.num_kv_heads
     if d != kv.head_dim or bsz != kv.batch_size or hq % hkv:
-        raise ShapeError(f"q: expected [{kv.batch_size}, k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
+        raise ShapeError(f"q: expected [{kv.batch_size}, (Q,) k*{hkv}, {kv.head_dim}], got {tuple(q.shape)}")
+    if new is not None:
+        k, v = new
+        want = (bsz, q.shape[1], hkv, d)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ShapeError(f"k, v: expected {list(want)}, got {tuple(k.shape)} and {tuple(v.shape)}")
+        expect_same_device(q=q, k=k, v=v)
+        if kv.layout.fmt.key_mode == "klt":
+            raise ShapeError("multi-token decode: klt keys are not served (their calibrated sink is read per program)")
+        R = kv.recent_k.shape[2]
+        if R and q.shape[1] > R:
+            raise ShapeError(f"multi-token decode: {q.shape[1]} query tokens exceed the exact ring of {R}")
+
+
+def _flat(q: torch.Tensor) -> torch.Tensor:
+    """q [B, Q, Hq, D] as the kernel's [B * Q, Hq, D] rows (a view: one token stride); a 3-d q as it is."""
+    return q.view(-1, q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
 
 
 def plan_decode(
@@ -279,14 +297,21 @@ def plan_decode(
     out: torch.Tensor | None = None,
     tuning: DecodeTuning = DEFAULT_TUNING,
     extras: AttentionExtras = NO_EXTRAS,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> DecodePlan:
     """The plan of a decode of queries shaped and strided like ``q`` over ``kv`` (its format, block table width and
     recent-buffer strides) into ``out``'s strides (None: a fresh contiguous output), with the layer's sinks, soft cap
-    and sliding window (``extras``: constexpr-gated, so a layer without them compiles the plain kernel)."""
-    _check_query(q, kv)
-    extras.check(q.shape[1], q.device)
+    and sliding window (``extras``: constexpr-gated, so a layer without them compiles the plain kernel).
+
+    q [B, Q, Hq, D] (its B and Q dims one token stride: ``_flat``) with ``new`` = the Q new tokens' (k, v)
+    [B, Q, Hkv, D] (equal strides): Q query tokens per sequence folded into the rows of each program's query tile
+    next to the G query heads of its KV head (CFG.QN; Q = 1 compiles the one-token kernel)."""
+    _check_query(q, kv, new)
+    extras.check(q.shape[-2], q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    bsz, hq, d = q.shape
+    qn = q.shape[1] if q.dim() == 4 else 1
+    q4, q = q, _flat(q)
+    bsz, hq, d = q4.shape[0], q.shape[1], q.shape[2]
     hkv = kv.num_kv_heads
     spec, page = page_spec(kv.layout, kv.codec)
     consts = codec_constants(kv.codec, q.device)
@@ -310,7 +335,10 @@ def plan_decode(
     )
     fuse = tuning.fuse_query and fused_query(spec, kv.codec)
     qt = workspace(
-        "qt_fused" if fuse else "qt", (bsz * hq, consts["qmat"].shape[0] if not fuse else d), torch.float32, q.device
+        "qt_fused" if fuse else "qt",
+        (bsz * qn * hq, consts["qmat"].shape[0] if not fuse else d),
+        torch.float32,
+        q.device,
     )
     g = hq // hkv
     rk, rv = kv.recent_k, kv.recent_v
@@ -320,19 +348,20 @@ def plan_decode(
     splits = tuning.num_splits or choose_splits(
         bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, tuning.waves or WAVES
     )
-    fused_reduce = tuning.fused_reduce and splits > 1
+    fused_reduce = tuning.fused_reduce and splits > 1 and new is None  # (the in-launch merge stores one token's rows)
     group_size = math.isqrt(splits - 1) + 1 if splits > 1 else 1  # ~sqrt(splits) splits per first-level group
     po: torch.Tensor | None = None
     plse: torch.Tensor | None = None
     if splits > 1:
-        po = workspace("decode_po", (bsz * hq * splits, d), torch.float32, q.device)
-        plse = workspace("decode_lse", (bsz * hq * splits,), torch.float32, q.device)
+        po = workspace("decode_po", (bsz * qn * hq * splits, d), torch.float32, q.device)
+        plse = workspace("decode_lse", (bsz * qn * hq * splits,), torch.float32, q.device)
     n_cnt = bsz * hkv * (2 + (splits - 1) // group_size) if fused_reduce else 1
     if ring_fallback:
         rk = rv = q.unsqueeze(2)
     vsub, vsc = value_subchunks(spec)
     ka, kb_, kg = kfit or (0.0, 0.0, 0.0)
-    ob, oh = (out.stride(0), out.stride(1)) if out is not None else (hq * d, d)
+    ob, oh = (out.stride(-3), out.stride(-2)) if out is not None else (hq * d, d)
+    kn = new[0] if new is not None else None
     ints = DecodeInts(
         stride_qb=q.stride(0),
         stride_qh=q.stride(1),
@@ -366,7 +395,7 @@ def plan_decode(
     cfg = DecodeConstexprs(
         HKV=hkv,
         G=g,
-        GP=next_pow2(g),
+        GP=next_pow2(g * qn),  # rows: (query token, query head) pairs
         QW=qt.shape[1],
         KCWP=max(16, next_pow2(spec.KCW)),
         CHP=max(16, next_pow2(spec.CH)),
@@ -388,6 +417,10 @@ def plan_decode(
         FUSED_REDUCE=fused_reduce,
         INTERP=INTERPRET,
         **extras_flags(extras),
+        NEW=new is not None,
+        QN=qn,
+        XR=0 if new is None or ring_fallback else rk.shape[2],
+        BLOCKW=new is not None and kv.layout.fmt.block_window and not ring_fallback,
     )
     klt_spec = klt.get("spec", None)
     klt_bundle = klt["bundle"]
@@ -398,6 +431,7 @@ def plan_decode(
     plan = DecodePlan(
         batch=bsz,
         q_heads=hq,
+        query_tokens=qn,
         kv_heads=hkv,
         head_dim=d,
         splits=splits,
@@ -412,6 +446,7 @@ def plan_decode(
         ring_fallback=ring_fallback,
         ints=ints,
         scalars=scalars,
+        new_strides=(kn.stride(0), kn.stride(1), kn.stride(2)) if kn is not None else (0, 0, 0),
         page=spec,
         klt=klt_spec if klt_spec is not None else NO_KLT,
         consts=DecodeConstants(
@@ -437,9 +472,9 @@ def plan_decode(
         key=(next(_SERIAL),),  # unique per plan (an id() could be reused by a later plan)
     )
     if tuning.waves is None and tuning.num_splits is None and splits > 1:  # one full wave of the compiled kernel
-        fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, _one_wave(plan, q, kv))
+        fit = choose_splits(bsz, hkv, capacity, _num_sms(q.device), tuning.block_n, _one_wave(plan, q, kv, new))
         if fit != splits:
-            return plan_decode(q, kv, scale, out, replace(tuning, num_splits=fit), extras)
+            return plan_decode(q4, kv, scale, out, replace(tuning, num_splits=fit), extras, new)
     return plan
 
 
@@ -450,10 +485,12 @@ def _recent(plan: DecodePlan, q: torch.Tensor, kv: PagedKV) -> tuple[torch.Tenso
     return kv.recent_k, kv.recent_v
 
 
-def _decode_args(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tensor) -> tuple:
-    """The decode kernel's runtime arguments (everything but the constexprs) for one call, in its parameter order."""
+def _decode_args(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tensor, new: tuple | None = None) -> tuple:
+    """The decode kernel's runtime arguments (everything but the constexprs) for one call, in its parameter order;
+    q, out as the kernel's rows (``_flat``), ``new``: the new tokens' (k, v) (CFG.QN > 1; q stands in without)."""
     rk, rv = _recent(plan, q, kv)
     po, plse = (plan.po, plan.plse) if plan.splits > 1 else (out, out)
+    kn, vn = new if new is not None else (q, q)
     return (
         plan.qt,
         q,
@@ -471,24 +508,36 @@ def _decode_args(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tens
         plan.cnt,
         *plan.ints,
         *plan.scalars,
+        kn,
+        vn,
+        *plan.new_strides,
     )
 
 
-def _one_wave(plan: DecodePlan, q: torch.Tensor, kv: PagedKV) -> float:
+def _one_wave(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, new: tuple | None = None) -> float:
     """Programs per SM for the split count: as many as the compiled kernel keeps resident (registers, shared memory),
     so the grid is one full wave for every format and head dim; WAVES without a GPU to load the kernel on."""
     if not q.is_cuda or INTERPRET:
         return WAVES
-    compiled = _DECODE.compile(plan.grid, _decode_args(plan, q, kv, q), plan.constexprs, **plan.launch_options)
+    args = _decode_args(plan, q, kv, q, new)
+    compiled = _DECODE.compile(plan.grid, args, plan.constexprs, **plan.launch_options)
     compiled.run  # noqa: B018  loads the binary: registers per thread are known from then on
     return float(resident_programs(compiled, plan.num_warps, q.device))
 
 
-def run(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch ``plan`` for q [B, Hq, D] over ``kv`` -> ``out`` [B, Hq, D] (allocated when None). Launches only: the
-    caller made ``plan`` for these shapes and strides (``plan_decode``)."""
+def run(
+    plan: DecodePlan,
+    q: torch.Tensor,
+    kv: PagedKV,
+    out: torch.Tensor | None = None,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Launch ``plan`` for q [B, Hq, D] over ``kv`` -> ``out`` [B, Hq, D] (allocated when None); q, out
+    [B, Q, Hq, D] with ``new`` (the new tokens' k, v) for a multi-token plan. Launches only: the caller made ``plan``
+    for these shapes and strides (``plan_decode``)."""
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    result, q, out = out, _flat(q), _flat(out)
     if not plan.fuse_query:
         query_transform(q, plan.qmat, plan.scalars.scale_log2, out=plan.qt)
     rk, rv = _recent(plan, q, kv)
@@ -511,7 +560,9 @@ def run(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None
         == 0
         else None
     )
-    args = _decode_args(plan, q, kv, out)
+    if new is not None and (new[0].data_ptr() | new[1].data_ptr()) % 16:
+        aligned = None
+    args = _decode_args(plan, q, kv, out, new)
     _DECODE(plan.grid, args, plan.constexprs, plan.key, aligned=aligned, **plan.launch_options)
     if plan.splits > 1 and not plan.fused_reduce:
         _REDUCE(
@@ -522,7 +573,7 @@ def run(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tensor | None
             num_warps=4,
             aligned=aligned,
         )
-    return out
+    return result
 
 
 def _plan_key(
@@ -532,12 +583,15 @@ def _plan_key(
     scale: float,
     tuning: DecodeTuning,
     extras: AttentionExtras = NO_EXTRAS,
+    new: tuple | None = None,
 ) -> tuple:
     """What a decode plan depends on: the codec, every shape and stride the launch bakes in, the scale, the knobs,
-    the layer's extras (its sinks tensor by address: the plan holds their fp32 copy, or them)."""
+    the layer's extras (its sinks tensor by address: the plan holds their fp32 copy, or them), the new tokens'
+    k, v strides and dtype (multi-token)."""
     rk = kv.recent_k
     sinks = extras.sinks
     return (
+        None if new is None else (new[0].stride(), new[0].dtype),
         None if sinks is None else (sinks.data_ptr(), sinks.dtype),
         extras.soft_cap,
         extras.sliding_window,
@@ -567,20 +621,33 @@ def hybrid_decode(
     out: torch.Tensor | None = None,
     tuning: DecodeTuning = DEFAULT_TUNING,
     extras: AttentionExtras = NO_EXTRAS,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D] (fp16/bf16/fp32), over ``kv`` -> [B, Hq, D]; ``extras``:
-    the layer's sinks, soft cap and sliding window (``attention.extras``).
+    the layer's sinks, soft cap and sliding window (``attention.extras``). q [B, Q, Hq, D] with the Q new tokens'
+    k, v [B, Q, Hkv, D] -> [B, Q, Hq, D]: speculative verification rows over the history ``kv`` holds, causal among
+    themselves (``attention.reference.paged_attention_decode``'s multi-token form; CUDA-graph safe like Q = 1).
 
     ``tuning``: launch knobs (``DecodeTuning``; defaults from the H200 sweep per format). Same contract as
     ``attention.reference.paged_attention_decode`` (a sequence with nothing cached gets zeros instead of an error,
     so padded CUDA-graph batches are safe). The plan is made on the first call of a shape and kept (``_PLANS``), and
     the kernels launch through ``FastLauncher``: an eager call costs a few µs of host time.
     """
-    if q.stride(-1) != 1:
+    if q.stride(-1) != 1 or (q.dim() == 4 and q.stride(0) != q.shape[1] * q.stride(1)):
         q = q.contiguous()
+    new = None
+    if k is not None or v is not None:
+        if k is None or v is None:
+            raise ShapeError("k, v: a multi-token decode takes both")
+        if k.stride() != v.stride() or k.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        new = (k, v)
+    if out is not None and out.dim() == 4 and out.stride(0) != out.shape[1] * out.stride(1):
+        return out.copy_(hybrid_decode(q, kv, softmax_scale, tuning=tuning, extras=extras, k=k, v=v))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    key = _plan_key(q, kv, out, scale, tuning, extras)
+    key = _plan_key(q, kv, out, scale, tuning, extras, new)
     hit = _PLANS.get(key)
     if hit is None or hit[0] is not kv.codec:
-        hit = _PLANS[key] = (kv.codec, plan_decode(q, kv, scale, out, tuning, extras))
-    return run(hit[1], q, kv, out)
+        hit = _PLANS[key] = (kv.codec, plan_decode(q, kv, scale, out, tuning, extras, new))
+    return run(hit[1], q, kv, out, new)

@@ -126,15 +126,19 @@ def decode(
     backend: str | None = None,
     out: torch.Tensor | None = None,
     extras: AttentionExtras = NO_EXTRAS,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence, q [B, Hq, D], over everything ``kv`` holds -> [B, Hq, D];
-    ``extras``: the layer's sinks, soft cap and sliding window (``attention.extras``)."""
-    extras.check(q.shape[1], q.device)
+    ``extras``: the layer's sinks, soft cap and sliding window (``attention.extras``). With q [B, Q, Hq, D] and the
+    new tokens' k, v [B, Q, Hkv, D]: Q query tokens per sequence over the history ``kv`` describes, causal among
+    themselves (speculative verification rows; ``attention.reference.paged_attention_decode``) -> [B, Q, Hq, D]."""
+    extras.check(q.shape[-2], q.device)
     if resolve(q.device, kv.layout, backend) == "triton":
         from ..kernels.hybrid_decode_plan import hybrid_decode
 
-        return hybrid_decode(q, kv, softmax_scale, out=out, extras=extras)
-    res = paged_attention_decode(q, kv, softmax_scale, extras)
+        return hybrid_decode(q, kv, softmax_scale, out=out, extras=extras, k=k, v=v)
+    res = paged_attention_decode(q, kv, softmax_scale, extras, k, v)
     if out is not None:
         out.copy_(res)
         return out

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.vllm.backend import TurboQuantMetadata
+from jetson_tq.integrations.vllm.backend import TurboQuantMetadata, decode_arrays
 
 
 def step_layout(
@@ -36,11 +36,21 @@ def host_metadata(
     block_table: torch.Tensor,
     slot_mapping: torch.Tensor,
     dec_positions: torch.Tensor | None = None,
+    spec_tokens: int = 0,
 ) -> TurboQuantMetadata:
-    """The eager path's metadata of one step (no decode device buffers): leading one-token rows are decodes."""
+    """The eager path's metadata of one step: leading one-token rows are decodes (no decode device buffers), or,
+    with ``spec_tokens`` (1 + k), the builder's decode rows (``decode_arrays``: a leading run of uniform verification
+    rows included) with its decode buffers, as CPU tensors."""
     qsl = np.concatenate([[0], np.cumsum(q_lens)])
     nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(q_lens)
     empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    dec_rows, dec_cols, dec_comp, dec_rec, t, tcols = empty64, empty64, empty32, empty32, 1, None
+    if spec_tokens:
+        dec = decode_arrays(q_lens, ctx + q_lens, rows, fmt.buffer_tokens, fmt.block_window, spec_tokens)
+        nd, t = dec.rows, dec.tokens
+        dec_rows, dec_cols = torch.from_numpy(dec.ring_rows).long(), torch.from_numpy(dec.ring_cols).long()
+        dec_comp, dec_rec = torch.from_numpy(dec.compressed).int(), torch.from_numpy(dec.recent).int()
+        tcols = torch.from_numpy(dec.token_cols).long() if t > 1 else None
     return TurboQuantMetadata(
         num_actual_tokens=int(qsl[-1]),
         num_reqs=len(q_lens),
@@ -53,9 +63,11 @@ def host_metadata(
         ring_rows=rows,
         block_table=block_table,
         slot_mapping=slot_mapping,
-        dec_ring_rows=empty64,
-        dec_ring_cols=empty64,
-        dec_compressed_lens=empty32,
-        dec_recent_lens=empty32,
+        dec_ring_rows=dec_rows,
+        dec_ring_cols=dec_cols,
+        dec_compressed_lens=dec_comp,
+        dec_recent_lens=dec_rec,
         dec_positions=dec_positions,
+        dec_query_tokens=t,
+        dec_token_cols=tcols,
     )

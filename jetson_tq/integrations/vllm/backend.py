@@ -11,10 +11,14 @@ Data flow of one step for one layer:
    ``format.exact_start``, chunks may straddle block boundaries), then copy the chunk's last
    min(T, R) tokens into the ring.
 Speculative decoding: a verification row (the last sampled token and its drafts, T = 1 + k tokens) is a chunk
-like any other (causal inside it, history compressed + ring). Its rejected tokens are written again at the same
-positions by the next step: the pages are compressed per slot, so those slots are simply overwritten; the ring
-columns it took are saved first (undo pool) and put back by the next step's builder (``recent.Rewind``), so the
-exact window stays right after rejections, a draft crossing a ring-block boundary included.
+like any other (causal inside it, history compressed + ring). When the step's leading rows (vLLM reorders rows of up
+to 1 + k tokens first: ``reorder_batch_threshold``) all have the same T > 1, they take the decode path instead
+(``ops.decode``'s multi-token form over device buffers the builder fills: CUDA-graph capturable, so the backend
+declares ``UNIFORM_BATCH``); the ring gets their tokens after attention, as a chunk's. Its rejected tokens are
+written again at the same positions by the next step: the pages are compressed per slot, so those slots are
+simply overwritten; the ring columns it took are saved first (undo pool) and put back by the next step's builder
+(``recent.Rewind``), so the exact window stays right after rejections, a draft crossing a ring-block boundary
+included.
 The KV cache tensor of a layer is uint8 [num_blocks, num_kv_heads, page_bytes] (``PagedLayout``).
 """
 
@@ -139,7 +143,7 @@ class TurboQuantMetadata:
 
     num_actual_tokens: int
     num_reqs: int
-    num_decodes: int  # leading rows with at most one new token
+    num_decodes: int  # leading rows with at most one new token, or ``dec_query_tokens`` each
     recent_tokens: int
     query_start_loc: np.ndarray  # host int64 [num_reqs + 1]
     seq_lens: np.ndarray  # host int64 [num_reqs], tokens after this step
@@ -153,6 +157,8 @@ class TurboQuantMetadata:
     dec_recent_lens: torch.Tensor  # device int32 [num_decodes]
     dec_positions: torch.Tensor | None = None  # device int64 [>= tokens]: the decode rows' new-token positions first
     block_window: bool = False  # window: block (exact window = the query's own recent_tokens-token block)
+    dec_query_tokens: int = 1  # T > 1: the decode rows are T-token verification rows (``decode_rows``)
+    dec_token_cols: torch.Tensor | None = None  # device int64 [num_decodes, T]: (s + j) % R of their new tokens
     # device copies of the eager path's host index arrays, made by the step's first layer for all (``_device_ints``)
     device_ints: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -184,6 +190,53 @@ def _device_ints(
     return got
 
 
+def decode_rows(q_lens: np.ndarray, spec_tokens: int) -> tuple[int, int]:
+    """(rows, T): the leading rows the decode path serves: those with at most one new token (T = 1), or, with
+    speculative decoding (``spec_tokens`` = 1 + k, 0 without), a leading run of verification rows that all have the
+    same T in [2, spec_tokens] (vLLM puts rows of up to 1 + k tokens first; a step whose leading rows differ in
+    length serves them as chunks)."""
+    if q_lens.size == 0:
+        return 0, 1
+    t = int(q_lens[0])
+    if t <= 1 or t > spec_tokens:
+        short = q_lens <= 1
+        return int(q_lens.size if short.all() else np.argmin(short)), 1
+    same = q_lens == t
+    return int(q_lens.size if same.all() else np.argmin(same)), t
+
+
+@dataclass(frozen=True)
+class DecodeArrays:
+    """Host values of a step's decode buffers (``decode_arrays``), which the builder copies to the device."""
+
+    rows: int  # leading rows served by the decode path
+    tokens: int  # T: tokens per decode row (> 1: verification rows)
+    ring_rows: np.ndarray  # [rows] each row's ring row
+    ring_cols: np.ndarray  # [rows] (T = 1) the new token's ring column, (L - 1) % R
+    compressed: np.ndarray  # [rows] compressed tokens the decode reads (T > 1: of the history)
+    recent: np.ndarray  # [rows] ring tokens it reads (T > 1: of the history, a chunk's count)
+    positions: np.ndarray  # [rows * T] the new tokens' positions
+    token_cols: np.ndarray  # [rows, T] (T > 1) the new tokens' ring columns, position % R
+
+
+def decode_arrays(
+    q_lens: np.ndarray, seq: np.ndarray, rows: np.ndarray, R: int, block_window: bool, spec_tokens: int
+) -> DecodeArrays:
+    """The decode rows of a step (``decode_rows``) and what their decode reads: one-token rows over L tokens
+    (the ring holds the new token, ``exact_count(L)``), or verification rows of T tokens over their s = L - T token
+    history (the ring gets the T tokens after attention: s % R (block) or min(s, R) of it in the ring)."""
+    nd, t = decode_rows(q_lens, spec_tokens)
+    L = seq[:nd].astype(np.int64)
+    if t > 1:
+        s = np.maximum(L - t, 0)  # (vLLM's graph-capture runs may give rows fewer tokens than their query)
+        rec = s % R if (block_window and R > 0) else np.minimum(s, R)
+        new_pos = s[:, None] + np.arange(t)
+        return DecodeArrays(nd, t, rows[:nd], np.zeros_like(L), s - rec, rec, new_pos.reshape(-1), new_pos % max(R, 1))
+    rec = exact_count(L, R, block_window)
+    cols = (L - 1) % R if R > 0 else np.zeros_like(L)
+    return DecodeArrays(nd, 1, rows[:nd], cols, L - rec, rec, L - 1, np.zeros((nd, 0), dtype=np.int64))
+
+
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     """Builds per-step metadata on the host; assigns each request its recent-buffer row."""
 
@@ -194,15 +247,23 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         device = torch.device(cast("torch.device | str", vllm_config.device_config.device))  # resolved by vLLM
         if reproducible():  # decode rows run the prefill kernel eagerly (vLLM keeps piecewise graphs around it)
             return AttentionCGSupport.NEVER
-        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if ops.graph_safe(device) else AttentionCGSupport.NEVER
+        if not ops.graph_safe(device):
+            return AttentionCGSupport.NEVER
+        if _spec_as_decode(vllm_config, kv_cache_spec):  # uniform verification rows take the decode path
+            return AttentionCGSupport.UNIFORM_BATCH
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.recent_tokens = int(getattr(kv_cache_spec, "tq_recent_tokens", 0))
         self.block_window = bool(getattr(kv_cache_spec, "tq_block_window", False)) and self.recent_tokens > 0
         self.undo_tokens = spec_query_tokens(vllm_config) if self.recent_tokens > 0 else 0
+        # verification rows of up to 1 + k tokens come first and, when uniform, take the decode path
+        self.spec_tokens = spec_query_tokens(vllm_config) if _spec_as_decode(vllm_config, kv_cache_spec) else 0
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=self.spec_tokens > 0)
         sched = vllm_config.scheduler_config
         cap = max(sched.max_num_seqs, sched.max_num_batched_tokens) + 1
+        self._tcols = torch.zeros(cap * max(1, self.spec_tokens), dtype=torch.int64, device=device)
         self._rows = torch.zeros(cap, dtype=torch.int64, device=device)
         self._cols = torch.zeros(cap, dtype=torch.int64, device=device)
         self._comp = torch.zeros(cap, dtype=torch.int32, device=device)
@@ -254,8 +315,6 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             host = cm.seq_lens[:n].cpu()  # a host sync, outside any graph (builders run eagerly)
         seq = host[:n].to(torch.int64).numpy()
         ctx = seq - q_lens
-        is_decode = q_lens <= 1
-        nd = int(n if is_decode.all() else np.argmin(is_decode))
         R = self.recent_tokens
         if R > 0:
             req_ids, live = self._request_ids(n)
@@ -264,12 +323,21 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
                 self._rewind(self._slots.rewinds)
         else:
             rows = np.full(n, self._slots.scratch, dtype=np.int64)
-        L = seq[:nd]
-        rec = exact_count(L, R, self.block_window)
-        cols = (L - 1) % R if R > 0 else np.zeros_like(L)
-        bufs = ((self._rows, rows[:nd]), (self._cols, cols), (self._comp, L - rec), (self._rec, rec))
-        for buf, values in (*bufs, (self._pos, L - 1)):
-            buf[:nd].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
+        dec = decode_arrays(q_lens, seq, rows, R, self.block_window, self.spec_tokens)
+        nd, t = dec.rows, dec.tokens
+        tcols = None
+        if t > 1:
+            tcols = self._tcols[: nd * t].view(nd, t)
+            tcols.copy_(torch.from_numpy(dec.token_cols), non_blocking=True)
+        bufs = (
+            (self._rows, dec.ring_rows),
+            (self._cols, dec.ring_cols),
+            (self._comp, dec.compressed),
+            (self._rec, dec.recent),
+            (self._pos, dec.positions),
+        )
+        for buf, values in bufs:
+            buf[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
         return TurboQuantMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=n,
@@ -287,7 +355,16 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             dec_compressed_lens=self._comp[:nd],
             dec_recent_lens=self._rec[:nd],
             dec_positions=self._pos,
+            dec_query_tokens=t,
+            dec_token_cols=tcols,
         )
+
+
+def _spec_as_decode(vllm_config: VllmConfig, kv_cache_spec) -> bool:
+    """True when speculative decoding is on and this group's verification rows can take the decode path (the
+    multi-token decode serves every key mode but klt; the reproducible mode runs every row as a chunk)."""
+    fmt = dict(getattr(kv_cache_spec, "tq_format", ()) or ())
+    return spec_query_tokens(vllm_config) > 1 and fmt.get("key_mode") != "klt" and not reproducible()
 
 
 def _warm_up_lengths(num_heads: int, budget: int) -> list[int]:
@@ -640,8 +717,12 @@ class TurboQuantAttentionImpl(AttentionImpl):
         return output
 
     def _decode_graph_safe(self, query, key, value, kv_cache, md: TurboQuantMetadata, output) -> None:
-        """A decode-only batch with device tensors only (capturable): token i belongs to row i."""
+        """A decode-only batch with device tensors only (capturable): token i belongs to row i (T tokens of
+        verification rows: tokens [i T, (i + 1) T), ``_verify_rows``)."""
         nd = md.num_decodes
+        if md.dec_query_tokens > 1:
+            self._verify_rows(query, key, value, kv_cache, md, output)
+            return
         if md.recent_tokens > 0:
             assert self.recent_k is not None and self.recent_v is not None  # _check ran
             self.recent_k[md.dec_ring_rows, :, md.dec_ring_cols] = key[:nd].to(self.recent_k.dtype)
@@ -649,10 +730,34 @@ class TurboQuantAttentionImpl(AttentionImpl):
         kv = self._paged(kv_cache, md.block_table[:nd], md.dec_compressed_lens, md.dec_recent_lens, md.dec_ring_rows)
         output[:nd] = ops.decode(query[:nd], kv, self.scale, extras=self.extras)
 
+    def _verify_rows(self, query, key, value, kv_cache, md: TurboQuantMetadata, output) -> None:
+        """The leading ``num_decodes`` verification rows of T = ``dec_query_tokens`` tokens each in one multi-token
+        decode over their histories (device buffers only: capturable), then the ring columns their tokens take go to
+        the undo pool (rejected drafts: ``recent.Rewind``) and their tokens into the ring."""
+        nd, t, R = md.num_decodes, md.dec_query_tokens, md.recent_tokens
+        n = nd * t
+        kv = self._paged(kv_cache, md.block_table[:nd], md.dec_compressed_lens, md.dec_recent_lens, md.dec_ring_rows)
+        q = query[:n].view(nd, t, *query.shape[1:])
+        k, v = key[:n].view(nd, t, *key.shape[1:]), value[:n].view(nd, t, *value.shape[1:])
+        out = ops.decode(q, kv, self.scale, extras=self.extras, k=k, v=v)
+        output[:n] = out.reshape(n, *out.shape[2:]).to(output.dtype)
+        if R > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
+            assert md.dec_token_cols is not None  # the builder fills it with dec_query_tokens > 1
+            ring_rows, cols = md.dec_ring_rows[:, None].expand(nd, t), md.dec_token_cols
+            if self.undo_k is not None and self.undo_v is not None:
+                undo_cols = torch.arange(t, device=query.device).expand(nd, t)
+                self.undo_k[ring_rows, :, undo_cols] = self.recent_k[ring_rows, :, cols]
+                self.undo_v[ring_rows, :, undo_cols] = self.recent_v[ring_rows, :, cols]
+            self.recent_k[ring_rows, :, cols] = k.to(self.recent_k.dtype)
+            self.recent_v[ring_rows, :, cols] = v.to(self.recent_v.dtype)
+
     def _forward_eager(self, query, key, value, kv_cache, md: TurboQuantMetadata, output) -> None:
         dev, R = query.device, md.recent_tokens
         qsl, seq, ctx, rows = md.query_start_loc, md.seq_lens, md.context_lens, md.ring_rows
         q_lens = np.diff(qsl)
+        if md.dec_query_tokens > 1 and md.num_decodes:  # leading uniform verification rows: the decode path
+            self._verify_rows(query, key, value, kv_cache, md, output)
         dec = np.nonzero((q_lens[: md.num_decodes] == 1) & (seq[: md.num_decodes] > 0))[0]
         if dec.size and self.reproducible:
             self._decode_as_prefill(query, key, value, kv_cache, md, output, dec)

@@ -23,7 +23,7 @@ from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.rotation import derive_seed
 from jetson_tq.errors import ConfigError
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, decode_arrays, decode_rows
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots, Rewind
 from tests.helpers.vllm_steps import host_metadata, step_layout
 
@@ -53,8 +53,17 @@ def _reference(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor) -> CompressedKVC
     return cache
 
 
-def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0, ref_backend: str | None = None) -> float:
-    """Drive the impl through ``schedule``; the largest output difference against the accepted-history reference."""
+def _run(
+    fmt: KVFormat,
+    schedule=SCHEDULE,
+    undo: bool = True,
+    seed: int = 0,
+    ref_backend: str | None = None,
+    as_decode: bool = False,
+) -> float:
+    """Drive the impl through ``schedule``; the largest output difference against the accepted-history reference.
+    ``as_decode``: the builder routes a leading run of uniform verification rows to the multi-token decode path
+    (what it does when speculative decoding is on; the other rows of the step stay chunks)."""
     g = torch.Generator().manual_seed(seed)
     impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
     impl.set_format(fmt, LAYER, BS, torch.float32)
@@ -67,6 +76,7 @@ def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0, ref
     history: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # accepted k, v [H, L, D]
     slots = RecentSlots(4)
     worst = 0.0
+    routed: list[int] = []  # tokens of each step the decode path served as verification rows
     for step in schedule:
         reqs = [r for r, _, _ in step]
         q_lens = np.array([t for _, t, _ in step])
@@ -80,7 +90,10 @@ def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0, ref
             cols = [rw.columns(fmt.buffer_tokens) for rw in slots.rewinds]
             idx = [[rw.row] * len(c[0]) for rw, c in zip(slots.rewinds, cols)]
             impl.rewind_ring(*(torch.tensor(sum(x, [])) for x in (idx, [c[0] for c in cols], [c[1] for c in cols])))
-        md = host_metadata(fmt, q_lens, ctx, rows, block_table, slot_mapping)
+        md = host_metadata(
+            fmt, q_lens, ctx, rows, block_table, slot_mapping, spec_tokens=SPEC_TOKENS if as_decode else 0
+        )
+        routed.append(md.dec_query_tokens * md.num_decodes)
         out = torch.empty(n_tok, HQ, D)
         impl.do_kv_cache_update(None, k, v, pages, slot_mapping)
         impl.forward(None, q, k, v, pages, md, out)
@@ -101,6 +114,8 @@ def _run(fmt: KVFormat, schedule=SCHEDULE, undo: bool = True, seed: int = 0, ref
             worst = max(worst, float((got - want).abs().max()))
             history[r] = (torch.cat([hk, kk[:, :kept]], 1), torch.cat([hv, vv[:, :kept]], 1))
             lens[r] = int(ctx[i]) + kept
+    if as_decode:  # the schedule's uniform steps (and mixed ones' leading rows) went to the decode path
+        assert sum(n for n in routed if n > 1) >= 8, routed
     return worst
 
 
@@ -134,6 +149,49 @@ def test_verification_rows_on_the_kernels_match_the_reference(monkeypatch):
         monkeypatch.delenv("JETSON_TQ_BACKEND")
         ops_backend.configured.cache_clear()
     assert err < 2e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["mse-block16", "mse-sliding8", "prod-k3v2-block16"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_uniform_verification_rows_on_the_decode_path_read_the_accepted_history(fmt, seed):
+    """The same schedule with uniform leading verification rows routed to the multi-token decode (the path CUDA graphs
+    capture), mixed steps' other rows as chunks: the same outputs, rejections and ring block crossings included."""
+    assert _run(fmt, seed=seed, as_decode=True) < 2e-5
+
+
+@pytest.mark.kernel
+def test_decode_routed_verification_rows_on_the_kernels_match_the_reference(monkeypatch):
+    """The decode-routed schedule on the Triton kernels (CPU interpreter): the multi-token decode kernel serves the
+    verification rows."""
+    from jetson_tq.ops import backend as ops_backend
+    from tests.helpers.kernel_cases import DEVICE
+
+    if DEVICE.type == "cuda":  # _run drives the impl with CPU tensors
+        pytest.skip("interpreter only: on CUDA benchmarks/vllm_gpu/spec_decode.py runs this path inside the engine")
+    monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
+    ops_backend.configured.cache_clear()
+    try:
+        err = _run(FORMATS[1], ref_backend="reference", as_decode=True)
+    finally:
+        monkeypatch.delenv("JETSON_TQ_BACKEND")
+        ops_backend.configured.cache_clear()
+    assert err < 2e-2
+
+
+def test_builder_routes_uniform_verification_rows_to_decode():
+    """``decode_rows``: one-token rows, or a leading run of verification rows of one length 2..1 + k; longer rows,
+    and rows after the run that differ, are chunks."""
+    assert decode_rows(np.array([1, 1, 1]), 4) == (3, 1)
+    assert decode_rows(np.array([4, 4, 4]), 4) == (3, 4)
+    assert decode_rows(np.array([3, 3, 2, 40]), 4) == (2, 3)  # a mixed step: the uniform head only
+    assert decode_rows(np.array([1, 1, 4, 4]), 4) == (2, 1)
+    assert decode_rows(np.array([4, 4]), 0) == (0, 1)  # no speculative decoding: chunks
+    assert decode_rows(np.array([5, 5]), 4) == (0, 1)  # longer than 1 + k: a prompt chunk
+    assert decode_rows(np.array([], dtype=np.int64), 4) == (0, 1)
+    dec = decode_arrays(np.array([3, 3, 9]), np.array([20, 35, 9]), np.array([5, 6, 7]), 16, True, 4)
+    assert (dec.rows, dec.tokens) == (2, 3)
+    assert dec.compressed.tolist() == [16, 32] and dec.recent.tolist() == [1, 0]  # block history: s % R in the ring
+    assert dec.positions.tolist() == [17, 18, 19, 32, 33, 34] and dec.token_cols.tolist() == [[1, 2, 3], [0, 1, 2]]
 
 
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=["mse-block16", "mse-sliding8"])
