@@ -194,7 +194,10 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     ``mid`` fp32 [H, D, 255]: the decision thresholds between used levels (+inf past them); ``mean`` fp32 [H, DP];
     ``turns`` fp64 [RHP]: the RoPE frequencies in turns per position (inv_freq / 2 pi: ``rope_cos_sin`` reduces
     angles exactly); ``scale``: RoPE's attention scaling; ``read``: the read kernels' arguments (meta, levels or with
-    ``CUBIC`` poly, dec, mean, turns, scale); ``sink`` fp32 [2, H, D]: the calibrated sink's key and value
+    ``CUBIC`` poly, dec, mean, turns, scale); ``decode_read``: the decode kernel's, the same but with ``CUBIC`` the
+    cubic in y = (c - 2^(w-1)) / 2^(w-1) (``half_code_cubic``): ``vpoly`` fp32 [H, 5, DP] (linear, square and cube
+    coefficients, the map (m, k) of x = 1024 + c to y) and ``vmean`` fp32 [H, DP] (the mean with the y-cubic's
+    constants folded in); ``sink`` fp32 [2, H, D]: the calibrated sink's key and value
     (``KltSpec.SINK``; else a placeholder), ``sink16`` the same in fp16 (the prefill workspace); ``bundle``: the
     ``KltSpec`` as a constexpr bundle. Padding entries are zero. A codec without klt keys gets placeholders of the
     same dtypes and ``NO_KLT``."""
@@ -208,6 +211,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         turns0 = torch.zeros(1, dtype=torch.float64, device=device)
         empty: dict[str, Any] = {
             "read": (one[torch.int32], one[torch.float32], one[torch.float16], one[torch.float32], turns0, 1.0),
+            "decode_read": (one[torch.int32], one[torch.float32], one[torch.float16], one[torch.float32], turns0, 1.0),
             "sink": one[torch.float32],
             "sink16": one[torch.float16],
             "bundle": constexpr_bundle(NO_KLT),
@@ -230,9 +234,15 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     cubic = t.cubic_levels()
     center = t.mean.double()
     poly = torch.zeros(h, 3, dp, dtype=torch.float32)
+    vpoly = torch.zeros(h, 5, dp, dtype=torch.float32)
+    vcenter = center
     if cubic is not None:
         center = center + torch.einsum("hij,hj->hi", t.decode.double(), cubic[..., 0])
         poly[:, :, :d] = cubic[..., 1:].transpose(1, 2).float()
+        vcub, ymap = half_code_cubic(cubic, bits)
+        vcenter = vcenter + torch.einsum("hij,hj->hi", t.decode.double(), vcub[..., 0])
+        vpoly[:, :3, :d] = vcub[..., 1:].transpose(1, 2).float()
+        vpoly[:, 3:, :d] = ymap.transpose(1, 2).float()
     spec = KltSpec.of(
         t.rotary.rotary_dim,
         d,
@@ -248,6 +258,8 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     turns[: spec.RH] = t.rotary.inv_freq.double() / (2 * math.pi)
     mean = torch.zeros(h, dp, dtype=torch.float32)
     mean[:, :d] = center.float()
+    vmean = torch.zeros(h, dp, dtype=torch.float32)
+    vmean[:, :d] = vcenter.float()
     out: dict[str, Any] = {
         "meta": meta.to(device),
         "levels": t.levels.float().contiguous().to(device),
@@ -265,8 +277,31 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     }
     levels = out["poly"] if spec.CUBIC else out["levels"]  # what ``_tiles.klt_levels`` reads
     out["read"] = (out["meta"], levels, out["dec"], out["mean"], out["turns"], out["scale"])
+    if spec.CUBIC:  # decode computes the cubic in fp16 of y = (c - 2^(w-1)) / 2^(w-1) (``_tiles.klt_levels16``)
+        out["vpoly"], out["vmean"] = vpoly.to(device), vmean.to(device)
+        out["decode_read"] = (out["meta"], out["vpoly"], out["dec"], out["vmean"], out["turns"], out["scale"])
+    else:
+        out["decode_read"] = out["read"]
     _KLT_CONSTANTS[key] = (coder, out)
     return out
+
+
+def half_code_cubic(cubic: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cubic levels a + s u + r u^2 + t u^3 of the centered code u = 2c - (2^w - 1) (``KeyTransform.cubic_levels``,
+    [H, D, 4] float64) rewritten in y = (c - 2^(w-1)) / 2^(w-1) = (u - 1) / 2^w in [-1, 1): coefficients [H, D, 4]
+    (constant, linear, square, cube; all of the levels' own size, so fp16 keeps them normal: in v = c - 2^(w-1) the
+    cube's coefficient of an 8-bit code is ~1e-6, an fp16 subnormal, and the levels were off by 6e-2) and the map from
+    x = 1024 + c to y = x m - k, (m, k) = (2^(1-w), 2^(11-w) + 1) [H, D, 2] ((1, 1024) at 0 bits: y = 0).
+    Why: the decode kernel makes x with no conversion instruction (the fp16 bit pattern 0x6400 | c is 1024 + c), y by
+    one exact fp16 FMA, and the cubic's three FMAs run two codes at a time in fp16 (HFMA2)."""
+    a, s, r, t = cubic.unbind(-1)
+    coded = bits > 0
+    h = torch.exp2((bits.double() - 1).clamp_min(0))  # u = 2 h y + 1
+    out = torch.stack([a + s + r + t, (2 * s + 4 * r + 6 * t) * h, (4 * r + 12 * t) * h**2, 8 * t * h**3], -1)
+    out = torch.where(coded[..., None], out, torch.stack([a, 0 * a, 0 * a, 0 * a], -1))
+    m = torch.where(coded, 1 / h, 1.0)
+    k = torch.where(coded, 1024 / h + 1, 1024.0)
+    return out, torch.stack([m, k], -1)
 
 
 def _split16(m: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -328,13 +328,16 @@ def rope_cos_sin(pos, turns):
 
 
 @triton.jit
-def klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr):
+def klt_operands(
+    h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr, HALF_CODE: tl.constexpr = False
+):
     """One KV head's klt read operands (``_common.klt_constants``), loaded once per program, as two bundles.
 
     Code reading (``klt_levels``): each coefficient's first code bit and width [DP]; with ``KLT.SELECT`` the one-hot
     int8 pickers [DP, KCBP] of each coefficient's byte and of the byte after it (codes that straddle one; zero rows
     where none); with ``KLT.CUBIC`` the levels' linear, square and cube coefficients [DP] (from ``lv_ptr``: fp32
-    [H, 3, DP]), else the head's level-table rows (from ``lv_ptr``: fp32 [H, D, 256]).
+    [H, 3, DP]; with ``HALF_CODE``, for ``klt_levels16``, fp16 of the cubic in y and the code's map to y from fp32
+    [H, 5, DP], ``_common.half_code_cubic``), else the head's level-table rows (from ``lv_ptr``: fp32 [H, D, 256]).
     Decoding (``klt_keys``): the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
     first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
     transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
@@ -349,11 +352,20 @@ def klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT
     first = (bo >> 3)[:, None]
     sel = ((kb[None, :] == first) & (w > 0)[:, None]).to(tl.int8)
     sel_hi = ((kb[None, :] == first + 1) & ((bo & 7) + w > 8)[:, None]).to(tl.int8)
-    if KLT.CUBIC:
+    if not KLT.CUBIC:
+        levels = lv_ptr + (h64 * PAGE.D + j) * 256
+    elif HALF_CODE:
+        poly = lv_ptr + h64 * (5 * PAGE.DP) + j
+        levels = (
+            tl.load(poly).to(tl.float16)[:, None],
+            tl.load(poly + PAGE.DP).to(tl.float16)[:, None],
+            tl.load(poly + 2 * PAGE.DP).to(tl.float16)[:, None],
+            tl.load(poly + 3 * PAGE.DP).to(tl.float16)[:, None],
+            tl.load(poly + 4 * PAGE.DP).to(tl.float16)[:, None],
+        )
+    else:
         poly = lv_ptr + h64 * (3 * PAGE.DP) + j
         levels = (tl.load(poly)[:, None], tl.load(poly + PAGE.DP)[:, None], tl.load(poly + 2 * PAGE.DP)[:, None])
-    else:
-        levels = lv_ptr + (h64 * PAGE.D + j) * 256
     dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
     mrow = mean_ptr + h64 * PAGE.DP
     da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
@@ -377,13 +389,11 @@ def pick_bytes(sel, codes, INTERP: tl.constexpr):
 
 
 @triton.jit
-def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
-    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N],
-    through ``klt_operands``' code-reading bundle ``cops``: each coefficient's ``w``-bit code read from its bit offset
-    ``bo`` — with ``KLT.SELECT`` picked from the tile's code bytes by ``pick_bytes``, else loaded a byte at a time;
-    one byte with ``KLT.ONE_BYTE`` (every code inside a byte), else two — then looked up in the head's level table,
-    or with ``KLT.CUBIC`` computed as a cubic of the centered code (``_common.klt_constants`` folds the constant into
-    the mean)."""
+def klt_codes(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Codes int32 [DP, N] (transposed) of the keys whose codes start at byte pointers ``rows`` [N], through
+    ``klt_operands``' code-reading bundle ``cops``: each coefficient's ``w``-bit code read from its bit offset ``bo``
+    — with ``KLT.SELECT`` picked from the tile's code bytes by ``pick_bytes``, else loaded a byte at a time; one byte
+    with ``KLT.ONE_BYTE`` (every code inside a byte), else two."""
     bo, w, sel, sel_hi, levels = cops
     sh = bo & 7
     if KLT.SELECT:
@@ -399,7 +409,16 @@ def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP:
         if not KLT.ONE_BYTE:
             hi = tl.load(rows[None, :] + byte[:, None] + 1, mask=nmask[None, :] & (sh + w > 8)[:, None], other=0)
             lo = lo | (hi.to(tl.int32) << 8)
-    code = (lo >> sh[:, None]) & ((1 << w) - 1)[:, None]
+    return (lo >> sh[:, None]) & ((1 << w) - 1)[:, None]
+
+
+@triton.jit
+def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]
+    (``klt_codes``), looked up in the head's level table, or with ``KLT.CUBIC`` computed as a cubic of the centered
+    code (``_common.klt_constants`` folds the constant into the mean)."""
+    bo, w, sel, sel_hi, levels = cops
+    code = klt_codes(rows, nmask, cops, PAGE, KLT, INTERP)
     if KLT.CUBIC:  # levels a cubic of the centered code u: s u + r u^2 + t u^3 (the constant is in the mean)
         s, r, t = levels
         u = (2 * code - ((1 << w) - 1)[:, None]).to(tl.float32)
@@ -408,6 +427,19 @@ def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP:
         j = tl.arange(0, PAGE.DP)
         z = tl.load(levels[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
     return z
+
+
+@triton.jit
+def klt_levels16(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """``klt_levels`` of cubic levels (``KLT.CUBIC``) in fp16, from ``klt_operands(..., HALF_CODE=True)``: the code c
+    becomes the fp16 x = 1024 + c by its bit pattern 0x6400 | c (no conversion instruction), y = (c - 2^(w-1)) /
+    2^(w-1) = x m - k by one exact FMA, and the levels' cubic in y (``_common.half_code_cubic``: its constant in the
+    decode mean) by three fp16 FMAs, two codes per instruction (HFMA2): the tile feeds the decode product in fp16.
+    (Codes left in place in their byte, the shift folded into m and k, compiled to as many instructions on sm_90.)"""
+    s, r, t, m, k = cops[4]
+    code = klt_codes(rows, nmask, cops, PAGE, KLT, INTERP)
+    y = (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) * m - k
+    return y * (s + y * (r + y * t))
 
 
 @triton.jit

@@ -83,6 +83,7 @@ from ._tiles import (
     fwht_rows,
     klt_keys,
     klt_levels,
+    klt_levels16,
     klt_operands,
     load_norms,
     mma,
@@ -498,7 +499,7 @@ def _klt_read_operands(
     every tile's keys turn by them, its base angle goes to the query (``_klt_scores``)."""
     turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
     ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[None, :], turns[:, None])
-    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT)
+    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT, KLT.CUBIC)
     return cops, dops, turns, ct, st
 
 
@@ -509,7 +510,10 @@ def _klt_scores(page, off, nmask, n0, qk, kops, PAGE: tl.constexpr, CFG: tl.cons
     (``klt_levels``, ``klt_keys`` with the program's cos, sin tiles) and the query by the tile's base angle n0, then
     three products with the query's parts."""
     cops, dops, turns, ct, st = kops
-    z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, cops, PAGE, KLT, CFG.INTERP)
+    if KLT.CUBIC:  # fp16 levels of v = c - 2^(w-1) (``_common.klt_constants``' decode_read)
+        z = klt_levels16(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, cops, PAGE, KLT, CFG.INTERP)
+    else:
+        z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, cops, PAGE, KLT, CFG.INTERP)
     ka, kb, kr = klt_keys(z, ct, st, dops, KLT, CFG.INTERP)
     cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
     qa = (qk[0] * cb[:, None] + qk[1] * sb[:, None]).to(tl.float16)

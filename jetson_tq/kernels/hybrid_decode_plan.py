@@ -427,7 +427,7 @@ def plan_decode(
     if klt_spec is not None and klt_spec.SELECT != tuning.klt_select:
         klt_spec = replace(klt_spec, SELECT=tuning.klt_select)
         klt_bundle = constexpr_bundle(klt_spec)
-    meta, levels, dec, mean, turns, _ = klt["read"]
+    meta, levels, dec, mean, turns, _ = klt["decode_read"]
     plan = DecodePlan(
         batch=bsz,
         q_heads=hq,

@@ -157,3 +157,34 @@ def test_calibrated_sink_in_decode_and_prefill_matches_reference(kind):
     v = torch.randn(2, 2, t, d, generator=gen).half().to(DEVICE)
     err = rel_err(chunked_prefill(qp, k, v, kv), paged_attention_prefill(qp, k, v, kv))
     assert err < 2e-3, f"prefill seed={seed}: {err:.2e}"
+
+
+def test_half_code_cubic_reproduces_the_levels():
+    """The decode's cubic in y = x m - k (x = 1024 + c, ``_common.half_code_cubic``) gives every used level of every
+    code width: in float64 as exactly as the fp32 levels are stored, and within a few fp16 roundings when evaluated
+    in fp16 as the kernel does (the coefficients stay normal fp16 numbers at 8 bits)."""
+    from jetson_tq.kernels._common import half_code_cubic
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    _, kt = _transform("cubic", 128, 32, 1.0, gen)
+    cubic, bits = kt.cubic_levels(), kt.bits.long()
+    assert cubic is not None
+    coef, ymap = half_code_cubic(cubic, bits)
+    for w in range(0, 9):
+        sel = bits == w
+        if not bool(sel.any()):
+            continue
+        x = 1024 + torch.arange(1 << w, dtype=torch.float64)
+        lv = kt.levels.double()[sel][:, : 1 << w]
+        a, s, r, t = (c[:, None] for c in coef[sel].unbind(-1))
+        m, k = (c[:, None] for c in ymap[sel].unbind(-1))
+        y = x * m - k
+        assert bool((y.abs() <= 1).all()), f"w={w}"
+        assert (a + y * (s + y * (r + y * t)) - lv).abs().max() < 1e-6, f"w={w} seed={seed}"  # fp32 levels
+        y16 = (x.half() * m.half() - k.half()).double()
+        assert bool((y16 == y).all()), f"w={w}: y must be exact in fp16"
+        s16, r16, t16 = s.half(), r.half(), t.half()
+        z16 = (y.half() * (s16 + y.half() * (r16 + y.half() * t16))).double() + a
+        ulp = 2.0**-10 * lv.abs().amax().clamp_min(2.0**-14)
+        assert (z16 - lv).abs().max() < 4 * ulp, f"w={w} seed={seed}: {(z16 - lv).abs().max():.2e}"
