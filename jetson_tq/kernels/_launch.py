@@ -4,8 +4,8 @@ the compiled kernel's C launcher directly.
 
 The first launch of a (plan key, runtime specialization) pair goes through ``kernel[grid](...)``, which compiles
 and returns the ``CompiledKernel``; later ones reuse it. The runtime specialization is what Triton itself
-specializes on and may change between calls of one plan: every tensor's dtype (always part of the key: the H200
-test run 6 found an fp32 query read through the kernel compiled for fp16 when plan keys left dtypes out), whether
+specializes on and may change between calls of one plan: every tensor's dtype (always part of the key: with dtypes
+left out of plan keys, an fp32 query was read through the kernel compiled for fp16), whether
 each tensor's data pointer is 16-byte aligned, and for each int argument whether it is 1 or a multiple of 16 (and
 whether it fits int32). The
 caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
@@ -159,7 +159,7 @@ def resident_programs(compiled, num_warps: int, device: torch.device) -> int:
     """Programs of ``compiled`` that one SM holds at once: the least of what its registers, shared memory (plus the
     1 KB the driver reserves per block), warp and block slots allow. Registers are allocated per warp in units of
     256 from one of the SM's 4 sub-partitions (a quarter of the register file each): at 144 registers 3 warps fit a
-    sub-partition, so 12 per SM, not 65536 // 4608 = 14 (H200 run 7: splits sized for 14 ran 1.17 waves, 646 vs
+    sub-partition, so 12 per SM, not 65536 // 4608 = 14 (H200: splits sized for 14 ran 1.17 waves, 646 vs
     432 us at 12). Without a GPU (offline compiles) the H100/H200 figures: 64k registers, 228 KB, 64 warps."""
     regs_sm, smem_sm, threads_sm = 65536, 233472, 2048
     if device.type == "cuda":

@@ -57,8 +57,8 @@ def chunk_codes(
 def centroid_lookup(code, cb_ptr, KB: tl.constexpr, AXIS: tl.constexpr):
     """Codebook value (fp16) of every ``KB``-bit ``code`` of a 2-D tile: the 2^KB centroids are loaded once
     into registers and gathered along ``AXIS`` (one warp shuffle per code, no memory gather; on the H200
-    this beat a gather from memory and an odd-polynomial codebook, docs/benchmarks.md run 4). The 4-bit
-    symmetric codebooks take ``nibble_centroids`` on the GPU instead (run 7: 594 -> 386 us at B=8/64k); this
+    this beat a gather from memory and an odd-polynomial codebook). The 4-bit
+    symmetric codebooks take ``nibble_centroids`` on the GPU instead (H200: 594 -> 386 us at B=8/64k); this
     stays for the CPU interpreter, 3-bit codes and asymmetric codebooks."""
     cbv = tl.load(cb_ptr + tl.arange(0, 1 << KB))
     if AXIS == 1:
@@ -263,7 +263,7 @@ def folded_value_tile(
 
     One run (``VW1 == 0``, codes in the already loaded bytes ``x_one``): one plane. Several runs (3, 5, 6, 7 bits):
     one plane per run from ``ptrs``, the products chained in the chunk's one accumulator, the partial sum rescaled
-    between runs (H200 run 8: 381 -> 345 us at B=8/64k against one fresh accumulator and FFMA set per run).
+    between runs (H200: 381 -> 345 us at B=8/64k against one fresh accumulator and FFMA set per run).
     """
     if VW1 == 0:
         plane = subnormal16(x_one & (((1 << VB) - 1) << (C * VB)))

@@ -36,7 +36,7 @@ from .compress_write import WriteConstexprs, _compress_write_kernel
 
 KLT_COEFFS_PER_STEP = 16  # klt keys: coefficients per step (offline sm_90a compiles, D=128 and 80 at 128 tokens: no
 # spills; unrolled steps of 16 or 32 spilled 48-1012 B)
-BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4 (run 3)
+BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4
 _FITTED_BLOCK_T: dict = {}  # (format, head dim, device) -> the largest tile that fit in shared memory
 
 
@@ -113,7 +113,7 @@ def compress_write(
     (exact products, fp32 sums; the norm from ||M k||^2 = D ||k||^2) and their codes counted against the
     boundaries times sqrt(D) ||k||; other rotations use dense hi+lo split products (~fp32 accurate). Values are
     quantized from the packing's chunk tiles with one reciprocal per group. Codes differ from the reference
-    only at ties (H200, run 7: 57.6 us for 16k tokens of mse_k4v3, 33.8 % of copy bandwidth). ``tuning``: launch
+    only at ties (H200: 57.6 us for 16k tokens of mse_k4v3, 33.8 % of copy bandwidth). ``tuning``: launch
     knobs (``WriteTuning``).
 
     klt keys (``codec.klt``) are coded at ``positions`` (integers, shaped like ``slots``; required): RoPE undone with

@@ -306,7 +306,7 @@ def _hybrid_decode_kernel(
             )
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
-    # (one program taking the whole buffer made its split the last to finish: run 6, B=1/1k 13 -> 23 us at 16 per step)
+    # (one program taking the whole buffer made its split the last to finish: H200 B=1/1k, 13 -> 23 us at 16 a step)
     r0 = tl.maximum(start - cend, 0)
     r1 = tl.minimum(start + tps - cend, rlen)
     if CFG.NEW:  # the ring's rows [r0, r1), then the new tokens [t0, t1) of this split, each row under its masks
