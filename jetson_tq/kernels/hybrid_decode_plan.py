@@ -3,8 +3,9 @@
 FlashInfer's split: ``plan_decode`` does everything that depends only on shapes, strides, the format and the knobs
 (split count, grid, the ``CFG`` bundle, the layer's device constants, the workspaces) once; ``run(plan, q, kv)``
 only launches — no host sync and no allocation, so a CUDA graph can capture it. The kernel itself is
-``hybrid_decode`` (``@triton.jit`` code); its runtime arguments are the call's tensors followed by the plan's named
-groups (``DecodeConstants``, the workspaces, ``DecodeInts``, ``DecodeScalars``), in the kernel's parameter order.
+``hybrid_decode`` (``@triton.jit`` code, its steps in ``decode_*``); its runtime arguments are the call's tensors
+followed by the plan's named groups (``DecodeConstants``, the workspaces, ``DecodeInts``, ``DecodeScalars``), in the
+kernel's parameter order.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from ._common import (
 from ._launch import FastLauncher, resident_programs
 from ._masking import extras_args, extras_flags
 from ._tiles import nibble_lut_asm
-from .hybrid_decode import DecodeConstexprs, _decode_reduce_kernel, _hybrid_decode_kernel
+from .decode_reduce import _decode_reduce_kernel
+from .hybrid_decode import DecodeConstexprs, _hybrid_decode_kernel
 from .query_transform import query_transform
 
 # Launch defaults from benchmarks/sweep_decode.py on the H200 (docs/benchmarks.md): small programs
