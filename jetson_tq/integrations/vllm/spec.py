@@ -59,6 +59,8 @@ class LayerFacts:
 
 #: why a layer whose format stores keys and values exactly runs stock (the startup log's words)
 EXACT_FORMAT_REASON = "format stores keys and values exactly (fp16)"
+#: why a speculative-decoding proposer's layer runs stock (the startup log's words)
+DRAFT_REASON = "speculative-decoding draft model (its few layers stay stock; the target model's are compressed)"
 
 
 def stock_reason(facts: LayerFacts, max_model_len: int | None, fmt: KVFormat | None = None) -> str | None:
@@ -68,7 +70,7 @@ def stock_reason(facts: LayerFacts, max_model_len: int | None, fmt: KVFormat | N
     if facts.own_backend:
         return f"the model picks its own attention backend ({facts.own_backend})"
     if facts.draft:
-        return "speculative-decoding draft model (its few layers stay stock; the target model's are compressed)"
+        return DRAFT_REASON
     if facts.attn_type != "decoder":
         return f"attn_type {facts.attn_type!r} (only decoder self-attention is compressed)"
     if facts.non_causal:

