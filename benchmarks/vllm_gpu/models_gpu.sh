@@ -16,6 +16,7 @@
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
 #   spec              benchmarks/vllm_gpu/spec_decode.py: n-gram speculation, stock vs ours plain / with speculation vs
 #                     the nearly exact config, on SPEC_MODEL (default qwen2.5-7b, all layers), SPEC_ARGS passed on
+#                     (SPEC_ARGS="--method eagle3": EAGLE-3 with a generated one-layer head, dummy weights)
 #   passthru          real_weights.py --dummy: PASSTHRU_MODEL (default qwen2.5-0.5b, all layers, vLLM's random weights)
 #                     with the fp16 preset vs stock TRITON_ATTN in one process, greedy ids and log-probabilities:
 #                     prints "VERDICT fp16 vs stock: BITWISE IDENTICAL ..." or how far it differs (~1-2 min)
