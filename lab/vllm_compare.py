@@ -76,7 +76,14 @@ def _margins(completion) -> list[float] | None:
 
 
 def run_engine(job: dict) -> dict:
-    """Run one vLLM engine in THIS process (env already set) and return its numbers."""
+    """Run one vLLM engine in THIS process (env already set) and return its numbers. A job's ``tq_config`` key (a
+    preset, a YAML path, or None for stock) sets the switch from this engine on (later jobs keep it unless they set
+    their own): the plugin's hooks read it live, once the process's first engine has loaded them with the switch on."""
+    if "tq_config" in job:
+        if job["tq_config"]:
+            os.environ["JETSON_TQ_CONFIG"] = job["tq_config"]
+        else:
+            os.environ.pop("JETSON_TQ_CONFIG", None)
     from vllm import LLM, SamplingParams
 
     from jetson_tq.integrations.vllm.hooks import LAST_DECISIONS, LAST_ENCODER_LAYERS
