@@ -36,11 +36,13 @@ The kernel's runtime arguments come from the plan in groups, in this order (``hy
   qt_ptr .. cnt_ptr         the call's tensors (query, pages, block table, lengths, recent buffer, output), the
                             layer's device constants (``DecodeConstants``) and the plan's workspaces (qt, po, plse,
                             cnt: made with the plan, so a launch allocates nothing and a CUDA graph can capture it)
-  stride_qb .. group_size   ``DecodeInts``: the strides the plan bakes in and the split sizes
-  scale_log2 .. klt_scale   ``DecodeScalars``: softmax and codebook scalars
-  kn_ptr .. stride_nh       the multi-token form's new tokens' k, v and ``DecodePlan.new_strides`` (CFG.NEW; q and
-                            zeros without): last, so the one-token kernel's parameters keep their offsets
+  ints                      ``DecodeInts`` (one tuple): the strides the plan bakes in and the split sizes
+  scalars                   ``DecodeScalars`` (one tuple): softmax and codebook scalars
+  kn_ptr, vn_ptr,           the multi-token form's new tokens' k, v and ``DecodePlan.new_strides`` (one tuple;
+  new_strides               CFG.NEW; q and zeros without): last, so the one-token kernel's parameters keep their offsets
   PAGE, CFG, KLT            ``DecodePlan.constexprs``: the three bundles
+The kernel names the tuples' fields where it starts. Triton flattens a tuple argument into its fields in order, so the
+compiled kernel's parameters are the same as with one parameter per field (each int specialized on its own).
 
 Multi-token form (CFG.NEW, speculative verification rows): QN query tokens per sequence over its history (the
 ring does not hold them yet) plus their own exact k, v; the QN * G (token, query head) pairs of a KV head are the
@@ -49,12 +51,13 @@ rows of the query tile, each under its own position's window rule (``_draft_boun
 behind CFG.NEW, so the one-token kernel compiles as before.
 
 Adding a per-layer constant (attention sinks, a logit soft cap, a sliding window, ...) touches four places, in the
-kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a flat splice of the plan's groups:
+kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a splice of the plan's groups:
   - a device tensor (e.g. the sink logits, fp32 [Hq]): a ``*_ptr`` parameter after ``vpi_ptr`` here and a field
     at the same place in ``hybrid_decode_plan.DecodeConstants`` (built in ``decode_constants``);
-  - a float (e.g. the soft cap): a parameter after ``klt_scale`` here and the last field of ``DecodeScalars``;
-  - an int (e.g. the window size in tokens): a parameter after ``group_size`` here and the last field of
-    ``DecodeInts``;
+  - a float (e.g. the soft cap): a name after ``cap2`` in the kernel's unpacking of ``scalars`` and the last field
+    of ``DecodeScalars``;
+  - an int (e.g. the window size in tokens): a name after ``ring`` in the kernel's unpacking of ``ints`` and the last
+    field of ``DecodeInts``;
   - a code path switch (e.g. HAS_SINKS, SOFT_CAP, WINDOW): a field of ``DecodeConstexprs`` (read as ``CFG.NAME``),
     set in ``hybrid_decode_plan.plan_decode``, so formats without it compile exactly as before.
 
@@ -152,46 +155,57 @@ def _hybrid_decode_kernel(
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
     plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
     cnt_ptr,  # int32: arrival counters (FUSED_REDUCE)
-    # ---- strides (elements; page bytes in bytes)
-    stride_qb,
-    stride_qh,
-    stride_bt,
-    page_bytes,
-    stride_rkn,
-    stride_rkh,
-    stride_rkt,
-    stride_rvn,
-    stride_rvh,
-    stride_rvt,
-    stride_ob,
-    stride_oh,
-    # ---- split sizes
-    tokens_per_split,  # the smallest split (a BLOCK_N multiple)
-    n_splits,  # splits per (sequence, KV head)
-    group_size,  # splits per first-level group of the in-launch merge
-    window,  # the sliding window W in tokens (CFG.WINDOW)
-    ring,  # the recent buffer's capacity R: token p sits in row p % R (CFG.WINDOW)
-    # ---- scalars
-    scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
-    qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
-    qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
-    k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
-    k_beta,
-    k_gamma,
-    zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
-    klt_scale,  # klt keys: RoPE's attention scaling
-    cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
+    # ---- ints and floats, one tuple each (Triton flattens them in order; their fields are named below)
+    ints,  # ``DecodeInts``: stride_qb .. ring
+    scalars,  # ``DecodeScalars``: scale_log2 .. cap2
     # ---- the multi-token form's new tokens (last: the one-token kernel's parameters keep their offsets and SASS)
     kn_ptr,  # [B, QN, HKV, D]: the new tokens' exact keys (CFG.NEW; the ring does not hold them yet)
     vn_ptr,  # [B, QN, HKV, D]: their values (same strides)
-    stride_nb,  # their strides: sequence, token, KV head
-    stride_nt,
-    stride_nh,
+    new_strides,  # (stride_nb, stride_nt, stride_nh): their strides (``DecodePlan.new_strides``)
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
     CFG: tl.constexpr,  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
     KLT: tl.constexpr,  # ``KltSpec`` bundle (klt keys)
 ):
+    (
+        # ---- strides (elements; page bytes in bytes)
+        stride_qb,
+        stride_qh,
+        stride_bt,
+        page_bytes,
+        stride_rkn,
+        stride_rkh,
+        stride_rkt,
+        stride_rvn,
+        stride_rvh,
+        stride_rvt,
+        stride_ob,
+        stride_oh,
+        # ---- split sizes
+        tokens_per_split,  # the smallest split (a BLOCK_N multiple)
+        n_splits,  # splits per (sequence, KV head)
+        group_size,  # splits per first-level group of the in-launch merge
+        window,  # the sliding window W in tokens (CFG.WINDOW)
+        ring,  # the recent buffer's capacity R: token p sits in row p % R (CFG.WINDOW)
+    ) = ints
+    (
+        # ---- scalars
+        scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
+        qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
+        qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
+        k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
+        k_beta,
+        k_gamma,
+        zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
+        klt_scale,  # klt keys: RoPE's attention scaling
+        cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
+    ) = scalars
+    (
+        stride_nb,  # the new tokens' strides: sequence, token, KV head
+        stride_nt,
+        stride_nh,
+    ) = new_strides
+
     # One program = one (sequence, KV head, split). Tiles are kept transposed: scores sT [tokens, GP query heads] =
     # codes [tokens, chunk] @ q^T, so packed bytes load as (tokens, bytes) rows and feed the tensor cores as they are.
     pid_bh, split = tl.program_id(0), tl.program_id(1)

@@ -136,7 +136,7 @@ class DecodeConstants(NamedTuple):
 
 
 class DecodeInts(NamedTuple):
-    """The kernel's int arguments (``stride_qb`` .. ``group_size``): strides the plan bakes in, the split sizes."""
+    """The kernel's int arguments (its ``ints`` tuple): strides the plan bakes in, the split sizes."""
 
     stride_qb: int
     stride_qh: int
@@ -158,7 +158,7 @@ class DecodeInts(NamedTuple):
 
 
 class DecodeScalars(NamedTuple):
-    """The kernel's float arguments (``scale_log2`` .. ``klt_scale``)."""
+    """The kernel's float arguments (its ``scalars`` tuple)."""
 
     scale_log2: float  # softmax scale * log2(e)
     qt_scale: float  # the same / sqrt(D): the fused rotation's scale
@@ -508,11 +508,11 @@ def _decode_args(plan: DecodePlan, q: torch.Tensor, kv: PagedKV, out: torch.Tens
         po,
         plse,
         plan.cnt,
-        *plan.ints,
-        *plan.scalars,
+        plan.ints,
+        plan.scalars,
         kn,
         vn,
-        *plan.new_strides,
+        plan.new_strides,
     )
 
 
