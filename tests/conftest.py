@@ -110,6 +110,8 @@ def pytest_pyfunc_call(pyfuncitem):
         pytest.fail(f"failed under TRITON_INTERPRET=1 (child process):\n{detail}", pytrace=False)
     if status == "skipped":
         pytest.skip(f"skipped in the TRITON_INTERPRET=1 child: {detail}")
+    if status == "xfailed":
+        pytest.xfail(f"failed as expected in the TRITON_INTERPRET=1 child: {detail}")
     return True  # ran and passed in the child
 
 
@@ -125,9 +127,12 @@ def pytest_runtest_logreport(report):
         if report.nodeid in data and data[report.nodeid][0] != "passed":
             return  # keep the first failure (e.g. setup) of a test
         detail = str(report.longrepr)[-6000:] if report.outcome != "passed" else ""
-        if report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+        outcome = report.outcome
+        if hasattr(report, "wasxfail") and report.outcome == "skipped":  # an expected failure, reported as one
+            outcome, detail = "xfailed", report.wasxfail
+        elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
             detail = report.longrepr[2]
-        data[report.nodeid] = (report.outcome, detail)
+        data[report.nodeid] = (outcome, detail)
         Path(path).write_text(json.dumps(data))
 
 

@@ -93,6 +93,12 @@ CASES = [("mse_k4v3", 64, 16, "block"), ("blog_k3v2", 64, 16, "sliding")]
 
 
 @pytest.mark.parametrize("name,d,ring,window", CASES, ids=[f"{c[0]}-{c[3]}" for c in CASES])
+@pytest.mark.xfail(
+    DEVICE.type == "cpu",
+    reason="Triton's CPU interpreter on some hosts (an AVX2 AMD EPYC: every seed, on the commit CI passed on another "
+    "host too): chunks cut inside a 16-token block move a few rows by 1 fp16 ulp; bitwise on the GPU is the claim",
+    strict=False,
+)
 def test_rows_do_not_depend_on_chunking_or_batch(name, d, ring, window):
     seed = fresh_seed()
     seq = _Sequence(name, d, 80, ring, window, seed)
