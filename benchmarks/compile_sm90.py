@@ -136,6 +136,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="decode and prefill also with attention sinks, a soft cap and a sliding window (attention.extras)",
     )
+    ap.add_argument(
+        "--multitoken",
+        type=int,
+        default=0,
+        help="decode also in the multi-token form with this many query tokens per sequence (speculative "
+        "verification rows; 0: not)",
+    )
     args = ap.parse_args(argv)
     _install()
     from jetson_tq.attention.extras import NO_EXTRAS, AttentionExtras
@@ -186,6 +193,16 @@ def main(argv=None) -> int:
             for kname, k in COMPILED[n0:]:
                 res = _resources(k, args.sass_dir, f"{name}_decode{i}{tag}")
                 print(f"{name:10s} decode{tag:2s} {str(knobs):34s} {kname:24s} {res}", flush=True)
+            if args.multitoken and fmt.key_mode != "klt":  # q [B, Q, Hq, D] with the Q new tokens' k, v
+                qm = args.multitoken
+                n0 = len(COMPILED)
+                km = torch.randn(2, qm, hkv, d).half()
+                hybrid_decode(
+                    torch.randn(2, qm, hkv * g, d).half(), kv, tuning=DecodeTuning(**knobs), extras=ex, k=km, v=km
+                )
+                for kname, k in COMPILED[n0:]:
+                    res = _resources(k, args.sass_dir, f"{name}_decode{i}{tag}_q{qm}")
+                    print(f"{name:10s} decode{tag:2s} q={qm} {str(knobs):30s} {kname:24s} {res}", flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(

@@ -220,6 +220,8 @@ def _hybrid_decode_kernel(
     else:
         gmask = g < CFG.G
         qrow = b * (CFG.HKV * CFG.G) + h * CFG.G + g  # flat query-head rows of this KV head
+    q = (q_ptr, stride_qb, stride_qh)
+    tile = (b, h, g, gmask)  # the program's sequence, KV head, query-tile rows and their mask
     if CFG.FUSE_Q:
         _rotate_query(q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE, CFG)
     # the transformed query as tensor-core operands, loaded once; index vectors along the tiles' coordinate axes
@@ -283,34 +285,11 @@ def _hybrid_decode_kernel(
         acc = _unrotate_values(acc, vpi_ptr, vu, PAGE, CFG)
     if KLT.SINK:  # compressed position 0 (split 0 holds it): the calibrated sink, one exact token of every sequence
         if (split == 0) & (clen > 0) & (wlo <= 0):
+            sink_k = (klt_sink_ptr, 0, PAGE.D, 0)  # one token per KV head: [2, HKV, D]
+            sink_v = (klt_sink_ptr + CFG.HKV * PAGE.D, 0, PAGE.D, 0)
+            state = (m_i, l_i, acc, zacc)
             m_i, l_i, acc, zacc = _recent_tokens(
-                q_ptr,
-                klt_sink_ptr,
-                klt_sink_ptr + CFG.HKV * PAGE.D,
-                ridx_ptr,
-                b,
-                h,
-                g,
-                gmask,
-                vu,
-                0,
-                1,
-                stride_qb,
-                stride_qh,
-                0,
-                PAGE.D,
-                0,
-                0,
-                PAGE.D,
-                0,
-                scale_log2,
-                (m_i, l_i, acc, zacc),
-                PAGE,
-                CFG,
-                0,
-                1,
-                wlo,
-                cap2,
+                q, sink_k, sink_v, ridx_ptr, tile, vu, 0, 1, scale_log2, state, PAGE, CFG, 0, 1, wlo, cap2
             )
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
@@ -373,62 +352,17 @@ def _hybrid_decode_kernel(
                 False,
             )
     elif r1 > r0:
+        rk = (rk_ptr, stride_rkn, stride_rkh, stride_rkt)
+        rv = (rv_ptr, stride_rvn, stride_rvh, stride_rvt)
+        state = (m_i, l_i, acc, zacc)
         m_i, l_i, acc, zacc = _recent_tokens(
-            q_ptr,
-            rk_ptr,
-            rv_ptr,
-            ridx_ptr,
-            b,
-            h,
-            g,
-            gmask,
-            vu,
-            r0,
-            r1,
-            stride_qb,
-            stride_qh,
-            stride_rkn,
-            stride_rkh,
-            stride_rkt,
-            stride_rvn,
-            stride_rvh,
-            stride_rvt,
-            scale_log2,
-            (m_i, l_i, acc, zacc),
-            PAGE,
-            CFG,
-            clen,
-            ring,
-            wlo,
-            cap2,
+            q, rk, rv, ridx_ptr, tile, vu, r0, r1, scale_log2, state, PAGE, CFG, clen, ring, wlo, cap2
         )
     if CFG.SINKS:  # split 0 adds each query head's sink to its softmax sum (no value: the output is not touched)
         if CFG.NEW:
             l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g % CFG.G, gmask & (split == 0), CFG.SINKS)
         else:
             l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g, gmask & (split == 0), CFG.SINKS)
-    _write_output(
-        out_ptr,
-        po_ptr,
-        plse_ptr,
-        cnt_ptr,
-        acc,
-        zacc,
-        m_i,
-        l_i,
-        pid_bh,
-        b,
-        h,
-        g,
-        gmask,
-        vu,
-        ng,
-        qrow,
-        split,
-        n_splits,
-        group_size,
-        stride_ob,
-        stride_oh,
-        PAGE,
-        CFG,
-    )
+    outs = (out_ptr, po_ptr, plse_ptr, cnt_ptr)
+    splits = (split, n_splits, group_size)
+    _write_output(outs, (acc, zacc, m_i, l_i), pid_bh, tile, vu, ng, qrow, splits, (stride_ob, stride_oh), PAGE, CFG)
