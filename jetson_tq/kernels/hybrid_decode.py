@@ -28,11 +28,13 @@ bundles: ``PAGE`` (``format.PageSpec``), ``CFG`` (``DecodeConstexprs``, below) a
 This file holds the kernel and the ``CFG`` contract; its steps are ``@triton.jit`` helpers in modules of one job
 each: ``decode_tiles`` (the query operands and the compressed tiles' keys and values), ``decode_klt`` (klt keys),
 ``decode_exact`` (the recent buffer and the multi-token form's exact rows) and ``decode_reduce`` (the output, the
-split partials' merge and the second-launch ``_decode_reduce_kernel``). The host side (launch knobs
-``DecodeTuning``, the split count, the printable ``DecodePlan`` that owns the workspaces and the layer's device
-constants, ``run``) is ``hybrid_decode_plan``: a plan is made once per shape, ``run(plan, ...)`` only launches.
+split partials' merge and the second-launch ``_decode_reduce_kernel``). The host side, one job a module:
+``decode_tuning`` (launch knobs ``DecodeTuning``, the split count), ``decode_args`` (the argument groups and the
+printable ``DecodePlan`` that holds them, the workspaces and the layer's device constants), ``hybrid_decode_plan``
+(``plan_decode``, and ``hybrid_decode``, which plans once per shape) and ``decode_launch`` (``run``): a plan is made
+once per shape, ``run(plan, ...)`` only launches.
 
-The kernel's runtime arguments come from the plan in groups, in this order (``hybrid_decode_plan._decode_args``):
+The kernel's runtime arguments come from the plan in groups, in this order (``decode_args._decode_args``):
   qt_ptr .. cnt_ptr         the call's tensors (query, pages, block table, lengths, recent buffer, output), the
                             layer's device constants (``DecodeConstants``) and the plan's workspaces (qt, po, plse,
                             cnt: made with the plan, so a launch allocates nothing and a CUDA graph can capture it)
@@ -51,9 +53,9 @@ rows of the query tile, each under its own position's window rule (``_draft_boun
 behind CFG.NEW, so the one-token kernel compiles as before.
 
 Adding a per-layer constant (attention sinks, a logit soft cap, a sliding window, ...) touches four places, in the
-kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a splice of the plan's groups:
+kernel's argument order so that ``decode_args._decode_args`` stays a splice of the plan's groups:
   - a device tensor (e.g. the sink logits, fp32 [Hq]): a ``*_ptr`` parameter after ``vpi_ptr`` here and a field
-    at the same place in ``hybrid_decode_plan.DecodeConstants`` (built in ``decode_constants``);
+    at the same place in ``decode_args.DecodeConstants`` (built in ``hybrid_decode_plan.plan_decode``);
   - a float (e.g. the soft cap): a name after ``cap2`` in the kernel's unpacking of ``scalars`` and the last field
     of ``DecodeScalars``;
   - an int (e.g. the window size in tokens): a name after ``ring`` in the kernel's unpacking of ``ints`` and the last

@@ -243,6 +243,7 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
 def test_split_count_is_one_full_wave():
     """By default the split count fills every SM with exactly the programs the compiled kernel keeps resident
     (registers, shared memory): one full wave, not one and a bit; and the result still matches the reference."""
+    from jetson_tq.kernels import decode_launch
     from jetson_tq.kernels import hybrid_decode_plan as hd
     from jetson_tq.kernels._launch import resident_programs
 
@@ -254,7 +255,7 @@ def test_split_count_is_one_full_wave():
     got = hybrid_decode(q, kv)
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
     plan = list(hd._PLANS.values())[-1][1]
-    compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
+    compiled = [c for key, (c, _, _) in decode_launch._DECODE._compiled.items() if key[0] == plan.key][0]
     slots = (
         resident_programs(compiled, plan.tuning.num_warps, q.device)
         * torch.cuda.get_device_properties(0).multi_processor_count
