@@ -7,7 +7,7 @@ arrays). A token's slot is ``block_id * block_size + offset`` exactly as in vLLM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,9 @@ class PagedKV:
     codec: KVCodec
     sink_k: torch.Tensor | None = None  # [B, H, S, D]: exact copies of positions < S (``fmt.sink_tokens``)
     sink_v: torch.Tensor | None = None
+    # the owner's store of launch plans for this view's shapes (the decode kernel files its plans there, so they go
+    # with the owner); None: the kernels' module-level store
+    plans: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

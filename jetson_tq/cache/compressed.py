@@ -123,6 +123,7 @@ class CompressedKVCache:
         self._host_valid = True
         self._slots_buf = torch.empty(0, dtype=torch.int64, device=self.device)  # page slots of eager appends
         self._rows = torch.arange(batch_size, **i32)
+        self._plans: dict = {}  # the kernels' launch plans for this cache's views (``PagedKV.plans``)
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
         self._allocate_blocks(blocks)
@@ -165,6 +166,7 @@ class CompressedKVCache:
             self.codec,
             self.sink_k,
             self.sink_v,
+            plans=self._plans,
         )
 
     def reserve(self, tokens: int) -> None:

@@ -338,8 +338,9 @@ def hybrid_decode(
 
     ``tuning``: launch knobs (``DecodeTuning``; defaults from the H200 sweep per format). Same contract as
     ``attention.reference.paged_attention_decode`` (a sequence with nothing cached gets zeros instead of an error,
-    so padded CUDA-graph batches are safe). The plan is made on the first call of a shape and kept (``_PLANS``), and
-    the kernels launch through ``FastLauncher``: an eager call costs a few µs of host time.
+    so padded CUDA-graph batches are safe). The plan is made on the first call of a shape and kept (in ``kv.plans``,
+    the view owner's store, else ``_PLANS``), and the kernels launch through ``FastLauncher``: an eager call costs a
+    few µs of host time.
     """
     if q.stride(-1) != 1 or (q.dim() == 4 and q.stride(0) != q.shape[1] * q.stride(1)):
         q = q.contiguous()
@@ -354,7 +355,8 @@ def hybrid_decode(
         return out.copy_(hybrid_decode(q, kv, softmax_scale, tuning=tuning, extras=extras, k=k, v=v))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     key = _plan_key(q, kv, out, scale, tuning, extras, new)
-    hit = _PLANS.get(key)
-    if hit is None or hit[0] is not kv.codec:
-        hit = _PLANS[key] = (kv.codec, plan_decode(q, kv, scale, out, tuning, extras, new))
+    plans = _PLANS if kv.plans is None else kv.plans
+    hit = plans.get(key)
+    if hit is None or hit[0] is not kv.codec:  # (an id() in the key can be reused by a later codec)
+        hit = plans[key] = (kv.codec, plan_decode(q, kv, scale, out, tuning, extras, new))
     return run(hit[1], q, kv, out, new)
