@@ -127,20 +127,14 @@ def _draft_bounds(clen, hist, g, window, CFG: tl.constexpr):
 
 @triton.jit
 def _exact_rows(
-    q_ptr,
-    qoff,
-    k_base,
-    v_base,
+    rows,
+    reads,
+    tokens,
     ring_ptr,
     t0,
     t1,
-    stride_kt,
-    stride_vt,
     pos0,
     ring,
-    xlo,
-    xhi,
-    gmask,
     vu,
     scale_log2,
     cap2,
@@ -149,10 +143,15 @@ def _exact_rows(
     CFG: tl.constexpr,
     RING: tl.constexpr,
 ):
-    """CFG.NEW: exact tokens t in [t0, t1) at ``k_base`` / ``v_base`` + t * stride into the online softmax
-    ``state`` -> the new state, row r (query offsets ``qoff``) reading those whose position lies in [xlo[r], xhi[r]].
-    RING: ring rows (position pos0 + (t - pos0) mod ``ring``), else the new tokens (position pos0 + t), cast to the
-    ring's dtype (``ring_ptr``'s) as the ring would store them."""
+    """CFG.NEW: exact tokens t in [t0, t1) into the online softmax ``state`` -> the new state, query row r reading
+    those whose position lies in [xlo[r], xhi[r]]. ``rows``: (query pointer, the rows' offsets ``_row_offsets``,
+    their mask); ``reads``: (xlo, xhi); ``tokens``: (k_base, v_base, stride_kt, stride_vt), token t's key at
+    k_base + t * stride_kt and its value at v_base + t * stride_vt. RING: ring rows (position pos0 + (t - pos0) mod
+    ``ring``), else the new tokens (position pos0 + t), cast to the ring's dtype (``ring_ptr``'s) as the ring would
+    store them."""
+    q_ptr, qoff, gmask = rows
+    xlo, xhi = reads
+    k_base, v_base, stride_kt, stride_vt = tokens
     m_i, l_i, acc, zacc = state
     d = tl.arange(0, PAGE.DP)
     qb = (

@@ -299,59 +299,28 @@ def _hybrid_decode_kernel(
     r0 = tl.maximum(start - cend, 0)
     r1 = tl.minimum(start + tps - cend, rlen)
     if CFG.NEW:  # the ring's rows [r0, r1), then the new tokens [t0, t1) of this split, each row under its masks
-        qoff = _row_offsets(b, h, g, stride_qb, stride_qh, CFG)
-        xlo = tl.maximum(elo, lo)
+        rows = (q_ptr, _row_offsets(b, h, g, stride_qb, stride_qh, CFG), gmask)  # the query rows: pointer, offsets
+        reads = (tl.maximum(elo, lo), pos)  # row r reads the exact positions [reads[0][r], reads[1][r]]
         if r1 > r0:
             ridx = tl.load(ridx_ptr + b).to(tl.int64)
-            m_i, l_i, acc, zacc = _exact_rows(
-                q_ptr,
-                qoff,
+            ring_rows = (
                 rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
                 rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                rk_ptr,
-                r0,
-                r1,
                 stride_rkt,
                 stride_rvt,
-                clen,
-                ring,
-                xlo,
-                pos,
-                gmask,
-                vu,
-                scale_log2,
-                cap2,
-                (m_i, l_i, acc, zacc),
-                PAGE,
-                CFG,
-                True,
+            )
+            state = (m_i, l_i, acc, zacc)
+            m_i, l_i, acc, zacc = _exact_rows(
+                rows, reads, ring_rows, rk_ptr, r0, r1, clen, ring, vu, scale_log2, cap2, state, PAGE, CFG, True
             )
         t0 = tl.maximum(start - cend - rlen, 0)
         t1 = tl.minimum(start + tps - cend - rlen, CFG.QN)
         if t1 > t0:
             nbase = b.to(tl.int64) * stride_nb + h.to(tl.int64) * stride_nh
+            new_rows = (kn_ptr + nbase, vn_ptr + nbase, stride_nt, stride_nt)
+            state = (m_i, l_i, acc, zacc)
             m_i, l_i, acc, zacc = _exact_rows(
-                q_ptr,
-                qoff,
-                kn_ptr + nbase,
-                vn_ptr + nbase,
-                rk_ptr,
-                t0,
-                t1,
-                stride_nt,
-                stride_nt,
-                clen + rlen,
-                ring,
-                xlo,
-                pos,
-                gmask,
-                vu,
-                scale_log2,
-                cap2,
-                (m_i, l_i, acc, zacc),
-                PAGE,
-                CFG,
-                False,
+                rows, reads, new_rows, rk_ptr, t0, t1, clen + rlen, ring, vu, scale_log2, cap2, state, PAGE, CFG, False
             )
     elif r1 > r0:
         rk = (rk_ptr, stride_rkn, stride_rkh, stride_rkt)
