@@ -136,6 +136,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="decode and prefill also with attention sinks, a soft cap and a sliding window (attention.extras)",
     )
+    ap.add_argument(
+        "--multitoken",
+        type=int,
+        default=0,
+        help="decode also in the multi-token form with this many query tokens per sequence (speculative "
+        "verification rows; 0: not)",
+    )
     args = ap.parse_args(argv)
     _install()
     from jetson_tq.attention.extras import NO_EXTRAS, AttentionExtras
@@ -143,7 +150,7 @@ def main(argv=None) -> int:
     from jetson_tq.kernels.compress_write_plan import WriteTuning, compress_write
     from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
     from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
-    from jetson_tq.paged import allocate_pages
+    from jetson_tq.paged import AppendState, AppendStep, allocate_pages
     from jetson_tq.validate import FAULT_NONE, StoreLimits
     from tests.helpers.kernel_cases import build_paged_kv, fmt_for
     from tests.helpers.klt_cases import STRUCTURES, uneven_transform, with_sink
@@ -186,6 +193,16 @@ def main(argv=None) -> int:
             for kname, k in COMPILED[n0:]:
                 res = _resources(k, args.sass_dir, f"{name}_decode{i}{tag}")
                 print(f"{name:10s} decode{tag:2s} {str(knobs):34s} {kname:24s} {res}", flush=True)
+            if args.multitoken and fmt.key_mode != "klt":  # q [B, Q, Hq, D] with the Q new tokens' k, v
+                qm = args.multitoken
+                n0 = len(COMPILED)
+                km = torch.randn(2, qm, hkv, d).half()
+                hybrid_decode(
+                    torch.randn(2, qm, hkv * g, d).half(), kv, tuning=DecodeTuning(**knobs), extras=ex, k=km, v=km
+                )
+                for kname, k in COMPILED[n0:]:
+                    res = _resources(k, args.sass_dir, f"{name}_decode{i}{tag}_q{qm}")
+                    print(f"{name:10s} decode{tag:2s} q={qm} {str(knobs):30s} {kname:24s} {res}", flush=True)
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(
@@ -238,21 +255,10 @@ def main(argv=None) -> int:
         ring = torch.zeros(2, hkv, 16, d).half()
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)
-        append_rows(
-            kp,
-            kp.clone(),
-            ring,
-            ring.clone(),
-            lens,
-            lens.clone(),
-            lens.clone(),
-            torch.zeros((), dtype=torch.bool),
-            0,
-            64,
-            True,
-            True,
-            block,
+        state = AppendState(
+            ring, ring.clone(), lens, lens.clone(), lens.clone(), torch.zeros((), dtype=torch.bool), block
         )
+        append_rows(kp, kp.clone(), state, AppendStep(0, 64, True, True))
         for kname, k in COMPILED[n0:]:
             res = _resources(k, args.sass_dir, f"append_{'block' if block else 'sliding'}")
             print(f"{'any':10s} append {'block' if block else 'sliding':36s} {kname:24s} {res}", flush=True)
@@ -261,24 +267,11 @@ def main(argv=None) -> int:
         lens = torch.tensor([3, 20], dtype=torch.int32)
         n0 = len(COMPILED)
         for stage, commit, guard in ((True, False, None), (False, True, torch.tensor([FAULT_NONE, 0]))):
-            append_rows(
-                kp,
-                kp.clone(),
-                ring,
-                ring.clone(),
-                lens,
-                lens.clone(),
-                lens.clone(),
-                torch.zeros((), dtype=torch.bool),
-                0,
-                64,
-                stage,
-                commit,
-                False,
-                guard,
-            )
+            state = AppendState(ring, ring.clone(), lens, lens.clone(), lens.clone(), torch.zeros((), dtype=torch.bool))
+            append_rows(kp, kp.clone(), state, AppendStep(0, 64, stage, commit, guard))
         for kname, k in COMPILED[n0:]:
-            print(f"{'any':10s} append {'stage / guarded commit':36s} {kname:24s} {_resources(k)}", flush=True)
+            res = _resources(k, args.sass_dir, "append_guarded")
+            print(f"{'any':10s} append {'stage / guarded commit':36s} {kname:24s} {res}", flush=True)
     return 0
 
 

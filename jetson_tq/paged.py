@@ -7,7 +7,7 @@ arrays). A token's slot is ``block_id * block_size + offset`` exactly as in vLLM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,6 +88,9 @@ class PagedKV:
     codec: KVCodec
     sink_k: torch.Tensor | None = None  # [B, H, S, D]: exact copies of positions < S (``fmt.sink_tokens``)
     sink_v: torch.Tensor | None = None
+    # the owner's store of launch plans for this view's shapes (the decode kernel files its plans there, so they go
+    # with the owner); None: the kernels' module-level store
+    plans: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -114,29 +117,53 @@ class PagedKV:
         return {name: t.transpose(1, 2) for name, t in fields.items()}  # [B, n, H, c] -> [B, H, n, c]
 
 
+@dataclass(frozen=True)
+class AppendState:
+    """A cache's per-sequence bookkeeping that an append moves, made once by its owner (``CompressedKVCache``): the
+    exact ring and the lengths, as the append kernel (``kernels.append``) and its reference read and write them."""
+
+    ring_k: torch.Tensor  # [B, H, R, D]: the exact ring of keys (token p in row p % R)
+    ring_v: torch.Tensor  # [B, H, R, D]: ... of values
+    lens: torch.Tensor  # int32 [B]: tokens per sequence
+    comp: torch.Tensor  # int32 [B]: tokens read compressed (lens - rec)
+    rec: torch.Tensor  # int32 [B]: tokens read exactly (``format.exact_count(lens)``)
+    overflow: torch.Tensor  # bool []: set when a token lies past the capacity
+    block_window: bool = False  # window rule: a token's own R-token block (else the last R)
+
+
+@dataclass(frozen=True)
+class AppendStep:
+    """One bookkeeping launch of an append of k, v [nb, H, T, D]: which rows, the slots a sequence owns, what it does.
+
+    A cache with device-side checks stages (slots, then compress-on-write) and commits behind the write's store fault
+    record (``guard``) in two steps; without checks one step does both."""
+
+    row0: int  # first appended row: the rows are [row0, row0 + nb)
+    capacity: int  # page slots per sequence: sequence b owns slots [b * capacity, (b + 1) * capacity)
+    stage: bool = True  # compute the new tokens' page slots (-1 past the capacity, setting ``overflow``)
+    commit: bool = True  # copy the last min(T, R) tokens into the ring and advance the lengths
+    guard: torch.Tensor | None = None  # int64 [2]: commit only while this store fault record holds no fault
+    out: torch.Tensor | None = None  # int64 [nb * T]: where the slots go (a buffer the caller reuses), else allocated
+
+
 def append_rows_reference(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
-    lens: torch.Tensor,
-    comp: torch.Tensor,
-    rec: torch.Tensor,
-    overflow: torch.Tensor,
-    row0: int,
-    capacity: int,
-    stage: bool = True,
-    commit: bool = True,
-    block_window: bool = False,
-    guard: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    k: torch.Tensor, v: torch.Tensor, state: AppendState, step: AppendStep
 ) -> torch.Tensor | None:
-    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of a cache whose sequence b owns slots
-    [b * capacity, (b + 1) * capacity): returns the page slots [nb * T] of the new tokens (stage; -1 past the
-    capacity, setting ``overflow``), copies the last min(T, R) exactly into ring rows (L + t) % R and advances
-    lens / rec = ``format.exact_count(lens)`` (min(lens, R), or (lens - 1) % R + 1 with ``block_window``) /
-    comp = lens - rec (commit; with a ``guard`` store fault record holding a fault, nothing is committed and the record
-    is closed: guard[1] = 1). ``out``: where the slots go. ``kernels.append.append_rows`` is the same in one launch."""
+    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of ``state``: returns the page slots
+    [nb * T] of the new tokens (``step.stage``; -1 past the capacity, setting ``overflow``), copies the last min(T, R)
+    exactly into ring rows (L + t) % R and advances lens / rec = ``format.exact_count(lens)`` (min(lens, R), or
+    (lens - 1) % R + 1 with ``block_window``) / comp = lens - rec (``step.commit``; with a ``guard`` store fault record
+    holding a fault, nothing is committed and the record is closed: guard[1] = 1). ``kernels.append.append_rows`` is
+    the same in one launch."""
+    row0, capacity, stage, commit, guard, out = step.row0, step.capacity, step.stage, step.commit, step.guard, step.out
+    ring_k, ring_v, lens, comp, rec, overflow = (
+        state.ring_k,
+        state.ring_v,
+        state.lens,
+        state.comp,
+        state.rec,
+        state.overflow,
+    )
     nb, _, t, _ = k.shape
     rows = slice(row0, row0 + nb)
     pos = lens[rows].long().unsqueeze(1) + torch.arange(t, device=k.device)  # [nb, T]
@@ -160,6 +187,6 @@ def append_rows_reference(
             ring_k[brow, :, cols] = k[:, :, t - r :].transpose(1, 2).to(ring_k.dtype)  # [nb, r, H, D]
             ring_v[brow, :, cols] = v[:, :, t - r :].transpose(1, 2).to(ring_v.dtype)
         lens[rows] += t
-        rec.copy_(exact_count(lens, ring, block_window))
+        rec.copy_(exact_count(lens, ring, state.block_window))
         torch.sub(lens, rec, out=comp)
     return slots

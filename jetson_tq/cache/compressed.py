@@ -26,7 +26,7 @@ from ..codec.klt import KeyTransform
 from ..codec.kv import Fields, KVCodec
 from ..errors import DTypeError, JetsonTQError, ShapeError, expect_float, expect_int, expect_same_device, expect_tensor
 from ..format import KVFormat, PagedLayout, exact_count
-from ..paged import PagedKV, allocate_pages
+from ..paged import AppendState, AppendStep, PagedKV, allocate_pages
 from ..validate import (
     FAULT_NONE,
     StoreLimits,
@@ -110,6 +110,9 @@ class CompressedKVCache:
         self._comp = torch.zeros(batch_size, **i32)  # L - r (derived in place after every append)
         self._rec = torch.zeros(batch_size, **i32)  # r = exact_count(L)
         self._overflow = torch.zeros((), dtype=torch.bool, device=self.device)
+        self._append_state = AppendState(
+            self.ring_k, self.ring_v, self._lens, self._comp, self._rec, self._overflow, fmt.block_window
+        )
         # the device-side store checks: fault record (code, closed flag), bounds, and the host's view of them
         self._fault = torch.tensor([FAULT_NONE, 0], dtype=torch.int64, device=self.device)
         self._limits = StoreLimits.of(fmt, dtype, self.codec.raw_dtype)
@@ -120,6 +123,7 @@ class CompressedKVCache:
         self._host_valid = True
         self._slots_buf = torch.empty(0, dtype=torch.int64, device=self.device)  # page slots of eager appends
         self._rows = torch.arange(batch_size, **i32)
+        self._plans: dict = {}  # the kernels' launch plans for this cache's views (``PagedKV.plans``)
         self.blocks_per_seq = 0
         self.pages = allocate_pages(self.layout, 0, num_kv_heads, self.device)
         self._allocate_blocks(blocks)
@@ -162,6 +166,7 @@ class CompressedKVCache:
             self.codec,
             self.sink_k,
             self.sink_v,
+            plans=self._plans,
         )
 
     def reserve(self, tokens: int) -> None:
@@ -395,23 +400,9 @@ class CompressedKVCache:
         if commit and not plain_commit or not stage:
             steps.append((False, True, guard))
         for staging, committing, gate in steps:
-            slots = ops.append_rows(
-                k,
-                v,
-                self.ring_k,
-                self.ring_v,
-                self._lens,
-                self._comp,
-                self._rec,
-                self._overflow,
-                rows.start,
-                self.capacity,
-                staging,
-                committing,
-                self.fmt.block_window,
-                guard=gate,
-                out=self._slots_out(nb * t, _capturing(k)) if staging else None,
-            )
+            out = self._slots_out(nb * t, _capturing(k)) if staging else None
+            step = AppendStep(rows.start, self.capacity, staging, committing, gate, out)
+            slots = ops.append_rows(k, v, self._append_state, step)
             if staging:
                 assert slots is not None  # append_rows returns the slots when staging
                 kt, vt = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)  # [nb, T, H, D] views

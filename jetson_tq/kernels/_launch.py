@@ -7,7 +7,7 @@ and returns the ``CompiledKernel``; later ones reuse it. The runtime specializat
 specializes on and may change between calls of one plan: every tensor's dtype (always part of the key: with dtypes
 left out of plan keys, an fp32 query was read through the kernel compiled for fp16), whether
 each tensor's data pointer is 16-byte aligned, and for each int argument whether it is 1 or a multiple of 16 (and
-whether it fits int32). The
+whether it fits int32; a tuple's fields likewise). The
 caller's plan key must determine every constexpr and launch option. Under the interpreter, or while a launch
 hook is installed (profilers), the plain JIT path runs.
 
@@ -45,6 +45,8 @@ def _runtime_key(args: tuple) -> tuple:
             key.append(a)
         elif isinstance(a, int):
             key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        elif isinstance(a, tuple):  # Triton specializes a tuple argument's fields one by one
+            key.append(_runtime_key(a))
     return tuple(key)
 
 

@@ -10,7 +10,8 @@ and T new ones:
   ``validate.FAULT_NONE`` when the tokens passed the checks) holds a fault: then nothing is committed and the record
   is closed (guard[1] = 1), so a refused append leaves the cache as it was.
 Everything reads and writes device memory only, so it can be captured in a CUDA graph. ``paged.append_rows_reference``
-is the same in PyTorch, with the same signature (CPU, or CUDA under ``JETSON_TQ_BACKEND=reference``).
+is the same in PyTorch, with the same signature (CPU, or CUDA under ``JETSON_TQ_BACKEND=reference``): both take the
+cache's ``paged.AppendState`` and one ``paged.AppendStep``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..paged import AppendState, AppendStep
 from ..validate import FAULT_NONE
 from ._common import INTERPRET, next_pow2
 from ._launch import FastLauncher
@@ -44,19 +46,11 @@ def _append_kernel(
     T,  # new tokens per row
     capacity,  # tokens a sequence holds
     ring,  # R
-    # ---- strides (elements)
-    skb,
-    skh,
-    skt,
-    svb,
-    svh,
-    svt,
-    srkb,
-    srkh,
-    srkt,
-    srvb,
-    srvh,
-    srvt,
+    # ---- strides (elements), one tuple each (Triton flattens them in order): row, head, token
+    k_strides,
+    v_strides,
+    rk_strides,
+    rv_strides,
     # ---- compile time
     H: tl.constexpr,  # KV heads
     D: tl.constexpr,  # head dim
@@ -66,8 +60,8 @@ def _append_kernel(
     GUARD: tl.constexpr,  # ... only while ``guard_ptr`` holds no fault
     BLOCK_WINDOW: tl.constexpr,  # window rule: own R-token block (else the last R)
     BLOCK_T: tl.constexpr,  # tokens per step of the ring copy
-    STAGE_T: tl.constexpr,
-):  # tokens per step of the slots (up to 1024: a 16k-token prefill row in 16 steps)
+    STAGE_T: tl.constexpr,  # tokens per step of the slots (up to 1024: a 16k-token prefill row in 16 steps)
+):
     i = tl.program_id(0)
     b = row0 + i
     length = tl.load(lens_ptr + b)
@@ -86,171 +80,72 @@ def _append_kernel(
         if GUARD:  # commit only over an empty fault record; a refused append closes it (later writes leave it alone)
             go = tl.load(guard_ptr) == FAULT_NONE_C
             tl.store(guard_ptr + 1, 1, mask=go == 0)
-        if go:
-            _commit(
-                k_ptr,
-                v_ptr,
-                rk_ptr,
-                rv_ptr,
-                lens_ptr,
-                comp_ptr,
-                rec_ptr,
-                i,
-                b,
-                length,
-                T,
-                ring,
-                skb,
-                skh,
-                skt,
-                svb,
-                svh,
-                svt,
-                srkb,
-                srkh,
-                srkt,
-                srvb,
-                srvh,
-                srvt,
-                H,
-                D,
-                DP,
-                BLOCK_WINDOW,
-                BLOCK_T,
-            )
-
-
-@triton.jit
-def _commit(
-    k_ptr,
-    v_ptr,
-    rk_ptr,
-    rv_ptr,
-    lens_ptr,
-    comp_ptr,
-    rec_ptr,
-    i,
-    b,
-    length,
-    T,
-    ring,
-    skb,
-    skh,
-    skt,
-    svb,
-    svh,
-    svt,
-    srkb,
-    srkh,
-    srkt,
-    srvb,
-    srvh,
-    srvt,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    BLOCK_WINDOW: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """Row b: the last min(T, R) new tokens of appended row i into the ring, then its lengths."""
-    if ring > 0:
-        r = tl.minimum(T, ring)
-        d = tl.arange(0, DP)
-        for h in range(H):
-            for t0 in range(T - r, T, BLOCK_T):
-                t = t0 + tl.arange(0, BLOCK_T)
-                m = (t < T)[:, None] & (d < D)[None, :]
-                col = ((length + t) % ring).to(tl.int64)
-                kk = tl.load(
-                    k_ptr + i.to(tl.int64) * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :], mask=m
-                )
-                vv = tl.load(
-                    v_ptr + i.to(tl.int64) * svb + h * svh + t[:, None].to(tl.int64) * svt + d[None, :], mask=m
-                )
-                tl.store(
-                    rk_ptr + b.to(tl.int64) * srkb + h * srkh + col[:, None] * srkt + d[None, :],
-                    kk.to(rk_ptr.dtype.element_ty),
-                    mask=m,
-                )
-                tl.store(
-                    rv_ptr + b.to(tl.int64) * srvb + h * srvh + col[:, None] * srvt + d[None, :],
-                    vv.to(rv_ptr.dtype.element_ty),
-                    mask=m,
-                )
-    new = length + T
-    if BLOCK_WINDOW:  # the own block: (new - 1) % ring + 1 tokens (ring >= 1 in this mode; new >= 1 here)
-        rec = (new - 1) % ring + 1
-    else:
-        rec = tl.minimum(new, ring)
-    tl.store(lens_ptr + b, new)
-    tl.store(rec_ptr + b, rec)
-    tl.store(comp_ptr + b, new - rec)
+        if go:  # row b: the last min(T, R) new tokens of appended row i into the ring, then its lengths
+            if ring > 0:
+                skb, skh, skt = k_strides
+                svb, svh, svt = v_strides
+                srkb, srkh, srkt = rk_strides
+                srvb, srvh, srvt = rv_strides
+                r = tl.minimum(T, ring)
+                d = tl.arange(0, DP)
+                for h in range(H):
+                    for t0 in range(T - r, T, BLOCK_T):
+                        t = t0 + tl.arange(0, BLOCK_T)
+                        m = (t < T)[:, None] & (d < D)[None, :]
+                        col = ((length + t) % ring).to(tl.int64)
+                        kk = tl.load(
+                            k_ptr + i.to(tl.int64) * skb + h * skh + t[:, None].to(tl.int64) * skt + d[None, :], mask=m
+                        )
+                        vv = tl.load(
+                            v_ptr + i.to(tl.int64) * svb + h * svh + t[:, None].to(tl.int64) * svt + d[None, :], mask=m
+                        )
+                        tl.store(
+                            rk_ptr + b.to(tl.int64) * srkb + h * srkh + col[:, None] * srkt + d[None, :],
+                            kk.to(rk_ptr.dtype.element_ty),
+                            mask=m,
+                        )
+                        tl.store(
+                            rv_ptr + b.to(tl.int64) * srvb + h * srvh + col[:, None] * srvt + d[None, :],
+                            vv.to(rv_ptr.dtype.element_ty),
+                            mask=m,
+                        )
+            new = length + T
+            if BLOCK_WINDOW:  # the own block: (new - 1) % ring + 1 tokens (ring >= 1 in this mode; new >= 1 here)
+                rec = (new - 1) % ring + 1
+            else:
+                rec = tl.minimum(new, ring)
+            tl.store(lens_ptr + b, new)
+            tl.store(rec_ptr + b, rec)
+            tl.store(comp_ptr + b, new - rec)
 
 
 _LAUNCH = FastLauncher(_append_kernel)
 
 
-def append_rows(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
-    lens: torch.Tensor,
-    comp: torch.Tensor,
-    rec: torch.Tensor,
-    overflow: torch.Tensor,
-    row0: int,
-    capacity: int,
-    stage: bool = True,
-    commit: bool = True,
-    block_window: bool = False,
-    guard: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb): returns the slots [nb * T] (stage),
-    written into ``out`` (int64 [nb * T]) when given. ``guard``: commit only while this store fault record (int64 [2])
-    holds no fault, else close it."""
+def append_rows(k: torch.Tensor, v: torch.Tensor, state: AppendState, step: AppendStep) -> torch.Tensor | None:
+    """Bookkeeping of appending k, v [nb, H, T, D] to rows [row0, row0 + nb) of ``state`` (``paged.AppendStep``
+    says which rows and what): returns the slots [nb * T] (stage), written into ``step.out`` when given; with a
+    ``step.guard`` the commit runs only while that store fault record (int64 [2]) holds no fault, else closes it."""
     nb, h, t, d = k.shape
-    if not stage:
-        slots = lens  # never written (STAGE off): no allocation
-    elif out is not None:
-        slots = out
+    if not step.stage:
+        slots = state.lens  # never written (STAGE off): no allocation
+    elif step.out is not None:
+        slots = step.out
     else:
         slots = torch.empty(nb * t, dtype=torch.int64, device=k.device)
-    ring = ring_k.shape[2]
-    rk, rv = (ring_k, ring_v) if ring_k.numel() else (k, v)  # no ring storage: never written (ring == 0)
+    ring = state.ring_k.shape[2]
+    rk, rv = (state.ring_k, state.ring_v) if state.ring_k.numel() else (k, v)  # no ring storage: never written
     block_t = min(64, max(16, next_pow2(min(t, 64))))
     stage_t = min(1024, max(16, next_pow2(t)))
+    guard = step.guard
     args = (
-        k,
-        v,
-        rk,
-        rv,
-        lens,
-        comp,
-        rec,
-        slots,
-        overflow,
-        slots if guard is None else guard,
-        row0,
-        t,
-        capacity,
-        ring,
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        rk.stride(0),
-        rk.stride(1),
-        rk.stride(2),
-        rv.stride(0),
-        rv.stride(1),
-        rv.stride(2),
+        *(k, v, rk, rv, state.lens, state.comp, state.rec, slots, state.overflow, slots if guard is None else guard),
+        *(step.row0, t, step.capacity, ring),
+        *(k.stride()[:3], v.stride()[:3], rk.stride()[:3], rv.stride()[:3]),
     )
-    block_window = bool(block_window and ring > 0)
-    gated = guard is not None and commit
+    block_window = bool(state.block_window and ring > 0)
+    gated = guard is not None and step.commit
+    stage, commit = step.stage, step.commit
     kw = dict(
         H=h,
         D=d,

@@ -37,7 +37,10 @@ from .compress_write import WriteConstexprs, _compress_write_kernel
 KLT_COEFFS_PER_STEP = 16  # klt keys: coefficients per step (offline sm_90a compiles, D=128 and 80 at 128 tokens: no
 # spills; unrolled steps of 16 or 32 spilled 48-1012 B)
 BLOCK_T = 128  # H200, 16k tokens x 8 heads: 547 us at 128 tokens / 8 warps, 761 at 64 / 8, 1152 at 16 / 4
-_FITTED_BLOCK_T: dict = {}  # (format, head dim, device) -> the largest tile that fit in shared memory
+# (format, head dim, device, knobs, compile-relevant dtypes) -> the largest tile that fit in shared memory. A fact of
+# the compiled kernel, the same for every layer (codec) of a format, so it spans write setups: kept per setup, each
+# layer's first write would retry a compile that cannot fit (seconds each) before finding the same size.
+_FITTED_BLOCK_T: dict = {}
 
 
 def default_block_t(head_dim: int) -> int:
@@ -191,6 +194,9 @@ def compress_write(
 
 
 _LAUNCH = FastLauncher(_compress_write_kernel)
+# The write setups (this launch's plans) by everything they bake in. ``ops.write``'s callers (the cache, the vLLM
+# backend) pass tensors, not setups, so this stands in for an owner; an entry is taken only while its codec is the
+# caller's (an id() can be reused).
 _SETUPS: dict = {}
 _SERIAL = itertools.count()
 

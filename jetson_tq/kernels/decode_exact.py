@@ -17,25 +17,14 @@ from ._tiles import TWO24, mma, online_softmax, value_unit
 
 @triton.jit
 def _recent_tokens(
-    q_ptr,
-    rk_ptr,
-    rv_ptr,
+    q,
+    rk,
+    rv,
     ridx_ptr,
-    b,
-    h,
-    g,
-    gmask,
+    tile,
     vu,
     r0,
     r1,
-    stride_qb,
-    stride_qh,
-    stride_rkn,
-    stride_rkh,
-    stride_rkt,
-    stride_rvn,
-    stride_rvh,
-    stride_rvt,
     scale_log2,
     state,
     PAGE: tl.constexpr,
@@ -48,7 +37,15 @@ def _recent_tokens(
     """Recent-buffer tokens [r0, r1) of sequence ``b`` (exact keys and values, scored with the raw query), BLOCK_R
     per step, into the same online softmax ``state`` (m_i, l_i, acc, zacc) -> the new state. Row t holds position
     pos0 + (t - pos0) mod ``rows`` (the buffer's capacity R: token p in row p % R); under CFG.WINDOW positions
-    before ``wlo`` are masked, under CFG.SOFT_CAP scores capped (``cap2``, log2 domain)."""
+    before ``wlo`` are masked, under CFG.SOFT_CAP scores capped (``cap2``, log2 domain).
+
+    ``q``: (query pointer, sequence stride, head stride); ``rk``, ``rv``: the buffer's keys and values as (pointer,
+    row stride, head stride, token stride), row ``ridx_ptr[b]``; ``tile``: the program's (sequence b, KV head h,
+    query-tile rows g, their mask)."""
+    q_ptr, stride_qb, stride_qh = q
+    rk_ptr, stride_rkn, stride_rkh, stride_rkt = rk
+    rv_ptr, stride_rvn, stride_rvh, stride_rvt = rv
+    b, h, g, gmask = tile
     m_i, l_i, acc, zacc = state
     ridx = tl.load(ridx_ptr + b).to(tl.int64)
     d = tl.arange(0, PAGE.DP)
@@ -130,20 +127,14 @@ def _draft_bounds(clen, hist, g, window, CFG: tl.constexpr):
 
 @triton.jit
 def _exact_rows(
-    q_ptr,
-    qoff,
-    k_base,
-    v_base,
+    rows,
+    reads,
+    tokens,
     ring_ptr,
     t0,
     t1,
-    stride_kt,
-    stride_vt,
     pos0,
     ring,
-    xlo,
-    xhi,
-    gmask,
     vu,
     scale_log2,
     cap2,
@@ -152,10 +143,15 @@ def _exact_rows(
     CFG: tl.constexpr,
     RING: tl.constexpr,
 ):
-    """CFG.NEW: exact tokens t in [t0, t1) at ``k_base`` / ``v_base`` + t * stride into the online softmax
-    ``state`` -> the new state, row r (query offsets ``qoff``) reading those whose position lies in [xlo[r], xhi[r]].
-    RING: ring rows (position pos0 + (t - pos0) mod ``ring``), else the new tokens (position pos0 + t), cast to the
-    ring's dtype (``ring_ptr``'s) as the ring would store them."""
+    """CFG.NEW: exact tokens t in [t0, t1) into the online softmax ``state`` -> the new state, query row r reading
+    those whose position lies in [xlo[r], xhi[r]]. ``rows``: (query pointer, the rows' offsets ``_row_offsets``,
+    their mask); ``reads``: (xlo, xhi); ``tokens``: (k_base, v_base, stride_kt, stride_vt), token t's key at
+    k_base + t * stride_kt and its value at v_base + t * stride_vt. RING: ring rows (position pos0 + (t - pos0) mod
+    ``ring``), else the new tokens (position pos0 + t), cast to the ring's dtype (``ring_ptr``'s) as the ring would
+    store them."""
+    q_ptr, qoff, gmask = rows
+    xlo, xhi = reads
+    k_base, v_base, stride_kt, stride_vt = tokens
     m_i, l_i, acc, zacc = state
     d = tl.arange(0, PAGE.DP)
     qb = (

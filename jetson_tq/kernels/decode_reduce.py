@@ -17,32 +17,28 @@ from .decode_exact import _row_offsets
 
 @triton.jit
 def _write_output(
-    out_ptr,
-    po_ptr,
-    plse_ptr,
-    cnt_ptr,
-    acc,
-    zacc,
-    m_i,
-    l_i,
+    outs,
+    result,
     pid_bh,
-    b,
-    h,
-    g,
-    gmask,
+    tile,
     vu,
     ng,
     qrow,
-    split,
-    n_splits,
-    group_size,
-    stride_ob,
-    stride_oh,
+    splits,
+    out_strides,
     PAGE: tl.constexpr,
     CFG: tl.constexpr,
 ):
     """The normalized output (one split) or this split's partial (output, log2-sum-exp), merged in the launch when
-    FUSED_REDUCE."""
+    FUSED_REDUCE. ``outs``: (output, split partial outputs, their log2-sum-exp, arrival counters) pointers;
+    ``result``: the online softmax's (acc, zacc, m_i, l_i); ``tile``: the program's (sequence b, KV head h,
+    query-tile rows g, their mask); ``splits``: (this split, splits, splits per first-level group); ``out_strides``:
+    the output's sequence and head strides."""
+    out_ptr, po_ptr, plse_ptr, _ = outs
+    acc, zacc, m_i, l_i = result
+    b, h, g, gmask = tile
+    split, n_splits, _ = splits
+    stride_ob, stride_oh = out_strides
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     for c in tl.static_range(PAGE.VCH):
         for j in tl.static_range(CFG.VSC):
@@ -73,28 +69,7 @@ def _write_output(
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(plse_ptr + qrow.to(tl.int64) * n_splits + split, lse, mask=gmask)
         if CFG.FUSED_REDUCE:
-            _reduce_on_arrival(
-                po_ptr,
-                plse_ptr,
-                cnt_ptr,
-                out_ptr,
-                pid_bh,
-                b,
-                h,
-                split,
-                n_splits,
-                group_size,
-                qrow,
-                g,
-                gmask,
-                stride_ob,
-                stride_oh,
-                CFG.G,
-                CFG.GP,
-                PAGE.D,
-                PAGE.DP,
-                CFG.SPB,
-            )
+            _reduce_on_arrival(outs, pid_bh, tile, qrow, splits, out_strides, CFG.G, CFG.GP, PAGE.D, PAGE.DP, CFG.SPB)
 
 
 @triton.jit
@@ -150,21 +125,12 @@ def _store_heads(out_ptr, b, h, g, gmask, o, stride_ob, stride_oh, G: tl.constex
 
 @triton.jit
 def _reduce_on_arrival(
-    po_ptr,
-    plse_ptr,
-    cnt_ptr,
-    out_ptr,
+    outs,
     pid_bh,
-    b,
-    h,
-    split,
-    n_splits,
-    group_size,
+    tile,
     qrow,
-    g,
-    gmask,
-    stride_ob,
-    stride_oh,
+    splits,
+    out_strides,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -174,7 +140,12 @@ def _reduce_on_arrival(
     """The split reduction inside the decode launch, in two levels of arrival counters per (sequence, KV head):
     the last program of a group of ``group_size`` splits to finish merges the group's partials into the group's
     first slot; the last group to finish merges the group partials into the output. Each counter is set back to 0
-    by the program that found itself last, so the next launch (or graph replay) starts from zeros."""
+    by the program that found itself last, so the next launch (or graph replay) starts from zeros. Arguments grouped
+    as ``_write_output``'s."""
+    out_ptr, po_ptr, plse_ptr, cnt_ptr = outs
+    b, h, g, gmask = tile
+    split, n_splits, group_size = splits
+    stride_ob, stride_oh = out_strides
     n_groups = (n_splits + group_size - 1) // group_size
     grp = split // group_size
     in_grp = tl.minimum(group_size, n_splits - grp * group_size)

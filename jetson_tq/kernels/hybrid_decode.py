@@ -28,19 +28,23 @@ bundles: ``PAGE`` (``format.PageSpec``), ``CFG`` (``DecodeConstexprs``, below) a
 This file holds the kernel and the ``CFG`` contract; its steps are ``@triton.jit`` helpers in modules of one job
 each: ``decode_tiles`` (the query operands and the compressed tiles' keys and values), ``decode_klt`` (klt keys),
 ``decode_exact`` (the recent buffer and the multi-token form's exact rows) and ``decode_reduce`` (the output, the
-split partials' merge and the second-launch ``_decode_reduce_kernel``). The host side (launch knobs
-``DecodeTuning``, the split count, the printable ``DecodePlan`` that owns the workspaces and the layer's device
-constants, ``run``) is ``hybrid_decode_plan``: a plan is made once per shape, ``run(plan, ...)`` only launches.
+split partials' merge and the second-launch ``_decode_reduce_kernel``). The host side, one job a module:
+``decode_tuning`` (launch knobs ``DecodeTuning``, the split count), ``decode_args`` (the argument groups and the
+printable ``DecodePlan`` that holds them, the workspaces and the layer's device constants), ``hybrid_decode_plan``
+(``plan_decode``, and ``hybrid_decode``, which plans once per shape) and ``decode_launch`` (``run``): a plan is made
+once per shape, ``run(plan, ...)`` only launches.
 
-The kernel's runtime arguments come from the plan in groups, in this order (``hybrid_decode_plan._decode_args``):
+The kernel's runtime arguments come from the plan in groups, in this order (``decode_args._decode_args``):
   qt_ptr .. cnt_ptr         the call's tensors (query, pages, block table, lengths, recent buffer, output), the
                             layer's device constants (``DecodeConstants``) and the plan's workspaces (qt, po, plse,
                             cnt: made with the plan, so a launch allocates nothing and a CUDA graph can capture it)
-  stride_qb .. group_size   ``DecodeInts``: the strides the plan bakes in and the split sizes
-  scale_log2 .. klt_scale   ``DecodeScalars``: softmax and codebook scalars
-  kn_ptr .. stride_nh       the multi-token form's new tokens' k, v and ``DecodePlan.new_strides`` (CFG.NEW; q and
-                            zeros without): last, so the one-token kernel's parameters keep their offsets
+  ints                      ``DecodeInts`` (one tuple): the strides the plan bakes in and the split sizes
+  scalars                   ``DecodeScalars`` (one tuple): softmax and codebook scalars
+  kn_ptr, vn_ptr,           the multi-token form's new tokens' k, v and ``DecodePlan.new_strides`` (one tuple;
+  new_strides               CFG.NEW; q and zeros without): last, so the one-token kernel's parameters keep their offsets
   PAGE, CFG, KLT            ``DecodePlan.constexprs``: the three bundles
+The kernel names the tuples' fields where it starts. Triton flattens a tuple argument into its fields in order, so the
+compiled kernel's parameters are the same as with one parameter per field (each int specialized on its own).
 
 Multi-token form (CFG.NEW, speculative verification rows): QN query tokens per sequence over its history (the
 ring does not hold them yet) plus their own exact k, v; the QN * G (token, query head) pairs of a KV head are the
@@ -49,12 +53,13 @@ rows of the query tile, each under its own position's window rule (``_draft_boun
 behind CFG.NEW, so the one-token kernel compiles as before.
 
 Adding a per-layer constant (attention sinks, a logit soft cap, a sliding window, ...) touches four places, in the
-kernel's argument order so that ``hybrid_decode_plan._decode_args`` stays a flat splice of the plan's groups:
+kernel's argument order so that ``decode_args._decode_args`` stays a splice of the plan's groups:
   - a device tensor (e.g. the sink logits, fp32 [Hq]): a ``*_ptr`` parameter after ``vpi_ptr`` here and a field
-    at the same place in ``hybrid_decode_plan.DecodeConstants`` (built in ``decode_constants``);
-  - a float (e.g. the soft cap): a parameter after ``klt_scale`` here and the last field of ``DecodeScalars``;
-  - an int (e.g. the window size in tokens): a parameter after ``group_size`` here and the last field of
-    ``DecodeInts``;
+    at the same place in ``decode_args.DecodeConstants`` (built in ``hybrid_decode_plan.plan_decode``);
+  - a float (e.g. the soft cap): a name after ``cap2`` in the kernel's unpacking of ``scalars`` and the last field
+    of ``DecodeScalars``;
+  - an int (e.g. the window size in tokens): a name after ``ring`` in the kernel's unpacking of ``ints`` and the last
+    field of ``DecodeInts``;
   - a code path switch (e.g. HAS_SINKS, SOFT_CAP, WINDOW): a field of ``DecodeConstexprs`` (read as ``CFG.NAME``),
     set in ``hybrid_decode_plan.plan_decode``, so formats without it compile exactly as before.
 
@@ -152,46 +157,57 @@ def _hybrid_decode_kernel(
     po_ptr,  # fp32 [B * Hq * splits, D]: split partial outputs (several splits)
     plse_ptr,  # fp32 [B * Hq * splits]: split partial log2-sum-exp
     cnt_ptr,  # int32: arrival counters (FUSED_REDUCE)
-    # ---- strides (elements; page bytes in bytes)
-    stride_qb,
-    stride_qh,
-    stride_bt,
-    page_bytes,
-    stride_rkn,
-    stride_rkh,
-    stride_rkt,
-    stride_rvn,
-    stride_rvh,
-    stride_rvt,
-    stride_ob,
-    stride_oh,
-    # ---- split sizes
-    tokens_per_split,  # the smallest split (a BLOCK_N multiple)
-    n_splits,  # splits per (sequence, KV head)
-    group_size,  # splits per first-level group of the in-launch merge
-    window,  # the sliding window W in tokens (CFG.WINDOW)
-    ring,  # the recent buffer's capacity R: token p sits in row p % R (CFG.WINDOW)
-    # ---- scalars
-    scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
-    qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
-    qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
-    k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
-    k_beta,
-    k_gamma,
-    zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
-    klt_scale,  # klt keys: RoPE's attention scaling
-    cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
+    # ---- ints and floats, one tuple each (Triton flattens them in order; their fields are named below)
+    ints,  # ``DecodeInts``: stride_qb .. ring
+    scalars,  # ``DecodeScalars``: scale_log2 .. cap2
     # ---- the multi-token form's new tokens (last: the one-token kernel's parameters keep their offsets and SASS)
     kn_ptr,  # [B, QN, HKV, D]: the new tokens' exact keys (CFG.NEW; the ring does not hold them yet)
     vn_ptr,  # [B, QN, HKV, D]: their values (same strides)
-    stride_nb,  # their strides: sequence, token, KV head
-    stride_nt,
-    stride_nh,
+    new_strides,  # (stride_nb, stride_nt, stride_nh): their strides (``DecodePlan.new_strides``)
     # ---- compile time
     PAGE: tl.constexpr,  # ``PageSpec`` bundle: field offsets, widths, modes of one page
     CFG: tl.constexpr,  # ``DecodeConstexprs`` bundle: tile shapes and code paths of this plan
     KLT: tl.constexpr,  # ``KltSpec`` bundle (klt keys)
 ):
+    (
+        # ---- strides (elements; page bytes in bytes)
+        stride_qb,
+        stride_qh,
+        stride_bt,
+        page_bytes,
+        stride_rkn,
+        stride_rkh,
+        stride_rkt,
+        stride_rvn,
+        stride_rvh,
+        stride_rvt,
+        stride_ob,
+        stride_oh,
+        # ---- split sizes
+        tokens_per_split,  # the smallest split (a BLOCK_N multiple)
+        n_splits,  # splits per (sequence, KV head)
+        group_size,  # splits per first-level group of the in-launch merge
+        window,  # the sliding window W in tokens (CFG.WINDOW)
+        ring,  # the recent buffer's capacity R: token p sits in row p % R (CFG.WINDOW)
+    ) = ints
+    (
+        # ---- scalars
+        scale_log2,  # softmax scale * log2(e) (the recent buffer's raw-query scores)
+        qt_scale,  # the same / sqrt(D): the fused rotation's scale (Pi = H diag(signs) / sqrt(D))
+        qjl_scale,  # sqrt(pi / 2) / D: the QJL estimator's factor
+        k_alpha,  # affine key codebook c[k] = alpha + beta k + gamma (k >> 1)
+        k_beta,
+        k_gamma,
+        zero_rt,  # 0.0 at run time: keeps ``acc + dot(a, b, 0)`` from being folded into one dot
+        klt_scale,  # klt keys: RoPE's attention scaling
+        cap2,  # soft cap * log2(e) (CFG.SOFT_CAP)
+    ) = scalars
+    (
+        stride_nb,  # the new tokens' strides: sequence, token, KV head
+        stride_nt,
+        stride_nh,
+    ) = new_strides
+
     # One program = one (sequence, KV head, split). Tiles are kept transposed: scores sT [tokens, GP query heads] =
     # codes [tokens, chunk] @ q^T, so packed bytes load as (tokens, bytes) rows and feed the tensor cores as they are.
     pid_bh, split = tl.program_id(0), tl.program_id(1)
@@ -206,6 +222,8 @@ def _hybrid_decode_kernel(
     else:
         gmask = g < CFG.G
         qrow = b * (CFG.HKV * CFG.G) + h * CFG.G + g  # flat query-head rows of this KV head
+    q = (q_ptr, stride_qb, stride_qh)
+    tile = (b, h, g, gmask)  # the program's sequence, KV head, query-tile rows and their mask
     if CFG.FUSE_Q:
         _rotate_query(q_ptr, hs_ptr, qt_ptr, b, h, g, gmask, qrow, stride_qb, stride_qh, qt_scale, PAGE, CFG)
     # the transformed query as tensor-core operands, loaded once; index vectors along the tiles' coordinate axes
@@ -269,34 +287,11 @@ def _hybrid_decode_kernel(
         acc = _unrotate_values(acc, vpi_ptr, vu, PAGE, CFG)
     if KLT.SINK:  # compressed position 0 (split 0 holds it): the calibrated sink, one exact token of every sequence
         if (split == 0) & (clen > 0) & (wlo <= 0):
+            sink_k = (klt_sink_ptr, 0, PAGE.D, 0)  # one token per KV head: [2, HKV, D]
+            sink_v = (klt_sink_ptr + CFG.HKV * PAGE.D, 0, PAGE.D, 0)
+            state = (m_i, l_i, acc, zacc)
             m_i, l_i, acc, zacc = _recent_tokens(
-                q_ptr,
-                klt_sink_ptr,
-                klt_sink_ptr + CFG.HKV * PAGE.D,
-                ridx_ptr,
-                b,
-                h,
-                g,
-                gmask,
-                vu,
-                0,
-                1,
-                stride_qb,
-                stride_qh,
-                0,
-                PAGE.D,
-                0,
-                0,
-                PAGE.D,
-                0,
-                scale_log2,
-                (m_i, l_i, acc, zacc),
-                PAGE,
-                CFG,
-                0,
-                1,
-                wlo,
-                cap2,
+                q, sink_k, sink_v, ridx_ptr, tile, vu, 0, 1, scale_log2, state, PAGE, CFG, 0, 1, wlo, cap2
             )
 
     # ---- recent (uncompressed) tokens [r0, r1) of this split: spread over the splits like the compressed ones
@@ -304,117 +299,41 @@ def _hybrid_decode_kernel(
     r0 = tl.maximum(start - cend, 0)
     r1 = tl.minimum(start + tps - cend, rlen)
     if CFG.NEW:  # the ring's rows [r0, r1), then the new tokens [t0, t1) of this split, each row under its masks
-        qoff = _row_offsets(b, h, g, stride_qb, stride_qh, CFG)
-        xlo = tl.maximum(elo, lo)
+        rows = (q_ptr, _row_offsets(b, h, g, stride_qb, stride_qh, CFG), gmask)  # the query rows: pointer, offsets
+        reads = (tl.maximum(elo, lo), pos)  # row r reads the exact positions [reads[0][r], reads[1][r]]
         if r1 > r0:
             ridx = tl.load(ridx_ptr + b).to(tl.int64)
-            m_i, l_i, acc, zacc = _exact_rows(
-                q_ptr,
-                qoff,
+            ring_rows = (
                 rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
                 rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
-                rk_ptr,
-                r0,
-                r1,
                 stride_rkt,
                 stride_rvt,
-                clen,
-                ring,
-                xlo,
-                pos,
-                gmask,
-                vu,
-                scale_log2,
-                cap2,
-                (m_i, l_i, acc, zacc),
-                PAGE,
-                CFG,
-                True,
+            )
+            state = (m_i, l_i, acc, zacc)
+            m_i, l_i, acc, zacc = _exact_rows(
+                rows, reads, ring_rows, rk_ptr, r0, r1, clen, ring, vu, scale_log2, cap2, state, PAGE, CFG, True
             )
         t0 = tl.maximum(start - cend - rlen, 0)
         t1 = tl.minimum(start + tps - cend - rlen, CFG.QN)
         if t1 > t0:
             nbase = b.to(tl.int64) * stride_nb + h.to(tl.int64) * stride_nh
+            new_rows = (kn_ptr + nbase, vn_ptr + nbase, stride_nt, stride_nt)
+            state = (m_i, l_i, acc, zacc)
             m_i, l_i, acc, zacc = _exact_rows(
-                q_ptr,
-                qoff,
-                kn_ptr + nbase,
-                vn_ptr + nbase,
-                rk_ptr,
-                t0,
-                t1,
-                stride_nt,
-                stride_nt,
-                clen + rlen,
-                ring,
-                xlo,
-                pos,
-                gmask,
-                vu,
-                scale_log2,
-                cap2,
-                (m_i, l_i, acc, zacc),
-                PAGE,
-                CFG,
-                False,
+                rows, reads, new_rows, rk_ptr, t0, t1, clen + rlen, ring, vu, scale_log2, cap2, state, PAGE, CFG, False
             )
     elif r1 > r0:
+        rk = (rk_ptr, stride_rkn, stride_rkh, stride_rkt)
+        rv = (rv_ptr, stride_rvn, stride_rvh, stride_rvt)
+        state = (m_i, l_i, acc, zacc)
         m_i, l_i, acc, zacc = _recent_tokens(
-            q_ptr,
-            rk_ptr,
-            rv_ptr,
-            ridx_ptr,
-            b,
-            h,
-            g,
-            gmask,
-            vu,
-            r0,
-            r1,
-            stride_qb,
-            stride_qh,
-            stride_rkn,
-            stride_rkh,
-            stride_rkt,
-            stride_rvn,
-            stride_rvh,
-            stride_rvt,
-            scale_log2,
-            (m_i, l_i, acc, zacc),
-            PAGE,
-            CFG,
-            clen,
-            ring,
-            wlo,
-            cap2,
+            q, rk, rv, ridx_ptr, tile, vu, r0, r1, scale_log2, state, PAGE, CFG, clen, ring, wlo, cap2
         )
     if CFG.SINKS:  # split 0 adds each query head's sink to its softmax sum (no value: the output is not touched)
         if CFG.NEW:
             l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g % CFG.G, gmask & (split == 0), CFG.SINKS)
         else:
             l_i = add_sink(l_i, m_i, sinks_ptr, h * CFG.G + g, gmask & (split == 0), CFG.SINKS)
-    _write_output(
-        out_ptr,
-        po_ptr,
-        plse_ptr,
-        cnt_ptr,
-        acc,
-        zacc,
-        m_i,
-        l_i,
-        pid_bh,
-        b,
-        h,
-        g,
-        gmask,
-        vu,
-        ng,
-        qrow,
-        split,
-        n_splits,
-        group_size,
-        stride_ob,
-        stride_oh,
-        PAGE,
-        CFG,
-    )
+    outs = (out_ptr, po_ptr, plse_ptr, cnt_ptr)
+    splits = (split, n_splits, group_size)
+    _write_output(outs, (acc, zacc, m_i, l_i), pid_bh, tile, vu, ng, qrow, splits, (stride_ob, stride_oh), PAGE, CFG)

@@ -18,7 +18,7 @@ from ..attention.reference import paged_attention_decode, paged_attention_prefil
 from ..codec.kv import KVCodec
 from ..codec.scores import turboquant_scores_reference
 from ..format import PagedLayout
-from ..paged import PagedKV, append_rows_reference, write_slots
+from ..paged import AppendState, AppendStep, PagedKV, append_rows_reference, write_slots
 from ..validate import StoreLimits, store_fault_code
 from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
@@ -44,35 +44,16 @@ WRITE_CHUNK_ELEMENTS = 1 << 18
 
 
 def append_rows(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
-    lens: torch.Tensor,
-    comp: torch.Tensor,
-    rec: torch.Tensor,
-    overflow: torch.Tensor,
-    row0: int,
-    capacity: int,
-    stage: bool = True,
-    commit: bool = True,
-    block_window: bool = False,
-    backend: str | None = None,
-    guard: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
+    k: torch.Tensor, v: torch.Tensor, state: AppendState, step: AppendStep, backend: str | None = None
 ) -> torch.Tensor | None:
-    """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``);
-    ``guard``: a store fault record (``write``'s ``fault``) that must hold no fault for the commit; ``out``: int64
-    [nb * T] for the slots (a buffer the caller reuses), else they are allocated."""
+    """A ``CompressedKVCache`` append's bookkeeping (page slots, exact ring copy, lengths; ``kernels.append``) of
+    k, v [nb, H, T, D] on the cache's ``state``; ``step``: the rows, what this launch does, a store fault record
+    (``write``'s ``fault``) that must hold no fault for the commit, a reused buffer for the slots."""
     if resolve(k.device, None, backend) == "triton":
         from ..kernels.append import append_rows as kernel
 
-        return kernel(
-            k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
-        )
-    return append_rows_reference(
-        k, v, ring_k, ring_v, lens, comp, rec, overflow, row0, capacity, stage, commit, block_window, guard, out
-    )
+        return kernel(k, v, state, step)
+    return append_rows_reference(k, v, state, step)
 
 
 def report_compiles(hook: Callable[[str, tuple, float], None] | None) -> None:

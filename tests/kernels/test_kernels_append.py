@@ -8,7 +8,7 @@ import torch
 
 from jetson_tq.format import exact_count
 from jetson_tq.kernels.append import append_rows
-from jetson_tq.paged import append_rows_reference
+from jetson_tq.paged import AppendState, AppendStep, append_rows_reference
 from tests.helpers.kernel_cases import DEVICE, fresh_seed
 
 pytestmark = pytest.mark.kernel
@@ -47,8 +47,9 @@ def test_append_kernel_matches_reference(ring, t, row0, nb, stage, commit, block
         _state(b, h, ring, d, lens, torch.Generator().manual_seed(seed), block),
         _state(b, h, ring, d, lens, torch.Generator().manual_seed(seed), block),
     )
-    want_slots = append_rows_reference(k, v, *ref, row0, capacity, stage, commit, block)
-    got_slots = append_rows(k, v, *got, row0, capacity, stage, commit, block)
+    step = AppendStep(row0, capacity, stage, commit)
+    want_slots = append_rows_reference(k, v, AppendState(*ref, block), step)
+    got_slots = append_rows(k, v, AppendState(*got, block), step)
     if stage:
         assert torch.equal(got_slots.cpu(), want_slots.cpu()), f"seed={seed}"
     for name, a, w in zip(("ring_k", "ring_v", "lens", "comp", "rec", "overflow"), got, ref):
@@ -71,11 +72,11 @@ def test_guarded_commit_and_slots_buffer_match_reference(fault):
     code = 3 if fault else FAULT_NONE
     guards = [torch.tensor([code, 0], dtype=torch.int64, device=DEVICE) for _ in range(2)]
     out = torch.full((b * t,), -7, dtype=torch.int64, device=DEVICE)
-    want_slots = append_rows_reference(k, v, *ref, 0, capacity, True, False)
-    got_slots = append_rows(k, v, *got, 0, capacity, True, False, out=out)
+    want_slots = append_rows_reference(k, v, AppendState(*ref), AppendStep(0, capacity, True, False))
+    got_slots = append_rows(k, v, AppendState(*got), AppendStep(0, capacity, True, False, out=out))
     assert got_slots.data_ptr() == out.data_ptr() and torch.equal(out.cpu(), want_slots.cpu()), f"seed={seed}"
-    append_rows_reference(k, v, *ref, 0, capacity, False, True, guard=guards[0])
-    append_rows(k, v, *got, 0, capacity, False, True, guard=guards[1])
+    append_rows_reference(k, v, AppendState(*ref), AppendStep(0, capacity, False, True, guard=guards[0]))
+    append_rows(k, v, AppendState(*got), AppendStep(0, capacity, False, True, guard=guards[1]))
     assert torch.equal(guards[1].cpu(), guards[0].cpu()), f"seed={seed}"
     assert guards[1].tolist() == [code, 1 if fault else 0]
     for name, a, w in zip(("ring_k", "ring_v", "lens", "comp", "rec", "overflow"), got, ref):

@@ -122,7 +122,8 @@ def test_fast_launcher_compiles_once_per_argument_dtypes(monkeypatch):
 
 def test_runtime_key_follows_what_triton_specializes_on():
     """A launch without ``aligned`` compiles again when a tensor's dtype or 16-byte alignment, or an int's class
-    (== 1, % 16, int32 range), changes, and reuses the kernel otherwise (floats and None never matter)."""
+    (== 1, % 16, int32 range; a tuple's fields too), changes, and reuses the kernel otherwise (floats and None never
+    matter)."""
     from jetson_tq.kernels._launch import _runtime_key
 
     x = torch.zeros(64, dtype=torch.float16)
@@ -138,6 +139,9 @@ def test_runtime_key_follows_what_triton_specializes_on():
     ):
         assert _runtime_key(other) != base, other
     assert _runtime_key((torch.nn.Parameter(x.float()), 32)) == _runtime_key((x.float(), 32))  # tensor subclasses
+    packed = _runtime_key((x, (32, 0.5)))  # a tuple argument (the decode kernel's ints): its fields one by one
+    assert _runtime_key((x, (48, 0.25))) == packed
+    assert _runtime_key((x, (1, 0.5))) != packed and _runtime_key((x, (33, 0.5))) != packed
 
 
 def _run_ptx(asm: str, x: int) -> list[int]:

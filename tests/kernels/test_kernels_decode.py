@@ -9,6 +9,8 @@ recent-buffer products, near 5e-3.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -243,6 +245,7 @@ def test_splits_follow_each_sequence_length_not_the_table_width():
 def test_split_count_is_one_full_wave():
     """By default the split count fills every SM with exactly the programs the compiled kernel keeps resident
     (registers, shared memory): one full wave, not one and a bit; and the result still matches the reference."""
+    from jetson_tq.kernels import decode_launch
     from jetson_tq.kernels import hybrid_decode_plan as hd
     from jetson_tq.kernels._launch import resident_programs
 
@@ -254,10 +257,34 @@ def test_split_count_is_one_full_wave():
     got = hybrid_decode(q, kv)
     assert rel_err(got, paged_attention_decode(q, kv)) <= 2e-3, f"seed={seed}"
     plan = list(hd._PLANS.values())[-1][1]
-    compiled = [c for key, (c, _, _) in hd._DECODE._compiled.items() if key[0] == plan.key][0]
+    compiled = [c for key, (c, _, _) in decode_launch._DECODE._compiled.items() if key[0] == plan.key][0]
     slots = (
         resident_programs(compiled, plan.tuning.num_warps, q.device)
         * torch.cuda.get_device_properties(0).multi_processor_count
     )
     rows = bsz * hkv
     assert rows * plan.splits <= slots < rows * (plan.splits + 1), f"{plan.splits} splits x {rows} rows, {slots} slots"
+
+
+def test_a_cache_keeps_its_own_decode_plans():
+    """A ``CompressedKVCache``'s decode plans are filed in its own store (its views' ``PagedKV.plans``), not the
+    module-level one, so they go with the cache; a bare view's go to the module-level store."""
+    from jetson_tq import CompressedKVCache, ops
+    from jetson_tq.kernels import hybrid_decode_plan as hd
+
+    seed = fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    cache = CompressedKVCache(fmt_for("mse_k4v3", 64), 2, 64, batch_size=2, device=DEVICE)
+    k, v = (torch.randn(2, 2, 20, 64, generator=gen).half().to(DEVICE) for _ in range(2))
+    cache.append(k, v)
+    q = torch.randn(2, 4, 64, generator=gen).half().to(DEVICE)
+    view = cache.paged()
+
+    def shared() -> int:  # module-level plans made for this cache's codec
+        return sum(codec is cache.codec for codec, _ in hd._PLANS.values())
+
+    got = ops.decode(q, view, backend="triton")
+    assert rel_err(got, paged_attention_decode(q, view)) <= TOL[torch.float16], f"seed={seed}"
+    assert view.plans is not None and len(view.plans) == 1 and shared() == 0
+    ops.decode(q, dataclasses.replace(view, plans=None), backend="triton")
+    assert len(view.plans) == 1 and shared() == 1
