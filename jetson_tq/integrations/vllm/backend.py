@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
@@ -443,6 +443,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         self.undo_k: torch.Tensor | None = None  # [rows + 1, H, undo_tokens, D]: ring columns a short step overwrote
         self.undo_v: torch.Tensor | None = None
         self._checked_pages = False
+        self._block_basis: int | None = None  # vLLM's block size ``configure`` planned this layer's page for
         # reproducible mode: every query row (decode or prompt) runs the prefill kernel with position-aligned tiles
         self.reproducible = reproducible()
 
@@ -455,8 +456,10 @@ class TurboQuantAttentionImpl(AttentionImpl):
         return layer_format(active_config(), index, num_layers, self.head_size), index
 
     def configure(self, layer_name: str, vllm_config: VllmConfig) -> None:
-        """Give this layer its format and page (block size, padding: ``hooks.model_plan``); idempotent."""
-        if self.layer_name == layer_name and self.layout is not None:
+        """Give this layer its format and page (block size, padding: ``hooks.model_plan``); idempotent for one vLLM
+        block size (vLLM sets it after loading the model: a speculative-decoding head may ask for specs before)."""
+        basis = vllm_config.cache_config.block_size
+        if self.layer_name == layer_name and self.layout is not None and self._block_basis == basis:
             return
         fmt, index = self.pick_format(layer_name, vllm_config)
         device = torch.device(cast("torch.device | str", vllm_config.device_config.device))
@@ -470,7 +473,7 @@ class TurboQuantAttentionImpl(AttentionImpl):
         dtype = cast(torch.dtype, vllm_config.model_config.dtype)  # a torch.dtype once vLLM resolved the config
         self.set_format(fmt, index, block_size, dtype, page_stride)
         self.set_undo_tokens(spec_query_tokens(vllm_config))
-        self.layer_name = layer_name
+        self.layer_name, self._block_basis = layer_name, basis
 
     def set_format(
         self, fmt: KVFormat, index: int, block_size: int, model_dtype: torch.dtype, page_stride: int = 0
@@ -597,6 +600,23 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 block_window=fmt.block_window,
             )
 
+        def verify_meta(t: int, rows: int, ctx: int) -> TurboQuantMetadata:
+            """``rows`` verification rows of ``t`` tokens over ``ctx`` history tokens, as the builder routes a step of
+            them to the decode path (``decode_arrays``: device lengths, ring and token columns)."""
+            md = meta([t] * rows, [ctx] * rows, rows)
+            dec = decode_arrays(
+                np.diff(md.query_start_loc), md.seq_lens, md.ring_rows, fmt.buffer_tokens, md.block_window, t
+            )
+            ints = [torch.as_tensor(a, device=dev) for a in (dec.ring_rows, dec.compressed, dec.recent, dec.token_cols)]
+            return replace(
+                md,
+                dec_ring_rows=ints[0].to(torch.int64),
+                dec_compressed_lens=ints[1].to(torch.int32),
+                dec_recent_lens=ints[2].to(torch.int32),
+                dec_query_tokens=dec.tokens,
+                dec_token_cols=ints[3].to(torch.int64).view(rows, t),
+            )
+
         def step(md: TurboQuantMetadata) -> None:
             n = md.num_actual_tokens
             q = torch.zeros(n, self.num_heads, self.head_size, dtype=dtype, device=dev)
@@ -609,9 +629,12 @@ class TurboQuantAttentionImpl(AttentionImpl):
                 step(meta([n], [ctx], 0))
         for rows in range(1, max(1, max_rows) + 1):
             step(meta([1] * rows, [hist + 1] * rows, rows))
+        as_decode = fmt.key_mode != "klt" and not self.reproducible  # the builder's rule (``_spec_as_decode``)
         for t in range(2, self.undo_tokens + 1):  # speculative verification rows: one launch per length, any count
             for rows in range(1, max(1, max_rows) + 1):
-                step(meta([t] * rows, [hist + 1] * rows, 0))
+                step(meta([t] * rows, [hist + 1] * rows, 0))  # a row among prefill chunks: the prefill kernel
+                if as_decode:  # a step of uniform verification rows: the multi-token decode kernel
+                    step(verify_meta(t, rows, hist + 1))
 
     # ---------------------------------------------------------------- write path
     def do_kv_cache_update(

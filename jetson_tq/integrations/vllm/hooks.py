@@ -202,7 +202,8 @@ def layer_decisions(vllm_config) -> dict[str, str | None]:
     return out
 
 
-PLAN_ATTR = "_jetson_tq_plan"  # on each compressed layer: (block size, page bytes per KV head or 0)
+#: on each compressed layer: (vLLM's block size it was planned for, (block size, page bytes per KV head or 0))
+PLAN_ATTR = "_jetson_tq_plan"
 ANNOUNCED_ATTR = "_jetson_tq_announced"  # on each attention layer once its model's decisions were logged
 #: the decisions of the last model this process built (layer name -> None or why stock), for tests and reports
 LAST_DECISIONS: dict[str, str | None] = {}
@@ -245,17 +246,20 @@ def model_plan(vllm_config) -> dict[str, tuple[int, int]]:
     stock layers of another kind (sliding window, Mamba, ...) put the model in vLLM's hybrid KV-cache groups,
     which share one page size: then ``spec.hybrid_page`` (a whole multiple of the largest stock page)."""
     ours = our_layers(vllm_config)
-    if ours and all(hasattr(layer, PLAN_ATTR) for layer in ours.values()):  # planned (kept on this model's layers)
-        return {name: getattr(layer, PLAN_ATTR) for name, layer in ours.items()}
+    bs = vllm_config.cache_config.block_size
+    # planned for this block size (kept on the model's layers); vLLM sets the block size after loading the model,
+    # and a plan made before (the start-up log, while a speculative-decoding head loads) would give our layers
+    # another block size than stock layers get, which no page-size unification can join
+    if ours and all(getattr(layer, PLAN_ATTR, (None,))[0] == bs for layer in ours.values()):
+        return {name: getattr(layer, PLAN_ATTR)[1] for name, layer in ours.items()}
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     ctx = vllm_config.compilation_config.static_forward_context
-    bs = vllm_config.cache_config.block_size
     plan = {name: (bs, 0) for name in ours}
     if ours and not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager:
         plan.update(_hybrid_plan(vllm_config, ctx, ours, bs, FullAttentionSpec))
     for name, layer in ours.items():
-        setattr(layer, PLAN_ATTR, plan[name])
+        setattr(layer, PLAN_ATTR, (bs, plan[name]))
     return plan
 
 

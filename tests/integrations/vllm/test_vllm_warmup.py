@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("vllm")
 
 from jetson_tq.config import load_config
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata, decode_arrays
 from jetson_tq.integrations.vllm.settings import preferred_block_size
 from jetson_tq.kernels import hybrid_decode_plan, specializations
 
@@ -66,6 +66,39 @@ class Layer:
             dec_ring_cols=empty64,
             dec_compressed_lens=empty32,
             dec_recent_lens=empty32,
+        )
+        q = torch.zeros(n, self.hq, self.d, dtype=self.dtype)
+        kv = torch.zeros(n, self.hkv, self.d, dtype=self.dtype)
+        self.impl.do_kv_cache_update(None, kv, kv, self.pages, md.slot_mapping)
+        self.impl.forward(None, q, kv, kv, self.pages, md, torch.empty_like(q))
+
+    def verify_step(self, t: int, ctx_lens: list[int]) -> None:
+        """One step of uniform speculative verification rows (``t`` tokens each over ``ctx_lens`` history tokens) as
+        the builder routes it: the decode path, its device buffers from ``decode_arrays``."""
+        rows, ctx = len(ctx_lens), np.asarray(ctx_lens, dtype=np.int64)
+        q_arr = np.full(rows, t, dtype=np.int64)
+        ring_rows = np.arange(rows, dtype=np.int64)
+        dec = decode_arrays(q_arr, ctx + t, ring_rows, self.fmt.buffer_tokens, self.fmt.block_window, t)
+        assert (dec.rows, dec.tokens) == (rows, t)
+        n = rows * t
+        md = TurboQuantMetadata(
+            num_actual_tokens=n,
+            num_reqs=rows,
+            num_decodes=rows,
+            recent_tokens=self.fmt.buffer_tokens,
+            block_window=self.fmt.block_window,
+            query_start_loc=np.concatenate([[0], np.cumsum(q_arr)]),
+            seq_lens=ctx + t,
+            context_lens=ctx,
+            ring_rows=ring_rows,
+            block_table=torch.zeros(MAX_NUM_SEQS, self.width, dtype=torch.int32)[:rows],
+            slot_mapping=torch.arange(n, dtype=torch.int64) % self.bs,
+            dec_ring_rows=torch.as_tensor(dec.ring_rows, dtype=torch.int64),
+            dec_ring_cols=torch.zeros(rows, dtype=torch.int64),
+            dec_compressed_lens=torch.as_tensor(dec.compressed, dtype=torch.int32),
+            dec_recent_lens=torch.as_tensor(dec.recent, dtype=torch.int32),
+            dec_query_tokens=t,
+            dec_token_cols=torch.as_tensor(dec.token_cols, dtype=torch.int64),
         )
         q = torch.zeros(n, self.hq, self.d, dtype=self.dtype)
         kv = torch.zeros(n, self.hkv, self.d, dtype=self.dtype)
@@ -148,3 +181,25 @@ def test_block_table_width_reads_the_runner_table_of_the_layer_block_size():
     runner = NS(input_batch=NS(block_table=NS(block_tables=tables)), model_config=NS(max_model_len=16000))
     assert block_table_width(runner, 256) == 64 and block_table_width(runner, 16) == 1024
     assert block_table_width(NS(model_config=NS(max_model_len=16000)), 256) == 63  # no runner table: cdiv
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(28, 4, 128), (9, 3, 64)], ids=["qwen7b-d128", "smollm2-d64"])
+def test_warm_up_compiles_the_verification_rows_of_speculative_decoding(hq, hkv, d):
+    """With speculation (3 draft tokens: rows of up to 4 tokens), steps of uniform verification rows take the
+    multi-token decode kernel; the warm-up compiles every specialization they launch at each batch size."""
+    layer = Layer("mse_k4v3", hq, hkv, d)
+    layer.impl.set_undo_tokens(4)
+    layer.impl.allocate_recent(MAX_NUM_SEQS, torch.device("cpu"), layer.dtype)
+    with specializations.record(launch=False) as warm:
+        layer.impl.warm_up(layer.pages, max_rows=MAX_NUM_SEQS, table_width=layer.width, max_len=MAX_MODEL_LEN)
+    with specializations.record(launch=False) as request:
+        for t in (2, 3, 4):
+            for rows in CAPTURE_SIZES + [3, 5, 13]:
+                layer.verify_step(t, [PROMPT + 7 * i for i in range(rows)])
+    kernels = {k.kernel for k in request.keys}
+    assert any("decode" in k for k in kernels), f"verification steps launched no decode kernel: {kernels}"
+    missing = request.missing_from(warm.keys)
+    assert not missing, (
+        f"{len(missing)} of {len(request.keys)} verification-step specializations are not compiled by the warm-up:\n"
+        + specializations.describe_missing(missing, warm.keys)
+    )
