@@ -11,6 +11,7 @@ differs from the warm-up's nearest key. The decode split count sees the H200's 1
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -44,13 +45,13 @@ class Layer:
         self.pages = torch.zeros(4, hkv, self.impl.layout.page_bytes, dtype=torch.uint8)
         self.hq, self.hkv, self.d, self.dtype = hq, hkv, d, dtype
 
-    def step(self, q_lens: list[int], ctx_lens: list[int]) -> None:
-        """One engine step: rows with one new token first (decodes), then prefill chunks."""
+    def metadata(self, q_lens: list[int], ctx_lens: list[int]) -> TurboQuantMetadata:
+        """One engine step's metadata: rows with one new token first (decodes), then prefill chunks."""
         q_arr, ctx = np.asarray(q_lens, dtype=np.int64), np.asarray(ctx_lens, dtype=np.int64)
         nd = int(np.argmin(q_arr <= 1)) if not (q_arr <= 1).all() else len(q_arr)
         n = int(q_arr.sum())
         empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
-        md = TurboQuantMetadata(
+        return TurboQuantMetadata(
             num_actual_tokens=n,
             num_reqs=len(q_arr),
             num_decodes=nd,
@@ -67,6 +68,13 @@ class Layer:
             dec_compressed_lens=empty32,
             dec_recent_lens=empty32,
         )
+
+    def step(self, q_lens: list[int], ctx_lens: list[int]) -> None:
+        """One engine step: write the step's tokens (zeros) and attend, as vLLM calls the layer."""
+        self.run(self.metadata(q_lens, ctx_lens))
+
+    def run(self, md: TurboQuantMetadata) -> None:
+        n = md.num_actual_tokens
         q = torch.zeros(n, self.hq, self.d, dtype=self.dtype)
         kv = torch.zeros(n, self.hkv, self.d, dtype=self.dtype)
         self.impl.do_kv_cache_update(None, kv, kv, self.pages, md.slot_mapping)
@@ -75,35 +83,24 @@ class Layer:
     def verify_step(self, t: int, ctx_lens: list[int]) -> None:
         """One step of uniform speculative verification rows (``t`` tokens each over ``ctx_lens`` history tokens) as
         the builder routes it: the decode path, its device buffers from ``decode_arrays``."""
-        rows, ctx = len(ctx_lens), np.asarray(ctx_lens, dtype=np.int64)
-        q_arr = np.full(rows, t, dtype=np.int64)
-        ring_rows = np.arange(rows, dtype=np.int64)
-        dec = decode_arrays(q_arr, ctx + t, ring_rows, self.fmt.buffer_tokens, self.fmt.block_window, t)
-        assert (dec.rows, dec.tokens) == (rows, t)
-        n = rows * t
-        md = TurboQuantMetadata(
-            num_actual_tokens=n,
-            num_reqs=rows,
-            num_decodes=rows,
-            recent_tokens=self.fmt.buffer_tokens,
-            block_window=self.fmt.block_window,
-            query_start_loc=np.concatenate([[0], np.cumsum(q_arr)]),
-            seq_lens=ctx + t,
-            context_lens=ctx,
-            ring_rows=ring_rows,
-            block_table=torch.zeros(MAX_NUM_SEQS, self.width, dtype=torch.int32)[:rows],
-            slot_mapping=torch.arange(n, dtype=torch.int64) % self.bs,
-            dec_ring_rows=torch.as_tensor(dec.ring_rows, dtype=torch.int64),
-            dec_ring_cols=torch.zeros(rows, dtype=torch.int64),
-            dec_compressed_lens=torch.as_tensor(dec.compressed, dtype=torch.int32),
-            dec_recent_lens=torch.as_tensor(dec.recent, dtype=torch.int32),
-            dec_query_tokens=t,
-            dec_token_cols=torch.as_tensor(dec.token_cols, dtype=torch.int64),
+        rows = len(ctx_lens)
+        md = self.metadata([t] * rows, ctx_lens)
+        dec = decode_arrays(
+            np.diff(md.query_start_loc), md.seq_lens, md.ring_rows, md.recent_tokens, md.block_window, t
         )
-        q = torch.zeros(n, self.hq, self.d, dtype=self.dtype)
-        kv = torch.zeros(n, self.hkv, self.d, dtype=self.dtype)
-        self.impl.do_kv_cache_update(None, kv, kv, self.pages, md.slot_mapping)
-        self.impl.forward(None, q, kv, kv, self.pages, md, torch.empty_like(q))
+        assert (dec.rows, dec.tokens) == (rows, t)
+        self.run(
+            replace(
+                md,
+                num_decodes=rows,
+                dec_ring_rows=torch.as_tensor(dec.ring_rows, dtype=torch.int64),
+                dec_ring_cols=torch.zeros(rows, dtype=torch.int64),
+                dec_compressed_lens=torch.as_tensor(dec.compressed, dtype=torch.int32),
+                dec_recent_lens=torch.as_tensor(dec.recent, dtype=torch.int32),
+                dec_query_tokens=t,
+                dec_token_cols=torch.as_tensor(dec.token_cols, dtype=torch.int64),
+            )
+        )
 
 
 def first_requests(layer: Layer, budget: int) -> None:
