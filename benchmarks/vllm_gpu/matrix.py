@@ -252,7 +252,7 @@ def engine_record(name: str, m: dict, model: str, args, engine: str, lock: Path)
     """Build one engine (``ENGINES``), measure it, shut it down; the record (or the error) of it."""
     import job  # the driver's workload and CUDA-graph counters (benchmarks/vllm_gpu/job.py)
 
-    from jetson_tq.integrations.vllm.hooks import LAST_CAPACITY, LAST_DECISIONS
+    from jetson_tq.integrations.vllm.report import LAST_CAPACITY, LAST_DECISIONS
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     job.SPEC.update(name=name, vocab=cfg["vocab_size"])

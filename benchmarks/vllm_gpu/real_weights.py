@@ -93,7 +93,7 @@ def run_engine(args, config: str | None, wins: list[list[int]], held: list[list[
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from jetson_tq.integrations.vllm.hooks import LAST_CAPACITY, LAST_DECISIONS
+    from jetson_tq.integrations.vllm.report import LAST_CAPACITY, LAST_DECISIONS
 
     set_switch(config)
     LAST_DECISIONS.clear()

@@ -85,7 +85,7 @@ def run_engine(name: str, model: str, args, config: str | None, spec: dict | Non
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from jetson_tq.integrations.vllm.hooks import LAST_DECISIONS
+    from jetson_tq.integrations.vllm.report import LAST_DECISIONS
 
     matrix.set_switch(config)
     LAST_DECISIONS.clear()

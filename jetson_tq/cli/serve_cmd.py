@@ -28,7 +28,7 @@ from ..errors import ConfigError, MissingComponentError
 from ..models.smollm2 import ModelNotAvailableError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-#: the plugin's capacity line (integrations/vllm/hooks.log_capacity) and vLLM's own, for a stock-only model
+#: the plugin's capacity line (integrations/vllm/report.log_capacity) and vLLM's own, for a stock-only model
 PLUGIN_CAPACITY = re.compile(r"jetson-tq: KV cache of .*?: ([\d,]+ tokens \([\d.]+ requests of \d+ tokens at once\))")
 VLLM_CAPACITY = re.compile(r"KV cache size: ([\d,]+ tokens)")
 LAYERS = re.compile(r"jetson-tq: (compressed \d+ of \d+ attention layers)")

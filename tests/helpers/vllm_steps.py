@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.vllm.backend import TurboQuantMetadata, decode_arrays
+from jetson_tq.integrations.vllm.metadata import TurboQuantMetadata, decode_arrays
 
 
 def step_layout(

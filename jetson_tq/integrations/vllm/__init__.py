@@ -11,7 +11,12 @@ every process (front end, engine core, workers). Modules, in the order data flow
   ``PagedLayout.page_bytes``.
 - ``recent``: the fp16 recent-token ring buffers: per-request slot allocation and pool sizing.
 - (``jetson_tq.ops``: write / attend, Triton or reference — the package's one backend choice.)
-- ``backend``: the vLLM attention backend (backend class, metadata builder, impl).
-- ``hooks``: the few wraps of vLLM methods (per-layer backend, spec, memory budget, runner, prefix caching).
+- ``metadata``, ``builder``: a step's attention metadata and the builder vLLM runs on the host to fill it.
+- ``impl`` (with its read routes, ``attend``): one compressed layer: format, pools, write, attend.
+- ``backend``: the vLLM attention backend class (static facts; names the builder and the impl).
+- ``warmup``: kernel compiles at engine start instead of in the first request.
+- ``hooks``: the table of every wrapped vLLM method and why, and its installer; what the wraps do lives in
+  ``runtime`` (runner, ring rows, our layers), ``decide`` (per-layer backend), ``plan`` (pages), ``report`` (logs,
+  decisions, capacity), ``memory`` (KV budget) and ``engine_config`` (prefix caching, async scheduling).
 - ``plugin``: ``register()``; ``compare``: ``python -m jetson_tq vllm``.
 """

@@ -51,7 +51,6 @@ def pin_v1_model_runner() -> bool:
 #: for its model while the switch still holds that value; a switch set to anything else since (an explicit preset for
 #: a child process, say) is what the user asks for then, not ``auto``.
 ENV_AUTO = env.AUTO_REQUESTED
-_AUTO_MARK = "_jetson_tq_auto"
 
 
 def auto_requested() -> bool:
@@ -70,25 +69,19 @@ def resolve_auto_for_engine(model: str, load_format: str) -> str:
     return resolved
 
 
-def _install_auto() -> None:
-    """Wrap ``EngineArgs.create_engine_config`` (once) to resolve ``auto`` before vLLM reads the config. Why there:
-    it runs in the process that starts vLLM's engine, before any worker exists, with the model's path and load
-    format; a worker could reach the loaded weights only in vLLM's own fused layout (no transformers forward to
-    capture attention from), so the calibration reads the checkpoint files through transformers instead."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    original = EngineArgs.__dict__["create_engine_config"]
-    if getattr(original, _AUTO_MARK, False):
-        return
+def auto_wrap(original):
+    """The wrap of ``EngineArgs.create_engine_config`` that resolves ``auto`` before vLLM reads the config (installed
+    once, outermost, by ``hooks.install``). Why there: it runs in the process that starts vLLM's engine, before any
+    worker exists, with the model's path and load format; a worker could reach the loaded weights only in vLLM's own
+    fused layout (no transformers forward to capture attention from), so the calibration reads the checkpoint files
+    through transformers instead."""
 
     def create_engine_config(self, *args, **kwargs):
         if auto_requested():
             resolve_auto_for_engine(str(self.model), str(self.load_format))
         return original(self, *args, **kwargs)
 
-    setattr(create_engine_config, _AUTO_MARK, True)
-    create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
-    setattr(EngineArgs, "create_engine_config", create_engine_config)  # noqa: B010  (a method wrap)
+    return create_engine_config
 
 
 def register() -> None:
@@ -114,9 +107,7 @@ def register() -> None:
     name = registered_name()
     if name == "CUSTOM":  # vLLM resolves a layer's backend by name; CPU_ATTN stays the stock CPU backend
         register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
-    hooks.install(TurboQuantAttentionBackend)
-    if auto_requested():
-        _install_auto()  # outermost: resolves before the hooks' wrap reads the config
+    hooks.install(TurboQuantAttentionBackend, auto_wrap if auto_requested() else None)
     settings.logger().info(
         "jetson-tq: TurboQuant KV cache '%s' on vLLM %s (backend %s, kernels %s)",
         cfg.name,

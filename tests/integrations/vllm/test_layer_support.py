@@ -17,7 +17,7 @@ import pytest
 from jetson_tq.config import load_config
 from jetson_tq.errors import UnsupportedModelError
 from jetson_tq.format import FP16_FORMAT, KVFormat, PagedLayout
-from jetson_tq.integrations.vllm import hooks, settings
+from jetson_tq.integrations.vllm import decide, report, runtime, settings
 from jetson_tq.integrations.vllm.spec import (
     EXACT_FORMAT_REASON,
     LayerFacts,
@@ -61,10 +61,10 @@ def test_a_draft_model_is_recognised_by_vllms_model_tag():
     pytest.importorskip("vllm")
     from vllm.compilation.backends import set_model_tag
 
-    assert not hooks._building_draft_model()
-    for tag in hooks.DRAFT_MODEL_TAGS:
+    assert not decide._building_draft_model()
+    for tag in decide.DRAFT_MODEL_TAGS:
         with set_model_tag(tag):
-            assert hooks._building_draft_model(), tag
+            assert decide._building_draft_model(), tag
 
 
 def test_vision_tower_encoder_attention_is_found_and_never_ours():
@@ -78,8 +78,8 @@ def test_vision_tower_encoder_attention_is_found_and_never_ours():
     with set_current_vllm_config(VllmConfig()):
         tower = torch.nn.ModuleList([MMEncoderAttention(2, 32, 32**-0.5) for _ in range(2)])
     model = torch.nn.ModuleDict({"visual": tower, "lm_head": torch.nn.Linear(4, 4)})
-    assert hooks.encoder_attention_modules(model) == ["visual.0", "visual.1"]
-    assert not any(hooks.is_ours(getattr(m, "impl", None)) for m in tower)
+    assert report.encoder_attention_modules(model) == ["visual.0", "visual.1"]
+    assert not any(runtime.is_ours(getattr(m, "impl", None)) for m in tower)
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_each_layer_is_decided_from_its_format_under_the_config(monkeypatch, con
     why = {}
     for i in range(6):
         facts = LayerFacts(name=f"model.layers.{i}.self_attn.attn", head_size=64, num_heads=4, num_kv_heads=2)
-        why[i] = stock_reason(facts, 4096, hooks.planned_format(facts, model_config))
+        why[i] = stock_reason(facts, 4096, decide.planned_format(facts, model_config))
     assert {i for i, w in why.items() if w is not None} == stock_layers, why
     assert all(w == EXACT_FORMAT_REASON for w in why.values() if w is not None), why
     assert settings.compresses(load_config(path)) is (stock_layers != set(range(6)))

@@ -17,13 +17,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-import jetson_tq.integrations.vllm.backend as backend_mod
+import jetson_tq.integrations.vllm.impl as impl_mod
 from jetson_tq import attention_decode, attention_prefill
 from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.rotation import derive_seed
 from jetson_tq.errors import UnsupportedModelError
 from jetson_tq.format import FP16_FORMAT, KVFormat
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
+from jetson_tq.integrations.vllm.impl import TurboQuantAttentionImpl
+from jetson_tq.integrations.vllm.metadata import TurboQuantMetadata, device_ints
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots
 from jetson_tq.paged import allocate_pages
 from tests.helpers.vllm_steps import host_metadata, step_layout
@@ -63,7 +64,7 @@ def _run(
         import vllm.forward_context
 
         impl.layer_name = f"model.layers.{LAYER}.self_attn.attn"
-        monkeypatch.setattr(backend_mod, "layer_key_transform", lambda index: key_transform)
+        monkeypatch.setattr(impl_mod, "layer_key_transform", lambda index: key_transform)
         context = type("Context", (), {"attn_metadata": step_md})()
         monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     impl.reproducible = reproducible  # decode rows as one-token prefill chunks (the reproducible mode's route)
@@ -242,7 +243,7 @@ def test_impl_refuses_unsupported_attention(kwargs, word):
 def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
     """The engine-start warm-up (so Triton compiles before the first request) writes vLLM's null block 0 and the
     scratch ring row, nothing a request owns; the layer's real path runs, so a broken path fails here."""
-    from jetson_tq.integrations.vllm.hooks import bound_cache
+    from jetson_tq.integrations.vllm.warmup import bound_cache, warm_up
 
     fmt = KVFormat()
     impl = TurboQuantAttentionImpl(HQ, D, 1.0 / math.sqrt(D), HKV)
@@ -253,7 +254,7 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
         pages.random_(0, 0x7C, generator=torch.Generator().manual_seed(0))
     before, ring_before = pages.clone(), impl.recent_k.clone()
     calls = []
-    ops = backend_mod.ops
+    ops = impl_mod.ops
     prefill, decode = ops.prefill, ops.decode
 
     def logged_prefill(q, k, v, kv, scale, **kw):
@@ -267,7 +268,7 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ops, "prefill", logged_prefill)
         mp.setattr(ops, "decode", logged_decode)
-        impl.warm_up(pages, max_rows=5, table_width=32, budget=64)
+        warm_up(impl, pages, max_rows=5, table_width=32, budget=64)
     assert ("prefill", 0) in calls and any(k == "prefill" and n > 0 for k, n in calls), "with and without history"
     assert {n for k, n in calls if k == "decode"} == {1, 2, 3, 4, 5}, "every decode row count up to max_rows"
     assert not torch.equal(pages[0], before[0]), "the warm-up must run the write path (block 0)"
@@ -304,11 +305,11 @@ def test_device_ints_once_per_step_and_aligned():
     )
     dev = torch.device("cpu")
     a, b = [5, 6, 7], [1, 2, 3]
-    vec = backend_mod._device_ints(md, "v", dev, (a, torch.int64), (b, torch.int32), (a, torch.int64))
+    vec = device_ints(md, "v", dev, (a, torch.int64), (b, torch.int32), (a, torch.int64))
     assert [x.tolist() for x in vec] == [a, b, a] and [x.dtype for x in vec] == [torch.int64, torch.int32, torch.int64]
     assert all(x.data_ptr() % 16 == 0 for x in vec)
-    assert backend_mod._device_ints(md, "v", dev) is vec  # the step's later layers reuse the copies
-    rows = backend_mod._device_ints(md, "r", dev, (b, torch.int32), (a, torch.int64), per_row=True)
+    assert device_ints(md, "v", dev) is vec  # the step's later layers reuse the copies
+    rows = device_ints(md, "r", dev, (b, torch.int32), (a, torch.int64), per_row=True)
     for x, want in zip(rows, (b, a)):
         for j, w in enumerate(want):
             assert x[j, :1].tolist() == [w] and x[j, :1].data_ptr() % 16 == 0

@@ -81,7 +81,7 @@ def test_prefix_caching_stays_on_only_for_block_windows_that_divide_the_block(mo
 
     from jetson_tq.config import DEFAULT_PRESET, load_config
     from jetson_tq.integrations.vllm.backend import TurboQuantAttentionBackend
-    from jetson_tq.integrations.vllm.hooks import prefix_caching_blocker
+    from jetson_tq.integrations.vllm.engine_config import prefix_caching_blocker
 
     cache = lambda size, user: SimpleNamespace(block_size=size, user_specified_block_size=user)  # noqa: E731
     default = load_config(DEFAULT_PRESET)

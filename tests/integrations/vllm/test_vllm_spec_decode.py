@@ -23,8 +23,10 @@ from jetson_tq.cache.compressed import CompressedKVCache
 from jetson_tq.codec.rotation import derive_seed
 from jetson_tq.errors import ConfigError
 from jetson_tq.format import KVFormat
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, decode_arrays, decode_rows
+from jetson_tq.integrations.vllm.impl import TurboQuantAttentionImpl
+from jetson_tq.integrations.vllm.metadata import decode_arrays, decode_rows
 from jetson_tq.integrations.vllm.recent import RecentBufferLost, RecentSlots, Rewind
+from jetson_tq.integrations.vllm.warmup import warm_up
 from tests.helpers.vllm_steps import host_metadata, step_layout
 
 HQ, HKV, D, BS, LAYER = 4, 2, 32, 16, 3
@@ -245,6 +247,6 @@ def test_warm_up_covers_verification_rows_on_the_null_block_and_scratch_row(monk
         return forward_rows(query, key, value, kv_cache, md, output, sel, t)
 
     monkeypatch.setattr(impl, "_forward_rows", spy)
-    impl.warm_up(pages, max_rows=3, max_len=96, budget=32)
+    warm_up(impl, pages, max_rows=3, max_len=96, budget=32)
     assert sorted(launched) == sorted((rows, t) for t in range(2, SPEC_TOKENS + 1) for rows in range(1, 4))
     assert not pages[1:].any() and not impl.recent_k[:3].any() and not impl.undo_k[:3].any()

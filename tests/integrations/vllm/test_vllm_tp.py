@@ -44,8 +44,9 @@ from test_vllm_scheduling import engine_seed, same_up_to_near_ties
 
 from jetson_tq.config import DEFAULT_PRESET, load_config
 from jetson_tq.errors import ConfigError
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata
 from jetson_tq.integrations.vllm.cpu_binding import split_cores, tp_cpu_env
+from jetson_tq.integrations.vllm.impl import TurboQuantAttentionImpl
+from jetson_tq.integrations.vllm.metadata import TurboQuantMetadata
 from jetson_tq.integrations.vllm.recent import pool_bytes
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
 from lab.vllm_compare import run_engine_subprocess

@@ -20,8 +20,10 @@ import torch
 pytest.importorskip("vllm")
 
 from jetson_tq.config import load_config
-from jetson_tq.integrations.vllm.backend import TurboQuantAttentionImpl, TurboQuantMetadata, decode_arrays
+from jetson_tq.integrations.vllm.impl import TurboQuantAttentionImpl
+from jetson_tq.integrations.vllm.metadata import TurboQuantMetadata, decode_arrays
 from jetson_tq.integrations.vllm.settings import preferred_block_size
+from jetson_tq.integrations.vllm.warmup import block_table_width, warm_up
 from jetson_tq.kernels import hybrid_decode_plan, specializations
 
 pytestmark = pytest.mark.kernel
@@ -135,11 +137,11 @@ def _klt_layer_transforms(monkeypatch, preset: str, hkv: int, d: int) -> None:
         return
     import vllm.forward_context
 
-    from jetson_tq.integrations.vllm import backend as backend_mod
+    from jetson_tq.integrations.vllm import impl as impl_mod
     from tests.helpers.klt_cases import uneven_transform
 
     transform = uneven_transform(hkv, d, fmt.key_code_bits(d), d, 1.0, torch.Generator().manual_seed(0))
-    monkeypatch.setattr(backend_mod, "layer_key_transform", lambda index: transform)
+    monkeypatch.setattr(impl_mod, "layer_key_transform", lambda index: transform)
     context = type("Context", (), {"attn_metadata": None})()
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
 
@@ -152,8 +154,13 @@ def test_warm_up_compiles_every_specialization_a_first_request_launches(preset, 
     problems = []
     for budget in BUDGETS:  # one engine per max_num_batched_tokens: its own warm-up
         with specializations.record(launch=False) as warm:
-            layer.impl.warm_up(
-                layer.pages, max_rows=MAX_NUM_SEQS, table_width=layer.width, max_len=MAX_MODEL_LEN, budget=budget
+            warm_up(
+                layer.impl,
+                layer.pages,
+                max_rows=MAX_NUM_SEQS,
+                table_width=layer.width,
+                max_len=MAX_MODEL_LEN,
+                budget=budget,
             )
         with specializations.record(launch=False) as request:
             first_requests(layer, budget)
@@ -172,8 +179,6 @@ def test_block_table_width_reads_the_runner_table_of_the_layer_block_size():
     """The warm-up's block tables are as wide as the runner's (their row stride is a kernel argument)."""
     from types import SimpleNamespace as NS
 
-    from jetson_tq.integrations.vllm.hooks import block_table_width
-
     tables = [NS(block_size=16, max_num_blocks_per_req=1024), NS(block_size=256, max_num_blocks_per_req=64)]
     runner = NS(input_batch=NS(block_table=NS(block_tables=tables)), model_config=NS(max_model_len=16000))
     assert block_table_width(runner, 256) == 64 and block_table_width(runner, 16) == 1024
@@ -188,7 +193,7 @@ def test_warm_up_compiles_the_verification_rows_of_speculative_decoding(hq, hkv,
     layer.impl.set_undo_tokens(4)
     layer.impl.allocate_recent(MAX_NUM_SEQS, torch.device("cpu"), layer.dtype)
     with specializations.record(launch=False) as warm:
-        layer.impl.warm_up(layer.pages, max_rows=MAX_NUM_SEQS, table_width=layer.width, max_len=MAX_MODEL_LEN)
+        warm_up(layer.impl, layer.pages, max_rows=MAX_NUM_SEQS, table_width=layer.width, max_len=MAX_MODEL_LEN)
     with specializations.record(launch=False) as request:
         for t in (2, 3, 4):
             for rows in CAPTURE_SIZES + [3, 5, 13]:
