@@ -45,20 +45,9 @@ def vllm_varlen() -> VarlenAttention | None:
         logger.info("jetson-tq: prefill on the Triton loop (vLLM names no FlashAttention version here)")
         return None
 
-    def varlen(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        softmax_scale: float,
-        causal: bool,
-        *,
-        cu_seqlens_k: torch.Tensor | None = None,
-        seqused_k: torch.Tensor | None = None,
-        block_table: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def varlen(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, **paged):
+        """The ``VarlenAttention`` contract (typed there) on FlashAttention's own argument order; ``paged``: the
+        keyword-only ``cu_seqlens_k``, ``seqused_k`` and ``block_table`` (FlashAttention's defaults are None too)."""
         out, lse = flash_attn_varlen_func(
             q,
             k,
@@ -66,13 +55,11 @@ def vllm_varlen() -> VarlenAttention | None:
             max_seqlen_q,
             cu_seqlens_q,
             max_seqlen_k,
-            cu_seqlens_k=cu_seqlens_k,
-            seqused_k=seqused_k,
             softmax_scale=softmax_scale,
             causal=causal,
-            block_table=block_table,
             return_softmax_lse=True,
             fa_version=version,
+            **paged,
         )
         return out, lse
 

@@ -326,3 +326,34 @@ def test_prefill_varlen_by_chunk_work(monkeypatch):
     n = flash.FLASH_MIN_TOKENS
     assert flash.prefill_varlen(0, n) is sentinel and flash.prefill_varlen(n - 2048, 2048) is sentinel
     assert flash.prefill_varlen(0, 8192) is None and flash.prefill_varlen(4096, 2048) is None
+
+
+def test_vllm_varlen_hands_flash_attention_its_own_argument_order(monkeypatch):
+    """The FlashAttention call (``VarlenAttention``'s order: cu_seqlens_q before max_seqlen_q) reaches vLLM's
+    ``flash_attn_varlen_func`` in its order (max_seqlen_q first), with the paged keywords, lse and the version vLLM
+    names; stand-ins for the CUDA-only modules let it run here."""
+    import sys
+    import types
+
+    from jetson_tq.integrations.vllm import flash
+
+    seen: dict = {}
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        seen.update(args=args, kwargs=kwargs)
+        return "out", "lse"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+    fa.flash_attn_varlen_func = flash_attn_varlen_func
+    utils = types.ModuleType("vllm.v1.attention.backends.fa_utils")
+    utils.get_flash_attn_version = lambda: 3
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fa)
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.fa_utils", utils)
+    varlen = flash.vllm_varlen.__wrapped__()  # past the process cache
+    assert varlen is not None
+    assert varlen("q", "k", "v", "cu_q", 7, 9, 0.5, True, seqused_k="used", block_table="table") == ("out", "lse")
+    assert seen["args"] == ("q", "k", "v", 7, "cu_q", 9)
+    assert seen["kwargs"] == dict(
+        softmax_scale=0.5, causal=True, return_softmax_lse=True, fa_version=3, seqused_k="used", block_table="table"
+    )
