@@ -139,3 +139,18 @@ def test_prefill_transients_are_set_aside():
     assert long == 16384 * 28 * (128 * 4 + 128 * 2) + WORKSPACE_BYTES + 4 * 64 * 256 * 2 + 16384 * 28 * 130 * 4
     prod = prefill_transient_bytes(load_config("blog_k3v2").default, 28, 4, 128, 1, 100, 2)
     assert prod == 28 * (256 * 4 + 128 * 2) + 4 * 100 * 384 * 2 + 4 * 64 * 384 * 2
+
+
+def test_every_patched_vllm_method_is_one_this_vllm_defines():
+    """Each entry of the patch table names a class of the installed vLLM that defines the method itself (a renamed
+    or moved method would be skipped silently at install), with the reason it is wrapped."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    from jetson_tq.integrations.vllm import hooks
+
+    for patch in hooks.PATCHES:
+        module, cls = patch.owner.split(":")
+        assert patch.method in vars(getattr(importlib.import_module(module), cls)), patch
+        assert patch.why and patch.platform in (hooks.ALWAYS, hooks.CPU, hooks.GPU), patch
+    assert sum(patch.make is None for patch in hooks.PATCHES) == 1  # the plugin's auto wrap, given to install
