@@ -198,10 +198,20 @@ PATCHES: tuple[Patch, ...] = (
 _BACKEND: list[type] = []
 
 
+def _wrapped_by(method, mark: str) -> bool:
+    """True when ``method`` or a method it wraps (``__wrapped__``) carries ``mark``: two of our wraps share
+    create_engine_config, so the outer one hides the inner one's mark."""
+    while method is not None:
+        if getattr(method, mark, False):
+            return True
+        method = getattr(method, "__wrapped__", None)
+    return False
+
+
 def _wrap(cls, name: str, make: Wrap, mark: str = MARK) -> None:
     """Replace ``cls.name`` by ``make(original)`` once."""
     original = cls.__dict__.get(name)
-    if original is None or getattr(original, mark, False):
+    if original is None or _wrapped_by(original, mark):
         return
     wrapped = make(original)
     setattr(wrapped, mark, True)

@@ -154,3 +154,33 @@ def test_every_patched_vllm_method_is_one_this_vllm_defines():
         assert patch.method in vars(getattr(importlib.import_module(module), cls)), patch
         assert patch.why and patch.platform in (hooks.ALWAYS, hooks.CPU, hooks.GPU), patch
     assert sum(patch.make is None for patch in hooks.PATCHES) == 1  # the plugin's auto wrap, given to install
+
+
+def test_install_wraps_this_platforms_methods_once_with_the_auto_wrap_outermost(monkeypatch):
+    """``install`` applies the table for vLLM's platform (the CPU rows here, never the GPU worker's), a second
+    install changes nothing, and the plugin's auto wrap goes on top of the engine-config wrap."""
+    pytest.importorskip("vllm")
+    import importlib
+
+    from jetson_tq.integrations.vllm import hooks
+
+    classes = {}
+    for patch in hooks.PATCHES:  # restored after the test: the process's other tests expect stock vLLM
+        module, name = patch.owner.split(":")
+        cls = classes[patch.owner] = getattr(importlib.import_module(module), name)
+        monkeypatch.setattr(cls, patch.method, vars(cls)[patch.method])
+    monkeypatch.setattr(hooks, "_BACKEND", [])
+    originals = {(p.owner, p.method): vars(classes[p.owner])[p.method] for p in hooks.PATCHES}
+    backend = type("Backend", (), {})
+    for _ in range(2):
+        hooks.install(backend, plugin.auto_wrap)
+    assert hooks._BACKEND == [backend]
+    for (owner, method), original in originals.items():
+        now = vars(classes[owner])[method]
+        if owner.endswith(":Worker"):
+            assert now is original, "the GPU worker is not wrapped on the CPU platform"
+        elif method == "create_engine_config":
+            assert getattr(now, hooks.AUTO_MARK) and getattr(now.__wrapped__, hooks.MARK)
+            assert now.__wrapped__.__wrapped__ is original, "two wraps, the auto one outermost, each once"
+        else:
+            assert getattr(now, hooks.MARK) and now.__wrapped__ is original, (owner, method)
