@@ -2,8 +2,8 @@
 the reason it exists in one table, ``PATCHES``, which ``install`` applies.
 
 Each wrap is installed once per process and calls the original first (``Attention.__init__``: with the backend
-chosen); what a wrap does lives in the module of its job (``decide``, ``report``, ``plan``, ``memory``, ``warmup``,
-``engine_config``), so a wrap here is only the seam.
+chosen; the plugin's ``auto`` wrap: after resolving the switch); what a wrap does lives in the module of its job
+(``decide``, ``report``, ``plan``, ``memory``, ``warmup``, ``engine_config``), so a wrap here is only the seam.
 """
 
 from __future__ import annotations
