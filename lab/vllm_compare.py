@@ -86,7 +86,7 @@ def run_engine(job: dict) -> dict:
             os.environ.pop("JETSON_TQ_CONFIG", None)
     from vllm import LLM, SamplingParams
 
-    from jetson_tq.integrations.vllm.hooks import LAST_DECISIONS, LAST_ENCODER_LAYERS
+    from jetson_tq.integrations.vllm.report import LAST_DECISIONS, LAST_ENCODER_LAYERS
 
     LAST_DECISIONS.clear()  # filled again when this engine builds its model (in-process)
     LAST_ENCODER_LAYERS.clear()
@@ -168,7 +168,7 @@ SPEC_COUNTERS = (
 
 def _layer_decisions() -> dict[str, str | None] | None:
     """Layer name -> None (compressed) or why stock, when the model was built in this process (in-process mode)."""
-    from jetson_tq.integrations.vllm.hooks import LAST_DECISIONS
+    from jetson_tq.integrations.vllm.report import LAST_DECISIONS
 
     return dict(LAST_DECISIONS) if LAST_DECISIONS else None
 

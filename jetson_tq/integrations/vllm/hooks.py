@@ -20,8 +20,6 @@ from .decide import STOCK_ATTR, decide, layer_facts
 from .engine_config import adjust_engine_config
 from .memory import kv_budget
 from .plan import adopt_final_specs
-from .report import LAST_DECISIONS as LAST_DECISIONS  # re-exported: lab/vllm_compare.py reads them here
-from .report import LAST_ENCODER_LAYERS as LAST_ENCODER_LAYERS
 from .report import announce, log_capacity, log_encoder_attention
 from .runtime import configure_all, is_ours, our_layers, recent_rows, remember_runner
 from .settings import enabled
