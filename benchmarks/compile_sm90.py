@@ -206,7 +206,7 @@ def main(argv=None) -> int:
         qp = torch.randn(2, hkv * g, 8, d).half()
         kp = torch.randn(2, hkv, 8, d).half()
         kv_block = build_paged_kv(
-            fmt.with_(buffer_tokens=16, window="block"),
+            fmt.with_(recent_tokens=16, window="block"),
             hkv,
             d,
             [64, 0],

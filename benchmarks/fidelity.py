@@ -103,7 +103,7 @@ def all_rows(backend: str) -> list[F.Variant]:
         v(
             "fp8_e4m3",
             "baselines",
-            SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1),
+            SimulatedFormat(kind="fp8", recent_tokens=0, flush_chunk=1),
             "fp8 e4m3 K and V, per-tensor scale 1, no buffer",
         ),
         v(
@@ -187,7 +187,7 @@ def all_rows(backend: str) -> list[F.Variant]:
             "vllm_k3v4_nc_all_buf128",
             "vLLM format, our policy",
             VLLMTurboQuantFormat(
-                preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, buffer_tokens=128, flush_chunk=64
+                preset="turboquant_k3v4_nc", boundary_layers=0, stored_chunk_limit=0, recent_tokens=128, flush_chunk=64
             ),
             "turboquant_k3v4_nc, all layers, own chunk exact, 128-token fp16 buffer (as ours)",
         ),
@@ -385,7 +385,7 @@ def row_facts(variants: list[F.Variant], n_layers: int, head_dim: int, context: 
             f = v.spec.default
             desc = (
                 f"{f.key_mode} {f.key_bits}-bit keys, {f.value_mode} {f.value_bits}-bit values g{f.value_group}, "
-                f"buffer {f.buffer_tokens} ({f.window} window)"
+                f"buffer {f.recent_tokens} ({f.window} window)"
                 + (f", fp16 first/last {v.spec.keep_fp16_first}" if v.spec.keep_fp16_first else "")
                 + (f"; {len(v.spec.overrides)} layers with their own format" if v.spec.overrides else "")
             )

@@ -100,23 +100,23 @@ def make_decode_case(
     lens: list[int],
     head_dim: int = 128,
     fmt: KVFormat | None = None,
-    buffer_tokens: int = 128,
+    recent_tokens: int = 128,
     block_size: int = 16,
     seed: int = 0,
 ) -> DecodeCase:
-    """Random K/V for ``lens`` tokens per sequence: the last ``buffer_tokens`` stay fp16 (recent
+    """Random K/V for ``lens`` tokens per sequence: the last ``recent_tokens`` stay fp16 (recent
     buffer), the rest are compressed by ``compress_write`` into shuffled vLLM-style blocks."""
     from jetson_tq.kernels.compress_write_plan import compress_write
 
     dev = _require_cuda()
-    fmt = fmt or KVFormat(buffer_tokens=buffer_tokens)
+    fmt = fmt or KVFormat(recent_tokens=recent_tokens)
     gen = torch.Generator(device=dev).manual_seed(seed)
     codec = KVCodec(fmt, head_dim, key_transform=timing_transform(fmt, hkv, head_dim))
     layout = PagedLayout(fmt, head_dim, block_size)
     maxlen = max(lens)
     k16 = torch.randn(batch, hkv, maxlen, head_dim, device=dev, generator=gen, dtype=torch.float16)
     v16 = torch.randn(batch, hkv, maxlen, head_dim, device=dev, generator=gen, dtype=torch.float16)
-    comp = [max(n - buffer_tokens, 0) for n in lens]
+    comp = [max(n - recent_tokens, 0) for n in lens]
     rec = [n - c for n, c in zip(lens, comp)]
     need = [-(-c // block_size) for c in comp]
     width = max(need + [1])
@@ -496,8 +496,8 @@ def make_prefill_case(
     from jetson_tq.format import exact_count
 
     fmt = fmt or KVFormat()
-    ring = fmt.buffer_tokens
-    case = make_decode_case(batch, hq, hkv, [hist + t] * batch, head_dim, fmt=fmt, buffer_tokens=0, seed=seed)
+    ring = fmt.recent_tokens
+    case = make_decode_case(batch, hq, hkv, [hist + t] * batch, head_dim, fmt=fmt, recent_tokens=0, seed=seed)
     rows = int(exact_count(hist, ring, fmt.block_window)) if ring else 0
     clen = hist - rows
     if ring and clen % ring:

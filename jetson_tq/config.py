@@ -87,7 +87,7 @@ _TOP_KEYS = {
 _KEY_KEYS = {"mode": "key_mode", "bits": "key_bits", "codebook": "key_codebook", "code_bytes": "key_code_bytes"}
 _VALUE_KEYS = {"mode": "value_mode", "bits": "value_bits", "group_size": "value_group"}
 _BUFFER_KEYS = {
-    "recent_tokens": "buffer_tokens",
+    "recent_tokens": "recent_tokens",
     "window": "window",
     "flush_chunk": "flush_chunk",
     "sink_tokens": "sink_tokens",

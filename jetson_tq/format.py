@@ -122,7 +122,7 @@ class KVFormat:
     defaults are the recommended preset ``mse_k4v3``'s bits (configs/mse_k4v3.yaml, chosen from docs/fidelity.md),
     ``window: block`` included (one default everywhere: ``KVFormat()`` is that preset); the other presets name
     ``window: sliding``, the rule their figures were measured with. Every token is stored compressed; the
-    ``buffer_tokens`` (R) most recent are also kept exact (a ring, token p in row p % R), and ``window`` says which of
+    ``recent_tokens`` (R) most recent are also kept exact (a ring, token p in row p % R), and ``window`` says which of
     them a query at position p reads exactly (``exact_start``): ``sliding``, the last R ([p + 1 - R, p]); ``block``, its
     own R-token block ([p - p % R, p]; 1..R tokens), so everything before a block boundary is read compressed and a
     prefix-cache hit at that boundary needs no exact copy of the cached tokens (docs/vllm.md, "Prefix caching").
@@ -141,7 +141,7 @@ class KVFormat:
     value_group: int = 64
     norm_dtype: str = "float16"
     rotation: RotationKind = "auto"
-    buffer_tokens: int = 128
+    recent_tokens: int = 128
     window: Window = "block"
     flush_chunk: int = 64
     seed: int = 0
@@ -161,7 +161,7 @@ class KVFormat:
         _check_int("key_bits", self.key_bits, 1, MAX_BITS)
         _check_int("value_bits", self.value_bits, 1, MAX_BITS)
         _check_int("value_group", self.value_group, 1, 1 << 16)
-        _check_int("buffer_tokens", self.buffer_tokens, 0, 1 << 24)
+        _check_int("recent_tokens", self.recent_tokens, 0, 1 << 24)
         _check_int("flush_chunk", self.flush_chunk, 1, 1 << 24)
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_int("sink_tokens", self.sink_tokens, 0, 1 << 16)
@@ -299,24 +299,19 @@ class KVFormat:
 
     @property
     def block_window(self) -> bool:
-        """True when a query reads its own ``buffer_tokens``-token block exactly (``window: block``; with no
+        """True when a query reads its own ``recent_tokens``-token block exactly (``window: block``; with no
         buffer both windows are empty and this is False)."""
-        return self.window == "block" and self.buffer_tokens > 0
+        return self.window == "block" and self.recent_tokens > 0
 
     def exact_start(self, pos):
         """First position a query at ``pos`` reads exactly (may be < 0); int, NumPy array or tensor alike."""
-        return exact_start(pos, self.buffer_tokens, self.block_window)
-
-    @property
-    def buffer_capacity(self) -> int:
-        """Exact tokens one sequence keeps at most (its recent ring)."""
-        return self.buffer_tokens
+        return exact_start(pos, self.recent_tokens, self.block_window)
 
     def sequence_bytes(self, tokens: int, head_dim: int, buffer_element_bytes: int = 2) -> int:
         """Bytes one sequence of ``tokens`` tokens takes per KV head: every token compressed + the exact ring."""
         if self.is_passthrough:
             return tokens * fp16_bytes_per_token(head_dim)
-        exact = min(tokens, self.buffer_tokens) + min(tokens, self.sink_tokens)  # the ring's last R, the sink's first S
+        exact = min(tokens, self.recent_tokens) + min(tokens, self.sink_tokens)  # the ring's last R, the sink's first S
         return tokens * self.bytes_per_token(head_dim) + exact * 2 * head_dim * buffer_element_bytes
 
 
@@ -418,7 +413,7 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> None:
 
 
 #: Uncompressed fp16 keys and values (passthrough), e.g. for layers kept in full precision.
-FP16_FORMAT = KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=0, flush_chunk=1)
+FP16_FORMAT = KVFormat(key_mode="fp16", value_mode="fp16", recent_tokens=0, flush_chunk=1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,10 +38,10 @@ def one_case(batch: int, ctx: int, hq: int = 28, hkv: int = 4, d: int = 128) -> 
     from jetson_tq.kernels.prefill_plan import PrefillTuning, chunked_prefill
 
     fmt = load_config("mse_k4v3").default
-    ring = fmt.buffer_tokens
+    ring = fmt.recent_tokens
     # ctx compressed tokens in the pages plus a full ring (off: decode reads both); on, the same pages as a
     # one-token chunk's history at a block boundary (block window: nothing from the ring) plus the chunk itself
-    case = make_decode_case(batch, hq, hkv, [ctx + ring] * batch, head_dim=d, fmt=fmt, buffer_tokens=ring)
+    case = make_decode_case(batch, hq, hkv, [ctx + ring] * batch, head_dim=d, fmt=fmt, recent_tokens=ring)
     kv, q = case.kv, case.q
     kv_on = PagedKV(
         kv.pages,

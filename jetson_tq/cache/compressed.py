@@ -1,5 +1,5 @@
 """CompressedKVCache: one layer's KV cache for a batch — every token compressed into pages on append, the
-``buffer_tokens`` (R) most recent also kept exact in a per-sequence ring.
+``recent_tokens`` (R) most recent also kept exact in a per-sequence ring.
 
 A sequence of L tokens is read as compressed positions [0, L - r) plus r = ``format.exact_count(L)`` exact tokens
 (min(L, R) for ``window: sliding``, (L - 1) % R + 1 for ``window: block``): the same rule as the vLLM backend
@@ -86,8 +86,8 @@ class CompressedKVCache:
         self.fmt, self.num_kv_heads, self.head_dim, self.batch_size = fmt, num_kv_heads, head_dim, batch_size
         self.device, self.dtype, self.validate = torch.device(device), dtype, validate
         self.layout = PagedLayout(fmt, head_dim, block_size)
-        self.recent_window = fmt.buffer_tokens
-        ring_shape = (batch_size, num_kv_heads, self.recent_window, head_dim)
+        self.recent_tokens = fmt.recent_tokens
+        ring_shape = (batch_size, num_kv_heads, self.recent_tokens, head_dim)
         blocks = -(-max(int(initial_capacity), 1) // block_size)
         ring_bytes = 2 * math.prod(ring_shape) * dtype.itemsize
         page_bytes = self._pages_bytes(blocks)
@@ -218,7 +218,7 @@ class CompressedKVCache:
     def buffer_lens(self) -> torch.Tensor:
         """Tokens per sequence read exactly from the ring (``format.exact_count``: min(L, R) or (L - 1) % R + 1),
         int64 on the host."""
-        return exact_count(self.lengths, self.recent_window, self.fmt.block_window)
+        return exact_count(self.lengths, self.recent_tokens, self.fmt.block_window)
 
     @property
     def overflowed(self) -> bool:
@@ -286,7 +286,7 @@ class CompressedKVCache:
         """Bytes the stored tokens occupy: every token at the format's size plus the exact ring and sink copies."""
         per_token = self.fmt.bytes_per_token(self.head_dim) * self.num_kv_heads
         exact = 2 * self.head_dim * self.ring_k.element_size() * self.num_kv_heads
-        held = self.lengths.clamp(max=self.recent_window)  # the ring holds the last R (block mode reads fewer)
+        held = self.lengths.clamp(max=self.recent_tokens)  # the ring holds the last R (block mode reads fewer)
         sinks = self.lengths.clamp(max=self.fmt.sink_tokens)
         return int(self.lengths.sum()) * per_token + int(held.sum() + sinks.sum()) * exact
 
@@ -468,7 +468,7 @@ class CompressedKVCache:
     def recent_in_order(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact tokens of each sequence in position order, (k, v) [B, H, max r, D] (rows past r are zero)."""
         r_max = int(self.buffer_lens.max())
-        if r_max == 0 or self.recent_window == 0:
+        if r_max == 0 or self.recent_tokens == 0:
             empty = self.ring_k[:, :, :0]
             return empty, empty
         lens = self.lengths.to(self.device)
@@ -476,7 +476,7 @@ class CompressedKVCache:
         j = torch.arange(r_max, device=self.device)
         pos = lens.unsqueeze(1) - r.unsqueeze(1) + j  # [B, r_max] positions, in order
         valid = j.unsqueeze(0) < r.unsqueeze(1)
-        cols = torch.where(valid, pos % self.recent_window, 0)
+        cols = torch.where(valid, pos % self.recent_tokens, 0)
         idx = cols[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
         mask = valid[:, None, :, None]
         return (self.ring_k.gather(2, idx) * mask, self.ring_v.gather(2, idx) * mask)

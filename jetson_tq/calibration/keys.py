@@ -68,7 +68,7 @@ class Recipe:
                 key_code_bytes=self.code_bytes,
                 value_mode="mse",
                 value_bits=self.value_bits,
-                buffer_tokens=self.recent_tokens,
+                recent_tokens=self.recent_tokens,
             )
         except Exception as e:
             raise ConfigError(f"calibration recipe: {e}") from e

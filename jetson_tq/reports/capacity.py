@@ -212,7 +212,7 @@ def measure_cache(
     also holds the cache's own device constants (its rotation matrix: 64 KB at D=128).
     """
     device = torch.device(device)
-    tokens = max(tokens, fmt.buffer_capacity)
+    tokens = max(tokens, fmt.recent_tokens)
     element_bytes = torch.empty((), dtype=dtype).element_size()
     formula = fmt.sequence_bytes(tokens, head_dim, element_bytes) * num_kv_heads
     inputs = 2 * num_kv_heads * tokens * head_dim * (4 + element_bytes)  # float32 randn K/V and their device copies
@@ -234,7 +234,7 @@ def measure_cache(
         warm = CompressedKVCache(
             fmt, num_kv_heads, head_dim, 1, device=device, dtype=dtype, seed=seed, key_transform=transform
         )
-        warm.append(k[:, : fmt.buffer_capacity], v[:, : fmt.buffer_capacity], seq=0)
+        warm.append(k[:, : fmt.recent_tokens], v[:, : fmt.recent_tokens], seq=0)
         del warm
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -342,7 +342,7 @@ def format_report(rep: dict) -> str:
             if f["key_mode"] == "fp16" and f["value_mode"] == "fp16"
             else f"keys {_key_desc(f)}, values {f['value_mode']} {f['value_bits']}b"
             f"{'' if g['value_group'] is None else ' groups of ' + str(g['value_group'])}, "
-            f"buffer {f['buffer_tokens']}+{f['flush_chunk']}"
+            f"buffer {f['recent_tokens']}+{f['flush_chunk']}"
         )
         parts = ", ".join(f"{k} {v}" for k, v in g["breakdown_per_layer"].items())
         lines.append(

@@ -133,7 +133,7 @@ class DecodedHistory:
         lens = store.lengths
         if bool((lens != lens[0]).any()):
             raise ShapeError(f"decoded history needs equal lengths across the batch, got {lens.tolist()}")
-        s, ring = int(lens[0]), store.recent_window
+        s, ring = int(lens[0]), store.recent_tokens
         r = int(exact_count(s, ring, store.fmt.block_window))  # = store.buffer_lens
         rk, rv = store.recent_in_order()  # positions [s - r, s)
         if k is None:  # decode: compressed [0, s - r) + the exact window

@@ -113,8 +113,8 @@ class Variant:
                 if s.fp16_layer(i, num_layers):
                     total += context * fp16_bytes_per_token(head_dim)
                     continue
-                compressed = max(context - s.buffer_tokens, 0)
-                buffered = min(context, s.buffer_tokens + s.flush_chunk) if s.buffer_tokens else 0
+                compressed = max(context - s.recent_tokens, 0)
+                buffered = min(context, s.recent_tokens + s.flush_chunk) if s.recent_tokens else 0
                 total += compressed * s.bytes_per_token(head_dim) + buffered * fp16_bytes_per_token(head_dim)
             else:
                 f = self.spec.format_for_layer(i, num_layers)

@@ -5,8 +5,8 @@ model dtype, and stock SDPA attends over it. That is exactly how much informatio
 layout keeps, which is what fidelity measures. Bytes per token are counted from each baseline's own
 layout (codes + fp16 scales/zeros), never from ``KVFormat``.
 
-Buffer policy is the same as ``CompressedKVCache``: the most recent ``buffer_tokens`` stay in full
-precision; once ``buffer_tokens + flush_chunk`` tokens are unquantized, the oldest full chunks are
+Buffer policy is the same as ``CompressedKVCache``: the most recent ``recent_tokens`` stay in full
+precision; once ``recent_tokens + flush_chunk`` tokens are unquantized, the oldest full chunks are
 quantized. Attention sees the stored history plus the current chunk exactly (as ours does), unless
 the format says a chunk reads itself back from storage (``stored_chunk_limit``, vLLM's TurboQuant);
 layers the format keeps uncompressed (``fp16_layer``) are stored exactly.
@@ -39,7 +39,7 @@ class SimulatedFormat:
     bits: int = 4
     group: int = 32
     key_axis: str = "token"
-    buffer_tokens: int = 128
+    recent_tokens: int = 128
     flush_chunk: int = 64
     stored_chunk_limit: int = 0  # a chunk of <= this many tokens after some history attends to itself stored
 
@@ -118,7 +118,7 @@ class SimulatedLayer(DynamicLayer):
         if self.exact:
             return
         keys, values = cast(torch.Tensor, self.keys), cast(torch.Tensor, self.values)  # filled by the update above
-        keep, chunk = self.fmt.buffer_tokens, self.fmt.flush_chunk
+        keep, chunk = self.fmt.recent_tokens, self.fmt.flush_chunk
         pending = keys.shape[-2] - self.n_quantized
         if pending < keep + chunk:
             return

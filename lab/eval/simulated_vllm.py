@@ -124,7 +124,7 @@ class VLLMTurboQuantFormat(SimulatedFormat):
     kind: str = "vllm"
     preset: str = "turboquant_4bit_nc"
     boundary_layers: int = BOUNDARY_LAYERS
-    buffer_tokens: int = 0
+    recent_tokens: int = 0
     flush_chunk: int = 1
     stored_chunk_limit: int = CONTINUATION_DECODE_THRESHOLD
 

@@ -94,7 +94,7 @@ def _residual_hook(records: dict, index: int) -> Callable:
 
 def compressed_counts(fmt: KVFormat, total: int, chunk: int) -> list[int]:
     """Tokens a cache reads only compressed when each chunk of ``chunk`` tokens arrives (``compressed_lens``)."""
-    return [start - exact_count(start, fmt.buffer_tokens, fmt.block_window) for start in range(0, total, chunk)]
+    return [start - exact_count(start, fmt.recent_tokens, fmt.block_window) for start in range(0, total, chunk)]
 
 
 @torch.no_grad()
@@ -227,7 +227,7 @@ def to_config(name: str, description: str, picks: list[str], candidates: dict[st
         **format_section(base),
         "norm_dtype": base.norm_dtype,
         "rotation": base.rotation,
-        "buffer": {"recent_tokens": base.buffer_tokens, "window": base.window, "flush_chunk": base.flush_chunk},
+        "buffer": {"recent_tokens": base.recent_tokens, "window": base.window, "flush_chunk": base.flush_chunk},
         "seed": base.seed,
         "layers": {
             "keep_fp16_first": 0,

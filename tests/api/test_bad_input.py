@@ -46,11 +46,11 @@ D, H, B = 32, 2, 2
 FMT = KVFormat(
     key_mode="prod", key_bits=3, value_bits=2, value_group=16
 )  # prod 3-bit keys, 2-bit value groups, fp16 norms, 128-token buffer
-SMALL = KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=0)  # no exact ring
+SMALL = KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, recent_tokens=0)  # no exact ring
 
 
 #: what cache(initial_capacity=10**13) would allocate, from format.py: pages (16-token blocks) + the fp16 K/V ring
-HUGE_CACHE_BYTES = B * (10**13 // 16) * H * PagedLayout(FMT, D, 16).page_bytes + 2 * B * H * FMT.buffer_tokens * D * 2
+HUGE_CACHE_BYTES = B * (10**13 // 16) * H * PagedLayout(FMT, D, 16).page_bytes + 2 * B * H * FMT.recent_tokens * D * 2
 
 
 def cache(fmt: KVFormat = FMT, dtype=torch.float16, **kw) -> CompressedKVCache:
@@ -1000,7 +1000,7 @@ def test_engine_start_that_lost_its_port_runs_again_other_failures_do_not(monkey
 
 
 FORMATS = [
-    KVFormat(**{"key_mode": "prod", "key_bits": 3, "value_bits": 2, "value_group": 16, "buffer_tokens": 0, **kw})
+    KVFormat(**{"key_mode": "prod", "key_bits": 3, "value_bits": 2, "value_group": 16, "recent_tokens": 0, **kw})
     for kw in (
         {},
         {"key_mode": "mse", "key_bits": 4, "value_bits": 3},

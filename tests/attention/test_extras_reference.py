@@ -101,7 +101,7 @@ def test_exact_format_equals_dense_attention(case, kind, seed):
 @pytest.mark.parametrize("w", [5, 16, 40])  # inside, equal to and beyond the exact window R = 16
 def test_compressed_prefill_equals_decode_at_any_chunking(window, w, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    fmt = KVFormat(buffer_tokens=16, value_group=32, window=window)
+    fmt = KVFormat(recent_tokens=16, value_group=32, window=window)
     n, d, hq, hkv = 56, 64, 4, 2
     q = torch.randn(1, hq, n, d, generator=gen)
     k, v = torch.randn(1, hkv, n, d, generator=gen), torch.randn(1, hkv, n, d, generator=gen)
@@ -122,7 +122,7 @@ def test_window_never_reads_before_its_start(decode_path):
     """Blocks wholly before every query's window start are pointed at a block of NaN bytes (vLLM's freed blocks point
     at its null block): the output does not change."""
     gen = torch.Generator().manual_seed(3)
-    fmt = KVFormat(buffer_tokens=16, value_group=32)
+    fmt = KVFormat(recent_tokens=16, value_group=32)
     hist, t, d, hq, hkv, w = 80, 1 if decode_path else 12, 64, 4, 2, 24
     q = torch.randn(2, hq, t, d, generator=gen)
     k, v = torch.randn(2, hkv, hist + t, d, generator=gen), torch.randn(2, hkv, hist + t, d, generator=gen)
@@ -155,7 +155,7 @@ def test_window_never_reads_before_its_start(decode_path):
 
 def test_no_extras_is_the_plain_path():
     gen = torch.Generator().manual_seed(4)
-    fmt = KVFormat(buffer_tokens=16, value_group=32)
+    fmt = KVFormat(recent_tokens=16, value_group=32)
     q, k, v = (
         torch.randn(1, 4, 30, 64, generator=gen),
         torch.randn(1, 2, 30, 64, generator=gen),
@@ -182,7 +182,7 @@ def test_bad_extras_are_named(kwargs):
 
 
 def test_sinks_must_match_the_query_heads():
-    cache = CompressedKVCache(KVFormat(buffer_tokens=16, value_group=32), 2, 64, dtype=torch.float32)
+    cache = CompressedKVCache(KVFormat(recent_tokens=16, value_group=32), 2, 64, dtype=torch.float32)
     cache.append(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64))
     with pytest.raises(ShapeError, match=r"sinks: expected \[4\]"):
         decode(torch.randn(1, 4, 64), cache.paged(), extras=AttentionExtras(sinks=torch.zeros(3)))

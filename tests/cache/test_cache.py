@@ -7,7 +7,7 @@ import torch
 from jetson_tq import FP16_FORMAT, CompressedKVCache, KVFormat
 from jetson_tq.errors import DTypeError, ShapeError
 
-FMT = KVFormat(buffer_tokens=8, value_group=32, window="sliding")  # the ring rule these tests spell out
+FMT = KVFormat(recent_tokens=8, value_group=32, window="sliding")  # the ring rule these tests spell out
 
 
 def test_ring_keeps_the_last_window_exact_one_token_at_a_time():
@@ -49,7 +49,7 @@ def test_ragged_batch_prefill_then_decode_matches_materialized_tokens():
 
 
 def test_storage_grows_geometrically():
-    cache = CompressedKVCache(KVFormat(buffer_tokens=0), 1, 64, initial_capacity=16)
+    cache = CompressedKVCache(KVFormat(recent_tokens=0), 1, 64, initial_capacity=16)
     capacities = set()
     for _ in range(100):
         cache.append(torch.randn(1, 1, 37, 64), torch.randn(1, 1, 37, 64))
@@ -60,7 +60,7 @@ def test_storage_grows_geometrically():
 
 
 def test_nbytes_is_real_storage_and_used_bytes_follow_the_format():
-    fmt = KVFormat(buffer_tokens=16, window="sliding")
+    fmt = KVFormat(recent_tokens=16, window="sliding")
     cache = CompressedKVCache(fmt, 4, 128, batch_size=2, dtype=torch.float16, initial_capacity=64)
     cache.append(torch.randn(2, 4, 100, 128), torch.randn(2, 4, 100, 128))
     storage = cache.pages.untyped_storage().nbytes() + 2 * cache.ring_k.untyped_storage().nbytes()

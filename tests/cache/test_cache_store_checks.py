@@ -22,7 +22,7 @@ pytestmark = pytest.mark.kernel
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 D, H, B = 64, 2, 2
-FMT = KVFormat(buffer_tokens=4)  # the default preset's bits (mse_k4v3), a 4-token exact ring
+FMT = KVFormat(recent_tokens=4)  # the default preset's bits (mse_k4v3), a 4-token exact ring
 
 
 @pytest.fixture(autouse=True)
@@ -126,7 +126,7 @@ def test_attention_prefill_names_a_refused_chunk_and_keeps_the_cache():
 def test_mse_values_name_their_norm_bound():
     """mse values store ||v|| in fp16: a bf16 cache (no element bound) refuses a value whose norm is past 65504, and
     the kernel path's attention over mse values matches the reference."""
-    fmt = KVFormat(value_mode="mse", value_bits=3, buffer_tokens=4)
+    fmt = KVFormat(value_mode="mse", value_bits=3, recent_tokens=4)
     cache = CompressedKVCache(fmt, H, D, B, device=DEVICE, dtype=torch.bfloat16)
     cache.append(*_kv(6, 0, torch.bfloat16))
     q = torch.randn(B, 4, D).to(DEVICE)

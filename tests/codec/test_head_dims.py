@@ -74,7 +74,7 @@ def test_codec_round_trip_within_the_group_bound(d):
 
 @pytest.mark.parametrize("d", ODD_DIMS)
 def test_cache_and_reference_attention(d):
-    fmt = DEFAULT.with_(buffer_tokens=16)
+    fmt = DEFAULT.with_(recent_tokens=16)
     gen = torch.Generator().manual_seed(1000 + d)
     hkv, g, n = 2, 3, 70
     cache = CompressedKVCache(fmt, hkv, d, batch_size=2, dtype=torch.float32)

@@ -78,7 +78,7 @@ def test_rotary_inverse_partial_and_scaled():
 
 
 def test_format_and_codec():
-    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=256)
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, recent_tokens=256)
     assert fmt.bytes_per_token(128) == 102 and fmt.key_bytes_per_token(64) == 26 and fmt.key_code_bits(80) == 260
     assert kernel_unsupported_reason(PagedLayout(fmt, 64, 16)) is None  # the kernels serve klt keys and mse values
     with pytest.raises(FormatError, match="key_code_bytes"):
@@ -188,7 +188,7 @@ def test_calibrated_sink_is_what_position_0_decodes_to(tmp_path):
 
     from tests.helpers.klt_cases import with_sink
 
-    fmt = KVFormat(key_mode="klt", key_code_bytes=20, value_mode="mse", value_bits=3, buffer_tokens=16)
+    fmt = KVFormat(key_mode="klt", key_code_bytes=20, value_mode="mse", value_bits=3, recent_tokens=16)
     plain_t = random_transform(2, 32, 40, seed=4)
     sunk_t = with_sink(plain_t, torch.Generator().manual_seed(5))
     plain, sunk = KVCodec(fmt, 32, key_transform=plain_t), KVCodec(fmt, 32, key_transform=sunk_t)

@@ -14,7 +14,7 @@ def test_presets_load_with_expected_bytes():
     }
     assert bytes_128 == {"blog_k3v2": 100, "k4v4": 148, "mse_k3v2": 98, "fp16": 512}
     blog = load_config("blog_k3v2").default
-    assert (blog.key_mode, blog.key_bits, blog.key_mse_bits, blog.value_bits, blog.value_group, blog.buffer_tokens) == (
+    assert (blog.key_mode, blog.key_bits, blog.key_mse_bits, blog.value_bits, blog.value_group, blog.recent_tokens) == (
         "prod",
         3,
         2,
@@ -62,7 +62,7 @@ def test_layer_policy_and_overrides(tmp_path):
         ({"keys": {"mode": "prod", "bitz": 3}}, r"keys: unknown key"),
         ({"keys": {"bits": 12}}, "key_bits"),
         ({"values": {"mode": "int3"}}, "value_mode"),
-        ({"buffer": {"recent_tokens": -5}}, "buffer_tokens"),
+        ({"buffer": {"recent_tokens": -5}}, "recent_tokens"),
         ({"buffer": {"window": "ring"}}, "window"),
         ({"layers": {"keep_fp16_first": "two"}}, "keep_fp16_first"),
         ({"layers": {"overrides": {"x": {}}}}, "integers"),

@@ -60,7 +60,7 @@ def test_bytes_match_what_the_codec_produces():
         dict(value_mode="int"),
         dict(rotation="random"),
         dict(norm_dtype="bfloat8"),
-        dict(buffer_tokens=-1),
+        dict(recent_tokens=-1),
         dict(flush_chunk=0),
         dict(key_bits=2.5),
         dict(key_codebook="nf4"),
@@ -84,7 +84,7 @@ def test_head_dim_checks():
 
 
 def test_sequence_bytes_counts_every_token_compressed_plus_the_exact_ring():
-    fmt = KVFormat(buffer_tokens=128)  # mse_k4v3: 122 B per token and head at D=128
+    fmt = KVFormat(recent_tokens=128)  # mse_k4v3: 122 B per token and head at D=128
     assert fmt.sequence_bytes(100, 128) == 100 * 122 + 100 * 512
     assert fmt.sequence_bytes(10_000, 128) == 10_000 * 122 + 128 * 512
 
@@ -120,8 +120,8 @@ def test_window_rule_sliding_and_block():
         assert exact_count(np.array(lens), 8, block).tolist() == [exact_count(n, 8, block) for n in lens]
         assert exact_count(torch.tensor(lens), 8, block).tolist() == [exact_count(n, 8, block) for n in lens]
         assert exact_start(torch.tensor(pos), 8, block).tolist() == [exact_start(p, 8, block) for p in pos]
-    fmt = KVFormat(buffer_tokens=8, window="block")
+    fmt = KVFormat(recent_tokens=8, window="block")
     assert fmt.block_window and fmt.exact_start(13) == 8
-    assert not KVFormat(buffer_tokens=0, window="block").block_window  # no buffer: nothing exact either way
+    assert not KVFormat(recent_tokens=0, window="block").block_window  # no buffer: nothing exact either way
     with pytest.raises(FormatError, match="window"):
         KVFormat(window="ring")

@@ -46,7 +46,7 @@ def host_metadata(
     empty32, empty64 = torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
     dec_rows, dec_cols, dec_comp, dec_rec, t, tcols = empty64, empty64, empty32, empty32, 1, None
     if spec_tokens:
-        dec = decode_arrays(q_lens, ctx + q_lens, rows, fmt.buffer_tokens, fmt.block_window, spec_tokens)
+        dec = decode_arrays(q_lens, ctx + q_lens, rows, fmt.recent_tokens, fmt.block_window, spec_tokens)
         nd, t = dec.rows, dec.tokens
         dec_rows, dec_cols = torch.from_numpy(dec.ring_rows).long(), torch.from_numpy(dec.ring_cols).long()
         dec_comp, dec_rec = torch.from_numpy(dec.compressed).int(), torch.from_numpy(dec.recent).int()
@@ -55,7 +55,7 @@ def host_metadata(
         num_actual_tokens=int(qsl[-1]),
         num_reqs=len(q_lens),
         num_decodes=nd,
-        recent_tokens=fmt.buffer_tokens,
+        recent_tokens=fmt.recent_tokens,
         block_window=fmt.block_window,
         query_start_loc=qsl,
         seq_lens=ctx + q_lens,

@@ -36,7 +36,7 @@ def test_decode_extras_match_reference(case, splits):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     hkv, ring = 2, max(rec)
-    fmt = fmt_for(name, d).with_(buffer_tokens=ring, window=window_kind)
+    fmt = fmt_for(name, d).with_(recent_tokens=ring, window=window_kind)
     kv = build_paged_kv(fmt, hkv, d, comp, rec, torch.float16, gen, recent_cap=ring)
     q = (torch.randn(len(comp), hkv * g, d, generator=gen) * 3).half().to(DEVICE)
     extras = AttentionExtras(
@@ -58,7 +58,7 @@ def test_window_inside_a_partly_filled_ring(window_kind):
     position p % 16, and a window that ends inside it: the ring rows before the window start are masked."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = fmt_for("mse_k4v3", 64).with_(buffer_tokens=16, window=window_kind)
+    fmt = fmt_for("mse_k4v3", 64).with_(recent_tokens=16, window=window_kind)
     comp, rec = ([64, 32], [5, 9]) if window_kind == "block" else ([0, 0], [11, 14])
     kv = build_paged_kv(fmt, 2, 64, comp, rec, torch.float16, gen, recent_cap=16)
     q = torch.randn(2, 4, 64, generator=gen).half().to(DEVICE)
@@ -72,7 +72,7 @@ def test_window_inside_a_partly_filled_ring(window_kind):
 def test_plain_decode_unchanged_by_a_window_beyond_the_history():
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = fmt_for("mse_k4v3", 64).with_(buffer_tokens=16, window="sliding")
+    fmt = fmt_for("mse_k4v3", 64).with_(recent_tokens=16, window="sliding")
     kv = build_paged_kv(fmt, 2, 64, [50], [16], torch.float16, gen, recent_cap=16)
     q = torch.randn(1, 4, 64, generator=gen).half().to(DEVICE)
     a = hybrid_decode(q, kv)

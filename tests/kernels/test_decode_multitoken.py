@@ -33,7 +33,7 @@ CASES = [
 
 def _case(name: str, d: int, g: int, window: str, kind: str, qn: int, gen: torch.Generator):
     hkv = 2
-    fmt = fmt_for(name, d).with_(buffer_tokens=R, window=window)
+    fmt = fmt_for(name, d).with_(recent_tokens=R, window=window)
     # sliding: a full ring behind compressed tokens, and a short sequence all in the ring; block: a partly filled
     # block (Q >= 3 crosses into the next one) and an empty one
     comp, rec = ([40, 0], [R, 5]) if window == "sliding" else ([40, 16], [5, 0])

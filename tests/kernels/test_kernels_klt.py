@@ -106,7 +106,7 @@ def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     fmt, kt = _transform(kind, d, rotary, scaling, gen)
-    fmt = fmt.with_(buffer_tokens=4)
+    fmt = fmt.with_(recent_tokens=4)
     comp, rec, t = [70, 9], [4, 4], 3
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4)
     q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)
@@ -134,7 +134,7 @@ def test_calibrated_sink_in_decode_and_prefill_matches_reference(kind):
     gen = torch.Generator().manual_seed(seed)
     d, rotary, scaling = 80, 40, 1.3
     fmt, kt = _transform(kind, d, rotary, scaling, gen)
-    fmt = fmt.with_(buffer_tokens=4)
+    fmt = fmt.with_(recent_tokens=4)
     comp, rec, t = [70, 0], [4, 3], 3
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4, sink=True)
     assert kv.codec.has_sink

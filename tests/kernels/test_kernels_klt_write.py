@@ -337,7 +337,7 @@ def test_klt_cache_appends_through_the_kernels(monkeypatch):
 
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="group", value_bits=3, buffer_tokens=16)
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="group", value_bits=3, recent_tokens=16)
     t = uneven_transform(2, 64, fmt.key_code_bits(64), 32, SCALE, gen)
     chunks = [
         (torch.randn(3, 2, n, 64, generator=gen).half(), torch.randn(3, 2, n, 64, generator=gen).half())

@@ -19,7 +19,7 @@ from tests.helpers.kernel_cases import vllm_block_table, vllm_slot_mapping
 
 def test_vllm_style_pages_equal_the_contiguous_cache():
     gen = torch.Generator().manual_seed(7)
-    fmt = KVFormat(buffer_tokens=0)
+    fmt = KVFormat(recent_tokens=0)
     lens, bs, h, d = [48, 16], 16, 2, 64
     cache = CompressedKVCache(fmt, h, d, len(lens), block_size=bs, dtype=torch.float32)
     table = vllm_block_table(lens, bs, pad_blocks=2, gen=gen)

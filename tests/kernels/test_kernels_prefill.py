@@ -86,7 +86,7 @@ def _check(name, d, g, comp, rec, t, dtype, seed, window="sliding", ring_rows=No
     rec = [(ring_rows or min)(s, ring) for s in hist]
     comp = [s - r for s, r in zip(hist, rec)]
     hold = [s + t for s in hist]
-    fmt = fmt_for(name, d).with_(buffer_tokens=ring, window=window)  # the window the ring of R rows serves
+    fmt = fmt_for(name, d).with_(recent_tokens=ring, window=window)  # the window the ring of R rows serves
     kv = build_paged_kv(fmt, hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=hold)
     b = len(comp)
     q = (torch.randn(b, hkv * g, t, d, generator=gen) * 3).to(dtype).to(DEVICE)

@@ -31,7 +31,7 @@ class _Sequence:
     def __init__(self, name: str, d: int, n: int, ring: int, window: str, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.n, self.ring, self.block = n, ring, window == "block"
-        self.fmt = fmt_for(name, d).with_(buffer_tokens=ring, window=window)
+        self.fmt = fmt_for(name, d).with_(recent_tokens=ring, window=window)
         self.codec = KVCodec(self.fmt, d, raw_dtype=torch.float16)
         self.layout = PagedLayout(self.fmt, d, BS)
         self.table = vllm_block_table([n], BS, pad_blocks=2, gen=gen)

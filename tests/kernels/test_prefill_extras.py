@@ -47,7 +47,7 @@ def test_prefill_extras_match_reference(case, knobs):
     if window_kind == "block":
         rec = [s % ring for s in hist]
     comp = [s - r for s, r in zip(hist, rec)]
-    fmt = fmt_for(name, d).with_(buffer_tokens=ring, window=window_kind)
+    fmt = fmt_for(name, d).with_(recent_tokens=ring, window=window_kind)
     kv = build_paged_kv(fmt, hkv, d, comp, rec, torch.float16, gen, recent_cap=ring, pages_hold=[s + t for s in hist])
     b = len(comp)
     q = (torch.randn(b, hkv * g, t, d, generator=gen) * 3).half().to(DEVICE)
@@ -66,7 +66,7 @@ def test_prefill_extras_match_reference(case, knobs):
 def test_plain_prefill_unchanged_by_an_empty_extras():
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = fmt_for("mse_k4v3", 64).with_(buffer_tokens=16, window="sliding")
+    fmt = fmt_for("mse_k4v3", 64).with_(recent_tokens=16, window="sliding")
     kv = build_paged_kv(fmt, 2, 64, [40], [16], torch.float16, gen, recent_cap=16, pages_hold=[61])
     q = torch.randn(1, 4, 5, 64, generator=gen).half().to(DEVICE)
     k, v = (torch.randn(1, 2, 5, 64, generator=gen).half().to(DEVICE) for _ in range(2))

@@ -62,7 +62,7 @@ def _case(name, d, g, hist, t, ring, rows, dtype, seed):
     rec = [RING_ROWS[rows](s, ring) for s in hist]
     comp = [s - r for s, r in zip(hist, rec)]
     sink = name.endswith("+sink")
-    fmt = fmt_for(name.removesuffix("+sink"), d).with_(buffer_tokens=ring, window="block")
+    fmt = fmt_for(name.removesuffix("+sink"), d).with_(recent_tokens=ring, window="block")
     hold = [s + t for s in hist]
     kv = build_paged_kv(fmt, hkv, d, comp, rec, dtype, gen, recent_cap=ring, pages_hold=hold, sink=sink)
     b = len(hist)
@@ -95,7 +95,7 @@ def test_flash_unsupported_reasons():
     gen = torch.Generator().manual_seed(0)
 
     def paged(name: str, window: str):
-        fmt = fmt_for(name, 64).with_(buffer_tokens=16, window=window)
+        fmt = fmt_for(name, 64).with_(recent_tokens=16, window=window)
         return build_paged_kv(fmt, 2, 64, [16], [4], torch.half, gen, recent_cap=16)
 
     kv, sliding = paged("mse_k4v3", "block"), paged("mse_k4v3", "sliding")

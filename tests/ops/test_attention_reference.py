@@ -26,9 +26,9 @@ def naive_attention(q, k, v, lengths, hkv):
 @pytest.mark.parametrize(
     "fmt",
     [
-        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=16),
-        KVFormat(key_mode="mse", key_bits=4, buffer_tokens=0),
-        KVFormat(key_bits=4, value_mode="mse", value_bits=3, buffer_tokens=8),
+        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, recent_tokens=16),
+        KVFormat(key_mode="mse", key_bits=4, recent_tokens=0),
+        KVFormat(key_bits=4, value_mode="mse", value_bits=3, recent_tokens=8),
         FP16_FORMAT,
     ],
 )
@@ -68,7 +68,7 @@ def test_results_do_not_depend_on_how_tokens_are_chunked(chunks, window):
 def _decoded_one_by_one(window: str, n: int = 76):
     """(format, (q, k, v), decode outputs [2, 4, n, 64] one token at a time): the chunking tests' reference."""
     torch.manual_seed(1)
-    fmt = KVFormat(buffer_tokens=32, value_group=32, window=window)
+    fmt = KVFormat(recent_tokens=32, value_group=32, window=window)
     q, k, v = torch.randn(2, 4, n, 64), torch.randn(2, 2, n, 64), torch.randn(2, 2, n, 64)
     step = CompressedKVCache(fmt, 2, 64, batch_size=2, dtype=torch.float32)
     one_by_one = []
@@ -83,7 +83,7 @@ def test_block_window_reads_the_own_block_exactly():
     prefill output equals naive softmax over that mix of exact and dequantized tokens, position by position
     (a chunk of 45 from history 27 crosses the boundaries at 32 and 64)."""
     torch.manual_seed(4)
-    fmt, ring, s, t = KVFormat(buffer_tokens=32, value_group=32, window="block"), 32, 27, 45
+    fmt, ring, s, t = KVFormat(recent_tokens=32, value_group=32, window="block"), 32, 27, 45
     q, k, v = torch.randn(1, 4, s + t, 64), torch.randn(1, 2, s + t, 64), torch.randn(1, 2, s + t, 64)
     cache = CompressedKVCache(fmt, 2, 64, dtype=torch.float32)
     attention_prefill(q[:, :, :s], k[:, :, :s], v[:, :, :s], cache)

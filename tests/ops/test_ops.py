@@ -64,7 +64,7 @@ def test_unsupported_format_falls_back_or_raises(monkeypatch):
 def test_public_api_runs_the_reference_on_cpu(monkeypatch):
     _setting(monkeypatch, None)
     k, v = torch.randn(2, 2, 30, 64), torch.randn(2, 2, 30, 64)
-    cache, twin = (CompressedKVCache(KVFormat(buffer_tokens=8), 2, 64, 2) for _ in range(2))
+    cache, twin = (CompressedKVCache(KVFormat(recent_tokens=8), 2, 64, 2) for _ in range(2))
     for c in (cache, twin):
         c.append(k, v)
     q = torch.randn(2, 4, 64)
@@ -86,7 +86,7 @@ def test_public_api_runs_the_reference_on_cpu(monkeypatch):
 
 def test_append_keeps_the_last_window_exact_and_everything_compressed():
     """Ring semantics: L tokens are read as compressed [0, L - r) + r = min(L, R) exact tokens in a ring."""
-    fmt = KVFormat(buffer_tokens=8, window="sliding")
+    fmt = KVFormat(recent_tokens=8, window="sliding")
     cache = CompressedKVCache(fmt, 1, 64, 2, dtype=torch.float32)
     k, v = torch.randn(2, 1, 21, 64), torch.randn(2, 1, 21, 64)
     cache.append(k[:, :, :13], v[:, :, :13])
@@ -133,7 +133,7 @@ def test_triton_backend_agrees_through_the_cache(monkeypatch):
     Triton interpreter)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
-    fmt = KVFormat(buffer_tokens=16)
+    fmt = KVFormat(recent_tokens=16)
     n = 300 if GPU else 70
     k = torch.randn(2, 2, n, 128, generator=gen).half()
     v = torch.randn(2, 2, n, 128, generator=gen).half()

@@ -138,7 +138,7 @@ class TurboQuantAttentionImpl(ReadPath, AttentionImpl):
         """Speculative decoding's longest verification row (0: none): steps of up to this many tokens save the ring
         columns they overwrite, so the next step can put back those of rejected draft tokens."""
         assert self.fmt is not None  # set_format ran
-        R = self.fmt.buffer_tokens
+        R = self.fmt.recent_tokens
         if R and tokens > R:
             raise ConfigError(
                 f"layer {self.index}: speculative decoding verifies up to {tokens} tokens per step, more than the "
@@ -168,7 +168,7 @@ class TurboQuantAttentionImpl(ReadPath, AttentionImpl):
     def recent_pool_shape(self, rows: int) -> tuple[int, int, int, int]:
         """[rows + 1 scratch, H, R, D]."""
         assert self.fmt is not None  # configure() ran
-        return (rows + 1, self.num_kv_heads, self.fmt.buffer_tokens, self.head_size)
+        return (rows + 1, self.num_kv_heads, self.fmt.recent_tokens, self.head_size)
 
     def allocate_recent(self, rows: int, device: torch.device, dtype: torch.dtype) -> None:
         """Allocate the fp16 ring pools (once per shape)."""
@@ -252,12 +252,12 @@ class TurboQuantAttentionImpl(ReadPath, AttentionImpl):
                 f"{self.layout.page_bytes}], got {tuple(kv_cache.shape)}"
             )
         if (
-            md.recent_tokens != self.fmt.buffer_tokens
+            md.recent_tokens != self.fmt.recent_tokens
             or md.block_window != (self.fmt.block_window and md.recent_tokens > 0)
             or self.recent_k is None
         ):
             raise ShapeError(
-                f"{self.layer_name}: recent buffer of {self.fmt.buffer_tokens} tokens ({self.fmt.window} "
+                f"{self.layer_name}: recent buffer of {self.fmt.recent_tokens} tokens ({self.fmt.window} "
                 f"window) expected, metadata has {md.recent_tokens} (block window {md.block_window}), "
                 f"pool {'missing' if self.recent_k is None else 'ok'}"
             )

@@ -23,7 +23,7 @@ def recent_pool_bytes(vllm_config) -> int:
     total = 0
     for layer in configure_all(vllm_config).values():
         impl = layer.impl
-        width = impl.fmt.buffer_tokens + impl.undo_tokens
+        width = impl.fmt.recent_tokens + impl.undo_tokens
         total += pool_bytes(recent_rows(vllm_config) + 1, impl.num_kv_heads, width, impl.head_size, elt)
     return total
 

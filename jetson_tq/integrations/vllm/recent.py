@@ -1,6 +1,6 @@
 """The fp16 recent-token buffers inside vLLM: a pool of ring buffers, one row per running request.
 
-Every token is written compressed into vLLM's pages; the last ``R = buffer_tokens`` tokens of each
+Every token is written compressed into vLLM's pages; the last ``R = recent_tokens`` tokens of each
 request are also kept exactly (model dtype) in row ``r`` of a per-layer pool [rows, H, R, D], token at
 position p in column p % R. Attention reads the compressed pages for positions [0, L - r) and the ring for
 the last r = ``format.exact_count(L)`` (min(L, R); (L - 1) % R + 1 under ``window: block``, where the ring's

@@ -79,7 +79,7 @@ def layer_key_transform(index: int) -> KeyTransform:
 
 def _ringed(cfg: TurboQuantConfig) -> list:
     """The formats with a recent ring that our kernels serve (a passthrough format's layers run stock)."""
-    return [f for f in cfg.named_formats if f.buffer_tokens > 0 and not f.is_passthrough]
+    return [f for f in cfg.named_formats if f.recent_tokens > 0 and not f.is_passthrough]
 
 
 def compresses(cfg: TurboQuantConfig) -> bool:
@@ -97,7 +97,7 @@ def sliding_windows(cfg: TurboQuantConfig) -> bool:
 def window_block(cfg: TurboQuantConfig) -> int:
     """The token boundary every block-window layer's exact window restarts at (lcm of their R; 1 when none):
     vLLM's block size must be a multiple of it for prefix-cache hits to start with empty windows."""
-    return math.lcm(1, *(f.buffer_tokens for f in _ringed(cfg) if f.block_window))
+    return math.lcm(1, *(f.recent_tokens for f in _ringed(cfg) if f.block_window))
 
 
 def preferred_block_size(default: int, cfg: TurboQuantConfig | None = None) -> int:

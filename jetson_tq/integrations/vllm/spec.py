@@ -320,7 +320,7 @@ def make_spec(
         head_size_v=head_size,
         dtype=torch.uint8,
         tq_format=format_items(fmt),
-        tq_recent_tokens=fmt.buffer_tokens,
+        tq_recent_tokens=fmt.recent_tokens,
         tq_block_window=fmt.block_window,
         tq_page_stride=layout.page_stride,
         tq_stride_block=block_size if layout.page_stride else 0,

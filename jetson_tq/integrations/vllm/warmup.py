@@ -70,7 +70,7 @@ def warm_up(
     assert fmt is not None  # set with the layout
     dev, dtype, bs = kv_cache.device, impl.recent_k.dtype, impl.layout.block_size
     scratch = impl.recent_k.shape[0] - 1
-    hist = -(-(bs + fmt.buffer_tokens) // bs) * bs  # enough that some history is read compressed
+    hist = -(-(bs + fmt.recent_tokens) // bs) * bs  # enough that some history is read compressed
     lengths = warm_up_lengths(impl.num_heads, min(budget, max_len or budget))
     width = table_width or -(-max(max_len or 0, hist + max(lengths)) // bs)
     table = torch.zeros(max(1, max_rows), width, dtype=torch.int32, device=dev)
@@ -83,7 +83,7 @@ def warm_up(
             num_actual_tokens=n,
             num_reqs=len(q_lens),
             num_decodes=n_dec,
-            recent_tokens=fmt.buffer_tokens,
+            recent_tokens=fmt.recent_tokens,
             query_start_loc=np.concatenate([[0], np.cumsum(q_lens)]),
             seq_lens=ctx_lens + q_lens,
             context_lens=ctx_lens,
@@ -102,7 +102,7 @@ def warm_up(
         them to the decode path (``decode_arrays``: device lengths, ring and token columns)."""
         md = meta([t] * rows, [ctx] * rows, rows)
         dec = decode_arrays(
-            np.diff(md.query_start_loc), md.seq_lens, md.ring_rows, fmt.buffer_tokens, md.block_window, t
+            np.diff(md.query_start_loc), md.seq_lens, md.ring_rows, fmt.recent_tokens, md.block_window, t
         )
         ints = [torch.as_tensor(a, device=dev) for a in (dec.ring_rows, dec.compressed, dec.recent, dec.token_cols)]
         return replace(

@@ -24,7 +24,7 @@ from tests.integrations.transformers.test_transformers_cache import SMALL as BAS
 register_decoded()  # the lab's backend="cpu-decoded" (a CPU scoring path these tests compare), explicitly
 
 SMALL = dict(BASE_SMALL, max_position_embeddings=2048)
-KLT = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=16)
+KLT = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, recent_tokens=16)
 CFG = TurboQuantConfig(name="klt", default=KLT)
 
 
@@ -275,7 +275,7 @@ def test_calibrate_command_fits_the_code_widths_asked_for(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", [KLT.with_(sink_tokens=2), KVFormat(buffer_tokens=16, sink_tokens=3)])
+@pytest.mark.parametrize("fmt", [KLT.with_(sink_tokens=2), KVFormat(recent_tokens=16, sink_tokens=3)])
 def test_format_sink_is_read_exactly_on_every_path(fmt):
     """``sink_tokens``: the reference path (codes decoded per call, the sink copy scored exactly) equals the
     cpu-decoded history's sink lever, for any chunking; without it the result differs."""

@@ -24,9 +24,9 @@ SMALL = dict(
     vocab_size=256,
     max_position_embeddings=1024,
 )
-RAW16 = KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=0)
+RAW16 = KVFormat(key_mode="fp16", value_mode="fp16", recent_tokens=0)
 TIGHT = KVFormat(
-    key_mode="mse", key_bits=4, value_mode="group", value_bits=4, value_group=32, buffer_tokens=8, window="sliding"
+    key_mode="mse", key_bits=4, value_mode="group", value_bits=4, value_group=32, recent_tokens=8, window="sliding"
 )  # the ring rule the assertions below spell out
 
 
@@ -88,7 +88,7 @@ def test_keys_are_never_dequantized(monkeypatch):
 
     monkeypatch.setattr(KVCodec, "decode_keys", forbidden)
     monkeypatch.setattr(KVCodec, "key_scores", counting)
-    cache = TurboQuantCache(model, KVFormat(key_mode="prod", key_bits=3, buffer_tokens=0))
+    cache = TurboQuantCache(model, KVFormat(key_mode="prod", key_bits=3, recent_tokens=0))
     model.generate(torch.randint(0, 256, (1, 20)), max_new_tokens=6, do_sample=False, past_key_values=cache)
     assert calls["n"] >= 3 * 6
 

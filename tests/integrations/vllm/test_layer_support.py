@@ -97,7 +97,7 @@ def test_a_format_that_stores_keys_and_values_exactly_keeps_the_layer_stock():
     """Nothing to compress: the layer stays on stock attention (bit-identical to vLLM without the plugin); a
     format that compresses keys or values alone is ours; a feature's reason comes first."""
     assert stock_reason(PLAIN, 8192, FP16_FORMAT) == EXACT_FORMAT_REASON
-    assert stock_reason(PLAIN, 8192, KVFormat(key_mode="fp16", value_mode="fp16", buffer_tokens=16)) is not None
+    assert stock_reason(PLAIN, 8192, KVFormat(key_mode="fp16", value_mode="fp16", recent_tokens=16)) is not None
     assert stock_reason(PLAIN, 8192, KVFormat()) is None
     assert stock_reason(PLAIN, 8192, KVFormat(key_mode="fp16", value_bits=8)) is None  # values compressed
     assert stock_reason(PLAIN, 8192, KVFormat(value_mode="fp16")) is None  # keys compressed
@@ -150,7 +150,7 @@ def test_hybrid_page_fills_whole_stock_pages_with_little_padding(head_dim, kv_he
     most tokens that fit, a multiple of the unit, and at most 10 % of it is padding when some m <= 4 allows."""
     fmt = KVFormat()
     stock_page = stock_block * kv_heads * 2 * head_dim * elt  # a stock sliding-window page (K and V)
-    unit = window_unit(stock_block, fmt.buffer_tokens)
+    unit = window_unit(stock_block, fmt.recent_tokens)
     block, per_head = hybrid_page(fmt, head_dim, kv_heads, stock_page, unit)
     whole = kv_heads * per_head
     assert whole % stock_page == 0 and per_head % 16 == 0 and block % unit == 0

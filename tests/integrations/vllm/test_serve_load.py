@@ -51,7 +51,7 @@ def kv_budget(blocks: int) -> int:
     cfg = load_config(DEFAULT_PRESET)
     fmts = [cfg.format_for_layer(i, LAYERS) for i in range(LAYERS)]
     per_block = sum(KV_HEADS * PagedLayout(f, HEAD_DIM, BLOCK).page_bytes for f in fmts)
-    return blocks * per_block + sum(pool_bytes(SEQS + 1, KV_HEADS, f.buffer_tokens, HEAD_DIM, 4) for f in fmts)
+    return blocks * per_block + sum(pool_bytes(SEQS + 1, KV_HEADS, f.recent_tokens, HEAD_DIM, 4) for f in fmts)
 
 
 def _free_port() -> int:

@@ -104,8 +104,8 @@ def _run(
         live = set(tables)
         block = fmt.block_window
         rows = (
-            slots.assign(reqs, ctx, q_lens, live, fmt.buffer_tokens if block else 0)
-            if fmt.buffer_tokens
+            slots.assign(reqs, ctx, q_lens, live, fmt.recent_tokens if block else 0)
+            if fmt.recent_tokens
             else np.full(len(reqs), 4)
         )
         nd = int(np.argmin(q_lens <= 1)) if not (q_lens <= 1).all() else len(reqs)
@@ -139,9 +139,9 @@ def _run(
 @pytest.mark.parametrize(
     "fmt",
     [
-        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=8),  # blog_k3v2, 8-token ring
-        KVFormat(key_mode="prod", key_bits=4, value_bits=4, value_group=32, buffer_tokens=0),  # no ring at all
-        KVFormat(key_mode="mse", key_bits=3, buffer_tokens=20),
+        KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, recent_tokens=8),  # blog_k3v2, 8-token ring
+        KVFormat(key_mode="prod", key_bits=4, value_bits=4, value_group=32, recent_tokens=0),  # no ring at all
+        KVFormat(key_mode="mse", key_bits=3, recent_tokens=20),
         FP16_FORMAT,
     ],
     ids=["k3v2-r8", "k4v4-r0", "mse3-r20", "fp16"],
@@ -157,7 +157,7 @@ def test_klt_keys_are_placed_at_their_positions(monkeypatch, sink):
     from jetson_tq.codec.klt import spread_transform
     from tests.helpers.klt_cases import with_sink
 
-    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, recent_tokens=8, window="block")
     transform = spread_transform(HKV, D, fmt.key_code_bits(D))
     if sink:
         transform = with_sink(transform, torch.Generator().manual_seed(2))
@@ -178,7 +178,7 @@ def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch, sink):
         pytest.skip("interpreter only: on CUDA benchmarks/vllm_gpu/real_weights.py checks this path inside the engine")
     monkeypatch.setenv("JETSON_TQ_BACKEND", "triton")
     ops_backend.configured.cache_clear()
-    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, buffer_tokens=8, window="block")
+    fmt = KVFormat(key_mode="klt", key_code_bytes=52, value_mode="mse", value_bits=3, recent_tokens=8, window="block")
     transform = uneven_transform(HKV, D, fmt.key_code_bits(D), D, 1.0, torch.Generator().manual_seed(1))
     if sink:
         transform = with_sink(transform, torch.Generator().manual_seed(2))
@@ -194,10 +194,10 @@ def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch, sink):
 def test_block_window_impl_matches_reference_with_a_prefix_hit(ring):
     """``window: block`` (R divides the 16-token vLLM block): chunked prefill straddling block boundaries, decode
     rows, and a request that starts at position 16 on another request's cached block with an empty ring."""
-    assert _run(KVFormat(buffer_tokens=ring, window="block"), hit=True) < 2e-5
+    assert _run(KVFormat(recent_tokens=ring, window="block"), hit=True) < 2e-5
 
 
-@pytest.mark.parametrize("fmt", [KVFormat(buffer_tokens=8), KVFormat(buffer_tokens=8, window="block")])
+@pytest.mark.parametrize("fmt", [KVFormat(recent_tokens=8), KVFormat(recent_tokens=8, window="block")])
 def test_reproducible_mode_decode_rows_match_the_reference(fmt):
     """The reproducible mode serves decode rows with the prefill path (one-token chunks in one call, the ring
     filled after attention): the same attention as the decode path, sliding and block windows, with a prefix hit."""
@@ -205,7 +205,7 @@ def test_reproducible_mode_decode_rows_match_the_reference(fmt):
 
 
 def test_impl_bf16_model():
-    assert _run(KVFormat(buffer_tokens=8), dtype=torch.bfloat16) < 2e-2
+    assert _run(KVFormat(recent_tokens=8), dtype=torch.bfloat16) < 2e-2
 
 
 def test_recent_slots_refuse_unvouched_history():

@@ -92,7 +92,7 @@ def expected_tq_blocks(
     cfg = load_config(config)
     fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
     per_block = sum(_page(f, kv_heads, head_dim, block_size, element_bytes) for f in fmts)
-    pools = sum(pool_bytes(rows + 1, kv_heads, f.buffer_tokens, head_dim, element_bytes) for f in fmts)
+    pools = sum(pool_bytes(rows + 1, kv_heads, f.recent_tokens, head_dim, element_bytes) for f in fmts)
     return (kv_bytes - pools) // per_block
 
 
@@ -103,7 +103,7 @@ def expected_budget(
     cfg = load_config(config)
     fmts = [cfg.format_for_layer(i, layers) for i in range(layers)]
     per_block = sum(_page(f, kv_heads, head_dim, block_size, element_bytes) for f in fmts)
-    pools = sum(pool_bytes(rows + 1, kv_heads, f.buffer_tokens, head_dim, element_bytes) for f in fmts)
+    pools = sum(pool_bytes(rows + 1, kv_heads, f.recent_tokens, head_dim, element_bytes) for f in fmts)
     return blocks * per_block + pools
 
 

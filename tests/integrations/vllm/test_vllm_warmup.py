@@ -57,7 +57,7 @@ class Layer:
             num_actual_tokens=n,
             num_reqs=len(q_arr),
             num_decodes=nd,
-            recent_tokens=self.fmt.buffer_tokens,
+            recent_tokens=self.fmt.recent_tokens,
             block_window=self.fmt.block_window,
             query_start_loc=np.concatenate([[0], np.cumsum(q_arr)]),
             seq_lens=ctx + q_arr,

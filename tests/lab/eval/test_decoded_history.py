@@ -11,14 +11,14 @@ from jetson_tq.format import KVFormat
 from lab.eval.decoded_history import DecodedHistory
 
 FORMATS = [
-    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=8),
-    KVFormat(key_mode="prod", key_bits=1, value_mode="mse", value_bits=3, buffer_tokens=0),
-    KVFormat(key_mode="mse", key_bits=4, value_bits=4, value_group=32, buffer_tokens=16),
-    KVFormat(key_mode="fp16", value_mode="group", value_bits=2, value_group=8, buffer_tokens=0),
-    KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", rotation="dense", buffer_tokens=4),
+    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, recent_tokens=8),
+    KVFormat(key_mode="prod", key_bits=1, value_mode="mse", value_bits=3, recent_tokens=0),
+    KVFormat(key_mode="mse", key_bits=4, value_bits=4, value_group=32, recent_tokens=16),
+    KVFormat(key_mode="fp16", value_mode="group", value_bits=2, value_group=8, recent_tokens=0),
+    KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", rotation="dense", recent_tokens=4),
     # block windows: the 5-token chunk at 45..49 crosses the boundary at 48 (16-token blocks) / 48 (8-token blocks)
-    KVFormat(key_mode="mse", key_bits=4, value_bits=3, value_group=32, buffer_tokens=16, window="block"),
-    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, buffer_tokens=8, window="block"),
+    KVFormat(key_mode="mse", key_bits=4, value_bits=3, value_group=32, recent_tokens=16, window="block"),
+    KVFormat(key_mode="prod", key_bits=3, value_bits=2, value_group=16, recent_tokens=8, window="block"),
 ]
 
 
@@ -30,7 +30,7 @@ def _filled(fmt: KVFormat, b=2, h=2, d=32, n=45, seed=0):
 
 
 @pytest.mark.parametrize(
-    "fmt", FORMATS, ids=lambda f: f"{f.key_mode}{f.key_bits}-{f.value_mode}{f.value_bits}-r{f.buffer_tokens}-{f.window}"
+    "fmt", FORMATS, ids=lambda f: f"{f.key_mode}{f.key_bits}-{f.value_mode}{f.value_bits}-r{f.recent_tokens}-{f.window}"
 )
 def test_prefill_and_decode_match_reference(fmt):
     store, g = _filled(fmt)

@@ -39,7 +39,7 @@ def slice_metrics(setup):
         F.Variant("mse_k3v2", "keys", load_config("mse_k3v2"), backend="reference"),
         F.Variant("mse_k4v3", "recommended", load_config("mse_k4v3"), backend="reference"),
         F.Variant("blog_k3v2", "keys", load_config("blog_k3v2"), backend="reference"),
-        F.Variant("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", buffer_tokens=0, flush_chunk=1)),
+        F.Variant("fp8_e4m3", "baselines", SimulatedFormat(kind="fp8", recent_tokens=0, flush_chunk=1)),
     ]
     windows = F.token_windows(ids[4096:], 2, 385)  # 2 x 384 scored tokens, history compressed past 192
     return F.teacher_forced(model, windows, variants, chunk=64, batch=2)

@@ -135,7 +135,7 @@ def test_pair_weight_is_per_rotary_pair():
 
 
 def test_history_reads_klt_keys_for_compressed_positions_only():
-    fmt = KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", buffer_tokens=16, window="block")
+    fmt = KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", recent_tokens=16, window="block")
     cap = _capture(h=2, t=200)
     b, h, d, n = 2, 2, 64, 45
     spec = KLTKeys(40, token_norm=True)
@@ -151,7 +151,7 @@ def test_history_reads_klt_keys_for_compressed_positions_only():
     q = torch.randn(b, 3 * h, 1, d)
     got = hist.attend(q, None, None, 0.2)
     s = n + 1
-    old = s - int(exact_count(s, fmt.buffer_tokens, True))
+    old = s - int(exact_count(s, fmt.recent_tokens, True))
     coded = quantizer(k[:, :, :old], torch.arange(old)) - center[None, :, None, :]
     keys = torch.cat([coded, kc[:, :, old:s]], dim=2)
     values = torch.cat([v[:, :, :old].half().float(), v[:, :, old:s]], dim=2)  # fp16-mode values stored as fp16

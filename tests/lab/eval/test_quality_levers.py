@@ -16,7 +16,7 @@ from lab.eval.decoded_history import register as register_decoded
 
 register_decoded()  # the lab's backend="cpu-decoded" (a CPU scoring path these tests compare), explicitly
 
-FMT = KVFormat(key_bits=3, value_bits=3, value_group=32, buffer_tokens=16, window="block")
+FMT = KVFormat(key_bits=3, value_bits=3, value_group=32, recent_tokens=16, window="block")
 
 
 def _kv(t: int, h: int = 2, d: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

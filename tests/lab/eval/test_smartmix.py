@@ -14,7 +14,7 @@ from jetson_tq.config import config_from_dict
 from jetson_tq.format import KVFormat
 from lab.eval import smartmix as S
 
-BASE = KVFormat(key_mode="mse", key_bits=4, value_bits=3, value_group=32, buffer_tokens=16)
+BASE = KVFormat(key_mode="mse", key_bits=4, value_bits=3, value_group=32, recent_tokens=16)
 
 
 def _model():
@@ -109,7 +109,7 @@ def test_config_round_trip():
 def test_layer_kl_and_weighting():
     model = _model()
     ids = torch.randint(0, 256, (1, 64))
-    kl = S.layer_kl(model, ids, BASE.with_(key_bits=2, value_bits=2, buffer_tokens=8), chunk=16, backend="reference")
+    kl = S.layer_kl(model, ids, BASE.with_(key_bits=2, value_bits=2, recent_tokens=8), chunk=16, backend="reference")
     assert len(kl) == 3 and all(x > 0 for x in kl)
     fp16 = S.layer_kl(model, ids, BASE.with_(key_mode="fp16", value_mode="fp16"), chunk=16, backend="reference")
     assert all(f < 1e-6 and f < x / 100 for f, x in zip(fp16, kl))  # fp16 rounding of an fp32 model's K/V only

@@ -73,7 +73,7 @@ def test_split_error_below_uniform_at_equal_bits():
 
 
 def test_history_reads_split_keys_for_compressed_positions_only():
-    fmt = KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", buffer_tokens=16, window="block")
+    fmt = KVFormat(key_mode="mse", key_bits=2, value_mode="fp16", recent_tokens=16, window="block")
     b, h, d, n = 2, 2, 64, 45
     g = torch.Generator().manual_seed(1)
     k, v = torch.randn(b, h, n + 1, d, generator=g), torch.randn(b, h, n + 1, d, generator=g)
@@ -88,7 +88,7 @@ def test_history_reads_split_keys_for_compressed_positions_only():
     q = torch.randn(b, 3 * h, 1, d, generator=g)
     got = hist.attend(q, None, None, 0.2)
     s = n + 1
-    old = s - int(exact_count(s, fmt.buffer_tokens, True))
+    old = s - int(exact_count(s, fmt.recent_tokens, True))
     keys = torch.cat([quantizer(k[:, :, :old]), k[:, :, old:s]], dim=2)
     values = torch.cat([v[:, :, :old].half().float(), v[:, :, old:s]], dim=2)  # fp16-mode values stored as fp16
     ref = F.scaled_dot_product_attention(q, keys, values, scale=0.2, enable_gqa=True)
