@@ -132,10 +132,9 @@ def _compress_write_kernel(
         )
         nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (nothing to bound)
     elif PAGE.KEY_MODE == K_KLT:
-        pos = tl.load(pos_ptr + t, mask=t < n_tokens, other=0)
         _encode_klt_keys(
             k_ptr + koff + h * stride_kh,
-            pos,
+            tl.load(pos_ptr + t, mask=t < n_tokens, other=0),
             page + PAGE.OFF_KCODE + off * PAGE.KCB,
             valid,
             h,
