@@ -484,12 +484,8 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
     ch = (d + 7) // 8
     key_mode = {"fp16": KEY_RAW, "mse": KEY_MSE, "prod": KEY_PROD, "klt": KEY_KLT}[fmt.key_mode]
     kb = fmt.key_mse_bits if key_mode in (KEY_MSE, KEY_PROD) else 0
-    kw = _widths(kb)
-    kmin = min(w for w in kw if w) if kb else 8
     val_mode = {"fp16": VAL_RAW, "group": VAL_GROUP, "mse": VAL_MSE}[fmt.value_mode]
     vb = fmt.value_bits if val_mode != VAL_RAW else 0
-    vw = _widths(vb)
-    vmin = min(w for w in vw if w) if vb else 8
     group = fmt.value_group_for(d) if val_mode == VAL_GROUP else d
     return PageSpec(
         D=d,
@@ -498,12 +494,7 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
         BS=layout.block_size,
         PB=layout.page_bytes,
         KEY_MODE=key_mode,
-        KB=kb,
-        KW0=kw[0],
-        KW1=kw[1],
-        KW2=kw[2],
-        KCW=ch * kmin,
-        KCH=8 // kmin,
+        **_planar_chunks("K", kb, ch),
         OFF_KIDX=off.get("key_idx", 0),
         OFF_KSGN=off.get("key_signs", 0),
         OFF_KNORM=off.get("key_norm", 0),
@@ -513,12 +504,7 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
         KCB=fmt.key_fields(d)[0].count if key_mode == KEY_KLT else 0,
         NORM_F32=fmt.norm_dtype == "float32",
         VAL_MODE=val_mode,
-        VB=vb,
-        VW0=vw[0],
-        VW1=vw[1],
-        VW2=vw[2],
-        VCW=ch * vmin,
-        VCH=8 // vmin,
+        **_planar_chunks("V", vb, ch),
         GROUP=group,
         NG=d // group,
         OFF_VCODES=off.get("val_codes", 0),
@@ -529,6 +515,16 @@ def _page_spec(layout: PagedLayout, raw_dtype: torch.dtype) -> PageSpec:
         OFF_VNORM=off.get("val_norm", 0),
         RAW_BF16=raw_dtype == torch.bfloat16,
     )
+
+
+def _planar_chunks(prefix: str, bits: int, ch: int) -> dict[str, int]:
+    """``PageSpec``'s facts of one ``bits``-bit planar field, named ``prefix`` ("K" keys, "V" values) + B: the bits,
+    W0..W2: the sub-field widths, CW: coordinates per chunk (``ch`` times the smallest width: one byte range and one
+    shift inside every run), CH: chunks (D padded to 8 ``ch`` coordinates). No bits: one 8-wide chunk."""
+    w = _widths(bits)
+    wmin = min(x for x in w if x) if bits else 8
+    facts = {"B": bits, "W0": w[0], "W1": w[1], "W2": w[2], "CW": ch * wmin, "CH": 8 // wmin}
+    return {prefix + name: value for name, value in facts.items()}
 
 
 def kernel_unsupported_reason(layout: PagedLayout) -> str | None:

@@ -319,14 +319,14 @@ def _split16(m: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
     return hi.contiguous().to(device), lo.contiguous().to(device)
 
 
-def _write_matrices(codec: KVCodec, device) -> tuple[torch.Tensor, ...]:
-    """(Pi_hi, Pi_lo, S_hi, S_lo, W_hi, W_lo) in fp16 for the write kernel, W = S Pi^T (sketch of the residual =
-    S u - W c)."""
+def _write_matrices(codec: KVCodec, device) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """((Pi_hi, Pi_lo), (S_hi, S_lo), (W_hi, W_lo)) in fp16 for the write kernel, W = S Pi^T (sketch of the residual
+    = S u - W c)."""
     d = codec.head_dim
     pi = codec.key_rotation.matrix64() if codec.keys is not None else torch.eye(d, dtype=torch.float64)
     sketch = getattr(codec.keys, "sketch_matrix", None)
     s = sketch("cpu", torch.float64) if sketch else torch.zeros(d, d, dtype=torch.float64)
-    return (*_split16(pi, device), *_split16(s, device), *_split16(s @ pi.T, device))
+    return _split16(pi, device), _split16(s, device), _split16(s @ pi.T, device)
 
 
 def _value_constants(codec: KVCodec, device) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:

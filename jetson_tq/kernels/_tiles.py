@@ -197,23 +197,15 @@ def run_exponent(J0: tl.constexpr, LOW: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def value_unit(
-    C: tl.constexpr,
-    CH: tl.constexpr,
-    VCW: tl.constexpr,
-    VB: tl.constexpr,
-    VW0: tl.constexpr,
-    VW1: tl.constexpr,
-    VW2: tl.constexpr,
-):
+def value_unit(C: tl.constexpr, PAGE: tl.constexpr):
     """u such that ``folded_value_tile``'s chunk ``C`` is in code units * u * 2^-24 (constant-folded): 2^(C*VB) for
     one run, else the last run's 2^-exponent (exponent in [-7, 6])."""
-    if VW1 == 0:
-        u = (1 << (C * VB)) * 1.0
-    elif VW2 > 0:
-        u = 128.0 / (1 << (run_exponent(C * (VCW // CH), VW0 + VW1, VW2) + 7))
+    if PAGE.VW1 == 0:
+        u = (1 << (C * PAGE.VB)) * 1.0
+    elif PAGE.VW2 > 0:
+        u = 128.0 / (1 << (run_exponent(C * (PAGE.VCW // PAGE.CH), PAGE.VW0 + PAGE.VW1, PAGE.VW2) + 7))
     else:
-        u = 128.0 / (1 << (run_exponent(C * (VCW // CH), VW0, VW1) + 7))
+        u = 128.0 / (1 << (run_exponent(C * (PAGE.VCW // PAGE.CH), PAGE.VW0, PAGE.VW1) + 7))
     return u
 
 
@@ -241,21 +233,7 @@ def chain_run(
 
 
 @triton.jit
-def folded_value_tile(
-    x_one,
-    ptrs,
-    mask,
-    w,
-    zero_rt,
-    C: tl.constexpr,
-    CH: tl.constexpr,
-    VCW: tl.constexpr,
-    VB: tl.constexpr,
-    VW0: tl.constexpr,
-    VW1: tl.constexpr,
-    VW2: tl.constexpr,
-    INTERP: tl.constexpr,
-):
+def folded_value_tile(x_one, ptrs, mask, w, zero_rt, C: tl.constexpr, PAGE: tl.constexpr, INTERP: tl.constexpr):
     """(value codes of chunk ``C``)^T . w on the tensor cores ([coords, tokens] planes on the left), codes read as fp16
     subnormal planes, in a fresh accumulator (added to the running sum in fp32 by the caller: the folded sums cancel,
     and the tensor cores' truncating accumulation over thousands of tokens biased them, 1.6e-2 at 64k on the H200),
@@ -265,11 +243,14 @@ def folded_value_tile(
     one plane per run from ``ptrs``, the products chained in the chunk's one accumulator, the partial sum rescaled
     between runs (H200: 381 -> 345 us at B=8/64k against one fresh accumulator and FFMA set per run).
     """
+    CH: tl.constexpr = PAGE.CH
+    VW0: tl.constexpr = PAGE.VW0
+    VW1: tl.constexpr = PAGE.VW1
     if VW1 == 0:
-        plane = subnormal16(x_one & (((1 << VB) - 1) << (C * VB)))
+        plane = subnormal16(x_one & (((1 << PAGE.VB) - 1) << (C * PAGE.VB)))
         tile = mma(plane, w, tl.zeros([plane.shape[0], w.shape[1]], tl.float32) + zero_rt, INTERP)
     else:  # a plain zero start: the chained product is never ``x + dot(a, b, 0)``, which Triton would fold
-        J0: tl.constexpr = C * (VCW // CH)
+        J0: tl.constexpr = C * (PAGE.VCW // CH)
         x = tl.load(ptrs + (J0 % VW0) * CH, mask=mask, other=0)
         tile = mma(
             subnormal16(x & (((1 << VW0) - 1) << ((J0 // VW0) * VW0))),
@@ -278,9 +259,9 @@ def folded_value_tile(
             INTERP,
         )
         tile = chain_run(tile, ptrs, mask, w, J0, CH, CH * VW0, VW0, VW1, -((J0 // VW0) * VW0), INTERP)
-        if VW2 > 0:
+        if PAGE.VW2 > 0:
             tile = chain_run(
-                tile, ptrs, mask, w, J0, CH, CH * (VW0 + VW1), VW0 + VW1, VW2, VW0 - (J0 // VW1) * VW1, INTERP
+                tile, ptrs, mask, w, J0, CH, CH * (VW0 + VW1), VW0 + VW1, PAGE.VW2, VW0 - (J0 // VW1) * VW1, INTERP
             )
     return tile
 

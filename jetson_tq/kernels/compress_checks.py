@@ -50,26 +50,15 @@ def _over(x, mask, BOUND: tl.constexpr):
 
 
 @triton.jit
-def _record_fault(
-    k_ptr,
-    v_ptr,
-    fault_ptr,
-    nrm,
-    gbad,
-    slot,
-    valid,
-    koff,
-    voff,
-    h,
-    stride_kh,
-    stride_vh,
-    PAGE: tl.constexpr,
-    CFG: tl.constexpr,
-):
+def _record_fault(ksrc, vsrc, fault_ptr, nrm, gbad, slot, valid, h, PAGE: tl.constexpr, CFG: tl.constexpr):
     """The store checks of ``validate.check_kv_storable`` for this program's tokens, as the smallest fault code: per
     token the first failing check (lowest rank) and, for non-finite elements, the first such coordinate; the
     launch's smallest is kept with an atomic min, unless an earlier refused write already closed the record. Works
-    per token ([T] vectors) beside one reloaded tile at a time, so the rare path needs few registers."""
+    per token ([T] vectors) beside one reloaded tile at a time, so the rare path needs few registers. ``ksrc``,
+    ``vsrc``: the keys' and values' (pointer, token offsets [T, 1], head stride); the rows of KV head ``h`` are formed
+    here, in the rare path."""
+    k_ptr, koff, stride_kh = ksrc
+    v_ptr, voff, stride_vh = vsrc
     base = (slot << F_SLOT) | (h.to(tl.int64) << F_HEAD) | F_BOUND  # [T]: slot and head bits, class "bound"
     # each failing check lowers the token's code (the rank is its top bits: the smallest code is the first check)
     code = tl.where((gbad & 2) != 0, (R_GROUP_SCALE << F_RANK) | base, F_NONE)

@@ -33,15 +33,39 @@ def _bucketize(y, bnd_ptr, KB: tl.constexpr):
 
 
 @triton.jit
-def _dot3(a_hi, a_lo, m_hi_ptr, m_lo_ptr, rows, d, mask, D: tl.constexpr, acc, INTERP: tl.constexpr):
-    """acc + a @ M[rows, :]^T with a and M split into fp16 hi + lo parts (three tensor-core dots,
-    ~22-bit accurate: quantization decisions match the fp32 reference)."""
+def _split16(x):
+    """fp32 tile x as an fp16 (hi, lo) pair, hi + lo = x to ~22 bits: the operands of ``_dot3``."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _dot3(a, m, rows, d, mask, D: tl.constexpr, INTERP: tl.constexpr):
+    """a @ M[rows, :]^T (fp32 [T, rows]) with a and M split into fp16 hi + lo parts (three tensor-core dots,
+    ~22-bit accurate: quantization decisions match the fp32 reference). ``a``: the (hi, lo) tiles (``_split16``);
+    ``m``: the (hi, lo) pointers of the [D, D] matrix M."""
+    a_hi, a_lo = a
+    m_hi_ptr, m_lo_ptr = m
     off = rows[None, :] * D + d[:, None]
     m_hi = tl.load(m_hi_ptr + off, mask=mask, other=0.0)
     m_lo = tl.load(m_lo_ptr + off, mask=mask, other=0.0)
-    acc = mma(a_hi, m_hi, acc, INTERP)
+    acc = mma(a_hi, m_hi, tl.zeros([a_hi.shape[0], rows.shape[0]], tl.float32), INTERP)
     acc = mma(a_hi, m_lo, acc, INTERP)
     return mma(a_lo, m_hi, acc, INTERP)
+
+
+@triton.jit
+def _chunk_code(code, inside, byte, codes, c, FULL: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr):
+    """Chunk ``c``'s codes [T, CWP] into the packing state -> (the codes, padding coordinates as 0 unless ``FULL``;
+    ``byte``: one run (W1 == 0), the codes OR-ed in at bit c * W0; ``codes``: else the tuple for ``_store_packed``,
+    the chunk's codes appended)."""
+    if not FULL:
+        code = tl.where(inside, code, 0)  # padding coordinates pack as 0
+    if W1 == 0:
+        byte |= code << (c * W0)
+    else:
+        codes = codes + (code,)
+    return code, byte, codes
 
 
 @triton.jit
@@ -137,27 +161,12 @@ def _token_offsets(t, t64, row_tokens, stride_b, stride_t, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _encode_keys(
-    kin,
-    page,
-    off,
-    valid,
-    d,
-    pi_hi_ptr,
-    pi_lo_ptr,
-    s_hi_ptr,
-    s_lo_ptr,
-    w_hi_ptr,
-    w_lo_ptr,
-    cb_ptr,
-    bnd_ptr,
-    mt_ptr,
-    sqrt_d,
-    PAGE: tl.constexpr,
-    CFG: tl.constexpr,
-):
+def _encode_keys(kin, page, off, valid, d, keys, sqrt_d, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Keys kin [BLOCK_T, DP] -> norm, codebook indices (packed) and, for prod keys, the QJL signs and residual
-    norm, stored at the tokens' page offsets. Returns the norms (fp32, before rounding to the stored dtype)."""
+    norm, stored at the tokens' page offsets. Returns the norms (fp32, before rounding to the stored dtype).
+    ``keys``: the key path's constants (the kernel's ``keys``: rotation, sketch and W = S Pi^T (hi, lo) pointers,
+    codebook, boundaries, sign matrix)."""
+    pi, s, w, cb_ptr, bnd_ptr, mt_ptr = keys
     NORM_T: tl.constexpr = tl.float32 if PAGE.NORM_F32 else tl.float16
     NB: tl.constexpr = 4 if PAGE.NORM_F32 else 2
     KFULL: tl.constexpr = PAGE.KCW == CFG.KCWP and PAGE.KCH * PAGE.KCW == PAGE.D  # no padding key chunk columns
@@ -182,8 +191,7 @@ def _encode_keys(
         nrm = tl.sqrt_rn(tl.sum(k * k, 1))
     if CFG.SIGN_MMA != 1 or PAGE.KEY_MODE == K_PROD:
         unit = k / tl.maximum(nrm, TINY)[:, None]
-        u_hi = unit.to(tl.float16)
-        u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
+        u = _split16(unit)
         # ||r||^2 = ||unit||^2 - 2 <Pi unit, c> + ||c||^2 (Pi orthogonal): no residual tile is ever formed
         r2 = tl.sum(unit * unit, 1)
     if CFG.SIGN_MMA == 1:
@@ -209,7 +217,7 @@ def _encode_keys(
             if CFG.SIGN_MMA == 1 and PAGE.KEY_MODE == K_PROD:
                 acc = mma(kin, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP)
             elif CFG.SIGN_MMA == 2:
-                acc = mma(u_lo, m, mma(u_hi, m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP), CFG.INTERP)
+                acc = mma(u[1], m, mma(u[0], m, tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32), CFG.INTERP), CFG.INTERP)
             if CFG.SYM_SEARCH:
                 code = _search_symmetric(acc, rs, bnd_ptr, PAGE.KB)
             else:
@@ -217,25 +225,9 @@ def _encode_keys(
             if PAGE.KEY_MODE == K_PROD:
                 y = acc * (1.0 / tl.maximum(rs, TINY))[:, None]
         else:
-            y = _dot3(
-                u_hi,
-                u_lo,
-                pi_hi_ptr,
-                pi_lo_ptr,
-                row,
-                d,
-                (kc[None, :] < PAGE.KCW) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D),
-                PAGE.D,
-                tl.zeros([CFG.BLOCK_T, CFG.KCWP], tl.float32),
-                CFG.INTERP,
-            )
+            y = _dot3(u, pi, row, d, inside & (d[:, None] < PAGE.D), PAGE.D, CFG.INTERP)
             code = _bucketize(y, bnd_ptr, PAGE.KB)
-        if not KFULL:
-            code = tl.where(inside, code, 0)  # padding coordinates pack as 0
-        if PAGE.KW1 == 0:
-            kbyte |= code << (c * PAGE.KW0)
-        else:
-            codes = codes + (code,)
+        code, kbyte, codes = _chunk_code(code, inside, kbyte, codes, c, KFULL, PAGE.KW0, PAGE.KW1)
         if PAGE.KEY_MODE == K_PROD:
             cent = tl.where(inside, tl.load(cb_ptr + code), 0.0)
             r2 += tl.sum(cent * (cent - 2.0 * y), 1)
@@ -261,7 +253,7 @@ def _encode_keys(
             )
     tl.store((page + PAGE.OFF_KNORM + off * NB).to(tl.pointer_type(NORM_T)), nrm.to(NORM_T), mask=valid)
     if PAGE.KEY_MODE == K_PROD:
-        _qjl_signs(u_hi, u_lo, cents, cents_lo, page, off, valid, d, s_hi_ptr, s_lo_ptr, w_hi_ptr, w_lo_ptr, PAGE, CFG)
+        _qjl_signs(u, cents, cents_lo, page, off, valid, d, s, w, PAGE, CFG)
         rn = nrm * tl.sqrt_rn(tl.maximum(r2, 0.0))
         tl.store((page + PAGE.OFF_KRNORM + off * NB).to(tl.pointer_type(NORM_T)), rn.to(NORM_T), mask=valid)
     return nrm
@@ -269,27 +261,16 @@ def _encode_keys(
 
 @triton.jit
 def _encode_klt_keys(
-    krow,
-    pos,
-    code_rows,
-    valid,
-    h,
-    meta_ptr,
-    enc_ptr,
-    mid_ptr,
-    mean_ptr,
-    turns_ptr,
-    scale,
-    PAGE: tl.constexpr,
-    CFG: tl.constexpr,
-    KLT: tl.constexpr,
+    krow, pos, code_rows, valid, h, klt, scale, PAGE: tl.constexpr, CFG: tl.constexpr, KLT: tl.constexpr
 ):
     """Post-RoPE keys at element pointers ``krow`` [BLOCK_T, 1] and positions ``pos`` [BLOCK_T] -> transform codes
     (``KeyTransformCoder.quantize``), stored at byte pointers ``code_rows`` [BLOCK_T]: the centered pre-RoPE key
     x = R_p^-1 k / s - m as three tiles (rotary pairs' first halves a, second halves b [BLOCK_T, RHP], channels past
     them [BLOCK_T, RRP]: neither rotated nor scaled, as transformers' partial RoPE), then z = A x KLT_CW coefficients
     at a time (fp32-accurate products with the row blocks of head h's transposed encode matrix), each coefficient's
-    nearest level, its code routed into the token's stream bytes."""
+    nearest level, its code routed into the token's stream bytes. ``klt``: the kernel's klt constants (meta, enc,
+    mid, mean, turns)."""
+    meta_ptr, enc_ptr, mid_ptr, mean_ptr, turns_ptr = klt
     h64 = h.to(tl.int64)
     ia = tl.arange(0, KLT.RHP)
     ir = tl.arange(0, KLT.RRP)
@@ -357,24 +338,12 @@ def _route_code_bytes(codes, bo, w, stream, CFG: tl.constexpr):
 
 
 @triton.jit
-def _qjl_signs(
-    u_hi,
-    u_lo,
-    cents,
-    cents_lo,
-    page,
-    off,
-    valid,
-    d,
-    s_hi_ptr,
-    s_lo_ptr,
-    w_hi_ptr,
-    w_lo_ptr,
-    PAGE: tl.constexpr,
-    CFG: tl.constexpr,
-):
+def _qjl_signs(u, cents, cents_lo, page, off, valid, d, s, w, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Store the signs of the residual's sketch S r = S unit - (S Pi^T) c, one bit plane per chunk of CH sketch rows
-    (8 planes), from the unit keys (hi + lo) and their centroids (``cents``, + lo parts when SPLIT_SKETCH)."""
+    (8 planes), from the unit keys ``u`` (hi, lo) and their centroids (``cents``, + lo parts when SPLIT_SKETCH);
+    ``s``, ``w``: the (hi, lo) pointers of S and W = S Pi^T."""
+    s_hi_ptr = s[0]
+    w_hi_ptr, w_lo_ptr = w
     kc = tl.arange(0, CFG.KCWP)
     sc = tl.arange(0, CFG.CHP)
     sbyte = tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.int32)
@@ -384,21 +353,10 @@ def _qjl_signs(
         # only where (S r)_i is within ~1e-6 of 0. Fast (KB <= 2 only): one fp16 product per term.
         smask = (sc[None, :] < PAGE.CH) & (row[None, :] < PAGE.D) & (d[:, None] < PAGE.D)
         if CFG.SPLIT_SKETCH:
-            sk = _dot3(
-                u_hi,
-                u_lo,
-                s_hi_ptr,
-                s_lo_ptr,
-                row,
-                d,
-                smask,
-                PAGE.D,
-                tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32),
-                CFG.INTERP,
-            )
+            sk = _dot3(u, s, row, d, smask, PAGE.D, CFG.INTERP)
         else:
             s_hi = tl.load(s_hi_ptr + row[None, :] * PAGE.D + d[:, None], mask=smask, other=0.0)
-            sk = mma(u_hi, s_hi, tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32), CFG.INTERP)
+            sk = mma(u[0], s_hi, tl.zeros([CFG.BLOCK_T, CFG.CHP], tl.float32), CFG.INTERP)
         for c2 in tl.static_range(PAGE.KCH):
             kr = c2 * PAGE.KCW + kc  # W^T block: rows = chunk c2 coordinates, cols = sketch rows of chunk c
             wmask = (
@@ -420,45 +378,30 @@ def _qjl_signs(
 
 
 @triton.jit
-def _encode_values(v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _encode_values(v, page, off, valid, d, values, PAGE: tl.constexpr, CFG: tl.constexpr):
     """TurboQuant_mse values v [BLOCK_T, DP] (padding columns zero) -> norm and the codebook indices of the rotated
     unit vector Pi_v v / ||v|| (values' own rotation and codebook), stored packed at the tokens' page offsets. Each
     value chunk's rotated coordinates come from hi+lo split products with the chunk's rows of Pi_v (the dense key
     path's ``_dot3``, ~22 bits, for both rotation kinds), so a code differs from the reference only where the
-    coordinate is within rounding of a boundary. Returns the norms (fp32, before rounding to the stored dtype)."""
+    coordinate is within rounding of a boundary. Returns the norms (fp32, before rounding to the stored dtype).
+    ``values``: (Pi_v's (hi, lo) pointers, the value codebook's decision boundaries)."""
+    vpi, vbnd_ptr = values
     NORM_T: tl.constexpr = tl.float32 if PAGE.NORM_F32 else tl.float16
     NB: tl.constexpr = 4 if PAGE.NORM_F32 else 2
     VFULL: tl.constexpr = PAGE.VCW == CFG.VCWP and PAGE.VCH * PAGE.VCW == PAGE.D  # no padding chunk columns
     vf = v.to(tl.float32)
     nrm = tl.sqrt_rn(tl.sum(vf * vf, 1))
-    unit = vf / tl.maximum(nrm, TINY)[:, None]
-    u_hi = unit.to(tl.float16)
-    u_lo = (unit - u_hi.to(tl.float32)).to(tl.float16)
+    u = _split16(vf / tl.maximum(nrm, TINY)[:, None])
     vc = tl.arange(0, CFG.VCWP)
     codes = ()
     vbyte = tl.zeros([CFG.BLOCK_T, CFG.VCWP], tl.int32)
     for c in tl.static_range(PAGE.VCH):
         row = c * PAGE.VCW + vc  # rows of Pi_v that give this chunk's rotated coordinates (planar chunk c)
         inside = (vc[None, :] < PAGE.VCW) & (row[None, :] < PAGE.D)
-        y = _dot3(
-            u_hi,
-            u_lo,
-            vpi_hi_ptr,
-            vpi_lo_ptr,
-            row,
-            d,
-            inside & (d[:, None] < PAGE.D),
-            PAGE.D,
-            tl.zeros([CFG.BLOCK_T, CFG.VCWP], tl.float32),
-            CFG.INTERP,
+        y = _dot3(u, vpi, row, d, inside & (d[:, None] < PAGE.D), PAGE.D, CFG.INTERP)
+        code, vbyte, codes = _chunk_code(
+            _bucketize(y, vbnd_ptr, PAGE.VB), inside, vbyte, codes, c, VFULL, PAGE.VW0, PAGE.VW1
         )
-        code = _bucketize(y, vbnd_ptr, PAGE.VB)
-        if not VFULL:
-            code = tl.where(inside, code, 0)  # padding coordinates pack as 0
-        if PAGE.VW1 == 0:
-            vbyte |= code << (c * PAGE.VW0)
-        else:
-            codes = codes + (code,)
     vptrs = (page + PAGE.OFF_VIDX + off * (PAGE.CH * PAGE.VB))[:, None] + vc[None, :]
     vmask = valid[:, None] & (vc[None, :] < PAGE.VCW)
     if PAGE.VW1 == 0:
@@ -470,12 +413,14 @@ def _encode_values(v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAG
 
 
 @triton.jit
-def _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
+def _quantize_values(vsrc, h, valid, page, off, PAGE: tl.constexpr, CFG: tl.constexpr):
     """Group-quantize and store values from the packing's chunk tiles [BLOCK_T, VCWP] (loaded once, no re-layout):
     min/max across whole chunks, one reciprocal per row and group instead of a division per element, and
     round-half-even by adding 1.5 * 2^23 (codes differ from the reference only at ties). Returns per token (CHECK)
     bit 0: a group's |minimum| or, with a V_ABS bound, |maximum| past its bound, bit 1: a group scale past VALUE_GROUP;
-    under CHECK the minimum and maximum carry NaN, so a non-finite value sets one of them (0 without CHECK)."""
+    under CHECK the minimum and maximum carry NaN, so a non-finite value sets one of them (0 without CHECK).
+    ``vsrc``: the values' (pointer, token offsets [BLOCK_T, 1], head stride), KV head ``h``."""
+    v_ptr, voff, stride_vh = vsrc
     LEVELS: tl.constexpr = (1 << PAGE.VB) - 1
     vc = tl.arange(0, CFG.VCWP)
     vt = ()

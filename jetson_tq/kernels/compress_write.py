@@ -75,25 +75,19 @@ def _compress_write_kernel(
     v_ptr,  # the same for the new values
     slot_ptr,  # int64 [N]: page slot of each token (block * BS + offset; < 0: skipped)
     pages_ptr,  # uint8 [blocks, HKV, PB]: the pages written
-    pi_hi_ptr,  # fp16 [D, D]: rotation Pi, high part (dense rotation)
-    pi_lo_ptr,  # fp16 [D, D]: ... and low part (hi + lo = Pi to ~22 bits)
-    s_hi_ptr,  # fp16 [D, D]: QJL sketch S, high part
-    s_lo_ptr,  # fp16 [D, D]: ... low part
-    w_hi_ptr,  # fp16 [D, D]: W = S Pi^T, high part (the sketch of the centroids)
-    w_lo_ptr,  # fp16 [D, D]: ... low part
-    cb_ptr,  # fp32: key codebook
-    bnd_ptr,  # fp32: its decision boundaries
-    mt_ptr,  # [D, D] in k's dtype: (sqrt(D) Pi)^T, entries +-1 (SIGN_MMA > 0)
-    vpi_hi_ptr,  # fp16 [D, D]: the value rotation Pi_v, high part (mse values)
-    vpi_lo_ptr,  # fp16 [D, D]: ... low part
-    vbnd_ptr,  # fp32: the value codebook's decision boundaries (mse values)
+    # the key path's constants (mse / prod keys): (pi, s, w, cb_ptr, bnd_ptr, mt_ptr); pi: rotation Pi as fp16 [D, D]
+    # (hi, lo) pointers (hi + lo = Pi to ~22 bits; dense rotation), s: QJL sketch S likewise, w: W = S Pi^T likewise
+    # (the sketch of the centroids), cb_ptr: fp32 key codebook, bnd_ptr: its decision boundaries, mt_ptr: (sqrt(D)
+    # Pi)^T in k's dtype, entries +-1 (SIGN_MMA > 0)
+    keys,
+    values,  # mse values: (the value rotation Pi_v as fp16 (hi, lo) pointers, fp32 decision boundaries of its codebook)
     fault_ptr,  # int64 [2]: the first store fault (``validate.FAULT_NONE``: none), then 1 once closed (CHECK)
     pos_ptr,  # int [N]: each token's position in its sequence (klt keys; else a placeholder)
-    klt_meta_ptr,  # int32 [HKV, 2, DP]: klt keys (``_common.klt_constants``): code bit offsets and widths
-    klt_enc_ptr,  # fp32 [HKV, DP, DP]: encode matrix transposed (row = channel, column = coefficient)
-    klt_mid_ptr,  # fp32 [HKV, D, 255]: decision thresholds between used levels (+inf past them)
-    klt_mean_ptr,  # fp32 [HKV, DP]: mean
-    klt_turns_ptr,  # fp64 [RHP]: RoPE frequencies in turns per position
+    # klt keys (``_common.klt_constants``; placeholders otherwise): (meta: int32 [HKV, 2, DP] code bit offsets and
+    # widths, enc: fp32 [HKV, DP, DP] encode matrix transposed (row = channel, column = coefficient), mid: fp32
+    # [HKV, D, 255] decision thresholds between used levels (+inf past them), mean: fp32 [HKV, DP], turns: fp64 [RHP]
+    # RoPE frequencies in turns per position)
+    klt,
     # ---- sizes, strides, scalars
     sqrt_d,  # sqrt(D) as fp32 (the reference divides by it)
     n_tokens,  # N (= R * T)
@@ -144,11 +138,7 @@ def _compress_write_kernel(
             page + PAGE.OFF_KCODE + off * PAGE.KCB,
             valid,
             h,
-            klt_meta_ptr,
-            klt_enc_ptr,
-            klt_mid_ptr,
-            klt_mean_ptr,
-            klt_turns_ptr,
+            klt,
             klt_scale,
             PAGE,
             CFG,
@@ -156,28 +146,13 @@ def _compress_write_kernel(
         )
         nrm = tl.zeros([CFG.BLOCK_T], tl.float32)  # no norm stored (K_ELEMS checks the elements)
     else:
-        nrm = _encode_keys(
-            kin,
-            page,
-            off,
-            valid,
-            d,
-            pi_hi_ptr,
-            pi_lo_ptr,
-            s_hi_ptr,
-            s_lo_ptr,
-            w_hi_ptr,
-            w_lo_ptr,
-            cb_ptr,
-            bnd_ptr,
-            mt_ptr,
-            sqrt_d,
-            PAGE,
-            CFG,
-        )
+        nrm = _encode_keys(kin, page, off, valid, d, keys, sqrt_d, PAGE, CFG)
         if CFG.CHECK:  # a non-finite key has a non-finite norm
             bad = bad | ~(nrm <= CFG.KEY_NORM)
     voff = _token_offsets(t, t64, row_tokens, stride_vb, stride_vt, CFG.ROWS)
+    # the values' (pointer, token offsets, head stride): helpers form head h's rows where they read them (row pointers
+    # formed once up front stayed live into the checks and moved the checked kernel's registers, offline sm_90)
+    vsrc = (v_ptr, voff, stride_vh)
     if PAGE.VAL_MODE == V_RAW:
         v = tl.load(v_ptr + voff + h * stride_vh + d[None, :], mask=dmask, other=0.0)
         tl.store(
@@ -190,29 +165,14 @@ def _compress_write_kernel(
             bad = bad | _over(v, dmask, CFG.V_ABS)
     elif PAGE.VAL_MODE == V_MSE:
         v = tl.load(v_ptr + voff + h * stride_vh + d[None, :], mask=dmask, other=0.0)
-        vnrm = _encode_values(v, page, off, valid, d, vpi_hi_ptr, vpi_lo_ptr, vbnd_ptr, PAGE, CFG)
+        vnrm = _encode_values(v, page, off, valid, d, values, PAGE, CFG)
         gbad = tl.zeros([CFG.BLOCK_T], tl.int32)
         if CFG.CHECK:  # bit 2: the value norm past its bound (a non-finite value has a non-finite norm)
             gbad = tl.where(~(vnrm <= CFG.VALUE_NORM), 4, 0)
             bad = bad | _over(v, dmask, CFG.V_ABS) | (gbad != 0)
     else:
-        gbad = _quantize_values(v_ptr, voff, h, stride_vh, valid, page, off, PAGE, CFG)
+        gbad = _quantize_values(vsrc, h, valid, page, off, PAGE, CFG)
         bad = bad | (gbad != 0)
     if CFG.CHECK:
         if tl.max((valid & bad).to(tl.int32), 0) != 0:  # rare: the exact fault code, from a second load of the tiles
-            _record_fault(
-                k_ptr,
-                v_ptr,
-                fault_ptr,
-                nrm,
-                gbad,
-                slot,
-                valid,
-                koff,
-                voff,
-                h,
-                stride_kh,
-                stride_vh,
-                PAGE,
-                CFG,
-            )
+            _record_fault((k_ptr, koff, stride_kh), vsrc, fault_ptr, nrm, gbad, slot, valid, h, PAGE, CFG)

@@ -149,15 +149,11 @@ def compress_write(
         v,
         slots,
         pages,
-        *setup.consts["write_mats"],
-        setup.consts["codebook"],
-        setup.consts["bounds"],
-        setup.signs,
-        *setup.consts["vwrite"],
-        setup.consts["vbounds"],
+        setup.keys,
+        setup.values,
         slots if fault is None else fault,
         pos,
-        *setup.klt_args,
+        setup.klt_args,
         setup.sqrt_d,
         n,
         k.stride(-3),
@@ -207,13 +203,15 @@ class _WriteSetup:
     bundles, made once (cached by ``compress_write``)."""
 
     codec: KVCodec
-    consts: dict  # ``codec_constants``
-    signs: torch.Tensor  # (sqrt(D) Pi)^T in k's dtype (SIGN_MMA > 0), else a placeholder
+    keys: tuple  # the kernel's ``keys``: (Pi, S, W = S Pi^T as fp16 (hi, lo) pairs, key codebook, its boundaries,
+    # (sqrt(D) Pi)^T in k's dtype (SIGN_MMA > 0) or a placeholder)
+    values: tuple  # the kernel's ``values``: (Pi_v as an fp16 (hi, lo) pair, the value codebook's boundaries)
     sqrt_d: float  # sqrt(D) rounded to fp32, as the reference divides by it
     page: tuple  # the ``PageSpec`` bundle
     cfg: WriteConstexprs  # with the default tile; ``constexprs`` sets BLOCK_T
     fit_key: tuple  # key of the tile size that fit in shared memory
-    klt_args: tuple  # klt keys' device constants (meta, enc, mid, mean, turns), placeholders for other keys
+    klt_args: tuple  # the kernel's ``klt``: klt keys' device constants (meta, enc, mid, mean, turns), placeholders
+    # for other keys
     klt_scale: float  # klt keys: RoPE's attention scaling (1.0 otherwise)
     klt_bundle: tuple  # the ``KltSpec`` bundle
     serial: int = field(default_factory=lambda: next(_SERIAL))  # the launch key (an id() could be reused)
@@ -358,7 +356,9 @@ def _setup(
         limits is not None,
     )
     klt_scale = klt["scale"] if codec.key_coder is not None else 1.0
-    return _WriteSetup(codec, consts, signs, sqrt_d, page, cfg, fit_key, klt_args, klt_scale, klt["bundle"])
+    keys = (*consts["write_mats"], consts["codebook"], consts["bounds"], signs)
+    values = (consts["vwrite"], consts["vbounds"])
+    return _WriteSetup(codec, keys, values, sqrt_d, page, cfg, fit_key, klt_args, klt_scale, klt["bundle"])
 
 
 def _sign_matrix_t(codec: KVCodec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -86,7 +86,7 @@ def _recent_tokens(
                 )
                 pv = mma(v, p.to(v.dtype), tl.zeros([CFG.VSUBP, CFG.GP], tl.float32), CFG.INTERP)
                 if CFG.FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
-                    pv = pv * (value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2) / TWO24)
+                    pv = pv * (value_unit(c, PAGE) / TWO24)
                 new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + pv,)
         acc = new_acc
     return m_i, l_i, acc, zacc
@@ -190,7 +190,7 @@ def _exact_rows(
                 ).to(ring_ptr.dtype.element_ty)
                 pv = mma(v, p.to(v.dtype), tl.zeros([CFG.VSUBP, CFG.GP], tl.float32), CFG.INTERP)
                 if CFG.FAST_V:  # the fast-path accumulators hold values * u * 2^-24 (``value_unit``)
-                    pv = pv * (value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2) / TWO24)
+                    pv = pv * (value_unit(c, PAGE) / TWO24)
                 new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + pv,)
         acc = new_acc
     return m_i, l_i, acc, zacc

@@ -48,7 +48,7 @@ def _write_output(
             if CFG.FAST_V:
                 grp = (c * PAGE.VCW + j * CFG.VSUB) // PAGE.GROUP
                 zsum = tl.sum(tl.where(ng[:, None] == grp, zacc, 0.0), 0)
-                u = value_unit(c, PAGE.CH, PAGE.VCW, PAGE.VB, PAGE.VW0, PAGE.VW1, PAGE.VW2)
+                u = value_unit(c, PAGE)
                 o = o * (TWO24 / u) + zsum[None, :]
             o = o * inv[None, :]
             if CFG.SINGLE:

@@ -233,21 +233,7 @@ def _value_tile(page, off, nmask, vu, ng, p, alpha, acc, zacc, zero_rt, vcb_ptr,
                     grp = (c * PAGE.VCW + j * CFG.VSUB) // PAGE.GROUP
                     vs = tl.load(srow + grp, mask=nmask, other=0.0)
                     w = p16 * vs[:, None]  # fp16 product: P is converted to the operand layout once
-                    tile = folded_value_tile(
-                        xvs[j],
-                        vptr,
-                        vmask,
-                        w,
-                        zero_rt,
-                        c,
-                        PAGE.CH,
-                        PAGE.VCW,
-                        PAGE.VB,
-                        PAGE.VW0,
-                        PAGE.VW1,
-                        PAGE.VW2,
-                        CFG.INTERP,
-                    )
+                    tile = folded_value_tile(xvs[j], vptr, vmask, w, zero_rt, c, PAGE, CFG.INTERP)
                     new_acc = new_acc + (acc[c * CFG.VSC + j] * alpha[None, :] + tile,)
                 else:
                     if PAGE.VW1 == 0:

@@ -197,25 +197,13 @@ def _prefill_kernel(
     s0,  # first token of this segment
     seg,  # tokens per segment
     T,  # chunk tokens
-    # ---- strides (elements)
-    stride_qb,
-    stride_qh,
-    stride_qt,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_rkn,
-    stride_rkh,
-    stride_rkt,
-    stride_rvn,
-    stride_rvh,
-    stride_rvt,
-    stride_ob,
-    stride_oh,
-    stride_ot,
+    # ---- strides (elements): (sequence or buffer row, head, token) of each tensor (``prefill_plan.run``)
+    q_strides,
+    k_strides,
+    v_strides,
+    rk_strides,
+    rv_strides,
+    out_strides,
     # ---- scalars
     scale_log2,  # softmax scale * log2(e)
     ring,  # the recent window R
@@ -289,6 +277,7 @@ def _prefill_kernel(
 
     if CFG.FINAL:
         # ---- the exact window: ring rows, then the chunk itself (both uncompressed)
+        stride_qb, stride_qh, stride_qt = q_strides
         qraw = (
             tl.load(
                 q_ptr
@@ -305,6 +294,10 @@ def _prefill_kernel(
         if CFG.WINDOW:  # the exact part reads [max(lo, wlo), qpos]
             lo = tl.maximum(lo, wlo)
             lo_first = tl.maximum(lo_first, wlo_first)
+        stride_rkn, stride_rkh, stride_rkt = rk_strides
+        stride_rvn, stride_rvh, stride_rvt = rv_strides
+        stride_kb, stride_kh, stride_kt = k_strides
+        stride_vb, stride_vh, stride_vt = v_strides
         ring_src = (
             rk_ptr + ridx * stride_rkn + h.to(tl.int64) * stride_rkh,
             rv_ptr + ridx * stride_rvn + h.to(tl.int64) * stride_rvh,
@@ -335,6 +328,7 @@ def _prefill_kernel(
         acc, m_i, l_i = state
         l_i = add_sink(l_i, m_i, sinks_ptr, hq, rmask, CFG.SINKS)
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        stride_ob, stride_oh, stride_ot = out_strides
         optr = (
             out_ptr
             + b.to(tl.int64) * stride_ob

@@ -308,7 +308,7 @@ def run(
         rk, rv = k, v
     workspaces = (ws.wk, ws.wv, ws.state)
     tensors = (qt, q, k, v, *workspaces, kv.compressed_lens, rk, rv, kv.recent_lens, kv.recent_index, out, plan.sinks)
-    strides = tuple(s for t in (q, k, v, rk, rv, out) for s in t.stride()[:3])
+    strides = tuple(t.stride()[:3] for t in (q, k, v, rk, rv, out))  # the kernel's q_strides .. out_strides
     scalars = (plan.scale * LOG2E, plan.ring, plan.cap2, plan.window)
     for i in range(plan.nseg):
         s0 = i * plan.seg
