@@ -69,6 +69,7 @@ def _runner_wrap(original):
         log_capacity(self.vllm_config, kv_cache_config)
         log_encoder_attention(self)
         warmed: set = set()
+        report_compiles(None)  # this engine's warm-up compiles are not late (an earlier engine of the process set it)
         for layer in our_layers(self.vllm_config).values():
             layer.impl.allocate_recent(
                 recent_rows(self.vllm_config), torch.device(self.device), self.model_config.dtype

@@ -160,8 +160,19 @@ def late_compile(kernel: str, key: tuple, seconds: float) -> None:
         "jetson-tq: %s compiled while serving (%.2f s, a request waited): not covered by the warm-up, key %s",
         kernel,
         seconds,
-        str(key)[:400],
+        short_key(key),
     )
+
+
+def short_key(key: tuple, limit: int = 400) -> str:
+    """``key`` as text of at most about ``limit`` characters, its start and its end: a launch key opens with the
+    layer's long page spec, which is the same for every launch of a format, and the shape classes that tell two
+    launches apart come last."""
+    text = str(key)
+    if len(text) <= limit:
+        return text
+    head = limit // 4
+    return f"{text[:head]} ... {text[-(limit - head) :]}"
 
 
 def warm_up_layer(runner, layer, warmed: set) -> None:

@@ -205,3 +205,36 @@ def test_warm_up_compiles_the_verification_rows_of_speculative_decoding(hq, hkv,
         f"{len(missing)} of {len(request.keys)} verification-step specializations are not compiled by the warm-up:\n"
         + specializations.describe_missing(missing, warm.keys)
     )
+
+
+def test_an_engine_warm_up_is_not_reported_as_late_compiles(monkeypatch):
+    """The late-compile report is off while an engine warms up, even when an earlier engine of the process set it
+    (a second engine's warm-up compiles were logged as a request's wait), and on again after."""
+    from jetson_tq.integrations.vllm import hooks, warmup
+
+    events: list = []
+    monkeypatch.setattr(hooks, "report_compiles", lambda hook: events.append(("report", hook)))
+    monkeypatch.setattr(hooks, "warm_up_layer", lambda runner, layer, warmed: (events.append("warm"), warmed.add(1)))
+    for name in ("remember_runner", "configure_all", "adopt_final_specs", "log_capacity", "log_encoder_attention"):
+        monkeypatch.setattr(hooks, name, lambda *args: None)
+    monkeypatch.setattr(hooks, "recent_rows", lambda config: 1)
+
+    class Impl:
+        def allocate_recent(self, rows, device, dtype) -> None:
+            pass
+
+    layer = type("Layer", (), {"impl": Impl()})()
+    monkeypatch.setattr(hooks, "our_layers", lambda config: {"layers.0": layer})
+    runner = type("Runner", (), {"vllm_config": None, "device": "cpu", "model_config": type("M", (), {"dtype": None})})
+    hooks._runner_wrap(lambda self, config: "out")(runner(), None)
+    assert events == [("report", None), "warm", ("report", warmup.late_compile)]
+
+
+def test_a_late_compile_names_the_end_of_a_long_launch_key():
+    """A launch key opens with the format's page spec: the log keeps its end, where two launches differ."""
+    from jetson_tq.integrations.vllm.warmup import short_key
+
+    key = ("x" * 1000, 17, 128)
+    text = short_key(key)
+    assert len(text) < 420 and text.endswith("17, 128)") and text.startswith("('xxx")
+    assert short_key((1, 2)) == "(1, 2)"
