@@ -60,10 +60,11 @@ def warm_up(
     (tests/integrations/vllm/test_vllm_warmup.py checks it): block tables ``table_width`` columns wide (vLLM's
     ``cdiv(max_model_len, block_size)``: their row stride is a kernel argument); chunks of ``warm_up_lengths``
     tokens, each first, over a short history and ending at the table's capacity (the prefill workspace's segment
-    flags); decode batches
-    of every row count 1..``max_rows`` (max_num_seqs: the split count, hence its int classes and the reduce
-    width, follows the batch); with speculative decoding, batches of 1..``max_rows`` verification rows of each
-    length 2..``undo_tokens``. Row counts that share a specialization launch again without compiling."""
+    flags), each also as a step's second request (its block-table row's alignment); decode batches of every row
+    count 1..``max_rows`` (max_num_seqs: the split count, hence its int classes and the reduce width, follows the
+    batch); with speculative decoding, batches of 1..``max_rows`` verification rows of each length
+    2..``undo_tokens`` and a one-token chunk. Row counts that share a specialization launch again without
+    compiling."""
     if impl.layout is None or impl.recent_k is None or kv_cache.numel() == 0:
         return
     fmt = impl.fmt
@@ -121,9 +122,18 @@ def warm_up(
         impl._write(kv, kv, kv_cache, md.slot_mapping, md)
         impl._forward_eager(q, kv, kv, kv_cache, md, torch.empty_like(q))
 
+    # a chunk of a step's second request reads its block-table row at width * 4 bytes, which Triton keys as a pointer
+    # not 16-byte aligned unless width % 4 == 0 (a first 8 x 2k step compiled the dequantizer again, 0.96 s)
+    misaligned = width % 4 != 0
     for n in lengths:  # a first chunk, one over a short history, one ending at the table's capacity
         for ctx in sorted({c for c in (0, hist, width * bs - n) if 0 <= c <= width * bs - n}):
             step(meta([n], [ctx], 0))
+            if misaligned:
+                step(meta([2, n], [ctx, ctx], 0))
+    if impl.undo_tokens:  # with speculation a one-token row after verification rows stays a chunk (T == 1 keys)
+        step(meta([1], [hist + 1], 0))
+        if misaligned:
+            step(meta([2, 1], [hist + 1, hist + 1], 0))
     for rows in range(1, max(1, max_rows) + 1):
         step(meta([1] * rows, [hist + 1] * rows, rows))
     as_decode = fmt.key_mode != "klt" and not impl.reproducible  # the builder's rule (``_spec_as_decode``)

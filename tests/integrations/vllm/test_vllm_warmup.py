@@ -11,6 +11,7 @@ differs from the warm-up's nearest key. The decode split count sees the H200's 1
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -203,6 +204,37 @@ def test_warm_up_compiles_the_verification_rows_of_speculative_decoding(hq, hkv,
     missing = request.missing_from(warm.keys)
     assert not missing, (
         f"{len(missing)} of {len(request.keys)} verification-step specializations are not compiled by the warm-up:\n"
+        + specializations.describe_missing(missing, warm.keys)
+    )
+
+
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "speculative"])
+def test_warm_up_compiles_a_first_step_of_several_prompts(drafts, monkeypatch):
+    """Eight 2,048-token prompts in one step under a 16,384-token budget, then decode steps or, with speculation,
+    verification steps and a step of one-token rows among draft rows (chunks of one token): an engine's first
+    requests on an H100 compiled the dequantizer, the prefill and the query transform after the warm-up. The block
+    table is 19 blocks wide (max_model_len 2,368), so the rows of requests past the first are not 16-byte aligned."""
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "MAX_MODEL_LEN", 2368)
+    monkeypatch.setattr(module, "MAX_NUM_SEQS", 8)
+    layer = Layer("mse_k4v3", 28, 4, 128)
+    assert layer.width % 4, "the case needs a block table whose rows are not all 16-byte aligned"
+    if drafts:
+        layer.impl.set_undo_tokens(1 + drafts)
+        layer.impl.allocate_recent(8, torch.device("cpu"), layer.dtype)
+    with specializations.record(launch=False) as warm:
+        warm_up(layer.impl, layer.pages, max_rows=8, table_width=layer.width, max_len=2368, budget=16384)
+    with specializations.record(launch=False) as request:
+        layer.step([2048] * 8, [0] * 8)
+        for i in range(3):
+            if drafts:
+                layer.verify_step(1 + drafts, [2048 + 4 * i] * 8)
+                layer.step([4, 4, 1, 4, 3, 4, 1, 2], [2100 + i] * 8)
+            else:
+                layer.step([1] * 8, [2048 + i] * 8)
+    missing = request.missing_from(warm.keys)
+    assert not missing, (
+        f"{len(missing)} of {len(request.keys)} specializations of the first steps are not compiled by the warm-up:\n"
         + specializations.describe_missing(missing, warm.keys)
     )
 
