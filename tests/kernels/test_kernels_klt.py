@@ -138,15 +138,18 @@ def test_calibrated_sink_in_decode_and_prefill_matches_reference(kind):
     comp, rec, t = [70, 0], [4, 3], 3
     kv = build_paged_kv(fmt, 2, d, comp, rec, torch.float16, gen, key_transform=kt, recent_cap=4, sink=True)
     assert kv.codec.has_sink
-    q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)
-    want = paged_attention_decode(q, kv)
+    plain = replace(kv, codec=type(kv.codec)(fmt, d, raw_dtype=torch.float16, key_transform=replace(kt)))
+    for _ in range(16):  # a query for which the sink matters well above the kernels' error bound (some barely look)
+        q = (torch.randn(2, 8, d, generator=gen) * 3).half().to(DEVICE)
+        want = paged_attention_decode(q, kv)
+        moved = rel_err(paged_attention_decode(q, plain)[0], want[0])
+        if moved > 1e-2:
+            break
+    assert moved > 1e-2, f"seed={seed}: the sink should move sequence 0's output, moved {moved:.2e}"
     for splits in (1, 3):
         got = hybrid_decode(q, kv, tuning=DecodeTuning(num_splits=splits))
         err = rel_err(got, want)
         assert err < 2e-3, f"decode seed={seed} splits={splits}: {err:.2e}"
-    plain = replace(kv, codec=type(kv.codec)(fmt, d, raw_dtype=torch.float16, key_transform=replace(kt)))
-    moved = rel_err(paged_attention_decode(q, plain)[0], want[0])
-    assert moved > 1e-2, f"the sink should move sequence 0's output, moved {moved:.2e}"
     assert rel_err(paged_attention_decode(q, plain)[1], want[1]) < 1e-6  # nothing compressed: no sink read
     hold = [c + r + t for c, r in zip(comp, rec)]
     kv = build_paged_kv(

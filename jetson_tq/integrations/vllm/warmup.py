@@ -125,15 +125,16 @@ def warm_up(
     # a chunk of a step's second request reads its block-table row at width * 4 bytes, which Triton keys as a pointer
     # not 16-byte aligned unless width % 4 == 0 (a first 8 x 2k step compiled the dequantizer again, 0.96 s)
     misaligned = width % 4 != 0
+    first = max(2, impl.undo_tokens + 1)  # the first request's chunk: longer than a verification row, never T == 1
     for n in lengths:  # a first chunk, one over a short history, one ending at the table's capacity
         for ctx in sorted({c for c in (0, hist, width * bs - n) if 0 <= c <= width * bs - n}):
             step(meta([n], [ctx], 0))
             if misaligned:
-                step(meta([2, n], [ctx, ctx], 0))
+                step(meta([first, n], [ctx, ctx], 0))
     if impl.undo_tokens:  # with speculation a one-token row after verification rows stays a chunk (T == 1 keys)
         step(meta([1], [hist + 1], 0))
         if misaligned:
-            step(meta([2, 1], [hist + 1, hist + 1], 0))
+            step(meta([first, 1], [hist + 1, hist + 1], 0))
     for rows in range(1, max(1, max_rows) + 1):
         step(meta([1] * rows, [hist + 1] * rows, rows))
     as_decode = fmt.key_mode != "klt" and not impl.reproducible  # the builder's rule (``_spec_as_decode``)
