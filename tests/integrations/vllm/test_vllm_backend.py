@@ -240,9 +240,11 @@ def test_impl_refuses_unsupported_attention(kwargs, word):
         TurboQuantAttentionImpl(HQ, D, 1.0, HKV, **kwargs)
 
 
-def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
+@pytest.mark.parametrize("width", [32, 19], ids=["aligned-rows", "unaligned-rows"])
+def test_warm_up_touches_only_the_null_block_and_the_scratch_row(width):
     """The engine-start warm-up (so Triton compiles before the first request) writes vLLM's null block 0 and the
-    scratch ring row, nothing a request owns; the layer's real path runs, so a broken path fails here."""
+    scratch ring row, nothing a request owns, also where it runs a chunk as a step's second request (a block table
+    whose width is not a multiple of 4); the layer's real path runs, so a broken path fails here."""
     from jetson_tq.integrations.vllm.warmup import bound_cache, warm_up
 
     fmt = KVFormat()
@@ -268,7 +270,7 @@ def test_warm_up_touches_only_the_null_block_and_the_scratch_row():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ops, "prefill", logged_prefill)
         mp.setattr(ops, "decode", logged_decode)
-        warm_up(impl, pages, max_rows=5, table_width=32, budget=64)
+        warm_up(impl, pages, max_rows=5, table_width=width, budget=64)
     assert ("prefill", 0) in calls and any(k == "prefill" and n > 0 for k, n in calls), "with and without history"
     assert {n for k, n in calls if k == "decode"} == {1, 2, 3, 4, 5}, "every decode row count up to max_rows"
     assert not torch.equal(pages[0], before[0]), "the warm-up must run the write path (block 0)"
