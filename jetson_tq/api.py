@@ -11,7 +11,8 @@ import torch
 
 from . import ops
 from .cache.compressed import CompressedKVCache
-from .errors import ShapeError, expect_tensor
+from .codec.scores import expect_scores_tensors
+from .errors import ShapeError
 from .paged import PagedKV
 from .validate import check_attention_inputs, check_attention_mask, check_attention_output
 
@@ -90,14 +91,5 @@ def attention_prefill(
 
 def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
     """Raw TurboQuant_prod scores [B, S] in fp32 (the Triton kernel for CUDA inputs; see ``codec.scores``)."""
-    for name, t in (
-        ("Q", Q),
-        ("K_idx", K_idx),
-        ("qjl_signs", qjl_signs),
-        ("gamma", gamma),
-        ("Pi", Pi),
-        ("S_mat", S_mat),
-        ("codebook", codebook),
-    ):
-        expect_tensor(name, t)  # before ops picks a backend from Q.device
+    expect_scores_tensors(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)  # before ops picks a backend from Q.device
     return ops.scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend)

@@ -16,8 +16,9 @@ from ..errors import DTypeError, ShapeError, expect_rank, expect_same_device, ex
 from ..validate import check_rotation, check_scores_values
 
 
-def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
-    """Validate shapes, dtypes and devices of ``turboquant_scores`` inputs (named errors)."""
+def expect_scores_tensors(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
+    """Every ``turboquant_scores`` input is a tensor (a named error otherwise): the first of its checks, which the
+    public call runs before ``ops`` picks a backend from Q's device."""
     for name, t in (
         ("Q", Q),
         ("K_idx", K_idx),
@@ -28,6 +29,11 @@ def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None
         ("codebook", codebook),
     ):
         expect_tensor(name, t)
+
+
+def check_scores_inputs(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
+    """Validate shapes, dtypes and devices of ``turboquant_scores`` inputs (named errors)."""
+    expect_scores_tensors(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)
     expect_same_device(Q=Q, K_idx=K_idx, qjl_signs=qjl_signs, gamma=gamma, Pi=Pi, S_mat=S_mat, codebook=codebook)
     expect_rank("Q", Q, (2,))
     expect_rank("K_idx", K_idx, (2,))
