@@ -14,8 +14,8 @@ Why each step (the measured choices are in docs/fidelity.md, "Quality at 5x"):
 - **Levels.** A weighted Lloyd-Max codebook per coefficient (``lloyd_levels``) or a fitted cubic of the code, which
   the kernels compute with no table (``cubic_levels``).
 
-``fit_head`` runs them for one KV head; ``jetson_tq.calibration.keys`` drives them over a model, and the lab's
-evaluation coder (``lab.eval.klt_keys``) reuses them.
+``fit_heads`` runs them for every KV head of a layer at once; ``jetson_tq.calibration.keys`` drives them over a
+model, and the lab's evaluation coder (``lab.eval.klt_keys``) reuses them.
 """
 
 from __future__ import annotations
@@ -231,34 +231,6 @@ def fit_heads(
         fit = cubic_levels if levels == "cubic" else lloyd_levels
         out["levels"] = fit(z, ww, lam.sqrt(), bits)
     return out
-
-
-def fit_head(
-    k_pre: torch.Tensor,
-    q_pre: torch.Tensor,
-    weight: torch.Tensor,
-    budget: int,
-    *,
-    widths: tuple[int, ...] = (),
-    levels: str | None = "cubic",
-    block: int = 0,
-    rotary_dim: int | None = None,
-    token_norm: bool = False,
-) -> dict[str, torch.Tensor]:
-    """One KV head's coder (``fit_heads`` of one head) from its pre-RoPE keys [N, D], weights [N] and its query
-    group's pre-RoPE queries [M, D]: fields without the head dim."""
-    out = fit_heads(
-        k_pre[None],
-        q_pre[None],
-        weight[None],
-        budget,
-        widths=widths,
-        levels=levels,
-        block=block,
-        rotary_dim=rotary_dim,
-        token_norm=token_norm,
-    )
-    return {n: v[0] for n, v in out.items()}
 
 
 def pair_blocks(head_dim: int, block: int, rotary_dim: int | None = None) -> list[torch.Tensor]:

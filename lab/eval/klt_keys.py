@@ -55,7 +55,7 @@ from jetson_tq.calibration.fit import (  # noqa: F401  (re-exported: the lab's c
     block_klt,
     cubic_levels,
     distortion,
-    fit_head,
+    fit_heads,
     gaussian_codebook,
     key_weights,
     lloyd_levels,
@@ -147,22 +147,18 @@ def calibrate(
         a = torch.ones(k.shape[:3], dtype=torch.float64)
         if spec.attention:
             a = key_weights(received_attention(cap)[:, :, skip:])
-        h, g = k.shape[1], q.shape[1] // k.shape[1]
-        heads = [
-            fit_head(
-                k[:, i].reshape(-1, head_dim),
-                q[:, i * g : (i + 1) * g].transpose(0, 1).reshape(-1, head_dim),
-                a[:, i].reshape(-1),
-                budget,
-                widths=spec.widths,
-                levels=levels,
-                block=spec.block,
-                rotary_dim=rotary.rotary_dim,
-                token_norm=spec.token_norm,
-            )
-            for i in range(h)
-        ]
-        fields = {n: torch.stack([f[n] for f in heads]) for n in heads[0]}
+        b, h, g = k.shape[0], k.shape[1], q.shape[1] // k.shape[1]
+        fields = fit_heads(  # every head at once: [H, B * T', D] keys, each head's query group [H, G * B * T', D]
+            k.transpose(0, 1).reshape(h, -1, head_dim),
+            q.reshape(b, h, g, -1, head_dim).permute(1, 2, 0, 3, 4).reshape(h, -1, head_dim),
+            a.transpose(0, 1).reshape(h, -1),
+            budget,
+            widths=spec.widths,
+            levels=levels,
+            block=spec.block,
+            rotary_dim=rotary.rotary_dim,
+            token_norm=spec.token_norm,
+        )
         out.append(
             KLTLayer(
                 mean=fields["mean"].float(),

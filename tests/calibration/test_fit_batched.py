@@ -64,8 +64,6 @@ def test_batched_pieces_match_one_head_at_a_time(seed: int):
     lam[2, :8] = lam[2, 8]  # equal gains: the first one taken, as alone
     batched = fit.allocate_bits(lam, 150)
     assert all(torch.equal(batched[i], fit_oracle.allocate_bits(lam[i], 150)) for i in range(5))
-    one = fit.fit_head(k[1], q[1], w[1], 200, **kw)  # one head: the batched fit of one
-    assert all(torch.equal(one[n], got[n][1]) or close(one[n], got[n][1]) for n in one)
 
 
 def test_eigenvector_signs_are_fixed():
