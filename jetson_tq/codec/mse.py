@@ -25,6 +25,16 @@ class MSECode:
         return self.norm.shape
 
 
+def norm_and_unit(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(||x|| [...], x / ||x|| [..., dim]) in float32 of float vectors x [..., dim] (named errors otherwise): what
+    both TurboQuant quantizers code; a zero vector stays zero (its norm clamped to fp32's smallest normal)."""
+    expect_float("x", x)
+    expect_last_dim("x", x, dim)
+    xf = x.float()
+    norm = xf.norm(dim=-1)
+    return norm, xf / norm.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+
+
 class TurboQuantMSE:
     """b-bit TurboQuant_mse (paper Alg. 1) for vectors of any norm: x ~ ||x|| Pi^T c[idx].
 
@@ -57,12 +67,8 @@ class TurboQuantMSE:
         return self._on(self.codebook, idx.device)[idx.long()]
 
     def quantize(self, x: torch.Tensor) -> MSECode:
-        expect_float("x", x)
-        expect_last_dim("x", x, self.dim)
-        xf = x.float()
-        norm = xf.norm(dim=-1)
-        y = self.rotation.apply(xf / norm.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1))
-        idx = self.quantize_unit_rotated(y)
+        norm, unit = norm_and_unit(x, self.dim)
+        idx = self.quantize_unit_rotated(self.rotation.apply(unit))
         return MSECode(idx=pack_bits(idx, self.bits), norm=norm.to(self.norm_dtype), dtype=x.dtype)
 
     def unpack(self, code: MSECode) -> torch.Tensor:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import FormatError, expect_float, expect_last_dim
-from .mse import MSECode, TurboQuantMSE
+from ..errors import FormatError
+from .mse import MSECode, TurboQuantMSE, norm_and_unit
 from .packing import pack_bits, unpack_bits
 from .rotation import Rotation, qjl_matrix
 
@@ -53,11 +53,7 @@ class TurboQuantProd:
         return qjl_matrix(self.dim, self.seed, device, dtype)
 
     def quantize(self, x: torch.Tensor) -> ProdCode:
-        expect_float("x", x)
-        expect_last_dim("x", x, self.dim)
-        xf = x.float()
-        norm = xf.norm(dim=-1)
-        unit = xf / norm.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+        norm, unit = norm_and_unit(x, self.dim)
         if self.mse is not None:
             idx = self.mse.quantize_unit_rotated(self.rotation.apply(unit))
             residual = unit - self.rotation.invert(self.mse.centroids(idx))
