@@ -11,7 +11,6 @@ import torch
 
 from . import ops
 from .cache.compressed import CompressedKVCache
-from .codec.scores import expect_scores_tensors
 from .errors import ShapeError
 from .paged import PagedKV
 from .validate import check_attention_inputs, check_attention_mask, check_attention_output
@@ -91,5 +90,4 @@ def attention_prefill(
 
 def turboquant_scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
     """Raw TurboQuant_prod scores [B, S] in fp32 (the Triton kernel for CUDA inputs; see ``codec.scores``)."""
-    expect_scores_tensors(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)  # before ops picks a backend from Q.device
     return ops.scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend)

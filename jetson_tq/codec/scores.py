@@ -17,8 +17,8 @@ from ..validate import check_rotation, check_scores_values
 
 
 def expect_scores_tensors(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook) -> None:
-    """Every ``turboquant_scores`` input is a tensor (a named error otherwise): the first of its checks, which the
-    public call runs before ``ops`` picks a backend from Q's device."""
+    """Every ``turboquant_scores`` input is a tensor (a named error otherwise): the first of its checks, which
+    ``ops.scores`` runs before it picks a backend from Q's device."""
     for name, t in (
         ("Q", Q),
         ("K_idx", K_idx),

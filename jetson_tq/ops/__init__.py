@@ -16,7 +16,7 @@ import torch
 from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..attention.reference import paged_attention_decode, paged_attention_prefill
 from ..codec.kv import KVCodec
-from ..codec.scores import turboquant_scores_reference
+from ..codec.scores import expect_scores_tensors, turboquant_scores_reference
 from ..format import PagedLayout
 from ..paged import AppendState, AppendStep, PagedKV, append_rows_reference, write_slots
 from ..validate import StoreLimits, store_fault_code
@@ -169,6 +169,7 @@ def prefill(
 
 def scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:
     """Raw TurboQuant_prod scores [B, S] (fp32) of queries Q [B, D] against unpacked keys (see ``codec.scores``)."""
+    expect_scores_tensors(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook)  # before the backend is picked by Q.device
     if resolve(Q.device, None, backend) == "triton":
         from ..kernels.scores import turboquant_scores_triton
 
