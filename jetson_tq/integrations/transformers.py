@@ -291,6 +291,16 @@ class TurboQuantLayer(CacheLayerMixin):
 
 
 # ---------------------------------------------------------------------------------------------- the cache
+def append_prefilled(cache: Cache, layers: int, append: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+    """Every layer of a prefilled (Dynamic-layer) ``cache`` of ``layers`` layers through ``append(layer_idx, keys,
+    values)``: how a cache of ours (or the lab's simulated one) takes over an exact prefill."""
+    if len(cache.layers) != layers:
+        raise ShapeError(f"cache: expected {layers} layers, got {len(cache.layers)}")
+    for i, layer in enumerate(cache.layers):
+        filled = cast(DynamicLayer, layer)  # a prefilled (Dynamic-layer) cache, as the docstring says
+        append(i, cast(torch.Tensor, filled.keys), cast(torch.Tensor, filled.values))
+
+
 class TurboQuantCache(Cache):
     """A transformers ``Cache`` storing every layer's K/V in its TurboQuant format (per-layer from the YAML config)."""
 
@@ -357,11 +367,7 @@ class TurboQuantCache(Cache):
 
     def load_from(self, cache: Cache) -> TurboQuantCache:
         """Compress every layer of another cache (e.g. a ``DynamicCache`` filled by an exact prefill) into this one."""
-        if len(cache.layers) != len(self.layers):
-            raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
-        for i, layer in enumerate(cache.layers):
-            filled = cast(DynamicLayer, layer)  # a prefilled (Dynamic-layer) cache, as the docstring says
-            self.append(i, cast(torch.Tensor, filled.keys), cast(torch.Tensor, filled.values))
+        append_prefilled(cache, len(self.layers), self.append)
         return self
 
     def used_bytes(self) -> int:

@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from jetson_tq.codec.values import GroupQuantizer
 from jetson_tq.errors import FormatError, ShapeError
+from jetson_tq.integrations.transformers import append_prefilled
 
 FP8_E4M3_MAX = 448.0
 FP16_BYTES = 2
@@ -163,9 +164,5 @@ class SimulatedQuantCache(Cache):
 
     def load_from(self, cache: Cache) -> SimulatedQuantCache:
         """Quantize every layer of another cache (e.g. a DynamicCache after an exact prefill) into this one."""
-        if len(cache.layers) != len(self.layers):
-            raise ShapeError(f"cache: expected {len(self.layers)} layers, got {len(cache.layers)}")
-        for i, layer in enumerate(cache.layers):
-            filled = cast(DynamicLayer, layer)  # a prefilled (Dynamic-layer) cache, as the docstring says
-            self.append(i, cast(torch.Tensor, filled.keys), cast(torch.Tensor, filled.values))
+        append_prefilled(cache, len(self.layers), self.append)
         return self

@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 from jetson_tq.codec.kv import KVCodec
 from jetson_tq.config import TurboQuantConfig, config_from_dict
-from jetson_tq.errors import ConfigError, UnsupportedModelError
+from jetson_tq.errors import ConfigError, ShapeError, UnsupportedModelError
 from jetson_tq.format import FP16_FORMAT, KVFormat
 from jetson_tq.integrations import transformers as tqt
 from jetson_tq.integrations.transformers import TurboQuantCache
@@ -51,6 +51,23 @@ def test_passthrough_format_matches_dynamic_cache(kind):
     got = torch.cat(chunks, dim=1)
     assert torch.allclose(got, ref, atol=2e-3), (got - ref).abs().max()
     assert cache.get_seq_length() == 40
+
+
+def test_load_from_takes_over_an_exact_prefill():
+    """An exact prefill in a ``DynamicCache``, loaded into a passthrough cache: the next chunk reads the same
+    history (logits of the whole sequence at once); a cache of another depth is refused by name."""
+    model = _model()
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        ref = model(ids).logits[:, 32:]
+        prefilled = DynamicCache(config=model.config)
+        model(ids[:, :32], past_key_values=prefilled)
+        cache = TurboQuantCache(model, RAW16).load_from(prefilled)
+        assert cache.get_seq_length() == 32
+        got = model(ids[:, 32:], past_key_values=cache).logits
+    assert torch.allclose(got, ref, atol=2e-3), (got - ref).abs().max()
+    with pytest.raises(ShapeError, match="expected 2 layers, got 3"):
+        tqt.append_prefilled(prefilled, 2, cache.append)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
