@@ -22,9 +22,9 @@ the same text (the draft's layers stay on stock attention: a proposer's layers).
 or a UTF-8 file) gives real prompts: disjoint ``--prompt-tokens`` pieces of it, tokenized by the model's tokenizer
 (the repeated random phrases are the default, which a real model mostly copies).
 
-Four engines, one after another in one process (vLLM imported once), the same KV budget and settings as the model
-matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock layers, CUDA graphs for decode where the attention
-backend allows them with speculation):
+The engines (the first four unless ``--engines`` names others), one after another in one process (vLLM imported
+once), the same KV budget and settings as the model matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock
+layers, CUDA graphs for decode where the attention backend allows them with speculation):
 - ``stock_spec``: stock vLLM with speculation (the reference);
 - ``ours_plain`` and ``ours_spec``: the preset ``--config`` without and with speculation: speculation must change no
   token (up to a greedy near-tie: verification rows run the prefill path, plain decode rows the decode kernel);
