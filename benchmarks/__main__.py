@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 TOOLS = {
     "decode": "bench_decode.py",
     "prefill": "bench_prefill.py",
+    "flash-plan": "bench_flash_plan.py",
     "compress": "bench_compress.py",
     "api": "bench_api.py",
     "scores": "bench_scores.py",

@@ -163,10 +163,11 @@ def _to_device(host: list[np.ndarray], device: torch.device) -> list[torch.Tenso
     """int32 device copies of ``host`` in one pinned, non-blocking copy (a pageable copy makes the host wait for the
     GPU's queue); every part starts 16-byte aligned (Triton specializes the merge on its pointers' alignment)."""
     sizes = [x.size for x in host]
-    pad = [-s % 4 for s in sizes]
-    packed = torch.from_numpy(
-        np.concatenate([np.pad(x.astype(np.int32, copy=False), (0, p)) for x, p in zip(host, pad)])
-    )
-    packed = packed.pin_memory() if device.type == "cuda" else packed
-    dev = packed.to(device, non_blocking=True).split([s + p for s, p in zip(sizes, pad)])
-    return [x[:s] for x, s in zip(dev, sizes)]
+    starts = np.cumsum([0] + [s + (-s % 4) for s in sizes])
+    packed = np.zeros(int(starts[-1]), dtype=np.int32)
+    for x, at in zip(host, starts):
+        packed[at : at + x.size] = x
+    flat = torch.from_numpy(packed)
+    flat = flat.pin_memory() if device.type == "cuda" else flat
+    dev = flat.to(device, non_blocking=True)
+    return [dev[at : at + s] for at, s in zip(starts.tolist(), sizes)]

@@ -5,7 +5,8 @@ their compressed pages plus the fp16 ring, one route per kind of row, and the ri
 - uniform verification rows (speculative decoding, T = 1 + k tokens each): one multi-token decode, the ring columns
   they overwrite saved to the undo pool first (``recent.Rewind`` puts back those of rejected drafts);
 - everything else eagerly: decode rows in one launch (or, reproducible mode, as one-token prefill chunks), short
-  verification rows among prefill chunks in one prefill launch per length, each prefill chunk on its own.
+  verification rows among prefill chunks in one prefill launch per length, the prefill chunks that FlashAttention
+  serves (``flash.flash_rows``) all in one call over a plan built once per step, every other chunk on its own.
 
 A mixin rather than functions so the routes stay methods of the layer (the warm-up runs them through the layer, and
 tests spy on them there); it holds no state of its own: the attributes below are the impl's.
@@ -18,11 +19,12 @@ import torch
 
 from ... import ops
 from ...attention.extras import AttentionExtras
+from ...attention.reference import VarlenAttention
 from ...codec.kv import KVCodec
 from ...format import PagedLayout, exact_count
 from ...paged import PagedKV
-from .flash import prefill_varlen
-from .metadata import TurboQuantMetadata, device_ints
+from .flash import flash_rows, prefill_varlen
+from .metadata import TurboQuantMetadata, device_ints, ragged_arange
 
 
 class ReadPath:
@@ -115,6 +117,10 @@ class ReadPath:
             for t in np.unique(q_lens[pre][short]).tolist():
                 self._forward_rows(query, key, value, kv_cache, md, output, pre[short & (q_lens[pre] == t)], t)
             pre = pre[~short]
+        flash, varlen = self._flash_selection(md, pre, q_lens[pre])
+        if varlen is not None and flash.any():
+            self._prefill_flash_rows(query, key, value, kv_cache, md, output, pre[flash], varlen)
+            pre = pre[~flash]
         ctx_p = ctx[pre]
         ring_p = ctx_p % R if md.block_window else np.minimum(ctx_p, R)  # history tokens read from the ring
         comp_all, rec_all, row_all = device_ints(
@@ -165,6 +171,61 @@ class ReadPath:
                     self.undo_v[row_idx, :, undo_cols] = self.recent_v[row_idx, :, cols]
                 self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
                 self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
+
+    def _flash_selection(
+        self, md: TurboQuantMetadata, pre: np.ndarray, t: np.ndarray
+    ) -> tuple[np.ndarray, VarlenAttention | None]:
+        """Which prefill rows ``pre`` (``t`` tokens each) go to FlashAttention together (``flash.flash_rows``), and its
+        call: not in reproducible mode (a row's result would depend on its batch), not with extras (the Triton loop
+        serves them), not rows as short as a verification row (their drafts' ring columns go to the undo pool)."""
+        none = np.zeros(pre.shape, dtype=bool)
+        if self.reproducible or self.extras.any or pre.size == 0:
+            return none, None
+        varlen, on = flash_rows(md.context_lens[pre], t)
+        return on & (t > self.undo_tokens), varlen
+
+    def _prefill_flash_rows(
+        self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, varlen: VarlenAttention
+    ) -> None:
+        """Prefill rows ``sel`` in one FlashAttention call over their histories (``ops.prefill_rows``) with the step's
+        plan, which the first layer builds and every layer reuses; then each chunk's last min(T, R) tokens go to its
+        ring row, all rows in one indexed write."""
+        dev, R, qsl = query.device, md.recent_tokens, md.query_start_loc
+        s, t, ring_rows = md.context_lens[sel], np.diff(qsl)[sel], md.ring_rows[sel]
+        ring = s % R if (md.block_window and R > 0) else np.minimum(s, R)  # history tokens read from the ring
+        tok_h = ragged_arange(qsl[sel], t)
+        n_w = np.minimum(t, R)  # ring writes: each chunk's last min(T, R) tokens
+        idx, comp, rec, rows, tok, wtok, wrow, wcol = device_ints(
+            md,
+            "flash",
+            dev,
+            (sel, torch.int64),
+            (s - ring, torch.int32),
+            (ring, torch.int32),
+            (ring_rows, torch.int64),
+            (tok_h, torch.int64),
+            (ragged_arange(qsl[sel] + t - n_w, n_w), torch.int64),
+            (np.repeat(ring_rows, n_w), torch.int64),
+            (ragged_arange(s + t - n_w, n_w) % max(R, 1), torch.int64),
+        )
+        a, b = int(tok_h[0]), int(tok_h[-1]) + 1
+        whole = b - a == tok_h.size  # the rows' tokens are one slice of the step's (the usual case)
+        q, k, v = (x[a:b] if whole else x[tok] for x in (query, key, value))
+        kv = self._paged(kv_cache, md.block_table[idx], comp, rec, rows)
+        qrows = np.concatenate([[0], np.cumsum(t)])
+        plan_key = ("flash", kv.layout, kv.num_kv_heads, kv.recent_k.shape[2])
+        plan = md.plans.get(plan_key)
+        if plan is None:
+            plan = md.plans[plan_key] = ops.plan_prefill_rows(kv, s, qrows)
+        out = ops.prefill_rows(q, k, v, kv, qrows, s, self.scale, varlen=varlen, plan=plan).to(output.dtype)
+        if whole:
+            output[a:b] = out
+        else:
+            output[tok] = out
+        if R > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
+            self.recent_k[wrow, :, wcol] = key[wtok].to(self.recent_k.dtype)
+            self.recent_v[wrow, :, wcol] = value[wtok].to(self.recent_v.dtype)
 
     def _forward_rows(self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, t: int):
         """Rows ``sel`` of ``t`` tokens each (speculative verification rows: the last sampled token and its drafts)
