@@ -24,7 +24,8 @@ from ...codec.kv import KVCodec
 from ...format import PagedLayout, exact_count
 from ...paged import PagedKV
 from .flash import flash_rows, prefill_varlen
-from .metadata import TurboQuantMetadata, device_ints, ragged_arange
+from .flash_step import flash_step
+from .metadata import TurboQuantMetadata, device_ints
 
 
 class ReadPath:
@@ -188,44 +189,24 @@ class ReadPath:
         self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, varlen: VarlenAttention
     ) -> None:
         """Prefill rows ``sel`` in one FlashAttention call over their histories (``ops.prefill_rows``) with the step's
-        plan, which the first layer builds and every layer reuses; then each chunk's last min(T, R) tokens go to its
-        ring row, all rows in one indexed write."""
-        dev, R, qsl = query.device, md.recent_tokens, md.query_start_loc
-        s, t, ring_rows = md.context_lens[sel], np.diff(qsl)[sel], md.ring_rows[sel]
-        ring = s % R if (md.block_window and R > 0) else np.minimum(s, R)  # history tokens read from the ring
-        tok_h = ragged_arange(qsl[sel], t)
-        n_w = np.minimum(t, R)  # ring writes: each chunk's last min(T, R) tokens
-        idx, comp, rec, rows, tok, wtok, wrow, wcol = device_ints(
-            md,
-            "flash",
-            dev,
-            (sel, torch.int64),
-            (s - ring, torch.int32),
-            (ring, torch.int32),
-            (ring_rows, torch.int64),
-            (tok_h, torch.int64),
-            (ragged_arange(qsl[sel] + t - n_w, n_w), torch.int64),
-            (np.repeat(ring_rows, n_w), torch.int64),
-            (ragged_arange(s + t - n_w, n_w) % max(R, 1), torch.int64),
-        )
-        a, b = int(tok_h[0]), int(tok_h[-1]) + 1
-        whole = b - a == tok_h.size  # the rows' tokens are one slice of the step's (the usual case)
-        q, k, v = (x[a:b] if whole else x[tok] for x in (query, key, value))
-        kv = self._paged(kv_cache, md.block_table[idx], comp, rec, rows)
-        qrows = np.concatenate([[0], np.cumsum(t)])
-        plan_key = ("flash", kv.layout, kv.num_kv_heads, kv.recent_k.shape[2])
+        indices and plan, which the first layer builds and every layer reuses (``flash_step``,
+        ``ops.plan_prefill_rows``); then each chunk's last min(T, R) tokens go to its ring row, in one indexed write."""
+        st = flash_step(md, sel, query.device)
+        q, k, v = (x[st.span[0] : st.span[1]] if st.span else x[st.tokens] for x in (query, key, value))
+        kv = self._paged(kv_cache, md.block_table[st.requests], st.compressed, st.recent, st.ring_rows)
+        plan_key = ("flash-plan", sel.tobytes(), kv.num_kv_heads, kv.head_dim, kv.recent_k.shape[2])  # its shapes
         plan = md.plans.get(plan_key)
         if plan is None:
-            plan = md.plans[plan_key] = ops.plan_prefill_rows(kv, s, qrows)
-        out = ops.prefill_rows(q, k, v, kv, qrows, s, self.scale, varlen=varlen, plan=plan).to(output.dtype)
-        if whole:
-            output[a:b] = out
+            plan = md.plans[plan_key] = ops.plan_prefill_rows(kv, st.history, st.query_start_loc)
+        out = ops.prefill_rows(q, k, v, kv, st.query_start_loc, st.history, self.scale, varlen=varlen, plan=plan)
+        if st.span:
+            output[st.span[0] : st.span[1]] = out.to(output.dtype)
         else:
-            output[tok] = out
-        if R > 0:
+            output[st.tokens] = out.to(output.dtype)
+        if md.recent_tokens > 0:
             assert self.recent_k is not None and self.recent_v is not None  # _check ran
-            self.recent_k[wrow, :, wcol] = key[wtok].to(self.recent_k.dtype)
-            self.recent_v[wrow, :, wcol] = value[wtok].to(self.recent_v.dtype)
+            self.recent_k[st.write_rows, :, st.write_cols] = key[st.write_tokens].to(self.recent_k.dtype)
+            self.recent_v[st.write_rows, :, st.write_cols] = value[st.write_tokens].to(self.recent_v.dtype)
 
     def _forward_rows(self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, t: int):
         """Rows ``sel`` of ``t`` tokens each (speculative verification rows: the last sampled token and its drafts)
