@@ -19,6 +19,8 @@ HERE = Path(__file__).resolve().parent
 TOOLS = {
     "decode": "bench_decode.py",
     "prefill": "bench_prefill.py",
+    "flash-plan": "bench_flash_plan.py",
+    "flash-step": "bench_flash_step.py",
     "compress": "bench_compress.py",
     "api": "bench_api.py",
     "scores": "bench_scores.py",

@@ -20,6 +20,7 @@ AUTO_REQUESTED = "JETSON_TQ_AUTO_REQUESTED"  # written by the plugin: the config
 REPRODUCIBLE = "JETSON_TQ_REPRODUCIBLE"  # 1/0 overrides the config's ``reproducible`` field (vLLM)
 BACKEND = "JETSON_TQ_BACKEND"  # auto | reference | triton, for the whole process (``jetson_tq.ops``)
 FLASH_PREFILL = "JETSON_TQ_FLASH_PREFILL"  # 0 keeps long prefill chunks on the Triton loop (vLLM)
+FLASH_MIN_TOKENS = "JETSON_TQ_FLASH_MIN_TOKENS"  # history + chunk from which a prefill row takes FlashAttention (vLLM)
 SYSROOT = "JETSON_TQ_SYSROOT"  # prefix of the board files the platform probe reads (default /)
 CACHE = "JETSON_TQ_CACHE"  # the cache root (default ~/.cache/jetson_tq): converted models, calibrations
 CALIBRATION_DIR = "JETSON_TQ_CALIBRATION_DIR"  # the calibration cache (default <cache root>/calibrations)
@@ -34,6 +35,7 @@ NAMES = (
     REPRODUCIBLE,
     BACKEND,
     FLASH_PREFILL,
+    FLASH_MIN_TOKENS,
     SYSROOT,
     CACHE,
     CALIBRATION_DIR,
@@ -53,6 +55,7 @@ class Settings:
     reproducible: str | None = None  #: raw; parsed as a flag by the vLLM settings (ConfigError for other values)
     kernel_backend: str = ""  #: raw; "" means auto (``jetson_tq.ops.backend`` validates it)
     flash_prefill: bool = True  #: False only for "0"
+    flash_min_tokens: str | None = None  #: raw; parsed by the vLLM flash module (ConfigError for non-integers)
     sysroot: Path = Path("/")
     cache: str | None = None  #: raw; see ``cache_root``
     calibration_dir: Path | None = None
@@ -71,6 +74,7 @@ class Settings:
             reproducible=env.get(REPRODUCIBLE),
             kernel_backend=env.get(BACKEND, ""),
             flash_prefill=env.get(FLASH_PREFILL, "1") != "0",
+            flash_min_tokens=env.get(FLASH_MIN_TOKENS, "").strip() or None,
             sysroot=Path(env.get(SYSROOT, "/")),
             cache=env.get(CACHE),
             calibration_dir=Path(calibration).expanduser() if calibration else None,

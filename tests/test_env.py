@@ -17,6 +17,7 @@ def test_an_empty_environment_gives_the_defaults():
     assert s.config is None and s.kernel_backend == "" and s.flash_prefill and s.sysroot == Path("/")
     assert s.cache_root == Path.home() / ".cache" / "jetson_tq" and s.calibration_dir is None
     assert s.config_dir is None and s.models_dir is None and not s.traceback and s.reproducible is None
+    assert s.flash_min_tokens is None
 
 
 def test_each_variable_reaches_its_field():
@@ -27,6 +28,7 @@ def test_each_variable_reaches_its_field():
             env.REPRODUCIBLE: "1",
             env.BACKEND: "Triton",
             env.FLASH_PREFILL: "0",
+            env.FLASH_MIN_TOKENS: " 4096 ",
             env.SYSROOT: "/boards/thor",
             env.CACHE: "~/c",
             env.CALIBRATION_DIR: " ~/cal ",
@@ -37,6 +39,7 @@ def test_each_variable_reaches_its_field():
     )
     assert s.config == "mse_k4v3" and s.auto_requested == "mse_k4v3" and s.reproducible == "1"
     assert s.kernel_backend == "Triton"  # validated (case-folded) by jetson_tq.ops, which names the variable
+    assert s.flash_min_tokens == "4096"  # parsed by the vLLM flash module, which names the variable
     assert not s.flash_prefill and s.sysroot == Path("/boards/thor") and s.traceback
     assert s.cache_root == Path("~/c").expanduser() and s.calibration_dir == Path("~/cal").expanduser()
     assert (s.config_dir, s.models_dir) == ("/presets", "/models")

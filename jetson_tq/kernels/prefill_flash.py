@@ -2,7 +2,9 @@
 history, for the block window (``format.exact_start``: a query at position p in block b = p // R reads [0, b R)
 compressed and [b R, p] exactly).
 
-The chunk is cut into one sub-sequence per R-token block it touches, and two varlen calls cover every row:
+Every prefill row of a step goes in one call (``flash_prefill_rows``: ragged chunks, concatenated rows, vLLM's
+layout; ``flash_prefill`` is the [B, H, T, D] form). Each chunk is cut into one sub-sequence per R-token block it
+touches (``prefill_flash_plan``: the host plan, built once per step), and two varlen calls cover every row:
 
 A. compressed: each sub-sequence's rotated queries Pi q against the first b R tokens of its sequence's dequantized
    history (``prefill.dequantize_segment`` writes a token-major workspace that the kernel reads as a paged cache,
@@ -19,10 +21,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
-import triton
 
 from ..attention.extras import NO_EXTRAS, AttentionExtras
 from ..attention.reference import VarlenAttention
@@ -30,7 +32,8 @@ from ..errors import ShapeError
 from ..paged import PagedKV
 from ._common import KEY_KLT, KEY_MSE, VAL_GROUP, VAL_MSE, codec_constants, page_spec
 from .merge_states import merge_states
-from .prefill_plan import DEQUANT_TOKENS, WORKSPACE_BYTES, _check_inputs, dequantize_segment, workspace_segment
+from .prefill_flash_plan import FlashPlan, plan_flash_rows
+from .prefill_plan import DEQUANT_TOKENS, _check_inputs, dequantize_segment
 from .query_transform import query_transform
 
 
@@ -51,12 +54,12 @@ def flash_unsupported_reason(kv: PagedKV, dtype: torch.dtype, extras: AttentionE
     return None
 
 
-def _blocks(hist: int, t_len: int, ring: int) -> list[tuple[int, int, int]]:
-    """(block start b R, first chunk row, end chunk row) of each R-token block the chunk [hist, hist + T) touches."""
-    first, last = hist // ring, (hist + t_len - 1) // ring
-    return [
-        (j * ring, max(hist, j * ring) - hist, min(hist + t_len, (j + 1) * ring) - hist) for j in range(first, last + 1)
-    ]
+def plan_for(
+    kv: PagedKV, history: Sequence[int] | np.ndarray, query_start_loc: Sequence[int] | np.ndarray, **kw
+) -> FlashPlan:
+    """``plan_flash_rows`` for ``kv``'s shapes (ring, KV heads, workspace row width) on its device."""
+    dp = page_spec(kv.layout, kv.codec)[0].DP
+    return plan_flash_rows(history, query_start_loc, kv.recent_k.shape[2], kv.num_kv_heads, dp, kv.pages.device, **kw)
 
 
 def flash_prefill(
@@ -77,92 +80,90 @@ def flash_prefill(
     sequence's history length on the host (compressed_lens + recent_lens, which vLLM knows without a sync).
     ``extras``: none served here (``flash_unsupported_reason``; ``ops.prefill`` sends them to the Triton loop)."""
     _check_inputs(q, k, v, kv)
-    reason = flash_unsupported_reason(kv, q.dtype, extras)
-    if reason:
-        raise ShapeError(f"flash_prefill: {reason}")
     bsz, hq, t_len, d = q.shape
     if len(history) != bsz or min(history, default=0) < 0:
         raise ShapeError(f"history: expected {bsz} lengths >= 0, got {list(history)}")
+    reason = flash_unsupported_reason(kv, q.dtype, extras)
+    if reason:
+        raise ShapeError(f"flash_prefill: {reason}")
     out = torch.empty_like(q) if out is None else out
     if t_len == 0:
         return out
-    dev, hkv, ring = q.device, kv.num_kv_heads, kv.recent_k.shape[2]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    qtok = q.transpose(1, 2).reshape(bsz * t_len, hq, d)  # token-major rows b * T + t (a view for vLLM's layout)
-    blocks = [_blocks(int(s), t_len, ring) for s in history]
+    plan = plan_for(kv, history, np.arange(bsz + 1) * t_len, workspace_tokens=workspace_tokens)
+    tok = [x.transpose(1, 2).reshape(bsz * t_len, -1, d) for x in (q, k, v)]  # rows b * T + t (views for vLLM's)
+    o = flash_prefill_rows(tok[0], tok[1], tok[2], kv, plan, varlen, softmax_scale)
+    out.copy_(o.view(bsz, t_len, hq, d).transpose(1, 2))
+    return out
 
-    # ---- the host plan of both parts, sent to the device in one pinned copy (a pageable copy waits for the stream)
-    top = max(bl[-1][0] for bl in blocks)  # the last block start: every compressed key any row reads lies below it
-    page = ring
-    step = page * DEQUANT_TOKENS // math.gcd(page, DEQUANT_TOKENS)
-    dp = page_spec(kv.layout, kv.codec)[0].DP
-    seg = triton.cdiv(workspace_tokens or workspace_segment(bsz, hkv, 4 * dp, max(top, 1), step, WORKSPACE_BYTES), step)
-    seg *= step
-    cu_q, cu_k = [0], [0]
-    for b, s in enumerate(history):
-        for j, (_, r0, r1) in enumerate(blocks[b]):
-            cu_q.append(b * t_len + r1)
-            cu_k.append(cu_k[-1] + (r1 - r0) + (int(s) % ring if j == 0 else 0))
-    host: list[list[int]] = [cu_q, cu_k]
-    segments = []  # (s0, sub-sequences, rows) of part A per workspace segment
-    for s0 in range(0, top, seg):
-        subs = [(b, r0, r1, min(start, s0 + seg) - s0) for b in range(bsz) for start, r0, r1 in blocks[b] if start > s0]
-        rows = [b * t_len + r for b, r0, r1, _ in subs for r in range(r0, r1)]
-        cu = [0, *np.cumsum([r1 - r0 for _, r0, r1, _ in subs]).tolist()]
-        segments.append((s0, subs, len(host)))
-        host += [cu, [u for *_, u in subs], [b for b, *_ in subs], rows]
-    sizes = [len(x) for x in host]
-    pad = [-n % 4 for n in sizes]  # every part 16-byte aligned (Triton specializes the merge on its pointers)
-    packed = torch.from_numpy(
-        np.concatenate([np.pad(np.asarray(x, dtype=np.int32), (0, p)) for x, p in zip(host, pad)])
-    )
-    packed = packed.pin_memory() if dev.type == "cuda" else packed
-    dev_parts = [
-        x[:n] for x, n in zip(packed.to(dev, non_blocking=True).split([n + p for n, p in zip(sizes, pad)]), sizes)
-    ]
+
+def flash_prefill_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    plan: FlashPlan,
+    varlen: VarlenAttention,
+    softmax_scale: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of a step's ragged chunks: q [N, Hq, D], k, v [N, Hkv, D] (rows of sequence b: ``plan``'s
+    query_start_loc range; ``kv`` holds the n sequences, its pages already the chunks) -> out [N, Hq, D], in four
+    launches per layer besides the dequantization: the exact keys' gather, varlen B, varlen A and the merge per
+    workspace segment. The caller checks ``flash_unsupported_reason``."""
+    n_rows, hq, d = q.shape
+    hkv = kv.num_kv_heads
+    if k.shape != (n_rows, hkv, d) or v.shape != k.shape or plan.rows != n_rows or plan.sequences != kv.batch_size:
+        raise ShapeError(
+            f"flash_prefill_rows: expected q [{plan.rows}, Hq, {kv.head_dim}], k, v [{plan.rows}, {hkv}, "
+            f"{kv.head_dim}] over {plan.sequences} sequences; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)} and {kv.batch_size}"
+        )
+    if n_rows == 0:
+        return torch.empty_like(q) if out is None else out
+    dev, ring = q.device, plan.ring
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
     # ---- B: exact part, every row (own block: the ring's first-block tokens, then the chunk's rows), causal
-    keys: list[torch.Tensor] = []
-    vals: list[torch.Tensor] = []
-    for b, s in enumerate(history):
-        r = int(s) % ring  # ring tokens of the first block: positions [s - r, s) at columns [0, r)
-        if r:
-            row = kv.recent_index[b : b + 1].long()  # the sequence's ring row, gathered on the device (no sync)
-            keys.append(kv.recent_k.index_select(0, row)[0, :, :r].transpose(0, 1).to(k.dtype))
-            vals.append(kv.recent_v.index_select(0, row)[0, :, :r].transpose(0, 1).to(v.dtype))
-        keys.append(k[b].transpose(0, 1))
-        vals.append(v[b].transpose(0, 1))
-    kx, vx = torch.cat(keys), torch.cat(vals)
-    max_q = max(r1 - r0 for bl in blocks for _, r0, r1 in bl)
-    max_k = int(np.diff(cu_k).max())
-    o, lse = varlen(qtok, kx, vx, dev_parts[0], max_q, max_k, scale, True, cu_seqlens_k=dev_parts[1])
+    kx = k.new_empty(plan.exact_keys, hkv, d)
+    vx = v.new_empty(plan.exact_keys, hkv, d)
+    kx.index_copy_(0, plan.key_rows, k)
+    vx.index_copy_(0, plan.key_rows, v)
+    if plan.ring_dst.numel():
+        ring_rows = kv.recent_index.long().index_select(0, plan.ring_seq)  # two index tensors around ':': [n, H, D]
+        kx[plan.ring_dst] = kv.recent_k[ring_rows, :, plan.ring_col].to(k.dtype)
+        vx[plan.ring_dst] = kv.recent_v[ring_rows, :, plan.ring_col].to(v.dtype)
+    o, lse = varlen(q, kx, vx, plan.cu_q, plan.max_q, plan.max_k, scale, True, cu_seqlens_k=plan.cu_k)
 
     # ---- A: compressed part, segment by segment of the dequantized history
-    if segments:
+    if plan.segments:
         consts = codec_constants(kv.codec, dev)
-        qrot = query_transform(qtok, consts["qmat"], 1.0, qmat16=consts["qmat16"]).view(bsz * t_len, hq, d)
+        qrot = query_transform(q, consts["qmat"], 1.0, qmat16=consts["qmat16"]).view(n_rows, hq, d)
         qrot = qrot.to(torch.float16)
-        wk = torch.empty(bsz, seg, hkv, dp, dtype=torch.float16, device=dev)
+        dp, seg, nseq = page_spec(kv.layout, kv.codec)[0].DP, plan.seg, plan.sequences
+        wk = torch.empty(nseq, seg, hkv, dp, dtype=torch.float16, device=dev)
         wv = torch.empty_like(wk)
-        pk = wk.view(bsz * seg // page, page, hkv, dp)[..., :d]
-        pv = wv.view(bsz * seg // page, page, hkv, dp)[..., :d]
-        pages_of = torch.arange(seg // page, dtype=torch.int32, device=dev)
-        for s0, subs, at in segments:
-            dequantize_segment(kv, consts["codebook"], wk, wv, s0, seg, t_len, ring, True, DEQUANT_TOKENS, True)
-            cu, used, seq, rows = dev_parts[at : at + 4]
-            table = seq[:, None] * (seg // page) + pages_of  # every sub-sequence reads its own sequence's pages
+        pk = wk.view(nseq * seg // ring, ring, hkv, dp)[..., :d]
+        pv = wv.view(nseq * seg // ring, ring, hkv, dp)[..., :d]
+        # the dequantizer reads each sequence's positions below its last row's block start: with T = 1 it takes
+        # that row's position from compressed_lens + recent_lens, so one launch serves chunks of any lengths
+        last_row = replace(kv, compressed_lens=plan.last, recent_lens=plan.zeros)
+        for part in plan.segments:
+            dequantize_segment(last_row, consts["codebook"], wk, wv, part.s0, seg, 1, ring, True, DEQUANT_TOKENS, True)
             oa, la = varlen(
-                qrot.index_select(0, rows),
+                qrot.index_select(0, part.rows),
                 pk,
                 pv,
-                cu,
-                max(r1 - r0 for _, r0, r1, _ in subs),
-                max(u for *_, u in subs),
+                part.cu_q,
+                part.max_q,
+                part.max_k,
                 scale,
                 False,
-                seqused_k=used,
-                block_table=table,
+                seqused_k=part.used,
+                block_table=part.table,
             )
-            merge_states(o, lse, oa, la.contiguous(), rows)
-    out.copy_(o.view(bsz, t_len, hq, d).transpose(1, 2))
+            merge_states(o, lse, oa, la.contiguous(), part.rows)
+    if out is None:
+        return o
+    out.copy_(o)
     return out

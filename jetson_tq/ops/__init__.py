@@ -9,8 +9,10 @@ CPU-only users never import Triton.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ..attention.extras import NO_EXTRAS, AttentionExtras
@@ -24,6 +26,7 @@ from .backend import BACKENDS, ENV_VAR, configured, graph_safe, resolve
 
 if TYPE_CHECKING:
     from ..attention.reference import VarlenAttention
+    from ..kernels.prefill_flash_plan import FlashPlan
 
 __all__ = [
     "BACKENDS",
@@ -35,6 +38,8 @@ __all__ = [
     "write",
     "decode",
     "prefill",
+    "prefill_rows",
+    "plan_prefill_rows",
     "scores",
     "report_compiles",
 ]
@@ -165,6 +170,82 @@ def prefill(
         tuning = PrefillTuning(reproducible=True) if reproducible else DEFAULT_TUNING
         return chunked_prefill(q, k, v, kv, softmax_scale, max_tokens=max_tokens, tuning=tuning, extras=extras)
     return paged_attention_prefill(q, k, v, kv, softmax_scale, attn_mask, extras)
+
+
+def plan_prefill_rows(
+    kv: PagedKV,
+    history: Sequence[int] | np.ndarray,
+    query_start_loc: Sequence[int] | np.ndarray,
+    workspace_tokens: int | None = None,
+) -> FlashPlan:
+    """The host plan of ``prefill_rows``' FlashAttention path for chunks [query_start_loc[b], query_start_loc[b + 1])
+    after ``history[b]`` tokens (``kernels.prefill_flash_plan``): it depends on the rows and on ``kv``'s ring, KV
+    heads and head width only, so a step builds it once and every layer of those shapes reuses it."""
+    from ..kernels.prefill_flash import plan_for
+
+    return plan_for(kv, history, query_start_loc, workspace_tokens=workspace_tokens)
+
+
+def prefill_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    query_start_loc: Sequence[int] | np.ndarray,
+    history: Sequence[int] | np.ndarray,
+    softmax_scale: float | None = None,
+    *,
+    varlen: VarlenAttention | None = None,
+    plan: FlashPlan | None = None,
+    reproducible: bool = False,
+    extras: AttentionExtras = NO_EXTRAS,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``prefill`` of a step's ragged chunks at once: q [N, Hq, D], k, v [N, Hkv, D] token-major (vLLM's layout),
+    sequence b's rows [query_start_loc[b], query_start_loc[b + 1]) (at least one each) after ``history[b]`` tokens
+    (host ints), ``kv`` holding the n sequences -> [N, Hq, D].
+
+    With ``varlen`` on the Triton backend every row goes through FlashAttention in one call
+    (``kernels.prefill_flash.flash_prefill_rows``; ``plan``: ``plan_prefill_rows``' result for these rows, built
+    here if None); what that path does not serve (``flash_unsupported_reason``, ``reproducible``) runs sequence by
+    sequence through ``prefill``."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    hist = np.asarray(history, dtype=np.int64)
+    extras.check(q.shape[1], q.device)
+    if varlen is not None and not reproducible and resolve(q.device, kv.layout, backend) == "triton":
+        from ..kernels.prefill_flash import flash_prefill_rows, flash_unsupported_reason, plan_for
+
+        if flash_unsupported_reason(kv, q.dtype, extras) is None:
+            plan = plan_for(kv, hist, qsl) if plan is None else plan
+            return flash_prefill_rows(q, k, v, kv, plan, varlen, softmax_scale)
+    out = torch.empty_like(q)
+    for b in range(len(hist)):
+        qs, qe, s = int(qsl[b] - qsl[0]), int(qsl[b + 1] - qsl[0]), int(hist[b])
+        one = replace(
+            kv,
+            block_table=kv.block_table[b : b + 1],
+            compressed_lens=kv.compressed_lens[b : b + 1],
+            recent_lens=kv.recent_lens[b : b + 1],
+            recent_index=kv.recent_index[b : b + 1],
+            sink_k=None if kv.sink_k is None else kv.sink_k[b : b + 1],
+            sink_v=None if kv.sink_v is None else kv.sink_v[b : b + 1],
+        )
+        qb, kb, vb = (x[qs:qe].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        res = prefill(
+            qb,
+            kb,
+            vb,
+            one,
+            softmax_scale,
+            backend,
+            max_tokens=s + qe - qs,
+            reproducible=reproducible,
+            varlen=varlen,
+            history=[s],
+            extras=extras,
+        )
+        out[qs:qe] = res[0].transpose(0, 1)
+    return out
 
 
 def scores(Q, K_idx, qjl_signs, gamma, Pi, S_mat, codebook, backend: str | None = None) -> torch.Tensor:

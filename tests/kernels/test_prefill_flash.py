@@ -8,14 +8,18 @@ kernel runs too. Tolerances as in test_kernels_prefill.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
+from jetson_tq import ops
 from jetson_tq.attention.reference import merge_states_reference, paged_attention_prefill, varlen_attention_reference
 from jetson_tq.errors import ShapeError
 from jetson_tq.format import exact_count
 from jetson_tq.kernels.merge_states import merge_states
-from jetson_tq.kernels.prefill_flash import flash_prefill, flash_unsupported_reason
+from jetson_tq.kernels.prefill_flash import flash_prefill, flash_prefill_rows, flash_unsupported_reason, plan_for
 from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 
 pytestmark = pytest.mark.kernel
@@ -135,3 +139,85 @@ def test_merge_states_matches_reference(dtypes):
     assert torch.allclose(got_lse.cpu()[fin], want_lse[fin], atol=1e-4)
     with pytest.raises(ShapeError):
         merge_states(got_out, got_lse, part.to(DEVICE), plse.to(DEVICE)[:, :3], rows.to(DEVICE))
+
+
+# (format, head dim, KV heads, G, history per sequence, chunk per sequence, ring R, workspace tokens)
+RAGGED = [
+    ("mse_k4v3", 64, 2, 3, [0, 37, 16, 70, 5], [21, 1, 40, 7, 16], 16, None),  # empty history, T = 1, T > R
+    ("mse_k4v3", 64, 3, 2, [150, 0, 33], [9, 50, 1], 16, 64),  # three segments of 64 tokens
+    ("klt52_g3", 64, 2, 2, [56, 0, 19], [21, 3, 30], 16, None),  # klt keys
+]
+if GPU:
+    RAGGED += [
+        ("mse_k4v3", 128, 4, 7, [3000, 0, 700, 128], [300, 1, 129, 2048], 128, None),
+        ("mse_k4v3", 128, 4, 7, [5000, 0, 2048], [257, 600, 1], 128, 1024),
+    ]
+
+
+def _ragged_step(name, d, hkv, g, hist, t, ring, seed):
+    """q [N, Hkv G, D], k, v [N, Hkv, D] of chunks of ``t`` rows after ``hist`` tokens, their row offsets, and the
+    pages and ring holding every history and chunk (vLLM's ring convention)."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float16
+    rec = [s % ring for s in hist]
+    fmt = fmt_for(name, d).with_(recent_tokens=ring, window="block")
+    hold = [s + n for s, n in zip(hist, t)]
+    kv = build_paged_kv(
+        fmt, hkv, d, [s - r for s, r in zip(hist, rec)], rec, dtype, gen, recent_cap=ring, pages_hold=hold
+    )
+    rows = sum(t)
+    q = (torch.randn(rows, hkv * g, d, generator=gen) * 3).to(dtype).to(DEVICE)
+    k = (torch.randn(rows, hkv, d, generator=gen) * 2).to(dtype).to(DEVICE)
+    v = torch.randn(rows, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    return q, k, v, np.concatenate([[0], np.cumsum(t)]), kv
+
+
+@pytest.mark.parametrize("varlen_name,make", VARLENS, ids=[v[0] for v in VARLENS])
+@pytest.mark.parametrize(
+    "name,d,hkv,g,hist,t,ring,ws", RAGGED, ids=[f"{c[0]}-H{c[2]}-G{c[3]}-h{c[4]}-T{c[5]}" for c in RAGGED]
+)
+def test_flash_prefill_rows_ragged_step(varlen_name, make, name, d, hkv, g, hist, t, ring, ws):
+    """A step of ragged chunks (concatenated rows, vLLM's layout) in one ``flash_prefill_rows`` call equals each
+    chunk through ``flash_prefill`` on its own and the reference, within the flash path's tolerance."""
+    varlen = make()
+    if varlen is None:
+        pytest.skip("vLLM's FlashAttention needs a CUDA GPU with the vLLM bundle")
+    seed = fresh_seed()
+    dtype = torch.float16
+    q, k, v, qsl, kv = _ragged_step(name, d, hkv, g, hist, t, ring, seed)
+    plan = plan_for(kv, hist, qsl, workspace_tokens=ws)
+    got = flash_prefill_rows(q, k, v, kv, plan, varlen)
+    for b in range(len(hist)):
+        one = replace(
+            kv,
+            block_table=kv.block_table[b : b + 1],
+            compressed_lens=kv.compressed_lens[b : b + 1],
+            recent_lens=kv.recent_lens[b : b + 1],
+            recent_index=kv.recent_index[b : b + 1],
+        )
+        qb, kb, vb = (x[qsl[b] : qsl[b + 1]].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        alone = flash_prefill(qb, kb, vb, one, [hist[b]], varlen, workspace_tokens=ws)
+        ref = paged_attention_prefill(qb, kb, vb, one)
+        mine = got[qsl[b] : qsl[b + 1]].transpose(0, 1).unsqueeze(0)
+        why = f"seed={seed} {varlen_name} {name} sequence {b}: hist={hist[b]} T={t[b]} R={ring}"
+        assert rel_err(mine, alone) <= 1e-3, f"{why}: batched vs alone {rel_err(mine, alone):.2e}"
+        assert rel_err(mine, ref) <= TOL[dtype], f"{why}: vs reference {rel_err(mine, ref):.2e}"
+
+
+def test_ops_prefill_rows_routes():
+    """``ops.prefill_rows``: with a varlen call on the Triton backend the one flash call; without one, or in
+    reproducible mode, the Triton loop sequence by sequence; both close to the reference."""
+    name, d, hkv, g, hist, t, ring, _ = RAGGED[0]
+    seed = fresh_seed()
+    q, k, v, qsl, kv = _ragged_step(name, d, hkv, g, hist, t, ring, seed)
+    plan = plan_for(kv, hist, qsl)
+    flash = ops.prefill_rows(q, k, v, kv, qsl, hist, varlen=varlen_attention_reference, plan=plan, backend="triton")
+    assert torch.equal(flash, flash_prefill_rows(q, k, v, kv, plan, varlen_attention_reference))
+    ref = ops.prefill_rows(q, k, v, kv, qsl, hist, backend="reference")
+    loop = ops.prefill_rows(q, k, v, kv, qsl, hist, backend="triton")
+    repro = ops.prefill_rows(
+        q, k, v, kv, qsl, hist, varlen=varlen_attention_reference, reproducible=True, backend="triton"
+    )
+    for got, what in ((flash, "flash"), (loop, "Triton loop"), (repro, "reproducible")):
+        assert rel_err(got, ref) <= TOL[torch.float16], f"seed={seed} {what}: {rel_err(got, ref):.2e}"
+    assert not torch.equal(flash, loop)  # the two paths round differently: the loop really ran

@@ -5,7 +5,8 @@ their compressed pages plus the fp16 ring, one route per kind of row, and the ri
 - uniform verification rows (speculative decoding, T = 1 + k tokens each): one multi-token decode, the ring columns
   they overwrite saved to the undo pool first (``recent.Rewind`` puts back those of rejected drafts);
 - everything else eagerly: decode rows in one launch (or, reproducible mode, as one-token prefill chunks), short
-  verification rows among prefill chunks in one prefill launch per length, each prefill chunk on its own.
+  verification rows among prefill chunks in one prefill launch per length, the prefill chunks that FlashAttention
+  serves (``flash.flash_rows``) all in one call over a plan built once per step, every other chunk on its own.
 
 A mixin rather than functions so the routes stay methods of the layer (the warm-up runs them through the layer, and
 tests spy on them there); it holds no state of its own: the attributes below are the impl's.
@@ -18,10 +19,12 @@ import torch
 
 from ... import ops
 from ...attention.extras import AttentionExtras
+from ...attention.reference import VarlenAttention
 from ...codec.kv import KVCodec
 from ...format import PagedLayout, exact_count
 from ...paged import PagedKV
-from .flash import prefill_varlen
+from .flash import flash_rows, prefill_varlen
+from .flash_step import flash_step
 from .metadata import TurboQuantMetadata, device_ints
 
 
@@ -115,6 +118,10 @@ class ReadPath:
             for t in np.unique(q_lens[pre][short]).tolist():
                 self._forward_rows(query, key, value, kv_cache, md, output, pre[short & (q_lens[pre] == t)], t)
             pre = pre[~short]
+        flash, varlen = self._flash_selection(md, pre, q_lens[pre])
+        if varlen is not None and flash.any():
+            self._prefill_flash_rows(query, key, value, kv_cache, md, output, pre[flash], varlen)
+            pre = pre[~flash]
         ctx_p = ctx[pre]
         ring_p = ctx_p % R if md.block_window else np.minimum(ctx_p, R)  # history tokens read from the ring
         comp_all, rec_all, row_all = device_ints(
@@ -165,6 +172,41 @@ class ReadPath:
                     self.undo_v[row_idx, :, undo_cols] = self.recent_v[row_idx, :, cols]
                 self.recent_k[row_idx, :, cols] = key[qs + j0 : qe].to(self.recent_k.dtype)
                 self.recent_v[row_idx, :, cols] = value[qs + j0 : qe].to(self.recent_v.dtype)
+
+    def _flash_selection(
+        self, md: TurboQuantMetadata, pre: np.ndarray, t: np.ndarray
+    ) -> tuple[np.ndarray, VarlenAttention | None]:
+        """Which prefill rows ``pre`` (``t`` tokens each) go to FlashAttention together (``flash.flash_rows``), and its
+        call: not in reproducible mode (a row's result would depend on its batch), not with extras (the Triton loop
+        serves them), not rows as short as a verification row (their drafts' ring columns go to the undo pool)."""
+        none = np.zeros(pre.shape, dtype=bool)
+        if self.reproducible or self.extras.any or pre.size == 0:
+            return none, None
+        varlen, on = flash_rows(md.context_lens[pre], t)
+        return on & (t > self.undo_tokens), varlen
+
+    def _prefill_flash_rows(
+        self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, varlen: VarlenAttention
+    ) -> None:
+        """Prefill rows ``sel`` in one FlashAttention call over their histories (``ops.prefill_rows``) with the step's
+        indices and plan, which the first layer builds and every layer reuses (``flash_step``,
+        ``ops.plan_prefill_rows``); then each chunk's last min(T, R) tokens go to its ring row, in one indexed write."""
+        st = flash_step(md, sel, query.device)
+        q, k, v = (x[st.span[0] : st.span[1]] if st.span else x[st.tokens] for x in (query, key, value))
+        kv = self._paged(kv_cache, md.block_table[st.requests], st.compressed, st.recent, st.ring_rows)
+        plan_key = ("flash-plan", sel.tobytes(), kv.num_kv_heads, kv.head_dim, kv.recent_k.shape[2])  # its shapes
+        plan = md.plans.get(plan_key)
+        if plan is None:
+            plan = md.plans[plan_key] = ops.plan_prefill_rows(kv, st.history, st.query_start_loc)
+        out = ops.prefill_rows(q, k, v, kv, st.query_start_loc, st.history, self.scale, varlen=varlen, plan=plan)
+        if st.span:
+            output[st.span[0] : st.span[1]] = out.to(output.dtype)
+        else:
+            output[st.tokens] = out.to(output.dtype)
+        if md.recent_tokens > 0:
+            assert self.recent_k is not None and self.recent_v is not None  # _check ran
+            self.recent_k[st.write_rows, :, st.write_cols] = key[st.write_tokens].to(self.recent_k.dtype)
+            self.recent_v[st.write_rows, :, st.write_cols] = value[st.write_tokens].to(self.recent_v.dtype)
 
     def _forward_rows(self, query, key, value, kv_cache, md: TurboQuantMetadata, output, sel: np.ndarray, t: int):
         """Rows ``sel`` of ``t`` tokens each (speculative verification rows: the last sampled token and its drafts)

@@ -1,28 +1,56 @@
 """vLLM's own FlashAttention (FA3 on Hopper, FA2 elsewhere: the kernel stock vLLM's FLASH_ATTN backend runs) as the
 ``attention.reference.VarlenAttention`` our prefill hands its dense attention to, so prompt processing over a
-compressed history runs at stock speed. ``JETSON_TQ_FLASH_PREFILL=0`` keeps prefill on our Triton loop."""
+compressed history runs at stock speed. ``JETSON_TQ_FLASH_PREFILL=0`` keeps prefill on our Triton loop;
+``JETSON_TQ_FLASH_MIN_TOKENS`` moves the length from which a row takes FlashAttention (``FLASH_MIN_TOKENS``)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 
+import numpy as np
 import torch
 
 from ... import env
 from ...attention.reference import VarlenAttention
+from ...errors import ConfigError
 
 logger = logging.getLogger(__name__)
 ENV_VAR = env.FLASH_PREFILL
 #: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. On an
 #: H200 (docs/vllm.md, Speed), 8k prompts took 0.52-0.55 s per 16k-token step on the Triton loop vs 0.62-0.68 s on
-#: FlashAttention (the flash path's host planning per layer), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
+#: FlashAttention (the flash path's host planning per layer, per request then), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
+#: ``JETSON_TQ_FLASH_MIN_TOKENS`` overrides it (0: every row that FlashAttention can serve).
 FLASH_MIN_TOKENS = 16384
+
+
+@functools.cache
+def flash_min_tokens() -> int:
+    """``FLASH_MIN_TOKENS``, or ``JETSON_TQ_FLASH_MIN_TOKENS`` when set (read once per process)."""
+    raw = env.read().flash_min_tokens
+    if raw is None:
+        return FLASH_MIN_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{env.FLASH_MIN_TOKENS}: expected a token count >= 0, got {raw!r}")
+    return value
 
 
 def prefill_varlen(history: int, chunk: int) -> VarlenAttention | None:
     """The FlashAttention call for a ``chunk``-token prefill after ``history`` tokens, or None for the Triton loop."""
-    return vllm_varlen() if history + chunk >= FLASH_MIN_TOKENS else None
+    return vllm_varlen() if history + chunk >= flash_min_tokens() else None
+
+
+def flash_rows(history: np.ndarray, chunk: np.ndarray) -> tuple[VarlenAttention | None, np.ndarray]:
+    """``prefill_varlen`` for a step's rows at once: the FlashAttention call (None: none here) and which rows
+    (``history`` + ``chunk`` tokens each) it serves."""
+    varlen = vllm_varlen()
+    if varlen is None:
+        return None, np.zeros(np.shape(history), dtype=bool)
+    return varlen, np.asarray(history) + np.asarray(chunk) >= flash_min_tokens()
 
 
 @functools.cache

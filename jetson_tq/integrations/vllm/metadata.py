@@ -40,6 +40,15 @@ class TurboQuantMetadata:
     dec_token_cols: torch.Tensor | None = None  # device int64 [num_decodes, T]: (s + j) % R of their new tokens
     # device copies of the eager path's host index arrays, made by the step's first layer for all (``device_ints``)
     device_ints: dict = field(default_factory=dict, repr=False, compare=False)
+    # host plans of the step's batched launches, built by the first layer that needs one (``ops.plan_prefill_rows``)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def ragged_arange(begin: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """concat(arange(begin[i], begin[i] + lens[i])) without a Python loop (a step's token indices, row by row)."""
+    begin, lens = np.asarray(begin, dtype=np.int64), np.asarray(lens, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(begin - starts, lens)
 
 
 def device_ints(

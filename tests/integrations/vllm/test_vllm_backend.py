@@ -328,6 +328,27 @@ def test_prefill_varlen_by_chunk_work(monkeypatch):
     n = flash.FLASH_MIN_TOKENS
     assert flash.prefill_varlen(0, n) is sentinel and flash.prefill_varlen(n - 2048, 2048) is sentinel
     assert flash.prefill_varlen(0, 8192) is None and flash.prefill_varlen(4096, 2048) is None
+    varlen, on = flash.flash_rows(np.array([0, n - 2048, 4096]), np.array([n, 2048, 2048]))  # a step's rows at once
+    assert varlen is sentinel and on.tolist() == [True, True, False]
+
+
+def test_flash_min_tokens_reads_the_environment(monkeypatch):
+    """``JETSON_TQ_FLASH_MIN_TOKENS`` moves the threshold (read once per process); a bad value is a named error."""
+    from jetson_tq.errors import ConfigError
+    from jetson_tq.integrations.vllm import flash
+
+    for raw, want in ((None, flash.FLASH_MIN_TOKENS), ("4096", 4096), ("0", 0)):
+        if raw is None:
+            monkeypatch.delenv("JETSON_TQ_FLASH_MIN_TOKENS", raising=False)
+        else:
+            monkeypatch.setenv("JETSON_TQ_FLASH_MIN_TOKENS", raw)
+        flash.flash_min_tokens.cache_clear()
+        assert flash.flash_min_tokens() == want
+    monkeypatch.setenv("JETSON_TQ_FLASH_MIN_TOKENS", "16k")
+    flash.flash_min_tokens.cache_clear()
+    with pytest.raises(ConfigError, match="JETSON_TQ_FLASH_MIN_TOKENS"):
+        flash.flash_min_tokens()
+    flash.flash_min_tokens.cache_clear()
 
 
 def test_vllm_varlen_hands_flash_attention_its_own_argument_order(monkeypatch):
