@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention.extras import AttentionExtras
+from ..codec.kv import KVCodec
 from ..errors import ConfigError
 
 # torch dtype -> Triton's pointer type name (triton.runtime.jit's type canonicalisation)
@@ -73,6 +75,21 @@ def arg_specialization(arg: object) -> object:
         specs = [arg_specialization(a) for a in arg]
         return (tuple(s[0] for s in specs), tuple(s[1] for s in specs))  # type: ignore[index]
     raise ConfigError(f"specialization key: no Triton rule for an argument of type {type(arg).__name__}")
+
+
+def layer_variant(codec: KVCodec, extras: AttentionExtras, device: torch.device) -> tuple:
+    """What of one layer's codec and extras the kernels' launch keys see beyond its page layout and the step's
+    shapes: the compile-time facts of its klt transform (``KltSpec``: per layer, from its calibrated bit
+    allocation), the extras' constexpr flags (``_masking.extras_flags``) and the sliding window's int
+    specialization (the window is an int argument: keyed on == 1 and % 16, not on its value). The soft cap is an
+    fp32 argument and the sinks an fp32 copy: neither's value is keyed. Layers of one variant and layout compile
+    the same kernels for the same steps; layers of two variants do not."""
+    from ._common import klt_constants
+    from ._masking import extras_flags
+
+    klt = klt_constants(codec, device).get("spec") if codec.key_coder is not None else None
+    window = arg_specialization(extras.sliding_window) if extras.sliding_window is not None else None
+    return klt, tuple(sorted(extras_flags(extras).items())), window
 
 
 def spec_key(kernel, args: tuple, constexprs: dict, options: dict) -> SpecKey:

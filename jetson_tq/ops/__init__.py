@@ -42,6 +42,7 @@ __all__ = [
     "plan_prefill_rows",
     "scores",
     "report_compiles",
+    "kernel_variant",
 ]
 
 #: Tokens the reference write path encodes per step: bounds its fp32 temporaries (a few MB) at any append size.
@@ -67,6 +68,15 @@ def report_compiles(hook: Callable[[str, tuple, float], None] | None) -> None:
     from ..kernels._launch import report_compiles as set_hook
 
     set_hook(hook)
+
+
+def kernel_variant(codec: KVCodec, extras: AttentionExtras, device: torch.device) -> tuple:
+    """What of a layer's codec and extras its Triton launches are specialized on beyond its page layout and the step's
+    shapes (``kernels.specializations.layer_variant``): two layers of one layout and variant compile the same
+    kernels, so the vLLM warm-up runs one of them."""
+    from ..kernels.specializations import layer_variant
+
+    return layer_variant(codec, extras, device)
 
 
 def write(

@@ -1,9 +1,10 @@
-"""Kernel warm-up at engine start: every compressed layer format runs its write, prefill and decode launches once on
-vLLM's null block and the scratch ring row, in the shapes a request's launches take, so Triton compiles before the
-first request instead of inside its time to first token; a compile that still happens while serving is logged.
+"""Kernel warm-up at engine start: one layer of every compressed layer variant (``layer_variant``: format, heads,
+block table, window and other extras) runs its write, prefill and decode launches once on vLLM's null block and the
+scratch ring row, in the shapes a request's launches take, so Triton compiles before the first request instead of
+inside its time to first token; a compile that still happens while serving is logged.
 
-``warm_up`` runs one layer; ``warm_up_layer`` is what the runner hook calls per layer (CUDA only, once per format,
-failures logged, not raised); ``late_compile`` is the warning for a kernel compiled after it.
+``warm_up`` runs one layer; ``warm_up_layer`` is what the runner hook calls per layer (CUDA only, once per
+``layer_variant``, failures logged, not raised); ``late_compile`` is the warning for a kernel compiled after it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ... import ops
 from .metadata import TurboQuantMetadata, decode_arrays
 from .settings import logger
 
@@ -153,14 +155,41 @@ def bound_cache(layer) -> torch.Tensor | None:
     return cache if isinstance(cache, torch.Tensor) and cache.numel() else None
 
 
-def block_table_width(runner, block_size: int) -> int:
-    """Columns of the runner's block table for ``block_size``-token blocks (the row stride our kernels get; vLLM
-    sizes it ``cdiv(max_model_len, block_size)``, which is the fallback)."""
+def block_table_width(runner, block_size: int, layer_name: str | None = None) -> int:
+    """Columns of the runner's block table of ``layer_name``'s KV-cache group (the row stride our kernels get), else
+    of the first table of ``block_size``-token blocks; vLLM sizes it ``cdiv(max_model_len, block_size)`` (rounded up
+    for alignment in some versions), which is the fallback."""
     tables = getattr(getattr(getattr(runner, "input_batch", None), "block_table", None), "block_tables", None) or []
+    groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", None) or []
+    if layer_name is not None and len(groups) == len(tables):  # one table per group, in the groups' order
+        for group, table in zip(groups, tables):
+            if layer_name in getattr(group, "layer_names", ()) and getattr(table, "block_size", None) == block_size:
+                return int(table.max_num_blocks_per_req)
     for table in tables:
         if getattr(table, "block_size", None) == block_size:
             return int(table.max_num_blocks_per_req)
     return -(-int(runner.model_config.max_model_len) // block_size)
+
+
+def layer_variant(impl: TurboQuantAttentionImpl, table_width: int, device: torch.device) -> tuple:
+    """What the warm-up's launches for ``impl`` are keyed on beyond the step shapes it runs: the page layout (format,
+    block size, padding), the raw dtype, the head counts and size, the speculative row length, reproducible mode,
+    the block table's width and what the kernels see of the layer's codec and extras (``ops.kernel_variant``: klt
+    facts, the sinks / soft cap / sliding window flags, the window's int class). A model's layers of one variant
+    launch the same kernel specializations, so one of them is warmed up; a sliding-window layer and a global one
+    are two variants (the global layers of a model whose first layer slides compiled while serving otherwise)."""
+    assert impl.codec is not None  # set with the layout
+    return (
+        impl.layout,
+        impl.codec.raw_dtype,
+        impl.num_heads,
+        impl.num_kv_heads,
+        impl.head_size,
+        impl.undo_tokens,
+        impl.reproducible,
+        table_width,
+        ops.kernel_variant(impl.codec, impl.extras, device),
+    )
 
 
 def late_compile(kernel: str, key: tuple, seconds: float) -> None:
@@ -187,23 +216,42 @@ def short_key(key: tuple, limit: int = 400) -> str:
 
 
 def warm_up_layer(runner, layer, warmed: set) -> None:
-    """Warm up ``layer`` (on the runner's device, in the runner's sizes) unless a layer of the same format and head
-    counts in ``warmed`` already did; only on CUDA (on CPU ``ops`` runs the PyTorch reference: nothing compiles)."""
+    """Warm up ``layer`` (on the runner's device, in the runner's sizes) unless a layer of the same
+    ``layer_variant`` in ``warmed`` already did; only where kernels compile (``compiles_on``)."""
     impl = layer.impl
-    key = (impl.fmt, impl.num_heads, impl.num_kv_heads, impl.head_size)
     cache = bound_cache(layer)
-    if torch.device(runner.device).type == "cuda" and cache is not None and key not in warmed:
-        try:  # Triton compiles now, not in the first request (once per format)
-            sched, start = runner.vllm_config.scheduler_config, time.perf_counter()
-            warm_up(
-                impl,
-                cache,
-                max_rows=int(sched.max_num_seqs),
-                table_width=block_table_width(runner, impl.layout.block_size),
-                max_len=int(runner.model_config.max_model_len),
-                budget=int(sched.max_num_batched_tokens),
-            )
-            logger().info("jetson-tq: kernel warm-up of %s took %.2f s", key, time.perf_counter() - start)
-        except Exception as exc:  # the first request then compiles, and raises if the path is broken
-            logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
-        warmed.add(key)
+    device = torch.device(runner.device)
+    if not compiles_on(device) or cache is None or impl.layout is None:
+        return
+    width = block_table_width(runner, impl.layout.block_size, impl.layer_name)
+    key = layer_variant(impl, width, cache.device)
+    if key in warmed:
+        return
+    try:  # Triton compiles now, not in the first request (once per variant)
+        sched, start = runner.vllm_config.scheduler_config, time.perf_counter()
+        warm_up(
+            impl,
+            cache,
+            max_rows=int(sched.max_num_seqs),
+            table_width=width,
+            max_len=int(runner.model_config.max_model_len),
+            budget=int(sched.max_num_batched_tokens),
+        )
+        logger().info(
+            "jetson-tq: kernel warm-up of %s and the layers like it (%d/%d heads of %d, block %d, %s) took %.2f s",
+            impl.layer_name,
+            impl.num_heads,
+            impl.num_kv_heads,
+            impl.head_size,
+            impl.layout.block_size,
+            impl.extras,
+            time.perf_counter() - start,
+        )
+    except Exception as exc:  # the first request then compiles, and raises if the path is broken
+        logger().warning("jetson-tq: kernel warm-up skipped (%s: %s)", type(exc).__name__, exc)
+    warmed.add(key)
+
+
+def compiles_on(device: torch.device) -> bool:
+    """True where the kernels compile at their first launch: CUDA (on CPU ``ops`` runs the PyTorch reference)."""
+    return device.type == "cuda"

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from jetson_tq.attention.extras import AttentionExtras
 from jetson_tq.config import load_config
 from jetson_tq.integrations.vllm.impl import TurboQuantAttentionImpl
 from jetson_tq.integrations.vllm.metadata import TurboQuantMetadata, decode_arrays
@@ -37,12 +40,22 @@ BUDGETS = (2048, 8192, 16384)  # max_num_batched_tokens
 class Layer:
     """One layer's impl, its (never read) pages and the batch builder vLLM's metadata builder would produce."""
 
-    def __init__(self, preset: str, hq: int, hkv: int, d: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        preset: str,
+        hq: int,
+        hkv: int,
+        d: int,
+        dtype: torch.dtype = torch.bfloat16,
+        window: int | None = None,
+        name: str = "model.layers.1.self_attn.attn",
+    ) -> None:
         cfg = load_config(preset)
         self.fmt = cfg.format_for_layer(1, 4)
         self.bs = preferred_block_size(16, cfg)
         self.width = -(-MAX_MODEL_LEN // self.bs)
-        self.impl = TurboQuantAttentionImpl(hq, d, 1.0 / math.sqrt(d), hkv)
+        self.impl = TurboQuantAttentionImpl(hq, d, 1.0 / math.sqrt(d), hkv, sliding_window=window)
+        self.impl.layer_name = self.layer_name = name
         self.impl.set_format(self.fmt, 1, self.bs, dtype)
         self.impl.allocate_recent(MAX_NUM_SEQS, torch.device("cpu"), dtype)
         self.pages = torch.zeros(4, hkv, self.impl.layout.page_bytes, dtype=torch.uint8)
@@ -71,6 +84,11 @@ class Layer:
             dec_compressed_lens=empty32,
             dec_recent_lens=empty32,
         )
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The pages, as vLLM binds them to the attention layer (``warmup.bound_cache`` reads them there)."""
+        return self.pages
 
     def step(self, q_lens: list[int], ctx_lens: list[int]) -> None:
         """One engine step: write the step's tokens (zeros) and attend, as vLLM calls the layer."""
@@ -184,6 +202,30 @@ def test_block_table_width_reads_the_runner_table_of_the_layer_block_size():
     runner = NS(input_batch=NS(block_table=NS(block_tables=tables)), model_config=NS(max_model_len=16000))
     assert block_table_width(runner, 256) == 64 and block_table_width(runner, 16) == 1024
     assert block_table_width(NS(model_config=NS(max_model_len=16000)), 256) == 63  # no runner table: cdiv
+    # one table per KV-cache group: a layer reads its own group's table, even where another group's has its block size
+    tables.insert(0, NS(block_size=256, max_num_blocks_per_req=67))  # e.g. a state group sized without alignment
+    groups = [NS(layer_names=["mamba.0"]), NS(layer_names=["attn.1"]), NS(layer_names=["attn.2"])]
+    runner = NS(input_batch=NS(block_table=NS(block_tables=tables)), kv_cache_config=NS(kv_cache_groups=groups))
+    assert block_table_width(runner, 256, "attn.2") == 64 and block_table_width(runner, 256, "mamba.0") == 67
+    assert block_table_width(runner, 16, "attn.1") == 1024 and block_table_width(runner, 256) == 67
+
+
+def test_layers_differing_in_what_the_kernels_see_are_distinct_variants():
+    """The warm-up runs once per ``layer_variant``: the window flag and the window's int class (Triton keys an int
+    on == 1 and % 16), the soft cap and sinks flags, the head counts and the block table make another variant; a
+    window or soft cap of another value in the same class does not (its launches are keyed alike)."""
+    from jetson_tq.integrations.vllm.warmup import layer_variant
+
+    def variant(hq: int = 8, width: int = 65, **extras) -> tuple:
+        layer = Layer("mse_k4v3", hq, 4, 256)
+        layer.impl.extras = AttentionExtras(**extras)
+        return layer_variant(layer.impl, width, torch.device("cpu"))
+
+    plain = variant()
+    assert variant() == plain and variant(sliding_window=512) == variant(sliding_window=1024) != plain
+    assert variant(sliding_window=1000) != variant(sliding_window=1024)
+    assert variant(soft_cap=30.0) == variant(soft_cap=50.0) != plain
+    assert variant(sinks=torch.zeros(8)) != plain and variant(hq=16) != plain and variant(width=66) != plain
 
 
 @pytest.mark.parametrize("hq, hkv, d", [(28, 4, 128), (9, 3, 64)], ids=["qwen7b-d128", "smollm2-d64"])
@@ -232,6 +274,100 @@ def test_warm_up_compiles_a_first_step_of_several_prompts(drafts, monkeypatch):
                 layer.step([4, 4, 1, 4, 3, 4, 1, 2], [2100 + i] * 8)
             else:
                 layer.step([1] * 8, [2048 + i] * 8)
+    missing = request.missing_from(warm.keys)
+    assert not missing, (
+        f"{len(missing)} of {len(request.keys)} specializations of the first steps are not compiled by the warm-up:\n"
+        + specializations.describe_missing(missing, warm.keys)
+    )
+
+
+def first_steps(prompts: int, prompt: int, budget: int) -> list[tuple[list[int], list[int]]]:
+    """The engine steps (new tokens, history per row) of ``prompts`` requests of ``prompt`` tokens arriving together,
+    until each has decoded once, as vLLM's scheduler lays them out under ``budget`` tokens per step (chunked
+    prefill): decode rows first (the requests whose prompt is in), then prompt chunks in arrival order, each as
+    long as the budget left allows (the one cut short goes on over its history in the next step)."""
+    cached, steps = [0] * prompts, []
+    while min(cached) <= prompt:
+        rows = [(i, 1) for i in range(prompts) if cached[i] >= prompt]
+        left = budget - len(rows)
+        for i in range(prompts):
+            if cached[i] < prompt and left > 0:
+                rows.append((i, min(prompt - cached[i], left)))
+                left -= rows[-1][1]
+        steps.append(([n for _, n in rows], [cached[i] for i, _ in rows]))
+        for i, n in rows:
+            cached[i] += n
+    return steps
+
+
+#: matrix models (``benchmarks/vllm_gpu/model_matrix.yaml``) -> layers of a tiny copy: five 1,024-token
+#: sliding-window layers, then a global one; head dim 256
+WINDOWED_MODELS = {"gemma-3-4b": 6}  # (gemma-3-12b: the same pattern at twice the heads, 6 s more here)
+
+
+def model_layers(name: str, layers: int) -> list[Layer]:
+    """A ``Layer`` per attention layer of the first ``layers`` layers of the matrix model ``name``: its published
+    query / KV heads, head dim and sliding window on the layers transformers' config makes sliding."""
+    from transformers import AutoConfig
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
+    import models
+
+    config = dict(models.matrix_models()[name]["config"], num_hidden_layers=layers)
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * layers
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    windows = [cfg.sliding_window if kind == "sliding_attention" else None for kind in types]
+    return [
+        Layer("mse_k4v3", hq, hkv, d, window=w, name=f"model.layers.{i}.self_attn.attn") for i, w in enumerate(windows)
+    ]
+
+
+def hybrid_runner(layers: list[Layer], budget: int):
+    """The runner as the hook sees it: vLLM's hybrid KV-cache groups (the sliding-window layers, the global ones),
+    one block table each, and the scheduler's sizes."""
+    groups = [[x.layer_name for x in layers if (x.impl.extras.sliding_window is None) == full] for full in (0, 1)]
+    tables = [NS(block_size=layers[0].bs, max_num_blocks_per_req=layers[0].width) for _ in groups]
+    return NS(
+        device="cpu",
+        vllm_config=NS(scheduler_config=NS(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=budget)),
+        model_config=NS(max_model_len=MAX_MODEL_LEN),
+        input_batch=NS(block_table=NS(block_tables=tables)),
+        kv_cache_config=NS(kv_cache_groups=[NS(layer_names=names) for names in groups]),
+    )
+
+
+@pytest.mark.parametrize("budget", [2048, 16384])  # the matrix's, and one that splits every prompt into chunks
+@pytest.mark.parametrize("model", list(WINDOWED_MODELS))
+def test_warm_up_covers_every_layer_variant_of_a_windowed_model(model, budget, monkeypatch):
+    """Eight 8,192-token prompts through every layer of a model whose sliding-window layers come first (the
+    matrix's engine: max_model_len 8,320, 8 sequences): the hook warms up one layer per variant, the first
+    sliding-window layer and the first global one, and the first steps (prompt chunks crossing the window, chunks
+    over their history, decode rows) launch nothing it did not compile. On an H100 a warm-up once per format
+    missed the global layers (another window flag): their first prefill compiled the dequantizer and the prefill
+    while the first request waited."""
+    from jetson_tq.integrations.vllm import warmup
+
+    module = sys.modules[__name__]
+    monkeypatch.setattr(module, "MAX_MODEL_LEN", PROMPT + 128)
+    monkeypatch.setattr(module, "MAX_NUM_SEQS", 8)
+    monkeypatch.setattr(warmup, "compiles_on", lambda device: True)
+    runs: list[str] = []
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda impl, *a, **kw: (runs.append(impl.layer_name), real(impl, *a, **kw)))
+    layers = model_layers(model, WINDOWED_MODELS[model])
+    runner, warmed = hybrid_runner(layers, budget), set()
+    with specializations.record(launch=False) as warm:
+        for layer in layers:
+            warmup.warm_up_layer(runner, layer, warmed)
+    first: dict = {}  # window -> the first layer with it
+    for layer in layers:
+        first.setdefault(layer.impl.extras.sliding_window, layer.layer_name)
+    assert len(first) == 2 and runs == list(first.values()), f"warmed up {runs}, one per variant: {first}"
+    with specializations.record(launch=False) as request:
+        for q_lens, ctx_lens in first_steps(8, PROMPT, budget):
+            for layer in layers:
+                layer.step(q_lens, ctx_lens)
     missing = request.missing_from(warm.keys)
     assert not missing, (
         f"{len(missing)} of {len(request.keys)} specializations of the first steps are not compiled by the warm-up:\n"
