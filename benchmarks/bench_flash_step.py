@@ -45,23 +45,13 @@ def wall_us(fn, reps: int) -> float:
 
 def step_variants(q, k, v, kv, history: list[int], varlen) -> dict:
     """The variants (name -> call) for a step of sequences ``kv`` holds: q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
-    from dataclasses import replace
 
     from jetson_tq import ops
 
     b, hq, t, d = q.shape
     rows = [x.transpose(1, 2).reshape(b * t, -1, d).contiguous() for x in (q, k, v)]
     qsl = np.arange(b + 1) * t
-    one = [
-        replace(
-            kv,
-            block_table=kv.block_table[i : i + 1],
-            compressed_lens=kv.compressed_lens[i : i + 1],
-            recent_lens=kv.recent_lens[i : i + 1],
-            recent_index=kv.recent_index[i : i + 1],
-        )
-        for i in range(b)
-    ]
+    one = [kv.sequence(i) for i in range(b)]
     plan = ops.plan_prefill_rows(kv, history, qsl)
 
     def per_request(flash):

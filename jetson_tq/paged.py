@@ -7,7 +7,7 @@ arrays). A token's slot is ``block_id * block_size + offset`` exactly as in vLLM
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -103,6 +103,19 @@ class PagedKV:
     @property
     def head_dim(self) -> int:
         return self.layout.head_dim
+
+    def sequence(self, b: int) -> PagedKV:
+        """Sequence ``b`` alone (a batch of one over the same pages and rings), for paths that serve one sequence per
+        call."""
+        return replace(
+            self,
+            block_table=self.block_table[b : b + 1],
+            compressed_lens=self.compressed_lens[b : b + 1],
+            recent_lens=self.recent_lens[b : b + 1],
+            recent_index=self.recent_index[b : b + 1],
+            sink_k=None if self.sink_k is None else self.sink_k[b : b + 1],
+            sink_v=None if self.sink_v is None else self.sink_v[b : b + 1],
+        )
 
     def gather_compressed(self, upto: int | None = None) -> Fields:
         """Fields [B, H, upto, count] of positions [0, upto) of every sequence (garbage past its length)."""

@@ -9,7 +9,6 @@ CPU-only users never import Triton.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -231,15 +230,7 @@ def prefill_rows(
     out = torch.empty_like(q)
     for b in range(len(hist)):
         qs, qe, s = int(qsl[b] - qsl[0]), int(qsl[b + 1] - qsl[0]), int(hist[b])
-        one = replace(
-            kv,
-            block_table=kv.block_table[b : b + 1],
-            compressed_lens=kv.compressed_lens[b : b + 1],
-            recent_lens=kv.recent_lens[b : b + 1],
-            recent_index=kv.recent_index[b : b + 1],
-            sink_k=None if kv.sink_k is None else kv.sink_k[b : b + 1],
-            sink_v=None if kv.sink_v is None else kv.sink_v[b : b + 1],
-        )
+        one = kv.sequence(b)
         qb, kb, vb = (x[qs:qe].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         res = prefill(
             qb,

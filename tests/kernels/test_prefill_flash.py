@@ -8,8 +8,6 @@ kernel runs too. Tolerances as in test_kernels_prefill.py.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
@@ -188,13 +186,7 @@ def test_flash_prefill_rows_ragged_step(varlen_name, make, name, d, hkv, g, hist
     plan = plan_for(kv, hist, qsl, workspace_tokens=ws)
     got = flash_prefill_rows(q, k, v, kv, plan, varlen)
     for b in range(len(hist)):
-        one = replace(
-            kv,
-            block_table=kv.block_table[b : b + 1],
-            compressed_lens=kv.compressed_lens[b : b + 1],
-            recent_lens=kv.recent_lens[b : b + 1],
-            recent_index=kv.recent_index[b : b + 1],
-        )
+        one = kv.sequence(b)
         qb, kb, vb = (x[qsl[b] : qsl[b + 1]].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         alone = flash_prefill(qb, kb, vb, one, [hist[b]], varlen, workspace_tokens=ws)
         ref = paged_attention_prefill(qb, kb, vb, one)
