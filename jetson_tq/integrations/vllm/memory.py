@@ -56,11 +56,33 @@ def prefill_reserve_bytes(vllm_config) -> int:
     )
 
 
+#: A share of the KV budget above which the ring pools' reserve is logged as a warning: vLLM's engine arguments
+#: default ``max_num_seqs`` to 1,024 on a GPU of 70 GiB or more (an AGX Thor's 128 GB included), and every row of the
+#: pools is reserved whether or not that many requests ever run (Qwen2.5-7B: 7 MiB a row, 7.2 GiB at 1,024).
+RING_SHARE_WARN = 0.10
+
+
+def ring_share_warning(pool: int, available: int, rows: int) -> str | None:
+    """The warning for ring pools of ``pool`` bytes (``rows`` sequences + 1 scratch row) out of an ``available``-byte
+    KV budget, or None when they take at most ``RING_SHARE_WARN`` of it."""
+    if available <= 0 or pool <= RING_SHARE_WARN * available:
+        return None
+    return (
+        f"jetson-tq: the fp16 recent buffers of max_num_seqs={rows} sequences take {pool / 2**30:.2f} GiB, "
+        f"{100 * pool / available:.0f} % of the KV budget (one row per sequence vLLM may run at once, reserved "
+        f"up front); set --max-num-seqs to the number of requests this device serves together"
+    )
+
+
 def kv_budget(vllm_config, available: int) -> int:
     """The bytes left for compressed pages of the ``available`` bytes vLLM's worker found (logged); ConfigError when
     the pools and temporaries need all of it."""
     transient = prefill_reserve_bytes(vllm_config)
-    reserved = recent_pool_bytes(vllm_config) + transient
+    pool = recent_pool_bytes(vllm_config)
+    reserved = pool + transient
+    warning = ring_share_warning(pool, available, recent_rows(vllm_config))
+    if warning:
+        logger().warning(warning)
     if transient:
         logger().info(
             "jetson-tq: %.1f MiB of the KV budget set aside for prefill kernel temporaries (a %d-token chunk; "
