@@ -155,6 +155,38 @@ def gpu_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def gpu_memory_gib() -> tuple[float, float] | None:
+    """(free, total) GiB of the first GPU from nvidia-smi (no CUDA context in this process), or None without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        free, total = (float(x) / 1024 for x in out.split(",")[:2])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return free, total
+
+
+def wait_for_gpu_memory(gpu_util: float, timeout_s: float = 90.0, read=gpu_memory_gib, sleep=time.sleep) -> float:
+    """Wait until the GPU has the ``gpu_util`` share of its memory free, as vLLM's start-up demands: the engine
+    before may still be releasing it (an H100 run found 33 of 79 GiB free after a VLM engine was deleted, and the
+    next engines did not start). Returns the seconds waited (0 without a GPU reading); gives up after ``timeout_s``
+    and lets vLLM's own check name the shortfall."""
+    t0 = time.monotonic()
+    while True:
+        mem = read()
+        if mem is None or mem[0] >= gpu_util * mem[1]:
+            return round(time.monotonic() - t0, 1)
+        if time.monotonic() - t0 >= timeout_s:
+            print(f"matrix: {mem[0]:.1f} of {mem[1]:.1f} GiB free after {timeout_s:.0f} s", file=sys.stderr)
+            return round(time.monotonic() - t0, 1)
+        sleep(2.0)
+
+
 def engine_kwargs(cpu: bool, capture_sizes: list[int], gpu_util: float) -> dict:
     """The settings every engine of these scripts shares: on the GPU bf16, TRITON_ATTN for stock layers, CUDA graphs
     for decode batches without Inductor, PyTorch-native custom ops (the bundle has no C++ op library, job.py); on
@@ -272,6 +304,8 @@ def engine_record(name: str, m: dict, model: str, args, engine: str, lock: Path)
     logging.getLogger("vllm").addHandler(grab)
     LAST_DECISIONS.clear()
     LAST_CAPACITY.clear()
+    if not args.cpu_smoke:  # before the clock starts: init_s is the engine's own start-up
+        rec["waited_for_memory_s"] = wait_for_gpu_memory(args.gpu_util)
     t0 = time.time()
     llm = None
     try:

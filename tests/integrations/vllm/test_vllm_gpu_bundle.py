@@ -613,3 +613,18 @@ def test_required_part_missing_stops_the_run(tmp_path: Path) -> None:
     env.pop("JTQ_REQUIRE_PARTS")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == 0 and "none found" in res.stdout
+
+
+def test_matrix_waits_for_the_engine_before_to_release_gpu_memory() -> None:
+    """The next engine starts once the GPU has its share free (the engine before may still be releasing it), or
+    after the timeout, leaving the shortfall to vLLM's own named check; without a GPU reading it does not wait."""
+    import matrix
+
+    readings = iter([(33.4, 79.2), (35.0, 79.2), (70.1, 79.2)])
+    naps: list[float] = []
+    assert matrix.wait_for_gpu_memory(0.5, read=lambda: next(readings), sleep=naps.append) >= 0.0
+    assert len(naps) == 2  # two readings under 39.6 GiB, the third enough
+    naps.clear()
+    assert matrix.wait_for_gpu_memory(0.5, timeout_s=0.0, read=lambda: (10.0, 79.2), sleep=naps.append) >= 0.0
+    assert naps == []  # the timeout is reached at the first short reading
+    assert matrix.wait_for_gpu_memory(0.9, read=lambda: None, sleep=naps.append) == 0.0 and naps == []
