@@ -1,6 +1,7 @@
-"""All vLLM-on-GPU measurements of issue 10 in one command: one subprocess (one engine) per configuration.
+"""The vLLM-on-GPU measurements in one command: one subprocess (one engine) per configuration.
 
-    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke|ttft|fa3] [--budget S] [--only A,B]
+    python benchmarks/vllm_gpu/run.py --out DIR [--plan full|short|agg|corr|smoke|ttft|fa3|peers] [--budget S]
+        [--only A,B] [--rows '[[8192, 8, -1]]']
 
 Writes DIR/results.jsonl (every ``RESULT`` line of every job), DIR/raw.log (all engine logs, in
 order) and DIR/summary.json (the tables + the greedy comparison). Jobs run in priority order; one
@@ -164,6 +165,15 @@ def plan(kind: str) -> list[dict]:
                 work=FA3_ROWS,
                 timeout=330,
                 env=dict(V1, JETSON_TQ_FLASH_PREFILL="0"),
+                **big,
+            ),
+            _engine(  # every prefill row on vLLM's FlashAttention, below the 16k rule too (where the crossover lies)
+                "fa3_ours_mse_k4v3_flash_all",
+                QWEN,
+                tq="mse_k4v3",
+                work=FA3_ROWS,
+                timeout=330,
+                env=dict(V1, JETSON_TQ_FLASH_MIN_TOKENS="0"),
                 **big,
             ),
         ]
@@ -508,6 +518,13 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=480.0, help="seconds for all jobs")
     ap.add_argument("--only", default="", help="comma-separated job names")
     ap.add_argument(
+        "--rows",
+        type=json.loads,
+        default=None,
+        help="JSON [[context, concurrency, outputs], ...]: every job's workloads instead of the plan's "
+        "(outputs < 0: every request decodes together)",
+    )
+    ap.add_argument(
         "--stock-backend",
         default="TRITON_ATTN",
         choices=["TRITON_ATTN", "FLASH_ATTN"],
@@ -521,7 +538,14 @@ def main() -> None:
     jobs = adapt(plan(args.plan), args.stock_backend, fa3_present())
     if args.only:
         keep = set(args.only.split(","))
+        unknown = keep - {j["name"] for j in jobs}
+        if unknown:
+            ap.error(f"--only: no job {', '.join(sorted(unknown))} in --plan {args.plan}")
         jobs = [j for j in jobs if j["name"] in keep]
+    if args.rows is not None:
+        if not (isinstance(args.rows, list) and all(isinstance(r, list) and len(r) == 3 for r in args.rows)):
+            ap.error("--rows: expected a JSON list of [context, concurrency, outputs] triples")
+        jobs = [dict(j, workloads=[list(map(int, r)) for r in args.rows]) for j in jobs if j["workloads"]]
     results: list[dict] = []
     for i, spec in enumerate(jobs):
         spec = dict(spec, model=str(write_model_dir(spec["model_name"], models)))
@@ -546,7 +570,12 @@ def main() -> None:
             f.writelines(json.dumps(r) + "\n" for r in results)
         (args.out / "summary.json").write_text(
             json.dumps(
-                dict(summarize(results), targets=targets(results), fa3=fa3_targets(results))
+                dict(
+                    summarize(results),
+                    targets=targets(results),
+                    fa3=fa3_targets(results),
+                    fa3_flash_all=fa3_targets(results, ours="fa3_ours_mse_k4v3_flash_all"),
+                )
                 | {"peers": peers_table(results)},
                 indent=1,
             )

@@ -40,6 +40,7 @@ class FlashSegment:
     max_k: int  # the most workspace tokens a sub-sequence reads
     cu_q: torch.Tensor = field(repr=False)  # int32 [subs + 1]: offsets into ``rows``
     used: torch.Tensor = field(repr=False)  # int32 [subs]: workspace tokens each reads
+    row_span: tuple[int, int] | None  # ``rows`` as one slice [a, b) of the step's rows, when they are one
     rows: torch.Tensor = field(repr=False)  # int32 [rows]: the step's query rows, sub-sequence by sub-sequence
     table: torch.Tensor = field(repr=False)  # int32 [subs, seg // R]: its sequence's workspace pages
 
@@ -56,6 +57,7 @@ class FlashPlan:
     max_q: int  # part B: the longest sub-sequence's rows
     max_k: int  # part B: the longest sub-sequence's keys
     exact_keys: int  # part B: packed keys (ring tokens + chunk rows)
+    keys_are_rows: bool  # part B's packed keys are the chunk rows themselves, in order (no ring tokens)
     segments: tuple[FlashSegment, ...]
     cu_q: torch.Tensor = field(repr=False)  # int32 [subs + 1]: part B's query offsets
     cu_k: torch.Tensor = field(repr=False)  # int32 [subs + 1]: part B's key offsets
@@ -130,13 +132,16 @@ def plan_flash_rows(
         lens = (r1 - r0)[sel]
         used = np.minimum(start[sel], s0 + seg) - s0
         rows = _ragged_arange(qs[sub_seq[sel]] + r0[sel], lens)
-        seg_host.append((s0, int(lens.max()), int(used.max()), len(host)))
+        span = (int(rows[0]), int(rows[-1]) + 1) if rows.size and rows[-1] - rows[0] + 1 == rows.size else None
+        seg_host.append((s0, int(lens.max()), int(used.max()), span, len(host)))
         host += [np.concatenate([[0], np.cumsum(lens)]), used, sub_seq[sel], rows]
     parts = _to_device(host + [key_rows, ring_dst, ring_seq, ring_col], device)
     pages = torch.arange(seg // ring, dtype=torch.int32, device=device)
     segments = tuple(  # every sub-sequence reads its own sequence's pages of the workspace
-        FlashSegment(s0, mq, mk, parts[at], parts[at + 1], parts[at + 3], parts[at + 2][:, None] * len(pages) + pages)
-        for s0, mq, mk, at in seg_host
+        FlashSegment(
+            s0, mq, mk, parts[at], parts[at + 1], span, parts[at + 3], parts[at + 2][:, None] * len(pages) + pages
+        )
+        for s0, mq, mk, span, at in seg_host
     )
     key_rows_d, ring_dst_d, ring_seq_d, ring_col_d = (x.long() for x in parts[-4:])
     return FlashPlan(
@@ -147,6 +152,7 @@ def plan_flash_rows(
         max_q=int((r1 - r0).max(initial=0)),
         max_k=int(klen.max(initial=0)),
         exact_keys=int(cu_k[-1]),
+        keys_are_rows=not ring_r.any(),
         segments=segments,
         cu_q=parts[0],
         cu_k=parts[1],

@@ -22,7 +22,7 @@ def _query_transform_kernel(
     # ---- pointers
     q_ptr,  # [A, H, D]: queries (last dim contiguous)
     m_ptr,  # fp32 [QW, D]: M = [Pi; S] (or Pi, or I); with SPLIT16 fp16 [2, QW, D]: (hi, lo), hi + lo = M
-    out_ptr,  # fp32 [A * H, QW]: scale * q @ M^T
+    out_ptr,  # fp32 or fp16 [A * H, QW]: scale * q @ M^T (the store casts to its dtype)
     # ---- sizes, strides, scalars
     rows,  # A * H
     heads,  # H
@@ -70,7 +70,8 @@ def query_transform(
     reproducible: bool = False,
     qmat16: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``scale * q @ qmat.T`` in fp32 for q [A, H, D] (last dim contiguous) -> [A * H, QW]. Without ``out`` the
+    """``scale * q @ qmat.T`` in fp32 for q [A, H, D] (last dim contiguous) -> [A * H, QW], stored in ``out``'s dtype
+    (fp32 by default; an fp16 ``out`` for a caller that reads fp16, the products stay fp32). Without ``out`` the
     result is a fresh tensor (the caching allocator reuses it; a per-shape workspace grew without bound under
     ragged prefill chunks). ``reproducible``: the same tile shape at any row count and exact fp32 products
     ("ieee"), so a query row's result does not depend on how many rows share the launch. ``qmat16``: qmat as an
@@ -85,6 +86,16 @@ def query_transform(
     rows = a * h
     if out is None:
         out = torch.empty(rows, qw, dtype=torch.float32, device=q.device)
+    elif (
+        out.dim() != 2
+        or out.shape[0] < rows
+        or out.shape[1] != qw
+        or not out.is_contiguous()
+        or out.dtype not in (torch.float32, torch.float16)
+    ):
+        raise ShapeError(
+            f"out: expected a contiguous fp32 or fp16 [>= {rows}, {qw}], got {out.dtype} {tuple(out.shape)}"
+        )
     # 16 rows per program for decode; prefill-sized calls take 64 (each program reloads M: H200 call B spent 91 us on
     # 65536 rows at 16; offline sm_90 at 64: 186 registers, no spills, 2.7x fewer instructions per row)
     prefill_sized = rows >= PREFILL_ROWS and d <= 128 and not reproducible

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from jetson_tq.attention.reference import paged_attention_prefill
+from jetson_tq.errors import ShapeError
 from jetson_tq.format import exact_count
 from jetson_tq.kernels.prefill_plan import (
     SHARED_BYTES,
@@ -171,3 +172,8 @@ def test_query_transform_rows(rows):
     m16 = torch.stack([m.half(), (m.double() - m.half().double()).half()])  # codec_constants' qmat16 pair
     got16 = query_transform(q, m, 0.3, qmat16=m16).clone()  # fp16 products from PREFILL_ROWS rows on
     assert rel_err(got16, want) <= 1e-5
+    # an fp16 out (the flash prefill's FlashAttention operand): the fp32 result rounded once, in the store
+    half = query_transform(q, m, 0.3, out=torch.empty(rows, 128, dtype=torch.float16, device=DEVICE), qmat16=m16)
+    assert half.dtype == torch.float16 and rel_err(half.float(), want) <= 1e-3
+    with pytest.raises(ShapeError, match="out: expected"):
+        query_transform(q, m, 0.3, out=torch.empty(rows, 64, device=DEVICE))

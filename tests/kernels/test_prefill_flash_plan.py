@@ -66,11 +66,16 @@ def test_plan_matches_the_loops(ring, workspace):
         for at, b, i in zip(plan.ring_dst.tolist(), plan.ring_seq.tolist(), plan.ring_col.tolist()):
             packed[at] = ("ring", b, i)
         assert packed == want["keys"], why
+        # the shortcut that skips packing: only when the packed keys are the chunk rows, in order
+        assert plan.keys_are_rows == (want["keys"] == [("row", g) for g in range(sum(t))]), why
         assert plan.last.tolist() == [h + n - 1 for h, n in zip(hist, t)], why
         assert len(plan.segments) == len(want["segments"]), why
         for got, exp in zip(plan.segments, want["segments"]):
             assert got.s0 == exp["s0"] and got.rows.tolist() == exp["rows"] and got.cu_q.tolist() == exp["cu"], why
             assert got.used.tolist() == exp["used"] and got.max_k == max(exp["used"]), why
+            rows = exp["rows"]
+            one_slice = rows == list(range(rows[0], rows[0] + len(rows)))
+            assert got.row_span == ((rows[0], rows[0] + len(rows)) if one_slice else None), why
             assert got.max_q == max(np.diff(exp["cu"])), why
             pages = plan.seg // ring
             assert got.table.tolist() == [[b * pages + p for p in range(pages)] for b in exp["seq"]], why

@@ -17,11 +17,12 @@ from ...errors import ConfigError
 
 logger = logging.getLogger(__name__)
 ENV_VAR = env.FLASH_PREFILL
-#: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. On an
-#: H200 (docs/vllm.md, Speed), 8k prompts took 0.52-0.55 s per 16k-token step on the Triton loop vs 0.62-0.68 s on
-#: FlashAttention (the flash path's host planning per layer, per request then), 32k prompts 0.63-0.68 s vs 0.66-0.77 s.
+#: A chunk whose history + own tokens reach this many runs on FlashAttention, a shorter one on the Triton loop. With
+#: the step's rows in one call over a plan built once per step (H100, docs/vllm.md, Speed), 8 prompts of 8k took
+#: TTFT 2.21 s (last) on FlashAttention vs 2.40 s on the Triton loop (stock FA3: 1.99 s), and one layer's step of 2 x
+#: 8k rows 2.39 ms vs 2.76 ms; shorter rows were not measured, so they stay on the Triton loop.
 #: ``JETSON_TQ_FLASH_MIN_TOKENS`` overrides it (0: every row that FlashAttention can serve).
-FLASH_MIN_TOKENS = 16384
+FLASH_MIN_TOKENS = 8192
 
 
 @functools.cache

@@ -327,8 +327,8 @@ def test_prefill_varlen_by_chunk_work(monkeypatch):
     monkeypatch.setattr(flash, "vllm_varlen", lambda: sentinel)
     n = flash.FLASH_MIN_TOKENS
     assert flash.prefill_varlen(0, n) is sentinel and flash.prefill_varlen(n - 2048, 2048) is sentinel
-    assert flash.prefill_varlen(0, 8192) is None and flash.prefill_varlen(4096, 2048) is None
-    varlen, on = flash.flash_rows(np.array([0, n - 2048, 4096]), np.array([n, 2048, 2048]))  # a step's rows at once
+    assert flash.prefill_varlen(0, n - 1) is None and flash.prefill_varlen(2048, 2048) is None
+    varlen, on = flash.flash_rows(np.array([0, n - 2048, 2048]), np.array([n, 2048, 2048]))  # a step's rows at once
     assert varlen is sentinel and on.tolist() == [True, True, False]
 
 

@@ -187,12 +187,14 @@ def test_ttft_plan_compares_the_first_request_with_the_next() -> None:
 def test_fa3_plan_puts_every_row_beside_stock_fa3() -> None:
     """--plan fa3: ours and stock on FlashAttention 3 run the same rows at the same memory, the 8k row first (the
     engine's first request); the summary gives ours / FA3 per row with met / missed (TTFT <= 1.1x, TPOT <= 1.0x)."""
-    ours, stock, control = run.plan("fa3")
+    ours, stock, control, flash_all = run.plan("fa3")
     assert ours["workloads"] == stock["workloads"] == control["workloads"] and ours["workloads"][0][0] == 8192
     assert ours["gpu_util"] == stock["gpu_util"] and stock["backend"] == "FLASH_ATTN_FIXED" and ours["tq_config"]
     # the control: ours with the Triton prefill everywhere (vLLM's FlashAttention off)
     assert control["tq_config"] == ours["tq_config"] and control["env"]["JETSON_TQ_FLASH_PREFILL"] == "0"
     assert "JETSON_TQ_FLASH_PREFILL" not in ours["env"]
+    # and ours with vLLM's FlashAttention for every prefill row, below the 16k rule too (the crossover)
+    assert flash_all["env"]["JETSON_TQ_FLASH_MIN_TOKENS"] == "0" and "JETSON_TQ_FLASH_MIN_TOKENS" not in ours["env"]
     row = {"kind": "workload", "context": 8192, "concurrency": 8}
     results = [
         dict(row, job="fa3_ours_mse_k4v3", ttft_first_s=1.2, ttft_last_s=2.0, tpot_ms=8.0),
@@ -628,3 +630,21 @@ def test_matrix_waits_for_the_engine_before_to_release_gpu_memory() -> None:
     assert matrix.wait_for_gpu_memory(0.5, timeout_s=0.0, read=lambda: (10.0, 79.2), sleep=naps.append) >= 0.0
     assert naps == []  # the timeout is reached at the first short reading
     assert matrix.wait_for_gpu_memory(0.9, read=lambda: None, sleep=naps.append) == 0.0 and naps == []
+
+
+def test_rows_and_only_override_the_plan(tmp_path: Path, monkeypatch) -> None:
+    """--rows replaces every job's workloads; an unknown --only name or malformed --rows is a usage error (rc 2),
+    not a run of nothing."""
+    calls: list[dict] = []
+    monkeypatch.setattr(run, "run_job", lambda spec, out, deadline: calls.append(spec) or [])
+    monkeypatch.setattr(run, "write_model_dir", lambda name, root: tmp_path / name)
+    argv = ["run.py", "--out", str(tmp_path / "o"), "--plan", "fa3", "--only", "fa3_ours_mse_k4v3,fa3_stock"]
+    monkeypatch.setattr(sys, "argv", argv + ["--rows", "[[8192, 8, -1], [16384, 8, -1]]"])
+    run.main()
+    assert [c["name"] for c in calls] == ["fa3_ours_mse_k4v3", "fa3_stock"]
+    assert all(c["workloads"] == [[8192, 8, -1], [16384, 8, -1]] for c in calls)
+    for bad in (["--only", "fa3_nobody"], ["--rows", "[[8192, 8]]"]):
+        monkeypatch.setattr(sys, "argv", ["run.py", "--out", str(tmp_path / "o"), "--plan", "fa3", *bad])
+        with pytest.raises(SystemExit) as err:
+            run.main()
+        assert err.value.code == 2
