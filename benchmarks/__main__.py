@@ -38,6 +38,7 @@ TOOLS = {
     "sink-spread": "sink_spread.py",
     "vllm-run": "vllm_gpu/run.py",
     "vllm-bundle": "vllm_gpu/bundle.py",
+    "vllm-profile-step": "vllm_gpu/profile_step.py",
     "vllm-sched": "vllm_gpu/sched_compare.py",
     "vllm-repro-cost": "vllm_gpu/repro_cost.py",
     "vllm-simulate-cuda": "vllm_gpu/simulate_cuda.py",

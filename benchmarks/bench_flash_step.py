@@ -1,6 +1,7 @@
 """One layer's prefill of a whole step on the GPU: the flash path per request (before) vs all rows in one call.
 
     python benchmarks/bench_flash_step.py [--rows 8] [--chunk 8192] [--history 8192] [--heads 28,4] [--reps 10]
+        [--profile]
 
 A step of ``--rows`` chunks of ``--chunk`` tokens, each after ``--history`` tokens (a multiple of the ring; the
 sequences share one history length so one prefill case serves them, Qwen2.5-7B's heads by default), through:
@@ -12,7 +13,9 @@ sequences share one history length so one prefill case serves them, Qwen2.5-7B's
 - ``per-request Triton``: ``ops.prefill`` on the Triton loop (the 16k rule's other side).
 
 Wall time per call (host launches included, as a prefill step sees them: synchronize, ``--reps`` calls,
-synchronize), best of 3. Needs a CUDA GPU with vLLM's FlashAttention (the bundle).
+synchronize), best of 3, beside ``stock FA3``: stock vLLM's FlashAttention over the same tokens in fp16 pages (what a
+stock engine's layer runs). ``--profile``: each CUDA kernel of one ``step flash`` call (``torch.profiler``, mean of 3
+calls), to see the passes around FlashAttention. Needs a CUDA GPU with vLLM's FlashAttention (the bundle).
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="28,4", help="query heads, KV heads (default 28,4)")
     ap.add_argument("--format", default="mse_k4v3")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also the CUDA kernels of one whole-step call")
     args = ap.parse_args(argv)
-    from kernel_bench import make_prefill_case, resolve_format
+    from kernel_bench import _stock_fa_us, make_prefill_case, resolve_format
 
     from jetson_tq.integrations.vllm.flash import vllm_varlen
 
@@ -96,9 +100,28 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.randn(args.rows, hq, args.chunk, k.shape[-1], device=k.device, dtype=torch.float16)
     history = [args.history] * args.rows
     print(f"{args.rows} rows x {args.chunk} tokens after {args.history}, heads {hq}/{hkv}, {args.format}")
-    for name, fn in step_variants(q, k, v, case.kv, history, varlen).items():
+    variants = step_variants(q, k, v, case.kv, history, varlen)
+    for name, fn in variants.items():
         print(f"{name:<20} {wall_us(fn, args.reps) / 1e3:9.3f} ms per layer", flush=True)
+    print(f"{'stock FA3':<20} {_stock_fa_us(q, case.k16, case.v16) / 1e3:9.3f} ms per layer (device time)", flush=True)
+    if args.profile:
+        print_kernels(variants["step flash"])
     return 0
+
+
+def print_kernels(fn, calls: int = 3) -> None:
+    """Each CUDA kernel ``fn`` launches, µs per call (mean of ``calls``), longest first, and their sum."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count // calls, e.device_time_total / calls) for e in prof.key_averages()]
+    rows = sorted([r for r in rows if r[2] > 0], key=lambda r: -r[2])
+    for key, n, us in rows:
+        print(f"  {key[:72]:<72} x{n:<3} {us:9.1f} us", flush=True)
+    print(f"  {'all kernels':<72}      {sum(r[2] for r in rows):9.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -648,3 +648,16 @@ def test_rows_and_only_override_the_plan(tmp_path: Path, monkeypatch) -> None:
         with pytest.raises(SystemExit) as err:
             run.main()
         assert err.value.code == 2
+
+
+def test_profile_step_refuses_bad_input_and_a_machine_without_a_gpu(capsys) -> None:
+    """profile_step.py: a prompt longer than one step or empty is a usage error (rc 2); without CUDA it says so and
+    returns 2 before starting vLLM (this CPU machine)."""
+    import profile_step
+
+    for bad in ("0", "16385"):
+        with pytest.raises(SystemExit) as err:
+            profile_step.main(["--engine", "ours", "--tokens", bad])
+        assert err.value.code == 2
+    assert profile_step.main(["--engine", "stock"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""One prefill of a whole vLLM engine under ``torch.profiler``: where a step's time goes, ours against stock.
+
+    python benchmarks/vllm_gpu/profile_step.py --engine ours|stock [--model qwen2.5-7b] [--tokens 16000]
+        [--config mse_k4v3] [--gpu-util 0.55]
+
+Starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, dummy weights, the model's shape from
+``models.py``; stock on FlashAttention), prefills two prompts of ``--tokens`` tokens untimed (warm-up, compiles), then
+one more under the profiler, and prints its wall time, the CUDA kernels by total time, the host operations by total
+time and every host call that can wait for the GPU (synchronize, item, copies to the host). Run once per engine, on a
+GPU with the vLLM bundle unpacked: the gap between two engines' kernel sums is device work, the rest host time the GPU
+waited for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+WAITS = ("Synchronize", "aten::item", "_local_scalar_dense", "Memcpy DtoH", "aten::tolist", "cudaMemcpy ")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["ours", "stock"], required=True)
+    ap.add_argument("--model", default="qwen2.5-7b", help="a shape in models.py")
+    ap.add_argument("--tokens", type=int, default=16000, help="prompt tokens (one prefill step up to 16,384)")
+    ap.add_argument("--config", default="mse_k4v3", help="JETSON_TQ_CONFIG of the ours engine")
+    ap.add_argument("--gpu-util", type=float, default=0.55)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    if not 1 <= args.tokens <= 16384:
+        ap.error(f"--tokens: expected 1..16384 (one step of 16,384 batched tokens), got {args.tokens}")
+    import torch
+
+    if not torch.cuda.is_available():
+        print("profile_step: needs a CUDA GPU with the vLLM bundle", file=sys.stderr)
+        return 2
+    if args.engine == "ours":
+        os.environ["JETSON_TQ_CONFIG"] = args.config
+    else:
+        os.environ.pop("JETSON_TQ_CONFIG", None)
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="0")
+    import job
+    from models import write_model_dir
+
+    job.SPEC = dict(
+        name=args.engine,
+        model=str(write_model_dir(args.model, Path(os.environ.get("JTQ_MODELS", "/tmp/jtq_models")))),
+        max_model_len=args.tokens + 1024,
+        gpu_util=args.gpu_util,
+        max_num_seqs=8,
+        max_num_batched_tokens=16384,
+        eager=True,
+        backend=None if args.engine == "ours" else "FLASH_ATTN",
+    )
+    llm = job.build_llm()
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    gen = torch.Generator().manual_seed(0)
+
+    def prefill() -> float:
+        ids = torch.randint(100, 30000, (args.tokens,), generator=gen).tolist()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        prefill()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        wall = prefill()
+    events = prof.key_averages()
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sorted((e for e in events if e.device_type == cuda), key=lambda e: -e.device_time_total)
+    host = sorted((e for e in events if e.device_type != cuda), key=lambda e: -e.cpu_time_total)
+    print(f"{args.engine}: one {args.tokens}-token prefill {wall * 1e3:.1f} ms wall, ", end="")
+    print(f"kernels {sum(e.device_time_total for e in kernels) / 1e3:.1f} ms")
+    for e in kernels[: args.top]:
+        print(f"  kernel {e.key[:70]:<70} x{e.count:<5} {e.device_time_total / 1e3:8.2f} ms")
+    for e in host[: args.top]:
+        print(f"  host   {e.key[:70]:<70} x{e.count:<5} {e.cpu_time_total / 1e3:8.2f} ms")
+    for e in host:
+        if any(w in e.key for w in WAITS):
+            print(f"  wait   {e.key[:70]:<70} x{e.count:<5} {e.cpu_time_total / 1e3:8.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
