@@ -153,28 +153,19 @@ def plan(kind: str) -> list[dict]:
             ),
             _engine("ttft_stock_fa3", QWEN, backend="FLASH_ATTN_FIXED", work=work, mml=16384, seqs=32, timeout=100),
         ]
-    if kind == "fa3":  # issue 23: TTFT and TPOT against stock on FlashAttention 3, the engine's first request included
+    if kind == "fa3":  # TTFT and TPOT against stock on FlashAttention 3, the engine's first request included
         big = dict(gpu_util=FA3_UTIL, seqs=32, capture_sizes=[1, 8, 16, 32])  # stock must hold 32 x 32k too
+        variants = {  # ours with its prefill moved: the Triton loop everywhere (the control), FlashAttention for
+            # every row below the 8k rule too (where the crossover lies)
+            "fa3_ours_mse_k4v3_triton_prefill": {"JETSON_TQ_FLASH_PREFILL": "0"},
+            "fa3_ours_mse_k4v3_flash_all": {"JETSON_TQ_FLASH_MIN_TOKENS": "0"},
+        }
         return [
             _engine("fa3_ours_mse_k4v3", QWEN, tq="mse_k4v3", work=FA3_ROWS, timeout=330, **big),
             _engine("fa3_stock", QWEN, backend="FLASH_ATTN_FIXED", work=FA3_ROWS, timeout=200, **big),
-            _engine(  # the control: our prefill on its own Triton loop instead of vLLM's FlashAttention
-                "fa3_ours_mse_k4v3_triton_prefill",
-                QWEN,
-                tq="mse_k4v3",
-                work=FA3_ROWS,
-                timeout=330,
-                env=dict(V1, JETSON_TQ_FLASH_PREFILL="0"),
-                **big,
-            ),
-            _engine(  # every prefill row on vLLM's FlashAttention, below the 16k rule too (where the crossover lies)
-                "fa3_ours_mse_k4v3_flash_all",
-                QWEN,
-                tq="mse_k4v3",
-                work=FA3_ROWS,
-                timeout=330,
-                env=dict(V1, JETSON_TQ_FLASH_MIN_TOKENS="0"),
-                **big,
+            *(
+                _engine(name, QWEN, tq="mse_k4v3", work=FA3_ROWS, timeout=330, env=dict(V1, **moved), **big)
+                for name, moved in variants.items()
             ),
         ]
     corr = {"requests": 24, "seed": 1, "min_len": 20, "max_len": 3000, "max_out": 48}
