@@ -10,7 +10,8 @@ sequences share one history length so one prefill case serves them, Qwen2.5-7B's
   (what every layer did before);
 - ``step flash``: ``ops.prefill_rows`` over all rows with the step's plan built once beforehand (what a layer does
   now) and ``+ plan``: the same with the plan built in the call (what the step's first layer pays);
-- ``per-request Triton``: ``ops.prefill`` on the Triton loop (the 16k rule's other side).
+- ``per-request Triton``: ``ops.prefill`` on the Triton loop (what vLLM runs below the 8k rule,
+  ``integrations.vllm.flash.FLASH_MIN_TOKENS``).
 
 Wall time per call (host launches included, as a prefill step sees them: synchronize, ``--reps`` calls,
 synchronize), best of 3, beside ``stock FA3``: stock vLLM's FlashAttention over the same tokens in fp16 pages (what a
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also the CUDA kernels of one whole-step call")
     args = ap.parse_args(argv)
-    from kernel_bench import _stock_fa_us, make_prefill_case, resolve_format
+    from kernel_bench import make_prefill_case, resolve_format, stock_fa_us
 
     from jetson_tq.integrations.vllm.flash import vllm_varlen
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = step_variants(q, k, v, case.kv, history, varlen)
     for name, fn in variants.items():
         print(f"{name:<20} {wall_us(fn, args.reps) / 1e3:9.3f} ms per layer", flush=True)
-    print(f"{'stock FA3':<20} {_stock_fa_us(q, case.k16, case.v16) / 1e3:9.3f} ms per layer (device time)", flush=True)
+    print(f"{'stock FA3':<20} {stock_fa_us(q, case.k16, case.v16) / 1e3:9.3f} ms per layer (device time)", flush=True)
     if args.profile:
         print_kernels(variants["step flash"])
     return 0

@@ -572,7 +572,7 @@ def prefill_bench(
 
         t_flash = _bench([flash])
         del flash
-        t_fa = _stock_fa_us(q, kf, vf) if flash_varlen else None
+        t_fa = stock_fa_us(q, kf, vf) if flash_varlen else None
         flops = 4 * b * hq * t * head_dim * (hist + t / 2)
         # the check: the chunk's first 256 tokens of sequence 0 (two 128-token blocks: the second reads the first
         # one compressed); the reference's scores over every position stay ~1 GB
@@ -623,7 +623,7 @@ def prefill_bench(
     return rows
 
 
-def _stock_fa_us(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, page: int = 16) -> float:
+def stock_fa_us(q: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, page: int = 16) -> float:
     """µs of stock vLLM's prefill attention on these fp16 tokens: vLLM's FlashAttention varlen (the version vLLM
     picks here) over 16-token pages, causal from the bottom right, one sequence per batch row."""
     from vllm.v1.attention.backends.fa_utils import get_flash_attn_version

@@ -513,7 +513,8 @@ def main() -> None:
         type=json.loads,
         default=None,
         help="JSON [[context, concurrency, outputs], ...]: every job's workloads instead of the plan's "
-        "(outputs < 0: every request decodes together)",
+        "(outputs < 0: every request decodes together); jobs without workloads (capacity or correctness only) "
+        "are left out",
     )
     ap.add_argument(
         "--stock-backend",

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import triton
 
+from ..attention.ragged import index_span, ragged_arange
 from ..errors import ShapeError
 from .prefill_plan import DEQUANT_TOKENS, WORKSPACE_BYTES, workspace_segment
 
@@ -67,13 +68,6 @@ class FlashPlan:
     ring_col: torch.Tensor = field(repr=False)  # int64 [ring tokens]: its ring column
     last: torch.Tensor = field(repr=False)  # int32 [n]: each sequence's last row position (the dequantizer's bound)
     zeros: torch.Tensor = field(repr=False)  # int32 [n]
-
-
-def _ragged_arange(begin: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """concat(arange(begin[i], begin[i] + lens[i])) without a Python loop."""
-    total = int(lens.sum())
-    starts = np.cumsum(lens) - lens
-    return np.arange(total, dtype=np.int64) + np.repeat(begin - starts, lens)
 
 
 def plan_flash_rows(
@@ -117,8 +111,8 @@ def plan_flash_rows(
     cum_r = np.cumsum(ring_r)
     key_rows = np.arange(int(t.sum()), dtype=np.int64) + np.repeat(cum_r, t)
     ring_seq = np.repeat(np.arange(n, dtype=np.int64), ring_r)
-    ring_col = _ragged_arange(np.zeros(n, dtype=np.int64), ring_r)
-    ring_dst = _ragged_arange(qs + cum_r - ring_r, ring_r)
+    ring_col = ragged_arange(np.zeros(n, dtype=np.int64), ring_r)
+    ring_dst = ragged_arange(qs + cum_r - ring_r, ring_r)
 
     # ---- part A: per workspace segment, the sub-sequences whose block starts after it does
     top = int(start.max(initial=0))  # every compressed key any row reads lies below the last block start
@@ -131,9 +125,8 @@ def plan_flash_rows(
         sel = start > s0
         lens = (r1 - r0)[sel]
         used = np.minimum(start[sel], s0 + seg) - s0
-        rows = _ragged_arange(qs[sub_seq[sel]] + r0[sel], lens)
-        span = (int(rows[0]), int(rows[-1]) + 1) if rows.size and rows[-1] - rows[0] + 1 == rows.size else None
-        seg_host.append((s0, int(lens.max()), int(used.max()), span, len(host)))
+        rows = ragged_arange(qs[sub_seq[sel]] + r0[sel], lens)
+        seg_host.append((s0, int(lens.max()), int(used.max()), index_span(rows), len(host)))
         host += [np.concatenate([[0], np.cumsum(lens)]), used, sub_seq[sel], rows]
     parts = _to_device(host + [key_rows, ring_dst, ring_seq, ring_col], device)
     pages = torch.arange(seg // ring, dtype=torch.int32, device=device)

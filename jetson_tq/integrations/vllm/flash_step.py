@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .metadata import TurboQuantMetadata, device_ints, ragged_arange
+from ...attention.ragged import index_span, ragged_arange
+from .metadata import TurboQuantMetadata, device_ints
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,5 @@ def flash_step(md: TurboQuantMetadata, sel: np.ndarray, device: torch.device) ->
         (np.repeat(ring_rows, n_w), torch.int64),
         (ragged_arange(s + t - n_w, n_w) % max(R, 1), torch.int64),
     )
-    a, b = int(tok[0]), int(tok[-1]) + 1
-    got = md.plans[key] = FlashStep(
-        sel, s, np.concatenate([[0], np.cumsum(t)]), (a, b) if b - a == tok.size else None, *parts
-    )
+    got = md.plans[key] = FlashStep(sel, s, np.concatenate([[0], np.cumsum(t)]), index_span(tok), *parts)
     return got

@@ -44,13 +44,6 @@ class TurboQuantMetadata:
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def ragged_arange(begin: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """concat(arange(begin[i], begin[i] + lens[i])) without a Python loop (a step's token indices, row by row)."""
-    begin, lens = np.asarray(begin, dtype=np.int64), np.asarray(lens, dtype=np.int64)
-    starts = np.cumsum(lens) - lens
-    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(begin - starts, lens)
-
-
 def device_ints(
     md: TurboQuantMetadata, key: str, device: torch.device, *arrays, per_row: bool = False
 ) -> list[torch.Tensor]:
