@@ -1,14 +1,15 @@
 """One prefill of a whole vLLM engine under ``torch.profiler``: where a step's time goes, ours against stock.
 
     python benchmarks/vllm_gpu/profile_step.py --engine ours|stock [--model qwen2.5-7b] [--tokens 16000]
-        [--config mse_k4v3] [--gpu-util 0.55]
+        [--prompts 1] [--output-tokens 1] [--config mse_k4v3] [--gpu-util 0.55]
 
 Starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, dummy weights, the model's shape from
 ``models.py``; stock on FlashAttention), prefills two prompts of ``--tokens`` tokens untimed (warm-up, compiles), then
-one more under the profiler, and prints its wall time, the CUDA kernels by total time, the host operations by total
-time and every host call that can wait for the GPU (synchronize, item, copies to the host). Run once per engine, on a
-GPU with the vLLM bundle unpacked: the gap between two engines' kernel sums is device work, the rest host time the GPU
-waited for.
+``--prompts`` more at once under the profiler (several: the scheduler's mixed steps, a long chunk beside a short one
+and, with ``--output-tokens`` > 1, decode rows among them), and prints the wall time, the CUDA kernels by total time,
+the host operations by total time and every host call that can wait for the GPU (synchronize, item, copies to the
+host). Run once per engine, on a GPU with the vLLM bundle unpacked: the gap between two engines' kernel sums is device
+work, the rest host time the GPU waited for.
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="qwen2.5-7b", help="a shape in models.py")
     ap.add_argument("--tokens", type=int, default=16000, help="prompt tokens (one prefill step up to 16,384)")
     ap.add_argument("--config", default="mse_k4v3", help="JETSON_TQ_CONFIG of the ours engine")
+    ap.add_argument("--prompts", type=int, default=1, help="prompts profiled together (1..8)")
+    ap.add_argument("--output-tokens", type=int, default=1, help="tokens each generates (> 1: decode rows too)")
     ap.add_argument("--gpu-util", type=float, default=0.55)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args(argv)
     if not 1 <= args.tokens <= 16384:
         ap.error(f"--tokens: expected 1..16384 (one step of 16,384 batched tokens), got {args.tokens}")
+    if not 1 <= args.prompts <= 8:
+        ap.error(f"--prompts: expected 1..8 (max_num_seqs 8), got {args.prompts}")
+    if not 1 <= args.output_tokens <= 1024:
+        ap.error(f"--output-tokens: expected 1..1024, got {args.output_tokens}")
     import torch
 
     if not torch.cuda.is_available():
@@ -62,25 +69,28 @@ def main(argv: list[str] | None = None) -> int:
     llm = job.build_llm()
     from vllm import SamplingParams
 
-    params = SamplingParams(max_tokens=1, temperature=0.0)
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
 
-    def prefill() -> float:
-        ids = torch.randint(100, 30000, (args.tokens,), generator=gen).tolist()
+    def prefill(n: int) -> float:
+        prompts = [
+            {"prompt_token_ids": torch.randint(100, 30000, (args.tokens,), generator=gen).tolist()} for _ in range(n)
+        ]
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
     for _ in range(2):
-        prefill()
+        prefill(1)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        wall = prefill()
+        wall = prefill(args.prompts)
     events = prof.key_averages()
     cuda = torch.autograd.DeviceType.CUDA
     kernels = sorted((e for e in events if e.device_type == cuda), key=lambda e: -e.device_time_total)
     host = sorted((e for e in events if e.device_type != cuda), key=lambda e: -e.cpu_time_total)
-    print(f"{args.engine}: one {args.tokens}-token prefill {wall * 1e3:.1f} ms wall, ", end="")
+    what = f"{args.prompts} x {args.tokens}-token prompts, {args.output_tokens} out"
+    print(f"{args.engine}: {what}: {wall * 1e3:.1f} ms wall, ", end="")
     print(f"kernels {sum(e.device_time_total for e in kernels) / 1e3:.1f} ms")
     for e in kernels[: args.top]:
         print(f"  kernel {e.key[:70]:<70} x{e.count:<5} {e.device_time_total / 1e3:8.2f} ms")

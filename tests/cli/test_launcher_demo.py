@@ -74,6 +74,7 @@ def test_demo_kernel_section_passes_or_says_why(demo_run):
         assert "verdict: PASS: Triton decode vs reference" in p.stdout
 
 
+@pytest.mark.slow  # the whole demo: ~90 s on 2 cores
 def test_demo_theorem1_table_and_capacity_numbers(demo_run):
     p, out = demo_run
     rows = json.loads((out / "summary.json").read_text())["results"]["theorem1"]

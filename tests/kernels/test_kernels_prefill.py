@@ -157,13 +157,15 @@ def test_workspace_and_stages_are_bounded():
         assert st * 64 * (kw + dp) * 2 + bm * kw * 2 <= SHARED_BYTES
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("rows", [24, 4096])
-def test_query_transform_rows(rows):
-    """The query transform prefill calls first (16-row programs for decode, 64-row ones from PREFILL_ROWS rows on)."""
+def test_query_transform_rows(rows, dtype):
+    """The query transform prefill calls first (16-row programs for decode, 64-row ones from PREFILL_ROWS rows on),
+    for fp16 and bf16 queries (the two fp16 products take both: bf16 is exact in fp16 within its range)."""
     from jetson_tq.kernels.query_transform import PREFILL_ROWS, query_transform
 
     gen = torch.Generator().manual_seed(rows)
-    q = torch.randn(rows // 8, 8, 64, generator=gen).half().to(DEVICE)
+    q = torch.randn(rows // 8, 8, 64, generator=gen).to(dtype).to(DEVICE)
     m = torch.randn(128, 64, generator=gen).to(DEVICE)  # prod keys: [Pi; S]
     got = query_transform(q, m, 0.3).clone()
     want = 0.3 * q.reshape(rows, 64).float() @ m.T
@@ -177,3 +179,7 @@ def test_query_transform_rows(rows):
     assert half.dtype == torch.float16 and rel_err(half.float(), want) <= 1e-3
     with pytest.raises(ShapeError, match="out: expected"):
         query_transform(q, m, 0.3, out=torch.empty(rows, 64, device=DEVICE))
+    if dtype == torch.bfloat16:  # beyond fp16's range: clamped to it on the fp16 products, finite either way
+        big = q.clone()
+        big[0, 0, 0] = 1e6
+        assert torch.isfinite(query_transform(big, m, 1e-3, qmat16=m16)).all()

@@ -40,6 +40,12 @@ def flash_min_tokens() -> int:
     return value
 
 
+def flash_threshold() -> int | None:
+    """``flash_min_tokens()`` where FlashAttention serves prefill rows here, else None (every row on the Triton loop):
+    the warm-up compiles the Triton loop's long-chunk launches below it."""
+    return flash_min_tokens() if vllm_varlen() is not None else None
+
+
 def prefill_varlen(history: int, chunk: int) -> VarlenAttention | None:
     """The FlashAttention call for a ``chunk``-token prefill after ``history`` tokens, or None for the Triton loop."""
     return vllm_varlen() if history + chunk >= flash_min_tokens() else None

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ... import ops
+from .flash import flash_threshold
 from .metadata import TurboQuantMetadata, decode_arrays
 from .settings import logger
 
@@ -28,16 +29,18 @@ if TYPE_CHECKING:
 LATE_COMPILE_S = 0.05
 
 
-def warm_up_lengths(num_heads: int, budget: int) -> list[int]:
+def warm_up_lengths(num_heads: int, budget: int, flash_from: int | None = None) -> list[int]:
     """Chunk lengths whose launches cover every int specialization class (== 1 aside: vLLM puts one-token rows
     first, as decodes) a prefill chunk of up to ``budget`` tokens gets: Triton keys ints on divisibility by 16, and
     the query transform takes both T and T * heads, so a short and a long chunk (long ones take other tiles) each
     come as T % 16 == 0, T odd, and T not divisible by 16 with T * heads divisible by 16 (when the head count
-    allows one)."""
+    allows one). ``flash_from``: rows of that many tokens take FlashAttention (``flash.flash_threshold``), so the
+    longest chunks on the Triton loop stop below it and get a set of their own (without it an 8 x 8k step on an
+    H100 compiled the loop's long-chunk query transform while serving: 0.67 s)."""
     step = 16 // math.gcd(num_heads, 16)  # the least T with T * heads % 16 == 0
-    big = 16 * ((budget - 1) // 16)
+    tops = {budget} | ({flash_from} if flash_from is not None and 32 < flash_from < budget else set())
     out: set[int] = set()
-    for base in [16] + ([big] if big > 16 else []):
+    for base in [16] + sorted({b for b in (16 * ((top - 1) // 16) for top in tops) if b > 16}):
         out |= {base, base + 1}
         if 1 < step < 16:
             out.add(base + step if base == 16 else base - 16 + step)
@@ -74,7 +77,10 @@ def warm_up(
     dev, dtype, bs = kv_cache.device, impl.recent_k.dtype, impl.layout.block_size
     scratch = impl.recent_k.shape[0] - 1
     hist = -(-(bs + fmt.recent_tokens) // bs) * bs  # enough that some history is read compressed
-    lengths = warm_up_lengths(impl.num_heads, min(budget, max_len or budget))
+    flash_from = flash_threshold()  # the loop's longest chunks stay below it over ``hist`` tokens too
+    lengths = warm_up_lengths(
+        impl.num_heads, min(budget, max_len or budget), None if flash_from is None else flash_from - hist
+    )
     width = table_width or -(-max(max_len or 0, hist + max(lengths)) // bs)
     table = torch.zeros(max(1, max_rows), width, dtype=torch.int32, device=dev)
     empty32, empty64 = (torch.zeros(0, dtype=t, device=dev) for t in (torch.int32, torch.int64))

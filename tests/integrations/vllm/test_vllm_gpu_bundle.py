@@ -655,9 +655,15 @@ def test_profile_step_refuses_bad_input_and_a_machine_without_a_gpu(capsys) -> N
     returns 2 before starting vLLM (this CPU machine)."""
     import profile_step
 
-    for bad in ("0", "16385"):
+    for bad in (
+        ["--tokens", "0"],
+        ["--tokens", "16385"],
+        ["--prompts", "0"],
+        ["--prompts", "9"],
+        ["--output-tokens", "0"],
+    ):
         with pytest.raises(SystemExit) as err:
-            profile_step.main(["--engine", "ours", "--tokens", bad])
+            profile_step.main(["--engine", "ours", *bad])
         assert err.value.code == 2
     assert profile_step.main(["--engine", "stock"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -281,6 +281,26 @@ def test_warm_up_compiles_a_first_step_of_several_prompts(drafts, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("hq", [28, 9, 32])
+def test_warm_up_lengths_reach_the_long_chunks_the_triton_loop_keeps(hq):
+    """Where FlashAttention serves rows from ``flash_from`` tokens on, the longest chunks left to the Triton loop are
+    shorter than the budget: eight 8k prompts under a 16k budget on an H100 compiled the loop's long-chunk query
+    transform while serving (0.67 s in the first request's TTFT), since the warm-up's long chunks had all gone to
+    FlashAttention. Every chunk length the loop serves must share its int classes (T == 1, T % 16, T * heads % 16) and
+    its tile size (T * heads from ``PREFILL_ROWS`` on) with a warm-up length the loop also serves."""
+    from jetson_tq.integrations.vllm.warmup import warm_up_lengths
+    from jetson_tq.kernels.query_transform import PREFILL_ROWS
+
+    def kind(t: int) -> tuple:
+        return t == 1, t % 16 == 0, (t * hq) % 16 == 0, t * hq >= PREFILL_ROWS
+
+    for budget, flash_from in ((16384, 8192 - 256), (16384, None), (2048, 1024), (8192, 8192)):
+        loop_max = budget if flash_from is None else min(budget, flash_from - 1)
+        warm = {kind(t) for t in warm_up_lengths(hq, budget, flash_from) if t <= loop_max}
+        missing = {kind(t) for t in range(2, loop_max + 1)} - warm
+        assert not missing, f"budget {budget}, FlashAttention from {flash_from}: no warm-up chunk of kind {missing}"
+
+
 def first_steps(prompts: int, prompt: int, budget: int) -> list[tuple[list[int], list[int]]]:
     """The engine steps (new tokens, history per row) of ``prompts`` requests of ``prompt`` tokens arriving together,
     until each has decoded once, as vLLM's scheduler lays them out under ``budget`` tokens per step (chunked
