@@ -87,19 +87,10 @@ def pytest_collection_finish(session):
         cmd = [sys.executable, "-m", "pytest", *nodeids, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short"]
         with open(log, "w") as out:
             _children[mod] = (
-                subprocess.Popen(
-                    cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_lower_priority
-                ),
+                subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT),
                 report,
                 log,
             )
-
-
-def _lower_priority() -> None:
-    """Children yield the CPU to the session: on 2 cores the session's own serial tests (vLLM engines, the demo) are
-    the long pole, and the children fill the time it leaves."""
-    if hasattr(os, "nice"):
-        os.nice(10)
 
 
 def _child_results(mod: str) -> tuple[dict, str]:

@@ -50,7 +50,8 @@ def _query_transform_kernel(
     if SPLIT16:  # fp16 q is exact in fp16 and M = hi + lo to ~22 bits: fp32 sums of two fp16 products
         # a bf16 q is too (8 of fp16's 11 mantissa bits) within fp16's range: clamped to it, never inf (below it,
         # fp16's subnormals are off by < 3e-8 absolute)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        if q.dtype == tl.bfloat16:  # fp16 queries are in range already: no clamp instructions for them
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         m_hi = tl.load(m_ptr + m_off, mask=m_mask, other=0.0)
         m_lo = tl.load(m_ptr + QW * D + m_off, mask=m_mask, other=0.0)
         qt = tl.dot(q, tl.trans(m_hi), out_dtype=tl.float32)
