@@ -1,14 +1,16 @@
 """One prefill of a whole vLLM engine under ``torch.profiler``: where a step's time goes, ours against stock.
 
     python benchmarks/vllm_gpu/profile_step.py --engine ours|stock [--model qwen2.5-7b] [--tokens 16000]
-        [--prompts 1] [--output-tokens 1] [--config mse_k4v3] [--gpu-util 0.55]
+        [--prompts 1] [--output-tokens 1] [--config mse_k4v3] [--gpu-util 0.55] [--stacks 6]
 
 Starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, dummy weights, the model's shape from
 ``models.py``; stock on FlashAttention), prefills two prompts of ``--tokens`` tokens untimed (warm-up, compiles), then
 ``--prompts`` more at once under the profiler (several: the scheduler's mixed steps, a long chunk beside a short one
 and, with ``--output-tokens`` > 1, decode rows among them), and prints the wall time, the CUDA kernels by total time,
 the host operations by total time and every host call that can wait for the GPU (synchronize, item, copies to the
-host). Run once per engine, on a GPU with the vLLM bundle unpacked: the gap between two engines' kernel sums is device
+host). ``--stacks N`` also records Python stacks and prints, for the host calls that waited longest (CUDA API calls
+that block: copies, synchronizations), the N innermost frames of the package and of vLLM that issued them. Run once per
+engine, on a GPU with the vLLM bundle unpacked: the gap between two engines' kernel sums is device
 work, the rest host time the GPU waited for.
 """
 
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-tokens", type=int, default=1, help="tokens each generates (> 1: decode rows too)")
     ap.add_argument("--gpu-util", type=float, default=0.55)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--stacks", type=int, default=0, help="Python frames shown per blocking call site (0: none)")
     args = ap.parse_args(argv)
     if not 1 <= args.tokens <= 16384:
         ap.error(f"--tokens: expected 1..16384 (one step of 16,384 batched tokens), got {args.tokens}")
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--prompts: expected 1..8 (max_num_seqs 8), got {args.prompts}")
     if not 1 <= args.output_tokens <= 1024:
         ap.error(f"--output-tokens: expected 1..1024, got {args.output_tokens}")
+    if not 0 <= args.stacks <= 32:
+        ap.error(f"--stacks: expected 0..32 frames, got {args.stacks}")
     import torch
 
     if not torch.cuda.is_available():
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(2):
         prefill(1)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
+    with torch.profiler.profile(activities=acts, with_stack=args.stacks > 0) as prof:
         wall = prefill(args.prompts)
     events = prof.key_averages()
     cuda = torch.autograd.DeviceType.CUDA
@@ -99,7 +104,32 @@ def main(argv: list[str] | None = None) -> int:
     for e in host:
         if any(w in e.key for w in WAITS):
             print(f"  wait   {e.key[:70]:<70} x{e.count:<5} {e.cpu_time_total / 1e3:8.2f} ms")
+    if args.stacks:
+        for (op, frames), (n, us) in blocking_sites(prof.events(), args.stacks)[: args.top]:
+            print(f"  site   {op} x{n} {us / 1e3:.2f} ms")
+            for f in frames:
+                print(f"           {f}")
     return 0
+
+
+BLOCKING_API = ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+OWN_FRAMES = ("jetson_tq/", "vllm/")
+
+
+def blocking_sites(events, depth: int) -> list[tuple[tuple[str, tuple[str, ...]], tuple[int, float]]]:
+    """Blocking CUDA API calls grouped by the op that issued them and its ``depth`` innermost package / vLLM frames,
+    longest total host time first: [((op, frames), (count, us))]."""
+    sites: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+    for e in events:
+        if not any(e.name.startswith(b) for b in BLOCKING_API):
+            continue
+        op, parent = e.name, e.cpu_parent
+        while parent is not None and not parent.stack:
+            op, parent = parent.name, parent.cpu_parent
+        frames = tuple(f for f in (parent.stack if parent is not None else []) if any(o in f for o in OWN_FRAMES))
+        key = (f"{e.name} <- {parent.name if parent is not None else op}", frames[:depth])
+        sites.setdefault(key, []).append(e.cpu_time_total)
+    return sorted(((k, (len(v), sum(v))) for k, v in sites.items()), key=lambda kv: -kv[1][1])
 
 
 if __name__ == "__main__":

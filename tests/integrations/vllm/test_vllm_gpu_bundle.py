@@ -661,9 +661,39 @@ def test_profile_step_refuses_bad_input_and_a_machine_without_a_gpu(capsys) -> N
         ["--prompts", "0"],
         ["--prompts", "9"],
         ["--output-tokens", "0"],
+        ["--stacks", "-1"],
     ):
         with pytest.raises(SystemExit) as err:
             profile_step.main(["--engine", "ours", *bad])
         assert err.value.code == 2
     assert profile_step.main(["--engine", "stock"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_profile_step_groups_blocking_calls_by_their_issuing_frames() -> None:
+    """profile_step.blocking_sites: a blocking CUDA API call is charged to the nearest enclosing op that carries a
+    Python stack, keeping only the package's and vLLM's frames; sites come out longest total first, other calls
+    are left out."""
+    from types import SimpleNamespace
+
+    import profile_step
+
+    def ev(name, us=0.0, parent=None, stack=()):
+        return SimpleNamespace(name=name, cpu_time_total=us, cpu_parent=parent, stack=list(stack))
+
+    attend = ev(
+        "aten::to", stack=["/x/jetson_tq/integrations/vllm/attend.py(140): run", "/usr/lib/python3/threading.py(1): f"]
+    )
+    inner = ev("aten::copy_", parent=attend)
+    builder = ev("aten::item", stack=["/x/vllm/v1/worker/gpu_model_runner.py(9): step"])
+    events = [
+        ev("cudaMemcpyAsync", 900.0, inner),
+        ev("cudaMemcpyAsync", 800.0, inner),
+        ev("cudaStreamSynchronize", 1000.0, builder),
+        ev("cudaLaunchKernel", 5000.0, inner),
+    ]
+    sites = profile_step.blocking_sites(events, 4)
+    assert sites == [
+        (("cudaMemcpyAsync <- aten::to", ("/x/jetson_tq/integrations/vllm/attend.py(140): run",)), (2, 1700.0)),
+        (("cudaStreamSynchronize <- aten::item", ("/x/vllm/v1/worker/gpu_model_runner.py(9): step",)), (1, 1000.0)),
+    ]
