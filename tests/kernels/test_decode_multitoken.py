@@ -57,15 +57,14 @@ def _case(name: str, d: int, g: int, window: str, kind: str, qn: int, gen: torch
 @pytest.mark.parametrize("qn", [1, 2, 4])
 @pytest.mark.parametrize("splits", [1, 3])
 def test_multitoken_decode_matches_reference(case, qn, splits):
-    for _ in range(2):  # two seeds per case
-        seed = fresh_seed()
-        gen = torch.Generator().manual_seed(seed)
-        kv, q, k, v, extras = _case(*case, qn, gen)
-        ref = paged_attention_decode(q, kv, extras=extras, k=k, v=v)
-        out = hybrid_decode(q, kv, tuning=DecodeTuning(num_splits=splits), extras=extras, k=k, v=v)
-        assert out.shape == q.shape
-        err = rel_err(out, ref)
-        assert err <= 2e-3, f"seed={seed} {case} Q={qn} splits={splits}: rel err {err:.2e}"
+    seed = fresh_seed()  # a new one every run (one seed per case: a second doubled the module's ~160 CPU-s)
+    gen = torch.Generator().manual_seed(seed)
+    kv, q, k, v, extras = _case(*case, qn, gen)
+    ref = paged_attention_decode(q, kv, extras=extras, k=k, v=v)
+    out = hybrid_decode(q, kv, tuning=DecodeTuning(num_splits=splits), extras=extras, k=k, v=v)
+    assert out.shape == q.shape
+    err = rel_err(out, ref)
+    assert err <= 2e-3, f"seed={seed} {case} Q={qn} splits={splits}: rel err {err:.2e}"
 
 
 def test_reference_multitoken_is_the_prefill_chunk():

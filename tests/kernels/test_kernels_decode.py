@@ -172,9 +172,10 @@ def test_decode_variants_agree(name, d):
     centroid lookup (``fast_keys``), 4-bit centroids by byte permutes or by a warp-shuffle gather (``prmt_keys``), the
     query rotated in the launch or by ``query_transform``
     (``fuse_query``), one-warp 16-token programs or 2-warp 32-token ones stepping 64 buffer tokens, the
-    split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits),
-    a register cap, no software pipelining (``num_stages=1``), 32-token one-warp tiles. Every arrival counter is back
-    at zero after each call (the next launch counts from it)."""
+    split merge in a second launch or in the decode launch (``fused_reduce``; two counter levels at 64 splits, and on
+    CPU at 8: groups of 3, 3 and 2 splits, the 9-token sequence's mostly idle, for a fifth of the interpreter's
+    64-split time), a register cap, no software pipelining (``num_stages=1``), 32-token one-warp tiles. Every arrival
+    counter is back at zero after each call (the next launch counts from it)."""
     seed = fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     n = 900 if GPU else 70
@@ -187,7 +188,7 @@ def test_decode_variants_agree(name, d):
         {"fast_keys": False},
         {"prmt_keys": False},
         {"fuse_query": False},
-        {"num_splits": 64, "fused_reduce": True},
+        {"num_splits": 64 if GPU else 8, "fused_reduce": True},
         {"fused_reduce": True},
         {"maxnreg": 128},
         {"num_stages": 1},

@@ -310,13 +310,15 @@ def test_triton_kernels_serve_klt_keys_like_the_reference():
     transforms = [
         dataclasses.replace(uneven_transform(2, 32, KLT.key_code_bits(32), 32, 1.0, gen), rotary=rot) for _ in range(3)
     ]
-    ids = torch.randint(0, 256, (2, 58), generator=gen)
+    # 3 decode steps (each compresses the ring's oldest token): the interpreter's decode of mse values costs
+    # ~8 CPU-s a step here, and every step after the first runs the same code
+    ids = torch.randint(0, 256, (2, 53), generator=gen)
     logits = {}
     for backend in ("reference", "triton"):
         cache = TurboQuantCache(model, CFG, backend=backend, key_transforms=transforms)
         with torch.no_grad():
             prefill = _chunked(model, cache, ids[:, :50], 25)
-            steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(50, 58)]
+            steps = [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(50, 53)]
         logits[backend] = torch.cat([prefill, *steps], 1)
     assert bool(torch.isfinite(logits["triton"]).all())
     torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-2, atol=1e-2)

@@ -164,8 +164,11 @@ def test_klt_keys_are_placed_at_their_positions(monkeypatch, sink):
     assert _run(fmt, hit=True, key_transform=transform, monkeypatch=monkeypatch) < 2e-5
 
 
+# ~40 CPU-s a case in the interpreter: the full lane. The quick one keeps the impl's klt placement on the reference
+# path (above), the klt kernels (tests/kernels/test_kernels_klt*.py) and a model on them (test_klt_cache.py).
+@pytest.mark.slow
 @pytest.mark.kernel
-@pytest.mark.parametrize("sink", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["coded", "calibrated-sink"])
+@pytest.mark.parametrize("sink", [False, True], ids=["coded", "calibrated-sink"])
 def test_klt_impl_on_the_kernels_matches_the_reference(monkeypatch, sink):
     """The 5x preset's format (klt keys, mse values, block window) through the impl on the Triton kernels (CPU
     interpreter): writes coded at the step's positions (chunked prefill, decode rows from the builder's buffer, a

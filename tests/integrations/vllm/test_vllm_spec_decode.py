@@ -161,6 +161,10 @@ def test_uniform_verification_rows_on_the_decode_path_read_the_accepted_history(
     assert _run(fmt, seed=seed, as_decode=True) < 2e-5
 
 
+# ~45 CPU-s in the interpreter: the full lane. The quick one keeps the routing on the reference path (above), the
+# multi-token decode kernel (tests/kernels/test_decode_multitoken.py) and the verification rows on the kernels as
+# chunks.
+@pytest.mark.slow
 @pytest.mark.kernel
 def test_decode_routed_verification_rows_on_the_kernels_match_the_reference(monkeypatch):
     """The decode-routed schedule on the Triton kernels (CPU interpreter): the multi-token decode kernel serves the
