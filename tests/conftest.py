@@ -3,10 +3,14 @@
 Tests marked ``kernel`` launch Triton kernels. On a machine with a CUDA GPU they run in this
 process, for real. Without one they must run under Triton's CPU interpreter, which only switches
 on when ``TRITON_INTERPRET=1`` is set *before* triton is imported — and other tests of this same
-session import triton normally. So on CPU each kernel test module runs once, whole, in a child
-``python -m pytest`` with ``TRITON_INTERPRET=1`` (started for all modules at once when the
-session begins, so they overlap), and every kernel test here reports its own child's outcome:
+session import triton normally. So on CPU the selected kernel tests run in child
+``python -m pytest`` processes with ``TRITON_INTERPRET=1``, started when the session begins, and
+every kernel test here reports its own outcome from its child as soon as the child has finished it:
 pass, fail (with the child's report) or skip. Nothing is counted as passed that did not run.
+
+One child per core (``JETSON_TQ_KERNEL_CHILDREN`` overrides), each given whole modules: a child pays
+6-18 CPU-s of imports (torch, Triton, vLLM) before its first test, which one child per module paid
+21 times over.
 """
 
 from __future__ import annotations
@@ -16,12 +20,15 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
 CHILD_ENV = "JETSON_TQ_KERNEL_REPORT"  # set in a child: write outcomes there
-_children: dict[str, tuple[subprocess.Popen, str, str]] = {}
+CHILDREN_ENV = "JETSON_TQ_KERNEL_CHILDREN"  # how many interpreter children (default: one per core, at most 4)
+POLL_S = 0.1  # how often the session looks for a child's next outcome
+_children: dict[str, tuple[subprocess.Popen, str, str]] = {}  # module -> its child (children serve several)
 
 
 def _gpu() -> bool:
@@ -80,42 +87,75 @@ def pytest_collection_finish(session):
     for item in session.items:  # after -k / -m selection: children run exactly the selected tests
         if item.get_closest_marker("kernel"):
             by_module.setdefault(str(item.path), []).append(item.nodeid)
-    for mod, nodeids in sorted(by_module.items()):
+    for modules in module_groups(by_module, _child_count()):
         report = tempfile.NamedTemporaryFile(prefix="jtq-kernel-", suffix=".json", delete=False).name
         log = report.replace(".json", ".log")
         env = dict(os.environ, TRITON_INTERPRET="1", **{CHILD_ENV: report}, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        nodeids = [n for mod in modules for n in by_module[mod]]
         cmd = [sys.executable, "-m", "pytest", *nodeids, "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--tb=short"]
         with open(log, "w") as out:
-            _children[mod] = (
-                subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT),
-                report,
-                log,
-            )
+            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+        for mod in modules:
+            _children[mod] = (proc, report, log)
 
 
-def _child_results(mod: str) -> tuple[dict, str]:
-    proc, report, log = _children[mod]
-    proc.wait()
-    text = Path(log).read_text(errors="replace")
+def _child_count() -> int:
+    """Interpreter children to start: ``JETSON_TQ_KERNEL_CHILDREN`` (a positive integer), else one per core, 1-4."""
+    raw = os.environ.get(CHILDREN_ENV, "").strip()
+    if not raw:
+        return max(1, min(4, os.cpu_count() or 1))
+    if not raw.isdigit() or int(raw) < 1:
+        raise pytest.UsageError(f"{CHILDREN_ENV}: expected a positive integer, got {raw!r}")
+    return int(raw)
+
+
+def module_groups(by_module: dict[str, list[str]], children: int) -> list[list[str]]:
+    """Modules (path -> selected kernel test ids, in the session's order) split into at most ``children`` groups of
+    about equal test counts (largest module first to the least loaded group); each group keeps the session's order,
+    so the tests the session reaches first are the first its child runs."""
+    order = {mod: i for i, mod in enumerate(by_module)}
+    groups: list[list[str]] = [[] for _ in range(max(1, min(children, len(by_module))))]
+    load = [0] * len(groups)
+    for mod in sorted(by_module, key=lambda m: (-len(by_module[m]), order[m])):
+        g = load.index(min(load))
+        groups[g].append(mod)
+        load[g] += len(by_module[mod])
+    return [sorted(g, key=order.__getitem__) for g in groups if g]
+
+
+def _read_report(report: str) -> dict:
     try:
-        results = json.loads(Path(report).read_text() or "{}")
+        return json.loads(Path(report).read_text() or "{}")
     except (OSError, json.JSONDecodeError):
-        results = {}
-    return results, text
+        return {}
+
+
+def _child_outcome(mod: str, nodeid: str) -> tuple[list | None, str]:
+    """The outcome of ``nodeid`` once its child has finished the test (teardown included) or exited, and the child's
+    log."""
+    proc, report, log = _children[mod]
+    while True:
+        outcome = _read_report(report).get(nodeid)
+        if outcome is not None and outcome[2]:
+            break
+        if proc.poll() is not None:
+            outcome = _read_report(report).get(nodeid)
+            break
+        time.sleep(POLL_S)
+    return outcome, Path(log).read_text(errors="replace")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
     if not pyfuncitem.get_closest_marker("kernel") or not _delegate():
         return None
-    results, log = _child_results(str(pyfuncitem.path))
-    outcome = results.get(pyfuncitem.nodeid)
+    outcome, log = _child_outcome(str(pyfuncitem.path), pyfuncitem.nodeid)
     if outcome is None:
         pytest.fail(
             f"the TRITON_INTERPRET=1 child produced no result for this test; its log ends:\n{log[-4000:]}",
             pytrace=False,
         )
-    status, detail = outcome
+    status, detail, _ = outcome
     if status == "failed":
         pytest.fail(f"failed under TRITON_INTERPRET=1 (child process):\n{detail}", pytrace=False)
     if status == "skipped":
@@ -129,21 +169,23 @@ def pytest_runtest_logreport(report):
     path = os.environ.get(CHILD_ENV)
     if not path:
         return
-    if report.when == "call" or report.outcome != "passed":
-        try:
-            data = json.loads(Path(path).read_text() or "{}")
-        except (OSError, json.JSONDecodeError):
-            data = {}
-        if report.nodeid in data and data[report.nodeid][0] != "passed":
-            return  # keep the first failure (e.g. setup) of a test
-        detail = str(report.longrepr)[-6000:] if report.outcome != "passed" else ""
-        outcome = report.outcome
-        if hasattr(report, "wasxfail") and report.outcome == "skipped":  # an expected failure, reported as one
-            outcome, detail = "xfailed", report.wasxfail
-        elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
-            detail = report.longrepr[2]
-        data[report.nodeid] = (outcome, detail)
-        Path(path).write_text(json.dumps(data))
+    final = report.when == "teardown"  # the session takes an outcome once its teardown is in
+    if report.when == "call" or report.outcome != "passed" or final:
+        data = _read_report(path)
+        old = data.get(report.nodeid)
+        if old is not None and (old[0] != "passed" or report.outcome == "passed"):
+            data[report.nodeid] = (old[0], old[1], final)  # keep the first failure (e.g. setup) of a test
+        else:
+            detail = str(report.longrepr)[-6000:] if report.outcome != "passed" else ""
+            outcome = report.outcome
+            if hasattr(report, "wasxfail") and report.outcome == "skipped":  # an expected failure, reported as one
+                outcome, detail = "xfailed", report.wasxfail
+            elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+                detail = report.longrepr[2]
+            data[report.nodeid] = (outcome, detail, final)
+        tmp = f"{path}.tmp"  # whole files only: the session reads it while this child runs
+        Path(tmp).write_text(json.dumps(data))
+        os.replace(tmp, path)
 
 
 @pytest.fixture(autouse=True)

@@ -145,9 +145,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def poison_workspaces() -> None:
-    """Fill every cached kernel workspace with NaN so a partial a kernel fails to write shows up."""
+    """Fill every cached kernel workspace with NaN so a partial a kernel fails to write shows up. In inference mode:
+    a workspace first made under it (vLLM's warm-up, in another test of the same process) refuses in-place writes
+    outside it."""
     from jetson_tq.kernels import _common
 
-    for buf in _common._WORKSPACES.values():
-        if buf.is_floating_point():
-            buf.fill_(float("nan"))
+    with torch.inference_mode():
+        for buf in _common._WORKSPACES.values():
+            if buf.is_floating_point():
+                buf.fill_(float("nan"))

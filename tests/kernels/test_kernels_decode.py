@@ -166,6 +166,7 @@ VARIANT_FORMATS = (
 )
 
 
+@pytest.mark.slow  # ~24 CPU-s a format in the interpreter; the quick lane keeps the default variant's tests
 @pytest.mark.parametrize("name,d", VARIANT_FORMATS)
 def test_decode_variants_agree(name, d):
     """The knobs that change the instructions, not the function: key scores from index planes or from a
@@ -267,6 +268,7 @@ def test_split_count_is_one_full_wave():
     assert rows * plan.splits <= slots < rows * (plan.splits + 1), f"{plan.splits} splits x {rows} rows, {slots} slots"
 
 
+@pytest.mark.slow  # ~11 CPU-s in the interpreter
 def test_a_cache_keeps_its_own_decode_plans():
     """A ``CompressedKVCache``'s decode plans are filed in its own store (its views' ``PagedKV.plans``), not the
     module-level one, so they go with the cache; a bare view's go to the module-level store."""

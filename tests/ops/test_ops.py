@@ -126,6 +126,7 @@ print(peak - before, stored)
     assert extra <= 2 * stored, f"peak grew by {extra} B to store {stored} B"
 
 
+@pytest.mark.slow  # ~14 CPU-s in the interpreter; the quick lane keeps each kernel's own test
 @pytest.mark.kernel
 def test_triton_backend_agrees_through_the_cache(monkeypatch):
     """Appending through the compress-on-write kernel stores an all-reference cache's bytes (up to codes at exact

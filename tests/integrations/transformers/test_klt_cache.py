@@ -298,6 +298,7 @@ def test_format_sink_is_read_exactly_on_every_path(fmt):
     assert store.used_bytes() == 2 * 60 * 2 * fmt.bytes_per_token(32) + 2 * (16 + fmt.sink_tokens) * exact_row
 
 
+@pytest.mark.slow  # ~30 CPU-s in the interpreter; the quick lane keeps the klt kernels' own tests
 @pytest.mark.kernel
 def test_triton_kernels_serve_klt_keys_like_the_reference():
     """The 5x preset's format (klt keys, mse values) through the Triton kernels — compress-on-write at the keys'

@@ -134,6 +134,7 @@ def test_verification_rows_and_rejections_read_the_accepted_history(fmt, seed):
     assert _run(fmt, seed=seed) < 2e-5
 
 
+@pytest.mark.slow  # ~30 CPU-s in the interpreter; the quick lane keeps the multi-token decode kernel's tests
 @pytest.mark.kernel
 def test_verification_rows_on_the_kernels_match_the_reference(monkeypatch):
     """The same schedule with the impl on the Triton kernels (CPU interpreter): verification rows of one length in one
