@@ -29,6 +29,7 @@ CHILD_ENV = "JETSON_TQ_KERNEL_REPORT"  # set in a child: write outcomes there
 CHILDREN_ENV = "JETSON_TQ_KERNEL_CHILDREN"  # how many interpreter children (default: one per core, at most 4)
 POLL_S = 0.1  # how often the session looks for a child's next outcome
 _children: dict[str, tuple[subprocess.Popen, str, str]] = {}  # module -> its child (children serve several)
+_outcomes: dict[str, tuple[str, str, bool]] = {}  # in a child: (outcome, detail, final) per test, written whole
 
 
 def _gpu() -> bool:
@@ -169,23 +170,24 @@ def pytest_runtest_logreport(report):
     path = os.environ.get(CHILD_ENV)
     if not path:
         return
-    final = report.when == "teardown"  # the session takes an outcome once its teardown is in
-    if report.when == "call" or report.outcome != "passed" or final:
-        data = _read_report(path)
-        old = data.get(report.nodeid)
-        if old is not None and (old[0] != "passed" or report.outcome == "passed"):
-            data[report.nodeid] = (old[0], old[1], final)  # keep the first failure (e.g. setup) of a test
-        else:
-            detail = str(report.longrepr)[-6000:] if report.outcome != "passed" else ""
-            outcome = report.outcome
-            if hasattr(report, "wasxfail") and report.outcome == "skipped":  # an expected failure, reported as one
-                outcome, detail = "xfailed", report.wasxfail
-            elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
-                detail = report.longrepr[2]
-            data[report.nodeid] = (outcome, detail, final)
-        tmp = f"{path}.tmp"  # whole files only: the session reads it while this child runs
-        Path(tmp).write_text(json.dumps(data))
-        os.replace(tmp, path)
+    old = _outcomes.get(report.nodeid)
+    if report.outcome != "passed" and (old is None or old[0] == "passed"):  # a test's first failure or skip stays
+        detail = str(report.longrepr)[-6000:]
+        outcome = report.outcome
+        if hasattr(report, "wasxfail") and report.outcome == "skipped":  # an expected failure, reported as one
+            outcome, detail = "xfailed", report.wasxfail
+        elif report.outcome == "skipped" and isinstance(report.longrepr, tuple):
+            detail = report.longrepr[2]
+    elif old is not None:
+        outcome, detail = old[0], old[1]
+    elif report.when == "call":
+        outcome, detail = "passed", ""
+    else:
+        return  # a passed setup: nothing to report yet
+    _outcomes[report.nodeid] = (outcome, detail, report.when == "teardown")  # final once its teardown is in
+    tmp = f"{path}.tmp"  # whole files only: the session reads it while this child runs
+    Path(tmp).write_text(json.dumps(_outcomes))
+    os.replace(tmp, path)
 
 
 @pytest.fixture(autouse=True)
