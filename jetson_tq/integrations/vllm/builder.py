@@ -18,7 +18,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuild
 
 from ... import ops
 from ...errors import UnsupportedPlatformError
-from .metadata import TurboQuantMetadata, decode_arrays
+from .metadata import DecodeArrays, TurboQuantMetadata, decode_arrays
 from .recent import Rewind
 from .runtime import current_runner, is_ours, recent_slots
 from .settings import reproducible, spec_query_tokens
@@ -80,11 +80,33 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             ring_cols += ring
             undo_cols += undo
         ctx = self.vllm_config.compilation_config.static_forward_context
-        index = torch.tensor([rows, ring_cols, undo_cols], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = torch.tensor([rows, ring_cols, undo_cols], dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory()  # a pageable copy would make the host wait for the GPU's queue
+        index = index.to(self.device, non_blocking=True)
         for name in self.layer_names:
             impl = getattr(ctx.get(name), "impl", None)
             if impl is not None and is_ours(impl):
                 impl.rewind_ring(index[0], index[1], index[2])
+
+    def _copy_decode_arrays(self, dec: DecodeArrays, tcols: torch.Tensor | None) -> None:
+        """The step's decode values into their persistent device buffers: one pinned host block, one non-blocking
+        copy, then device-side copies into each buffer (a copy from pageable memory makes the host wait for the
+        GPU's whole queue, once per buffer, every step, which stalls the host's preparation of the next step)."""
+        parts = [dec.ring_rows, dec.ring_cols, dec.compressed, dec.recent, dec.positions]
+        bufs = [self._rows, self._cols, self._comp, self._rec, self._pos]
+        if tcols is not None:
+            parts.append(dec.token_cols)
+            bufs.append(tcols)
+        flat = [np.asarray(a, dtype=np.int64).reshape(-1) for a in parts]
+        host = torch.from_numpy(np.concatenate(flat))
+        if host.numel() == 0:
+            return
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # the caching host allocator keeps the block until the copy has run
+        staged = host.to(self.device, non_blocking=True)
+        for buf, part in zip(bufs, staged.split([a.size for a in flat])):
+            buf.view(-1)[: part.numel()].copy_(part, non_blocking=True)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -112,19 +134,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             rows = np.full(n, self._slots.scratch, dtype=np.int64)
         dec = decode_arrays(q_lens, seq, rows, R, self.block_window, self.spec_tokens)
         nd, t = dec.rows, dec.tokens
-        tcols = None
-        if t > 1:
-            tcols = self._tcols[: nd * t].view(nd, t)
-            tcols.copy_(torch.from_numpy(dec.token_cols), non_blocking=True)
-        bufs = (
-            (self._rows, dec.ring_rows),
-            (self._cols, dec.ring_cols),
-            (self._comp, dec.compressed),
-            (self._rec, dec.recent),
-            (self._pos, dec.positions),
-        )
-        for buf, values in bufs:
-            buf[: len(values)].copy_(torch.from_numpy(np.ascontiguousarray(values)).to(buf.dtype), non_blocking=True)
+        tcols = self._tcols[: nd * t].view(nd, t) if t > 1 else None
+        self._copy_decode_arrays(dec, tcols)
         return TurboQuantMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             num_reqs=n,
