@@ -115,8 +115,9 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
     ``qmat``: [Pi; S] (prod), Pi (mse) or I (fp16 keys) — rows transform a query once; ``qmat16``: it as an fp16
     (hi, lo) pair [2, QW, D] for fp16 queries;
     ``pi``, ``s``: rotation and sketch for the write path; ``codebook``/``bounds``: the key centroids and
-    their decision boundaries; ``kfit``: the codebook as c[k] = alpha + beta k + gamma (k >> 1) when it is
-    one (``_linear_codebook_fit``); ``hsigns``: the Hadamard rotation's signs (one zero when it is dense).
+    their decision boundaries (``codebook_host``: the centroids on the host, for host-side tables); ``kfit``: the
+    codebook as c[k] = alpha + beta k + gamma (k >> 1) when it is one (``_linear_codebook_fit``);
+    ``hsigns``: the Hadamard rotation's signs (one zero when it is dense).
     mse values (placeholders otherwise): ``vpi`` their own rotation Pi_v (fp32 [D, D], seeded by ``value_seed``),
     ``vwrite`` it as an fp16 (hi, lo) pair for the write kernel, ``vcodebook`` / ``vbounds`` their centroids (at
     least 4 entries) and decision boundaries.
@@ -143,7 +144,9 @@ def codec_constants(codec: KVCodec, device: torch.device) -> dict[str, torch.Ten
         out["write_mats"] = _write_matrices(codec, device)
         out["bounds"] = (0.5 * (cb[1:] + cb[:-1]) if cb.numel() > 1 else torch.zeros(1)).contiguous().to(device)
         # at least 4 entries: kernels read c0..c3 unconditionally for their 1-2 bit select paths
-        out["codebook"] = torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous().to(device)
+        padded = torch.nn.functional.pad(cb, (0, max(0, 4 - cb.numel()))).contiguous()
+        out["codebook"] = padded.to(device)
+        out["codebook_host"] = padded  # for host-side tables (``nibble_lut_asm``): no device read, no sync, per plan
         out.update(_value_constants(codec, device))
         _CONSTANTS[key] = out
     return _CONSTANTS[key]

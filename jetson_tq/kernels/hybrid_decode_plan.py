@@ -129,7 +129,7 @@ def plan_decode(
     fast_k, k_high = fast_key_planes(spec, kfit, tuning.fast_keys)
     # 4-bit codebook keys, two codes per byte: byte-permute lookup (inline PTX: not under the CPU interpreter)
     klut = (
-        nibble_lut_asm(consts["codebook"].cpu())
+        nibble_lut_asm(consts["codebook_host"])
         if tuning.prmt_keys
         and not fast_k
         and not INTERPRET
