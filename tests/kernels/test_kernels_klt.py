@@ -128,7 +128,7 @@ def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
     assert err < 2e-3, f"prefill seed={seed}: {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", [pytest.param("any", marks=pytest.mark.slow), "bytes-cubic"])
+@pytest.mark.parametrize("kind", [pytest.param("any", marks=pytest.mark.slow), "bytes-cubic", "diagonal-bytes-cubic"])
 def test_calibrated_sink_in_decode_and_prefill_matches_reference(kind):
     """With a calibrated sink (``KltSpec.SINK``) decode reads compressed position 0 from it (split 0, any split
     count), the prefill workspace holds it at row 0, and both equal the reference, which reads it through the codec;
