@@ -49,8 +49,11 @@ def variants(quick: bool) -> list[dict]:
     ]
 
 
-def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw: float) -> list[dict]:
-    """Rows of one (format, shape): the flash baseline first, then every variant."""
+def sweep(
+    fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw: float, label: str | None = None
+) -> list[dict]:
+    """Rows of one (format, shape): the flash baseline first, then every variant (``label``: the rows' format
+    column, default the format's name)."""
     from jetson_tq.attention.reference import paged_attention_decode
     from jetson_tq.kernels.hybrid_decode_plan import DecodeTuning, hybrid_decode
 
@@ -64,7 +67,7 @@ def sweep(fmt_name: str, shape: tuple[int, int, int, int], todo: list[dict], bw:
     part = leading_sequences(kv, sub)
     ref = paged_attention_decode(case.q[:sub], part).float()
     flash = [lambda c=c: _sdpa_flash(c.q.unsqueeze(2), c.k16, c.v16) for c in sets]
-    base = {"format": fmt_name, "shape": f"B={b} {hq}/{hkv} {ctx // 1024}k"}
+    base = {"format": label or fmt_name, "shape": f"B={b} {hq}/{hkv} {ctx // 1024}k"}
     rows = [{**base, "variant": "torch SDPA flash (fp16 KV)", "eager_us": _bench(flash), "graph_us": _graph_us(flash)}]
     print(table(rows[-1:]), flush=True)
     outs = [torch.empty_like(c.q) for c in sets]
@@ -109,18 +112,28 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--klt",
         default="any",
-        help="klt formats: the transform structure timed (tests/helpers/klt_cases.STRUCTURES: any, bytes, cubic, "
-        "bytes-cubic)",
+        help="klt formats: the transform structures timed, comma-separated (tests/helpers/klt_cases.STRUCTURES: any, "
+        "bytes, cubic, bytes-cubic, diagonal, diagonal-bytes-cubic); each one a klt format's row set, labelled "
+        "FORMAT/STRUCTURE",
     )
     args = ap.parse_args(argv)
-    kernel_bench.TIMING_KLT = args.klt
+    from tests.helpers.klt_cases import STRUCTURES
+
+    klts = args.klt.split(",")
+    unknown = [k for k in klts if k not in STRUCTURES]
+    if unknown:
+        ap.error(f"--klt {','.join(unknown)}: expected structures of {sorted(STRUCTURES)}")
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
-    for fmt_name in args.formats.split(","):
+    for fmt_name, klt in (
+        (f, k) for f in args.formats.split(",") for k in (klts if resolve_format(f).key_mode == "klt" else klts[:1])
+    ):
+        kernel_bench.TIMING_KLT = klt
+        label = f"{fmt_name}/{klt}" if resolve_format(fmt_name).key_mode == "klt" else fmt_name
         for shape in [tuple(x) for x in args.shapes] if args.shapes else SHAPES:
-            rows += sweep(fmt_name, shape, args.variants or variants(args.quick), bw)
+            rows += sweep(fmt_name, shape, args.variants or variants(args.quick), bw, label)
             if args.out:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "sweep_decode.json").write_text(json.dumps({"copy_gbps": bw, "rows": rows}, indent=1))

@@ -233,6 +233,29 @@ def fit_heads(
     return out
 
 
+def in_channel_order(fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A ``fit_heads(..., block=1)`` fit (no transform: each coefficient one whitened channel, ordered by variance)
+    with its coefficients put back in channel order, so its decode matrix is diagonal, B = W^(-1/2) (each
+    coefficient is its channel, scaled: the kernels' ``KltSpec.DIAGONAL`` read, no decode product). Bits and levels
+    move with their coefficient; nothing else changes."""
+    decode = fields["decode"]
+    nonzero = decode != 0
+    if bool((nonzero.sum(-2) > 1).any()):
+        raise FormatError("in_channel_order: expected a fit without a transform (block 1: one channel a coefficient)")
+    chan = nonzero.to(torch.int8).argmax(-2)  # [H, D]: the channel of each coefficient
+    order = chan.argsort(-1)  # [H, D]: the coefficient of each channel
+    out = dict(fields)
+    d = decode.shape[-1]
+    out["decode"] = decode.gather(-1, order[:, None, :].expand(-1, d, -1))
+    out["encode"] = fields["encode"].gather(-2, order[:, :, None].expand(-1, -1, d))
+    for name in ("sigma", "bits"):
+        out[name] = fields[name].gather(-1, order.to(fields[name].device))
+    if "levels" in fields:
+        lv = fields["levels"]
+        out["levels"] = lv.gather(1, order.to(lv.device)[:, :, None].expand(-1, -1, lv.shape[-1]))
+    return out
+
+
 def pair_blocks(head_dim: int, block: int, rotary_dim: int | None = None) -> list[torch.Tensor]:
     """Channel indices of each diagonal block of the transform: ``block`` channels, block / 2 consecutive rotary pairs
     p (each with its channels p and p + R/2, ``rotate_half`` over the first ``rotary_dim`` R channels, default all);

@@ -19,7 +19,15 @@ from ..codec.klt import MAX_CODE_BITS, KeyTransform, RotaryParams, save_transfor
 from ..errors import ConfigError
 from ..format import KEY_CODE_REFERENCE_DIM, KVFormat
 from .capture import AttentionCapture, capture_attention
-from .fit import LEVEL_KINDS, KLTLayer, fit_heads, gaussian_codebook, key_weights, received_attention
+from .fit import (
+    LEVEL_KINDS,
+    KLTLayer,
+    fit_heads,
+    gaussian_codebook,
+    in_channel_order,
+    key_weights,
+    received_attention,
+)
 from .sink import SINK_TOLERANCE, sink_spread
 
 Progress = Callable[[str], None]
@@ -29,13 +37,17 @@ Progress = Callable[[str], None]
 DEFAULT_WIDTHS: tuple[int, ...] = (2, 4, 8)
 DEFAULT_LEVELS = "cubic"
 SINK_CHOICES = ("calibrated", "none")
+#: "klt": the attention-weighted KLT (a D x D decode per key); "diagonal": no transform, each pre-RoPE channel
+#: whitened by its own scale and coded alone (decode read without the D x D product: ``KltSpec.DIAGONAL``)
+TRANSFORMS = ("klt", "diagonal")
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """What a calibration fits and the config it serves: the key mode and its code bytes at head dim 128, code
-    widths and levels, whether the attention sink is calibrated, the value bits and exact window of the config, and
-    the calibration text's windows. Its ``tag`` names the cache entry, so a changed recipe never reads an old one."""
+    """What a calibration fits and the config it serves: the key mode and its code bytes at head dim 128, the
+    transform (``TRANSFORMS``), code widths and levels, whether the attention sink is calibrated, the value bits and
+    exact window of the config, and the calibration text's windows. Its ``tag`` names the cache entry, so a changed
+    recipe never reads an old one."""
 
     key_mode: str = "klt"
     code_bytes: int = 52
@@ -46,12 +58,15 @@ class Recipe:
     recent_tokens: int = 256
     windows: int = 8  # SmolLM2 held out, Opticks: +0.82 % at 8 windows, +1.06 % at 2 (docs/fidelity.md)
     window_len: int = 1024
+    transform: str = "klt"
 
     def __post_init__(self) -> None:
         if self.key_mode not in KEY_FITTERS:
             raise ConfigError(f"calibration key mode {self.key_mode!r}: expected one of {sorted(KEY_FITTERS)}")
         if self.levels not in LEVEL_KINDS:
             raise ConfigError(f"levels {self.levels!r}: expected one of {LEVEL_KINDS}")
+        if self.transform not in TRANSFORMS:
+            raise ConfigError(f"transform {self.transform!r}: expected one of {TRANSFORMS}")
         if self.sink not in SINK_CHOICES:
             raise ConfigError(f"sink {self.sink!r}: expected one of {SINK_CHOICES}")
         if any(not 1 <= w <= MAX_CODE_BITS for w in self.widths):
@@ -75,10 +90,12 @@ class Recipe:
 
     @property
     def tag(self) -> str:
-        """A file-name-safe name of everything that changes the fit, e.g. ``klt52-w248-cubic-sink-2x1024``."""
+        """A file-name-safe name of everything that changes the fit, e.g. ``klt52-w248-cubic-sink-2x1024`` (a
+        diagonal transform adds ``-diag``)."""
         widths = "w" + ("".join(map(str, self.widths)) or "any")
         sink = "sink" if self.sink == "calibrated" else "nosink"
-        return f"{self.key_mode}{self.code_bytes}-{widths}-{self.levels}-{sink}-{self.windows}x{self.window_len}"
+        diag = "-diag" if self.transform == "diagonal" else ""
+        return f"{self.key_mode}{self.code_bytes}{diag}-{widths}-{self.levels}-{sink}-{self.windows}x{self.window_len}"
 
     def config_dict(self, transform_file: str, model: str) -> dict:
         """The config (as its YAML mapping) of the calibrated format around a transform file."""
@@ -113,7 +130,8 @@ def fit_klt(cap: AttentionCapture, recipe: Recipe, skip: int) -> KeyTransform:
     """One layer's klt transform: pre-RoPE keys and queries (the model's RoPE undone), each key weighted by the
     attention it receives from queries that read it compressed, positions < ``skip`` left out; every KV head fitted
     at once in float64 where the capture is (the GPU for a model on it; ``calibration.fit.fit_heads``), returned on
-    the CPU."""
+    the CPU. ``recipe.transform`` "diagonal": no transform (each channel whitened by its own scale, its own
+    coefficient, in channel order: a diagonal decode matrix)."""
     rotary = cap.rotary
     t, d = cap.k.shape[2], cap.k.shape[3]
     pos = torch.arange(t, device=cap.k.device)
@@ -130,8 +148,11 @@ def fit_klt(cap: AttentionCapture, recipe: Recipe, skip: int) -> KeyTransform:
         budget,
         widths=recipe.widths,
         levels=recipe.levels,
+        block=1 if recipe.transform == "diagonal" else 0,
         rotary_dim=rotary.rotary_dim,
     )
+    if recipe.transform == "diagonal":
+        fields = in_channel_order(fields)
     layer = KLTLayer(
         mean=fields["mean"].float(),
         encode=fields["encode"].float(),
@@ -201,6 +222,7 @@ def write_calibration(
     tokens: int,
     sink_tokens: int = 0,
     levels: str = DEFAULT_LEVELS,
+    transform: str = "klt",
 ) -> None:
     """Save ``transforms`` to ``path`` with what they were fitted on (the file a config's ``key_transform`` names)."""
     meta = {
@@ -211,7 +233,10 @@ def write_calibration(
         "tokens": tokens,
         "key_code_bytes": code_bytes,
         "reference_dim": KEY_CODE_REFERENCE_DIM,
-        "coder": f"attention-weighted KLT, water-filled bits, fitted {levels} levels",
+        "coder": (
+            "attention-weighted KLT" if transform == "klt" else "no transform (channels whitened, diagonal decode)"
+        )
+        + f", water-filled bits, fitted {levels} levels",
         "created": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     save_transforms(path, list(transforms), meta)

@@ -67,6 +67,14 @@ def register(sub) -> None:
         "no table) or 'lloyd' (a fitted Lloyd-Max codebook); the same quality held out (docs/fidelity.md)",
     )
     p.add_argument(
+        "--transform",
+        choices=("klt", "diagonal"),
+        default="klt",
+        help="'klt' (the default: the attention-weighted KLT, a D x D decode per key) or 'diagonal' (no transform: "
+        "each pre-RoPE channel whitened by its own scale and coded alone; the decode kernel reads it without the "
+        "D x D product; held out it needs position 0 exact to meet the 5x target, docs/fidelity.md)",
+    )
+    p.add_argument(
         "--out",
         help=f"the transform file (default {DEFAULT_OUT_DIR}/<model>-kl<B>.pt); its config goes beside it as .yaml "
         "(--out NAME.yaml names the config: the transform is then NAME.pt)",
@@ -120,7 +128,12 @@ def _run(args: argparse.Namespace) -> int:
     widths = DEFAULT_WIDTHS if args.widths is None else _widths(args.widths)
     levels = args.levels or DEFAULT_LEVELS
     recipe = Recipe(
-        code_bytes=args.key_bytes, widths=widths, levels=levels, windows=args.windows, window_len=args.window_len
+        code_bytes=args.key_bytes,
+        widths=widths,
+        levels=levels,
+        windows=args.windows,
+        window_len=args.window_len,
+        transform=args.transform,
     )
 
     text = _text(args.text)  # a usage error before the model loads
@@ -135,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     say = lambda msg: print(f"  {msg}", file=sys.stderr)  # noqa: E731
     firsts = sink_first_tokens(rows, tok.all_special_ids) if calibrated_sink else None
     transforms = calibrate_model(model, rows, recipe, say, sink_firsts=firsts, skip=args.sink_tokens)
-    write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens, levels=levels)
+    write_calibration(out, transforms, args.key_bytes, name, args.text, need, args.sink_tokens, levels, args.transform)
     config = out.with_suffix(".yaml")
     config.write_text(config_yaml(config.stem, args.key_bytes, out.name, name, args.sink_tokens))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB) and its config {config}")

@@ -159,6 +159,13 @@ class KeyTransform:
         return out
 
     @property
+    def decode_is_diagonal(self) -> bool:
+        """Whether every head's decode matrix is diagonal (no transform: each coefficient is its own pre-RoPE channel,
+        scaled; ``calibrate --transform diagonal``): a reader decodes a key without the D x D product."""
+        off = self.decode - torch.diag_embed(torch.diagonal(self.decode, dim1=-2, dim2=-1))
+        return not bool(off.any())
+
+    @property
     def has_sink(self) -> bool:
         """Whether position 0 is read from the calibrated sink (``sink_key``, ``sink_value``)."""
         return self.sink_key is not None

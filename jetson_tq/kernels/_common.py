@@ -161,7 +161,9 @@ class KltSpec:
     once as [KCBP, N] and each coefficient's byte picked from them by a one-hot int8 ``tl.dot`` (else: a byte load
     per coefficient and token). ``CUBIC``: every coefficient's levels are a cubic of its centered code
     u = 2c - (2^w - 1) (``KeyTransform.cubic_levels``): the kernels compute them by three FMAs (the constant term
-    folded into the mean, ``klt_constants``), with no level table."""
+    folded into the mean, ``klt_constants``), with no level table. ``DIAGONAL``: every decode matrix is diagonal
+    (``KeyTransform.decode_is_diagonal``): the decode kernel reads each channel's levels, its scale folded into
+    them, and adds the mean (no decode product, no decode-matrix operand); prefill keeps the general read."""
 
     RH: int  # rotary pairs (rotary_dim / 2)
     RHP: int
@@ -172,10 +174,17 @@ class KltSpec:
     KCBP: int = 32  # a key code's bytes padded to a power of two >= 32 (an int8 ``tl.dot``'s K)
     SELECT: bool = True  # code bytes picked by a one-hot int8 product from one [KCBP, N] tile (off: a load each)
     SINK: bool = False  # compressed position 0 reads the layer's calibrated sink (``KeyTransform.sink_key``)
+    DIAGONAL: bool = False  # decode matrices diagonal: decode reads channels directly (``klt_constants``' decode_read)
 
     @staticmethod
     def of(
-        rotary_dim: int, head_dim: int, code_bytes: int, one_byte: bool = False, cubic: bool = False, sink: bool = False
+        rotary_dim: int,
+        head_dim: int,
+        code_bytes: int,
+        one_byte: bool = False,
+        cubic: bool = False,
+        sink: bool = False,
+        diagonal: bool = False,
     ) -> KltSpec:
         rh, rr = rotary_dim // 2, head_dim - rotary_dim
         return KltSpec(
@@ -187,6 +196,7 @@ class KltSpec:
             CUBIC=cubic,
             KCBP=max(32, next_pow2(code_bytes)),
             SINK=sink,
+            DIAGONAL=diagonal,
         )
 
 
@@ -208,10 +218,11 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     ``CUBIC`` poly, dec, mean, turns, scale); ``decode_read``: the decode kernel's, the same but with ``CUBIC`` the
     cubic in y = (c - 2^(w-1)) / 2^(w-1) (``half_code_cubic``): ``vpoly`` fp32 [H, 5, DP] (linear, square and cube
     coefficients, the map (m, k) of x = 1024 + c to y) and ``vmean`` fp32 [H, DP] (the mean with the y-cubic's
-    constants folded in); ``sink`` fp32 [2, H, D]: the calibrated sink's key and value
-    (``KltSpec.SINK``; else a placeholder), ``sink16`` the same in fp16 (the prefill workspace); ``bundle``: the
-    ``KltSpec`` as a constexpr bundle. Padding entries are zero. A codec without klt keys gets placeholders of the
-    same dtypes and ``NO_KLT``."""
+    constants folded in); with ``DIAGONAL`` (decode matrices diagonal) the decode kernel's levels (the level
+    tables or ``vpoly``) are scaled by the decode matrix's diagonal (each level a key channel's, less the mean);
+    ``sink`` fp32 [2, H, D]: the calibrated sink's key and value (``KltSpec.SINK``; else a placeholder), ``sink16``
+    the same in fp16 (the prefill workspace); ``bundle``: the ``KltSpec`` as a constexpr bundle. Padding entries
+    are zero. A codec without klt keys gets placeholders of the same dtypes and ``NO_KLT``."""
     coder = codec.key_coder
     key = (id(coder), str(device))
     hit = _KLT_CONSTANTS.get(key)
@@ -243,6 +254,8 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         return full.to(dtype).contiguous().to(device)
 
     cubic = t.cubic_levels()
+    diagonal = t.decode_is_diagonal
+    scale = torch.diagonal(t.decode.double(), dim1=1, dim2=2)  # [H, D]: each channel's scale when ``diagonal``
     center = t.mean.double()
     poly = torch.zeros(h, 3, dp, dtype=torch.float32)
     vpoly = torch.zeros(h, 5, dp, dtype=torch.float32)
@@ -252,7 +265,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         poly[:, :, :d] = cubic[..., 1:].transpose(1, 2).float()
         vcub, ymap = half_code_cubic(cubic, bits)
         vcenter = vcenter + torch.einsum("hij,hj->hi", t.decode.double(), vcub[..., 0])
-        vpoly[:, :3, :d] = vcub[..., 1:].transpose(1, 2).float()
+        vpoly[:, :3, :d] = (vcub[..., 1:] * (scale[..., None] if diagonal else 1.0)).transpose(1, 2).float()
         vpoly[:, 3:, :d] = ymap.transpose(1, 2).float()
     spec = KltSpec.of(
         t.rotary.rotary_dim,
@@ -261,6 +274,7 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
         one_byte=codes_in_one_byte(bits),
         cubic=cubic is not None,
         sink=t.has_sink,
+        diagonal=diagonal,
     )
     sink = torch.zeros(1)
     if t.sink_key is not None and t.sink_value is not None:
@@ -291,6 +305,9 @@ def klt_constants(codec: KVCodec, device: torch.device) -> dict:
     if spec.CUBIC:  # decode computes the cubic in fp16 of y = (c - 2^(w-1)) / 2^(w-1) (``_tiles.klt_levels16``)
         out["vpoly"], out["vmean"] = vpoly.to(device), vmean.to(device)
         out["decode_read"] = (out["meta"], out["vpoly"], out["dec"], out["vmean"], out["turns"], out["scale"])
+    elif diagonal:  # level tables in key units: each channel's levels times its scale
+        dlevels = (t.levels.double() * scale[..., None]).float().contiguous().to(device)
+        out["decode_read"] = (out["meta"], dlevels, out["dec"], out["mean"], out["turns"], out["scale"])
     else:
         out["decode_read"] = out["read"]
     _KLT_CONSTANTS[key] = (coder, out)

@@ -309,53 +309,87 @@ def rope_cos_sin(pos, turns):
 
 
 @triton.jit
-def klt_operands(
-    h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE: tl.constexpr, KLT: tl.constexpr, HALF_CODE: tl.constexpr = False
-):
-    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program, as two bundles.
-
-    Code reading (``klt_levels``): each coefficient's first code bit and width [DP]; with ``KLT.SELECT`` the one-hot
-    int8 pickers [DP, KCBP] of each coefficient's byte and of the byte after it (codes that straddle one; zero rows
-    where none); with ``KLT.CUBIC`` the levels' linear, square and cube coefficients [DP] (from ``lv_ptr``: fp32
-    [H, 3, DP]; with ``HALF_CODE``, for ``klt_levels16``, fp16 of the cubic in y and the code's map to y from fp32
-    [H, 5, DP], ``_common.half_code_cubic``), else the head's level-table rows (from ``lv_ptr``: fp32 [H, D, 256]).
-    Decoding (``klt_keys``): the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
-    first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
-    transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
-    held them whole: 1.7 KB of spills per thread at D=128, ``compile_sm90.py``)."""
-    j = tl.arange(0, PAGE.DP)
-    ia = tl.arange(0, KLT.RHP)
-    ir = tl.arange(0, KLT.RRP)
+def klt_code_operands(h64, meta_ptr, lv_ptr, j, valid, PAGE: tl.constexpr, KLT: tl.constexpr, HALF_CODE: tl.constexpr):
+    """The code-reading bundle (``klt_operands``) of one KV head's coefficients ``j`` [R] (``valid``: real ones; the
+    others read as 0-bit codes): first code bit and width [R], the one-hot byte pickers [R, KCBP], and the levels'
+    cubic coefficients [R] (``KLT.CUBIC``) or level-table rows and their mask [R]."""
     kb = tl.arange(0, KLT.KCBP)
-    h64 = h.to(tl.int64)
-    bo = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + j)
-    w = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + PAGE.DP + j)
+    bo = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + j, mask=valid, other=0)
+    w = tl.load(meta_ptr + h64 * (2 * PAGE.DP) + PAGE.DP + j, mask=valid, other=0)
     first = (bo >> 3)[:, None]
     sel = ((kb[None, :] == first) & (w > 0)[:, None]).to(tl.int8)
     sel_hi = ((kb[None, :] == first + 1) & ((bo & 7) + w > 8)[:, None]).to(tl.int8)
     if not KLT.CUBIC:
-        levels = lv_ptr + (h64 * PAGE.D + j) * 256
+        levels = (lv_ptr + (h64 * PAGE.D + j) * 256, valid & (j < PAGE.D))
     elif HALF_CODE:
         poly = lv_ptr + h64 * (5 * PAGE.DP) + j
         levels = (
-            tl.load(poly).to(tl.float16)[:, None],
-            tl.load(poly + PAGE.DP).to(tl.float16)[:, None],
-            tl.load(poly + 2 * PAGE.DP).to(tl.float16)[:, None],
-            tl.load(poly + 3 * PAGE.DP).to(tl.float16)[:, None],
-            tl.load(poly + 4 * PAGE.DP).to(tl.float16)[:, None],
+            tl.load(poly, mask=valid, other=0.0).to(tl.float16)[:, None],
+            tl.load(poly + PAGE.DP, mask=valid, other=0.0).to(tl.float16)[:, None],
+            tl.load(poly + 2 * PAGE.DP, mask=valid, other=0.0).to(tl.float16)[:, None],
+            tl.load(poly + 3 * PAGE.DP, mask=valid, other=0.0).to(tl.float16)[:, None],
+            tl.load(poly + 4 * PAGE.DP, mask=valid, other=0.0).to(tl.float16)[:, None],
         )
     else:
         poly = lv_ptr + h64 * (3 * PAGE.DP) + j
-        levels = (tl.load(poly)[:, None], tl.load(poly + PAGE.DP)[:, None], tl.load(poly + 2 * PAGE.DP)[:, None])
-    dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
+        levels = (
+            tl.load(poly, mask=valid, other=0.0)[:, None],
+            tl.load(poly + PAGE.DP, mask=valid, other=0.0)[:, None],
+            tl.load(poly + 2 * PAGE.DP, mask=valid, other=0.0)[:, None],
+        )
+    return bo, w, sel, sel_hi, levels
+
+
+@triton.jit
+def klt_operands(
+    h,
+    meta_ptr,
+    lv_ptr,
+    dec_ptr,
+    mean_ptr,
+    PAGE: tl.constexpr,
+    KLT: tl.constexpr,
+    HALF_CODE: tl.constexpr = False,
+    DIAG: tl.constexpr = False,
+):
+    """One KV head's klt read operands (``_common.klt_constants``), loaded once per program, as two bundles.
+
+    Code reading (``klt_levels``, ``klt_code_operands``): each coefficient's first code bit and width [DP]; with
+    ``KLT.SELECT`` the one-hot int8 pickers [DP, KCBP] of each coefficient's byte and of the byte after it (codes that
+    straddle one; zero rows where none); with ``KLT.CUBIC`` the levels' linear, square and cube coefficients [DP]
+    (from ``lv_ptr``: fp32 [H, 3, DP]; with ``HALF_CODE``, for ``klt_levels16``, fp16 of the cubic in y and the
+    code's map to y from fp32 [H, 5, DP], ``_common.half_code_cubic``), else the head's level-table rows (from
+    ``lv_ptr``: fp32 [H, D, 256]) and their mask.
+    Decoding (``klt_keys``): the decode matrix's row blocks as A operands in fp16 — [RHP, DP] x 2 (the rotary pairs'
+    first and second channels) and [RRP, DP] (unrotated channels) — and the mean's same three parts. Keys are computed
+    transposed (channels x tokens): the warps of a program split these operands by rows (as B operands every warp
+    held them whole: 1.7 KB of spills per thread at D=128, ``compile_sm90.py``).
+    ``DIAG`` (``KLT.DIAGONAL``, decode; the levels are the channels', scaled): the code-reading bundle comes as three,
+    one per part of the key (rotary first channels [RHP], second [RHP], unrotated [RRP]: ``klt_keys_diagonal``), and
+    the decoding bundle is the mean's three parts alone (no decode matrix is loaded; fp16 with ``HALF_CODE``)."""
+    ia = tl.arange(0, KLT.RHP)
+    ir = tl.arange(0, KLT.RRP)
+    h64 = h.to(tl.int64)
     mrow = mean_ptr + h64 * PAGE.DP
-    da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
-    db = tl.load(dec + KLT.RH + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
-    dr = tl.load(dec + 2 * KLT.RH + ir[:, None], mask=(ir < KLT.RR)[:, None], other=0.0)
     ma = tl.load(mrow + ia, mask=ia < KLT.RH, other=0.0)
     mb = tl.load(mrow + KLT.RH + ia, mask=ia < KLT.RH, other=0.0)
     mr = tl.load(mrow + 2 * KLT.RH + ir, mask=ir < KLT.RR, other=0.0)
-    return (bo, w, sel, sel_hi, levels), (da, db, dr, ma, mb, mr)
+    if DIAG:
+        ca = klt_code_operands(h64, meta_ptr, lv_ptr, ia, ia < KLT.RH, PAGE, KLT, HALF_CODE)
+        cb = klt_code_operands(h64, meta_ptr, lv_ptr, KLT.RH + ia, ia < KLT.RH, PAGE, KLT, HALF_CODE)
+        cr = klt_code_operands(h64, meta_ptr, lv_ptr, 2 * KLT.RH + ir, ir < KLT.RR, PAGE, KLT, HALF_CODE)
+        if HALF_CODE:  # ``klt_keys_diagonal`` adds the mean in fp16
+            return (ca, cb, cr), (ma.to(tl.float16), mb.to(tl.float16), mr.to(tl.float16))
+        else:
+            return (ca, cb, cr), (ma, mb, mr)
+    else:
+        j = tl.arange(0, PAGE.DP)
+        cops = klt_code_operands(h64, meta_ptr, lv_ptr, j, j < PAGE.DP, PAGE, KLT, HALF_CODE)
+        dec = dec_ptr + h64 * (PAGE.DP * PAGE.DP) + j[None, :] * PAGE.DP
+        da = tl.load(dec + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
+        db = tl.load(dec + KLT.RH + ia[:, None], mask=(ia < KLT.RH)[:, None], other=0.0)
+        dr = tl.load(dec + 2 * KLT.RH + ir[:, None], mask=(ir < KLT.RR)[:, None], other=0.0)
+        return cops, (da, db, dr, ma, mb, mr)
 
 
 @triton.jit
@@ -370,17 +404,25 @@ def pick_bytes(sel, codes, INTERP: tl.constexpr):
 
 
 @triton.jit
-def klt_codes(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
-    """Codes int32 [DP, N] (transposed) of the keys whose codes start at byte pointers ``rows`` [N], through
-    ``klt_operands``' code-reading bundle ``cops``: each coefficient's ``w``-bit code read from its bit offset ``bo``
-    — with ``KLT.SELECT`` picked from the tile's code bytes by ``pick_bytes``, else loaded a byte at a time; one byte
-    with ``KLT.ONE_BYTE`` (every code inside a byte), else two."""
-    bo, w, sel, sel_hi, levels = cops
-    sh = bo & 7
+def klt_code_bytes(rows, nmask, PAGE: tl.constexpr, KLT: tl.constexpr):
+    """With ``KLT.SELECT``: the code bytes int8 [KCBP, N] of the keys whose codes start at byte pointers ``rows``
+    [N], loaded once for a tile (``klt_codes_of``); else ``rows`` (codes are then loaded a byte at a time)."""
     if KLT.SELECT:
         kb = tl.arange(0, KLT.KCBP)
         tile = tl.load(rows[None, :] + kb[:, None], mask=nmask[None, :] & (kb < PAGE.KCB)[:, None], other=0)
         tile = tile.to(tl.int8, bitcast=True)
+    else:
+        tile = rows
+    return tile
+
+
+@triton.jit
+def klt_codes_of(tile, rows, nmask, cops, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """``klt_codes`` from a tile's code bytes already loaded (``klt_code_bytes``), for the coefficients of ``cops``
+    (a ``klt_code_operands`` bundle)."""
+    bo, w, sel, sel_hi, levels = cops
+    sh = bo & 7
+    if KLT.SELECT:
         lo = pick_bytes(sel, tile, INTERP)  # sign-extended: bits sh .. sh + w - 1 <= 7 are the byte's own
         if not KLT.ONE_BYTE:
             lo = (lo & 255) | ((pick_bytes(sel_hi, tile, INTERP) & 255) << 8)
@@ -394,20 +436,43 @@ def klt_codes(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: 
 
 
 @triton.jit
-def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
-    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]
-    (``klt_codes``), looked up in the head's level table, or with ``KLT.CUBIC`` computed as a cubic of the centered
-    code (``_common.klt_constants`` folds the constant into the mean)."""
+def klt_codes(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Codes int32 [DP, N] (transposed) of the keys whose codes start at byte pointers ``rows`` [N], through
+    ``klt_operands``' code-reading bundle ``cops``: each coefficient's ``w``-bit code read from its bit offset ``bo``
+    — with ``KLT.SELECT`` picked from the tile's code bytes by ``pick_bytes``, else loaded a byte at a time; one byte
+    with ``KLT.ONE_BYTE`` (every code inside a byte), else two."""
+    return klt_codes_of(klt_code_bytes(rows, nmask, PAGE, KLT), rows, nmask, cops, KLT, INTERP)
+
+
+@triton.jit
+def klt_levels_of(code, nmask, cops, KLT: tl.constexpr):
+    """Levels z [R, N] fp32 of codes [R, N] (``klt_codes``): looked up in the head's level table, or with
+    ``KLT.CUBIC`` computed as a cubic of the centered code (``_common.klt_constants`` folds the constant into the
+    mean)."""
     bo, w, sel, sel_hi, levels = cops
-    code = klt_codes(rows, nmask, cops, PAGE, KLT, INTERP)
     if KLT.CUBIC:  # levels a cubic of the centered code u: s u + r u^2 + t u^3 (the constant is in the mean)
         s, r, t = levels
         u = (2 * code - ((1 << w) - 1)[:, None]).to(tl.float32)
         z = u * (s + u * (r + u * t))
     else:
-        j = tl.arange(0, PAGE.DP)
-        z = tl.load(levels[:, None] + code, mask=nmask[None, :] & (j < PAGE.D)[:, None], other=0.0)
+        ptrs, ok = levels
+        z = tl.load(ptrs[:, None] + code, mask=nmask[None, :] & ok[:, None], other=0.0)
     return z
+
+
+@triton.jit
+def klt_levels(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """Coefficient levels z [DP, N] fp32 (transposed) of the keys whose codes start at byte pointers ``rows`` [N]
+    (``klt_codes``, ``klt_levels_of``)."""
+    return klt_levels_of(klt_codes(rows, nmask, cops, PAGE, KLT, INTERP), nmask, cops, KLT)
+
+
+@triton.jit
+def klt_levels16_of(code, cops):
+    """``klt_levels16`` of codes [R, N] already read (``klt_codes``)."""
+    s, r, t, m, k = cops[4]
+    y = (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) * m - k
+    return y * (s + y * (r + y * t))
 
 
 @triton.jit
@@ -417,10 +482,7 @@ def klt_levels16(rows, nmask, cops, PAGE: tl.constexpr, KLT: tl.constexpr, INTER
     2^(w-1) = x m - k by one exact FMA, and the levels' cubic in y (``_common.half_code_cubic``: its constant in the
     decode mean) by three fp16 FMAs, two codes per instruction (HFMA2): the tile feeds the decode product in fp16.
     (Codes left in place in their byte, the shift folded into m and k, compiled to as many instructions on sm_90.)"""
-    s, r, t, m, k = cops[4]
-    code = klt_codes(rows, nmask, cops, PAGE, KLT, INTERP)
-    y = (code.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) * m - k
-    return y * (s + y * (r + y * t))
+    return klt_levels16_of(klt_codes(rows, nmask, cops, PAGE, KLT, INTERP), cops)
 
 
 @triton.jit
@@ -437,4 +499,31 @@ def klt_keys(zt, cos, sin, dops, KLT: tl.constexpr, INTERP: tl.constexpr):
     kr = tl.zeros([KLT.RRP, n], tl.float32)
     if KLT.RR > 0:
         kr = mma(dr, z16, kr, INTERP) + mr[:, None]
+    return ka * cos - kb * sin, kb * cos + ka * sin, kr
+
+
+@triton.jit
+def klt_keys_diagonal(rows, nmask, cos, sin, cops, dops, PAGE: tl.constexpr, KLT: tl.constexpr, INTERP: tl.constexpr):
+    """``klt_keys`` of diagonal decode matrices (``KLT.DIAGONAL``), from the codes at byte pointers ``rows`` [N]:
+    each part's levels (``klt_operands(..., DIAG=True)``: scaled) plus the mean are that part's pre-RoPE channels
+    (no decode product), then turned as ``klt_keys`` does. The tile's code bytes are loaded once for the three parts.
+    With ``KLT.CUBIC`` everything stays in fp16, two elements an instruction: the levels (``klt_levels16_of``), the
+    mean (fp16 in ``dops``) and the turn (``cos``, ``sin`` fp16: ``decode_klt._klt_read_operands``); the keys are
+    fp16, as the score product takes them. Else fp32 as ``klt_keys``."""
+    ca, cb, cr = cops
+    ma, mb, mr = dops
+    tile = klt_code_bytes(rows, nmask, PAGE, KLT)
+    n: tl.constexpr = rows.shape[0]
+    if KLT.CUBIC:
+        ka = klt_levels16_of(klt_codes_of(tile, rows, nmask, ca, KLT, INTERP), ca) + ma[:, None]
+        kb = klt_levels16_of(klt_codes_of(tile, rows, nmask, cb, KLT, INTERP), cb) + mb[:, None]
+        kr = tl.zeros([KLT.RRP, n], tl.float16)
+        if KLT.RR > 0:
+            kr = klt_levels16_of(klt_codes_of(tile, rows, nmask, cr, KLT, INTERP), cr) + mr[:, None]
+    else:
+        ka = klt_levels_of(klt_codes_of(tile, rows, nmask, ca, KLT, INTERP), nmask, ca, KLT) + ma[:, None]
+        kb = klt_levels_of(klt_codes_of(tile, rows, nmask, cb, KLT, INTERP), nmask, cb, KLT) + mb[:, None]
+        kr = tl.zeros([KLT.RRP, n], tl.float32)
+        if KLT.RR > 0:
+            kr = klt_levels_of(klt_codes_of(tile, rows, nmask, cr, KLT, INTERP), nmask, cr, KLT) + mr[:, None]
     return ka * cos - kb * sin, kb * cos + ka * sin, kr

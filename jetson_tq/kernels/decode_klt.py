@@ -3,7 +3,8 @@
 Coded keys (``KLT``, ``_common.KltSpec``) are scored without rebuilding a key: the query's rotary halves and its
 unrotated channels are read once (``_klt_query_operands``), this KV head's code-reading and decoding operands and the
 RoPE cos, sin of a tile's token offsets are made once per program (``_klt_read_operands``), and each tile's codes are
-decoded, turned and scored by three tensor-core products (``_klt_scores``).
+decoded, turned and scored by three tensor-core products (``_klt_scores``). Diagonal decode matrices
+(``KltSpec.DIAGONAL``: no transform) skip the decode product: each channel's scaled levels plus its mean are the key.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._tiles import klt_keys, klt_levels, klt_levels16, klt_operands, mma, rope_cos_sin
+from ._tiles import klt_keys, klt_keys_diagonal, klt_levels, klt_levels16, klt_operands, mma, rope_cos_sin
 
 
 @triton.jit
@@ -36,7 +37,9 @@ def _klt_read_operands(
     every tile's keys turn by them, its base angle goes to the query (``_klt_scores``)."""
     turns = tl.load(turns_ptr + tl.arange(0, KLT.RHP))
     ct, st = rope_cos_sin(tl.arange(0, CFG.BLOCK_N)[None, :], turns[:, None])
-    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT, KLT.CUBIC)
+    if KLT.DIAGONAL and KLT.CUBIC:  # the keys are turned in fp16 (``klt_keys_diagonal``)
+        ct, st = ct.to(tl.float16), st.to(tl.float16)
+    cops, dops = klt_operands(h, meta_ptr, lv_ptr, dec_ptr, mean_ptr, PAGE, KLT, KLT.CUBIC, KLT.DIAGONAL)
     return cops, dops, turns, ct, st
 
 
@@ -47,11 +50,15 @@ def _klt_scores(page, off, nmask, n0, qk, kops, PAGE: tl.constexpr, CFG: tl.cons
     (``klt_levels``, ``klt_keys`` with the program's cos, sin tiles) and the query by the tile's base angle n0, then
     three products with the query's parts."""
     cops, dops, turns, ct, st = kops
-    if KLT.CUBIC:  # fp16 levels of v = c - 2^(w-1) (``_common.klt_constants``' decode_read)
-        z = klt_levels16(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, cops, PAGE, KLT, CFG.INTERP)
+    rows = page + PAGE.OFF_KCODE + off * PAGE.KCB
+    if KLT.DIAGONAL:  # no transform: the scaled levels plus the mean are the channels (no decode product)
+        ka, kb, kr = klt_keys_diagonal(rows, nmask, ct, st, cops, dops, PAGE, KLT, CFG.INTERP)
     else:
-        z = klt_levels(page + PAGE.OFF_KCODE + off * PAGE.KCB, nmask, cops, PAGE, KLT, CFG.INTERP)
-    ka, kb, kr = klt_keys(z, ct, st, dops, KLT, CFG.INTERP)
+        if KLT.CUBIC:  # fp16 levels of v = c - 2^(w-1) (``_common.klt_constants``' decode_read)
+            z = klt_levels16(rows, nmask, cops, PAGE, KLT, CFG.INTERP)
+        else:
+            z = klt_levels(rows, nmask, cops, PAGE, KLT, CFG.INTERP)
+        ka, kb, kr = klt_keys(z, ct, st, dops, KLT, CFG.INTERP)
     cb, sb = rope_cos_sin(n0 + tl.zeros([KLT.RHP], tl.int32), turns)
     qa = (qk[0] * cb[:, None] + qk[1] * sb[:, None]).to(tl.float16)
     qb = (qk[1] * cb[:, None] - qk[0] * sb[:, None]).to(tl.float16)

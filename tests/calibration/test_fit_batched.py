@@ -101,3 +101,26 @@ def test_fit_heads_refuses_mismatched_shapes():
     k, q, w = random_heads(0, 64, n=64)
     with pytest.raises(fit.FormatError, match=r"expected \[H, N, D\]"):
         fit.fit_heads(k, q[:2], w, 100)
+
+
+def test_no_transform_in_channel_order_has_a_diagonal_decode():
+    """``in_channel_order`` of a fit without a transform (block 1): the decode matrix diagonal (``KltSpec.DIAGONAL``),
+    every channel keeping the bits, levels and scale its coefficient had, and encode / decode still inverse."""
+    k, q, w = random_heads(0, 64, n=256)
+    budget = 52 * 8 * 64 // 128
+    plain = fit.fit_heads(k, q, w, budget, widths=(2, 4, 8), levels="lloyd", block=1)
+    got = fit.in_channel_order(plain)
+    dec = got["decode"]
+    assert torch.equal(dec, torch.diag_embed(torch.diagonal(dec, dim1=-2, dim2=-1)))
+    chan = (plain["decode"] != 0).to(torch.int8).argmax(-2)  # [H, D]: each old coefficient's channel
+    for h in range(HEADS):
+        for i in range(64):
+            c = int(chan[h, i])
+            assert dec[h, c, c] == plain["decode"][h, c, i]
+            assert got["bits"][h, c] == plain["bits"][h, i]
+            assert torch.equal(got["levels"][h, c], plain["levels"][h, i])
+            assert got["sigma"][h, c] == plain["sigma"][h, i]
+    eye = torch.eye(64, dtype=dec.dtype).expand(HEADS, -1, -1)
+    assert close(got["decode"] @ got["encode"], eye)
+    with pytest.raises(Exception, match="without a transform"):
+        fit.in_channel_order(fit.fit_heads(k, q, w, budget, levels=None))

@@ -8,12 +8,14 @@ from jetson_tq.codec.klt import MAX_CODE_BITS, KeyTransform, KeyTransformCoder, 
 
 #: transform structures the kernels specialize on (``kernels._common.KltSpec``), as ``uneven_transform`` arguments:
 #: codes of any width 0-8 (two byte loads) or of 0/2/4/8 bits (one), levels sorted at random or a cubic of the code
-#: (no level table: ``CUBIC``)
+#: (no level table: ``CUBIC``); ``diagonal-*``: no transform, each coefficient a channel scaled (``DIAGONAL``)
 STRUCTURES: dict[str, dict] = {
     "any": {},
     "bytes": dict(widths=(8, 4, 2, 0)),
     "cubic": dict(cubic=True),
     "bytes-cubic": dict(widths=(8, 4, 2, 0), cubic=True),
+    "diagonal": dict(diagonal=True),
+    "diagonal-bytes-cubic": dict(widths=(8, 4, 2, 0), cubic=True, diagonal=True),
 }
 
 
@@ -26,14 +28,21 @@ def uneven_transform(
     gen: torch.Generator,
     widths: tuple[int, ...] = tuple(range(MAX_CODE_BITS, -1, -1)),
     cubic: bool = False,
+    diagonal: bool = False,
 ) -> KeyTransform:
     """A calibrated-like transform: per head a random orthogonal encode matrix A with decode B = A^T, a random mean,
     bits cycling through ``widths`` (default 8, 7, ..., 0; the last cut to fit) up to ``code_bits`` at shuffled
     coefficients, random sorted levels (spread like the coefficients; ``cubic``: a random ascending cubic of the
     code); RoPE with transformers' default frequencies
-    over ``rotary_dim`` channels."""
+    over ``rotary_dim`` channels. ``diagonal``: no transform, A = diag(1 / s) and B = diag(s) with random per-channel
+    scales s in [0.5, 2) (a whitening by the channel's scale alone: ``KltSpec.DIAGONAL``)."""
     h, d = num_heads, head_dim
-    a = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0].float()
+    if diagonal:
+        s = 0.5 + 1.5 * torch.rand(h, d, generator=gen)
+        a, dec = torch.diag_embed(1 / s), torch.diag_embed(s)
+    else:
+        a = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))[0].float()
+        dec = a.transpose(1, 2).contiguous()
     pattern = [widths[i % len(widths)] for i in range(d)]
     bits = torch.zeros(h, d, dtype=torch.long)
     for i in range(h):
@@ -63,7 +72,7 @@ def uneven_transform(
             levels[i, c, :n], levels[i, c, n:] = lv, lv[-1]
     rotary = RotaryParams(default_inv_freq(rotary_dim, 10000.0), attention_scaling)
     mean = torch.randn(h, d, generator=gen) * 0.3
-    return KeyTransform(mean, a, a.transpose(1, 2).contiguous(), bits, levels, rotary)
+    return KeyTransform(mean, a, dec, bits, levels, rotary)
 
 
 def tie_distance(coder: KeyTransformCoder, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,9 @@ CASES = [(*r, "any") for r in ROTARY] + [
     (64, 64, 0.7, "bytes"),
     (128, 32, 1.0, "cubic"),
     (80, 40, 1.3, "bytes-cubic"),
+    (80, 40, 1.3, "diagonal"),
+    (80, 40, 1.3, "diagonal-bytes-cubic"),
+    (64, 64, 0.7, "diagonal-bytes-cubic"),
 ]
 CASE_IDS = [f"D{c[0]}-rot{c[1]}-{c[3]}" for c in CASES]
 
@@ -62,21 +65,23 @@ def _transform(kind: str, d: int, rotary: int, scaling: float, gen: torch.Genera
 
 
 def test_code_widths_select_their_kernel_paths():
-    """Byte-aligned code widths (``STRUCTURES["bytes"]``) reach the kernels as ``KltSpec.ONE_BYTE`` and levels
-    a cubic of the code as ``CUBIC``; others do not."""
+    """Byte-aligned code widths (``STRUCTURES["bytes"]``) reach the kernels as ``KltSpec.ONE_BYTE``, levels
+    a cubic of the code as ``CUBIC`` and diagonal decode matrices (no transform) as ``DIAGONAL``; others do not."""
     from jetson_tq.codec.kv import KVCodec
     from jetson_tq.kernels._common import klt_constants
 
     gen = torch.Generator().manual_seed(fresh_seed())
-    for kind, one_byte, cubic in [
-        ("any", False, False),
-        ("bytes", True, False),
-        ("cubic", False, True),
-        ("bytes-cubic", True, True),
+    for kind, one_byte, cubic, diagonal in [
+        ("any", False, False, False),
+        ("bytes", True, False, False),
+        ("cubic", False, True, False),
+        ("bytes-cubic", True, True, False),
+        ("diagonal", False, False, True),
+        ("diagonal-bytes-cubic", True, True, True),
     ]:
         fmt, kt = _transform(kind, 80, 40, 1.3, gen)
         spec = klt_constants(KVCodec(fmt, 80, key_transform=kt), torch.device("cpu"))["spec"]
-        assert (spec.ONE_BYTE, spec.CUBIC) == (one_byte, cubic), kind
+        assert (spec.ONE_BYTE, spec.CUBIC, spec.DIAGONAL) == (one_byte, cubic, diagonal), kind
 
 
 @pytest.mark.parametrize("d,rotary,scaling,kind", CASES, ids=CASE_IDS)
@@ -123,7 +128,7 @@ def test_partial_rotary_attention_matches_reference(d, rotary, scaling, kind):
     assert err < 2e-3, f"prefill seed={seed}: {err:.2e}"
 
 
-@pytest.mark.parametrize("kind", [pytest.param("any", marks=pytest.mark.slow), "bytes-cubic"])
+@pytest.mark.parametrize("kind", [pytest.param("any", marks=pytest.mark.slow), "bytes-cubic", "diagonal-bytes-cubic"])
 def test_calibrated_sink_in_decode_and_prefill_matches_reference(kind):
     """With a calibrated sink (``KltSpec.SINK``) decode reads compressed position 0 from it (split 0, any split
     count), the prefill workspace holds it at row 0, and both equal the reference, which reads it through the codec;

@@ -275,6 +275,29 @@ def test_calibrate_command_fits_the_code_widths_asked_for(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_calibrate_command_fits_a_diagonal_transform(tmp_path, capsys):
+    """``--transform diagonal``: no transform, each layer's decode matrices diagonal (the decode kernel's
+    ``KltSpec.DIAGONAL`` read), codes still in one byte at the full budget with cubic levels; the file serves."""
+    from jetson_tq.codec.klt import codes_in_one_byte
+
+    model_dir, argv = _tiny_calibration_args(tmp_path, seed=2)
+    out = tmp_path / "kt.pt"
+    assert main([*argv, "--out", str(out), "--transform", "diagonal"]) == 0
+    layers, meta = load_transforms(out)
+    for t in layers:
+        assert t.decode_is_diagonal and codes_in_one_byte(t.bits) and t.cubic_levels() is not None
+        assert t.code_bits == 52 * 8 * 32 // 128
+    assert "no transform" in meta["coder"]
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    cache = TurboQuantCache(model, load_config(tmp_path / "kt.yaml"), backend="reference")
+    with torch.no_grad():
+        logits = model(torch.randint(3, 100, (1, 150)), past_key_values=cache).logits
+    assert torch.isfinite(logits).all()
+    assert main([*argv, "--out", str(out), "--transform", "dct"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", [KLT.with_(sink_tokens=2), KVFormat(recent_tokens=16, sink_tokens=3)])
 def test_format_sink_is_read_exactly_on_every_path(fmt):
     """``sink_tokens``: the reference path (codes decoded per call, the sink copy scored exactly) equals the
