@@ -25,8 +25,10 @@ WIDE_NUM_WARPS = 1
 # mse_k4v3u 526 -> 349 us, mse_k4v3 740 -> 594 us at B=8/64k against 167 registers = 12 programs = 1.33 waves)
 WIDE_MAXNREG = 128
 NUM_STAGES = 1
-KLT_BLOCK_N = 64  # klt keys (not yet swept on a GPU)
-KLT_NUM_WARPS = 4
+# klt keys: 32-token two-warp programs against 64 x 4 (H100, CUDA graphs, kl52 calibrated transform): 8 x 64k
+# 1,630 -> 1,474 us dense, 1,281 -> 1,110 us diagonal; 1 x 128k 450 -> 420, 356 -> 325 us
+KLT_BLOCK_N = 32
+KLT_NUM_WARPS = 2
 # one-warp programs of 3/4-bit keys pipeline their tile loads (num_stages=2: the next tile's key and value bytes go
 # to shared memory by cp.async while this one is scored: 345 -> 308 us at B=8/64k, 109 -> 90.5 at B=1/128k)
 WIDE_NUM_STAGES = 2
@@ -59,7 +61,7 @@ class DecodeTuning:
     def for_format(self, spec: PageSpec) -> DecodeTuning:
         """These knobs with every None that has a per-format default filled in (``num_splits``, ``waves`` stay)."""
         wide = spec.KB >= 3  # 3/4-bit keys (lookup or one wide plane): 16-token one-warp programs measured best
-        if spec.KEY_MODE == KEY_KLT:  # a [BLOCK_N, D] x [D, D] decode product per tile: wider tiles, more warps
+        if spec.KEY_MODE == KEY_KLT:  # code reading and RoPE per tile (and a [BLOCK_N, D] x [D, D] product if dense)
             return replace(
                 self,
                 block_n=self.block_n or KLT_BLOCK_N,
