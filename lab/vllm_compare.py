@@ -239,6 +239,33 @@ PORT_TAKEN = "EADDRINUSE"  # vLLM picks a free port, closes it, then binds it: a
 PORT_RETRIES = 3
 
 
+ENGINE_LOG_ENV = "JETSON_TQ_ENGINE_LOG"  # a path: one JSON line per engine process (what the test suite's engines cost)
+
+
+def _record_engine_process(
+    path: Path, mode: str, jobs: dict, tq_config: str | None, times_path: Path, code: int
+) -> None:
+    """Append one JSON line for an engine process: the test that started it, its mode, jobs and configs, its wall
+    and CPU seconds (GNU time's report in ``times_path``) and its exit code."""
+    many = mode == "--worker-many"
+    configs = [j.get("tq_config", tq_config) for j in jobs.values()] if many else [tq_config]
+    try:
+        wall, user, system = (float(x) for x in times_path.read_text().split()[-3:])
+    except (OSError, ValueError):
+        wall = user = system = float("nan")
+    line = {
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "mode": mode.removeprefix("--"),
+        "jobs": len(jobs) if many else 1,
+        "configs": configs,
+        "wall_s": wall,
+        "cpu_s": round(user + system, 2),
+        "rc": code,
+    }
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, timeout: float) -> tuple[dict, str]:
     """This module's ``mode`` worker on ``jobs`` in a fresh process, the switch set to ``tq_config`` (None: stock)
     -> (its JSON result, its log). A start-up that lost its rendezvous port to another process is run again (up to
@@ -253,9 +280,15 @@ def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, 
         jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
         jobs_path.write_text(json.dumps(jobs))
         command = [sys.executable, "-m", "lab.vllm_compare", mode, str(jobs_path), str(out_path)]
+        record = os.environ.get(ENGINE_LOG_ENV)
+        times_path = Path(tmp, "times.txt")
+        if record:  # GNU time: the child's wall and CPU seconds, its waited-for children (engine cores) included
+            command = ["/usr/bin/time", "-f", "%e %U %S", "-o", str(times_path), *command]
         for attempt in range(PORT_RETRIES + 1):
             proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
             log = proc.stdout + proc.stderr
+            if record:
+                _record_engine_process(Path(record), mode, jobs, tq_config, times_path, proc.returncode)
             if proc.returncode == 0 and out_path.exists():
                 return json.loads(out_path.read_text()), log
             if PORT_TAKEN not in log or attempt == PORT_RETRIES:
