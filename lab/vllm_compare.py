@@ -202,6 +202,7 @@ def run_engines_here(jobs: dict[str, dict], out: Path) -> None:
 
     results: dict[str, dict] = {}
     for name, job in jobs.items():
+        print(f"{JOB_MARK}{name}", flush=True)  # where this job's log starts (``job_logs``)
         try:
             results[name] = run_engine(job)
         except Exception as e:
@@ -214,14 +215,31 @@ def run_engines_here(jobs: dict[str, dict], out: Path) -> None:
         out.write_text(json.dumps(results))
 
 
+JOB_MARK = "=== vllm_compare job: "  # a line that starts each job's part of a ``run_engines_here`` log
+
+
+def job_logs(log: str) -> dict[str, str]:
+    """Job name -> its part of a ``run_engines_here`` log (from its ``JOB_MARK`` line to the next one)."""
+    parts = re.split(rf"^{re.escape(JOB_MARK)}(.*)$", log, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def run_engines_in_one_process(
     jobs: dict[str, dict], tq_config: str | None, env: dict | None = None, timeout: float = 1800
 ) -> dict[str, dict]:
-    """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs)."""
+    """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs). Each
+    result gets what ``run_engine_subprocess`` adds, from its own part of the log (the process's output up to the
+    first job goes with the first): the logged KV size, the jetson-tq lines and the log's tail."""
     env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     results, log = _run_worker("--worker-many", jobs, tq_config, env, timeout)
-    for r in results.values():
-        r["log_tail"] = log[-3000:]
+    parts = job_logs(log)
+    head = log.split(JOB_MARK, 1)[0]
+    for i, (name, r) in enumerate(results.items()):
+        part = (head if i == 0 else "") + parts.get(name, "")
+        found = KV_SIZE_LOG.findall(part)
+        r["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
+        r["jetson_tq_log"] = [line for line in part.splitlines() if "jetson-tq" in line]
+        r["log_tail"] = part[-3000:]
     return results
 
 
@@ -242,28 +260,23 @@ PORT_RETRIES = 3
 ENGINE_LOG_ENV = "JETSON_TQ_ENGINE_LOG"  # a path: one JSON line per engine process (what the test suite's engines cost)
 
 
-def _record_engine_process(
-    path: Path, mode: str, jobs: dict, tq_config: str | None, times_path: Path, code: int
-) -> None:
-    """Append one JSON line for an engine process: the test that started it, its mode, jobs and configs, its wall
-    and CPU seconds (GNU time's report in ``times_path``) and its exit code."""
-    many = mode == "--worker-many"
-    configs = [j.get("tq_config", tq_config) for j in jobs.values()] if many else [tq_config]
+def record_engine_line(line: dict) -> None:
+    """Append ``line`` (JSON) to the ``JETSON_TQ_ENGINE_LOG`` file, with the test that is running; nothing when
+    the variable is not set."""
+    path = os.environ.get(ENGINE_LOG_ENV)
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **line}) + "\n")
+
+
+def _time_report(path: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds from GNU time's ``%e %U %S`` report (NaN when it is missing)."""
     try:
-        wall, user, system = (float(x) for x in times_path.read_text().split()[-3:])
+        wall, user, system = (float(x) for x in path.read_text().split()[-3:])
     except (OSError, ValueError):
-        wall = user = system = float("nan")
-    line = {
-        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
-        "mode": mode.removeprefix("--"),
-        "jobs": len(jobs) if many else 1,
-        "configs": configs,
-        "wall_s": wall,
-        "cpu_s": round(user + system, 2),
-        "rc": code,
-    }
-    with path.open("a") as f:
-        f.write(json.dumps(line) + "\n")
+        return float("nan"), float("nan")
+    return wall, user + system
 
 
 def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, timeout: float) -> tuple[dict, str]:
@@ -276,19 +289,35 @@ def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, 
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), child_env.get("PYTHONPATH", "")) if p)
     if tq_config:
         child_env["JETSON_TQ_CONFIG"] = tq_config
+    many = mode == "--worker-many"
     with tempfile.TemporaryDirectory() as tmp:
         jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
         jobs_path.write_text(json.dumps(jobs))
         command = [sys.executable, "-m", "lab.vllm_compare", mode, str(jobs_path), str(out_path)]
-        record = os.environ.get(ENGINE_LOG_ENV)
+        record = bool(os.environ.get(ENGINE_LOG_ENV))
         times_path = Path(tmp, "times.txt")
-        if record:  # GNU time: the child's wall and CPU seconds, its waited-for children (engine cores) included
+        if record:  # GNU time: the child's wall and CPU seconds, its waited-for children included
             command = ["/usr/bin/time", "-f", "%e %U %S", "-o", str(times_path), *command]
         for attempt in range(PORT_RETRIES + 1):
-            proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
-            log = proc.stdout + proc.stderr
+            # one stream for many jobs: each job's lines, stderr's too, stay between its mark and the next
+            err = subprocess.STDOUT if many else subprocess.PIPE
+            proc = subprocess.run(
+                command, env=child_env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
+            )
+            log = proc.stdout + (proc.stderr or "")
             if record:
-                _record_engine_process(Path(record), mode, jobs, tq_config, times_path, proc.returncode)
+                wall, cpu = _time_report(times_path)
+                configs = [j.get("tq_config", tq_config) for j in jobs.values()] if many else [tq_config]
+                record_engine_line(
+                    {
+                        "mode": mode.removeprefix("--"),
+                        "jobs": len(configs),
+                        "configs": configs,
+                        "wall_s": round(wall, 2),
+                        "cpu_s": round(cpu, 2),
+                        "rc": proc.returncode,
+                    }
+                )
             if proc.returncode == 0 and out_path.exists():
                 return json.loads(out_path.read_text()), log
             if PORT_TAKEN not in log or attempt == PORT_RETRIES:
