@@ -281,8 +281,11 @@ def _time_report(path: Path) -> tuple[float, float]:
 
 def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, timeout: float) -> tuple[dict, str]:
     """This module's ``mode`` worker on ``jobs`` in a fresh process, the switch set to ``tq_config`` (None: stock)
-    -> (its JSON result, its log). A start-up that lost its rendezvous port to another process is run again (up to
-    ``PORT_RETRIES`` times); any other failure raises ``engine_failure``."""
+    -> (its JSON result, its log). The process is forked from ``lab.fork_server`` when ``JETSON_TQ_ENGINE_FORK=1``.
+    A start-up that lost its rendezvous port to another process is run again (up to ``PORT_RETRIES`` times); any
+    other failure raises ``engine_failure``."""
+    from lab import fork_server
+
     child_env = dict(os.environ if env is None else env)
     child_env.pop("JETSON_TQ_CONFIG", None)
     # the child runs this module by name: the checkout that holds the lab goes first on its path
@@ -290,27 +293,33 @@ def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, 
     if tq_config:
         child_env["JETSON_TQ_CONFIG"] = tq_config
     many = mode == "--worker-many"
+    forked = fork_server.enabled()
     with tempfile.TemporaryDirectory() as tmp:
         jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
         jobs_path.write_text(json.dumps(jobs))
         command = [sys.executable, "-m", "lab.vllm_compare", mode, str(jobs_path), str(out_path)]
         record = bool(os.environ.get(ENGINE_LOG_ENV))
         times_path = Path(tmp, "times.txt")
-        if record:  # GNU time: the child's wall and CPU seconds, its waited-for children included
+        if record and not forked:  # GNU time: the child's wall and CPU seconds, its waited-for children included
             command = ["/usr/bin/time", "-f", "%e %U %S", "-o", str(times_path), *command]
         for attempt in range(PORT_RETRIES + 1):
-            # one stream for many jobs: each job's lines, stderr's too, stay between its mark and the next
-            err = subprocess.STDOUT if many else subprocess.PIPE
-            proc = subprocess.run(
-                command, env=child_env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
-            )
+            t0 = time.perf_counter()
+            if forked:
+                proc = fork_server.run(command, child_env, timeout, merge_stderr=many)
+                wall, cpu = time.perf_counter() - t0, proc.cpu_s
+            else:
+                # one stream for many jobs: each job's lines, stderr's too, stay between its mark and the next
+                err = subprocess.STDOUT if many else subprocess.PIPE
+                proc = subprocess.run(
+                    command, env=child_env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
+                )
+                wall, cpu = _time_report(times_path) if record else (0.0, 0.0)
             log = proc.stdout + (proc.stderr or "")
-            if record:
-                wall, cpu = _time_report(times_path)
+            if record and (forked or times_path.exists()):  # (a stand-in for the child leaves no report)
                 configs = [j.get("tq_config", tq_config) for j in jobs.values()] if many else [tq_config]
                 record_engine_line(
                     {
-                        "mode": mode.removeprefix("--"),
+                        "mode": mode.removeprefix("--") + (" (forked)" if forked else ""),
                         "jobs": len(configs),
                         "configs": configs,
                         "wall_s": round(wall, 2),

@@ -985,6 +985,7 @@ def test_engine_start_that_lost_its_port_runs_again_other_failures_do_not(monkey
             return subprocess.CompletedProcess(command, 0, "# KV cache size: 1,024 tokens\n", "")
 
         monkeypatch.setattr(compare.subprocess, "run", run)
+        monkeypatch.setenv("JETSON_TQ_ENGINE_FORK", "0")  # fresh processes: the faked subprocess.run starts them
         return calls
 
     calls = engine("DistNetworkError: ... EADDRINUSE ...\n")
@@ -1055,6 +1056,7 @@ def test_engines_in_one_process_each_get_their_own_log_lines(monkeypatch):
         return subprocess.CompletedProcess(command, 0, log, None)
 
     monkeypatch.setattr(compare.subprocess, "run", run)
+    monkeypatch.setenv("JETSON_TQ_ENGINE_FORK", "0")
     out = compare.run_engines_in_one_process({"a": {}, "b": {}}, "k4v4", {})
     assert out["a"]["logged_kv_tokens"] == 1024 and out["b"]["logged_kv_tokens"] == 2048
     assert out["a"]["jetson_tq_log"] == ["jetson-tq: TurboQuant KV cache 'k4v4'", "jetson-tq: compressed 6 of 6"]
