@@ -75,7 +75,9 @@ class _Server:
                 [sys.executable, "-m", "lab.fork_server"], env=server_env, stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
             )  # fmt: skip
-        ready = self.proc.stdout.readline()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.requests, self.replies = self.proc.stdin, self.proc.stdout
+        ready = self.replies.readline()
         if not ready:
             raise RuntimeError(f"the engine fork server did not start (log: {self.log})")
         record_engine_line({"mode": "fork-server", "jobs": 0, "cpu_s": json.loads(ready)["cpu_s"]})
@@ -85,7 +87,7 @@ class _Server:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        for line in self.replies:
             msg = json.loads(line)
             with self.lock:
                 slot = self.waiting.get(msg["id"])
@@ -110,13 +112,13 @@ class _Server:
             rid = self.next_id
             self.waiting[rid] = slot
             msg = {"id": rid, "argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout, "stderr": stderr}
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
+            self.requests.write(json.dumps(msg) + "\n")
+            self.requests.flush()
         return slot
 
     def close(self) -> None:
         try:
-            self.proc.stdin.close()
+            self.requests.close()
             self.proc.wait(timeout=30)
         except Exception:
             self.proc.kill()
@@ -145,10 +147,16 @@ def close_all() -> None:
         _servers.clear()
 
 
-def run(command: list[str], env: dict[str, str], timeout: float, merge_stderr: bool) -> subprocess.CompletedProcess:
+class Finished(subprocess.CompletedProcess):
+    """A finished child: ``subprocess.CompletedProcess`` with its CPU seconds (its waited-for children's included)."""
+
+    cpu_s: float = 0.0
+
+
+def run(command: list[str], env: dict[str, str], timeout: float, merge_stderr: bool) -> Finished:
     """``subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)`` for a
     ``python -m lab.vllm_compare`` command, the child forked from a server (stderr into stdout when
-    ``merge_stderr``), with ``cpu_s``: the child's CPU seconds, its waited-for children's included. Raises
+    ``merge_stderr``), with the child's CPU seconds. Raises
     ``subprocess.TimeoutExpired`` after killing the child's process group."""
     assert command[1:3] == ["-m", "lab.vllm_compare"], command
     server = _server(env)
@@ -164,7 +172,7 @@ def run(command: list[str], env: dict[str, str], timeout: float, merge_stderr: b
             raise RuntimeError(f"the engine fork server ended during a request (log: {server.log})")
         stdout = out.read_text(errors="replace") if out.exists() else ""
         stderr = None if merge_stderr else (err.read_text(errors="replace") if err.exists() else "")
-    proc = subprocess.CompletedProcess(command, slot["rc"], stdout, stderr)
+    proc = Finished(command, slot["rc"], stdout, stderr)
     proc.cpu_s = slot.get("cpu_s", 0.0)
     return proc
 
@@ -227,7 +235,8 @@ def serve() -> None:
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     send({"ready": True, "cpu_s": round(usage.ru_utime + usage.ru_stime, 2)})
-    requests, buf, running = sys.stdin.fileno(), b"", {}
+    requests, buf = sys.stdin.fileno(), b""
+    running: dict[int, int] = {}  # child pid -> request id
     open_input = True
     while open_input or running:
         if open_input and select.select([requests], [], [], 0.1)[0]:

@@ -304,9 +304,10 @@ def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, 
             command = ["/usr/bin/time", "-f", "%e %U %S", "-o", str(times_path), *command]
         for attempt in range(PORT_RETRIES + 1):
             t0 = time.perf_counter()
+            proc: subprocess.CompletedProcess
             if forked:
-                proc = fork_server.run(command, child_env, timeout, merge_stderr=many)
-                wall, cpu = time.perf_counter() - t0, proc.cpu_s
+                proc = finished = fork_server.run(command, child_env, timeout, merge_stderr=many)
+                wall, cpu = time.perf_counter() - t0, finished.cpu_s
             else:
                 # one stream for many jobs: each job's lines, stderr's too, stay between its mark and the next
                 err = subprocess.STDOUT if many else subprocess.PIPE
