@@ -10,7 +10,7 @@ library reads while it loads (OpenMP's and MKL's settings, the interpreter's own
 there is one server per value of those variables (``import_key``). vLLM itself forks its engine-core and worker
 processes the same way on CPU (``VLLM_WORKER_MULTIPROC_METHOD=fork``).
 
-``run`` stands in for ``subprocess.run`` in ``vllm_compare._run_worker`` when ``enabled()``: the test suite forks by
+``run`` stands in for ``subprocess.run`` in ``vllm_compare._run_worker`` when ``enabled()``: the CPU test suite forks by
 default, ``JETSON_TQ_ENGINE_FORK=0`` starts fresh processes again, ``=1`` forks elsewhere too. Protocol: one JSON line
 per request on the server's stdin; one JSON line back when the child started (``pid``) and one when it ended (``rc``,
 its CPU seconds).
@@ -39,7 +39,7 @@ IMPORT_NAMES = ("JETSON_TQ_CONFIG_DIR", "JETSON_TQ_MODELS_DIR")  # jetson_tq.con
 PER_ENGINE = ("VLLM_PORT",)
 
 
-#: whether workers are forked when ``JETSON_TQ_ENGINE_FORK`` is not set (the test suite's conftest sets it True)
+#: whether workers are forked when ``JETSON_TQ_ENGINE_FORK`` is not set (the test suite sets it on CPU-only machines)
 fork_by_default = False
 
 
@@ -156,8 +156,8 @@ class Finished(subprocess.CompletedProcess):
 def run(command: list[str], env: dict[str, str], timeout: float, merge_stderr: bool) -> Finished:
     """``subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)`` for a
     ``python -m lab.vllm_compare`` command, the child forked from a server (stderr into stdout when
-    ``merge_stderr``), with the child's CPU seconds. Raises
-    ``subprocess.TimeoutExpired`` after killing the child's process group."""
+    ``merge_stderr``), with the child's CPU seconds. Raises ``subprocess.TimeoutExpired`` after killing the child's
+    process group."""
     assert command[1:3] == ["-m", "lab.vllm_compare"], command
     server = _server(env)
     with tempfile.TemporaryDirectory() as tmp:
