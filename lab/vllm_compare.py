@@ -202,6 +202,7 @@ def run_engines_here(jobs: dict[str, dict], out: Path) -> None:
 
     results: dict[str, dict] = {}
     for name, job in jobs.items():
+        print(f"{JOB_MARK}{name}", flush=True)  # where this job's log starts (``job_logs``)
         try:
             results[name] = run_engine(job)
         except Exception as e:
@@ -214,14 +215,31 @@ def run_engines_here(jobs: dict[str, dict], out: Path) -> None:
         out.write_text(json.dumps(results))
 
 
+JOB_MARK = "=== vllm_compare job: "  # a line that starts each job's part of a ``run_engines_here`` log
+
+
+def job_logs(log: str) -> dict[str, str]:
+    """Job name -> its part of a ``run_engines_here`` log (from its ``JOB_MARK`` line to the next one)."""
+    parts = re.split(rf"^{re.escape(JOB_MARK)}(.*)$", log, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def run_engines_in_one_process(
     jobs: dict[str, dict], tq_config: str | None, env: dict | None = None, timeout: float = 1800
 ) -> dict[str, dict]:
-    """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs)."""
+    """``run_engines_here`` in a fresh subprocess with or without the switch (one vLLM import for all jobs). Each
+    result gets what ``run_engine_subprocess`` adds, from its own part of the log (the process's output up to the
+    first job goes with the first): the logged KV size, the jetson-tq lines and the log's tail."""
     env = dict(os.environ if env is None else env, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     results, log = _run_worker("--worker-many", jobs, tq_config, env, timeout)
-    for r in results.values():
-        r["log_tail"] = log[-3000:]
+    parts = job_logs(log)
+    head = log.split(JOB_MARK, 1)[0]
+    for i, (name, r) in enumerate(results.items()):
+        part = (head if i == 0 else "") + parts.get(name, "")
+        found = KV_SIZE_LOG.findall(part)
+        r["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
+        r["jetson_tq_log"] = [line for line in part.splitlines() if "jetson-tq" in line]
+        r["log_tail"] = part[-3000:]
     return results
 
 
@@ -239,23 +257,77 @@ PORT_TAKEN = "EADDRINUSE"  # vLLM picks a free port, closes it, then binds it: a
 PORT_RETRIES = 3
 
 
+ENGINE_LOG_ENV = "JETSON_TQ_ENGINE_LOG"  # a path: one JSON line per engine process (what the test suite's engines cost)
+
+
+def record_engine_line(line: dict) -> None:
+    """Append ``line`` (JSON) to the ``JETSON_TQ_ENGINE_LOG`` file, with the test that is running; nothing when
+    the variable is not set."""
+    path = os.environ.get(ENGINE_LOG_ENV)
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **line}) + "\n")
+
+
+def _time_report(path: Path) -> tuple[float, float]:
+    """(wall, CPU) seconds from GNU time's ``%e %U %S`` report (NaN when it is missing)."""
+    try:
+        wall, user, system = (float(x) for x in path.read_text().split()[-3:])
+    except (OSError, ValueError):
+        return float("nan"), float("nan")
+    return wall, user + system
+
+
 def _run_worker(mode: str, jobs: dict, tq_config: str | None, env: dict | None, timeout: float) -> tuple[dict, str]:
     """This module's ``mode`` worker on ``jobs`` in a fresh process, the switch set to ``tq_config`` (None: stock)
-    -> (its JSON result, its log). A start-up that lost its rendezvous port to another process is run again (up to
-    ``PORT_RETRIES`` times); any other failure raises ``engine_failure``."""
+    -> (its JSON result, its log). The process is forked from ``lab.fork_server`` when ``JETSON_TQ_ENGINE_FORK=1``.
+    A start-up that lost its rendezvous port to another process is run again (up to ``PORT_RETRIES`` times); any
+    other failure raises ``engine_failure``."""
+    from lab import fork_server
+
     child_env = dict(os.environ if env is None else env)
     child_env.pop("JETSON_TQ_CONFIG", None)
     # the child runs this module by name: the checkout that holds the lab goes first on its path
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHECKOUT), child_env.get("PYTHONPATH", "")) if p)
     if tq_config:
         child_env["JETSON_TQ_CONFIG"] = tq_config
+    many = mode == "--worker-many"
+    forked = fork_server.enabled()
     with tempfile.TemporaryDirectory() as tmp:
         jobs_path, out_path = Path(tmp, "jobs.json"), Path(tmp, "out.json")
         jobs_path.write_text(json.dumps(jobs))
         command = [sys.executable, "-m", "lab.vllm_compare", mode, str(jobs_path), str(out_path)]
+        record = bool(os.environ.get(ENGINE_LOG_ENV))
+        times_path = Path(tmp, "times.txt")
+        if record and not forked:  # GNU time: the child's wall and CPU seconds, its waited-for children included
+            command = ["/usr/bin/time", "-f", "%e %U %S", "-o", str(times_path), *command]
         for attempt in range(PORT_RETRIES + 1):
-            proc = subprocess.run(command, env=child_env, capture_output=True, text=True, timeout=timeout)
-            log = proc.stdout + proc.stderr
+            t0 = time.perf_counter()
+            proc: subprocess.CompletedProcess
+            if forked:
+                proc = finished = fork_server.run(command, child_env, timeout, merge_stderr=many)
+                wall, cpu = time.perf_counter() - t0, finished.cpu_s
+            else:
+                # one stream for many jobs: each job's lines, stderr's too, stay between its mark and the next
+                err = subprocess.STDOUT if many else subprocess.PIPE
+                proc = subprocess.run(
+                    command, env=child_env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout
+                )
+                wall, cpu = _time_report(times_path) if record else (0.0, 0.0)
+            log = proc.stdout + (proc.stderr or "")
+            if record and (forked or times_path.exists()):  # (a stand-in for the child leaves no report)
+                configs = [j.get("tq_config", tq_config) for j in jobs.values()] if many else [tq_config]
+                record_engine_line(
+                    {
+                        "mode": mode.removeprefix("--") + (" (forked)" if forked else ""),
+                        "jobs": len(configs),
+                        "configs": configs,
+                        "wall_s": round(wall, 2),
+                        "cpu_s": round(cpu, 2),
+                        "rc": proc.returncode,
+                    }
+                )
             if proc.returncode == 0 and out_path.exists():
                 return json.loads(out_path.read_text()), log
             if PORT_TAKEN not in log or attempt == PORT_RETRIES:

