@@ -235,21 +235,24 @@ def run_engines_in_one_process(
     parts = job_logs(log)
     head = log.split(JOB_MARK, 1)[0]
     for i, (name, r) in enumerate(results.items()):
-        part = (head if i == 0 else "") + parts.get(name, "")
-        found = KV_SIZE_LOG.findall(part)
-        r["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
-        r["jetson_tq_log"] = [line for line in part.splitlines() if "jetson-tq" in line]
-        r["log_tail"] = part[-3000:]
+        r.update(log_fields((head if i == 0 else "") + parts.get(name, "")))
     return results
+
+
+def log_fields(log: str) -> dict:
+    """What an engine's log adds to its result: the KV size vLLM logged, the jetson-tq lines and the log's tail."""
+    found = KV_SIZE_LOG.findall(log)
+    return {
+        "logged_kv_tokens": int(found[-1].replace(",", "")) if found else None,
+        "jetson_tq_log": [line for line in log.splitlines() if "jetson-tq" in line],
+        "log_tail": log[-3000:],
+    }
 
 
 def run_engine_subprocess(job: dict, tq_config: str | None, env: dict | None = None, timeout: float = 900) -> dict:
     """Run ``run_engine`` in a fresh Python process with or without the switch; adds the logged KV size."""
     result, log = _run_worker("--worker", job, tq_config, env, timeout)
-    found = KV_SIZE_LOG.findall(log)
-    result["logged_kv_tokens"] = int(found[-1].replace(",", "")) if found else None
-    result["jetson_tq_log"] = [line for line in log.splitlines() if "jetson-tq" in line]
-    result["log_tail"] = log[-3000:]
+    result.update(log_fields(log))
     return result
 
 
