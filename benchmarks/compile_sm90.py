@@ -88,6 +88,19 @@ def _resources(kernel, sass_dir: Path | None = None, tag: str = "") -> dict:
     }
 
 
+def _flash_dequant(kv) -> None:
+    """The dequantization ``prefill_flash`` launches: token-major workspace rows, keys rotated back."""
+    import torch
+
+    from jetson_tq.kernels._common import codec_constants, page_spec
+    from jetson_tq.kernels.prefill_plan import DEQUANT_TOKENS, dequantize_segment
+
+    seg, dp = 128, page_spec(kv.layout, kv.codec)[0].DP
+    wk = torch.empty(kv.batch_size * seg, kv.num_kv_heads, dp, dtype=torch.float16)
+    cb = codec_constants(kv.codec, torch.device("cpu"))["codebook"]
+    dequantize_segment(kv, cb, wk, torch.empty_like(wk), 0, seg, 1, 16, True, DEQUANT_TOKENS, True, unrotate_keys=True)
+
+
 def _loops(sass: str) -> list[int]:
     """Instruction counts of every loop (backward branch to its target), in code order: in the attention
     kernels the first is the compressed-tile loop, the second the recent-buffer loop."""
@@ -223,6 +236,14 @@ def main(argv=None) -> int:
                 for kname, k in COMPILED[n0:]:
                     res = _resources(k, args.sass_dir, f"{name}_prefill_{window}{i}{tag}")
                     print(f"{name:10s} prefill{tag:2s} {window:7s} {str(knobs):25s} {kname:24s} {res}", flush=True)
+            if window == "block" and fmt.key_mode in ("mse", "klt"):  # the FlashAttention path's dequantization
+                n0 = len(COMPILED)
+                _flash_dequant(view)
+                for kname, k in COMPILED[n0:]:
+                    res = _resources(k, args.sass_dir, f"{name}_flash_dequant")
+                    print(
+                        f"{name:10s} flash   {window:7s} {'token-major, keys back':25s} {kname:24s} {res}", flush=True
+                    )
         pages = allocate_pages(kv.layout, 8, hkv, torch.device("cpu"))
         kc = torch.randn(32, hkv, d).half()
         limits = StoreLimits.of(fmt, torch.float16, torch.float16)  # the cache's device-side checks (validate=True)

@@ -1,10 +1,11 @@
 """Chunked prefill, step 1 on the device: decompress a history segment once into an fp16 workspace.
 
 ``_dequant_kernel`` writes, per (sequence, KV head), the compressed tokens [s0, s0 + seg) that any chunk row reads:
-keys in the rotated domain with the norm folded in (``||k|| c[idx]``; prod keys also ``qjl ||r|| signs``, scored
-against S q; klt keys the post-RoPE key), values ``code * scale + zero`` (mse values rotated back:
-``||v|| Pi_v^T c[idx]``). ``prefill`` runs the flash loop over that workspace; ``prefill_plan`` sizes and launches
-both. ``_window_lo`` is the window rule (``format.exact_start``) both kernels share.
+keys in the rotated domain with the norm folded in (``||k|| c[idx]``, or rotated back for a kernel that scores raw
+queries; prod keys also ``qjl ||r|| signs``, scored against S q; klt keys the post-RoPE key), values ``code * scale
++ zero`` (mse values rotated back: ``||v|| Pi_v^T c[idx]``). ``prefill`` runs the flash loop over that workspace;
+``prefill_plan`` sizes and launches both. ``_window_lo`` is the window rule (``format.exact_start``) both kernels
+share.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def _dequant_kernel(
     cb_ptr,  # fp32: key codebook
     vcb_ptr,  # fp32: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
+    kpi_ptr,  # fp32 [D, D]: the key rotation Pi (UNROTATE_KEYS)
     klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
     klt_lv_ptr,  # level tables, or cubic levels' coefficients (KLT.CUBIC)
     klt_dec_ptr,  # decode matrix
@@ -73,13 +75,14 @@ def _dequant_kernel(
     WINDOW: tl.constexpr,  # a sliding window: tokens before the first row's window start are never read
     BLOCK_T: tl.constexpr,  # tokens per program
     TOKEN_MAJOR: tl.constexpr,  # workspace rows ordered (sequence, token, KV head), else (sequence, KV head, token)
+    UNROTATE_KEYS: tl.constexpr,  # mse keys rotated back, ||k|| Pi^T c[idx] (scored against the raw query)
     PAGE: tl.constexpr,  # ``PageSpec`` bundle
     KLT: tl.constexpr,  # ``KltSpec`` bundle
     INTERP: tl.constexpr,
 ):
     """Compressed tokens [s0, s0 + seg) of one (sequence, KV head) that any chunk row reads (positions below the last
-    row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx]; prod: then qjl ||r|| signs at DP;
-    klt: the post-RoPE key),
+    row's window bound) -> workspace rows n - s0: key [KW] (fp16 ||k|| c[idx], with ``UNROTATE_KEYS`` the key
+    itself, ||k|| Pi^T c[idx]; prod: then qjl ||r|| signs at DP; klt: the post-RoPE key),
     value [DP] (code * scale + zero; mse values in the original domain, ||v|| Pi_v^T c[idx]); padding columns zero.
     ``TOKEN_MAJOR`` lays the rows out as the paged [pages, page tokens, KV heads, DP] cache an external
     flash-attention kernel reads (``prefill_flash``)."""
@@ -137,13 +140,20 @@ def _dequant_kernel(
             code = field_tile(page + PAGE.OFF_KIDX + off * (CH * PAGE.KB), tmask, j, CH, PAGE.KW0, PAGE.KW1, PAGE.KW2)
             knorm = load_norms(base + PAGE.OFF_KNORM, offn, nmask, PAGE.NORM_F32)
             cent = centroid_lookup(code, cb_ptr, PAGE.KB, 1).to(tl.float32)  # the rotated unit key
-            kt = tl.where(j < D, cent * knorm[:, None], 0.0).to(tl.float16)
+            if UNROTATE_KEYS:  # stored a block of columns at a time, as mse values are
+                UKW: tl.constexpr = _unrotate_width(DP)
+                for u in tl.static_range(DP // UKW):
+                    ku = unrotate_rows(cent, kpi_ptr, u * UKW, UKW, D, DP) * knorm[:, None]
+                    kcols = u * UKW + tl.arange(0, UKW)[None, :]
+                    tl.store(wk_ptr + row * KW + kcols, ku.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
+            else:
+                kt = tl.where(j < D, cent * knorm[:, None], 0.0).to(tl.float16)
             if PAGE.KEY_MODE == K_PROD:  # qjl * ||r|| * signs as +-1, scored against S q
                 rnorm = load_norms(base + PAGE.OFF_KRNORM, offn, nmask, PAGE.NORM_F32)
                 sgn = (2 * run_bits(page + PAGE.OFF_KSGN + off * CH, tmask, j, CH, 1) - 1).to(tl.float32)
                 ks = tl.where(j < D, sgn * (qjl_scale * rnorm)[:, None], 0.0)
                 tl.store(kdst + DP, ks.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
-        if PAGE.KEY_MODE != K_KLT:
+        if PAGE.KEY_MODE == K_RAW or (PAGE.KEY_MODE != K_KLT and not UNROTATE_KEYS):
             tl.store(kdst, kt.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
         if PAGE.VAL_MODE == V_RAW:
             vt = tl.load((page + PAGE.OFF_VRAW + off * (2 * D)).to(tl.pointer_type(RAW_T)) + j, mask=tmask, other=0.0)

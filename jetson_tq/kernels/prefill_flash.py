@@ -4,16 +4,21 @@ compressed and [b R, p] exactly).
 
 Every prefill row of a step goes in one call (``flash_prefill_rows``: ragged chunks, concatenated rows, vLLM's
 layout; ``flash_prefill`` is the [B, H, T, D] form). Each chunk is cut into one sub-sequence per R-token block it
-touches (``prefill_flash_plan``: the host plan, built once per step), and two varlen calls cover every row:
+touches (``prefill_flash_plan``: the host plan, built once per step). ``prefill.dequantize_segment`` writes the
+history's compressed blocks into a token-major workspace that the kernel reads as a paged cache, keys rotated back
+(so the raw queries score them, as they score the exact tokens), and, when that history fits one workspace segment:
 
-A. compressed: each sub-sequence's rotated queries Pi q against the first b R tokens of its sequence's dequantized
-   history (``prefill.dequantize_segment`` writes a token-major workspace that the kernel reads as a paged cache,
-   every sub-sequence of a sequence sharing its pages; keys stay rotated, so no key is reconstructed), non-causal;
-B. exact: each sub-sequence's raw queries against its own block's exact tokens (the ring's part of the first block,
-   then the chunk's rows; packed, causal from the bottom right);
+- one causal varlen call: each block's exact tokens (the ring's part of a chunk's first block, then the chunk's rows)
+  are copied into a workspace page of their own, and each sub-sequence's page table is its sequence's dequantized
+  pages before its block, then that page; the mask from the bottom right gives each row its window split.
 
-then ``merge_states`` adds A's (output, log-sum-exp) into B's. A history longer than the workspace runs A once per
-segment. Same contract as ``attention.reference.paged_attention_prefill``; the Triton loop of ``prefill`` serves
+A longer history (several segments) takes two kinds of calls instead:
+
+B. exact: each sub-sequence's queries against its own block's exact tokens (packed, causal from the bottom right);
+A. compressed, per workspace segment: each sub-sequence's queries against the segment's part of the first b R tokens
+   of its sequence's history, non-causal, and ``merge_states`` adds A's (output, log-sum-exp) into B's.
+
+Same contract as ``attention.reference.paged_attention_prefill``; the Triton loop of ``prefill`` serves
 what this does not (``flash_unsupported_reason``).
 """
 
@@ -32,9 +37,8 @@ from ..errors import ShapeError
 from ..paged import PagedKV
 from ._common import KEY_KLT, KEY_MSE, VAL_GROUP, VAL_MSE, codec_constants, page_spec
 from .merge_states import merge_states
-from .prefill_flash_plan import FlashPlan, plan_flash_rows
+from .prefill_flash_plan import FlashPlan, OneCall, plan_flash_rows
 from .prefill_plan import DEQUANT_TOKENS, _check_inputs, dequantize_segment
-from .query_transform import query_transform
 
 
 def flash_unsupported_reason(kv: PagedKV, dtype: torch.dtype, extras: AttentionExtras = NO_EXTRAS) -> str | None:
@@ -108,9 +112,10 @@ def flash_prefill_rows(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a step's ragged chunks: q [N, Hq, D], k, v [N, Hkv, D] (rows of sequence b: ``plan``'s
-    query_start_loc range; ``kv`` holds the n sequences, its pages already the chunks) -> out [N, Hq, D], in four
-    launches per layer besides the dequantization: the exact keys' gather, varlen B, varlen A and the merge per
-    workspace segment. The caller checks ``flash_unsupported_reason``."""
+    query_start_loc range; ``kv`` holds the n sequences, its pages already the chunks) -> out [N, Hq, D]. With
+    ``plan.one_call`` (the history fits one workspace segment) the dequantization, the exact tokens' copy into
+    their blocks' pages and one causal varlen call; else part B, then part A per workspace segment and its merge.
+    The caller checks ``flash_unsupported_reason``."""
     n_rows, hq, d = q.shape
     hkv = kv.num_kv_heads
     if k.shape != (n_rows, hkv, d) or v.shape != k.shape or plan.rows != n_rows or plan.sequences != kv.batch_size:
@@ -121,10 +126,93 @@ def flash_prefill_rows(
         )
     if n_rows == 0:
         return torch.empty_like(q) if out is None else out
-    dev, ring = q.device, plan.ring
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if plan.one_call is not None:
+        o = _one_call(q, k, v, kv, plan, plan.one_call, varlen, scale)
+    else:
+        o = _exact_then_segments(q, k, v, kv, plan, varlen, scale)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
 
-    # ---- B: exact part, every row (own block: the ring's first-block tokens, then the chunk's rows), causal
+
+def _workspace(
+    kv: PagedKV, plan: FlashPlan, dtype: torch.dtype, exact_pages: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token-major workspace (keys, values [tokens, Hkv, DP] in the queries' dtype: one segment of every
+    sequence, then ``exact_pages`` R-token pages) and its paged views [pages, R, Hkv, D] that FlashAttention reads."""
+    dp, ring, hkv = page_spec(kv.layout, kv.codec)[0].DP, plan.ring, kv.num_kv_heads
+    tokens = plan.sequences * plan.seg + exact_pages * ring
+    wk = torch.empty(tokens, hkv, dp, dtype=dtype, device=kv.pages.device)
+    wv = torch.empty_like(wk)
+    pk, pv = (w.view(tokens // ring, ring, hkv, dp)[..., : kv.head_dim] for w in (wk, wv))
+    return wk, wv, pk, pv
+
+
+def _dequantize(kv: PagedKV, plan: FlashPlan, wk: torch.Tensor, wv: torch.Tensor, s0: int) -> None:
+    """Every sequence's compressed tokens [s0, s0 + seg) below its last row's block into the workspace's first
+    sequences x seg tokens, keys rotated back (scored against the raw query, as the exact tokens are)."""
+    seg = plan.seg
+    consts = codec_constants(kv.codec, kv.pages.device)
+    # the dequantizer reads each sequence's positions below its last row's block start: with T = 1 it takes that
+    # row's position from compressed_lens + recent_lens, so one launch serves chunks of any lengths
+    last_row = replace(kv, compressed_lens=plan.last, recent_lens=plan.zeros)
+    n = plan.sequences * seg
+    dequantize_segment(
+        last_row,
+        consts["codebook"],
+        wk[:n],
+        wv[:n],
+        s0,
+        seg,
+        1,
+        plan.ring,
+        True,
+        DEQUANT_TOKENS,
+        True,
+        unrotate_keys=True,
+    )
+
+
+def _one_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    plan: FlashPlan,
+    one: OneCall,
+    varlen: VarlenAttention,
+    scale: float,
+) -> torch.Tensor:
+    """Both parts in one causal call (``OneCall``): the dequantized history, each block's exact tokens in its own
+    page after it (the chunk's rows, the ring's tokens of each sequence's first block), then FlashAttention with
+    each sub-sequence's page table."""
+    wk, wv, pk, pv = _workspace(kv, plan, q.dtype, one.pages - one.base)
+    _dequantize(kv, plan, wk, wv, 0)
+    d = kv.head_dim
+    wk[one.row_dst, :, :d] = k.to(wk.dtype)
+    wv[one.row_dst, :, :d] = v.to(wv.dtype)
+    if one.ring_dst.numel():
+        ring_rows = kv.recent_index.long().index_select(0, plan.ring_seq)  # two index tensors around ':': [n, H, D]
+        wk[one.ring_dst, :, :d] = kv.recent_k[ring_rows, :, plan.ring_col].to(wk.dtype)
+        wv[one.ring_dst, :, :d] = kv.recent_v[ring_rows, :, plan.ring_col].to(wv.dtype)
+    o, _ = varlen(q, pk, pv, plan.cu_q, plan.max_q, one.max_k, scale, True, seqused_k=one.used, block_table=one.table)
+    return o
+
+
+def _exact_then_segments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: PagedKV,
+    plan: FlashPlan,
+    varlen: VarlenAttention,
+    scale: float,
+) -> torch.Tensor:
+    """Part B (each row against its block's exact tokens, causal), then part A per workspace segment of the
+    dequantized history (non-causal) merged into it: a history longer than one segment, or none at all."""
+    hkv, d = kv.num_kv_heads, kv.head_dim
     if plan.keys_are_rows and k.is_contiguous() and v.is_contiguous():
         kx, vx = k, v  # no ring tokens (every history a whole number of blocks): the chunk rows as they are
     else:
@@ -137,26 +225,11 @@ def flash_prefill_rows(
         kx[plan.ring_dst] = kv.recent_k[ring_rows, :, plan.ring_col].to(k.dtype)
         vx[plan.ring_dst] = kv.recent_v[ring_rows, :, plan.ring_col].to(v.dtype)
     o, lse = varlen(q, kx, vx, plan.cu_q, plan.max_q, plan.max_k, scale, True, cu_seqlens_k=plan.cu_k)
-
-    # ---- A: compressed part, segment by segment of the dequantized history
     if plan.segments:
-        consts = codec_constants(kv.codec, dev)
-        # written in fp16 by the transform itself: FlashAttention reads fp16 operands (an fp32 result and a cast
-        # took 1.6x the transform's time at 16k rows)
-        qrot = torch.empty(n_rows * hq, d, dtype=torch.float16, device=dev)
-        query_transform(q, consts["qmat"], 1.0, out=qrot, qmat16=consts["qmat16"])
-        qrot = qrot.view(n_rows, hq, d)
-        dp, seg, nseq = page_spec(kv.layout, kv.codec)[0].DP, plan.seg, plan.sequences
-        wk = torch.empty(nseq, seg, hkv, dp, dtype=torch.float16, device=dev)
-        wv = torch.empty_like(wk)
-        pk = wk.view(nseq * seg // ring, ring, hkv, dp)[..., :d]
-        pv = wv.view(nseq * seg // ring, ring, hkv, dp)[..., :d]
-        # the dequantizer reads each sequence's positions below its last row's block start: with T = 1 it takes
-        # that row's position from compressed_lens + recent_lens, so one launch serves chunks of any lengths
-        last_row = replace(kv, compressed_lens=plan.last, recent_lens=plan.zeros)
+        wk, wv, pk, pv = _workspace(kv, plan, q.dtype, 0)
         for part in plan.segments:
-            dequantize_segment(last_row, consts["codebook"], wk, wv, part.s0, seg, 1, ring, True, DEQUANT_TOKENS, True)
-            qa = qrot[part.row_span[0] : part.row_span[1]] if part.row_span else qrot.index_select(0, part.rows)
+            _dequantize(kv, plan, wk, wv, part.s0)
+            qa = q[part.row_span[0] : part.row_span[1]] if part.row_span else q.index_select(0, part.rows)
             oa, la = varlen(
                 qa,
                 pk,
@@ -170,7 +243,4 @@ def flash_prefill_rows(
                 block_table=part.table,
             )
             merge_states(o, lse, oa, la.contiguous(), part.rows)
-    if out is None:
-        return o
-    out.copy_(o)
-    return out
+    return o

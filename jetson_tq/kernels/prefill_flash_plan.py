@@ -10,7 +10,10 @@ one sub-sequence per R-token block it touches (``format.exact_start``: a row in 
   its chunk rows up to its own (``cu_q``, ``cu_k``); the keys are packed per sequence as [ring tokens, chunk rows]
   (``key_rows``, ``ring_dst`` / ``ring_seq`` / ``ring_col`` say where each goes);
 - part A (compressed, non-causal), per workspace segment [s0, s0 + seg) of the dequantized history: the sub-sequences
-  whose block starts after s0, their rows, how many workspace tokens each reads and its page table.
+  whose block starts after s0, their rows, how many workspace tokens each reads and its page table;
+- when the history fits one segment (the usual step), ``OneCall``: both parts as one causal call, each sub-sequence's
+  page table its sequence's dequantized blocks before its own, then one workspace page holding its own block's exact
+  tokens (where each chunk row and ring token goes).
 
 The plan depends only on (history, chunk lengths) and the layer group's shapes (R, KV heads, head width), so one plan
 serves every layer of a step (the vLLM backend caches it in the step's metadata). Before, ``flash_prefill`` built
@@ -47,6 +50,23 @@ class FlashSegment:
 
 
 @dataclass(frozen=True)
+class OneCall:
+    """Every row in one causal varlen call, for a history that fits one workspace segment: sub-sequence s (the rows
+    of one R-token block b) reads its sequence's workspace pages [0, b) (the dequantized positions [0, b R)), then
+    page ``base + s``, which holds its block's exact tokens (the ring's part of the block, then its chunk rows), so a
+    causal mask from the bottom right gives a row at position p exactly [0, b R) compressed and [b R, p] exact: no
+    second call, no merge."""
+
+    pages: int  # workspace pages: the sequences' dequantized ones (``base``), then one exact page per sub-sequence
+    base: int  # the first exact page (sequences x seg / R)
+    max_k: int  # the most keys a sub-sequence reads (its last row's position + 1)
+    used: torch.Tensor = field(repr=False)  # int32 [subs]: keys each sub-sequence reads
+    table: torch.Tensor = field(repr=False)  # int32 [subs, width]: its pages (unused entries 0)
+    row_dst: torch.Tensor = field(repr=False)  # int64 [rows]: each chunk row's workspace token
+    ring_dst: torch.Tensor = field(repr=False)  # int64 [ring tokens]: each ring token's workspace token
+
+
+@dataclass(frozen=True)
 class FlashPlan:
     """Everything ``prefill_flash.flash_prefill_rows`` needs besides the tensors (printable; device parts out of
     ``repr``)."""
@@ -60,6 +80,7 @@ class FlashPlan:
     exact_keys: int  # part B: packed keys (ring tokens + chunk rows)
     keys_are_rows: bool  # part B's packed keys are the chunk rows themselves, in order (no ring tokens)
     segments: tuple[FlashSegment, ...]
+    one_call: OneCall | None  # both parts in one call (one segment), else part B, then A per segment and a merge
     cu_q: torch.Tensor = field(repr=False)  # int32 [subs + 1]: part B's query offsets
     cu_k: torch.Tensor = field(repr=False)  # int32 [subs + 1]: part B's key offsets
     key_rows: torch.Tensor = field(repr=False)  # int64 [rows]: each chunk row's place among the packed keys
@@ -128,6 +149,12 @@ def plan_flash_rows(
         rows = ragged_arange(qs[sub_seq[sel]] + r0[sel], lens)
         seg_host.append((s0, int(lens.max()), int(used.max()), index_span(rows), len(host)))
         host += [np.concatenate([[0], np.cumsum(lens)]), used, sub_seq[sel], rows]
+    one_at, one_base = len(host), 0
+    if len(seg_host) == 1:
+        one_base, *one_host = _one_call_host(
+            hist, t, ring, seg, first, nb, sub_seq, start, h_s + r1, ring_seq, ring_col
+        )
+        host += one_host
     parts = _to_device(host + [key_rows, ring_dst, ring_seq, ring_col], device)
     pages = torch.arange(seg // ring, dtype=torch.int32, device=device)
     segments = tuple(  # every sub-sequence reads its own sequence's pages of the workspace
@@ -137,6 +164,18 @@ def plan_flash_rows(
         for s0, mq, mk, span, at in seg_host
     )
     key_rows_d, ring_dst_d, ring_seq_d, ring_col_d = (x.long() for x in parts[-4:])
+    one_call = None
+    if len(seg_host) == 1:
+        used_d, table_d, row_dst_d, ring_ws_d = parts[one_at : one_at + 4]
+        one_call = OneCall(
+            pages=one_base + int(sub_seq.size),
+            base=one_base,
+            max_k=int(one_host[0].max()),
+            used=used_d,
+            table=table_d.view(int(sub_seq.size), -1),
+            row_dst=row_dst_d.long(),
+            ring_dst=ring_ws_d.long(),
+        )
     return FlashPlan(
         sequences=n,
         rows=int(t.sum()),
@@ -147,6 +186,7 @@ def plan_flash_rows(
         exact_keys=int(cu_k[-1]),
         keys_are_rows=not ring_r.any(),
         segments=segments,
+        one_call=one_call,
         cu_q=parts[0],
         cu_k=parts[1],
         key_rows=key_rows_d,
@@ -156,6 +196,40 @@ def plan_flash_rows(
         last=parts[2],
         zeros=torch.zeros(n, dtype=torch.int32, device=device),
     )
+
+
+def _one_call_host(
+    hist: np.ndarray,
+    t: np.ndarray,
+    ring: int,
+    seg: int,
+    first: np.ndarray,
+    nb: np.ndarray,
+    sub_seq: np.ndarray,
+    start: np.ndarray,
+    used: np.ndarray,
+    ring_seq: np.ndarray,
+    ring_col: np.ndarray,
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``OneCall``'s host arrays (first exact page, used, table [subs, width], row_dst, ring_dst) for sequences whose
+    dequantized history is one segment of ``seg`` tokens each (sequence j's page i is workspace page j seg / R + i):
+    sub-sequence s (block ``start[s] / R`` of sequence ``sub_seq[s]``) reads those pages below its block, then its
+    exact page ``base + s``; a token at position p of that block sits at offset p % R of it."""
+    per_seq = seg // ring
+    base = hist.size * per_seq
+    subs = sub_seq.size
+    blk = start // ring  # dequantized pages each sub-sequence reads
+    cols = np.arange(int(blk.max(initial=0)) + 1)
+    own = base + np.arange(subs)
+    table = np.where(
+        cols < blk[:, None], sub_seq[:, None] * per_seq + cols, np.where(cols == blk[:, None], own[:, None], 0)
+    )
+    pos = ragged_arange(hist, t)  # each row's position
+    seq = np.repeat(np.arange(hist.size, dtype=np.int64), t)
+    first_sub = np.cumsum(nb) - nb
+    row_dst = (base + first_sub[seq] + pos // ring - first[seq]) * ring + pos % ring
+    ring_dst = (base + first_sub[ring_seq]) * ring + ring_col  # the ring's tokens open their sequence's first block
+    return base, used, table.reshape(-1), row_dst, ring_dst
 
 
 def _to_device(host: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

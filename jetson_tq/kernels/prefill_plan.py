@@ -20,6 +20,7 @@ from ..format import PREFILL_WORKSPACE_BYTES
 from ..paged import PagedKV
 from ._common import (
     INTERPRET,
+    KEY_MSE,
     KEY_PROD,
     KEY_RAW,
     LOG2E,
@@ -122,12 +123,18 @@ def dequantize_segment(
     tokens_per_program: int,
     token_major: bool,
     window: int = 0,
+    unrotate_keys: bool = False,
 ) -> None:
     """Decompress the compressed tokens [s0, s0 + seg) that a ``t_len``-token chunk reads into the workspace ``wk``,
     ``wv`` (``_dequant_kernel``; rows (sequence, KV head, token), or (sequence, token, KV head) if ``token_major``).
-    ``window``: a sliding window W (0: none): tokens before the first chunk row's window start are not read."""
+    ``window``: a sliding window W (0: none): tokens before the first chunk row's window start are not read.
+    ``unrotate_keys``: mse keys written in the original domain (scored against the raw query, not Pi q); prod keys
+    cannot be (their second product needs S q)."""
     hkv = kv.num_kv_heads
     spec, page = page_spec(kv.layout, kv.codec)
+    if unrotate_keys and spec.KEY_MODE == KEY_PROD:
+        raise ShapeError("dequantize_segment: prod keys are scored against S q too; they cannot be rotated back")
+    unrotate_keys = unrotate_keys and spec.KEY_MODE == KEY_MSE
     klt = klt_constants(kv.codec, kv.pages.device)
     meta, levels, dec, mean, turns, klt_scale = klt["read"]
     consts = codec_constants(kv.codec, kv.pages.device)
@@ -141,6 +148,7 @@ def dequantize_segment(
             codebook,
             consts["vcodebook"],
             consts["vpi"],
+            consts["pi"],
             meta,
             levels,
             dec,
@@ -164,11 +172,22 @@ def dequantize_segment(
             WINDOW=window > 0,
             BLOCK_T=tokens_per_program,
             TOKEN_MAJOR=token_major,
+            UNROTATE_KEYS=unrotate_keys,
             PAGE=page,
             KLT=klt["bundle"],
             INTERP=INTERPRET,
         ),
-        (spec, klt.get("spec"), hkv, wk.shape[-1], block_window, tokens_per_program, token_major, window > 0),
+        (
+            spec,
+            klt.get("spec"),
+            hkv,
+            wk.shape[-1],
+            block_window,
+            tokens_per_program,
+            token_major,
+            window > 0,
+            unrotate_keys,
+        ),
         num_warps=4,
     )
     if s0 == 0 and kv.codec.has_sink:  # workspace row 0 is position 0: where it reads compressed, the sink is read

@@ -191,7 +191,8 @@ def test_flash_prefill_rows_ragged_step(varlen_name, make, name, d, hkv, g, hist
         alone = flash_prefill(qb, kb, vb, one, [hist[b]], varlen, workspace_tokens=ws)
         ref = paged_attention_prefill(qb, kb, vb, one)
         mine = got[qsl[b] : qsl[b + 1]].transpose(0, 1).unsqueeze(0)
-        why = f"seed={seed} {varlen_name} {name} sequence {b}: hist={hist[b]} T={t[b]} R={ring}"
+        path = "one call" if plan.one_call else f"{len(plan.segments)} segments"
+        why = f"seed={seed} {varlen_name} {name} sequence {b} ({path}): hist={hist[b]} T={t[b]} R={ring}"
         assert rel_err(mine, alone) <= 1e-3, f"{why}: batched vs alone {rel_err(mine, alone):.2e}"
         assert rel_err(mine, ref) <= TOL[dtype], f"{why}: vs reference {rel_err(mine, ref):.2e}"
 

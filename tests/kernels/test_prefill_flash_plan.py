@@ -81,6 +81,37 @@ def test_plan_matches_the_loops(ring, workspace):
             assert got.table.tolist() == [[b * pages + p for p in range(pages)] for b in exp["seq"]], why
         if workspace is not None:
             assert plan.seg == -(-workspace // 64) * 64, why  # a multiple of the dequantizer's 64 tokens and R
+        _check_one_call(plan, hist, t, ring, why)
+
+
+def _check_one_call(plan, hist: list[int], t: list[int], ring: int, why: str) -> None:
+    """``OneCall`` against loops: present exactly when the history is one workspace segment; sub-sequence s (block b
+    of sequence j) reads j's dequantized pages [0, b), then its own exact page; every token of its block up to its
+    last row (ring tokens of the first block, then chunk rows) sits in that page at offset position % R."""
+    one = plan.one_call
+    assert (one is not None) == (len(plan.segments) == 1), why
+    if one is None:
+        return
+    pages = plan.seg // ring
+    assert one.base == len(hist) * pages, why
+    subs = [(b, j) for b, (h, n) in enumerate(zip(hist, t)) for j in range(h // ring, (h + n - 1) // ring + 1)]
+    assert one.pages == one.base + len(subs), why
+    home: dict = {}  # (sequence, position) -> workspace token of its exact copy
+    for s, (b, j) in enumerate(subs):
+        last = min(hist[b] + t[b], (j + 1) * ring) - 1
+        assert one.used[s] == last + 1, why
+        row = one.table[s].tolist()
+        assert row[: j + 1] == [b * pages + p for p in range(j)] + [one.base + s], why
+        for p in range(max(j * ring, 0), last + 1):
+            home[(b, p)] = (one.base + s) * ring + p % ring
+    assert one.max_k == max(one.used.tolist()), why
+    qs = np.concatenate([[0], np.cumsum(t)])
+    for b, (h, n) in enumerate(zip(hist, t)):
+        assert one.row_dst[qs[b] : qs[b] + n].tolist() == [home[(b, h + i)] for i in range(n)], why
+    for at, b, i in zip(one.ring_dst.tolist(), plan.ring_seq.tolist(), plan.ring_col.tolist()):
+        assert at == home[(b, hist[b] - hist[b] % ring + i)], why
+    every = one.row_dst.tolist() + one.ring_dst.tolist()
+    assert len(set(every)) == len(every) == len(home), why  # each exact token once, nothing else in the pages
 
 
 def test_plan_refuses_empty_chunks_and_negative_histories():
