@@ -1,10 +1,11 @@
 """One prefill of a whole vLLM engine under ``torch.profiler``: where a step's time goes, ours against stock.
 
     python benchmarks/vllm_gpu/profile_step.py --engine ours|stock [--model qwen2.5-7b] [--tokens 16000]
-        [--prompts 1] [--output-tokens 1] [--config mse_k4v3] [--gpu-util 0.55] [--stacks 6]
+        [--prompts 1] [--output-tokens 1] [--config mse_k4v3] [--gpu-util 0.55] [--stacks 6] [--warm-prompts 2]
 
 Starts one engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, eager, dummy weights, the model's shape from
-``models.py``; stock on FlashAttention), prefills two prompts of ``--tokens`` tokens untimed (warm-up, compiles), then
+``models.py``; stock on FlashAttention), prefills ``--warm-prompts`` prompts (2) of ``--tokens`` tokens untimed (0: the
+profile holds the engine's first request, as a server's first user meets it), then
 ``--prompts`` more at once under the profiler (several: the scheduler's mixed steps, a long chunk beside a short one
 and, with ``--output-tokens`` > 1, decode rows among them), and prints the wall time, the CUDA kernels by total time,
 the host operations by total time and every host call that can wait for the GPU (synchronize, item, copies to the
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-util", type=float, default=0.55)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--stacks", type=int, default=0, help="Python frames shown per blocking call site (0: none)")
+    ap.add_argument(
+        "--warm-prompts", type=int, default=2, help="prompts run untimed first (0: profile the engine's first request)"
+    )
     args = ap.parse_args(argv)
     if not 1 <= args.tokens <= 16384:
         ap.error(f"--tokens: expected 1..16384 (one step of 16,384 batched tokens), got {args.tokens}")
@@ -48,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--output-tokens: expected 1..1024, got {args.output_tokens}")
     if not 0 <= args.stacks <= 32:
         ap.error(f"--stacks: expected 0..32 frames, got {args.stacks}")
+    if not 0 <= args.warm_prompts <= 8:
+        ap.error(f"--warm-prompts: expected 0..8, got {args.warm_prompts}")
     import torch
 
     if not torch.cuda.is_available():
@@ -85,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    for _ in range(2):
+    for _ in range(args.warm_prompts):
         prefill(1)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts, with_stack=args.stacks > 0) as prof:

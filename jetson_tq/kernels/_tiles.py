@@ -121,6 +121,20 @@ def unrotate_rows(y, pi_ptr, C0: tl.constexpr, CW: tl.constexpr, D: tl.constexpr
 
 
 @triton.jit
+def unrotate_rows16(y, hi_ptr, lo_ptr, C0: tl.constexpr, CW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """``unrotate_rows`` for rows y whose fp16 rounding is exact enough (unit centroids, |y| < 1: 2^-12 relative)
+    against Pi's fp16 (hi, lo) split (hi + lo = Pi to ~22 bits): two fp16 tensor-core products into one fp32 sum, a
+    quarter of the tf32x3 form's operand registers (a dequantizer holding it ran at 254 registers)."""
+    k = tl.arange(0, DP)
+    i = C0 + tl.arange(0, CW)
+    at = k[:, None] * D + i[None, :]
+    ok = (k[:, None] < D) & (i[None, :] < D)
+    y16 = y.to(tl.float16)
+    acc = tl.dot(y16, tl.load(lo_ptr + at, mask=ok, other=0.0))
+    return tl.dot(y16, tl.load(hi_ptr + at, mask=ok, other=0.0), acc)
+
+
+@triton.jit
 def column_chunk(x, C: tl.constexpr, R: tl.constexpr, NCH: tl.constexpr, CW: tl.constexpr):
     """Columns [C*CW, (C+1)*CW) of an [R, NCH*CW] tile, as an [R, CW] tile (a masked sum over the chunk axis)."""
     x3 = tl.reshape(x, [R, NCH, CW])

@@ -30,6 +30,7 @@ from ._tiles import (
     rope_cos_sin,
     run_bits,
     unrotate_rows,
+    unrotate_rows16,
 )
 
 
@@ -51,7 +52,8 @@ def _dequant_kernel(
     cb_ptr,  # fp32: key codebook
     vcb_ptr,  # fp32: value codebook (mse values)
     vpi_ptr,  # fp32 [D, D]: the value rotation Pi_v (mse values)
-    kpi_ptr,  # fp32 [D, D]: the key rotation Pi (UNROTATE_KEYS)
+    kpi_hi_ptr,  # fp16 [D, D]: the key rotation Pi's high half (UNROTATE_KEYS)
+    kpi_lo_ptr,  # fp16 [D, D]: and its low half, Pi - hi
     klt_meta_ptr,  # klt keys (``_common.klt_constants``' read arguments): code bit offsets and widths
     klt_lv_ptr,  # level tables, or cubic levels' coefficients (KLT.CUBIC)
     klt_dec_ptr,  # decode matrix
@@ -143,7 +145,7 @@ def _dequant_kernel(
             if UNROTATE_KEYS:  # stored a block of columns at a time, as mse values are
                 UKW: tl.constexpr = _unrotate_width(DP)
                 for u in tl.static_range(DP // UKW):
-                    ku = unrotate_rows(cent, kpi_ptr, u * UKW, UKW, D, DP) * knorm[:, None]
+                    ku = unrotate_rows16(cent, kpi_hi_ptr, kpi_lo_ptr, u * UKW, UKW, D, DP) * knorm[:, None]
                     kcols = u * UKW + tl.arange(0, UKW)[None, :]
                     tl.store(wk_ptr + row * KW + kcols, ku.to(wk_ptr.dtype.element_ty), mask=nmask[:, None])
             else:

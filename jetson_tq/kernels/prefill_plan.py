@@ -148,7 +148,7 @@ def dequantize_segment(
             codebook,
             consts["vcodebook"],
             consts["vpi"],
-            consts["pi"],
+            *consts["write_mats"][0],
             meta,
             levels,
             dec,

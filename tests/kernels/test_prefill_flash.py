@@ -47,6 +47,7 @@ CASES = [
     ("klt52_g3", 64, 2, [56, 48], 21, 16, "vllm", None),  # klt keys: the workspace holds post-RoPE keys
     ("klt52_g3+sink", 64, 2, [56, 0], 21, 16, "vllm", None),  # ... and a calibrated sink at workspace row 0
     ("mse_k4v3+vmse3", 64, 2, [56, 48], 21, 16, "vllm", None),  # mse values, dequantized in the original domain
+    ("mse_k4v3", 80, 3, [40, 19], 27, 16, "vllm", None),  # a head dim below its padded width: keys rotated back
 ]
 if GPU:
     CASES += [
