@@ -175,6 +175,13 @@ def _dequantize(kv: PagedKV, plan: FlashPlan, wk: torch.Tensor, wv: torch.Tensor
     )
 
 
+def _ring_tokens(kv: PagedKV, plan: FlashPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's tokens of each sequence's first block (``plan.ring_seq``, ``plan.ring_col``): keys, values
+    [ring tokens, Hkv, D]."""
+    rows = kv.recent_index.long().index_select(0, plan.ring_seq)  # two index tensors around ':': [n, H, D]
+    return kv.recent_k[rows, :, plan.ring_col], kv.recent_v[rows, :, plan.ring_col]
+
+
 def _one_call(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -194,9 +201,9 @@ def _one_call(
     wk[one.row_dst, :, :d] = k.to(wk.dtype)
     wv[one.row_dst, :, :d] = v.to(wv.dtype)
     if one.ring_dst.numel():
-        ring_rows = kv.recent_index.long().index_select(0, plan.ring_seq)  # two index tensors around ':': [n, H, D]
-        wk[one.ring_dst, :, :d] = kv.recent_k[ring_rows, :, plan.ring_col].to(wk.dtype)
-        wv[one.ring_dst, :, :d] = kv.recent_v[ring_rows, :, plan.ring_col].to(wv.dtype)
+        rk, rv = _ring_tokens(kv, plan)
+        wk[one.ring_dst, :, :d] = rk.to(wk.dtype)
+        wv[one.ring_dst, :, :d] = rv.to(wv.dtype)
     o, _ = varlen(q, pk, pv, plan.cu_q, plan.max_q, one.max_k, scale, True, seqused_k=one.used, block_table=one.table)
     return o
 
@@ -221,9 +228,9 @@ def _exact_then_segments(
         kx.index_copy_(0, plan.key_rows, k)
         vx.index_copy_(0, plan.key_rows, v)
     if plan.ring_dst.numel():
-        ring_rows = kv.recent_index.long().index_select(0, plan.ring_seq)  # two index tensors around ':': [n, H, D]
-        kx[plan.ring_dst] = kv.recent_k[ring_rows, :, plan.ring_col].to(k.dtype)
-        vx[plan.ring_dst] = kv.recent_v[ring_rows, :, plan.ring_col].to(v.dtype)
+        rk, rv = _ring_tokens(kv, plan)
+        kx[plan.ring_dst] = rk.to(k.dtype)
+        vx[plan.ring_dst] = rv.to(v.dtype)
     o, lse = varlen(q, kx, vx, plan.cu_q, plan.max_q, plan.max_k, scale, True, cu_seqlens_k=plan.cu_k)
     if plan.segments:
         wk, wv, pk, pv = _workspace(kv, plan, q.dtype, 0)
