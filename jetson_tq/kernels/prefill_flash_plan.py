@@ -220,15 +220,14 @@ def _one_call_host(
     subs = sub_seq.size
     blk = start // ring  # dequantized pages each sub-sequence reads
     cols = np.arange(int(blk.max(initial=0)) + 1)
-    own = base + np.arange(subs)
-    table = np.where(
-        cols < blk[:, None], sub_seq[:, None] * per_seq + cols, np.where(cols == blk[:, None], own[:, None], 0)
-    )
-    pos = ragged_arange(hist, t)  # each row's position
-    seq = np.repeat(np.arange(hist.size, dtype=np.int64), t)
-    first_sub = np.cumsum(nb) - nb
-    row_dst = (base + first_sub[seq] + pos // ring - first[seq]) * ring + pos % ring
-    ring_dst = (base + first_sub[ring_seq]) * ring + ring_col  # the ring's tokens open their sequence's first block
+    table = sub_seq[:, None] * per_seq + cols
+    table[cols > blk[:, None]] = 0
+    table[np.arange(subs), blk] = base + np.arange(subs)
+    # a token at position p of sequence j sits at (base + first_sub[j] + p // R - first[j]) R + p % R, i.e. at
+    # p + (base + first_sub[j] - first[j]) R: each sequence's rows are one run of consecutive workspace tokens
+    shift = (base + np.cumsum(nb) - nb - first) * ring
+    row_dst = ragged_arange(hist + shift, t)
+    ring_dst = ring_col + (hist - hist % ring + shift)[ring_seq]  # the ring's tokens open their first block
     return base, used, table.reshape(-1), row_dst, ring_dst
 
 
