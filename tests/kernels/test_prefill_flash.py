@@ -18,6 +18,7 @@ from jetson_tq.errors import ShapeError
 from jetson_tq.format import exact_count
 from jetson_tq.kernels.merge_states import merge_states
 from jetson_tq.kernels.prefill_flash import flash_prefill, flash_prefill_rows, flash_unsupported_reason, plan_for
+from jetson_tq.kernels.prefill_plan import dequantize_segment
 from tests.helpers.kernel_cases import DEVICE, GPU, build_paged_kv, fmt_for, fresh_seed, rel_err
 
 pytestmark = pytest.mark.kernel
@@ -113,6 +114,12 @@ def test_flash_unsupported_reasons():
         flash_prefill(q, k, k, kv, [16, 3], varlen_attention_reference)
     with pytest.raises(ShapeError, match="block window"):
         flash_prefill(q, k, k, sliding, [20], varlen_attention_reference)
+    prod = paged("blog_k3v2", "block")  # keys scored against S q too: no raw-query form to rotate them back into
+    wk = torch.zeros(64, 2, 64, dtype=torch.half, device=DEVICE)
+    with pytest.raises(ShapeError, match="prod keys"):
+        dequantize_segment(
+            prod, torch.zeros(8, device=DEVICE), wk, wk, 0, 32, 1, 16, True, 16, True, unrotate_keys=True
+        )
 
 
 @pytest.mark.parametrize("dtypes", [(torch.float16, torch.float16), (torch.bfloat16, torch.float16)])
