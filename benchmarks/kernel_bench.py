@@ -211,9 +211,15 @@ def decode_diagnostics(
 
 
 def resolve_format(fmt: KVFormat | str | None) -> KVFormat:
-    """A KVFormat from a preset name (``configs/<name>.yaml``), a KVFormat, or None (blog_k3v2-like defaults)."""
+    """A KVFormat from a preset name (``configs/<name>.yaml``) or a kernel-test format
+    (``tests.helpers.kernel_cases.TEST_FORMATS``, e.g. ``klt52_g3``: klt keys with group values, no preset), a
+    KVFormat, or None (blog_k3v2-like defaults)."""
     if fmt is None or isinstance(fmt, KVFormat):
         return fmt or KVFormat()
+    from tests.helpers.kernel_cases import TEST_FORMATS
+
+    if fmt in TEST_FORMATS:
+        return TEST_FORMATS[fmt]
     from jetson_tq.config import load_config
 
     return load_config(fmt).default
