@@ -32,13 +32,15 @@ from pathlib import Path
 
 FORK_ENV = "JETSON_TQ_ENGINE_FORK"  # "1": engine workers are forked from a server that imported vLLM once
 #: variables a library may read while it loads (before any engine starts): one server per value of these. vLLM's
-#: own are read when used, but a few modules read theirs at import, so all but the per-engine port count.
+#: own are read when used, but a few modules read theirs at import, so all but those of ``PER_ENGINE`` count.
 IMPORT_PREFIXES = (
     "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON", "TORCH", "PYTORCH", "VLLM_", "HF_", "HUGGINGFACE",
     "TRANSFORMERS", "CUDA", "TRITON",
 )  # fmt: skip
 IMPORT_NAMES = ("JETSON_TQ_CONFIG_DIR", "JETSON_TQ_MODELS_DIR")  # jetson_tq.config and .models.specs read these
-PER_ENGINE = ("VLLM_PORT",)
+#: vLLM's variables read only when an engine starts (not by any module at import): requests that differ only here share
+#: a server (multiprocess or not, a per-engine core binding)
+PER_ENGINE = ("VLLM_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
 
 
 #: whether workers are forked when ``JETSON_TQ_ENGINE_FORK`` is not set (the test suite sets it on CPU-only machines)
