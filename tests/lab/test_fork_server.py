@@ -11,8 +11,10 @@ def test_variables_read_at_import_pick_the_server_per_engine_ones_do_not():
     # read when an engine starts: one server serves them all
     assert fork_server.import_key(dict(base, VLLM_PORT="20100", JETSON_TQ_CONFIG="k4v4", PATH="/usr/bin")) == key
     assert fork_server.import_key(dict(base, JETSON_TQ_CALIBRATION_DIR="/tmp/c")) == key
-    # read while libraries load (OpenMP, vLLM's modules, jetson_tq's config folder): a server of their own
-    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "1")):
+    for name, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "1"), ("VLLM_CPU_OMP_THREADS_BIND", "0|1")):
+        assert fork_server.import_key(dict(base, **{name: value})) == key
+    # read while libraries load (OpenMP, vLLM's logger, jetson_tq's config folder): a server of their own
+    for name, value in (("OMP_WAIT_POLICY", "PASSIVE"), ("VLLM_LOGGING_LEVEL", "DEBUG")):
         assert fork_server.import_key(dict(base, **{name: value})) != key
     assert fork_server.import_key(dict(base, JETSON_TQ_CONFIG_DIR="/x")) != key
 

@@ -17,7 +17,9 @@ exception is a greedy near-tie: where both runs' top two tokens are within 2 x t
 either (the GPU's fp32 GEMMs round differently with batch shape, stock vLLM's too); the outputs are then
 compared up to that step. The other engine tests whose cache rounds (test_vllm_e2e, test_vllm_tp) compare by
 the same rule (``same_up_to_near_ties``), so no bound rests on one run's lucky margins.
-Marked slow: two multiprocess engines (their start-up is most of the time).
+Marked slow: two multiprocess engines (their start-up is most of the time). On a 2-core box they run side by side,
+each engine's worker on a core of its own (``one_core_each``: vLLM's auto binding would put both on core 0, with the
+same one OpenMP thread each).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jetson_tq.config import DEFAULT_PRESET, load_config
 from jetson_tq.format import PagedLayout
 from jetson_tq.integrations.vllm.recent import pool_bytes
 from jetson_tq.models.tiny import WORDS, make_tiny_llama
-from tests.helpers.engines import run_engines_side_by_side
+from tests.helpers.engines import one_core_each, run_engines_side_by_side
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK, ROWS = 5, 2, 64, 128, 4
 ENV = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_PLUGINS="jetson_tq", OMP_WAIT_POLICY="PASSIVE")
@@ -128,7 +130,8 @@ def make_model(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     jobs = scheduling_jobs(make_model(tmp_path_factory.mktemp("sched")))
-    out = run_engines_side_by_side({name: (j, DEFAULT_PRESET) for name, j in jobs.items()}, ENV, timeout=600)
+    runs = {name: (j, DEFAULT_PRESET) for name, j in jobs.items()}
+    out = run_engines_side_by_side(runs, ENV, timeout=600, extra_env=one_core_each(list(runs)))
     if os.environ.get("JETSON_TQ_SCHED_JSON"):  # the figures docs/vllm.md quotes
         Path(os.environ["JETSON_TQ_SCHED_JSON"]).write_text(json.dumps(out, indent=1))
     return out
